@@ -1,0 +1,1 @@
+"""cellswarm: big models on swarms of small nodes."""

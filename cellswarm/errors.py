@@ -1,0 +1,50 @@
+"""One exception hierarchy for cellswarm; boundaries (CLI, HTTP) map it to one-line messages.
+
+    CellswarmError
+    ├── ModelFileError        a model file is unreadable, truncated, corrupt or inconsistent
+    │   ├── UnsupportedArchitectureError
+    │   ├── UnsupportedQuantError
+    │   ├── MissingTensorError
+    │   └── ShapeMismatchError
+    ├── TokenizerError        tokenizer missing or disagreeing with the model
+    ├── BudgetError           something does not fit in a byte budget (says by how much)
+    └── RequestError          a caller asked for something invalid (bad option, bad value)
+
+Every message names the offending value and, where there is one, the fix.
+"""
+
+
+class CellswarmError(Exception):
+    """Base of every error cellswarm raises on purpose."""
+
+
+class ModelFileError(CellswarmError):
+    """A model file (GGUF or Hugging Face folder) cannot be used as it is."""
+
+
+class UnsupportedArchitectureError(ModelFileError):
+    pass
+
+
+class UnsupportedQuantError(ModelFileError):
+    pass
+
+
+class MissingTensorError(ModelFileError):
+    pass
+
+
+class ShapeMismatchError(ModelFileError):
+    pass
+
+
+class TokenizerError(CellswarmError):
+    pass
+
+
+class BudgetError(CellswarmError):
+    """Something does not fit in a byte budget; the message says by how many bytes."""
+
+
+class RequestError(CellswarmError):
+    pass
