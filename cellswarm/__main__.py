@@ -1,0 +1,5 @@
+import sys
+
+from cellswarm.cli import main
+
+sys.exit(main())

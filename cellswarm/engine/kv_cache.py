@@ -1,0 +1,80 @@
+"""A per-sequence KV cache with a byte budget, checked before a sequence starts.
+
+Each architecture declares what it caches per token per layer (`CacheSpec`): llama caches
+K and V heads; deepseek2 caches its compressed latent and one shared RoPE key. The cache
+allocates exactly `capacity` tokens up front, so running out of memory mid-generation cannot
+happen: a sequence that cannot fit fails with a `BudgetError` before its first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from cellswarm.errors import BudgetError
+
+CacheSpec = Mapping[str, tuple[int, ...]]  # name -> per-token shape, float32
+_ITEM_BYTES = 4
+
+
+def spec_bytes_per_token(spec: CacheSpec) -> int:
+    return sum(int(np.prod(shape)) * _ITEM_BYTES for shape in spec.values())
+
+
+def bytes_per_token(specs: Mapping[int, CacheSpec]) -> int:
+    return sum(spec_bytes_per_token(s) for s in specs.values())
+
+
+class LayerCache:
+    """One layer's cached tensors for one sequence: arrays (capacity, *shape)."""
+
+    def __init__(self, spec: CacheSpec, capacity: int) -> None:
+        self.capacity = capacity
+        self._arrays = {k: np.zeros((capacity, *shape), np.float32) for k, shape in spec.items()}
+
+    def write(self, start: int, **values: np.ndarray) -> None:
+        for name, v in values.items():
+            end = start + v.shape[0]
+            if end > self.capacity:
+                raise BudgetError(
+                    f"KV cache holds {self.capacity} tokens; writing up to token {end} "
+                    "overflows it (raise max tokens or the cache budget)"
+                )
+            self._arrays[name][start:end] = v
+
+    def read(self, name: str, end: int) -> np.ndarray:
+        return self._arrays[name][:end]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays.values())
+
+
+class KVCache:
+    """All layers' caches for one sequence; `length` is how many tokens are filled."""
+
+    def __init__(self, specs: Mapping[int, CacheSpec], capacity: int, budget_bytes: int | None):
+        need = bytes_per_token(specs) * capacity
+        if budget_bytes is not None and need > budget_bytes:
+            per_token = bytes_per_token(specs)
+            raise BudgetError(
+                f"a sequence of {capacity} tokens needs {need:,} bytes of KV cache "
+                f"({per_token:,} per token) but the budget is {budget_bytes:,} bytes "
+                f"({need - budget_bytes:,} short); shorten the prompt or max tokens, or "
+                f"raise the cache budget (fits {budget_bytes // max(per_token, 1):,} tokens)"
+            )
+        self.capacity = capacity
+        self.length = 0
+        self.layers = {i: LayerCache(spec, capacity) for i, spec in specs.items()}
+
+    def layer(self, i: int) -> LayerCache:
+        return self.layers[i]
+
+    def truncate(self, length: int) -> None:
+        """Forget tokens after `length` (entries beyond it are overwritten later)."""
+        self.length = min(self.length, length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers.values())

@@ -1,0 +1,94 @@
+"""Memory accounting: what a model, or any shard of it, holds and needs.
+
+The planner and the workers use these numbers to decide what fits, so they are computed from
+the tensors really held (their packed byte sizes), not from parameter counts.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cellswarm.io.weights import WeightStore, layer_of
+
+if TYPE_CHECKING:
+    from cellswarm.engine.model import Model
+
+_GLOBAL_KINDS = {
+    "token_embd.weight": "embedding",
+    "output.weight": "output",
+    "output_norm.weight": "norm",
+    "rope_freqs.weight": "rope",
+}
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes a model (or shard) holds and needs; every field is in bytes."""
+
+    weights_by_kind: Mapping[str, int]
+    kv_bytes_per_token: int
+    scratch_bytes: int
+    context: int
+    batch: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.weights_by_kind.values())
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.context * self.batch
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.scratch_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "weights_by_kind": dict(sorted(self.weights_by_kind.items())),
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bytes": self.kv_bytes,
+            "scratch_bytes": self.scratch_bytes,
+            "context": self.context,
+            "batch": self.batch,
+            "total_bytes": self.total_bytes,
+        }
+
+
+def weights_by_kind(config: Any, weights: WeightStore) -> dict[str, int]:
+    """Packed bytes held, grouped by tensor kind (attention, ffn, experts, embedding, ...)."""
+    out: dict[str, int] = defaultdict(int)
+    for name, tensor in weights.items():
+        out[tensor_kind(config, name)] += int(tensor.nbytes)
+    return dict(out)
+
+
+def tensor_kind(config: Any, name: str) -> str:
+    layer = layer_of(name)
+    if layer is None:
+        return _GLOBAL_KINDS.get(name, "other")
+    suffix = name.split(".", 2)[2]
+    kinds: Mapping[str, str] = config.layer_tensor_kinds(layer)
+    return kinds.get(suffix, "other")
+
+
+def memory_report(model: Model, batch: int, context: int) -> MemoryReport:
+    return MemoryReport(
+        weights_by_kind=weights_by_kind(model.config, model.weights),
+        kv_bytes_per_token=model.kv_bytes_per_token(),
+        scratch_bytes=model.arch.scratch_bytes(batch, context),
+        context=context,
+        batch=batch,
+    )
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

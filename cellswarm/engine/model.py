@@ -1,0 +1,244 @@
+"""A loaded model: an architecture over a weight store, a tokenizer, and generation.
+
+`Model.forward` runs any contiguous range of layers, which is all a pipeline stage needs;
+`logits` and `generate` run the whole model in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cellswarm.engine.kv_cache import KVCache, bytes_per_token
+from cellswarm.engine.memory import MemoryReport, memory_report, peak_rss_bytes
+from cellswarm.engine.sampling import SamplingParams, sample
+from cellswarm.errors import RequestError
+from cellswarm.io.weights import Selection, WeightStore
+from cellswarm.models.base import Architecture
+
+if TYPE_CHECKING:
+    from cellswarm.io.tokenizer import Tokenizer
+
+PREFILL_CHUNK = 256  # tokens per prefill step: bounds scratch memory for long prompts
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+    peak_rss_bytes: int
+    stop_reason: str  # "stop_token" | "stop_string" | "max_tokens"
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # The first generated token comes from prefill; the rest are decode steps.
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "stop_reason": self.stop_reason,
+        }
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    max_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    stop_ids: frozenset[int] | None = None  # None: the tokenizer's end-of-turn tokens
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens {self.max_tokens} must be at least 1")
+
+
+class Model:
+    def __init__(
+        self,
+        config: Any,
+        arch: Architecture,
+        weights: WeightStore,
+        tokenizer: Tokenizer | None,
+        selection: Selection,
+        kv_budget_bytes: int | None = None,
+    ) -> None:
+        self.config = config
+        self.arch = arch
+        self.weights = weights
+        self._tokenizer = tokenizer
+        self.selection = selection
+        self.kv_budget_bytes = kv_budget_bytes
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise RequestError("this model was loaded without a tokenizer; pass token ids")
+        return self._tokenizer
+
+    @property
+    def layers(self) -> range:
+        lo, hi = self.selection.layers or (0, self.config.n_layers)
+        return range(lo, hi)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        specs = {i: self.arch.cache_spec(i) for i in self.layers}
+        return KVCache(specs, capacity, self.kv_budget_bytes)
+
+    def kv_bytes_per_token(self) -> int:
+        return bytes_per_token({i: self.arch.cache_spec(i) for i in self.layers})
+
+    def forward(self, x: np.ndarray, cache: KVCache, layers: range | None = None) -> np.ndarray:
+        """Hidden states (T, d) through `layers` at cache positions cache.length .. +T."""
+        positions = np.arange(cache.length, cache.length + x.shape[0])
+        for i in layers if layers is not None else self.layers:
+            x = self.arch.block(i, x, positions, cache.layer(i))
+        return x
+
+    def step(self, token_ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Token ids (T,) -> logits (T, vocab), appending them to the cache."""
+        out = []
+        for start in range(0, len(token_ids), PREFILL_CHUNK):
+            chunk = token_ids[start : start + PREFILL_CHUNK]
+            h = self.forward(self.arch.embed(chunk), cache)
+            cache.length += len(chunk)
+            out.append(self.arch.head(h))
+        return np.concatenate(out, axis=0)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 logits (len(token_ids), vocab) for a fresh sequence."""
+        ids = self._check_ids(token_ids)
+        return self.step(ids, self.new_cache(len(ids)))
+
+    def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(self._check_ids(prompt))
+        tok = self.tokenizer
+        if chat:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+            return tok.encode(text, add_special=False)
+        return tok.encode(prompt)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        options: GenerateOptions | None = None,
+        on_text: Callable[[str], None] | None = None,
+        chat: bool = False,
+    ) -> Generation:
+        opts = options or GenerateOptions()
+        ids = self.encode_prompt(prompt, chat)
+        gen = _Generator(self, ids, opts)
+        for piece in gen.run():
+            if on_text is not None:
+                on_text(piece)
+        return gen.result()
+
+    def memory(self, batch: int = 1, context: int | None = None) -> MemoryReport:
+        return memory_report(self, batch, context or self.config.context_length)
+
+    def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise RequestError("token_ids must be a non-empty 1-D sequence of integers")
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise RequestError(
+                f"token id {int(bad[0])} is outside the vocabulary "
+                f"(0..{self.config.vocab_size - 1})"
+            )
+        return ids
+
+
+class _Generator:
+    """One generation: prefill, then decode until a stop token, stop string or max_tokens."""
+
+    def __init__(self, model: Model, prompt_ids: list[int], opts: GenerateOptions) -> None:
+        self.model, self.prompt_ids, self.opts = model, prompt_ids, opts
+        self.rng = np.random.default_rng(opts.sampling.seed)
+        tok = model._tokenizer
+        default_stops = tok.stop_ids if tok is not None else frozenset()
+        self.stop_ids = opts.stop_ids if opts.stop_ids is not None else default_stops
+        self.out_ids: list[int] = []
+        self.text = ""
+        self.emitted = 0
+        self.stop_reason = "max_tokens"
+        self.times = [0.0, 0.0]
+
+    def run(self) -> Iterator[str]:
+        cache = self.model.new_cache(len(self.prompt_ids) + self.opts.max_tokens)
+        t0 = time.perf_counter()
+        logits = self.model.step(np.asarray(self.prompt_ids), cache)[-1]
+        self.times[0] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        while True:
+            token = sample(logits, self.opts.sampling, self.rng, self.prompt_ids + self.out_ids)
+            if token in self.stop_ids:
+                self.stop_reason = "stop_token"
+                break
+            self.out_ids.append(token)
+            piece = self._new_text()
+            if piece:
+                yield piece
+            if self.stop_reason == "stop_string" or len(self.out_ids) >= self.opts.max_tokens:
+                break
+            logits = self.model.step(np.asarray([token]), cache)[-1]
+        self.times[1] = time.perf_counter() - t0
+        tail = self._flush()
+        if tail:
+            yield tail
+
+    def _new_text(self) -> str:
+        """Text newly safe to show: complete UTF-8, not possibly the start of a stop string."""
+        full = self.model.tokenizer.decode(self.out_ids) if self.model._tokenizer else ""
+        for s in self.opts.stop:
+            at = full.find(s)
+            if at >= 0:
+                full, self.stop_reason = full[:at], "stop_string"
+        self.text = full
+        if self.stop_reason == "stop_string":
+            return self._flush()
+        safe = len(full.rstrip("\ufffd"))  # an incomplete multi-byte character decodes to U+FFFD
+        hold = max((len(s) - 1 for s in self.opts.stop), default=0)
+        safe = max(self.emitted, safe - hold)
+        piece, self.emitted = full[self.emitted : safe], safe
+        return piece
+
+    def _flush(self) -> str:
+        piece, self.emitted = self.text[self.emitted :], len(self.text)
+        return piece
+
+    def result(self) -> Generation:
+        stats = GenerationStats(
+            prompt_tokens=len(self.prompt_ids),
+            generated_tokens=len(self.out_ids),
+            prefill_s=self.times[0],
+            decode_s=self.times[1],
+            peak_rss_bytes=peak_rss_bytes(),
+            stop_reason=self.stop_reason,
+        )
+        return Generation(self.text, list(self.out_ids), stats)

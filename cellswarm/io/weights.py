@@ -1,0 +1,131 @@
+"""The weight store every architecture reads from, and the selection that makes a shard.
+
+Tensors are named with llama.cpp's GGUF names (`blk.3.attn_q.weight`) whatever file they came
+from, so an architecture file has one naming scheme. A tensor is one of:
+  - `np.ndarray` float32, 1-D: norm weights, biases, router biases;
+  - `PackedMatrix`: a 2-D weight (out, in) in its quantized block layout;
+  - `PackedExperts`: a stack of expert matrices (n_expert, out, in), same layout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from cellswarm.errors import MissingTensorError, ShapeMismatchError
+from cellswarm.quant import PackedExperts, PackedMatrix
+
+Tensor = np.ndarray | PackedMatrix | PackedExperts
+
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+_VOCAB_TENSORS = ("token_embd.weight", "output.weight")
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which part of a model a process holds.
+
+    layers: half-open layer range, or None for all layers.
+    vocab_rows: half-open row range of the embedding and output head, or None for all rows.
+    experts: layer -> expert ids kept for that layer's routed experts (layers absent keep all).
+    embed / head: whether this shard holds the token embedding / the output head and final norm.
+    """
+
+    layers: tuple[int, int] | None = None
+    vocab_rows: tuple[int, int] | None = None
+    experts: Mapping[int, tuple[int, ...]] | None = None
+    embed: bool = True
+    head: bool = True
+
+    def keeps(self, name: str) -> bool:
+        layer = layer_of(name)
+        if layer is not None:
+            return self.layers is None or self.layers[0] <= layer < self.layers[1]
+        if name == "token_embd.weight":
+            # A tied head reads the embedding matrix, so the head keeps it too.
+            return self.embed or self.head
+        if name in ("output.weight", "output_norm.weight"):
+            return self.head
+        return True  # global tensors such as rope_freqs are tiny and needed everywhere
+
+    def narrow(self, name: str, tensor: Tensor) -> Tensor:
+        """Cut a kept tensor down to the selected vocabulary rows or experts (views, no copy)."""
+        if name in _VOCAB_TENSORS and self.vocab_rows is not None:
+            assert isinstance(tensor, PackedMatrix)
+            return tensor.rows(*self.vocab_rows)
+        layer = layer_of(name)
+        kept = self.experts.get(layer) if self.experts and layer is not None else None
+        if isinstance(tensor, PackedExperts) and kept is not None:
+            return tensor.select(kept)
+        return tensor
+
+
+class WeightStore(Mapping[str, Tensor]):
+    """Named tensors with typed accessors that fail with a clear message."""
+
+    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
+        self._tensors = dict(tensors)
+
+    def __getitem__(self, name: str) -> Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise MissingTensorError(
+                f"model has no tensor {name!r}; the file is incomplete or was converted for "
+                "another architecture"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def matrix(self, name: str, shape: tuple[int, int] | None = None) -> PackedMatrix:
+        t = self[name]
+        if not isinstance(t, PackedMatrix):
+            raise ShapeMismatchError(f"tensor {name} should be a 2-D matrix, got {_describe(t)}")
+        if shape is not None and t.shape != shape:
+            raise ShapeMismatchError(f"tensor {name} has shape {t.shape}, expected {shape}")
+        return t
+
+    def vector(self, name: str, size: int | None = None) -> np.ndarray:
+        t = self[name]
+        if not isinstance(t, np.ndarray) or t.ndim != 1:
+            raise ShapeMismatchError(f"tensor {name} should be a 1-D vector, got {_describe(t)}")
+        if size is not None and t.shape[0] != size:
+            raise ShapeMismatchError(f"tensor {name} has shape {t.shape}, expected ({size},)")
+        return t
+
+    def experts(self, name: str) -> PackedExperts:
+        t = self[name]
+        if not isinstance(t, PackedExperts):
+            raise ShapeMismatchError(f"tensor {name} should be an expert stack, got {_describe(t)}")
+        return t
+
+    def optional_vector(self, name: str) -> np.ndarray | None:
+        return self.vector(name) if name in self._tensors else None
+
+    def nbytes(self, names: Iterable[str] | None = None) -> int:
+        return sum(tensor_nbytes(self._tensors[n]) for n in (names or self._tensors))
+
+
+def tensor_nbytes(t: Tensor) -> int:
+    return int(t.nbytes)
+
+
+def _describe(t: Tensor) -> str:
+    if isinstance(t, np.ndarray):
+        return f"an array of shape {t.shape}"
+    return f"{type(t).__name__} of shape {t.shape}"

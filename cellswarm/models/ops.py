@@ -1,0 +1,64 @@
+"""Pure numpy building blocks shared by the architecture files. All math is float32.
+
+Shapes use T for new tokens, S for all cached tokens (S >= T), H for query heads, Hkv for
+key/value heads, D for head dims.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cellswarm.quant import PackedMatrix
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    # x: (..., d), weight: (d,); statistics in float32 as in the reference implementations.
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return (x / np.sqrt(var + np.float32(eps))).astype(np.float32) * weight
+
+
+def linear(x: np.ndarray, w: PackedMatrix, bias: np.ndarray | None = None) -> np.ndarray:
+    # x: (T, in) -> (T, out); w is packed, dequantized tile by tile inside matmul.
+    y = w.matmul(x)
+    return y + bias if bias is not None else y
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def swiglu(x: np.ndarray, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix) -> np.ndarray:
+    # (T, d) -> (T, ffn) -> (T, d)
+    return down.matmul(silu(gate.matmul(x)) * up.matmul(x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def causal_mask(t: int, s: int) -> np.ndarray:
+    """(T, S) additive mask: the T new tokens sit at positions S-T .. S-1 of the sequence."""
+    q_pos = np.arange(s - t, s)[:, None]
+    k_pos = np.arange(s)[None, :]
+    return np.where(k_pos > q_pos, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Causal grouped-query attention over the whole cached sequence.
+
+    q: (T, H, D), k: (S, Hkv, D), v: (S, Hkv, Dv) -> (T, H, Dv). H is a multiple of Hkv.
+    """
+    t, h, d = q.shape
+    s, hkv, dv = v.shape
+    g = h // hkv
+    qg = q.reshape(t, hkv, g, d).transpose(1, 2, 0, 3)  # (Hkv, g, T, D)
+    kt = k.transpose(1, 2, 0)[:, None]  # (Hkv, 1, D, S)
+    scores = (qg @ kt) * np.float32(scale)  # (Hkv, g, T, S)
+    probs = softmax(scores + causal_mask(t, s))
+    out = probs @ v.transpose(1, 0, 2)[:, None]  # (Hkv, g, T, Dv)
+    return out.transpose(2, 0, 1, 3).reshape(t, h, dv)

@@ -1,0 +1,183 @@
+"""Weights kept in their GGUF block layout, dequantized only a bounded tile at a time.
+
+A `PackedMatrix` wraps the bytes of a 2-D GGUF tensor (often a read-only np.memmap
+view of the file) without copying them. `matmul` dequantizes a few rows of the weight
+at a time, so the float32 working set is at most `TILE_BYTES`, never the whole matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+from gguf import GGMLQuantizationType
+
+from cellswarm.errors import ShapeMismatchError
+from cellswarm.quant.formats import Bytes, Floats, QuantFormat, dequantize, quantize
+
+# Float32 bytes of one dequantized weight tile in `matmul`: big enough that np.matmul
+# runs at BLAS speed, small enough to stay near cache and far below the model's size.
+TILE_BYTES = 4 << 20
+
+
+def _as_bytes(data: npt.NDArray[Any], ndim: int, fmt: QuantFormat) -> Bytes:
+    """A uint8 view (never a copy) of tensor data, checked to be `ndim`-D whole blocks.
+
+    GGUFReader hands F32/F16 tensors out as float arrays (..., cols); viewing them as
+    bytes gives the same (..., row_bytes) layout the quantized types have.
+    """
+    raw = cast(Bytes, data) if data.dtype == np.uint8 else data.view(np.uint8)
+    if raw.ndim != ndim:
+        raise ShapeMismatchError(
+            f"packed {fmt.name} data must be {ndim}-D (..., row_bytes), got shape {raw.shape}"
+        )
+    fmt.n_cols(raw.shape[-1])  # raises unless rows are whole blocks
+    return raw
+
+
+class PackedMatrix:
+    """A weight of logical shape (out_features, in_features) stored as GGUF blocks.
+
+    `data` is uint8 (out_features, row_bytes), one packed row per output feature; it is
+    held as given (a memmap stays a memmap).
+    """
+
+    __slots__ = ("data", "fmt")
+
+    def __init__(self, data: npt.NDArray[Any], fmt: QuantFormat) -> None:
+        self.data: Bytes = _as_bytes(data, 2, fmt)
+        self.fmt = fmt
+
+    @classmethod
+    def from_float(cls, w: npt.ArrayLike, fmt: QuantFormat) -> PackedMatrix:
+        """Quantize a float weight (out_features, in_features) into `fmt`."""
+        return cls(quantize(w, fmt), fmt)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.data.shape[0]), self.fmt.n_cols(self.data.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes really held (the packed size, not the float32 size)."""
+        return int(self.data.nbytes)
+
+    def __repr__(self) -> str:
+        return f"PackedMatrix({self.fmt.name}, shape={self.shape}, nbytes={self.nbytes})"
+
+    def rows(self, start: int, stop: int) -> PackedMatrix:
+        """Output rows [start, stop) as a view sharing this matrix's bytes."""
+        n = self.shape[0]
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"rows [{start}, {stop}) are outside a matrix of {n} rows")
+        return PackedMatrix(self.data[start:stop], self.fmt)
+
+    def dequantize(self) -> Floats:
+        """The whole weight as a new float32 array (out_features, in_features)."""
+        return dequantize(self.data, self.fmt)
+
+    def take_rows(self, ids: npt.ArrayLike) -> Floats:
+        """Rows `ids` (any int shape) dequantized: (*ids.shape, in_features).
+
+        This is an embedding lookup; only the selected rows are decoded.
+        """
+        index = np.asarray(ids, dtype=np.intp)
+        return dequantize(self.data[index], self.fmt)
+
+    def matmul(self, x: npt.ArrayLike, *, tile_bytes: int | None = None) -> Floats:
+        """x @ W.T for x of shape (..., in_features) -> (..., out_features), float32.
+
+        The weight is decoded `tile_bytes` (default `TILE_BYTES`) of float32 at a time,
+        each tile multiplied straight into its columns of a preallocated result.
+        """
+        out_features, in_features = self.shape
+        xs = np.asarray(x, dtype=np.float32)
+        if xs.shape[-1:] != (in_features,):
+            raise ShapeMismatchError(
+                f"input of shape {xs.shape} does not fit a {self.fmt.name} weight of "
+                f"shape {self.shape}: last axis must be {in_features}"
+            )
+        lead = xs.shape[:-1]
+        x2 = xs.reshape(-1, in_features)  # (n, in)
+        if self.fmt.ggml_type == GGMLQuantizationType.F32:
+            # The bytes already are the weight: multiply by a float view, no tiles.
+            w = self.data.view(np.float32)  # (out, in)
+            return np.matmul(x2, w.T).reshape(*lead, out_features)
+
+        out = np.empty((x2.shape[0], out_features), dtype=np.float32)  # (n, out)
+        budget = TILE_BYTES if tile_bytes is None else tile_bytes
+        step = max(1, budget // max(1, in_features * 4))  # weight rows per tile
+        for start in range(0, out_features, step):
+            stop = min(start + step, out_features)
+            tile = dequantize(self.data[start:stop], self.fmt)  # (stop - start, in)
+            # A column slice of a C-order result is still BLAS-addressable: no temp copy.
+            np.matmul(x2, tile.T, out=out[:, start:stop])
+        return out.reshape(*lead, out_features)
+
+
+class PackedExperts:
+    """A stack of expert weights, logical shape (n_expert, out_features, in_features).
+
+    `data` is uint8 (n_expert, out_features, row_bytes), as GGUF stores ffn_*_exps.
+    A node that runs only some experts `select`s them: the stack stays a view of the
+    whole tensor (unselected experts of a memmap are never read, so never resident),
+    `held` names the experts kept and `nbytes` counts only those.
+    """
+
+    __slots__ = ("_held", "data", "fmt")
+
+    def __init__(
+        self, data: npt.NDArray[Any], fmt: QuantFormat, held: Iterable[int] | None = None
+    ) -> None:
+        self.data: Bytes = _as_bytes(data, 3, fmt)
+        self.fmt = fmt
+        n = self.data.shape[0]
+        self._held = tuple(range(n)) if held is None else tuple(sorted({int(e) for e in held}))
+        if self._held and not 0 <= self._held[0] <= self._held[-1] < n:
+            raise IndexError(f"experts {self._held} are outside 0..{n - 1}")
+
+    @classmethod
+    def from_float(cls, w: npt.ArrayLike, fmt: QuantFormat) -> PackedExperts:
+        """Quantize float expert weights (n_expert, out_features, in_features) into `fmt`."""
+        return cls(quantize(w, fmt), fmt)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        n_expert, rows, row_bytes = self.data.shape
+        return int(n_expert), int(rows), self.fmt.n_cols(row_bytes)
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """Ids of the experts this stack serves, ascending."""
+        return self._held
+
+    @property
+    def nbytes(self) -> int:
+        """Packed bytes of the held experts."""
+        return len(self._held) * int(self.data[0].nbytes) if len(self.data) else 0
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedExperts({self.fmt.name}, shape={self.shape}, held={len(self._held)}, "
+            f"nbytes={self.nbytes})"
+        )
+
+    def select(self, ids: Iterable[int]) -> PackedExperts:
+        """Only experts `ids` (a subset of `held`), sharing this stack's bytes."""
+        chosen = tuple(sorted({int(e) for e in ids}))
+        missing = [e for e in chosen if e not in self._held]
+        if missing:
+            raise IndexError(f"experts {missing} are not held; held: {list(self._held)}")
+        return PackedExperts(self.data, self.fmt, chosen)
+
+    def expert(self, e: int) -> PackedMatrix:
+        """Expert `e`'s weight (out_features, in_features) as a view."""
+        if e not in self._held:
+            raise IndexError(f"expert {e} is not held; held: {list(self._held)}")
+        return PackedMatrix(self.data[e], self.fmt)
+
+    def dequantize(self) -> Floats:
+        """Every expert as float32 (n_expert, out_features, in_features), e.g. to repack."""
+        return dequantize(self.data, self.fmt)

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random reference models built with transformers, and the demo model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def max_rel_diff(ours: np.ndarray, ref: np.ndarray) -> float:
+    """Largest absolute difference as a fraction of the largest absolute reference logit."""
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def prefill_then_decode(model: Any, ids: np.ndarray, prefill: int) -> np.ndarray:
+    """Logits for `ids`: one prefill of `prefill` tokens, then one token per step."""
+    cache = model.new_cache(len(ids))
+    out = [model.step(ids[:prefill], cache)]
+    out += [model.step(ids[i : i + 1], cache) for i in range(prefill, len(ids))]
+    return np.concatenate(out, axis=0)
+
+
+@pytest.fixture(scope="session")
+def demo_path() -> Path:
+    from cellswarm.demo import demo_model_path
+
+    return demo_model_path()
