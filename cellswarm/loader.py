@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cellswarm.engine.model import Model
+from cellswarm.errors import ModelFileError, RequestError
 from cellswarm.io import hf_dir
 from cellswarm.io.gguf_file import GGUFFile
-from cellswarm.io.weights import Selection, WeightStore
+from cellswarm.io.weights import Selection, Tensor, WeightStore, validate
 from cellswarm.models import entry_for_gguf, entry_for_hf, module_of
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
 
@@ -48,7 +50,9 @@ def _load_gguf(
     module = module_of(entry_for_gguf(f.architecture))
     has_embd = "token_embd.weight" in f.tensor_names()
     vocab_rows = f.tensor_shape("token_embd.weight")[0] if has_embd else 0
-    config = module.CONFIG.from_gguf(f.metadata, vocab_rows)
+    config = _config(path, lambda: module.CONFIG.from_gguf(f.metadata, vocab_rows))
+    shapes = {name: f.tensor_shape(name) for name in f.tensor_names()}
+    _check_tensors(path, config, sel, shapes)
     weights = f.weights(sel)
     if quant is not None:
         weights = _repack(weights, quant)
@@ -61,9 +65,10 @@ def _load_hf(
 ) -> Model:
     hf_cfg = hf_dir.read_config(folder)
     module = module_of(entry_for_hf(hf_cfg["model_type"]))
-    config = module.CONFIG.from_hf(hf_cfg)
+    config = _config(folder / "config.json", lambda: module.CONFIG.from_hf(hf_cfg))
     tensors = module.hf_tensors_to_gguf(config, hf_dir.read_safetensors(folder))
     tensors |= getattr(module, "hf_extra_tensors", lambda c, h: {})(config, hf_cfg)
+    _check_tensors(folder, config, sel, tensors)
     tensors = {k: v for k, v in tensors.items() if sel.keeps(k)}
     weights = WeightStore(
         {k: sel.narrow(k, t) for k, t in hf_dir.pack_tensors(tensors, quant).items()}
@@ -75,6 +80,40 @@ def _load_hf(
         tok = Tokenizer.from_hf_dir(folder)
         check_vocab(tok, config.vocab_size)
     return Model(config, module.MODEL(config, weights), weights, tok, sel, budget)
+
+
+def _config(source: Path, build: Callable[[], Any]) -> Any:
+    """The architecture's config; a missing or ill-typed field is the file's fault, not a bug."""
+    try:
+        return build()
+    except KeyError as exc:
+        raise ModelFileError(
+            f"{source} lacks {exc.args[0]!r}, which the architecture needs; "
+            "re-download or re-convert the model"
+        ) from None
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise ModelFileError(
+            f"{source} has a malformed field ({exc}); re-download or re-convert the model"
+        ) from None
+
+
+def _check_tensors(
+    source: Path, config: Any, sel: Selection, tensors: Mapping[str, Tensor | tuple[int, ...]]
+) -> None:
+    """Refuse at load, not at the first forward, a file lacking a tensor the selected layers
+    need or holding one in another shape than the config implies."""
+    lo, hi = sel.layers or (0, config.n_layers)
+    if not 0 <= lo <= hi <= config.n_layers:
+        raise RequestError(
+            f"selected layers [{lo}, {hi}) do not fit the model's {config.n_layers} layers; "
+            f"pick a range within [0, {config.n_layers})"
+        )
+    if not hasattr(config, "expected_tensors"):
+        return
+    expected = {n: s for n, s in config.expected_tensors(range(lo, hi)).items() if sel.keeps(n)}
+    if "output.weight" not in tensors:  # no head of its own: tied to the embedding
+        expected.pop("output.weight", None)
+    validate(tensors, expected, str(source))
 
 
 def _gguf_tokenizer(meta: dict[str, Any], vocab_size: int) -> Tokenizer | None:

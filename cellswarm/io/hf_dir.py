@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from cellswarm.errors import ModelFileError
 from cellswarm.io.weights import Tensor, WeightStore
 from cellswarm.quant import PackedExperts, PackedMatrix, QuantFormat, format_by_name
+
+_MAX_HEADER = 100_000_000  # safetensors refuses longer headers too
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -26,9 +28,13 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModelFileError(f"{folder} has no config.json; pass a Hugging Face model folder")
     try:
-        cfg: dict[str, Any] = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelFileError(f"{path} is not valid JSON ({exc}); restore the file") from exc
+    if not isinstance(cfg, dict):
+        raise ModelFileError(
+            f"{path} holds a JSON {type(cfg).__name__}, not an object; restore the file"
+        )
     if "model_type" not in cfg:
         raise ModelFileError(f"{path} has no model_type; it is not a transformers config")
     return cfg
@@ -55,9 +61,37 @@ def _read_file(path: Path) -> dict[str, np.ndarray]:
                     out[name] = _read_bf16(path, name)
                 else:
                     out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ModelFileError(f"{path} is truncated or corrupt ({exc}); re-download it") from exc
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        size, needed = path.stat().st_size, _described_size(path)
+        if needed is not None and size < needed:
+            raise ModelFileError(
+                f"{path} is truncated: it has {size} bytes but its header describes {needed}; "
+                "re-download it"
+            ) from exc
+        raise ModelFileError(
+            f"{path} is corrupt ({size} bytes; {' '.join(str(exc).split())}); re-download it"
+        ) from exc
     return out
+
+
+def _described_size(path: Path) -> int | None:
+    """The size a safetensors file's header promises, or None if the header is garbage."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return 8
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > _MAX_HEADER:
+                return None
+            raw = fh.read(header_len)
+            if len(raw) < header_len:
+                return 8 + header_len
+            header = json.loads(raw)
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return 8 + header_len + max(ends, default=0)
 
 
 def _read_bf16(path: Path, name: str) -> np.ndarray:

@@ -63,7 +63,8 @@ class Selection:
             return tensor.rows(*self.vocab_rows)
         layer = layer_of(name)
         kept = self.experts.get(layer) if self.experts and layer is not None else None
-        if isinstance(tensor, PackedExperts) and kept is not None:
+        # Only routed-expert stacks are narrowed; other 3-D tensors (attn_k_b) are per head.
+        if name.endswith("_exps.weight") and isinstance(tensor, PackedExperts) and kept is not None:
             return tensor.select(kept)
         return tensor
 
@@ -119,6 +120,33 @@ class WeightStore(Mapping[str, Tensor]):
 
     def nbytes(self, names: Iterable[str] | None = None) -> int:
         return sum(tensor_nbytes(self._tensors[n]) for n in (names or self._tensors))
+
+
+def validate(
+    weights: Mapping[str, Tensor | tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    source: str = "model",
+) -> None:
+    """Refuse, before any forward, weights that lack a tensor in `expected` or hold one in
+    another shape. weights: tensors, or just their numpy-order shapes; source: the file, for
+    the message."""
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        shown = ", ".join(missing[:3])
+        if len(missing) > 3:
+            shown += f" and {len(missing) - 3} more"
+        raise MissingTensorError(
+            f"{source} has no tensor {shown}; the file is incomplete or was converted for another "
+            "architecture or size — re-download or re-convert it"
+        )
+    for name, shape in expected.items():
+        t = weights[name]
+        actual = t if isinstance(t, tuple) else tuple(t.shape)
+        if actual != tuple(shape):
+            raise ShapeMismatchError(
+                f"{source}: tensor {name} has shape {actual}, but the model's config implies "
+                f"{tuple(shape)}; the file's metadata does not match its weights — re-convert it"
+            )
 
 
 def tensor_nbytes(t: Tensor) -> int:

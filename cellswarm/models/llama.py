@@ -8,7 +8,7 @@ llama.cpp's GGUF names. RMSNorm -> GQA attention with RoPE -> residual -> RMSNor
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +125,37 @@ class LlamaConfig:
             f"{a}.rope.dimension_count": self.rope_dim,
             f"{a}.vocab_size": self.vocab_size,
         }
+
+    def expected_tensors(self, layers: Iterable[int]) -> dict[str, tuple[int, ...]]:
+        """GGUF name -> numpy-order shape of every tensor `layers` and the ends of the model read.
+
+        output.weight is listed too; a file without one ties the head to the embedding.
+        """
+        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        out: dict[str, tuple[int, ...]] = {
+            "token_embd.weight": (self.vocab_size, d),
+            "output_norm.weight": (d,),
+            "output.weight": (self.vocab_size, d),
+        }
+        for i in layers:
+            p = f"blk.{i}."
+            out |= {
+                p + "attn_norm.weight": (d,),
+                p + "attn_q.weight": (q, d),
+                p + "attn_k.weight": (kv, d),
+                p + "attn_v.weight": (kv, d),
+                p + "attn_output.weight": (d, q),
+                p + "ffn_norm.weight": (d,),
+                p + "ffn_gate.weight": (self.ffn_dim, d),
+                p + "ffn_up.weight": (self.ffn_dim, d),
+                p + "ffn_down.weight": (d, self.ffn_dim),
+            }
+            if self.qkv_bias:
+                out |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+            if self.qk_norm:
+                out |= {p + "attn_q_norm.weight": (self.head_dim,)}
+                out |= {p + "attn_k_norm.weight": (self.head_dim,)}
+        return out
 
     def layer_tensor_kinds(self, layer: int) -> Mapping[str, str]:
         kinds = {
