@@ -13,17 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cellswarm.io.weights import WeightStore, layer_of
+from cellswarm.io.weights import WeightStore, tensor_kind
 
 if TYPE_CHECKING:
     from cellswarm.engine.model import Model
-
-_GLOBAL_KINDS = {
-    "token_embd.weight": "embedding",
-    "output.weight": "output",
-    "output_norm.weight": "norm",
-    "rope_freqs.weight": "rope",
-}
 
 
 @dataclass(frozen=True)
@@ -61,26 +54,17 @@ class MemoryReport:
         }
 
 
-def weights_by_kind(config: Any, weights: WeightStore) -> dict[str, int]:
+def weights_by_kind(weights: WeightStore) -> dict[str, int]:
     """Packed bytes held, grouped by tensor kind (attention, ffn, experts, embedding, ...)."""
     out: dict[str, int] = defaultdict(int)
     for name, tensor in weights.items():
-        out[tensor_kind(config, name)] += int(tensor.nbytes)
+        out[tensor_kind(name)] += int(tensor.nbytes)
     return dict(out)
-
-
-def tensor_kind(config: Any, name: str) -> str:
-    layer = layer_of(name)
-    if layer is None:
-        return _GLOBAL_KINDS.get(name, "other")
-    suffix = name.split(".", 2)[2]
-    kinds: Mapping[str, str] = config.layer_tensor_kinds(layer)
-    return kinds.get(suffix, "other")
 
 
 def memory_report(model: Model, batch: int, context: int) -> MemoryReport:
     return MemoryReport(
-        weights_by_kind=weights_by_kind(model.config, model.weights),
+        weights_by_kind=weights_by_kind(model.weights),
         kv_bytes_per_token=model.kv_bytes_per_token(),
         scratch_bytes=model.arch.scratch_bytes(batch, context),
         context=context,

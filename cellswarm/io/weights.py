@@ -149,6 +149,35 @@ def validate(
             )
 
 
+_GLOBAL_KINDS = {
+    "token_embd.weight": "embedding",
+    "output.weight": "output",
+    "output_norm.weight": "norm",
+    "rope_freqs.weight": "rope",
+}
+
+
+def tensor_kind(name: str) -> str:
+    """What a tensor is for, from its llama.cpp name: the planner and the memory accounting
+    group bytes by this, so both must call this one function."""
+    if name in _GLOBAL_KINDS:
+        return _GLOBAL_KINDS[name]
+    suffix = name.split(".", 2)[2] if layer_of(name) is not None else name
+    if "norm" in suffix:
+        return "norm"
+    if suffix.startswith(("ffn_gate_inp.", "exp_probs_b.")):
+        return "router"
+    if "_exps." in suffix:
+        return "experts"
+    if "_shexp." in suffix:
+        return "shared_experts"
+    if suffix.startswith("attn_"):
+        return "attention"
+    if suffix.startswith("ffn_"):
+        return "ffn"
+    return "other"
+
+
 def tensor_nbytes(t: Tensor) -> int:
     return int(t.nbytes)
 

@@ -8,7 +8,6 @@ talk to this interface, so an architecture file holds nothing but its math.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,10 +22,6 @@ class ModelConfig(Protocol):
     d_model: int
     vocab_size: int
     context_length: int
-
-    def layer_tensor_kinds(self, layer: int) -> Mapping[str, str]:
-        """GGUF tensor suffix -> kind ('attention', 'ffn', 'experts', 'norm', ...)."""
-        ...
 
 
 class Architecture(Protocol):

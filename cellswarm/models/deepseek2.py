@@ -356,34 +356,6 @@ class DeepseekConfig:
                 }
         return out
 
-    def layer_tensor_kinds(self, layer: int) -> Mapping[str, str]:
-        """GGUF tensor suffix -> kind. A lookup table: a file has either attn_kv_b or the
-        split attn_k_b/attn_v_b, and attn_q_a* or attn_q, never all of them."""
-        kinds = {
-            "attn_norm.weight": "norm",
-            "ffn_norm.weight": "norm",
-            "attn_kv_a_norm.weight": "norm",
-            **{
-                f"attn_{p}.weight": "attention"
-                for p in ("kv_a_mqa", "kv_b", "k_b", "v_b", "output")
-            },
-        }
-        if self.q_lora_rank:
-            kinds |= {
-                "attn_q_a.weight": "attention",
-                "attn_q_b.weight": "attention",
-                "attn_q_a_norm.weight": "norm",
-            }
-        else:
-            kinds["attn_q.weight"] = "attention"
-        if not self.is_moe(layer):
-            return kinds | {f"ffn_{p}.weight": "ffn" for p in ("gate", "up", "down")}
-        kinds |= {"ffn_gate_inp.weight": "router", "exp_probs_b.bias": "router"}
-        kinds |= {f"ffn_{p}_exps.weight": "experts" for p in ("gate", "up", "down")}
-        if self.n_shared_experts:
-            kinds |= {f"ffn_{p}_shexp.weight": "shared_experts" for p in ("gate", "up", "down")}
-        return kinds
-
 
 # ----------------------------------------------------------------------------- routing
 

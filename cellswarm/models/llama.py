@@ -157,19 +157,6 @@ class LlamaConfig:
                 out |= {p + "attn_k_norm.weight": (self.head_dim,)}
         return out
 
-    def layer_tensor_kinds(self, layer: int) -> Mapping[str, str]:
-        kinds = {
-            "attn_norm.weight": "norm",
-            "ffn_norm.weight": "norm",
-            **{f"attn_{p}.weight": "attention" for p in ("q", "k", "v", "output")},
-            **{f"ffn_{p}.weight": "ffn" for p in ("gate", "up", "down")},
-        }
-        if self.qkv_bias:
-            kinds |= {f"attn_{p}.bias": "attention" for p in ("q", "k", "v")}
-        if self.qk_norm:
-            kinds |= {"attn_q_norm.weight": "norm", "attn_k_norm.weight": "norm"}
-        return kinds
-
 
 def hf_rope_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """transformers 4.x has rope_theta + rope_scaling; 5.x folds both into rope_parameters."""
