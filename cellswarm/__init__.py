@@ -25,6 +25,7 @@ from cellswarm.errors import (
 
 if TYPE_CHECKING:
     from cellswarm.engine.model import Model
+    from cellswarm.planner.plan import PlanResult
 
 __all__ = [
     "BudgetError",
@@ -37,6 +38,7 @@ __all__ = [
     "UnsupportedArchitectureError",
     "UnsupportedQuantError",
     "load",
+    "plan",
 ]
 
 
@@ -45,3 +47,10 @@ def load(path: str | os.PathLike[str], **options: Any) -> Model:
     from cellswarm.loader import load as _load
 
     return _load(path, **options)
+
+
+def plan(model: str, **options: Any) -> PlanResult:
+    """See `cellswarm.planner.api.plan`: will `model` run on N nodes, how fast, what power."""
+    from cellswarm.planner.api import plan as _plan
+
+    return _plan(model, **options)

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from cellswarm.errors import CellswarmError
 
@@ -29,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cellswarm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -83,6 +86,74 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("plan", help="will a model run on N nodes of a kind, how fast, what power")
+    p.add_argument("model", help="a preset (kimi-k3, ...), a .gguf file or a Hugging Face folder")
+    p.add_argument("--node", default="ps3", help="node profile (ps3, rpi4, xeon-optane, ...)")
+    p.add_argument("--count", type=int, default=1, help="how many nodes")
+    p.add_argument("--quant", help="GGUF type (q4_0, q8_0, ...) or bits per weight (1.74)")
+    p.add_argument("--context", type=int, default=4096, help="tokens of context per sequence")
+    p.add_argument("--concurrency", type=int, default=1, help="sequences in flight per replica")
+    p.add_argument("--parallel", choices=["pipeline", "tensor", "expert"], default="pipeline")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens for the prefill time")
+    p.add_argument("--activations", choices=["f32", "f16", "q8_0"], default="f32")
+    p.add_argument("--profiles", type=Path, help="TOML file adding or overriding node profiles")
+    p.add_argument("--dram-budget", help="tiered boxes: DRAM for weights, e.g. 64G (0: none)")
+    p.add_argument("--hit-rate", type=float, help="tiered boxes: expert-cache hit rate 0..1")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", type=Path, help="write charts to this PNG file")
+    p.add_argument("--measure-overhead", action="store_true", help="measure an idle worker")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from cellswarm.planner import api, render
+    from cellswarm.planner.overhead import measure_idle_worker_rss_bytes
+    from cellswarm.units import format_bytes, parse_bytes
+
+    overhead = measure_idle_worker_rss_bytes() if args.measure_overhead else None
+    if overhead is not None:
+        print(f"idle worker RSS, measured now: {overhead:,} bytes ({format_bytes(overhead)})")
+    result = api.plan(
+        args.model, node=args.node, count=args.count, quant=args.quant, context=args.context,
+        concurrency=args.concurrency, parallel=args.parallel, prompt_tokens=args.prompt,
+        profiles_file=args.profiles, activations=args.activations, runtime_overhead=overhead,
+        dram_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
+        expert_hit_rate=args.hit_rate,
+    )  # fmt: skip
+    fallback = _smaller_context(result, api)
+    if args.json:
+        out = render.as_dict(result)
+        if fallback is not None:
+            out["fits_at_context"] = render.as_dict(fallback)
+        print(json.dumps(out))
+    else:
+        render.render(result)
+        if fallback is not None:
+            print(f"\nWith --context {fallback.request.context} it fits:")
+            render.render(fallback)
+    if args.plot:
+        from cellswarm.planner.plot import plot
+
+        plot(fallback or result, args.plot)
+    return 0
+
+
+def _smaller_context(result: Any, api: Any) -> Any:
+    """When only the KV cache is in the way, the plan at the longest context that fits."""
+    if result.fits or "KV cache" not in result.problem:
+        return None
+    context = api.largest_context_that_fits(result)
+    if not context:
+        return None
+    import dataclasses
+
+    from cellswarm.planner.plan import plan
+
+    smaller = plan(result.model, dataclasses.replace(result.request, context=context))
+    return smaller if smaller.fits else None
 
 
 def _print_piece(piece: str) -> None:

@@ -303,6 +303,32 @@ class DeepseekConfig:
                 meta[k + "rope.scaling.yarn_attn_factor"] = y.attention_factor_override
         return meta
 
+    def absorbed_bytes_per_layer(self) -> int:
+        """Float32 W_UK and W_UV that `Deepseek2.absorbed` keeps decoded per layer held."""
+        return 4 * self.n_heads * (self.qk_nope_dim + self.v_head_dim) * self.kv_lora_rank
+
+    def scratch_bytes(self, n_tokens: int, context: int, attn_layers: int = 0) -> int:
+        """Peak temporary bytes of one step, plus the decoded W_UK/W_UV of `attn_layers`."""
+        ffn = (
+            max(self.ffn_dim, (self.n_shared_experts + self.n_experts_used) * self.moe_ffn_dim)
+            if self.n_experts
+            else self.ffn_dim
+        )
+        per_token = 4 * (
+            4 * self.d_model
+            + max(self.q_lora_rank, self.kv_lora_rank + self.qk_rope_dim)
+            + self.n_heads * (2 * self.qk_head_dim + 2 * self.kv_lora_rank + 2 * self.v_head_dim)
+            + 3 * ffn
+            + 4 * self.n_experts
+        )
+        scores = 4 * 3 * self.n_heads * n_tokens * context  # latent scores, rope scores, probs
+        # Not temporary, but not in the weight store either: the decoded W_UK/W_UV kept per
+        # layer held (see `Deepseek2.absorbed`), counted so a memory report's total is right.
+        return n_tokens * per_token + scores + attn_layers * self.absorbed_bytes_per_layer()
+
+    def kv_bytes_per_token_layer(self, item_bytes: int = 4) -> int:
+        return (self.kv_lora_rank + self.qk_rope_dim) * item_bytes  # latent + shared RoPE key
+
     def expected_tensors(self, layers: Iterable[int]) -> dict[str, tuple[int, ...]]:
         """GGUF name -> numpy-order shape of every tensor `layers` and the ends of the model read.
 
@@ -603,31 +629,14 @@ class Deepseek2:
 
     def absorbed_bytes(self) -> int:
         """Resident float32 bytes of `absorbed` per layer (beyond the packed weights)."""
-        c = self.config
-        return 4 * c.n_heads * (c.qk_nope_dim + c.v_head_dim) * c.kv_lora_rank
+        return self.config.absorbed_bytes_per_layer()
 
     def cache_spec(self, layer: int) -> CacheSpec:
         c = self.config
         return {"latent": (c.kv_lora_rank,), "k_rope": (c.qk_rope_dim,)}
 
     def scratch_bytes(self, n_tokens: int, context: int) -> int:
-        c = self.config
-        ffn = (
-            max(c.ffn_dim, (c.n_shared_experts + c.n_experts_used) * c.moe_ffn_dim)
-            if c.n_experts
-            else c.ffn_dim
-        )
-        per_token = 4 * (
-            4 * c.d_model
-            + max(c.q_lora_rank, c.kv_lora_rank + c.qk_rope_dim)
-            + c.n_heads * (2 * c.qk_head_dim + 2 * c.kv_lora_rank + 2 * c.v_head_dim)
-            + 3 * ffn
-            + 4 * c.n_experts
-        )
-        scores = 4 * 3 * c.n_heads * n_tokens * context  # latent scores, rope scores, probs
-        # Not temporary, but not in the weight store either: the decoded W_UK/W_UV kept per
-        # layer held (see `absorbed`), counted here so a memory report's total is right.
-        return n_tokens * per_token + scores + self._attn_layers * self.absorbed_bytes()
+        return self.config.scratch_bytes(n_tokens, context, self._attn_layers)
 
 
 def _per_head(t: Any, n_heads: int, rows: int, cols: int) -> np.ndarray:

@@ -107,6 +107,15 @@ class LlamaConfig:
             qk_norm=arch == "qwen3",
         )
 
+    def scratch_bytes(self, n_tokens: int, context: int, attn_layers: int = 0) -> int:
+        """Peak temporary float32 bytes of one step over n_tokens with `context` cached."""
+        per_token = 4 * (4 * self.d_model + 2 * self.n_heads * self.head_dim + 3 * self.ffn_dim)
+        scores = 4 * 2 * self.n_heads * n_tokens * context  # scores and probabilities
+        return n_tokens * per_token + scores
+
+    def kv_bytes_per_token_layer(self, item_bytes: int = 4) -> int:
+        return 2 * self.n_kv_heads * self.head_dim * item_bytes  # K and V
+
     def to_gguf_metadata(self) -> dict[str, Any]:
         """The inverse of from_gguf: keys as llama.cpp's converter writes them."""
         a = self.arch
@@ -275,10 +284,7 @@ class Llama:
         return {"k": (c.n_kv_heads, c.head_dim), "v": (c.n_kv_heads, c.head_dim)}
 
     def scratch_bytes(self, n_tokens: int, context: int) -> int:
-        c = self.config
-        per_token = 4 * (4 * c.d_model + 2 * c.n_heads * c.head_dim + 3 * c.ffn_dim)
-        scores = 4 * 2 * c.n_heads * n_tokens * context  # scores and probabilities
-        return n_tokens * per_token + scores
+        return self.config.scratch_bytes(n_tokens, context)
 
 
 CONFIG = LlamaConfig

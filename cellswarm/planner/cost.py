@@ -1,0 +1,209 @@
+"""The cost model: seconds per token from bytes, FLOPs and hops. Pure functions.
+
+Each stage of work is a roofline: it takes max(bytes / effective bandwidth, FLOPs / effective
+FLOP/s) and is charged to whichever term is larger; every hop between nodes costs half a
+round trip plus its bytes over the link. Decode of one token reads every weight it uses once,
+so on small nodes memory bandwidth, and between them latency, decide the figure.
+
+Tensor parallelism splits every matrix over N nodes and must all-reduce the layer's output
+twice per layer (after attention and after the FFN); on 1 GbE that costs 2 x layers round
+trips plus 2 x (N - 1) activation vectors through the coordinating node's link per
+all-reduce, and every all-reduce waits for the slowest node. Pipeline parallelism sends one
+activation vector per stage boundary. That difference is why a swarm on Ethernet pipelines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from cellswarm.planner.inventory import ModelInventory, UnitGroup
+from cellswarm.planner.placement import Placement, Slot
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    activation_bytes: float = 4.0  # bytes per activation element on the wire (f32 frames)
+    # Coefficient of variation of a node's step time (thermal throttling, OS noise). A step
+    # that waits for n nodes waits for the slowest: ~ mean x (1 + cv x sqrt(2 ln n)).
+    straggler_cv: float = 0.25
+    tp_syncs_per_layer: int = 2
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds for one step, split by what bounds each part."""
+
+    compute_s: float = 0.0
+    memory_s: float = 0.0
+    network_s: float = 0.0
+    node_busy_s: tuple[float, ...] = field(default=(), repr=False)  # per node, per token
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.memory_s + self.network_s
+
+    @property
+    def bound(self) -> str:
+        parts = {"compute": self.compute_s, "memory bandwidth": self.memory_s}
+        parts["network"] = self.network_s
+        return max(sorted(parts), key=lambda k: parts[k])
+
+    def __add__(self, other: StepTime) -> StepTime:
+        return StepTime(
+            self.compute_s + other.compute_s,
+            self.memory_s + other.memory_s,
+            self.network_s + other.network_s,
+            self.node_busy_s + other.node_busy_s,
+        )
+
+    @property
+    def bottleneck_busy_s(self) -> float:
+        return max(self.node_busy_s, default=self.total_s)
+
+
+def roofline(node: Any, nbytes: float, flops: float) -> StepTime:
+    mem = nbytes / node.effective_bandwidth_bytes_per_s
+    cmp = flops / node.effective_flops
+    return StepTime(compute_s=cmp) if cmp > mem else StepTime(memory_s=mem)
+
+
+def straggler_factor(n: int, cv: float) -> float:
+    return 1.0 + cv * math.sqrt(2 * math.log(n)) if n > 1 else 1.0
+
+
+def hop(node: Any, nbytes: float) -> StepTime:
+    return StepTime(network_s=node.link_rtt_s / 2 + nbytes / node.link_bytes_per_s)
+
+
+# -- what a layer costs -----------------------------------------------------------------------
+
+
+def head_cost(inv: ModelInventory) -> tuple[int, int]:
+    name = "output.weight"
+    if not any(t.name == name for t in inv.tensors):
+        name = "token_embd.weight"  # tied head
+    t = next(t for t in inv.tensors if t.name == name)
+    return t.nbytes, t.params
+
+
+def holders(placement: Placement, layer: int, kind: str) -> dict[int, int]:
+    """node -> units of (layer, kind) it holds."""
+    return placement.unit_holders.get((layer, kind), {})
+
+
+def share(group: UnitGroup, held: int) -> float:
+    """Chance a token needs a holder of `held` units: 1 for slices, ~k*held/E for experts."""
+    return min(1.0, group.used * held / group.n_units)
+
+
+# -- pipeline ---------------------------------------------------------------------------------
+
+
+def pipeline_decode(
+    inv: ModelInventory, placement: Placement, node: Any, opts: CostOptions
+) -> StepTime:
+    """One token through one replica, one sequence in flight."""
+    act = inv.d_model * opts.activation_bytes
+    owners = {layer: s for s in placement.slots if s.layers for layer in range(*s.layers)}
+    total = StepTime()
+    busy: dict[int, float] = {s.node: 0.0 for s in placement.slots}
+    prev: Slot | None = None
+    for layer in range(inv.n_layers):
+        slot = owners[layer]
+        if prev is not None and slot.node != prev.node:
+            total += hop(node, act)
+        nbytes, params = inv.core(layer)
+        total += roofline(node, nbytes, 2 * params)
+        busy[slot.node] += roofline(node, nbytes, 2 * params).total_s
+        for group in inv.groups(layer):
+            total += _group_step(placement, node, opts, act, layer, group, slot, busy)
+        prev = slot
+    total += _head_step(inv, placement, node, act, prev)
+    total += StepTime(network_s=node.link_rtt_s / 2)  # the sampled token back to the first stage
+    return StepTime(total.compute_s, total.memory_s, total.network_s, tuple(busy.values()))
+
+
+def _group_step(
+    placement: Placement,
+    node: Any,
+    opts: CostOptions,
+    act: float,
+    layer: int,
+    group: UnitGroup,
+    owner: Slot,
+    busy: dict[int, float],
+) -> StepTime:
+    held = holders(placement, layer, group.kind)
+    for n, h in held.items():  # each holder's expected share of the work, per token
+        used = group.used * h / group.n_units
+        busy[n] += roofline(node, used * group.unit_bytes, 2 * used * group.unit_params).total_s
+    if list(held) == [owner.node]:
+        return roofline(node, group.used * group.unit_bytes, 2 * group.used * group.unit_params)
+    # Scatter to the holders, wait for the slowest, gather the weighted partial sums.
+    per_node = max(max(held.values()) * group.used / group.n_units, 1.0)
+    step = roofline(node, per_node * group.unit_bytes, 2 * per_node * group.unit_params)
+    f = straggler_factor(min(len(held), group.used), opts.straggler_cv)
+    wire = 2 * act * sum(share(group, h) for n, h in held.items() if n != owner.node)
+    step = StepTime(step.compute_s * f, step.memory_s * f)
+    return step + StepTime(network_s=node.link_rtt_s + wire / node.link_bytes_per_s)
+
+
+def _head_step(
+    inv: ModelInventory, placement: Placement, node: Any, act: float, last: Slot | None
+) -> StepTime:
+    heads = [s for s in placement.slots if s.head_rows]
+    nbytes, params = head_cost(inv)
+    rows = max((s.head_rows[1] - s.head_rows[0]) for s in heads if s.head_rows)
+    step = roofline(node, rows / inv.vocab_size * nbytes, 2 * rows / inv.vocab_size * params)
+    remote = [s for s in heads if last is None or s.node != last.node]
+    if remote:  # the hidden state to every head shard, a (max, index) pair back from each
+        step += StepTime(network_s=node.link_rtt_s + len(remote) * act / node.link_bytes_per_s)
+    return step
+
+
+def pipeline_prefill(
+    inv: ModelInventory, placement: Placement, node: Any, opts: CostOptions, prompt: int
+) -> StepTime:
+    """A prompt of `prompt` tokens through one replica in one chunk."""
+    act = prompt * inv.d_model * opts.activation_bytes
+    hops = len({s.node for s in placement.slots if s.layers}) + 1
+    total = StepTime(network_s=hops * (node.link_rtt_s / 2 + act / node.link_bytes_per_s))
+    for layer in range(inv.n_layers):
+        nbytes, params = inv.core(layer)
+        total += roofline(node, nbytes, 2 * params * prompt)
+        for group in inv.groups(layer):
+            n_holders = max(len(holders(placement, layer, group.kind)), 1)
+            touched = min(group.n_units, prompt * group.used) * group.unit_bytes / n_holders
+            flops = 2 * group.unit_params * prompt * group.used / n_holders
+            total += roofline(node, touched, flops)
+    nbytes, params = head_cost(inv)
+    return total + roofline(node, nbytes, 2 * params)  # logits for the last position only
+
+
+# -- tensor parallel --------------------------------------------------------------------------
+
+
+def tensor_parallel_decode(inv: ModelInventory, n: int, node: Any, opts: CostOptions) -> StepTime:
+    """One token with every matrix split over n nodes (distributed-llama's scheme)."""
+    step = roofline(node, inv.decode_bytes_per_token() / n, 2 * inv.active_params / n)
+    f = straggler_factor(n, opts.straggler_cv)
+    step = StepTime(step.compute_s * f, step.memory_s * f)
+    if n == 1:
+        return step
+    vec = inv.d_model * opts.activation_bytes
+    per_sync = node.link_rtt_s + 2 * (n - 1) * vec / node.link_bytes_per_s
+    syncs = inv.n_layers * opts.tp_syncs_per_layer
+    return step + StepTime(network_s=syncs * per_sync, node_busy_s=(step.total_s,))
+
+
+def tensor_parallel_prefill(
+    inv: ModelInventory, n: int, node: Any, opts: CostOptions, prompt: int
+) -> float:
+    step = roofline(node, inv.weight_bytes / n, 2 * inv.active_params * prompt / n)
+    if n == 1:
+        return step.total_s
+    vec = prompt * inv.d_model * opts.activation_bytes
+    per_sync = node.link_rtt_s + 2 * (n - 1) * vec / node.link_bytes_per_s
+    return step.total_s + inv.n_layers * opts.tp_syncs_per_layer * per_sync

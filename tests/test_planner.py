@@ -1,0 +1,242 @@
+"""The planner: known figures, byte-exact agreement with the engine, published measurements,
+placement tables, and the CLI. Never asserts wall-clock times."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cellswarm
+from cellswarm.io import hf_dir
+from cellswarm.io.gguf_write import write_gguf
+from cellswarm.models import entry_for_hf, module_of
+from cellswarm.planner import api, inventory
+from cellswarm.planner.inventory import QuantSpec
+from cellswarm.planner.placement import place_pipeline
+from tests.hf_reference import LLAMA_FAMILY, build_hf_model, save_hf
+from tests.test_deepseek2 import DEEPSEEK_V3
+
+# -- known figures -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "quant", "expected_bytes"),
+    [
+        (100_000_000_000, "4", 50_000_000_000),  # 100B at 4 bits = 50 GB
+        (100_000_000_000, "q4_0", 56_250_000_000),  # Q4_0 really stores 4.5 bits per weight
+        (100_000_000_000, "q8_0", 106_250_000_000),  # 34 bytes per 32 weights
+        (100_000_000_000, "f16", 200_000_000_000),  # 2 GB per billion
+    ],
+)
+def test_bytes_for_a_dense_matrix(params: int, quant: str, expected_bytes: int) -> None:
+    shape = (params // 256, 256)
+    assert (
+        QuantSpec.parse(quant).tensor_bytes("blk.0.ffn_up.weight", shape, False) == expected_bytes
+    )
+
+
+def test_aggregate_memory_and_power_of_100k_nodes(tmp_path: Path) -> None:
+    profiles = tmp_path / "p.toml"
+    profiles.write_text('[ps3-512]\nbase = "ps3"\nmemory = "512M"\n')
+    r = api.plan("smollm2-135m", node="ps3-512", count=100_000, profiles_file=profiles)
+    # 100,000 x 512 MB = 51.2 million MB = 51.2 TB (the seed's "51.2 GB" is a slip).
+    assert r.request.node.memory_bytes * r.request.count / 2**20 / 1e6 == pytest.approx(51.2)
+    assert r.fits and r.replicas * r.min_nodes == 100_000  # every node busy
+    assert r.node_power_w == pytest.approx(100_000 * 200.0)  # 20 MW at the nodes
+    assert r.power_w == pytest.approx(20e6 * 1.5)  # and 30 MW with the facility's PUE
+
+
+def test_kimi_k2_shape_figures() -> None:
+    inv = api.resolve_model("kimi-k2", "1.8")
+    assert inv.total_params == pytest.approx(1.026e12, rel=0.002)
+    assert inv.active_params == pytest.approx(32.9e9, rel=0.01)
+    assert inv.config.kv_bytes_per_token_layer(2) * inv.n_layers == 70_272  # BF16 latent + rope
+    assert inv.kv_bytes_per_token_layer * inv.n_layers == 140_544  # what our engine caches (f32)
+    assert inv.weight_bytes == pytest.approx(245e9, rel=0.05)  # Unsloth's 1.8-bit K2: 245 GB
+
+
+def test_kimi_k3_at_1_74_bits_is_about_610_gb() -> None:
+    inv = api.resolve_model("kimi-k3", "1.74")
+    assert inv.total_params == pytest.approx(2.8e12, rel=0.002)
+    assert inv.weight_bytes == pytest.approx(610e9, rel=0.03)
+    assert inv.assumptions
+
+
+# -- byte-exact against the engine ------------------------------------------------------------
+
+
+def _engine_vs_planner(model: cellswarm.engine.model.Model, inv: inventory.ModelInventory) -> None:
+    mem = model.memory(batch=3, context=64)
+    assert inv.weights_by_kind() == mem.weights_by_kind
+    assert inv.weight_bytes == sum(int(t.nbytes) for t in model.weights.values())
+    assert inv.kv_bytes_per_token_layer * inv.n_layers == model.kv_bytes_per_token()
+    assert inv.scratch_bytes(3, 64, inv.n_layers) == mem.scratch_bytes
+
+
+@pytest.mark.parametrize("quant", [None, "q8_0", "q4_0"])
+def test_demo_model_memory_equals_engine(demo_path: Path, quant: str | None) -> None:
+    inv = api.resolve_model(str(demo_path), quant)
+    _engine_vs_planner(cellswarm.load(demo_path, quant=quant, tokenizer=False), inv)
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    configs = {name: LLAMA_FAMILY[name] for name in ("llama", "qwen2", "qwen3")}
+    configs["deepseek"] = DEEPSEEK_V3
+    return {
+        name: save_hf(build_hf_model(cfg), tmp_path_factory.mktemp(name))
+        for name, cfg in configs.items()
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "deepseek"])
+@pytest.mark.parametrize("quant", [None, "q8_0"])
+def test_random_models_memory_equals_engine(
+    tiny_folders: dict[str, Path], name: str, quant: str | None, tmp_path: Path
+) -> None:
+    folder = tiny_folders[name]
+    _engine_vs_planner(cellswarm.load(folder, quant=quant), api.resolve_model(str(folder), quant))
+    # The same weights as a GGUF file: the planner reads its header only.
+    cfg = hf_dir.read_config(folder)
+    module = module_of(entry_for_hf(cfg["model_type"]))
+    config = module.CONFIG.from_hf(cfg)
+    tensors = module.hf_tensors_to_gguf(config, hf_dir.read_safetensors(folder))
+    tensors |= module.hf_extra_tensors(config, cfg)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, config.to_gguf_metadata(), tensors)
+    _engine_vs_planner(cellswarm.load(path), api.resolve_model(str(path)))
+
+
+# -- published measurements -------------------------------------------------------------------
+
+
+def test_kimi_k3_on_the_optane_box_within_2x() -> None:
+    """Seed 004 (Tom's Hardware, Nov 2026): Kimi K3 at its smallest (~1-bit class, 610 GB)
+    quantization on a 40-core Xeon with Optane PMem 200 in App Direct, all weights served from
+    PMem (no DRAM placement yet): 0.85 tokens/s."""
+    r = api.plan("kimi-k3", node="xeon-optane", count=1, quant="1.74", dram_bytes=0)
+    assert r.fits
+    assert 0.85 / 2 <= r.decode_tokens_per_s <= 0.85 * 2
+    hybrid = api.plan("kimi-k3", node="xeon-optane", count=1, quant="1.74")
+    assert hybrid.decode_tokens_per_s > r.decode_tokens_per_s  # what tiering buys
+
+
+def test_distributed_llama_8_rpi4_llama2_70b_within_2x() -> None:
+    """b4rtaz/distributed-llama README (v0.1.0): Llama 2 70B Q40 weights, Q80 buffers, on 8 x
+    Raspberry Pi 4B 8 GB over a gigabit switch: 4842.81 ms per token, 2719.62 ms of it transfer."""
+    r = api.plan(
+        "llama-2-70b", node="rpi4", count=8, quant="q4_0", parallel="tensor",
+        activations="q8_0", context=1024,
+    )  # fmt: skip
+    assert r.fits
+    assert 4.84 / 2 <= r.decode.total_s <= 4.84 * 2
+
+
+def test_tensor_parallel_loses_to_pipeline_on_a_big_ethernet_swarm() -> None:
+    pipe = api.plan("llama-3.1-70b", node="rpi4", count=64, quant="q4_0", concurrency=8)
+    tp = api.plan("llama-3.1-70b", node="rpi4", count=64, quant="q4_0", parallel="tensor")
+    assert tp.decode.network_s > tp.decode.compute_s + tp.decode.memory_s
+    assert pipe.throughput_tokens_per_s > tp.throughput_tokens_per_s
+
+
+# -- placement as a pure function ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capacity_mib", "nodes"),
+    [(10_000, 1), (60, 3), (40, 4), (25, 6)],
+)
+def test_demo_placement_by_capacity(demo_path: Path, capacity_mib: int, nodes: int) -> None:
+    inv = api.resolve_model(str(demo_path))
+    p = place_pipeline(inv, capacity_mib << 20, kv_tokens=512)
+    assert p.placeable and p.nodes_per_replica == nodes
+    assert sum(s.weight_bytes for s in p.slots) == pytest.approx(
+        inv.weight_bytes + inv.head_bytes(), rel=1e-6
+    )
+    layers = [layer for s in p.slots if s.layers for layer in range(*s.layers)]
+    assert layers == list(range(inv.n_layers))
+    assert all(s.used_bytes <= capacity_mib << 20 for s in p.slots)
+
+
+def test_vocabulary_rows_split_when_they_do_not_fit_one_node(demo_path: Path) -> None:
+    inv = api.resolve_model(str(demo_path))
+    p = place_pipeline(inv, 12 << 20, kv_tokens=16)
+    embed = [s.embed_rows for s in p.slots if s.embed_rows]
+    assert len(embed) >= 3 and embed[0][0] == 0 and embed[-1][1] == inv.vocab_size
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(embed))
+
+
+def test_a_node_too_small_says_by_how_much(demo_path: Path) -> None:
+    inv = api.resolve_model(str(demo_path))
+    p = place_pipeline(inv, 1 << 20, kv_tokens=100_000)
+    assert not p.placeable
+    assert "exceed a node's 1,048,576 bytes by" in p.problem
+
+
+def test_not_enough_nodes_gives_the_minimum() -> None:
+    r = api.plan("llama-3.1-70b", node="rpi4", count=2, quant="q4_0")
+    assert not r.fits and r.min_nodes > 2
+    assert f"needs {r.min_nodes:,} nodes" in r.problem
+
+
+def test_replicas_when_memory_is_plenty(demo_path: Path) -> None:
+    r = api.plan(str(demo_path), node="laptop", count=5)
+    assert r.fits and r.min_nodes == 1 and r.replicas == 5
+    assert r.throughput_tokens_per_s == pytest.approx(5 * r.decode_tokens_per_s)
+
+
+def test_bad_requests_are_one_line_errors() -> None:
+    with pytest.raises(cellswarm.RequestError, match="unknown node profile 'ps4'"):
+        api.plan("kimi-k2", node="ps4", count=1)
+    with pytest.raises(cellswarm.RequestError, match="neither a file, a folder nor a preset"):
+        api.plan("kimi-k9", node="ps3", count=1)
+    with pytest.raises(cellswarm.RequestError, match="--count 0"):
+        api.plan("kimi-k2", node="ps3", count=0)
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+
+def test_cli_kimi_k3_on_100k_ps3s(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "cellswarm", "plan", "kimi-k3", "--node", "ps3",
+           "--count", "100000", "--quant", "1.74"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "Fits" in out or "Does not fit" in out
+    for words in ("replicas", "tokens/s", "first tier to saturate", "MW"):
+        assert words in out
+    js = subprocess.run(
+        [*cmd, "--json", "--plot", str(tmp_path / "p.png")],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    result = json.loads(js)
+    for key in ("fits", "min_nodes", "weights_bytes", "kv_bytes_per_token", "node_memory_bytes",
+                "aggregate_memory_bytes", "replicas", "decode_tokens_per_s",
+                "throughput_tokens_per_s", "bound", "power_w", "energy_j_per_token"):  # fmt: skip
+        assert key in result
+    assert result["aggregate_memory_bytes"] == 100_000 * 196 * 2**20
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_cli_tiers_and_errors() -> None:
+    cmd = [sys.executable, "-m", "cellswarm", "plan", "kimi-k3", "--node", "xeon-optane",
+           "--quant", "1.74"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "expert-cache hit rate" in out and "pmem" in out
+    bad = subprocess.run(
+        [sys.executable, "-m", "cellswarm", "plan", "kimi-k2", "--node", "ps4"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_preset_inventories_are_deterministic() -> None:
+    a = api.resolve_model("deepseek-v3", "q4_0")
+    b = api.resolve_model("deepseek-v3", "q4_0")
+    assert a.weights_by_kind() == b.weights_by_kind()
+    assert np.isclose(a.total_params, 671e9, rtol=0.01)
