@@ -205,7 +205,7 @@ def test_bad_requests_are_one_line_errors() -> None:
 
 def test_cli_kimi_k3_on_100k_ps3s(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "cellswarm", "plan", "kimi-k3", "--node", "ps3",
-           "--count", "100000", "--quant", "1.74"]  # fmt: skip
+           "--count", "100000"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout
     assert "Fits" in out or "Does not fit" in out
     for words in ("replicas", "tokens/s", "first tier to saturate", "MW"):

@@ -35,7 +35,7 @@ def resolve_model(model: str, quant: str | None = None) -> ModelInventory:
             f"model {model!r} is neither a file, a folder nor a preset; presets: "
             f"{', '.join(sorted(presets.load_presets()))}"
         ) from None
-    spec = spec or QuantSpec.parse("q4_0")
+    spec = spec or QuantSpec.parse(preset.default_quant)
     return inventory.from_hf_config(preset.name, preset.hf_config, spec, preset.assumptions)
 
 

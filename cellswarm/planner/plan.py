@@ -7,6 +7,7 @@ network tiers, watts — follows from the placement through cost.py and network.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,10 +58,12 @@ class PlanResult:
     decode: cost.StepTime
     prefill_s: float
     throughput_tokens_per_s: float  # whole swarm, `concurrency` sequences per replica
-    tensor_parallel: cost.StepTime | None
+    tensor_parallel: cost.StepTime | None  # with --parallel tensor/expert: TP over min_nodes
     tier_loads: tuple[network.TierLoad, ...]
     power_w: float
     tiers: TierPlan | None
+    bytes_per_token: float = 0.0  # on the wire, one replica, all links together
+    pipeline: PlanResult | None = None  # with --parallel tensor: the pipeline plan beside it
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -139,6 +142,7 @@ def plan(inv: ModelInventory, req: PlanRequest) -> PlanResult:
         throughput_tokens_per_s=per_replica * replicas,
         tensor_parallel=_tp_compare(inv, req, min_nodes) if req.parallel != "pipeline" else None,
         tier_loads=tuple(loads), power_w=_power(req, replicas * min_nodes), tiers=tiers,
+        bytes_per_token=_wire_bytes(inv, placement, req) if tiers is None else 0.0,
     )  # fmt: skip
 
 
@@ -151,6 +155,10 @@ def _unplaceable(
         prefill_s=0.0, throughput_tokens_per_s=0.0, tensor_parallel=None, tier_loads=(),
         power_w=_power(req, 0), tiers=None,
     )  # fmt: skip
+
+
+def _wire_bytes(inv: ModelInventory, p: Placement, req: PlanRequest) -> float:
+    return sum(f[2] for f in network.replica_flows(inv, p, req.cost.activation_bytes))
 
 
 def _pipelined_tokens_per_s(step: cost.StepTime, in_flight: int) -> float:
@@ -199,4 +207,11 @@ def _plan_tensor(
         prefill_s=cost.tensor_parallel_prefill(inv, group, req.node, req.cost, req.prompt_tokens),
         throughput_tokens_per_s=tps, tensor_parallel=decode, tier_loads=(),
         power_w=_power(req, replicas * n), tiers=None,
+        bytes_per_token=_tp_wire_bytes(inv, group, req),
+        pipeline=plan(inv, dataclasses.replace(req, parallel="pipeline")),
     )  # fmt: skip
+
+
+def _tp_wire_bytes(inv: ModelInventory, n: int, req: PlanRequest) -> float:
+    vec = inv.d_model * req.cost.activation_bytes
+    return inv.n_layers * req.cost.tp_syncs_per_layer * 2 * (n - 1) * vec

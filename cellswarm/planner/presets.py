@@ -19,7 +19,7 @@ from typing import Any
 from cellswarm.errors import RequestError
 
 PRESETS_FILE = "models.toml"
-_RESERVED = ("source", "assumptions", "published")
+_RESERVED = ("source", "assumptions", "published", "default_quant")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Preset:
     assumptions: tuple[str, ...] = ()
     published_total_params: int | None = None
     published_active_params: int | None = None
+    default_quant: str = "q4_0"  # what `plan` sizes it at without --quant
 
     @property
     def model_type(self) -> str:
@@ -91,6 +92,7 @@ def _preset(name: str, table: Mapping[str, Any]) -> Preset:
         assumptions=tuple(assumptions),
         published_total_params=total,
         published_active_params=active,
+        default_quant=str(table.get("default_quant", "q4_0")),
     )
 
 

@@ -53,6 +53,7 @@ def as_dict(r: PlanResult) -> dict[str, Any]:
             for t in r.tier_loads
         ],
         "first_saturated_tier": r.first_saturated_tier,
+        "bytes_per_token_on_wire": r.bytes_per_token,
         "power_w": r.power_w,
         "node_power_w": r.node_power_w,
         "energy_j_per_token": r.energy_j_per_token,
@@ -61,6 +62,9 @@ def as_dict(r: PlanResult) -> dict[str, Any]:
     }
     if r.tensor_parallel is not None:
         out["tensor_parallel_decode_s"] = _step(r.tensor_parallel)
+    if r.pipeline is not None:
+        out["pipeline_decode_s"] = _step(r.pipeline.decode)
+        out["pipeline_throughput_tokens_per_s"] = r.pipeline.throughput_tokens_per_s
     if r.tiers is not None:
         t = r.tiers
         out["tiers"] = {
@@ -169,6 +173,21 @@ def _speed_table(r: PlanResult) -> Table:
             "tensor parallel instead",
             f"{1000 * tp.total_s:,.1f} ms/token (network {1000 * tp.network_s:,.1f} ms: "
             f"{req.cost.tp_syncs_per_layer} all-reduces per layer)",
+        )
+    if r.bytes_per_token:
+        hop = r.model.d_model * req.cost.activation_bytes
+        t.add_row(
+            "network per token",
+            f"{format_bytes(hop)} per pipeline hop; {format_bytes(r.bytes_per_token)} over all "
+            "links of a replica",
+        )
+    if r.pipeline is not None and r.pipeline.fits:
+        p = r.pipeline
+        t.add_row(
+            "pipeline instead",
+            f"{1000 * p.decode.total_s:,.1f} ms/token one stream, "
+            f"{p.throughput_tokens_per_s:,.2f} tokens/s with {req.concurrency} in flight "
+            f"(network {1000 * p.decode.network_s:,.1f} ms)",
         )
     for load in r.tier_loads:
         t.add_row(
