@@ -236,13 +236,10 @@ class Llama:
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
-        return self.w.matrix("token_embd.weight").take_rows(token_ids)  # (T, d)
+        return ops.embed(self.w, token_ids)  # (T, d)
 
     def head(self, x: np.ndarray) -> np.ndarray:
-        c = self.config
-        h = ops.rms_norm(x, self.w.vector("output_norm.weight", c.d_model), c.rms_eps)
-        out = "output.weight" if "output.weight" in self.w else "token_embd.weight"  # tied
-        return self.w.matrix(out).matmul(h)  # (T, vocab rows held)
+        return ops.lm_head(self.w, x, self.config.d_model, self.config.rms_eps)  # (T, vocab)
 
     def block(
         self, layer: int, x: np.ndarray, positions: np.ndarray, cache: LayerCache

@@ -6,9 +6,14 @@ key/value heads, D for head dims.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from cellswarm.quant import PackedMatrix
+
+if TYPE_CHECKING:
+    from cellswarm.io.weights import WeightStore
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -62,3 +67,16 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.n
     probs = softmax(scores + causal_mask(t, s))
     out = probs @ v.transpose(1, 0, 2)[:, None]  # (Hkv, g, T, Dv)
     return out.transpose(2, 0, 1, 3).reshape(t, h, dv)
+
+
+def embed(w: WeightStore, token_ids: np.ndarray) -> np.ndarray:
+    """(T,) ids -> (T, d): only the rows asked for are dequantized."""
+    return w.matrix("token_embd.weight").take_rows(token_ids)
+
+
+def lm_head(w: WeightStore, x: np.ndarray, d_model: int, eps: float) -> np.ndarray:
+    """(T, d) -> (T, vocab rows held): final RMSNorm, then the output head (or the embedding
+    matrix when the model ties them, as llama.cpp does when a file has no output.weight)."""
+    h = rms_norm(x, w.vector("output_norm.weight", d_model), eps)
+    out = "output.weight" if "output.weight" in w else "token_embd.weight"
+    return w.matrix(out).matmul(h)
