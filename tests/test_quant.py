@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gguf.quants as gq
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from cellswarm import kernels
 from cellswarm.errors import ShapeMismatchError, UnsupportedQuantError
 from cellswarm.quant import (
     FORMATS,
@@ -21,6 +22,15 @@ from cellswarm.quant import (
     format_for,
     quantize,
 )
+
+
+@pytest.fixture(autouse=True)
+def _numpy_kernels() -> Iterator[None]:
+    """These tests are about the reference codec path; tests/test_kernels.py checks the fast
+    path against it."""
+    with kernels.using("numpy"):
+        yield
+
 
 ALL = list(FORMATS.values())
 QUANTIZABLE = [f for f in ALL if f.can_quantize]

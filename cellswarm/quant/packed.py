@@ -14,12 +14,19 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGMLQuantizationType
 
+from cellswarm import kernels
 from cellswarm.errors import ShapeMismatchError
 from cellswarm.quant.formats import Bytes, Floats, QuantFormat, dequantize, quantize
 
 # Float32 bytes of one dequantized weight tile in `matmul`: big enough that np.matmul
 # runs at BLAS speed, small enough to stay near cache and far below the model's size.
 TILE_BYTES = 4 << 20
+
+
+def _c32(x: np.ndarray) -> np.ndarray:
+    return (
+        x if x.dtype == np.float32 and x.flags.c_contiguous else np.ascontiguousarray(x, np.float32)
+    )
 
 
 def _as_bytes(data: npt.NDArray[Any], ndim: int, fmt: QuantFormat) -> Bytes:
@@ -76,7 +83,19 @@ class PackedMatrix:
 
     def dequantize(self) -> Floats:
         """The whole weight as a new float32 array (out_features, in_features)."""
-        return dequantize(self.data, self.fmt)
+        return self._dequantize_rows(0, self.shape[0])
+
+    def _dequantize_rows(self, start: int, stop: int) -> Floats:
+        rows = self.data[start:stop]
+        if self.fmt.name in kernels.FUSED_TYPES and kernels.can_fuse(self.fmt.name):
+            out = np.empty((stop - start, self.shape[1]), np.float32)
+            kernels.dequantize(self.fmt.name, np.ascontiguousarray(rows), self.shape[1], out)
+            return out
+        return dequantize(rows, self.fmt)
+
+    def _contiguous(self) -> Bytes:
+        # Views of a memory map are contiguous already; a copy happens only for odd views.
+        return self.data if self.data.flags.c_contiguous else np.ascontiguousarray(self.data)
 
     def take_rows(self, ids: npt.ArrayLike) -> Floats:
         """Rows `ids` (any int shape) dequantized: (*ids.shape, in_features).
@@ -84,6 +103,14 @@ class PackedMatrix:
         This is an embedding lookup; only the selected rows are decoded.
         """
         index = np.asarray(ids, dtype=np.intp)
+        if (
+            index.ndim == 1
+            and self.fmt.name in kernels.FUSED_TYPES
+            and kernels.can_fuse(self.fmt.name)
+        ):
+            out = np.empty((len(index), self.shape[1]), np.float32)
+            kernels.dequantize(self.fmt.name, self.data[index], self.shape[1], out)
+            return out
         return dequantize(self.data[index], self.fmt)
 
     def matmul(self, x: npt.ArrayLike, *, tile_bytes: int | None = None) -> Floats:
@@ -107,6 +134,10 @@ class PackedMatrix:
             return np.matmul(x2, w.T).reshape(*lead, out_features)
 
         out = np.empty((x2.shape[0], out_features), dtype=np.float32)  # (n, out)
+        if x2.shape[0] <= kernels.MAX_BATCH and kernels.can_fuse(self.fmt.name):
+            # Decode and small batches: one pass over the packed bytes, no float32 tile.
+            kernels.matmul(self.fmt.name, self._contiguous(), in_features, _c32(x2), out)
+            return out.reshape(*lead, out_features)
         budget = TILE_BYTES if tile_bytes is None else tile_bytes
         step = max(1, budget // max(1, in_features * 4))  # weight rows per tile
         for start in range(0, out_features, step):

@@ -1,0 +1,191 @@
+"""Fast kernels: C compiled once on this machine by its own gcc, cached on disk, loaded by ctypes.
+
+Why C through the system compiler rather than a JIT (see ARCHITECTURE.md): a worker on a
+256 MB node must not carry LLVM (numba adds ~60 MB resident and seconds of JIT per kernel at
+cold start); gcc exists on every platform a node may be (x86-64, aarch64, ppc64) and
+`-march=native` vectorizes the plain loops for that host; the cached shared object costs
+well under a megabyte and loads in milliseconds. Without a compiler, the numpy path runs.
+
+Backend: `CELLSWARM_KERNELS=numpy` (or `use("numpy")`) forces the reference numpy path.
+Threads: `set_threads(n)` sets OpenMP (these kernels) and BLAS (numpy) together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FUSED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14, "Q2_K": 10}
+FLOAT_TYPES = {"F16": 1, "BF16": 30}
+MAX_BATCH = 16  # rows of x per fused call; larger batches go to dequantize + BLAS
+
+_lib: ctypes.CDLL | None = None
+_backend = os.environ.get("CELLSWARM_KERNELS", "c")
+_threads = 0
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CELLSWARM_CACHE") or Path.home() / ".cache" / "cellswarm"
+    return Path(root) / "kernels"
+
+
+def library_path() -> Path:
+    """Where the compiled kernels for this source, compiler flags and machine live."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join(CFLAGS).encode())
+    key.update(f"{platform.machine()} {platform.processor()} {sys.platform}".encode())
+    key.update(_cpu_signature().encode())
+    return cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
+
+
+def _cpu_signature() -> str:
+    """-march=native code must not run on another CPU that shares this cache directory."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features", "cpu\t")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(path: Path | None = None) -> Path:
+    """Compile the kernels (once; later calls find the cached file)."""
+    target = path or library_path()
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [os.environ.get("CC", "gcc"), *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, target)  # atomic: concurrent builders never see half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib
+    if _lib is not None or _backend != "c":
+        return _lib
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("fast kernels unavailable (%s); using the numpy path", exc)
+        use("numpy")
+        return None
+    _declare(lib)
+    _lib = lib
+    if _threads:
+        lib.cs_set_threads(_threads)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.cs_quantize_act.argtypes = [p, i64, i64, p, p, p]
+    lib.cs_matmul_q.argtypes = [i32, p, i64, i64, i64, p, p, p, i64, p]
+    lib.cs_matmul_f.argtypes = [i32, p, i64, i64, p, i64, p]
+    lib.cs_dequantize.argtypes = [i32, p, i64, i64, i64, p]
+    lib.cs_set_threads.argtypes = [i32]
+    for f in (lib.cs_quantize_act, lib.cs_matmul_q, lib.cs_matmul_f, lib.cs_dequantize):
+        f.restype = None
+
+
+def use(backend: str) -> None:
+    """'c' (fused kernels, the default) or 'numpy' (the reference path)."""
+    global _backend, _lib
+    if backend not in ("c", "numpy"):
+        raise ValueError(f"kernel backend {backend!r} is not 'c' or 'numpy'")
+    _backend = backend
+    if backend == "numpy":
+        _lib = None
+
+
+@contextlib.contextmanager
+def using(name: str) -> Iterator[None]:
+    """Run a block on one backend ('numpy' for the reference path), then restore."""
+    before = _backend
+    use(name)
+    try:
+        yield
+    finally:
+        use(before)
+
+
+def backend() -> str:
+    return "c" if _load() is not None else "numpy"
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_threads(n: int | None) -> int:
+    """Threads for the kernels and for BLAS; None: the cores this process may use."""
+    global _threads
+    _threads = n or default_threads()
+    if _lib is not None:
+        _lib.cs_set_threads(_threads)
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(_threads, user_api="blas")
+    except ImportError:  # BLAS keeps its own default
+        pass
+    return _threads
+
+
+def can_fuse(type_name: str) -> bool:
+    return (type_name in FUSED_TYPES or type_name in FLOAT_TYPES) and _load() is not None
+
+
+def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (n, cols) float32, cols % 32 == 0 -> (int8 (n, cols), scales (n, cols/32), sums16)."""
+    lib = _load()
+    assert lib is not None
+    n, cols = x.shape
+    xq = np.empty((n, cols), np.int8)
+    xd = np.empty((n, cols // 32), np.float32)
+    xs = np.empty((n, cols // 16), np.int32)
+    lib.cs_quantize_act(x.ctypes.data, n, cols, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data)
+    return xq, xd, xs
+
+
+def matmul(type_name: str, w: np.ndarray, cols: int, x: np.ndarray, out: np.ndarray) -> None:
+    """out (n, rows) = x (n, cols) @ W.T; W packed (rows, row_bytes) C-contiguous."""
+    lib = _load()
+    assert lib is not None
+    rows, row_bytes = w.shape
+    if type_name in FLOAT_TYPES:
+        lib.cs_matmul_f(FLOAT_TYPES[type_name], w.ctypes.data, rows, cols, x.ctypes.data,
+                        x.shape[0], out.ctypes.data)  # fmt: skip
+        return
+    xq, xd, xs = quantize_act(x)
+    lib.cs_matmul_q(FUSED_TYPES[type_name], w.ctypes.data, rows, row_bytes, cols, xq.ctypes.data,
+                    xd.ctypes.data, xs.ctypes.data, x.shape[0], out.ctypes.data)  # fmt: skip
+
+
+def dequantize(type_name: str, w: np.ndarray, cols: int, out: np.ndarray) -> None:
+    lib = _load()
+    assert lib is not None
+    rows, row_bytes = w.shape
+    lib.cs_dequantize(FUSED_TYPES[type_name], w.ctypes.data, rows, row_bytes, cols, out.ctypes.data)

@@ -1,0 +1,617 @@
+/* Fused kernels on packed GGUF blocks: y = x @ W.T without unpacking W to float32.
+ *
+ * Activations are quantized once per call to int8 in blocks of 32 (a float scale per block,
+ * plus the int sum of every 16 values), as llama.cpp's Q8_0/Q8_K dot products do. Each weight
+ * block is then decoded to int8 values with a scale and a min for every 16 weights, and
+ * multiplied with integer arithmetic; floats only combine the per-16 integer sums:
+ *
+ *     y = sum_g  xd[g/2] * (scale_g * sum(wq * xq over g) - min_g * sum(xq over g))
+ *
+ * Every weight byte is read once per call, whatever the batch (1..16 rows of x share each
+ * decoded block). Rows of W are split over OpenMP threads. Written as plain C loops with
+ * constant trip counts so gcc vectorizes them for the host (-O3 -march=native): AVX2/AVX-512
+ * on x86-64, NEON on aarch64, VSX on ppc64.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_K = 14, BF16 = 30 };
+#define MAX_BATCH 16
+
+static inline float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalize */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* ---- activations -------------------------------------------------------------------- */
+
+/* x: (nx, cols) float32 -> xq int8 (nx, cols), xd (nx, cols/32), xs (nx, cols/16). */
+void cs_quantize_act(const float *x, int64_t nx, int64_t cols, int8_t *xq, float *xd,
+                     int32_t *xs) {
+    const int64_t nb = cols / 32;
+    for (int64_t r = 0; r < nx; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * cols + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+            int8_t *q = xq + r * cols + b * 32;
+            for (int i = 0; i < 32; i++) q[i] = (int8_t)roundf(v[i] * id);
+            int32_t s0 = 0, s1 = 0;
+            for (int i = 0; i < 16; i++) { s0 += q[i]; s1 += q[16 + i]; }
+            xd[r * nb + b] = d;
+            xs[r * 2 * nb + 2 * b] = s0;
+            xs[r * 2 * nb + 2 * b + 1] = s1;
+        }
+    }
+}
+
+/* ---- weight blocks: decode to int8 + per-16 scale and min -------------------------------- */
+
+/* A decoded block of `n` weights (32 or 256): w = scale[g] * q - min[g] for group g = i/16. */
+typedef struct { int8_t q[256]; float scale[16]; float min[16]; } decoded;
+
+static inline void decode_q8_0(const uint8_t *b, decoded *o) {
+    const float d = fp16_to_f32(rd16(b));
+    memcpy(o->q, b + 2, 32);
+    o->scale[0] = o->scale[1] = d;
+    o->min[0] = o->min[1] = 0.0f;
+}
+
+static inline void decode_q4_0(const uint8_t *b, decoded *o) {
+    const float d = fp16_to_f32(rd16(b));
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < 16; j++) {
+        o->q[j] = (int8_t)((qs[j] & 0xF) - 8);
+        o->q[j + 16] = (int8_t)((qs[j] >> 4) - 8);
+    }
+    o->scale[0] = o->scale[1] = d;
+    o->min[0] = o->min[1] = 0.0f;
+}
+
+static inline void decode_q4_1(const uint8_t *b, decoded *o) {
+    const float d = fp16_to_f32(rd16(b)), m = fp16_to_f32(rd16(b + 2));
+    const uint8_t *qs = b + 4;
+    for (int j = 0; j < 16; j++) {
+        o->q[j] = (int8_t)(qs[j] & 0xF);
+        o->q[j + 16] = (int8_t)(qs[j] >> 4);
+    }
+    o->scale[0] = o->scale[1] = d;
+    o->min[0] = o->min[1] = -m; /* w = d*q + m */
+}
+
+static inline void k4_scale_min(int j, const uint8_t *s, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static inline void decode_q4_k(const uint8_t *b, decoded *o) {
+    const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
+    const uint8_t *scales = b + 4, *qs = b + 16;
+    for (int c = 0; c < 4; c++) { /* 64 weights: 32 low nibbles, then 32 high nibbles */
+        const uint8_t *q = qs + 32 * c;
+        for (int l = 0; l < 32; l++) {
+            o->q[64 * c + l] = (int8_t)(q[l] & 0xF);
+            o->q[64 * c + 32 + l] = (int8_t)(q[l] >> 4);
+        }
+        uint8_t sc, m;
+        for (int h = 0; h < 2; h++) {
+            k4_scale_min(2 * c + h, scales, &sc, &m);
+            const int g = 4 * c + 2 * h;
+            o->scale[g] = o->scale[g + 1] = d * sc;
+            o->min[g] = o->min[g + 1] = dmin * m;
+        }
+    }
+}
+
+static inline void decode_q6_k(const uint8_t *b, decoded *o) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = fp16_to_f32(rd16(b + 208));
+    for (int n = 0; n < 2; n++) {
+        const uint8_t *l8 = ql + 64 * n, *h8 = qh + 32 * n;
+        int8_t *y = o->q + 128 * n;
+        for (int l = 0; l < 32; l++) {
+            y[l] = (int8_t)(((l8[l] & 0xF) | (((h8[l] >> 0) & 3) << 4)) - 32);
+            y[l + 32] = (int8_t)(((l8[l + 32] & 0xF) | (((h8[l] >> 2) & 3) << 4)) - 32);
+            y[l + 64] = (int8_t)(((l8[l] >> 4) | (((h8[l] >> 4) & 3) << 4)) - 32);
+            y[l + 96] = (int8_t)(((l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4)) - 32);
+        }
+    }
+    for (int g = 0; g < 16; g++) {
+        o->scale[g] = d * sc[g];
+        o->min[g] = 0.0f;
+    }
+}
+
+static inline void decode_q2_k(const uint8_t *b, decoded *o) {
+    const uint8_t *scales = b, *qs = b + 16;
+    const float d = fp16_to_f32(rd16(b + 80)), dmin = fp16_to_f32(rd16(b + 82));
+    for (int n = 0; n < 2; n++) {
+        const uint8_t *q = qs + 32 * n;
+        for (int j = 0; j < 4; j++) {
+            const int shift = 2 * j;
+            int8_t *y = o->q + 128 * n + 32 * j;
+            for (int l = 0; l < 32; l++) y[l] = (int8_t)((q[l] >> shift) & 3);
+        }
+    }
+    for (int g = 0; g < 16; g++) {
+        o->scale[g] = d * (scales[g] & 0xF);
+        o->min[g] = dmin * (scales[g] >> 4);
+    }
+}
+
+static inline int block_elems(int fmt) { return fmt == Q2_K || fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
+
+static inline void decode(int fmt, const uint8_t *b, decoded *o) {
+    switch (fmt) {
+    case Q8_0: decode_q8_0(b, o); break;
+    case Q4_0: decode_q4_0(b, o); break;
+    case Q4_1: decode_q4_1(b, o); break;
+    case Q4_K: decode_q4_k(b, o); break;
+    case Q6_K: decode_q6_k(b, o); break;
+    default: decode_q2_k(b, o); break;
+    }
+}
+
+
+/* ---- x86-64 AVX2 (and AVX-512 VNNI) row kernels -------------------------------------------
+ * One function per format computes `nx` dot products of one packed row with the quantized
+ * activations, keeping 8-lane float accumulators and summing them once per row. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_SIMD_ROWS 1
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline float h2f(const uint8_t *p) {
+#ifdef __F16C__
+    return _cvtsh_ss(rd16(p));
+#else
+    return fp16_to_f32(rd16(p));
+#endif
+}
+
+/* unsigned bytes u (0..127 fine, values < 128 here) x signed bytes s -> 8 x int32 */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* signed x signed: move the sign of a onto b, so the left operand is |a| (unsigned) */
+static inline __m256i dot_s8s8(__m256i a, __m256i b) {
+    return dot_u8s8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+
+static inline __m256i load_nibbles16(const uint8_t *qs) { /* 16 bytes -> 32 values 0..15 */
+    const __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
+}
+
+typedef struct {
+    const int8_t *xq; const float *xd; const int32_t *xs; int64_t cols; int64_t nx;
+    const float *xsum; /* per 32 block: xd * sum(xq), the float sum of the block */
+} acts;
+
+static void row_q8_0_1(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    /* one activation row: accumulators stay in registers, two chains for the FMA latency */
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *p0 = row + 34 * b, *p1 = p0 + 34;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p0 + 2));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p1 + 2));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->xq + 32 * b));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->xq + 32 * b + 32));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(p0) * a->xd[b]), _mm256_cvtepi32_ps(dot_s8s8(w0, x0)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(p1) * a->xd[b + 1]), _mm256_cvtepi32_ps(dot_s8s8(w1, x1)), acc1);
+    }
+    for (; b < nb; b++) {
+        const uint8_t *p0 = row + 34 * b;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p0 + 2));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->xq + 32 * b));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(p0) * a->xd[b]), _mm256_cvtepi32_ps(dot_s8s8(w0, x0)), acc0);
+    }
+    out[0] = hsum(_mm256_add_ps(acc0, acc1));
+}
+
+static void row_q8_0(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    if (a->nx == 1) { row_q8_0_1(row, nb, a, out); return; }
+    __m256 acc[MAX_BATCH];
+    for (int64_t k = 0; k < a->nx; k++) acc[k] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 34 * b;
+        const float d = h2f(blk);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m256i wa = _mm256_sign_epi8(w, w);
+        for (int64_t k = 0; k < a->nx; k++) {
+            const int64_t o = k * a->cols + 32 * b;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(a->xq + o));
+            const __m256i dot = dot_u8s8(wa, _mm256_sign_epi8(x, w));
+            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->xd[o / 32]), _mm256_cvtepi32_ps(dot), acc[k]);
+        }
+    }
+    for (int64_t k = 0; k < a->nx; k++) out[k] = hsum(acc[k]);
+}
+
+/* Q4_0 (w = d*(q - 8)) and Q4_1 (w = d*q + m): both as unsigned nibbles times signed
+ * activations, the offset folded into the block's activation sum. */
+static void row_q4_1row(const uint8_t *row, int64_t nb, const acts *a, float *out, int has_min) {
+    const int bb = has_min ? 20 : 18, qo = has_min ? 4 : 2;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float mins = 0.0f;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *p0 = row + bb * b, *p1 = p0 + bb;
+        const float d0 = h2f(p0), d1 = h2f(p1);
+        const float m0 = has_min ? h2f(p0 + 2) : -8.0f * d0, m1 = has_min ? h2f(p1 + 2) : -8.0f * d1;
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->xq + 32 * b));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->xq + 32 * b + 32));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * a->xd[b]), _mm256_cvtepi32_ps(dot_u8s8(load_nibbles16(p0 + qo), x0)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * a->xd[b + 1]), _mm256_cvtepi32_ps(dot_u8s8(load_nibbles16(p1 + qo), x1)), acc1);
+        mins += m0 * a->xsum[b] + m1 * a->xsum[b + 1];
+    }
+    for (; b < nb; b++) {
+        const uint8_t *p0 = row + bb * b;
+        const float d0 = h2f(p0), m0 = has_min ? h2f(p0 + 2) : -8.0f * d0;
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->xq + 32 * b));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * a->xd[b]), _mm256_cvtepi32_ps(dot_u8s8(load_nibbles16(p0 + qo), x0)), acc0);
+        mins += m0 * a->xsum[b];
+    }
+    out[0] = hsum(_mm256_add_ps(acc0, acc1)) + mins;
+}
+
+static void row_q4(const uint8_t *row, int64_t nb, const acts *a, float *out, int has_min) {
+    if (a->nx == 1) { row_q4_1row(row, nb, a, out, has_min); return; }
+    const int bb = has_min ? 20 : 18;
+    __m256 acc[MAX_BATCH];
+    float mins[MAX_BATCH] = {0};
+    for (int64_t k = 0; k < a->nx; k++) acc[k] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + bb * b;
+        const float d = h2f(blk), m = has_min ? h2f(blk + 2) : -8.0f * d;
+        const __m256i w = load_nibbles16(blk + (has_min ? 4 : 2));
+        for (int64_t k = 0; k < a->nx; k++) {
+            const int64_t o = k * a->cols + 32 * b;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(a->xq + o));
+            const float dx = a->xd[o / 32];
+            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(dot_u8s8(w, x)), acc[k]);
+            mins[k] += m * a->xsum[o / 32];
+        }
+    }
+    for (int64_t k = 0; k < a->nx; k++) out[k] = hsum(acc[k]) + mins[k];
+}
+
+static inline void k4_unpack(const uint8_t *s, float *sc, float *m) {
+    uint8_t a, b;
+    for (int j = 0; j < 8; j++) {
+        k4_scale_min(j, s, &a, &b);
+        sc[j] = a;
+        m[j] = b;
+    }
+}
+
+/* The 12 packed bytes of 6-bit scales and mins -> 8 scales (bytes 0-7), 8 mins (bytes 8-15),
+ * the bit shuffle llama.cpp's kernels use. */
+static inline void k4_unpack_bytes(const uint8_t *s, uint32_t u[4]) {
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    memcpy(u, s, 12);
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t t = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = t;
+    u[0] &= k1;
+}
+
+static void row_q4_k_1(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), minv = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 144 * b;
+        uint32_t u[4];
+        k4_unpack_bytes(blk + 4, u);
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u)));
+        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2))));
+        const __m256 f = _mm256_mul_ps(_mm256_mul_ps(sc, _mm256_loadu_ps(a->xd + 8 * b)), _mm256_set1_ps(h2f(blk)));
+        minv = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_set1_ps(h2f(blk + 2))), _mm256_loadu_ps(a->xsum + 8 * b), minv);
+        const int8_t *xq = a->xq + 256 * b;
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            const __m256i lo = _mm256_and_si256(q, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * c));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32));
+            const __m256 f0 = _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(2 * c));
+            const __m256 f1 = _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(2 * c + 1));
+            acc0 = _mm256_fmadd_ps(f0, _mm256_cvtepi32_ps(dot_u8s8(lo, x0)), acc0);
+            acc1 = _mm256_fmadd_ps(f1, _mm256_cvtepi32_ps(dot_u8s8(hi, x1)), acc1);
+        }
+    }
+    out[0] = hsum(_mm256_add_ps(acc0, acc1)) - hsum(minv);
+}
+
+static void row_q4_k(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    if (a->nx == 1) { row_q4_k_1(row, nb, a, out); return; }
+    __m256 acc[MAX_BATCH];
+    float mins[MAX_BATCH] = {0};
+    for (int64_t k = 0; k < a->nx; k++) acc[k] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 144 * b;
+        const float d = h2f(blk), dmin = h2f(blk + 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            const __m256i lo = _mm256_and_si256(q, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            uint8_t sc0, m0, sc1, m1;
+            k4_scale_min(2 * c, blk + 4, &sc0, &m0);
+            k4_scale_min(2 * c + 1, blk + 4, &sc1, &m1);
+            for (int64_t k = 0; k < a->nx; k++) {
+                const int64_t o = k * a->cols + 256 * b + 64 * c;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->xq + o));
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->xq + o + 32));
+                const float dx0 = a->xd[o / 32], dx1 = a->xd[o / 32 + 1];
+                acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc0 * dx0), _mm256_cvtepi32_ps(dot_u8s8(lo, x0)), acc[k]);
+                acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc1 * dx1), _mm256_cvtepi32_ps(dot_u8s8(hi, x1)), acc[k]);
+                mins[k] += dmin * (m0 * dx0 * (float)(a->xs[o / 16] + a->xs[o / 16 + 1]) +
+                                   m1 * dx1 * (float)(a->xs[o / 16 + 2] + a->xs[o / 16 + 3]));
+            }
+        }
+    }
+    for (int64_t k = 0; k < a->nx; k++) out[k] = hsum(acc[k]) - mins[k];
+}
+
+/* 8 int32 lanes of a 32-value dot: lanes 0-3 come from values 0-15, lanes 4-7 from 16-31 */
+static inline __m256 scale_halves(__m256i dot, float s0, float s1) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set_ps(s1, s1, s1, s1, s0, s0, s0, s0));
+}
+
+static void row_q6_k(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    __m256 acc[MAX_BATCH];
+    for (int64_t k = 0; k < a->nx; k++) acc[k] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03), m30 = _mm256_set1_epi8(0x30);
+    const __m256i m0c = _mm256_set1_epi8(0x0C), off = _mm256_set1_epi8(32);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 210 * b;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = h2f(blk + 208);
+        for (int n = 0; n < 2; n++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(h, m0c), 2));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+            for (int j = 0; j < 4; j++) q[j] = _mm256_sub_epi8(q[j], off);
+            for (int64_t k = 0; k < a->nx; k++) {
+                for (int j = 0; j < 4; j++) {
+                    const int64_t o = k * a->cols + 256 * b + 128 * n + 32 * j;
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->xq + o));
+                    const int g = 8 * n + 2 * j;
+                    const __m256 v = scale_halves(dot_s8s8(q[j], x), (float)sc[g], (float)sc[g + 1]);
+                    acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->xd[o / 32]), v, acc[k]);
+                }
+            }
+        }
+    }
+    for (int64_t k = 0; k < a->nx; k++) out[k] = hsum(acc[k]);
+}
+
+static void row_q2_k(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    __m256 acc[MAX_BATCH];
+    float mins[MAX_BATCH] = {0};
+    for (int64_t k = 0; k < a->nx; k++) acc[k] = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(0x03);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 84 * b, *scales = blk;
+        const float d = h2f(blk + 80), dmin = h2f(blk + 82);
+        for (int n = 0; n < 2; n++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * n));
+            for (int j = 0; j < 4; j++) {
+                const __m256i w = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+                const int g = 8 * n + 2 * j;
+                for (int64_t k = 0; k < a->nx; k++) {
+                    const int64_t o = k * a->cols + 256 * b + 128 * n + 32 * j;
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->xq + o));
+                    const float dx = a->xd[o / 32];
+                    const __m256 v = scale_halves(dot_u8s8(w, x), (float)(scales[g] & 0xF), (float)(scales[g + 1] & 0xF));
+                    acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), v, acc[k]);
+                    mins[k] += dmin * dx * ((scales[g] >> 4) * (float)a->xs[o / 16] +
+                                            (scales[g + 1] >> 4) * (float)a->xs[o / 16 + 1]);
+                }
+            }
+        }
+    }
+    for (int64_t k = 0; k < a->nx; k++) out[k] = hsum(acc[k]) - mins[k];
+}
+
+static void simd_row(int fmt, const uint8_t *row, int64_t cols, const acts *a, float *out) {
+    switch (fmt) {
+    case Q8_0: row_q8_0(row, cols / 32, a, out); break;
+    case Q4_0: row_q4(row, cols / 32, a, out, 0); break;
+    case Q4_1: row_q4(row, cols / 32, a, out, 1); break;
+    case Q4_K: row_q4_k(row, cols / 256, a, out); break;
+    case Q6_K: row_q6_k(row, cols / 256, a, out); break;
+    default: row_q2_k(row, cols / 256, a, out); break;
+    }
+}
+#endif
+
+/* ---- fused matmul ----------------------------------------------------------------------- */
+
+static inline float dot_decoded(const decoded *w, int n, const int8_t *xq, const float *xd,
+                                const int32_t *xs) {
+    float acc = 0.0f;
+    for (int g = 0; g < n / 16; g++) {
+        int32_t s = 0;
+        const int8_t *a = w->q + 16 * g, *x = xq + 16 * g;
+        for (int i = 0; i < 16; i++) s += (int32_t)a[i] * (int32_t)x[i];
+        acc += xd[g / 2] * (w->scale[g] * (float)s - w->min[g] * (float)xs[g]);
+    }
+    return acc;
+}
+
+/* out (nx, rows) = x @ W.T for a quantized W (rows, row_bytes); x given as cs_quantize_act. */
+void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
+                 const int8_t *xq, const float *xd, const int32_t *xs, int64_t nx, float *out) {
+    const int n = block_elems(fmt);
+    const int64_t nblocks = cols / n, bbytes = row_bytes / nblocks;
+#ifdef HAVE_SIMD_ROWS
+    float xsum[MAX_BATCH * 4096];
+    float *xsum_p = nx * (cols / 32) <= MAX_BATCH * 4096 ? xsum : NULL;
+    float *heap = NULL;
+    if (!xsum_p) xsum_p = heap = (float *)malloc(sizeof(float) * nx * (cols / 32));
+    for (int64_t i = 0; i < nx * (cols / 32); i++) xsum_p[i] = xd[i] * (float)(xs[2 * i] + xs[2 * i + 1]);
+    const acts a = {xq, xd, xs, cols, nx, xsum_p};
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float o[MAX_BATCH];
+        simd_row(fmt, w + r * row_bytes, cols, &a, o);
+        for (int64_t k = 0; k < nx; k++) out[k * rows + r] = o[k];
+    }
+    free(heap);
+    return;
+#endif
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float acc[MAX_BATCH] = {0};
+        decoded dw;
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t b = 0; b < nblocks; b++) {
+            decode(fmt, row + b * bbytes, &dw);
+            const int64_t off = b * n;
+            for (int64_t k = 0; k < nx; k++) {
+                acc[k] += dot_decoded(&dw, n, xq + k * cols + off, xd + (k * cols + off) / 32,
+                                      xs + (k * cols + off) / 16);
+            }
+        }
+        for (int64_t k = 0; k < nx; k++) out[k * rows + r] = acc[k];
+    }
+}
+
+/* ---- float weights (F16, BF16): widen 32 at a time, multiply in float ------------------- */
+
+static inline void widen32(int fmt, const uint8_t *p, float *o) {
+    for (int i = 0; i < 32; i++) {
+        const uint16_t h = rd16(p + 2 * i);
+        if (fmt == BF16) {
+            const uint32_t bits = (uint32_t)h << 16;
+            memcpy(o + i, &bits, 4);
+        } else {
+            o[i] = fp16_to_f32(h);
+        }
+    }
+}
+
+void cs_matmul_f(int fmt, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+                 int64_t nx, float *out) {
+#if defined(HAVE_SIMD_ROWS) && defined(__F16C__)
+    if (cols % 8 == 0) {
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            __m256 acc[MAX_BATCH];
+            for (int64_t k = 0; k < nx; k++) acc[k] = _mm256_setzero_ps();
+            const uint8_t *row = w + r * cols * 2;
+            for (int64_t c = 0; c < cols; c += 8) {
+                const __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * c));
+                const __m256 wf = fmt == BF16
+                    ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                    : _mm256_cvtph_ps(h);
+                for (int64_t k = 0; k < nx; k++)
+                    acc[k] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + k * cols + c), acc[k]);
+            }
+            for (int64_t k = 0; k < nx; k++) out[k * rows + r] = hsum(acc[k]);
+        }
+        return;
+    }
+#endif
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float acc[MAX_BATCH] = {0}, wf[32];
+        const uint8_t *row = w + r * cols * 2;
+        int64_t c = 0;
+        for (; c + 32 <= cols; c += 32) {
+            widen32(fmt, row + 2 * c, wf);
+            for (int64_t k = 0; k < nx; k++) {
+                float s = 0.0f;
+                for (int i = 0; i < 32; i++) s += wf[i] * x[k * cols + c + i];
+                acc[k] += s;
+            }
+        }
+        for (; c < cols; c++) { /* a tail shorter than 32 */
+            const uint16_t h = rd16(row + 2 * c);
+            float v;
+            if (fmt == BF16) { const uint32_t bits = (uint32_t)h << 16; memcpy(&v, &bits, 4); }
+            else v = fp16_to_f32(h);
+            for (int64_t k = 0; k < nx; k++) acc[k] += v * x[k * cols + c];
+        }
+        for (int64_t k = 0; k < nx; k++) out[k * rows + r] = acc[k];
+    }
+}
+
+/* ---- dequantize rows to float32 (prefill tiles for BLAS) ------------------------------ */
+
+void cs_dequantize(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
+                   float *out) {
+    const int n = block_elems(fmt);
+    const int64_t nblocks = cols / n, bbytes = row_bytes / nblocks;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        decoded dw;
+        for (int64_t b = 0; b < nblocks; b++) {
+            decode(fmt, w + r * row_bytes + b * bbytes, &dw);
+            float *y = out + r * cols + b * n;
+            for (int i = 0; i < n; i++) y[i] = dw.scale[i / 16] * dw.q[i] - dw.min[i / 16];
+        }
+    }
+}
+
+void cs_set_threads(int n) {
+#ifdef _OPENMP
+    omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
+
+int cs_max_batch(void) { return MAX_BATCH; }

@@ -1,0 +1,96 @@
+"""Fast kernels against the reference codec path: random packed blocks, odd shapes, batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cellswarm import kernels
+from cellswarm.quant import PackedMatrix, format_by_name
+
+pytestmark = pytest.mark.skipif(kernels.backend() != "c", reason="no C compiler on this machine")
+
+QUANT = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q2_K"]
+FLOAT = ["F16", "BF16"]
+SCALE_OFFSETS = {  # where each block keeps its f16 scales: keep them small and finite
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82),
+}  # fmt: skip
+
+
+def random_packed(name: str, rows: int, cols: int, seed: int = 0) -> PackedMatrix:
+    """Random bytes in every block, with sane float16 scales (random bytes can be NaN)."""
+    fmt = format_by_name(name)
+    rng = np.random.default_rng(seed)
+    nb = cols // fmt.block_size
+    data = rng.integers(0, 256, (rows, nb, fmt.type_size), dtype=np.uint8)
+    for off in SCALE_OFFSETS.get(name, ()):
+        scales = rng.uniform(0.001, 0.02, (rows, nb)).astype(np.float16)
+        data[:, :, off : off + 2] = scales.view(np.uint8).reshape(rows, nb, 2)
+    if name in FLOAT:
+        data = rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8)
+        if name == "BF16":
+            data = rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint32) >> 16
+            data = data.astype(np.uint16).view(np.uint8)
+    return PackedMatrix(data.reshape(rows, -1), fmt)
+
+
+def reference_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The activation quantization the kernels run, in numpy: per 32, d = amax/127,
+    q = roundf(x * (1/d)) with halves away from zero."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    v = blocks * inv[..., None]
+    q = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int8)
+    return q.reshape(x.shape), d
+
+
+def test_activation_quantization_is_exact() -> None:
+    x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32) * 5
+    x[1, :32] = 0  # an all-zero block
+    xq, xd, xs = kernels.quantize_act(x)
+    q, d = reference_act(x)
+    np.testing.assert_array_equal(xq, q)
+    np.testing.assert_array_equal(xd, d)
+    np.testing.assert_array_equal(xs, q.reshape(3, -1, 16).astype(np.int32).sum(-1))
+
+
+@pytest.mark.parametrize("name", QUANT + FLOAT)
+@pytest.mark.parametrize(("rows", "cols", "batch"), [(7, 256, 1), (33, 512, 3), (5, 1024, 16)])
+def test_fused_matmul_equals_codec_path(name: str, rows: int, cols: int, batch: int) -> None:
+    w = random_packed(name, rows, cols)
+    x = np.random.default_rng(2).standard_normal((batch, cols)).astype(np.float32)
+    out = np.empty((batch, rows), np.float32)
+    kernels.matmul(name, np.ascontiguousarray(w.data), cols, x, out)
+    if name in FLOAT:
+        xr = x.astype(np.float64)
+    else:
+        q, d = reference_act(x)
+        xr = (q.reshape(batch, -1, 32) * d[..., None].astype(np.float64)).reshape(batch, cols)
+    ref = xr @ w.dequantize().astype(np.float64).T
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_dequantize_equals_codec(name: str) -> None:
+    w = random_packed(name, 9, 512)
+    out = np.empty((9, 512), np.float32)
+    kernels.dequantize(name, np.ascontiguousarray(w.data), 512, out)
+    np.testing.assert_array_equal(out, w.dequantize())
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "F16"])
+def test_packed_matmul_dispatch_matches_numpy_backend(name: str) -> None:
+    """The same PackedMatrix through both backends, incl. a non-contiguous input and a batch
+    bigger than the fused limit (which takes the dequantize + BLAS path)."""
+    w = random_packed(name, 40, 512)
+    base = np.random.default_rng(3).standard_normal((40, 1024)).astype(np.float32)
+    for x in (base[:1, ::2], base[:5, :512], base[:, 512:]):  # strided, small batch, large
+        fast = w.matmul(x)
+        kernels.use("numpy")
+        try:
+            slow = w.matmul(x)
+        finally:
+            kernels.use("c")
+        tol = 1e-5 if name == "F16" or x.shape[0] > kernels.MAX_BATCH else 2e-2
+        np.testing.assert_allclose(fast, slow, rtol=tol, atol=tol * np.abs(slow).max())
