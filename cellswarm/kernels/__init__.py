@@ -103,10 +103,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.cs_quantize_act.argtypes = [p, i64, i64, p, p, p]
     lib.cs_matmul_q.argtypes = [i32, p, i64, i64, i64, p, p, p, i64, p]
+    lib.cs_matmul_qx.argtypes = [i32, p, i64, i64, i64, p, i64, p]
     lib.cs_matmul_f.argtypes = [i32, p, i64, i64, p, i64, p]
     lib.cs_dequantize.argtypes = [i32, p, i64, i64, i64, p]
     lib.cs_set_threads.argtypes = [i32]
-    for f in (lib.cs_quantize_act, lib.cs_matmul_q, lib.cs_matmul_f, lib.cs_dequantize):
+    for f in (lib.cs_quantize_act, lib.cs_matmul_q, lib.cs_matmul_qx, lib.cs_matmul_f,
+              lib.cs_dequantize):  # fmt: skip
         f.restype = None
 
 
@@ -129,6 +131,11 @@ def using(name: str) -> Iterator[None]:
         yield
     finally:
         use(before)
+
+
+def enabled() -> bool:
+    """True when fused kernels run (cheap: called on every matmul)."""
+    return _lib is not None or (_backend == "c" and _load() is not None)
 
 
 def backend() -> str:
@@ -170,18 +177,34 @@ def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return xq, xd, xs
 
 
+def weight_args(type_name: str, w: np.ndarray, cols: int) -> tuple[int, int, int, int, int]:
+    """What a fused call needs to know about a packed weight, computed once per weight:
+    (kind, format code, data pointer, rows, row bytes); kind 0 = quantized, 1 = float."""
+    rows, row_bytes = w.shape
+    kind = 1 if type_name in FLOAT_TYPES else 0
+    code = FLOAT_TYPES.get(type_name) or FUSED_TYPES[type_name]
+    return kind, code, int(w.ctypes.data), rows, row_bytes
+
+
+def matmul_args(
+    args: tuple[int, int, int, int, int], cols: int, x: np.ndarray, out: np.ndarray
+) -> None:
+    """out (n, rows) = x (n, cols) @ W.T, x float32 C-contiguous, n <= MAX_BATCH."""
+    lib = _lib
+    assert lib is not None
+    kind, code, ptr, rows, row_bytes = args
+    xp = ctypes.addressof(ctypes.c_char.from_buffer(x))  # type: ignore[arg-type]  # fast
+    op = ctypes.addressof(ctypes.c_char.from_buffer(out))  # type: ignore[arg-type]
+    if kind:
+        lib.cs_matmul_f(code, ptr, rows, cols, xp, x.shape[0], op)
+    else:
+        lib.cs_matmul_qx(code, ptr, rows, row_bytes, cols, xp, x.shape[0], op)
+
+
 def matmul(type_name: str, w: np.ndarray, cols: int, x: np.ndarray, out: np.ndarray) -> None:
     """out (n, rows) = x (n, cols) @ W.T; W packed (rows, row_bytes) C-contiguous."""
-    lib = _load()
-    assert lib is not None
-    rows, row_bytes = w.shape
-    if type_name in FLOAT_TYPES:
-        lib.cs_matmul_f(FLOAT_TYPES[type_name], w.ctypes.data, rows, cols, x.ctypes.data,
-                        x.shape[0], out.ctypes.data)  # fmt: skip
-        return
-    xq, xd, xs = quantize_act(x)
-    lib.cs_matmul_q(FUSED_TYPES[type_name], w.ctypes.data, rows, row_bytes, cols, xq.ctypes.data,
-                    xd.ctypes.data, xs.ctypes.data, x.shape[0], out.ctypes.data)  # fmt: skip
+    _load()
+    matmul_args(weight_args(type_name, w, cols), cols, np.ascontiguousarray(x, np.float32), out)
 
 
 def dequantize(type_name: str, w: np.ndarray, cols: int, out: np.ndarray) -> None:

@@ -529,6 +529,19 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
     }
 }
 
+/* The same, from float activations: quantized here into a scratch buffer, one call per matmul
+ * (the Python side then needs no activation buffers of its own). */
+void cs_matmul_qx(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
+                  const float *x, int64_t nx, float *out) {
+    int8_t *xq = (int8_t *)malloc((size_t)(nx * cols) + sizeof(float) * (size_t)(nx * cols / 32) +
+                                  sizeof(int32_t) * (size_t)(nx * cols / 16) + 64);
+    float *xd = (float *)(((uintptr_t)(xq + nx * cols) + 15) & ~(uintptr_t)15);
+    int32_t *xs = (int32_t *)(xd + nx * cols / 32);
+    cs_quantize_act(x, nx, cols, xq, xd, xs);
+    cs_matmul_q(fmt, w, rows, row_bytes, cols, xq, xd, xs, nx, out);
+    free(xq);
+}
+
 /* ---- float weights (F16, BF16): widen 32 at a time, multiply in float ------------------- */
 
 static inline void widen32(int fmt, const uint8_t *p, float *o) {

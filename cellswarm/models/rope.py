@@ -8,7 +8,8 @@ layout of qwen2/qwen3 and of Hugging Face llama checkpoints before that permutat
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,8 @@ class Rope:
     inv_freq: np.ndarray  # (dim/2,) float32
     layout: str = "norm"  # "norm" | "neox"
     attention_factor: float = 1.0  # YaRN multiplies cos/sin by this
+    # The last (positions, cos, sin): every layer of a step rotates at the same positions.
+    _memo: list[Any] = field(default_factory=lambda: [None, None, None], repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.layout not in ("norm", "neox"):
@@ -30,9 +33,7 @@ class Rope:
 
     def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x: (T, heads, D) with D >= dim; positions: (T,) -> rotated copy, same shape."""
-        angles = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]  # (T, dim/2)
-        cos = (np.cos(angles) * np.float32(self.attention_factor))[:, None, :]  # (T, 1, dim/2)
-        sin = (np.sin(angles) * np.float32(self.attention_factor))[:, None, :]
+        cos, sin = self._tables(positions)
         out = x.copy()
         r = x[..., : self.dim]
         if self.layout == "norm":
@@ -45,6 +46,18 @@ class Rope:
             out[..., :half] = a * cos - b * sin
             out[..., half : self.dim] = b * cos + a * sin
         return out
+
+    def _tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        memo = self._memo
+        if memo[0] is not positions:
+            angles = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]  # (T, dim/2)
+            factor = np.float32(self.attention_factor)
+            memo[:] = [
+                positions,
+                (np.cos(angles) * factor)[:, None, :],
+                (np.sin(angles) * factor)[:, None, :],
+            ]
+        return memo[1], memo[2]  # (T, 1, dim/2) each
 
 
 def base_inv_freq(dim: int, theta: float) -> np.ndarray:

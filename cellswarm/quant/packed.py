@@ -23,12 +23,6 @@ from cellswarm.quant.formats import Bytes, Floats, QuantFormat, dequantize, quan
 TILE_BYTES = 4 << 20
 
 
-def _c32(x: np.ndarray) -> np.ndarray:
-    return (
-        x if x.dtype == np.float32 and x.flags.c_contiguous else np.ascontiguousarray(x, np.float32)
-    )
-
-
 def _as_bytes(data: npt.NDArray[Any], ndim: int, fmt: QuantFormat) -> Bytes:
     """A uint8 view (never a copy) of tensor data, checked to be `ndim`-D whole blocks.
 
@@ -51,11 +45,12 @@ class PackedMatrix:
     held as given (a memmap stays a memmap).
     """
 
-    __slots__ = ("data", "fmt")
+    __slots__ = ("_fused_args", "data", "fmt")
 
     def __init__(self, data: npt.NDArray[Any], fmt: QuantFormat) -> None:
         self.data: Bytes = _as_bytes(data, 2, fmt)
         self.fmt = fmt
+        self._fused_args: tuple[tuple[int, int, int, int, int], Bytes] | bool | None = False
 
     @classmethod
     def from_float(cls, w: npt.ArrayLike, fmt: QuantFormat) -> PackedMatrix:
@@ -92,6 +87,18 @@ class PackedMatrix:
             kernels.dequantize(self.fmt.name, np.ascontiguousarray(rows), self.shape[1], out)
             return out
         return dequantize(rows, self.fmt)
+
+    @property
+    def _fused(self) -> tuple[tuple[int, int, int, int, int], Bytes] | None:
+        """Fused-kernel arguments, fixed for the life of this weight, and the bytes they point
+        into (kept here so the pointer stays valid); None when the format has no kernel."""
+        if self._fused_args is False:
+            args = None
+            if kernels.can_fuse(self.fmt.name):
+                data = self._contiguous()
+                args = (kernels.weight_args(self.fmt.name, data, self.shape[1]), data)
+            self._fused_args = args
+        return self._fused_args  # type: ignore[return-value]
 
     def _contiguous(self) -> Bytes:
         # Views of a memory map are contiguous already; a copy happens only for odd views.
@@ -134,9 +141,10 @@ class PackedMatrix:
             return np.matmul(x2, w.T).reshape(*lead, out_features)
 
         out = np.empty((x2.shape[0], out_features), dtype=np.float32)  # (n, out)
-        if x2.shape[0] <= kernels.MAX_BATCH and kernels.can_fuse(self.fmt.name):
+        if x2.shape[0] <= kernels.MAX_BATCH and kernels.enabled() and self._fused is not None:
             # Decode and small batches: one pass over the packed bytes, no float32 tile.
-            kernels.matmul(self.fmt.name, self._contiguous(), in_features, _c32(x2), out)
+            x2 = x2 if x2.flags.c_contiguous and x2.flags.writeable else x2.copy()
+            kernels.matmul_args(self._fused[0], in_features, x2, out)
             return out.reshape(*lead, out_features)
         budget = TILE_BYTES if tile_bytes is None else tile_bytes
         step = max(1, budget // max(1, in_features * 4))  # weight rows per tile
