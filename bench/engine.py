@@ -1,19 +1,27 @@
-"""Prefill and decode speed of the engine, against this machine's memory-bandwidth bound.
+"""Prefill and decode speed of the engine, against this machine's limits measured in the run.
 
-    python bench/engine.py [--quick]
+    python bench/engine.py [--quick] [--threads N]
 
 Decode of one token must stream every weight byte once, so tokens/s can never exceed
-streaming-read bandwidth / weight bytes per token. Both are measured in this run and the
-ratio printed; 100% would be a kernel that runs at the speed of memory.
+streaming-read bandwidth / weight bytes per token: the "of bound" column is decode tokens/s
+over that. Prefill of a 512-token prompt is matrix-matrix work: its column is achieved FLOP/s
+over this machine's float32 GEMM rate. "outside" is the share of a decode step spent outside
+the fused kernels (Python, numpy glue, attention). Then a worker's cold start to its first
+token (warm and empty kernel cache) and the resident memory the fast path adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
 
+from cellswarm import kernels
 from cellswarm.engine.model import Model
 from cellswarm.io.hf_dir import pack_tensors
 from cellswarm.loader import load
@@ -42,16 +50,40 @@ def decode_bytes_per_token(model: Model) -> int:
     return sum(int(t.nbytes) for n, t in w.items() if n.startswith("blk.")) + int(w[head].nbytes)
 
 
-def measure(model: Model, prompt_len: int, decode_steps: int) -> tuple[float, float]:
+def gemm_flops_per_s(n: int = 2048) -> float:
+    a = np.random.default_rng(0).standard_normal((n, n), np.float32)
+    a @ a
+    return 2 * n**3 / min(_timed(lambda: a @ a) for _ in range(3))
+
+
+def measure(model: Model, prompt_len: int, decode_steps: int) -> tuple[float, float, float]:
+    """-> (prefill tokens/s, decode tokens/s, fraction of decode outside the kernels).
+
+    As llama-bench's pp512 / tg runs: prefill of a prompt_len prompt; decode of decode_steps
+    tokens after a short (8-token) prompt, in its own sequence."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.config.vocab_size, prompt_len)
-    cache = model.new_cache(prompt_len + decode_steps + 1)
-    t_prefill = _timed(lambda: model.step(ids, cache))
-    t0 = time.perf_counter()
-    for _ in range(decode_steps):
-        model.step(ids[:1], cache)
-    t_decode = time.perf_counter() - t0
-    return prompt_len / t_prefill, decode_steps / t_decode
+    t_prefill = _timed(lambda: model.step(ids, model.new_cache(prompt_len)))
+    cache = model.new_cache(8 + decode_steps + 1)
+    model.step(ids[:8], cache)
+    model.step(ids[:1], cache)  # first decode step: lazily prepared kernel arguments
+    inside = [0.0]
+    real = kernels.matmul_args
+
+    def timed(*args):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        real(*args)
+        inside[0] += time.perf_counter() - t
+
+    kernels.matmul_args = timed  # type: ignore[assignment]
+    try:
+        t0 = time.perf_counter()
+        for _ in range(decode_steps):
+            model.step(ids[:1], cache)
+        t_decode = time.perf_counter() - t0
+    finally:
+        kernels.matmul_args = real  # type: ignore[assignment]
+    return prompt_len / t_prefill, decode_steps / t_decode, 1 - inside[0] / t_decode
 
 
 def random_llama(quant: str, d_model: int, n_layers: int, ffn: int, vocab: int) -> Model:
@@ -86,33 +118,80 @@ def random_llama(quant: str, d_model: int, n_layers: int, ffn: int, vocab: int) 
     return Model(cfg, Llama(cfg, weights), weights, None, Selection())
 
 
-def report(name: str, model: Model, bw: float, prompt_len: int, steps: int) -> None:
-    prefill, decode = measure(model, prompt_len, steps)
+def report(name: str, model: Model, bw: float, gemm: float, prompt_len: int, steps: int) -> None:
+    prefill, decode, outside = measure(model, prompt_len, steps)
     per_token = decode_bytes_per_token(model)
     bound = bw / per_token
-    print(
-        f"{name:<34} {per_token / 2**20:>9.1f} {prefill:>10.1f} {decode:>9.2f} "
-        f"{bound:>9.1f} {100 * decode / bound:>7.1f}%"
+    flops = 2 * sum(
+        int(np.prod(t.shape)) for n, t in model.weights.items() if n != "token_embd.weight"
     )
+    print(
+        f"{name:<30} {per_token / 2**20:>8.1f} {decode:>8.2f} {bound:>8.1f} {decode / bound:>6.2f} "
+        f"{100 * outside:>6.1f}% {prefill:>8.1f} {prefill * flops / gemm:>6.2f}"
+    )
+
+
+COLD_START = """
+import time; t0 = time.perf_counter()
+import cellswarm
+m = cellswarm.load({path!r})
+m.generate("Hello", cellswarm.engine.model.GenerateOptions(max_tokens=1))
+print(time.perf_counter() - t0)
+"""
+
+IDLE_RSS = """
+import re, numpy as np
+import cellswarm.engine.model, cellswarm.io.gguf_file, cellswarm.models.llama
+from cellswarm import kernels
+{extra}
+a = np.ones((64, 64), np.float32); a @ a
+print(int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024)
+"""
+
+
+def _run(code: str, env: dict[str, str] | None = None) -> float:
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def startup_and_memory() -> None:
+    from cellswarm.demo import demo_model_path
+
+    code = COLD_START.format(path=str(demo_model_path()))
+    warm = _run(code)
+    with tempfile.TemporaryDirectory() as empty:
+        cold = _run(code, {"CELLSWARM_CACHE": empty})
+    print(f"cold start to first token (demo model): {warm:.2f} s with cached kernels, "
+          f"{cold:.2f} s with an empty kernel cache (compiles once)")  # fmt: skip
+    base = _run(IDLE_RSS.format(extra="kernels.use('numpy')"))
+    fast = _run(IDLE_RSS.format(extra="kernels.enabled(); kernels.set_threads(None)"))
+    print(f"idle worker RSS: {base / 2**20:.1f} MiB numpy path, {fast / 2**20:.1f} MiB with the "
+          f"fast kernels loaded (+{(fast - base) / 2**20:.1f} MiB)")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="demo model only")
+    parser.add_argument("--threads", type=int, default=None, help="default: all cores")
     args = parser.parse_args()
-    bw = read_bandwidth_bytes_per_s()
-    print(f"streaming-read bandwidth (float32 GEMV, all threads): {bw / 1e9:.2f} GB/s")
-    header = f"{'model':<34} {'MiB/token':>9} {'prefill/s':>10} {'decode/s':>9} {'bound/s':>9}"
-    print(header + f" {'of bound':>8}")
+    threads = kernels.set_threads(args.threads)
+    bw, gemm = read_bandwidth_bytes_per_s(), gemm_flops_per_s()
+    print(f"kernels: {kernels.backend()}, {threads} threads; streaming-read bandwidth "
+          f"(float32 GEMV): {bw / 1e9:.2f} GB/s; float32 GEMM: {gemm / 1e9:.1f} GFLOP/s")  # fmt: skip
+    print(f"{'model':<30} {'MiB/tok':>8} {'decode/s':>8} {'bound/s':>8} {'ratio':>6} "
+          f"{'outside':>7} {'prefill/s':>8} {'/GEMM':>6}")  # fmt: skip
     from cellswarm.demo import demo_model_path
 
-    report("SmolLM2-135M Q4_1/Q8_0 (demo)", load(demo_model_path()), bw, 64, 16)
-    if args.quick:
-        return
-    for quant in ("q8_0", "q4_0"):
-        model = random_llama(quant, d_model=2048, n_layers=16, ffn=8192, vocab=32000)
-        n_params = sum(np.prod(t.shape) for t in model.weights.values())
-        report(f"random llama {n_params / 1e9:.2f}B {quant.upper()}", model, bw, 32, 4)
+    report("SmolLM2-135M (demo GGUF)", load(demo_model_path()), bw, gemm, 512, 64)
+    if not args.quick:
+        for quant in ("q8_0", "q4_0"):
+            model = random_llama(quant, d_model=2048, n_layers=16, ffn=8192, vocab=32000)
+            n_params = sum(np.prod(t.shape) for t in model.weights.values())
+            report(f"random llama {n_params / 1e9:.2f}B {quant.upper()}", model, bw, gemm, 512, 16)
+    startup_and_memory()
 
 
 if __name__ == "__main__":

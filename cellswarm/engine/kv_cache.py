@@ -22,16 +22,28 @@ def spec_bytes_per_token(spec: CacheSpec) -> int:
     return sum(int(np.prod(shape)) * _ITEM_BYTES for shape in spec.values())
 
 
+def _layout(shape: tuple[int, ...], capacity: int) -> tuple[int, ...]:
+    return (shape[0], capacity, shape[1]) if len(shape) == 2 else (capacity, *shape)
+
+
 def bytes_per_token(specs: Mapping[int, CacheSpec]) -> int:
     return sum(spec_bytes_per_token(s) for s in specs.values())
 
 
 class LayerCache:
-    """One layer's cached tensors for one sequence: arrays (capacity, *shape)."""
+    """One layer's cached tensors for one sequence.
+
+    A per-token vector (shape (n,)) is stored token-major, (capacity, n). Per-head tensors
+    (shape (heads, d)) are stored head-major, (heads, capacity, d): `read` then hands each
+    head's keys to attention as one contiguous (S, d) matrix, with no transpose or copy per
+    decode step.
+    """
 
     def __init__(self, spec: CacheSpec, capacity: int) -> None:
         self.capacity = capacity
-        self._arrays = {k: np.zeros((capacity, *shape), np.float32) for k, shape in spec.items()}
+        self._arrays = {
+            k: np.zeros(_layout(shape, capacity), np.float32) for k, shape in spec.items()
+        }
 
     def write(self, start: int, **values: np.ndarray) -> None:
         for name, v in values.items():
@@ -41,10 +53,20 @@ class LayerCache:
                     f"KV cache holds {self.capacity} tokens; writing up to token {end} "
                     "overflows it (raise max tokens or the cache budget)"
                 )
-            self._arrays[name][start:end] = v
+            arr = self._arrays[name]
+            if arr.ndim == 3:  # (T, heads, d) into head-major storage
+                arr[:, start:end] = v.transpose(1, 0, 2)
+            else:
+                arr[start:end] = v
+
+    def storage(self, name: str) -> np.ndarray:
+        """The whole backing array (for kernels that take it with its capacity stride)."""
+        return self._arrays[name]
 
     def read(self, name: str, end: int) -> np.ndarray:
-        return self._arrays[name][:end]
+        """(end, n) for vectors; (heads, end, d) for per-head tensors."""
+        arr = self._arrays[name]
+        return arr[:, :end] if arr.ndim == 3 else arr[:end]
 
     @property
     def nbytes(self) -> int:

@@ -23,7 +23,7 @@ from cellswarm.models.base import Architecture
 if TYPE_CHECKING:
     from cellswarm.io.tokenizer import Tokenizer
 
-PREFILL_CHUNK = 256  # tokens per prefill step: bounds scratch memory for long prompts
+PREFILL_CHUNK = 512  # tokens per prefill step: bounds scratch memory for long prompts
 
 
 @dataclass(frozen=True)

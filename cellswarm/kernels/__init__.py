@@ -29,7 +29,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# -fno-math-errno lets gcc call glibc's vector expf (libmvec) in the softmax loop.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11")
 FUSED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14, "Q2_K": 10}
 FLOAT_TYPES = {"F16": 1, "BF16": 30}
 MAX_BATCH = 16  # rows of x per fused call; larger batches go to dequantize + BLAS
@@ -107,6 +108,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_matmul_f.argtypes = [i32, p, i64, i64, p, i64, p]
     lib.cs_dequantize.argtypes = [i32, p, i64, i64, i64, p]
     lib.cs_set_threads.argtypes = [i32]
+    lib.cs_attend1.argtypes = [p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
+    lib.cs_attend1.restype = None
     for f in (lib.cs_quantize_act, lib.cs_matmul_q, lib.cs_matmul_qx, lib.cs_matmul_f,
               lib.cs_dequantize):  # fmt: skip
         f.restype = None
@@ -205,6 +208,23 @@ def matmul(type_name: str, w: np.ndarray, cols: int, x: np.ndarray, out: np.ndar
     """out (n, rows) = x (n, cols) @ W.T; W packed (rows, row_bytes) C-contiguous."""
     _load()
     matmul_args(weight_args(type_name, w, cols), cols, np.ascontiguousarray(x, np.float32), out)
+
+
+def attend1(
+    q: np.ndarray, k_store: np.ndarray, v_store: np.ndarray, s_len: int, scale: float
+) -> np.ndarray:
+    """Attention of one new token: q (H, D); the cache's head-major (Hkv, cap, D) arrays with
+    s_len tokens filled -> (H, D)."""
+    lib = _lib
+    assert lib is not None
+    n_heads, d = q.shape
+    n_kv, cap, _ = k_store.shape
+    assert d <= 512 and n_heads // n_kv <= 16, "head dim above 512 or groups above 16"
+    out = np.empty((n_heads, d), np.float32)
+    qc = np.ascontiguousarray(q)
+    lib.cs_attend1(qc.ctypes.data, k_store.ctypes.data, v_store.ctypes.data, n_heads, n_kv, cap,
+                   s_len, d, scale, out.ctypes.data)  # fmt: skip
+    return out
 
 
 def dequantize(type_name: str, w: np.ndarray, cols: int, out: np.ndarray) -> None:

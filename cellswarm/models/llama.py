@@ -15,6 +15,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from cellswarm import kernels
 from cellswarm.engine.kv_cache import CacheSpec, LayerCache
 from cellswarm.errors import ModelFileError
 from cellswarm.io.weights import WeightStore
@@ -273,7 +274,11 @@ class Llama:
         q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
         start, end = int(positions[0]), int(positions[-1]) + 1
         cache.write(start, k=k, v=v)
-        out = ops.attention(q, cache.read("k", end), cache.read("v", end), self.scale)
+        if t == 1 and kernels.enabled():  # decode: one C call instead of a dozen numpy ops
+            k_all, v_all = cache.storage("k"), cache.storage("v")
+            out = kernels.attend1(q[0], k_all, v_all, end, self.scale)[None]
+        else:
+            out = ops.attention(q, cache.read("k", end), cache.read("v", end), self.scale)
         return w.matrix(p + "attn_output.weight").matmul(out.reshape(t, -1))  # (T, d)
 
     def cache_spec(self, layer: int) -> CacheSpec:

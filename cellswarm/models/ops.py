@@ -57,19 +57,19 @@ def causal_mask(t: int, s: int) -> np.ndarray:
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
     """Causal grouped-query attention over the whole cached sequence.
 
-    q: (T, H, D), k: (S, Hkv, D), v: (S, Hkv, Dv) -> (T, H, Dv). H is a multiple of Hkv.
+    q: (T, H, D); k: (Hkv, S, D) and v: (Hkv, S, Dv), head-major as the KV cache keeps them
+    -> (T, H, Dv). H is a multiple of Hkv.
     """
     t, h, d = q.shape
-    s, hkv, dv = v.shape
+    hkv, s, dv = v.shape
     g = h // hkv
-    qg = q.reshape(t, hkv, g, d).transpose(1, 2, 0, 3)  # (Hkv, g, T, D)
-    kt = k.transpose(1, 2, 0)[:, None]  # (Hkv, 1, D, S)
-    scores = (qg @ kt) * np.float32(scale)  # (Hkv, g, T, S)
+    qg = q.reshape(t, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * t, d)  # (Hkv, g*T, D)
+    scores = (qg @ k.transpose(0, 2, 1)) * np.float32(scale)  # (Hkv, g*T, S)
     if t > 1:  # one new token sees every cached one: no mask needed
-        scores += causal_mask(t, s)
-    probs = softmax(scores)
-    out = probs @ v.transpose(1, 0, 2)[:, None]  # (Hkv, g, T, Dv)
-    return out.transpose(2, 0, 1, 3).reshape(t, h, dv)
+        scores = scores.reshape(hkv, g, t, s) + causal_mask(t, s)
+    probs = softmax(scores.reshape(hkv, g * t, s))
+    out = probs @ v  # (Hkv, g*T, Dv)
+    return out.reshape(hkv, g, t, dv).transpose(2, 0, 1, 3).reshape(t, h, dv)
 
 
 def embed(w: WeightStore, token_ids: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ from cellswarm.quant.formats import Bytes, Floats, QuantFormat, dequantize, quan
 
 # Float32 bytes of one dequantized weight tile in `matmul`: big enough that np.matmul
 # runs at BLAS speed, small enough to stay near cache and far below the model's size.
-TILE_BYTES = 4 << 20
+TILE_BYTES = 16 << 20
 
 
 def _as_bytes(data: npt.NDArray[Any], ndim: int, fmt: QuantFormat) -> Bytes:

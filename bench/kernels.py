@@ -1,0 +1,73 @@
+"""Fused kernels: effective weight bandwidth of one matrix-vector product, against memory.
+
+    python bench/kernels.py [--quick]
+
+For every format, threads (1, 2) and packed matrix size (0.5 MB to 64 MB), prints GB/s of
+packed weight bytes streamed per matvec and its ratio to this machine's streaming-read
+bandwidth, measured in the same run (a float32 GEMV over 512 MB, all threads). Matrices
+bigger than the last-level cache are the ones that say what decode will do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from bench.engine import read_bandwidth_bytes_per_s
+from cellswarm import kernels
+from cellswarm.quant import PackedMatrix, format_by_name
+
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q2_K", "F16", "BF16"]
+SIZES_MB = [0.5, 2, 8, 32, 64]
+COLS = 4096
+
+
+def random_matrix(name: str, nbytes: float) -> PackedMatrix:
+    fmt = format_by_name(name)
+    row_bytes = fmt.row_bytes(COLS)
+    rows = max(1, int(nbytes // row_bytes))
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+    if name in ("F16", "BF16"):  # finite values; quantized scales may be anything, speed-wise
+        data = rng.standard_normal((rows, COLS)).astype(np.float16).view(np.uint8)
+    return PackedMatrix(data, fmt)
+
+
+def seconds_per_matvec(w: PackedMatrix) -> float:
+    x = np.random.default_rng(1).standard_normal((1, COLS)).astype(np.float32)
+    w.matmul(x)
+    repeats = max(3, int(2e8 // w.nbytes))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            w.matmul(x)
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="largest size only")
+    args = parser.parse_args()
+    bw = read_bandwidth_bytes_per_s()
+    print(f"kernels: {kernels.backend()}; streaming-read bandwidth: {bw / 1e9:.2f} GB/s")
+    sizes = SIZES_MB[-1:] if args.quick else SIZES_MB
+    print(f"{'format':<6} {'threads':>7} " + " ".join(f"{s:>6g}MB" for s in sizes))
+    for name in FORMATS:
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            cells = []
+            for mb in sizes:
+                w = random_matrix(name, mb * 1e6)
+                gbs = w.nbytes / seconds_per_matvec(w)
+                cells.append(f"{gbs / 1e9:4.1f}/{gbs / bw:.2f}")
+            print(f"{name:<6} {threads:>7} " + " ".join(f"{c:>8}" for c in cells))
+    kernels.set_threads(None)
+    print("cells: GB/s of packed weights / ratio to streaming-read bandwidth")
+
+
+if __name__ == "__main__":
+    main()
