@@ -179,8 +179,10 @@ def main() -> None:
     args = parser.parse_args()
     threads = kernels.set_threads(args.threads)
     bw, gemm = read_bandwidth_bytes_per_s(), gemm_flops_per_s()
-    print(f"kernels: {kernels.backend()}, {threads} threads; streaming-read bandwidth "
-          f"(float32 GEMV): {bw / 1e9:.2f} GB/s; float32 GEMM: {gemm / 1e9:.1f} GFLOP/s")  # fmt: skip
+    print(
+        f"kernels: {kernels.backend()}, {threads} threads; streaming-read bandwidth "
+        f"(float32 GEMV): {bw / 1e9:.2f} GB/s; float32 GEMM: {gemm / 1e9:.1f} GFLOP/s"
+    )
     print(f"{'model':<30} {'MiB/tok':>8} {'decode/s':>8} {'bound/s':>8} {'ratio':>6} "
           f"{'outside':>7} {'prefill/s':>8} {'/GEMM':>6}")  # fmt: skip
     from cellswarm.demo import demo_model_path
