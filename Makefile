@@ -32,7 +32,8 @@ test: $(VENV)/.test
 	$(BIN)/pytest -q
 
 bench: $(VENV)/.test
-	$(BIN)/python bench/engine.py
+	$(BIN)/python -m bench.engine
+	$(BIN)/python -m bench.kernels
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

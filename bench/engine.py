@@ -1,6 +1,6 @@
 """Prefill and decode speed of the engine, against this machine's limits measured in the run.
 
-    python bench/engine.py [--quick] [--threads N]
+    python -m bench.engine [--quick] [--threads N]
 
 Decode of one token must stream every weight byte once, so tokens/s can never exceed
 streaming-read bandwidth / weight bytes per token: the "of bound" column is decode tokens/s

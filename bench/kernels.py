@@ -1,6 +1,6 @@
 """Fused kernels: effective weight bandwidth of one matrix-vector product, against memory.
 
-    python bench/kernels.py [--quick]
+    python -m bench.kernels [--quick]
 
 For every format, threads (1, 2) and packed matrix size (0.5 MB to 64 MB), prints GB/s of
 packed weight bytes streamed per matvec and its ratio to this machine's streaming-read

@@ -1,6 +1,6 @@
 """Quality of re-quantizing the demo model, on real text.
 
-    python bench/quant_quality.py
+    python -m bench.quant_quality
 
 The demo GGUF (Q4_1 layers, Q8_0 embedding) is unpacked to float32 — the reference — and
 re-packed as Q8_0 and Q4_0; each copy runs over tests/data/sample_text.txt in windows and is

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cellswarm.errors import CellswarmError
+from cellswarm.errors import CellswarmError, RequestError
 
 EXIT_USAGE = 2
 
@@ -50,17 +50,22 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--quant", help="re-pack weights at load, e.g. q8_0, q4_0, f32")
     p.add_argument("--kv-budget", help="byte budget for the KV cache, e.g. 64M")
+    p.add_argument("--threads", type=int, help="threads for kernels and BLAS (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from cellswarm import kernels
     from cellswarm.demo import demo_model_path
     from cellswarm.engine.model import GenerateOptions
     from cellswarm.engine.sampling import SamplingParams
     from cellswarm.loader import load
     from cellswarm.units import format_bytes, parse_bytes
 
+    if args.threads is not None and args.threads < 1:
+        raise RequestError(f"--threads {args.threads} must be at least 1")
+    kernels.set_threads(args.threads)
     budget = parse_bytes(args.kv_budget) if args.kv_budget else None
     model = load(args.model or demo_model_path(), quant=args.quant, kv_budget_bytes=budget)
     sampling = SamplingParams(

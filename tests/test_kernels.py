@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -94,3 +96,20 @@ def test_packed_matmul_dispatch_matches_numpy_backend(name: str) -> None:
             kernels.use("c")
         tol = 1e-5 if name == "F16" or x.shape[0] > kernels.MAX_BATCH else 2e-2
         np.testing.assert_allclose(fast, slow, rtol=tol, atol=tol * np.abs(slow).max())
+
+
+def test_quantized_model_fast_path_vs_reference_path(tmp_path: Path) -> None:
+    """A tiny llama re-packed as Q8_0: the fused path (int8 activations) against the numpy
+    codec path (float activations) through prefill and decode; 5e-2 of the largest logit,
+    see test_demo_model.py for why."""
+    import cellswarm
+    from tests.conftest import max_rel_diff, prefill_then_decode
+    from tests.hf_reference import LLAMA_FAMILY, build_hf_model, save_hf
+
+    folder = save_hf(build_hf_model(LLAMA_FAMILY["llama"]), tmp_path / "m")
+    model = cellswarm.load(folder, quant="q8_0")
+    ids = np.random.default_rng(0).integers(0, 128, 24)
+    fast = prefill_then_decode(model, ids, 8)  # 8-token prefill and 16 decode steps: fused
+    with kernels.using("numpy"):
+        slow = prefill_then_decode(model, ids, 8)
+    assert max_rel_diff(fast, slow) <= 5e-2

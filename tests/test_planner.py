@@ -240,3 +240,10 @@ def test_preset_inventories_are_deterministic() -> None:
     b = api.resolve_model("deepseek-v3", "q4_0")
     assert a.weights_by_kind() == b.weights_by_kind()
     assert np.isclose(a.total_params, 671e9, rtol=0.01)
+
+
+def test_stored_runtime_overhead_matches_a_fresh_idle_worker() -> None:
+    """The planner's runtime figure is a measurement; re-measure it here (memory, not time)."""
+    from cellswarm.planner.overhead import measure_idle_worker_rss_bytes, runtime_overhead_bytes
+
+    assert measure_idle_worker_rss_bytes() == pytest.approx(runtime_overhead_bytes(), rel=0.25)

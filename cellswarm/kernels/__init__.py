@@ -95,8 +95,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     _declare(lib)
     _lib = lib
-    if _threads:
-        lib.cs_set_threads(_threads)
+    lib.cs_set_threads(_threads or default_threads())
     return lib
 
 

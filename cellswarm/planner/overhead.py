@@ -1,8 +1,9 @@
 """The runtime's own memory: what an idle worker process holds before it loads any weight.
 
 Measured, not guessed: a fresh interpreter imports what a worker imports (numpy, the engine,
-the GGUF reader, the architecture files), runs one small matmul so BLAS has set up its
-threads, and reports its resident set. The figure shipped in data/runtime.toml was measured
+the GGUF reader, the architecture files), loads the fused kernels (a cached shared object
+and the OpenMP runtime: +0.4 MiB, see bench/engine.py), runs one small matmul so BLAS has set
+up its threads, and reports its resident set. The figure shipped in data/runtime.toml was measured
 this way (`cellswarm plan --measure-overhead` re-measures and prints it).
 """
 
@@ -18,6 +19,8 @@ import re
 import numpy as np
 import cellswarm.engine.model, cellswarm.io.gguf_file, cellswarm.models.llama
 import cellswarm.models.deepseek2
+from cellswarm import kernels
+kernels.enabled()  # the fused kernels' shared object and OpenMP runtime, as a worker has them
 a = np.ones((64, 64), np.float32)
 a @ a
 print(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
