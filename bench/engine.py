@@ -68,21 +68,27 @@ def measure(model: Model, prompt_len: int, decode_steps: int) -> tuple[float, fl
     model.step(ids[:8], cache)
     model.step(ids[:1], cache)  # first decode step: lazily prepared kernel arguments
     inside = [0.0]
-    real = kernels.matmul_args
+    real = {name: getattr(kernels, name) for name in ("matmul_args", "attend1")}
 
-    def timed(*args):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        real(*args)
-        inside[0] += time.perf_counter() - t
+    def timed(fn):  # type: ignore[no-untyped-def]
+        def run(*args):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            out = fn(*args)
+            inside[0] += time.perf_counter() - t
+            return out
 
-    kernels.matmul_args = timed  # type: ignore[assignment]
+        return run
+
+    for name, fn in real.items():
+        setattr(kernels, name, timed(fn))
     try:
         t0 = time.perf_counter()
         for _ in range(decode_steps):
             model.step(ids[:1], cache)
         t_decode = time.perf_counter() - t0
     finally:
-        kernels.matmul_args = real  # type: ignore[assignment]
+        for name, fn in real.items():
+            setattr(kernels, name, fn)
     return prompt_len / t_prefill, decode_steps / t_decode, 1 - inside[0] / t_decode
 
 

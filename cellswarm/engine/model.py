@@ -119,15 +119,17 @@ class Model:
             x = self.arch.block(i, x, positions, cache.layer(i))
         return x
 
-    def step(self, token_ids: np.ndarray, cache: KVCache) -> np.ndarray:
-        """Token ids (T,) -> logits (T, vocab), appending them to the cache."""
+    def step(self, token_ids: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
+        """Token ids (T,) -> logits (T, vocab), appending them to the cache; with last_only,
+        (1, vocab) for the last position (generation needs no more, and the head over a
+        whole prompt can cost as much as a layer)."""
         out = []
         for start in range(0, len(token_ids), PREFILL_CHUNK):
             chunk = token_ids[start : start + PREFILL_CHUNK]
             h = self.forward(self.arch.embed(chunk), cache)
             cache.length += len(chunk)
-            out.append(self.arch.head(h))
-        return np.concatenate(out, axis=0)
+            out.append(h[-1:] if last_only else self.arch.head(h))
+        return self.arch.head(out[-1]) if last_only else np.concatenate(out, axis=0)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 logits (len(token_ids), vocab) for a fresh sequence."""
@@ -192,7 +194,7 @@ class _Generator:
     def run(self) -> Iterator[str]:
         cache = self.model.new_cache(len(self.prompt_ids) + self.opts.max_tokens)
         t0 = time.perf_counter()
-        logits = self.model.step(np.asarray(self.prompt_ids), cache)[-1]
+        logits = self.model.step(np.asarray(self.prompt_ids), cache, last_only=True)[-1]
         self.times[0] = time.perf_counter() - t0
         t0 = time.perf_counter()
         while True:
