@@ -98,7 +98,8 @@ def test_packed_matmul_dispatch_matches_numpy_backend(name: str) -> None:
         np.testing.assert_allclose(fast, slow, rtol=tol, atol=tol * np.abs(slow).max())
 
 
-def test_quantized_model_fast_path_vs_reference_path(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_quantized_model_fast_path_vs_reference_path(tmp_path: Path, arch: str) -> None:
     """A tiny llama re-packed as Q8_0: the fused path (int8 activations) against the numpy
     codec path (float activations) through prefill and decode; 5e-2 of the largest logit,
     see test_demo_model.py for why."""
@@ -106,10 +107,12 @@ def test_quantized_model_fast_path_vs_reference_path(tmp_path: Path) -> None:
     from tests.conftest import max_rel_diff, prefill_then_decode
     from tests.hf_reference import LLAMA_FAMILY, build_hf_model, save_hf
 
-    folder = save_hf(build_hf_model(LLAMA_FAMILY["llama"]), tmp_path / "m")
+    folder = save_hf(build_hf_model(LLAMA_FAMILY[arch]), tmp_path / "m")
     model = cellswarm.load(folder, quant="q8_0")
     ids = np.random.default_rng(0).integers(0, 128, 24)
-    fast = prefill_then_decode(model, ids, 8)  # 8-token prefill and 16 decode steps: fused
+    fast = prefill_then_decode(model, ids, 8)  # 8-token prefill, 16 decode steps: fused layers
+    h = model.arch.embed(ids[:1])  # (1, d)
+    assert model.arch.decode_fused(h, np.arange(1), model.new_cache(1), range(1)) is not None
     with kernels.using("numpy"):
         slow = prefill_then_decode(model, ids, 8)
     assert max_rel_diff(fast, slow) <= 5e-2

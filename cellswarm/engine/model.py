@@ -115,7 +115,13 @@ class Model:
     def forward(self, x: np.ndarray, cache: KVCache, layers: range | None = None) -> np.ndarray:
         """Hidden states (T, d) through `layers` at cache positions cache.length .. +T."""
         positions = np.arange(cache.length, cache.length + x.shape[0])
-        for i in layers if layers is not None else self.layers:
+        layers = layers if layers is not None else self.layers
+        fused = getattr(self.arch, "decode_fused", None)  # one C call per layer for one token
+        if fused is not None and x.shape[0] == 1:
+            out = fused(x, positions, cache, layers)
+            if out is not None:
+                return np.asarray(out)
+        for i in layers:
             x = self.arch.block(i, x, positions, cache.layer(i))
         return x
 

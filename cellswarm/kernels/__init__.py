@@ -109,6 +109,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_set_threads.argtypes = [i32]
     lib.cs_attend1.argtypes = [p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
     lib.cs_attend1.restype = None
+    lib.cs_llama_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p, p, p]
+    lib.cs_llama_decode.restype = None
     for f in (lib.cs_quantize_act, lib.cs_matmul_q, lib.cs_matmul_qx, lib.cs_matmul_f,
               lib.cs_dequantize):  # fmt: skip
         f.restype = None
@@ -231,3 +233,46 @@ def dequantize(type_name: str, w: np.ndarray, cols: int, out: np.ndarray) -> Non
     assert lib is not None
     rows, row_bytes = w.shape
     lib.cs_dequantize(FUSED_TYPES[type_name], w.ctypes.data, rows, row_bytes, cols, out.ctypes.data)
+
+
+class Mat(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int64), ("fmt", ctypes.c_int64), ("w", ctypes.c_void_p),
+        ("rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+class LlamaLayer(ctypes.Structure):
+    """Mirrors `llama_layer` in kernels.c: one layer's weights and shapes for cs_llama_decode."""
+
+    _fields_ = [
+        *[(n, Mat) for n in ("q", "k", "v", "o", "gate", "up", "down")],
+        *[(n, ctypes.c_void_p) for n in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias",
+                                         "q_norm", "k_norm")],
+        *[(n, ctypes.c_int64) for n in ("d", "n_heads", "n_kv", "head_dim", "ffn", "rope_dim",
+                                        "rope_neox")],
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+    ]  # fmt: skip
+
+
+def mat(args: tuple[int, int, int, int, int]) -> Mat:
+    return Mat(*args)
+
+
+def ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else int(a.ctypes.data)
+
+
+def llama_decode(
+    layer: LlamaLayer, x: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray,
+    k_store: np.ndarray, v_store: np.ndarray, scratch: tuple[np.ndarray, ...],
+) -> None:  # fmt: skip
+    """One layer for one token, in place on x (d,), writing the cache at `pos`."""
+    lib = _lib
+    assert lib is not None
+    f, xq, xd, xs = scratch
+    lib.cs_llama_decode(
+        ctypes.addressof(layer), x.ctypes.data, pos, cos.ctypes.data, sin.ctypes.data,
+        k_store.ctypes.data, v_store.ctypes.data, k_store.shape[1], f.ctypes.data,
+        xq.ctypes.data, xd.ctypes.data, xs.ctypes.data,
+    )  # fmt: skip

@@ -646,14 +646,27 @@ static inline float exp_neg(float x) {
  * The g query heads that share a KV head are done together, so each cached K and V row is
  * read once per step rather than g times (the cache is what this loop streams). */
 #define MAX_GROUP 16
-__attribute__((optimize("fast-math"))) void cs_attend1(
+static void attend1(const float *restrict q, const float *restrict k, const float *restrict v,
+                    int64_t n_heads, int64_t n_kv, int64_t cap, int64_t s_len, int64_t d,
+                    float scale, float *restrict out, float *restrict scratch);
+
+void cs_attend1(const float *q, const float *k, const float *v, int64_t n_heads, int64_t n_kv,
+                int64_t cap, int64_t s_len, int64_t d, float scale, float *out) {
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(s_len * n_heads));
+    attend1(q, k, v, n_heads, n_kv, cap, s_len, d, scale, out, scratch);
+    free(scratch);
+}
+
+/* scratch: n_heads * s_len floats (the probabilities), so the decode loop need not allocate */
+__attribute__((optimize("fast-math"))) static void attend1(
     const float *restrict q, const float *restrict k, const float *restrict v, int64_t n_heads,
-    int64_t n_kv, int64_t cap, int64_t s_len, int64_t d, float scale, float *restrict out) {
+    int64_t n_kv, int64_t cap, int64_t s_len, int64_t d, float scale, float *restrict out,
+    float *restrict scratch) {
     const int64_t g = n_heads / n_kv;
 #pragma omp parallel for schedule(static) if (n_heads * s_len * d > 262144)
     for (int64_t kvh = 0; kvh < n_kv; kvh++) {
         const float *restrict kh = k + kvh * cap * d, *restrict vh = v + kvh * cap * d;
-        float *restrict p = (float *)malloc(sizeof(float) * (size_t)(s_len * g));
+        float *restrict p = scratch + kvh * g * s_len;
         float acc_o[MAX_GROUP * 512] = {0}, mx[MAX_GROUP], sum[MAX_GROUP];
         for (int64_t t = 0; t < s_len; t++) {
             for (int64_t j = 0; j < g; j++) {
@@ -683,8 +696,91 @@ __attribute__((optimize("fast-math"))) void cs_attend1(
             for (int64_t i = 0; i < d; i++) out[(kvh * g + j) * d + i] = acc_o[j * d + i] * inv;
         }
         (void)mx;
-        free(p);
     }
+}
+
+/* ---- one llama-family layer for one token, allocation-free -------------------------------
+ * The whole block — RMSNorm, Q/K/V (+bias), QK-norm, RoPE, KV-cache write, attention, output
+ * projection, residual, RMSNorm, SwiGLU, residual — in one call, on buffers the caller
+ * allocated once. Matrices are {kind, format, pointer, rows, row bytes}: kind 0 quantized
+ * (int8 activations), kind 1 F16/BF16 (float activations). */
+typedef struct { int64_t kind, fmt; const uint8_t *w; int64_t rows, row_bytes; } mat;
+
+typedef struct {
+    mat q, k, v, o, gate, up, down;
+    const float *attn_norm, *ffn_norm, *q_bias, *k_bias, *v_bias, *q_norm, *k_norm;
+    int64_t d, n_heads, n_kv, head_dim, ffn, rope_dim, rope_neox;
+    float eps, scale;
+} llama_layer;
+
+static void rms(const float *x, const float *w, int64_t n, float eps, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] * inv) * w[i];
+}
+
+/* y (rows) = W x for one token; act8/act_d/act_s hold x quantized (filled when quant != 0) */
+static void mm(const mat *m, const float *x, int64_t cols, const int8_t *xq, const float *xd,
+               const int32_t *xs, float *y) {
+    if (m->kind == 1) {
+        cs_matmul_f((int)m->fmt, m->w, m->rows, cols, x, 1, y);
+    } else {
+        cs_matmul_q((int)m->fmt, m->w, m->rows, m->row_bytes, cols, xq, xd, xs, 1, y);
+    }
+}
+
+static void rope(float *v, int64_t heads, int64_t hd, int64_t dim, int neox, const float *cs,
+                 const float *sn) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *r = v + h * hd;
+        for (int64_t i = 0; i < dim / 2; i++) {
+            const int64_t ia = neox ? i : 2 * i, ib = neox ? i + dim / 2 : 2 * i + 1;
+            const float a = r[ia], b = r[ib];
+            r[ia] = a * cs[i] - b * sn[i];
+            r[ib] = b * cs[i] + a * sn[i];
+        }
+    }
+}
+
+/* scratch floats: 3*d + (n_heads + 2*n_kv)*head_dim + 2*ffn + n_heads*(pos+1);
+ * qscratch bytes: max(d, ffn) int8 + floats/ints for scales and sums (see layer_scratch). */
+void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *cs,
+                     const float *sn, float *k_store, float *v_store, int64_t cap, float *f,
+                     int8_t *xq, float *xd, int32_t *xs) {
+    const int64_t d = L->d, hd = L->head_dim, qn = L->n_heads * hd, kn = L->n_kv * hd;
+    float *h = f, *att = h + d, *q = att + qn, *k = q + qn, *v = k + kn, *g = v + kn;
+    float *u = g + L->ffn, *tmp = u + L->ffn, *probs = tmp + d;
+    rms(x, L->attn_norm, d, L->eps, h);
+    cs_quantize_act(h, 1, d, xq, xd, xs);
+    mm(&L->q, h, d, xq, xd, xs, q);
+    mm(&L->k, h, d, xq, xd, xs, k);
+    mm(&L->v, h, d, xq, xd, xs, v);
+    if (L->q_bias) for (int64_t i = 0; i < qn; i++) q[i] += L->q_bias[i];
+    if (L->k_bias) for (int64_t i = 0; i < kn; i++) k[i] += L->k_bias[i];
+    if (L->v_bias) for (int64_t i = 0; i < kn; i++) v[i] += L->v_bias[i];
+    if (L->q_norm) {
+        for (int64_t i = 0; i < L->n_heads; i++) rms(q + i * hd, L->q_norm, hd, L->eps, q + i * hd);
+        for (int64_t i = 0; i < L->n_kv; i++) rms(k + i * hd, L->k_norm, hd, L->eps, k + i * hd);
+    }
+    rope(q, L->n_heads, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
+    rope(k, L->n_kv, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
+    for (int64_t i = 0; i < L->n_kv; i++) { /* head-major cache: (n_kv, cap, hd) */
+        memcpy(k_store + (i * cap + pos) * hd, k + i * hd, sizeof(float) * (size_t)hd);
+        memcpy(v_store + (i * cap + pos) * hd, v + i * hd, sizeof(float) * (size_t)hd);
+    }
+    attend1(q, k_store, v_store, L->n_heads, L->n_kv, cap, pos + 1, hd, L->scale, att, probs);
+    cs_quantize_act(att, 1, qn, xq, xd, xs);
+    mm(&L->o, att, qn, xq, xd, xs, tmp);
+    for (int64_t i = 0; i < d; i++) x[i] += tmp[i];
+    rms(x, L->ffn_norm, d, L->eps, h);
+    cs_quantize_act(h, 1, d, xq, xd, xs);
+    mm(&L->gate, h, d, xq, xd, xs, g);
+    mm(&L->up, h, d, xq, xd, xs, u);
+    for (int64_t i = 0; i < L->ffn; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    cs_quantize_act(g, 1, L->ffn, xq, xd, xs);
+    mm(&L->down, g, L->ffn, xq, xd, xs, tmp);
+    for (int64_t i = 0; i < d; i++) x[i] += tmp[i];
 }
 
 void cs_set_threads(int n) {

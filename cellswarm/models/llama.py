@@ -16,8 +16,8 @@ import gguf
 import numpy as np
 
 from cellswarm import kernels
-from cellswarm.engine.kv_cache import CacheSpec, LayerCache
-from cellswarm.errors import ModelFileError
+from cellswarm.engine.kv_cache import CacheSpec, KVCache, LayerCache
+from cellswarm.errors import BudgetError, ModelFileError
 from cellswarm.io.weights import WeightStore
 from cellswarm.models import ops
 from cellswarm.models.rope import Rope, base_inv_freq, llama3_factors
@@ -235,6 +235,8 @@ class Llama:
             inv_freq = (inv_freq / factors).astype(np.float32)
         self.rope = Rope(config.rope_dim, inv_freq, config.rope_layout)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self._fused: dict[int, tuple[Any, ...] | None] = {}
+        self._scratch: tuple[Any, ...] | None = None
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         return ops.embed(self.w, token_ids)  # (T, d)
@@ -280,6 +282,73 @@ class Llama:
         else:
             out = ops.attention(q, cache.read("k", end), cache.read("v", end), self.scale)
         return w.matrix(p + "attn_output.weight").matmul(out.reshape(t, -1))  # (T, d)
+
+    def decode_fused(
+        self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
+    ) -> np.ndarray | None:
+        """One token through `layers` with one C call per layer and no allocation per layer
+        (kernels.c: cs_llama_decode). None when a weight has no fused kernel (e.g. F32)."""
+        if not kernels.enabled():
+            return None
+        fused = [self._fused_layer(i) for i in layers]
+        if any(f is None for f in fused):
+            return None
+        if x.shape != (1, self.config.d_model):
+            raise ValueError(f"decode_fused takes hidden states (1, d_model), got {x.shape}")
+        out = np.array(x[0], dtype=np.float32)  # (d,): the residual stream, updated in place
+        cos, sin = (np.ascontiguousarray(t[0, 0]) for t in self.rope._tables(positions))
+        pos = int(positions[0])
+        for i, f in zip(layers, fused, strict=True):
+            lc = cache.layer(i)
+            k_store, v_store = lc.storage("k"), lc.storage("v")
+            if pos >= k_store.shape[1]:
+                raise BudgetError(
+                    f"KV cache holds {k_store.shape[1]} tokens; writing token {pos + 1} "
+                    "overflows it (raise max tokens or the cache budget)"
+                )
+            scratch = self._decode_scratch(k_store.shape[1])
+            kernels.llama_decode(f[0], out, pos, cos, sin, k_store, v_store, scratch)  # type: ignore[index]
+        return out[None]
+
+    def _fused_layer(self, layer: int) -> tuple[Any, ...] | None:
+        if layer not in self._fused:
+            self._fused[layer] = self._build_fused_layer(layer)
+        return self._fused[layer]
+
+    def _build_fused_layer(self, layer: int) -> tuple[Any, ...] | None:
+        c, w, p = self.config, self.w, f"blk.{layer}."
+        names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        mats = [w.matrix(f"{p}{n}.weight")._fused for n in names]
+        if any(m is None for m in mats):
+            return None
+        vec = {n: w.optional_vector(p + n) for n in (
+            "attn_norm.weight", "ffn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias",
+            "attn_q_norm.weight", "attn_k_norm.weight")}  # fmt: skip
+        vec = {
+            n: None if a is None else np.ascontiguousarray(a, np.float32) for n, a in vec.items()
+        }
+        struct = kernels.LlamaLayer(
+            *[kernels.mat(m[0]) for m in mats],  # type: ignore[index]
+            *[kernels.ptr(a) for a in vec.values()],
+            c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.rope_dim,
+            int(c.rope_layout == "neox"), c.rms_eps, self.scale,
+        )  # fmt: skip
+        return struct, mats, vec  # the struct holds raw pointers: keep what they point into
+
+    def _decode_scratch(self, capacity: int) -> tuple[np.ndarray, ...]:
+        c = self.config
+        if self._scratch is None or self._scratch[0] < capacity:
+            qn, kn = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+            floats = 2 * c.d_model + 2 * qn + 2 * kn + 2 * c.ffn_dim + c.n_heads * capacity
+            widest = max(c.d_model, qn, c.ffn_dim)
+            self._scratch = (
+                capacity,
+                np.empty(floats, np.float32),
+                np.empty(widest, np.int8),
+                np.empty(widest // 32, np.float32),
+                np.empty(widest // 16, np.int32),
+            )
+        return self._scratch[1:]
 
     def cache_spec(self, layer: int) -> CacheSpec:
         c = self.config
