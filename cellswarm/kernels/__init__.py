@@ -111,6 +111,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_attend1.restype = None
     lib.cs_llama_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p, p, p]
     lib.cs_llama_decode.restype = None
+    lib.cs_stream_read.argtypes = [p, i64]
+    lib.cs_stream_read.restype = ctypes.c_uint64
     for f in (lib.cs_quantize_act, lib.cs_matmul_q, lib.cs_matmul_qx, lib.cs_matmul_f,
               lib.cs_dequantize):  # fmt: skip
         f.restype = None
@@ -226,6 +228,13 @@ def attend1(
     lib.cs_attend1(qc.ctypes.data, k_store.ctypes.data, v_store.ctypes.data, n_heads, n_kv, cap,
                    s_len, d, scale, out.ctypes.data)  # fmt: skip
     return out
+
+
+def stream_read(a: np.ndarray) -> int:
+    """Sum a buffer's 64-bit words on all threads: a streaming-read bandwidth probe."""
+    lib = _load()
+    assert lib is not None
+    return int(lib.cs_stream_read(a.ctypes.data, a.nbytes // 8))
 
 
 def dequantize(type_name: str, w: np.ndarray, cols: int, out: np.ndarray) -> None:

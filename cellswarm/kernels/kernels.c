@@ -783,6 +783,14 @@ void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *c
     for (int64_t i = 0; i < d; i++) x[i] += tmp[i];
 }
 
+/* Streaming-read bandwidth probe: sum n bytes as 64-bit words over all threads (bench only). */
+uint64_t cs_stream_read(const uint64_t *p, int64_t n_words) {
+    uint64_t total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+    for (int64_t i = 0; i < n_words; i++) total += p[i];
+    return total;
+}
+
 void cs_set_threads(int n) {
 #ifdef _OPENMP
     omp_set_num_threads(n);
