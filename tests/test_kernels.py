@@ -116,3 +116,17 @@ def test_quantized_model_fast_path_vs_reference_path(tmp_path: Path, arch: str) 
     with kernels.using("numpy"):
         slow = prefill_then_decode(model, ids, 8)
     assert max_rel_diff(fast, slow) <= 5e-2
+
+
+def test_refined_head_candidates_are_the_float_logits() -> None:
+    from cellswarm.models.ops import refine_top
+
+    w = random_packed("Q8_0", 500, 256)
+    h = np.random.default_rng(4).standard_normal((2, 256)).astype(np.float32)
+    logits = w.matmul(h)  # fused: int8 activations
+    refine_top(logits, w, h, k=8)
+    exact = h @ w.dequantize().T
+    for r in range(2):
+        top = np.argsort(-logits[r])[:8]
+        np.testing.assert_allclose(logits[r, top], exact[r, top], rtol=1e-5, atol=1e-4)
+        assert np.argmax(logits[r]) == np.argmax(exact[r])

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cellswarm import kernels
 from cellswarm.quant import PackedMatrix
 
 if TYPE_CHECKING:
@@ -77,9 +78,25 @@ def embed(w: WeightStore, token_ids: np.ndarray) -> np.ndarray:
     return w.matrix("token_embd.weight").take_rows(token_ids)
 
 
+HEAD_REFINE = 32  # candidates whose logits are recomputed in float after a fused head
+
+
 def lm_head(w: WeightStore, x: np.ndarray, d_model: int, eps: float) -> np.ndarray:
     """(T, d) -> (T, vocab rows held): final RMSNorm, then the output head (or the embedding
     matrix when the model ties them, as llama.cpp does when a file has no output.weight)."""
     h = rms_norm(x, w.vector("output_norm.weight", d_model), eps)
-    out = "output.weight" if "output.weight" in w else "token_embd.weight"
-    return w.matrix(out).matmul(h)
+    head = w.matrix("output.weight" if "output.weight" in w else "token_embd.weight")
+    logits = head.matmul(h)
+    if h.shape[0] <= kernels.MAX_BATCH and kernels.enabled():
+        refine_top(logits, head, h)
+    return logits
+
+
+def refine_top(logits: np.ndarray, head: PackedMatrix, h: np.ndarray, k: int = HEAD_REFINE) -> None:
+    """The fused head quantizes activations to int8 (~1% of a logit of noise), enough to swap
+    two near-tied tokens; the k best candidates of each row are recomputed in float32 from
+    their dequantized rows, so greedy choices match the float path. In place."""
+    k = min(k, logits.shape[1])
+    for r in range(logits.shape[0]):
+        top = np.argpartition(-logits[r], k - 1)[:k]
+        logits[r, top] = head.take_rows(top) @ h[r]
