@@ -8,7 +8,8 @@
     │   └── ShapeMismatchError
     ├── TokenizerError        tokenizer missing or disagreeing with the model
     ├── BudgetError           something does not fit in a byte budget (says by how much)
-    └── RequestError          a caller asked for something invalid (bad option, bad value)
+    ├── RequestError          a caller asked for something invalid (bad option, bad value)
+    └── ProtocolError         a peer sent a malformed, oversized or corrupt frame
 
 Every message names the offending value and, where there is one, the fix.
 """
@@ -48,3 +49,7 @@ class BudgetError(CellswarmError):
 
 class RequestError(CellswarmError):
     pass
+
+
+class ProtocolError(CellswarmError):
+    """A peer sent something that is not a valid frame; the connection is dropped."""

@@ -1,0 +1,114 @@
+"""The data plane's wire format: one typed frame = a small msgpack header + a raw array buffer.
+
+    magic b"CSF1" | header bytes (u32) | payload bytes (u64) | crc32 of header+payload (u32)
+    | header (msgpack map: "type" and fields) | payload (the array's bytes, C order)
+
+No pickle: a header is plain data and a payload is raw numbers whose dtype and shape the
+header names, so a peer can never make us run code. Sizes are checked against limits before
+anything is read, and the checksum before anything is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from cellswarm.errors import ProtocolError
+
+MAGIC = b"CSF1"
+PREFIX = struct.Struct("<4sIQI")  # magic, header bytes, payload bytes, crc32
+MAX_HEADER_BYTES = 1 << 16
+MAX_PAYLOAD_BYTES = 64 << 20  # one frame; an activation batch is far smaller
+DTYPES = {"f32": np.float32, "i64": np.int64}
+
+
+@dataclass(frozen=True)
+class Frame:
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    array: np.ndarray | None = None
+
+
+def encode(frame: Frame, max_payload: int = MAX_PAYLOAD_BYTES) -> bytes:
+    header: dict[str, Any] = {"type": frame.type, **frame.fields}
+    payload = b""
+    if frame.array is not None:
+        dtype = next((k for k, v in DTYPES.items() if frame.array.dtype == v), None)
+        if dtype is None:
+            raise ProtocolError(f"array dtype {frame.array.dtype} cannot be sent; use f32 or i64")
+        header["dtype"], header["shape"] = dtype, list(frame.array.shape)
+        payload = np.ascontiguousarray(frame.array).tobytes()
+    head = msgpack.packb(header, use_bin_type=True)
+    _check_sizes(len(head), len(payload), max_payload)
+    crc = zlib.crc32(payload, zlib.crc32(head))
+    return PREFIX.pack(MAGIC, len(head), len(payload), crc) + head + payload
+
+
+def _check_sizes(header: int, payload: int, max_payload: int) -> None:
+    if header > MAX_HEADER_BYTES:
+        raise ProtocolError(f"frame header of {header:,} bytes exceeds {MAX_HEADER_BYTES:,}")
+    if payload > max_payload:
+        raise ProtocolError(
+            f"frame payload of {payload:,} bytes exceeds the limit of {max_payload:,}; "
+            "send smaller batches or raise the frame limit"
+        )
+
+
+def decode(prefix: bytes, body: bytes) -> Frame:
+    """prefix: PREFIX.size bytes; body: header + payload as the prefix announced."""
+    _magic, n_head, n_payload, crc = PREFIX.unpack(prefix)
+    if zlib.crc32(body) != crc:
+        raise ProtocolError(f"frame checksum mismatch ({n_head + n_payload:,} bytes); dropped")
+    try:
+        header = msgpack.unpackb(body[:n_head], raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"frame header is not valid msgpack ({exc})") from exc
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise ProtocolError("frame header is not a map with a string 'type'")
+    return Frame(header.pop("type"), header, _array(header, body[n_head:]))
+
+
+def _array(header: dict[str, Any], payload: bytes) -> np.ndarray | None:
+    dtype, shape = header.pop("dtype", None), header.pop("shape", None)
+    if dtype is None:
+        if payload:
+            raise ProtocolError("frame carries a payload but names no dtype")
+        return None
+    if dtype not in DTYPES or not isinstance(shape, list):
+        raise ProtocolError(f"frame names dtype {dtype!r} / shape {shape!r}; expected f32|i64")
+    arr = np.frombuffer(payload, dtype=DTYPES[dtype])
+    if arr.size != int(np.prod(shape)):
+        raise ProtocolError(f"frame payload of {arr.size} values does not fill shape {shape}")
+    return arr.reshape(shape)
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, max_payload: int = MAX_PAYLOAD_BYTES
+) -> Frame | None:
+    """The next frame, or None at a clean end of stream."""
+    try:
+        prefix = await reader.readexactly(PREFIX.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise ProtocolError("connection closed inside a frame prefix") from exc
+    magic, n_head, n_payload, _ = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise ProtocolError(f"not a cellswarm frame (magic {magic!r})")
+    _check_sizes(n_head, n_payload, max_payload)  # before reading a byte of the body
+    try:
+        body = await reader.readexactly(n_head + n_payload)
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError("connection closed inside a frame body") from exc
+    return decode(prefix, body)
+
+
+async def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> None:
+    writer.write(encode(frame))
+    await writer.drain()

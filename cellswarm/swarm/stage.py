@@ -1,0 +1,215 @@
+"""A pipeline stage: one process holding a layer range of the model, in a ring of stages.
+
+    client --generate--> stage 0 (embedding, layers 0..a) --hidden--> stage 1 --> ...
+    ... --> stage N-1 (layers ..L, head: samples) --token--> stage 0 --token--> client
+
+Stage 0 owns each sequence (its prompt, its tokens, when it stops); the last stage owns
+sampling (seeded, so a sequence's tokens do not depend on the layout). Every stage keeps a
+KV cache per sequence for its own layers. Many sequences are in flight at once: while stage
+k computes one, stage k+1 computes another — that is the pipelining.
+
+Run as `python -m cellswarm.swarm.stage CONFIG_JSON`; prints `READY <port>` when listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cellswarm.engine.kv_cache import KVCache
+from cellswarm.engine.model import Model
+from cellswarm.engine.sampling import SamplingParams, sample
+from cellswarm.io.weights import Selection
+from cellswarm.swarm.frames import Frame, read_frame, write_frame
+
+log = logging.getLogger("cellswarm.stage")
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    model: str
+    layers: tuple[int, int]
+    first: bool
+    last: bool
+    next_host: str = "127.0.0.1"
+    next_port: int = 0  # the next stage; the last stage's next is the first stage (ring)
+    listen_port: int = 0
+    threads: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> StageConfig:
+        raw = json.loads(text)
+        raw["layers"] = tuple(raw["layers"])
+        return cls(**raw)
+
+
+@dataclass
+class Sequence:
+    """Stage 0's view of one request."""
+
+    req: str
+    client: asyncio.StreamWriter
+    prompt: list[int]
+    max_tokens: int
+    stop_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+
+
+class Stage:
+    def __init__(self, config: StageConfig, model: Model) -> None:
+        self.config, self.model = config, model
+        self.caches: dict[int, KVCache] = {}
+        self.samplers: dict[int, tuple[SamplingParams, np.random.Generator, list[int]]] = {}
+        self.sequences: dict[int, Sequence] = {}
+        self._next: asyncio.StreamWriter | None = None
+        self._next_lock = asyncio.Lock()
+        self._seq_ids = 0
+
+    # -- connections ---------------------------------------------------------------------
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while (frame := await read_frame(reader)) is not None:
+                await self.handle(frame, writer)
+        except Exception:  # a bad peer or a bug: log it, drop this connection, keep serving
+            log.exception("stage %s: connection dropped", self.config.layers)
+        finally:
+            writer.close()
+
+    async def send_next(self, frame: Frame) -> None:
+        async with self._next_lock:
+            if self._next is None:
+                _, self._next = await _connect(self.config.next_host, self.config.next_port)
+            await write_frame(self._next, frame)
+
+    # -- the protocol ----------------------------------------------------------------------
+
+    async def handle(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
+        if frame.type == "generate":
+            await self.on_generate(frame, writer)
+        elif frame.type == "hidden":
+            await self.on_hidden(frame)
+        elif frame.type == "token":
+            await self.on_token(frame.fields["seq"], int(frame.fields["token"]))
+        elif frame.type == "end":
+            self.release(frame.fields["seq"])
+
+    async def on_generate(self, frame: Frame, client: asyncio.StreamWriter) -> None:
+        f, prompt = frame.fields, frame.array
+        assert prompt is not None
+        self._seq_ids += 1
+        seq = self._seq_ids
+        self.sequences[seq] = Sequence(
+            f["req"], client, [int(t) for t in prompt], int(f["max_tokens"]),
+            frozenset(int(t) for t in f.get("stop_ids", ())),
+        )  # fmt: skip
+        capacity = len(prompt) + int(f["max_tokens"])
+        h = self.model.arch.embed(np.asarray(prompt, dtype=np.int64))
+        tokens = self.sequences[seq].prompt
+        first = {"capacity": capacity, "sampling": f.get("sampling", {}), "prompt": tokens}
+        await self.run_layers(seq, h, 0, first)
+
+    async def on_hidden(self, frame: Frame) -> None:
+        f = frame.fields
+        assert frame.array is not None
+        await self.run_layers(f["seq"], frame.array, int(f["pos"]), f.get("first"))
+
+    async def run_layers(
+        self, seq: int, h: np.ndarray, pos: int, first: dict[str, Any] | None
+    ) -> None:
+        if first is not None:
+            self.caches[seq] = self.model.new_cache(int(first["capacity"]))
+        cache = self.caches[seq]
+        cache.length = pos
+        h = self.model.forward(np.ascontiguousarray(h, dtype=np.float32), cache)
+        cache.length = pos + h.shape[0]
+        if not self.config.last:
+            fields: dict[str, Any] = {"seq": seq, "pos": pos}
+            if first is not None:
+                fields["first"] = first
+            await self.send_next(Frame("hidden", fields, h))
+            return
+        token = self.sample(seq, self.model.arch.head(h[-1:])[-1], first)
+        if self.config.first:
+            await self.on_token(seq, token)
+        else:
+            await self.send_next(Frame("token", {"seq": seq, "token": token}))
+
+    def sample(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
+        if first is not None:
+            params = SamplingParams(**first["sampling"])
+            self.samplers[seq] = (params, np.random.default_rng(params.seed), list(first["prompt"]))
+        params, rng, history = self.samplers[seq]
+        token = sample(logits, params, rng, history)
+        history.append(token)
+        return token
+
+    async def on_token(self, seq: int, token: int) -> None:
+        s = self.sequences[seq]
+        if token in s.stop_ids:
+            return await self.finish(seq, "stop_token")
+        s.tokens.append(token)
+        await write_frame(s.client, Frame("token", {"req": s.req, "token": token}))
+        if len(s.tokens) >= s.max_tokens:
+            return await self.finish(seq, "max_tokens")
+        pos = len(s.prompt) + len(s.tokens) - 1
+        step = self.run_layers(seq, self.model.arch.embed(np.asarray([token])), pos, None)
+        if self.config.last:  # one stage: schedule rather than recurse token after token
+            asyncio.get_running_loop().create_task(step)
+        else:
+            await step
+
+    async def finish(self, seq: int, reason: str) -> None:
+        s = self.sequences.pop(seq)
+        await write_frame(s.client, Frame("done", {"req": s.req, "reason": reason}))
+        self.release(seq)
+        if not self.config.last:
+            await self.send_next(Frame("end", {"seq": seq}))
+
+    def release(self, seq: int) -> None:
+        self.caches.pop(seq, None)
+        self.samplers.pop(seq, None)
+        if not self.config.last and not self.config.first:
+            asyncio.get_running_loop().create_task(self.send_next(Frame("end", {"seq": seq})))
+
+
+async def _connect(host: str, port: int, attempts: int = 200) -> tuple[Any, Any]:
+    for _ in range(attempts):
+        try:
+            return await asyncio.open_connection(host, port)
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise ConnectionError(f"stage at {host}:{port} did not answer")
+
+
+def load_stage_model(config: StageConfig) -> Model:
+    from cellswarm import kernels
+    from cellswarm.loader import load
+
+    kernels.set_threads(config.threads)
+    lo, hi = config.layers
+    sel = Selection(layers=(lo, hi), embed=config.first, head=config.last)
+    return load(config.model, selection=sel, tokenizer=False)
+
+
+async def main(config: StageConfig) -> None:
+    stage = Stage(config, load_stage_model(config))
+    server = await asyncio.start_server(stage.serve, "127.0.0.1", config.listen_port)
+    port = server.sockets[0].getsockname()[1]
+    print(f"READY {port}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    asyncio.run(main(StageConfig.from_json(sys.argv[1])))

@@ -1,0 +1,57 @@
+"""A pipeline of real stage processes over real sockets equals the single-process engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import cellswarm
+from cellswarm.engine.model import GenerateOptions
+from cellswarm.engine.sampling import SamplingParams
+from cellswarm.swarm.local import LocalPipeline, even_split
+
+TEXTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def reference(demo_path: Path) -> tuple[list[list[int]], list[list[int]]]:
+    model = cellswarm.load(demo_path)
+    prompts = [model.tokenizer.encode(t) for t in TEXTS]
+    opts = GenerateOptions(10, stop_ids=frozenset())
+    return prompts, [model.generate(p, opts).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 5])
+def test_pipeline_equals_single_process(demo_path: Path, reference, stages: int) -> None:  # type: ignore[no-untyped-def]
+    prompts, expected = reference
+    with LocalPipeline(str(demo_path), even_split(30, stages)) as pipe:
+        results = pipe.generate([{"prompt": p, "max_tokens": 10} for p in prompts])
+    assert [r.tokens for r in results] == expected  # four sequences in flight together
+    assert all(r.reason == "max_tokens" for r in results)
+
+
+def test_seeded_sampling_does_not_depend_on_the_layout(demo_path: Path) -> None:
+    model = cellswarm.load(demo_path)
+    prompt = model.tokenizer.encode("Tell me a story:")
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    expected = model.generate(prompt, GenerateOptions(8, sampling, stop_ids=frozenset())).token_ids
+    with LocalPipeline(str(demo_path), even_split(30, 3)) as pipe:
+        [result] = pipe.generate([{"prompt": prompt, "max_tokens": 8, "sampling": sampling}])
+    assert result.tokens == expected
+
+
+def test_stop_tokens_end_a_sequence(demo_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    prompts, expected = reference
+    seq = expected[0]
+    at = next(i for i in range(1, len(seq)) if seq[i] not in seq[:i])  # first fresh token
+    with LocalPipeline(str(demo_path), even_split(30, 2)) as pipe:
+        [r] = pipe.generate([{"prompt": prompts[0], "max_tokens": 10, "stop_ids": [seq[at]]}])
+    assert r.tokens == seq[:at] and r.reason == "stop_token"
+
+
+def test_even_split_table() -> None:
+    assert even_split(30, 1) == [(0, 30)]
+    assert even_split(30, 4) == [(0, 8), (8, 15), (15, 22), (22, 30)]
+    with pytest.raises(ValueError, match="31 stages"):
+        even_split(30, 31)
