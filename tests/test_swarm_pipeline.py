@@ -55,3 +55,30 @@ def test_even_split_table() -> None:
     assert even_split(30, 4) == [(0, 8), (8, 15), (15, 22), (22, 30)]
     with pytest.raises(ValueError, match="31 stages"):
         even_split(30, 31)
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_stage_killed_mid_generation_costs_a_replay_not_a_request(
+    demo_path: Path, victim: int
+) -> None:
+    """20 sequences in flight; SIGKILL a stage (a middle one, then stage 0 itself) after the
+    first tokens arrive; every request finishes, token-identical to the failure-free run."""
+    import os
+    import signal
+
+    model = cellswarm.load(demo_path)
+    prompts = [model.tokenizer.encode(f"Item {i}: the colour of the sky is") for i in range(20)]
+    opts = GenerateOptions(12, stop_ids=frozenset())
+    expected = [model.generate(p, opts).token_ids for p in prompts]
+    seen = [0]
+
+    def kill_after_some_tokens(_i: int, _token: int) -> None:
+        seen[0] += 1
+        if seen[0] == 30:  # mid-generation: 30 of 240 tokens are out
+            os.kill(pipe.procs[victim].pid, signal.SIGKILL)
+
+    with LocalPipeline(str(demo_path), even_split(30, 3)) as pipe:
+        requests = [{"prompt": p, "max_tokens": 12} for p in prompts]
+        results = pipe.generate(requests, on_token=kill_after_some_tokens)
+        assert pipe.restarts == 1
+    assert [r.tokens for r in results] == expected

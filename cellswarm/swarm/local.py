@@ -11,7 +11,7 @@ import itertools
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,55 +47,124 @@ class Result:
     reason: str
 
 
+MAX_ATTEMPTS = 3  # per request, in total
+
+
 class LocalPipeline:
-    """N stage processes in a ring; `generate` sends requests to stage 0."""
+    """N stage processes in a ring; `generate` sends requests to stage 0.
+
+    It also plays the coordinator's part in failures: it watches the stage processes, and when
+    one dies it starts a replacement on the same port, tells the others to forget their
+    sequences, and replays every unfinished request as prompt + the tokens it already has —
+    so a dead stage costs a replay, never a request, and greedy output is unchanged.
+    """
 
     def __init__(self, model: str, splits: Sequence[tuple[int, int]], threads: int = 1):
         ports = free_ports(len(splits))
         self.port = ports[0]
-        self.procs: list[subprocess.Popen[str]] = []
-        for i, layers in enumerate(splits):
-            cfg = StageConfig(
-                model=model, layers=layers, first=i == 0, last=i == len(splits) - 1,
-                next_port=ports[(i + 1) % len(splits)], listen_port=ports[i], threads=threads,
-            )  # fmt: skip
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "cellswarm.swarm.stage", cfg.to_json()],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
+        self.configs = [
+            StageConfig(
+                model=model,
+                layers=layers,
+                first=i == 0,
+                last=i == len(splits) - 1,
+                next_port=ports[(i + 1) % len(splits)],
+                listen_port=ports[i],
+                threads=threads,
             )
+            for i, layers in enumerate(splits)
+        ]
+        self.procs: list[subprocess.Popen[str]] = [self._spawn(c) for c in self.configs]
+        self.restarts = 0
+        self.epoch = 0
+        self._on_token: Callable[[int, int], None] | None = None
         for p in self.procs:
-            line = p.stdout.readline() if p.stdout else ""
-            if not line.startswith("READY"):
-                self.close()
-                raise RuntimeError(f"a stage failed to start (said {line!r})")
+            self._await_ready(p)
 
-    def generate(self, requests: Sequence[dict[str, Any]]) -> list[Result]:
+    def _spawn(self, cfg: StageConfig) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "cellswarm.swarm.stage", cfg.to_json()]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+    def _await_ready(self, p: subprocess.Popen[str]) -> None:
+        line = p.stdout.readline() if p.stdout else ""
+        if not line.startswith("READY"):
+            self.close()
+            raise RuntimeError(f"a stage failed to start (said {line!r})")
+
+    def generate(
+        self, requests: Sequence[dict[str, Any]], on_token: Callable[[int, int], None] | None = None
+    ) -> list[Result]:
         """Each request: prompt (token ids), max_tokens, sampling (SamplingParams fields),
-        stop_ids. All are sent at once, so they are in flight together."""
+        stop_ids. All are sent at once, so they are in flight together. on_token(request
+        index, token) is called as tokens arrive."""
+        self._on_token = on_token
         return asyncio.run(self._generate(requests))
 
     async def _generate(self, requests: Sequence[dict[str, Any]]) -> list[Result]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        for i, r in enumerate(requests):
-            sampling = asdict(r.get("sampling", SamplingParams()))
-            fields = {"req": str(i), "max_tokens": r["max_tokens"], "sampling": sampling,
-                      "stop_ids": list(r.get("stop_ids", ()))}  # fmt: skip
-            await write_frame(writer, Frame("generate", fields, np.asarray(r["prompt"], np.int64)))
-        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
-        reasons: dict[str, str] = {}
+        tokens: list[list[int]] = [[] for _ in requests]
+        reasons: dict[int, str] = {}
+        attempts = [0] * len(requests)
         while len(reasons) < len(requests):
-            frame = await read_frame(reader)
+            todo = [i for i in range(len(requests)) if i not in reasons]
+            for i in todo:
+                attempts[i] += 1
+                if attempts[i] > MAX_ATTEMPTS:
+                    raise RuntimeError(f"request {i} failed {MAX_ATTEMPTS} times")
+            try:
+                await self._round(requests, todo, tokens, reasons)
+            except (ConnectionError, OSError):
+                await self._recover()
+        return [Result(tokens[i], reasons[i]) for i in range(len(requests))]
+
+    async def _round(
+        self, requests: Sequence[dict[str, Any]], todo: list[int], tokens: list[list[int]],
+        reasons: dict[int, str],
+    ) -> None:  # fmt: skip
+        """Send the unfinished requests (prompt + tokens so far) and read until all are done
+        or a stage dies."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            for i in todo:
+                await write_frame(writer, _request_frame(requests[i], tokens[i], i))
+            while any(i not in reasons for i in todo):
+                frame = await self._read_watching(reader)
+                i = int(frame.fields["req"])
+                if frame.type == "token":
+                    tokens[i].append(int(frame.fields["token"]))
+                    if self._on_token is not None:
+                        self._on_token(i, tokens[i][-1])
+                elif frame.type == "done":
+                    reasons[i] = frame.fields["reason"]
+        finally:
+            writer.close()
+
+    async def _read_watching(self, reader: asyncio.StreamReader) -> Frame:
+        """The next frame from stage 0; ConnectionError as soon as any stage process died."""
+        while True:
+            if any(p.poll() is not None for p in self.procs):
+                raise ConnectionError("a stage process died")
+            try:
+                frame = await asyncio.wait_for(read_frame(reader), timeout=0.2)
+            except TimeoutError:
+                continue
             if frame is None:
                 raise ConnectionError("stage 0 closed the connection")
-            if frame.type == "token":
-                tokens[frame.fields["req"]].append(int(frame.fields["token"]))
-            elif frame.type == "done":
-                reasons[frame.fields["req"]] = frame.fields["reason"]
-        writer.close()
-        return [Result(tokens[str(i)], reasons[str(i)]) for i in range(len(requests))]
+            return frame
+
+    async def _recover(self) -> None:
+        """Replace dead stages (same layer range, same port); reset the survivors. A stage
+        that does not answer its reset counts as dead: it is killed and replaced too."""
+        self.epoch += 1
+        for k, cfg in enumerate(self.configs):
+            if self.procs[k].poll() is None and await _reset(cfg.listen_port, self.epoch):
+                continue
+            self.procs[k].kill()
+            self.procs[k].wait()
+            self.procs[k] = self._spawn(cfg)
+            self._await_ready(self.procs[k])
+            self.restarts += 1
+            if not await _reset(cfg.listen_port, self.epoch):
+                raise ConnectionError(f"the replacement stage for layers {cfg.layers} is silent")
 
     def close(self) -> None:
         for p in self.procs:
@@ -108,3 +177,28 @@ class LocalPipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _reset(port: int, epoch: int, timeout_s: float = 5.0) -> bool:
+    """Tell a stage to forget its sequences and adopt a new epoch; False if it is silent."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await write_frame(writer, Frame("reset", {"epoch": epoch}))
+        answer = await asyncio.wait_for(read_frame(reader), timeout_s)
+        writer.close()
+        return answer is not None and answer.type == "reset_done"
+    except (OSError, TimeoutError, ConnectionError):
+        return False
+
+
+def _request_frame(request: dict[str, Any], done: list[int], i: int) -> Frame:
+    """A request, resumed after `done` tokens: stage 0 prefills the prompt and replays those
+    tokens one decode step each — the same computations as the first time, so the cache, the
+    sampler and the continuation are identical (a one-shot prefill of prompt + done would
+    take the batched path, whose rounding differs from decode's)."""
+    sampling = asdict(request.get("sampling", SamplingParams()))
+    fields = {
+        "req": str(i), "max_tokens": request["max_tokens"], "sampling": sampling,
+        "stop_ids": list(request.get("stop_ids", ())), "replay": list(done),
+    }  # fmt: skip
+    return Frame("generate", fields, np.asarray(request["prompt"], np.int64))

@@ -62,6 +62,9 @@ class Sequence:
     max_tokens: int
     stop_ids: frozenset[int]
     tokens: list[int] = field(default_factory=list)
+    # Tokens a resumed request already produced: fed back one decode step at a time, exactly
+    # as they were first computed, so the cache and the sampler end up as they were.
+    replay: list[int] = field(default_factory=list)
 
 
 class Stage:
@@ -73,6 +76,7 @@ class Stage:
         self._next: asyncio.StreamWriter | None = None
         self._next_lock = asyncio.Lock()
         self._seq_ids = 0
+        self.epoch = 0  # the layout generation; frames from an older one are stale
 
     # -- connections ---------------------------------------------------------------------
 
@@ -94,6 +98,8 @@ class Stage:
     # -- the protocol ----------------------------------------------------------------------
 
     async def handle(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
+        if frame.type in ("hidden", "token", "end") and frame.fields.get("ep") != self.epoch:
+            return  # sent before the last reset, by or for a layout that no longer exists
         if frame.type == "generate":
             await self.on_generate(frame, writer)
         elif frame.type == "hidden":
@@ -102,6 +108,19 @@ class Stage:
             await self.on_token(frame.fields["seq"], int(frame.fields["token"]))
         elif frame.type == "end":
             self.release(frame.fields["seq"])
+        elif frame.type == "reset":  # the layout changed under us: forget every sequence
+            await self.reset(int(frame.fields["epoch"]), writer)
+
+    async def reset(self, epoch: int, writer: asyncio.StreamWriter) -> None:
+        self.epoch = epoch
+        self.caches.clear()
+        self.samplers.clear()
+        self.sequences.clear()
+        async with self._next_lock:
+            if self._next is not None:
+                self._next.close()
+            self._next = None  # reconnect: the next stage may be a new process
+        await write_frame(writer, Frame("reset_done", {}))
 
     async def on_generate(self, frame: Frame, client: asyncio.StreamWriter) -> None:
         f, prompt = frame.fields, frame.array
@@ -111,6 +130,7 @@ class Stage:
         self.sequences[seq] = Sequence(
             f["req"], client, [int(t) for t in prompt], int(f["max_tokens"]),
             frozenset(int(t) for t in f.get("stop_ids", ())),
+            replay=[int(t) for t in f.get("replay", ())],
         )  # fmt: skip
         capacity = len(prompt) + int(f["max_tokens"])
         h = self.model.arch.embed(np.asarray(prompt, dtype=np.int64))
@@ -128,12 +148,14 @@ class Stage:
     ) -> None:
         if first is not None:
             self.caches[seq] = self.model.new_cache(int(first["capacity"]))
-        cache = self.caches[seq]
+        cache = self.caches.get(seq)
+        if cache is None:  # dropped by a reset while this frame was on the wire
+            return
         cache.length = pos
         h = self.model.forward(np.ascontiguousarray(h, dtype=np.float32), cache)
         cache.length = pos + h.shape[0]
         if not self.config.last:
-            fields: dict[str, Any] = {"seq": seq, "pos": pos}
+            fields: dict[str, Any] = {"seq": seq, "pos": pos, "ep": self.epoch}
             if first is not None:
                 fields["first"] = first
             await self.send_next(Frame("hidden", fields, h))
@@ -142,23 +164,29 @@ class Stage:
         if self.config.first:
             await self.on_token(seq, token)
         else:
-            await self.send_next(Frame("token", {"seq": seq, "token": token}))
+            await self.send_next(Frame("token", {"seq": seq, "token": token, "ep": self.epoch}))
 
     def sample(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
         if first is not None:
             params = SamplingParams(**first["sampling"])
             self.samplers[seq] = (params, np.random.default_rng(params.seed), list(first["prompt"]))
-        params, rng, history = self.samplers[seq]
+        params, rng, history = self.samplers[seq]  # present: created with the cache
         token = sample(logits, params, rng, history)
         history.append(token)
         return token
 
     async def on_token(self, seq: int, token: int) -> None:
-        s = self.sequences[seq]
-        if token in s.stop_ids:
+        s = self.sequences.get(seq)
+        if s is None:  # dropped by a reset while this token was on the wire
+            return
+        replaying = bool(s.replay)
+        if replaying:
+            token = s.replay.pop(0)  # the client has it already
+        elif token in s.stop_ids:
             return await self.finish(seq, "stop_token")
         s.tokens.append(token)
-        await write_frame(s.client, Frame("token", {"req": s.req, "token": token}))
+        if not replaying:
+            await write_frame(s.client, Frame("token", {"req": s.req, "token": token}))
         if len(s.tokens) >= s.max_tokens:
             return await self.finish(seq, "max_tokens")
         pos = len(s.prompt) + len(s.tokens) - 1
@@ -173,13 +201,14 @@ class Stage:
         await write_frame(s.client, Frame("done", {"req": s.req, "reason": reason}))
         self.release(seq)
         if not self.config.last:
-            await self.send_next(Frame("end", {"seq": seq}))
+            await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
 
     def release(self, seq: int) -> None:
         self.caches.pop(seq, None)
         self.samplers.pop(seq, None)
         if not self.config.last and not self.config.first:
-            asyncio.get_running_loop().create_task(self.send_next(Frame("end", {"seq": seq})))
+            end = Frame("end", {"seq": seq, "ep": self.epoch})
+            asyncio.get_running_loop().create_task(self.send_next(end))
 
 
 async def _connect(host: str, port: int, attempts: int = 200) -> tuple[Any, Any]:
