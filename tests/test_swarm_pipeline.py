@@ -82,3 +82,39 @@ def test_a_stage_killed_mid_generation_costs_a_replay_not_a_request(
         results = pipe.generate(requests, on_token=kill_after_some_tokens)
         assert pipe.restarts == 1
     assert [r.tokens for r in results] == expected
+
+
+def test_a_deepseek_moe_model_pipelines_like_one_process(tmp_path: Path) -> None:
+    """MLA + routed experts (random weights) split over 3 stages equals one process."""
+    from tests.hf_reference import build_hf_model, save_hf
+    from tests.test_deepseek2 import DEEPSEEK_V3
+
+    folder = save_hf(build_hf_model(DEEPSEEK_V3, seed=5), tmp_path / "ds")
+    model = cellswarm.load(folder)
+    prompts = [[1, 5, 9, 14, 3], [7, 7, 2]]
+    opts = GenerateOptions(8, stop_ids=frozenset())
+    expected = [model.generate(p, opts).token_ids for p in prompts]
+    with LocalPipeline(str(folder), even_split(3, 3)) as pipe:
+        results = pipe.generate([{"prompt": p, "max_tokens": 8} for p in prompts])
+    assert [r.tokens for r in results] == expected
+
+
+def test_seeded_sampling_survives_a_kill(demo_path: Path) -> None:
+    import os
+    import signal
+
+    model = cellswarm.load(demo_path)
+    prompt = model.tokenizer.encode("Write a short poem about rain:")
+    sampling = SamplingParams(temperature=0.8, top_k=40, seed=3)
+    expected = model.generate(prompt, GenerateOptions(16, sampling, stop_ids=frozenset())).token_ids
+
+    def kill(_i: int, _t: int) -> None:
+        if len(seen) == 5:
+            os.kill(pipe.procs[1].pid, signal.SIGKILL)
+        seen.append(_t)
+
+    seen: list[int] = []
+    with LocalPipeline(str(demo_path), even_split(30, 3)) as pipe:
+        [r] = pipe.generate([{"prompt": prompt, "max_tokens": 16, "sampling": sampling}], kill)
+        assert pipe.restarts == 1
+    assert r.tokens == expected
