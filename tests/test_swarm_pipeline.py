@@ -118,3 +118,16 @@ def test_seeded_sampling_survives_a_kill(demo_path: Path) -> None:
         [r] = pipe.generate([{"prompt": prompt, "max_tokens": 16, "sampling": sampling}], kill)
         assert pipe.restarts == 1
     assert r.tokens == expected
+
+
+def test_memory_budgets_hold_and_a_too_small_budget_is_refused(demo_path: Path) -> None:
+    """Each stage's peak RSS (VmHWM, Python included) stays within its --memory; a budget
+    that cannot hold the shard is refused at start with the shortfall."""
+    budget = 128 << 20
+    with LocalPipeline(str(demo_path), even_split(30, 3), memory_bytes=budget, context=256,
+                       max_sequences=4) as pipe:  # fmt: skip
+        pipe.generate([{"prompt": [1, 2, 3, 4, 5], "max_tokens": 20}] * 4)
+        stats = pipe.stats()
+    assert all(0 < s["peak_rss_bytes"] <= budget for s in stats), stats
+    with pytest.raises(cellswarm.BudgetError, match=r"bytes short; give this node fewer layers"):
+        LocalPipeline(str(demo_path), even_split(30, 1), memory_bytes=64 << 20)

@@ -73,6 +73,17 @@ def memory_report(model: Model, batch: int, context: int) -> MemoryReport:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """This process's peak resident set size.
+
+    On Linux, VmHWM from /proc/self/status: ru_maxrss survives fork + exec, so a worker
+    started by a big parent would report the parent's peak as its own.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return int(peak if sys.platform == "darwin" else peak * 1024)

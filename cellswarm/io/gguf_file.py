@@ -13,7 +13,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import gguf
 import numpy as np
@@ -33,9 +33,12 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._reader = _open_reader(self.path)
-        self.metadata: dict[str, Any] = _decode_metadata(self._reader)
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.metadata, infos = _read_header(self.path)
+        self._tensors = {t.name: t for t in infos}
+        # One read-only mapping of the whole file; tensors are views into it, so opening a
+        # file reads only its header (gguf's own reader builds a numpy array per string of
+        # the vocabulary: ~160 MB of Python objects for a 49k-token model).
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if infos else None
 
     @property
     def architecture(self) -> str:
@@ -48,18 +51,21 @@ class GGUFFile:
         return list(self._tensors)
 
     def tensor_type(self, name: str) -> gguf.GGMLQuantizationType:
-        return gguf.GGMLQuantizationType(int(self._reader_tensor(name).tensor_type))
+        return gguf.GGMLQuantizationType(self._reader_tensor(name).ggml_type)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Logical shape, outermost first (numpy order: (n_expert, out, in) / (out, in))."""
-        return tuple(int(d) for d in reversed(self._reader_tensor(name).shape))
+        return self._reader_tensor(name).shape
 
     def tensor_nbytes(self, name: str) -> int:
-        return int(self._reader_tensor(name).n_bytes)
+        return self._reader_tensor(name).n_bytes
 
     def tensor(self, name: str) -> Tensor:
+        info = self._reader_tensor(name)
+        assert self._map is not None
+        raw = self._map[info.offset : info.offset + info.n_bytes]
         try:
-            return _to_tensor(self._reader_tensor(name))
+            return _to_tensor(info, raw)
         except UnsupportedQuantError as exc:
             raise UnsupportedQuantError(
                 f"{self.path}: tensor {name}: {exc}; re-quantize the model to one of these "
@@ -75,7 +81,7 @@ class GGUFFile:
             {name: sel.narrow(name, self.tensor(name)) for name in self._tensors if sel.keeps(name)}
         )
 
-    def _reader_tensor(self, name: str) -> Any:
+    def _reader_tensor(self, name: str) -> TensorInfo:
         try:
             return self._tensors[name]
         except KeyError:
@@ -85,7 +91,15 @@ class GGUFFile:
         return iter(self._tensors)
 
 
-def _open_reader(path: Path) -> gguf.GGUFReader:
+class TensorInfo(NamedTuple):
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # numpy order: outermost first
+    n_bytes: int
+    offset: int  # from the start of the file
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     if not path.is_file():
         raise ModelFileError(f"model file {path} does not exist; pass the path of a .gguf file")
     size = path.stat().st_size
@@ -101,28 +115,14 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
             f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
             "convert it with llama.cpp's convert_hf_to_gguf.py or pass a Hugging Face folder"
         )
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as exc:  # gguf raises bare ValueError/IndexError on damaged headers
-        _check_header(path, size)  # names the damage when it can
-        reason = " ".join(str(exc).split()) or type(exc).__name__
-        raise ModelFileError(
-            f"{path} is corrupt ({size} bytes; reading its header failed: {reason}); "
-            "re-download or re-convert the file"
-        ) from exc
-    _check_extent(path, reader, size)
-    return reader
-
-
-def _check_extent(path: Path, reader: gguf.GGUFReader, size: int) -> None:
-    """A truncated file maps fine; catch it here by comparing each tensor's extent to the size."""
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size or t.data.nbytes != int(t.n_bytes):
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            return _HeaderWalk(path, buf, size).run()
+        except (UnicodeDecodeError, ValueError, struct.error) as exc:
             raise ModelFileError(
-                f"{path} is truncated: tensor {t.name} runs to byte {end} but the file has only "
-                f"{size} bytes; re-download or re-convert the file"
-            )
+                f"{path} is corrupt ({size} bytes; reading its header failed: {exc}); "
+                "re-download or re-convert the file"
+            ) from exc
 
 
 # ------------------------------------------------------------------ header damage, in words
@@ -130,6 +130,19 @@ def _check_extent(path: Path, reader: gguf.GGUFReader, size: int) -> None:
 _MAX_NAME = 65535  # GGUF caps key and tensor names; a longer one is garbage, not a cut
 _MAX_COUNT = 1 << 24  # more tensors or metadata keys than any model has: a garbage count
 _MAX_DIMS = 4
+_SCALAR_FORMATS = {
+    gguf.GGUFValueType.UINT8: "B",
+    gguf.GGUFValueType.INT8: "b",
+    gguf.GGUFValueType.BOOL: "?",
+    gguf.GGUFValueType.UINT16: "H",
+    gguf.GGUFValueType.INT16: "h",
+    gguf.GGUFValueType.UINT32: "I",
+    gguf.GGUFValueType.INT32: "i",
+    gguf.GGUFValueType.FLOAT32: "f",
+    gguf.GGUFValueType.UINT64: "Q",
+    gguf.GGUFValueType.INT64: "q",
+    gguf.GGUFValueType.FLOAT64: "d",
+}
 _SCALAR_SIZES = {
     gguf.GGUFValueType.UINT8: 1,
     gguf.GGUFValueType.INT8: 1,
@@ -146,15 +159,15 @@ _SCALAR_SIZES = {
 
 
 class _HeaderWalk:
-    """Walks a GGUF header with bounds checks, to say where a file gguf's reader rejected is
-    damaged: which metadata key or tensor entry runs past the end, or holds a garbage value."""
+    """Reads a GGUF header with bounds checks: metadata and tensor entries, and where a file is
+    damaged, which metadata key or tensor entry runs past the end or holds a garbage value."""
 
     def __init__(self, path: Path, buf: mmap.mmap, size: int) -> None:
         self.path, self.buf, self.size = path, buf, size
         self.pos = 4  # after the magic
         self.order = "<"
 
-    def run(self) -> None:
+    def run(self) -> tuple[dict[str, Any], list[TensorInfo]]:
         (version,) = self.read("I", "the header")
         if version & 0xFFFF == 0:  # written on a big-endian machine, as gguf's reader assumes
             self.order = ">"
@@ -168,22 +181,21 @@ class _HeaderWalk:
         n_tensors, n_kv = self.read("QQ", "the header")
         if n_tensors > _MAX_COUNT or n_kv > _MAX_COUNT:
             self.corrupt(f"claims {n_tensors} tensors and {n_kv} metadata keys")
-        keys: set[str] = set()
+        meta: dict[str, Any] = {}
         align = gguf.GGUF_DEFAULT_ALIGNMENT
         for i in range(n_kv):
             key = self.name(f"metadata key {i + 1} of {n_kv}")
-            if key in keys:
+            if key in meta:
                 self.corrupt(f"holds metadata key {key!r} twice")
-            keys.add(key)
             (vtype,) = self.read("I", f"metadata key {key!r}")
+            meta[key] = self.value(vtype, f"metadata key {key!r}")
             if key == "general.alignment" and vtype == gguf.GGUFValueType.UINT32:
-                (align,) = self.read("I", f"metadata key {key!r}")
+                align = meta[key]
                 if align == 0 or align & (align - 1):
                     self.corrupt(f"gives general.alignment {align}, not a power of two")
-                continue
-            self.value(vtype, f"metadata key {key!r}")
         names: set[str] = set()
         extents: list[tuple[str, int, int]] = []  # name, offset in the data section, bytes
+        infos: list[tuple[str, int, tuple[int, ...]]] = []
         for i in range(n_tensors):
             name = self.name(f"tensor entry {i + 1} of {n_tensors}")
             what = f"tensor entry {i + 1} of {n_tensors} ({name})"
@@ -204,6 +216,7 @@ class _HeaderWalk:
             (offset,) = self.read("Q", what)
             block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
             extents.append((name, offset, math.prod(dims) * type_size // block))
+            infos.append((name, ttype, tuple(int(d) for d in reversed(dims))))
         data_start = -(-self.pos // align) * align
         for name, offset, n_bytes in extents:
             end = data_start + offset + n_bytes
@@ -212,24 +225,37 @@ class _HeaderWalk:
                     f"{self.path} is truncated: tensor {name} runs to byte {end} but the file "
                     f"has only {self.size} bytes; re-download or re-convert the file"
                 )
+        tensors = [
+            TensorInfo(name, ttype, shape, n_bytes, data_start + offset)
+            for (name, ttype, shape), (_, offset, n_bytes) in zip(infos, extents, strict=True)
+        ]
+        return meta, tensors
 
-    def value(self, vtype: int, what: str) -> None:
+    def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALAR_SIZES:
-            self.skip(_SCALAR_SIZES[gguf.GGUFValueType(vtype)], what)
-        elif vtype == gguf.GGUFValueType.STRING:
+            vt = gguf.GGUFValueType(vtype)
+            (v,) = self.read(_SCALAR_FORMATS[vt], what)
+            return bool(v) if vt == gguf.GGUFValueType.BOOL else v
+        if vtype == gguf.GGUFValueType.STRING:
             (n,) = self.read("Q", what)
+            start = self.pos
             self.skip(n, what)
-        elif vtype == gguf.GGUFValueType.ARRAY:
+            return bytes(self.buf[start : self.pos]).decode("utf-8", errors="replace")
+        if vtype == gguf.GGUFValueType.ARRAY:
             item_type, count = self.read("IQ", what)
             if count > self.size:  # every item takes at least a byte
                 self.corrupt(f"gives {what} {count} items")
             if item_type in _SCALAR_SIZES:
-                self.skip(count * _SCALAR_SIZES[gguf.GGUFValueType(item_type)], what)
-                return
-            for _ in range(count):
-                self.value(item_type, what)
-        else:
-            self.corrupt(f"gives {what} value type {vtype}, which GGUF does not define")
+                return self.numbers(gguf.GGUFValueType(item_type), count, what)
+            return [self.value(item_type, what) for _ in range(count)]
+        self.corrupt(f"gives {what} value type {vtype}, which GGUF does not define")
+
+    def numbers(self, vt: gguf.GGUFValueType, count: int, what: str) -> list[Any]:
+        start = self.pos
+        self.skip(count * _SCALAR_SIZES[vt], what)
+        dtype = np.dtype(_SCALAR_FORMATS[vt]).newbyteorder("<" if self.order == "<" else ">")
+        values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=start).tolist()
+        return [bool(v) for v in values] if vt == gguf.GGUFValueType.BOOL else values
 
     def name(self, what: str) -> str:
         (n,) = self.read("Q", what)
@@ -241,7 +267,7 @@ class _HeaderWalk:
 
     def read(self, fmt: str, what: str) -> tuple[int, ...]:
         start = self.pos
-        self.skip(struct.calcsize(fmt), what)
+        self.skip(struct.calcsize(self.order + fmt), what)
         return struct.unpack_from(self.order + fmt, self.buf, start)
 
     def skip(self, n: int, what: str) -> None:
@@ -259,26 +285,9 @@ class _HeaderWalk:
         raise ModelFileError(f"{self.path} is corrupt: it {what}; {fix}")
 
 
-def _check_header(path: Path, size: int) -> None:
-    """Raise a ModelFileError naming the damage in a header gguf's reader could not parse."""
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        _HeaderWalk(path, buf, size).run()
-
-
-def _decode_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        out[key] = field.contents()
-    return out
-
-
-def _to_tensor(t: Any) -> Tensor:
-    ttype = gguf.GGMLQuantizationType(int(t.tensor_type))
-    fmt = format_for(ttype)
-    shape = tuple(int(d) for d in reversed(t.shape))  # numpy order
-    raw = np.asarray(t.data).view(np.uint8)
+def _to_tensor(t: TensorInfo, raw: np.ndarray) -> Tensor:
+    fmt = format_for(gguf.GGMLQuantizationType(t.ggml_type))
+    shape = t.shape  # numpy order
     if len(shape) == 1:
         # Norm weights and biases: small, always float; dequantize once (usually F32 already).
         return fmt.dequantize_blocks(raw.reshape(-1, fmt.type_size)).reshape(shape)

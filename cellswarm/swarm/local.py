@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from cellswarm.engine.sampling import SamplingParams
+from cellswarm.errors import BudgetError, RequestError
 from cellswarm.swarm.frames import Frame, read_frame, write_frame
 from cellswarm.swarm.stage import StageConfig
 
@@ -59,7 +60,10 @@ class LocalPipeline:
     so a dead stage costs a replay, never a request, and greedy output is unchanged.
     """
 
-    def __init__(self, model: str, splits: Sequence[tuple[int, int]], threads: int = 1):
+    def __init__(
+        self, model: str, splits: Sequence[tuple[int, int]], threads: int = 1,
+        memory_bytes: int | None = None, context: int = 512, max_sequences: int = 8,
+    ):  # fmt: skip
         ports = free_ports(len(splits))
         self.port = ports[0]
         self.configs = [
@@ -71,6 +75,9 @@ class LocalPipeline:
                 next_port=ports[(i + 1) % len(splits)],
                 listen_port=ports[i],
                 threads=threads,
+                memory_bytes=memory_bytes,
+                context=context,
+                max_sequences=max_sequences,
             )
             for i, layers in enumerate(splits)
         ]
@@ -89,7 +96,23 @@ class LocalPipeline:
         line = p.stdout.readline() if p.stdout else ""
         if not line.startswith("READY"):
             self.close()
+            if line.startswith("REFUSED "):
+                raise BudgetError(line.removeprefix("REFUSED ").strip())
             raise RuntimeError(f"a stage failed to start (said {line!r})")
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each stage's layers, budget, peak RSS, steps and busy seconds."""
+        return asyncio.run(self._stats())
+
+    async def _stats(self) -> list[dict[str, Any]]:
+        out = []
+        for cfg in self.configs:
+            reader, writer = await asyncio.open_connection("127.0.0.1", cfg.listen_port)
+            await write_frame(writer, Frame("stats", {}))
+            frame = await read_frame(reader)
+            writer.close()
+            out.append(frame.fields if frame is not None else {})
+        return out
 
     def generate(
         self, requests: Sequence[dict[str, Any]], on_token: Callable[[int, int], None] | None = None
@@ -135,6 +158,8 @@ class LocalPipeline:
                         self._on_token(i, tokens[i][-1])
                 elif frame.type == "done":
                     reasons[i] = frame.fields["reason"]
+                elif frame.type == "error":
+                    raise RequestError(f"request {i}: {frame.fields['message']}")
         finally:
             writer.close()
 

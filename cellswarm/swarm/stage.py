@@ -17,14 +17,17 @@ import asyncio
 import json
 import logging
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from cellswarm.engine.kv_cache import KVCache
+from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.engine.model import Model
 from cellswarm.engine.sampling import SamplingParams, sample
+from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.io.weights import Selection
 from cellswarm.swarm.frames import Frame, read_frame, write_frame
 
@@ -41,6 +44,11 @@ class StageConfig:
     next_port: int = 0  # the next stage; the last stage's next is the first stage (ring)
     listen_port: int = 0
     threads: int | None = None
+    memory_bytes: int | None = None  # the budget: the shard must fit, with its KV cache
+    # With a budget, KV cache for `context` tokens x `max_sequences` is reserved in it, and
+    # requests beyond that are refused; without one, neither is limited.
+    context: int = 512
+    max_sequences: int = 8
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -77,6 +85,7 @@ class Stage:
         self._next_lock = asyncio.Lock()
         self._seq_ids = 0
         self.epoch = 0  # the layout generation; frames from an older one are stale
+        self.steps, self.busy_s = 0, 0.0
 
     # -- connections ---------------------------------------------------------------------
 
@@ -108,6 +117,8 @@ class Stage:
             await self.on_token(frame.fields["seq"], int(frame.fields["token"]))
         elif frame.type == "end":
             self.release(frame.fields["seq"])
+        elif frame.type == "stats":
+            await write_frame(writer, Frame("stats", self.stats()))
         elif frame.type == "reset":  # the layout changed under us: forget every sequence
             await self.reset(int(frame.fields["epoch"]), writer)
 
@@ -122,9 +133,27 @@ class Stage:
             self._next = None  # reconnect: the next stage may be a new process
         await write_frame(writer, Frame("reset_done", {}))
 
+    def stats(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "layers": list(c.layers), "memory_bytes": c.memory_bytes,
+            "peak_rss_bytes": peak_rss_bytes(), "steps": self.steps,
+            "busy_s": round(self.busy_s, 4), "sequences": len(self.caches),
+        }  # fmt: skip
+
     async def on_generate(self, frame: Frame, client: asyncio.StreamWriter) -> None:
         f, prompt = frame.fields, frame.array
         assert prompt is not None
+        need, c = len(prompt) + int(f["max_tokens"]), self.config
+        over = need > c.context or len(self.sequences) >= c.max_sequences
+        if c.memory_bytes is not None and over:
+            # KV for `context` x `max_sequences` tokens is what the budget was checked for
+            why = (
+                f"request needs {need} tokens of context (stage reserves {self.config.context}) "
+                f"with {len(self.sequences)} of {self.config.max_sequences} sequences in flight"
+            )
+            await write_frame(client, Frame("error", {"req": f["req"], "message": why}))
+            return
         self._seq_ids += 1
         seq = self._seq_ids
         self.sequences[seq] = Sequence(
@@ -152,7 +181,10 @@ class Stage:
         if cache is None:  # dropped by a reset while this frame was on the wire
             return
         cache.length = pos
+        t0 = time.perf_counter()
         h = self.model.forward(np.ascontiguousarray(h, dtype=np.float32), cache)
+        self.busy_s += time.perf_counter() - t0
+        self.steps += 1
         cache.length = pos + h.shape[0]
         if not self.config.last:
             fields: dict[str, Any] = {"seq": seq, "pos": pos, "ep": self.epoch}
@@ -227,11 +259,45 @@ def load_stage_model(config: StageConfig) -> Model:
     kernels.set_threads(config.threads)
     lo, hi = config.layers
     sel = Selection(layers=(lo, hi), embed=config.first, head=config.last)
-    return load(config.model, selection=sel, tokenizer=False)
+    model = load(config.model, selection=sel, tokenizer=False)
+    if config.memory_bytes is not None:
+        check_budget(model, config)
+    return model
+
+
+def shard_need_bytes(model: Model, config: StageConfig) -> dict[str, int]:
+    """What this stage will hold at most: the engine's own accounting plus the measured
+    runtime of an idle worker (the planner's figure)."""
+    from cellswarm.planner.overhead import runtime_overhead_bytes
+
+    mem = model.memory(batch=1, context=config.context)
+    return {
+        "weights": mem.weight_bytes,
+        "kv": model.kv_bytes_per_token() * config.context * config.max_sequences,
+        "scratch": mem.scratch_bytes,
+        "runtime": runtime_overhead_bytes(),
+    }
+
+
+def check_budget(model: Model, config: StageConfig) -> None:
+    need = shard_need_bytes(model, config)
+    total, budget = sum(need.values()), int(config.memory_bytes or 0)
+    if total > budget:
+        parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
+        raise BudgetError(
+            f"layers {config.layers[0]}..{config.layers[1] - 1} need {total:,} bytes ({parts}) "
+            f"but --memory is {budget:,}: {total - budget:,} bytes short; give this node fewer "
+            "layers, a shorter context or fewer sequences in flight"
+        )
 
 
 async def main(config: StageConfig) -> None:
-    stage = Stage(config, load_stage_model(config))
+    try:
+        model = load_stage_model(config)
+    except CellswarmError as exc:
+        print(f"REFUSED {exc}", flush=True)
+        return
+    stage = Stage(config, model)
     server = await asyncio.start_server(stage.serve, "127.0.0.1", config.listen_port)
     port = server.sockets[0].getsockname()[1]
     print(f"READY {port}", flush=True)
