@@ -24,7 +24,7 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
-	$(BIN)/cellswarm generate --chat --max-tokens 48 "What is the capital of France?"
+	$(BIN)/cellswarm demo
 
 test: $(VENV)/.test
 	$(BIN)/ruff check cellswarm tests bench

@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_plan(sub)
+    d = sub.add_parser("demo", help="the demo model on a local swarm, a worker killed mid-way")
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.set_defaults(
+        func=lambda a: __import__("cellswarm.swarm.demo", fromlist=["run"]).run(a.max_tokens)
+    )
     return parser
 
 

@@ -131,3 +131,13 @@ def test_memory_budgets_hold_and_a_too_small_budget_is_refused(demo_path: Path) 
     assert all(0 < s["peak_rss_bytes"] <= budget for s in stats), stats
     with pytest.raises(cellswarm.BudgetError, match=r"bytes short; give this node fewer layers"):
         LocalPipeline(str(demo_path), even_split(30, 1), memory_bytes=64 << 20)
+
+
+def test_the_demo_command() -> None:
+    """`make demo`'s job: split, answer, survive a kill with the same text, plan Kimi K3."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "cellswarm", "demo", "--max-tokens", "16"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "Paris" in out and "same text" in out and "100,000 PS3s" in out
