@@ -92,13 +92,15 @@ def _killer(tok: Any, pipe: Any, victim: int, after: int) -> Any:
 
 def _node_table(stats: list[dict[str, Any]], tokens: int, elapsed: float) -> Table:
     title = f"{tokens} tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s)"
-    t = Table("worker", "layers", "memory (peak of budget)", "steps", "ms / step", title=title)
+    t = Table(
+        "worker", "layers", "memory (peak of budget)", "steps", "ms / decode step", title=title
+    )
     for i, s in enumerate(stats):
         lo, hi = s["layers"]
         t.add_row(
             str(i), f"{lo}..{hi - 1}",
             f"{format_bytes(s['peak_rss_bytes'])} of {format_bytes(s['memory_bytes'])}",
-            str(s["steps"]), f"{1000 * s['busy_s'] / max(s['steps'], 1):.2f}",
+            str(s["steps"]), f"{1000 * s['decode_s'] / max(s['decode_steps'], 1):.2f}",
         )  # fmt: skip
     return t
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import BudgetError, RequestError
-from cellswarm.swarm.frames import Frame, read_frame, write_frame
+from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
 from cellswarm.swarm.stage import StageConfig
 
 
@@ -107,7 +107,7 @@ class LocalPipeline:
     async def _stats(self) -> list[dict[str, Any]]:
         out = []
         for cfg in self.configs:
-            reader, writer = await asyncio.open_connection("127.0.0.1", cfg.listen_port)
+            reader, writer = await connect("127.0.0.1", cfg.listen_port)
             await write_frame(writer, Frame("stats", {}))
             frame = await read_frame(reader)
             writer.close()
@@ -145,7 +145,7 @@ class LocalPipeline:
     ) -> None:  # fmt: skip
         """Send the unfinished requests (prompt + tokens so far) and read until all are done
         or a stage dies."""
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        reader, writer = await connect("127.0.0.1", self.port)
         try:
             for i in todo:
                 await write_frame(writer, _request_frame(requests[i], tokens[i], i))
@@ -207,7 +207,7 @@ class LocalPipeline:
 async def _reset(port: int, epoch: int, timeout_s: float = 5.0) -> bool:
     """Tell a stage to forget its sequences and adopt a new epoch; False if it is silent."""
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await connect("127.0.0.1", port)
         await write_frame(writer, Frame("reset", {"epoch": epoch}))
         answer = await asyncio.wait_for(read_frame(reader), timeout_s)
         writer.close()

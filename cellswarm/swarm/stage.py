@@ -29,7 +29,7 @@ from cellswarm.engine.model import Model
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.io.weights import Selection
-from cellswarm.swarm.frames import Frame, read_frame, write_frame
+from cellswarm.swarm.frames import Frame, connect, no_delay, read_frame, write_frame
 
 log = logging.getLogger("cellswarm.stage")
 
@@ -86,10 +86,12 @@ class Stage:
         self._seq_ids = 0
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.steps, self.busy_s = 0, 0.0
+        self.decode_steps, self.decode_s = 0, 0.0
 
     # -- connections ---------------------------------------------------------------------
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        no_delay(writer)
         try:
             while (frame := await read_frame(reader)) is not None:
                 await self.handle(frame, writer)
@@ -139,6 +141,7 @@ class Stage:
             "layers": list(c.layers), "memory_bytes": c.memory_bytes,
             "peak_rss_bytes": peak_rss_bytes(), "steps": self.steps,
             "busy_s": round(self.busy_s, 4), "sequences": len(self.caches),
+            "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 4),
         }  # fmt: skip
 
     async def on_generate(self, frame: Frame, client: asyncio.StreamWriter) -> None:
@@ -182,9 +185,13 @@ class Stage:
             return
         cache.length = pos
         t0 = time.perf_counter()
+        decode = h.shape[0] == 1
         h = self.model.forward(np.ascontiguousarray(h, dtype=np.float32), cache)
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
+        if decode:
+            self.decode_s += time.perf_counter() - t0
+            self.decode_steps += 1
         cache.length = pos + h.shape[0]
         if not self.config.last:
             fields: dict[str, Any] = {"seq": seq, "pos": pos, "ep": self.epoch}
@@ -246,7 +253,7 @@ class Stage:
 async def _connect(host: str, port: int, attempts: int = 200) -> tuple[Any, Any]:
     for _ in range(attempts):
         try:
-            return await asyncio.open_connection(host, port)
+            return await connect(host, port)
         except OSError:
             await asyncio.sleep(0.05)
     raise ConnectionError(f"stage at {host}:{port} did not answer")
