@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_plan(sub)
+    lg = sub.add_parser("logs", help="one request's timeline, merged across every node's log")
+    lg.add_argument("request_id")
+    lg.add_argument("--dir", default="cellswarm-logs", help="folder of the nodes' .jsonl logs")
+    lg.set_defaults(func=_cmd_logs)
     d = sub.add_parser("demo", help="the demo model on a local swarm, a worker killed mid-way")
     d.add_argument("--max-tokens", type=int, default=32)
     d.set_defaults(
@@ -164,6 +168,15 @@ def _smaller_context(result: Any, api: Any) -> Any:
 
     smaller = plan(result.model, dataclasses.replace(result.request, context=context))
     return smaller if smaller.fits else None
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from cellswarm.swarm.logs import format_timeline, timeline
+
+    if not Path(args.dir).is_dir():
+        raise RequestError(f"log folder {args.dir} does not exist; pass --dir")
+    print(format_timeline(timeline(args.dir, args.request_id)))
+    return 0
 
 
 def _print_piece(piece: str) -> None:

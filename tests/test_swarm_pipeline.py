@@ -141,3 +141,36 @@ def test_the_demo_command() -> None:
     cmd = [sys.executable, "-m", "cellswarm", "demo", "--max-tokens", "16"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
     assert "Paris" in out and "same text" in out and "100,000 PS3s" in out
+
+
+def test_one_request_traced_across_nodes(demo_path: Path, tmp_path: Path) -> None:
+    """JSON lines on every stage, merged by request id into one ordered timeline — through a
+    kill and the replay that follows it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from cellswarm.swarm.logs import timeline
+
+    logs = tmp_path / "logs"
+    with LocalPipeline(str(demo_path), even_split(30, 3), log_dir=str(logs)) as pipe:
+
+        def kill(_i: int, _t: int) -> None:
+            if len(seen) == 3:
+                os.kill(pipe.procs[2].pid, signal.SIGKILL)
+            seen.append(_t)
+
+        seen: list[int] = []
+        [r, _] = pipe.generate([{"prompt": [1, 2, 3], "max_tokens": 6}] * 2, kill)
+    events = timeline(logs, r.request_id)
+    assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
+    nodes = {e["node"] for e in events if e["event"] == "step"}
+    assert nodes == {"stage-0", "stage-1", "stage-2"}
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "generate" and kinds[-1] == "done" and "reset" in kinds
+    out = subprocess.run(
+        [sys.executable, "-m", "cellswarm", "logs", r.request_id, "--dir", str(logs)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "stage-2" in out and "done" in out

@@ -11,6 +11,7 @@ import itertools
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -46,6 +47,7 @@ def free_ports(n: int) -> list[int]:
 class Result:
     tokens: list[int]
     reason: str
+    request_id: str
 
 
 MAX_ATTEMPTS = 3  # per request, in total
@@ -63,6 +65,7 @@ class LocalPipeline:
     def __init__(
         self, model: str, splits: Sequence[tuple[int, int]], threads: int = 1,
         memory_bytes: int | None = None, context: int = 512, max_sequences: int = 8,
+        log_dir: str | None = None,
     ):  # fmt: skip
         ports = free_ports(len(splits))
         self.port = ports[0]
@@ -78,12 +81,15 @@ class LocalPipeline:
                 memory_bytes=memory_bytes,
                 context=context,
                 max_sequences=max_sequences,
+                log_dir=log_dir,
+                node_id=f"stage-{i}",
             )
             for i, layers in enumerate(splits)
         ]
         self.procs: list[subprocess.Popen[str]] = [self._spawn(c) for c in self.configs]
         self.restarts = 0
         self.epoch = 0
+        self._ids: list[str] = []
         self._on_token: Callable[[int, int], None] | None = None
         for p in self.procs:
             self._await_ready(p)
@@ -124,6 +130,7 @@ class LocalPipeline:
         return asyncio.run(self._generate(requests))
 
     async def _generate(self, requests: Sequence[dict[str, Any]]) -> list[Result]:
+        self._ids = [str(r.get("request_id") or uuid.uuid4().hex[:12]) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         reasons: dict[int, str] = {}
         attempts = [0] * len(requests)
@@ -137,7 +144,7 @@ class LocalPipeline:
                 await self._round(requests, todo, tokens, reasons)
             except (ConnectionError, OSError):
                 await self._recover()
-        return [Result(tokens[i], reasons[i]) for i in range(len(requests))]
+        return [Result(tokens[i], reasons[i], self._ids[i]) for i in range(len(requests))]
 
     async def _round(
         self, requests: Sequence[dict[str, Any]], todo: list[int], tokens: list[list[int]],
@@ -148,10 +155,11 @@ class LocalPipeline:
         reader, writer = await connect("127.0.0.1", self.port)
         try:
             for i in todo:
-                await write_frame(writer, _request_frame(requests[i], tokens[i], i))
+                await write_frame(writer, _request_frame(requests[i], tokens[i], self._ids[i]))
+            index = {rid: i for i, rid in enumerate(self._ids)}
             while any(i not in reasons for i in todo):
                 frame = await self._read_watching(reader)
-                i = int(frame.fields["req"])
+                i = index[frame.fields["req"]]
                 if frame.type == "token":
                     tokens[i].append(int(frame.fields["token"]))
                     if self._on_token is not None:
@@ -216,14 +224,14 @@ async def _reset(port: int, epoch: int, timeout_s: float = 5.0) -> bool:
         return False
 
 
-def _request_frame(request: dict[str, Any], done: list[int], i: int) -> Frame:
+def _request_frame(request: dict[str, Any], done: list[int], request_id: str) -> Frame:
     """A request, resumed after `done` tokens: stage 0 prefills the prompt and replays those
     tokens one decode step each — the same computations as the first time, so the cache, the
     sampler and the continuation are identical (a one-shot prefill of prompt + done would
     take the batched path, whose rounding differs from decode's)."""
     sampling = asdict(request.get("sampling", SamplingParams()))
     fields = {
-        "req": str(i), "max_tokens": request["max_tokens"], "sampling": sampling,
+        "req": request_id, "max_tokens": request["max_tokens"], "sampling": sampling,
         "stop_ids": list(request.get("stop_ids", ())), "replay": list(done),
     }  # fmt: skip
     return Frame("generate", fields, np.asarray(request["prompt"], np.int64))

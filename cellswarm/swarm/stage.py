@@ -30,6 +30,7 @@ from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.io.weights import Selection
 from cellswarm.swarm.frames import Frame, connect, no_delay, read_frame, write_frame
+from cellswarm.swarm.logs import JsonLog
 
 log = logging.getLogger("cellswarm.stage")
 
@@ -49,6 +50,8 @@ class StageConfig:
     # requests beyond that are refused; without one, neither is limited.
     context: int = 512
     max_sequences: int = 8
+    log_dir: str | None = None  # JSON lines per event, see swarm/logs.py
+    node_id: str = "stage"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -85,6 +88,8 @@ class Stage:
         self._next_lock = asyncio.Lock()
         self._seq_ids = 0
         self.epoch = 0  # the layout generation; frames from an older one are stale
+        self.log = JsonLog(config.log_dir, config.node_id)
+        self.requests: dict[int, str] = {}  # seq -> request id, for the logs
         self.steps, self.busy_s = 0, 0.0
         self.decode_steps, self.decode_s = 0, 0.0
 
@@ -125,6 +130,8 @@ class Stage:
             await self.reset(int(frame.fields["epoch"]), writer)
 
     async def reset(self, epoch: int, writer: asyncio.StreamWriter) -> None:
+        for req in {*self.requests.values(), *(s.req for s in self.sequences.values())}:
+            self.log.event("reset", req, stage=self.span, epoch=epoch)
         self.epoch = epoch
         self.caches.clear()
         self.samplers.clear()
@@ -167,7 +174,10 @@ class Stage:
         capacity = len(prompt) + int(f["max_tokens"])
         h = self.model.arch.embed(np.asarray(prompt, dtype=np.int64))
         tokens = self.sequences[seq].prompt
-        first = {"capacity": capacity, "sampling": f.get("sampling", {}), "prompt": tokens}
+        first = {"capacity": capacity, "sampling": f.get("sampling", {}), "prompt": tokens,
+                 "req": f["req"]}  # fmt: skip
+        self.log.event("generate", f["req"], stage=self.span, prompt_tokens=len(tokens),
+                       replay=len(self.sequences[seq].replay))  # fmt: skip
         await self.run_layers(seq, h, 0, first)
 
     async def on_hidden(self, frame: Frame) -> None:
@@ -180,6 +190,7 @@ class Stage:
     ) -> None:
         if first is not None:
             self.caches[seq] = self.model.new_cache(int(first["capacity"]))
+            self.requests[seq] = str(first.get("req", ""))
         cache = self.caches.get(seq)
         if cache is None:  # dropped by a reset while this frame was on the wire
             return
@@ -192,6 +203,10 @@ class Stage:
         if decode:
             self.decode_s += time.perf_counter() - t0
             self.decode_steps += 1
+        ms = round(1000 * (time.perf_counter() - t0), 3)
+        self.log.event(
+            "step", self.requests.get(seq), stage=self.span, pos=pos, tokens=h.shape[0], ms=ms
+        )
         cache.length = pos + h.shape[0]
         if not self.config.last:
             fields: dict[str, Any] = {"seq": seq, "pos": pos, "ep": self.epoch}
@@ -237,12 +252,18 @@ class Stage:
 
     async def finish(self, seq: int, reason: str) -> None:
         s = self.sequences.pop(seq)
+        self.log.event("done", s.req, stage=self.span, reason=reason, tokens=len(s.tokens))
         await write_frame(s.client, Frame("done", {"req": s.req, "reason": reason}))
         self.release(seq)
         if not self.config.last:
             await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
 
+    @property
+    def span(self) -> str:
+        return f"{self.config.layers[0]}..{self.config.layers[1] - 1}"
+
     def release(self, seq: int) -> None:
+        self.requests.pop(seq, None)
         self.caches.pop(seq, None)
         self.samplers.pop(seq, None)
         if not self.config.last and not self.config.first:
