@@ -1,0 +1,77 @@
+"""The swarm on loopback: per-hop overhead, decode speed by worker count, pipelining.
+
+    python -m bench.swarm [--quick]
+
+1. Per-hop overhead: a ring of stages that hold no layers but pass frames along.
+2. Decode tokens/s of one sequence over 1, 2, 4 and 8 stage processes, against the
+   single-process engine in this process (one thread everywhere, so the 2-core machine
+   is not oversubscribed by the stages themselves).
+3. Pipelining: S stages with S sequences in flight, against S x one sequence's rate.
+(Emulated `ps3` stages, and the planner's prediction beside them, come with profile
+emulation.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from cellswarm import kernels
+from cellswarm.demo import demo_model_path
+from cellswarm.loader import load
+from cellswarm.swarm.local import LocalPipeline, even_split
+
+PROMPT = list(range(100, 108))
+
+
+def single_process_tokens_per_s(path: str, tokens: int) -> float:
+    kernels.set_threads(1)
+    model = load(path, tokenizer=False)
+    cache = model.new_cache(len(PROMPT) + tokens + 1)
+    model.step(np.asarray(PROMPT), cache)
+    t0 = time.perf_counter()
+    for i in range(tokens):
+        model.step(np.asarray([PROMPT[i % len(PROMPT)]]), cache)
+    return tokens / (time.perf_counter() - t0)
+
+
+def swarm_decode(path: str, stages: int, sequences: int, tokens: int) -> float:
+    """Tokens/s over all sequences, from the first token to the last (prefill excluded)."""
+    with LocalPipeline(path, even_split(30, stages)) as pipe:
+        pipe.generate([{"prompt": PROMPT, "max_tokens": 2}])  # warm: pages, kernels
+        stamps: list[float] = []
+        requests = [{"prompt": PROMPT, "max_tokens": tokens} for _ in range(sequences)]
+        pipe.generate(requests, on_token=lambda _i, _t: stamps.append(time.perf_counter()))
+    first_round = sequences  # the first token of each sequence comes out of prefill
+    return (len(stamps) - first_round) / (stamps[-1] - stamps[first_round - 1])
+
+
+def per_hop_overhead_s(path: str, tokens: int) -> float:
+    """Same model, 1 stage vs 8 stages: the extra time per token over 7 more hops."""
+    one = 1 / swarm_decode(path, 1, 1, tokens)
+    eight = 1 / swarm_decode(path, 8, 1, tokens)
+    return (eight - one) / 7
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    path = str(demo_model_path())
+    tokens = 16 if args.quick else 48
+    base = single_process_tokens_per_s(path, tokens)
+    print(f"single process, 1 thread: {base:.1f} tokens/s (demo model)")
+    print(f"per-hop overhead on loopback: {1000 * per_hop_overhead_s(path, tokens):.2f} ms")
+    print(f"{'stages':>6} {'1 sequence tok/s':>17} {'/ single':>9} {'S in flight tok/s':>18} "
+          f"{'/ (S x one)':>12}")  # fmt: skip
+    for stages in (1, 2, 4, 8):
+        one = swarm_decode(path, stages, 1, tokens)
+        many = swarm_decode(path, stages, stages, tokens)
+        print(f"{stages:>6} {one:>17.1f} {one / base:>9.2f} {many:>18.1f} "
+              f"{many / (stages * one):>12.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
