@@ -174,3 +174,20 @@ def test_one_request_traced_across_nodes(demo_path: Path, tmp_path: Path) -> Non
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "stage-2" in out and "done" in out
+
+
+def test_emulated_stages_are_slowed_to_their_profile_and_still_exact(demo_path: Path) -> None:
+    from cellswarm.swarm.emulate import Emulation
+
+    model = cellswarm.load(demo_path, tokenizer=False)
+    rpi4 = Emulation.for_stage(model, "rpi4")
+    # the whole demo model's bytes over an rpi4's effective 4.48 GB/s, or its FLOPs
+    assert rpi4.step_s(1) >= rpi4.weight_bytes / 4.48e9
+    prompt = [1, 2, 3, 4]
+    expected = model.generate(prompt, GenerateOptions(6, stop_ids=frozenset())).token_ids
+    with LocalPipeline(str(demo_path), even_split(30, 2), profile="rpi4") as pipe:
+        [r] = pipe.generate([{"prompt": prompt, "max_tokens": 6}])
+        stats = pipe.stats()
+    assert r.tokens == expected
+    for s in stats:  # every decode step took at least the emulated time (~5 ms here)
+        assert s["decode_s"] / s["decode_steps"] >= 0.004

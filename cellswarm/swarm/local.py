@@ -65,7 +65,7 @@ class LocalPipeline:
     def __init__(
         self, model: str, splits: Sequence[tuple[int, int]], threads: int = 1,
         memory_bytes: int | None = None, context: int = 512, max_sequences: int = 8,
-        log_dir: str | None = None,
+        log_dir: str | None = None, profile: str | None = None,
     ):  # fmt: skip
         ports = free_ports(len(splits))
         self.port = ports[0]
@@ -83,6 +83,7 @@ class LocalPipeline:
                 max_sequences=max_sequences,
                 log_dir=log_dir,
                 node_id=f"stage-{i}",
+                profile=profile,
             )
             for i, layers in enumerate(splits)
         ]

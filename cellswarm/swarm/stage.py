@@ -29,6 +29,7 @@ from cellswarm.engine.model import Model
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.io.weights import Selection
+from cellswarm.swarm.emulate import Emulation
 from cellswarm.swarm.frames import Frame, connect, no_delay, read_frame, write_frame
 from cellswarm.swarm.logs import JsonLog
 
@@ -52,6 +53,7 @@ class StageConfig:
     max_sequences: int = 8
     log_dir: str | None = None  # JSON lines per event, see swarm/logs.py
     node_id: str = "stage"
+    profile: str | None = None  # behave like a node of this planner profile (emulate.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -89,6 +91,7 @@ class Stage:
         self._seq_ids = 0
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.log = JsonLog(config.log_dir, config.node_id)
+        self.emulation = Emulation.for_stage(model, config.profile) if config.profile else None
         self.requests: dict[int, str] = {}  # seq -> request id, for the logs
         self.steps, self.busy_s = 0, 0.0
         self.decode_steps, self.decode_s = 0, 0.0
@@ -106,6 +109,8 @@ class Stage:
             writer.close()
 
     async def send_next(self, frame: Frame) -> None:
+        if self.emulation is not None:
+            await self.emulation.send(0 if frame.array is None else frame.array.nbytes)
         async with self._next_lock:
             if self._next is None:
                 _, self._next = await _connect(self.config.next_host, self.config.next_port)
@@ -198,8 +203,10 @@ class Stage:
         t0 = time.perf_counter()
         decode = h.shape[0] == 1
         h = self.model.forward(np.ascontiguousarray(h, dtype=np.float32), cache)
-        self.busy_s += time.perf_counter() - t0
         self.steps += 1
+        if self.emulation is not None:
+            await self.emulation.pad(t0, h.shape[0])
+        self.busy_s += time.perf_counter() - t0
         if decode:
             self.decode_s += time.perf_counter() - t0
             self.decode_steps += 1
