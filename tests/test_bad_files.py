@@ -40,50 +40,20 @@ from cellswarm.errors import (
 from cellswarm.io.gguf_write import write_gguf
 from cellswarm.io.weights import Selection
 from cellswarm.models import llama
+from tests.hf_reference import LLAMA_FAMILY
 
 Q = gguf.GGMLQuantizationType
 
+# The reference tests' tiny configs, made smaller still (2 layers, no llama3 rope scaling):
+# these files only need to be valid or broken in one known way.
 HF_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        model_type="llama",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    ),
-    "qwen2": dict(
-        model_type="qwen2",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-    ),
-    "qwen3": dict(
-        model_type="qwen3",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-    ),
+    arch: {
+        **{k: v for k, v in LLAMA_FAMILY[arch].items() if k != "rope_scaling"},
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "max_position_embeddings": 64,
+    }
+    for arch in ("llama", "qwen2", "qwen3")
 }
 
 
