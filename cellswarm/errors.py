@@ -9,7 +9,8 @@
     ├── TokenizerError        tokenizer missing or disagreeing with the model
     ├── BudgetError           something does not fit in a byte budget (says by how much)
     ├── RequestError          a caller asked for something invalid (bad option, bad value)
-    └── ProtocolError         a peer sent a malformed, oversized or corrupt frame
+    ├── ProtocolError         a peer sent a malformed, oversized or corrupt frame
+    └── SwarmError            the swarm cannot finish: retries spent, a stage offline
 
 Every message names the offending value and, where there is one, the fix.
 """
@@ -53,3 +54,7 @@ class RequestError(CellswarmError):
 
 class ProtocolError(CellswarmError):
     """A peer sent something that is not a valid frame; the connection is dropped."""
+
+
+class SwarmError(CellswarmError):
+    """Bounded retries ran out, or a stage failed too often to keep in the placement."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from cellswarm.engine.sampling import SamplingParams
-from cellswarm.errors import BudgetError, RequestError
+from cellswarm.errors import BudgetError, RequestError, SwarmError
 from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
 from cellswarm.swarm.stage import StageConfig
 
@@ -51,6 +51,7 @@ class Result:
 
 
 MAX_ATTEMPTS = 3  # per request, in total
+OFFLINE_AFTER = 3  # a stage that fails this many times in a row is marked offline
 
 
 class LocalPipeline:
@@ -66,6 +67,7 @@ class LocalPipeline:
         self, model: str, splits: Sequence[tuple[int, int]], threads: int = 1,
         memory_bytes: int | None = None, context: int = 512, max_sequences: int = 8,
         log_dir: str | None = None, profile: str | None = None,
+        crash_after_steps: dict[int, int] | None = None,
     ):  # fmt: skip
         ports = free_ports(len(splits))
         self.port = ports[0]
@@ -84,11 +86,13 @@ class LocalPipeline:
                 log_dir=log_dir,
                 node_id=f"stage-{i}",
                 profile=profile,
+                crash_after_steps=(crash_after_steps or {}).get(i),
             )
             for i, layers in enumerate(splits)
         ]
         self.procs: list[subprocess.Popen[str]] = [self._spawn(c) for c in self.configs]
         self.restarts = 0
+        self.failures = [0] * len(splits)  # consecutive, per stage
         self.epoch = 0
         self._ids: list[str] = []
         self._on_token: Callable[[int, int], None] | None = None
@@ -140,9 +144,13 @@ class LocalPipeline:
             for i in todo:
                 attempts[i] += 1
                 if attempts[i] > MAX_ATTEMPTS:
-                    raise RuntimeError(f"request {i} failed {MAX_ATTEMPTS} times")
+                    raise SwarmError(
+                        f"request {self._ids[i]} failed {MAX_ATTEMPTS} times (the last after "
+                        f"{len(tokens[i])} tokens); giving up on it"
+                    )
             try:
                 await self._round(requests, todo, tokens, reasons)
+                self.failures = [0] * len(self.failures)
             except (ConnectionError, OSError):
                 await self._recover()
         return [Result(tokens[i], reasons[i], self._ids[i]) for i in range(len(requests))]
@@ -192,6 +200,13 @@ class LocalPipeline:
         for k, cfg in enumerate(self.configs):
             if self.procs[k].poll() is None and await _reset(cfg.listen_port, self.epoch):
                 continue
+            self.failures[k] += 1
+            if self.failures[k] >= OFFLINE_AFTER:
+                raise SwarmError(
+                    f"stage {k} (layers {cfg.layers[0]}..{cfg.layers[1] - 1}) failed "
+                    f"{self.failures[k]} times in a row: marked offline, and no spare node "
+                    "can take its layers"
+                )
             self.procs[k].kill()
             self.procs[k].wait()
             self.procs[k] = self._spawn(cfg)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,6 +55,7 @@ class StageConfig:
     log_dir: str | None = None  # JSON lines per event, see swarm/logs.py
     node_id: str = "stage"
     profile: str | None = None  # behave like a node of this planner profile (emulate.py)
+    crash_after_steps: int | None = None  # fault injection for tests: die like a SIGKILL
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -200,6 +202,11 @@ class Stage:
         if cache is None:  # dropped by a reset while this frame was on the wire
             return
         cache.length = pos
+        if (
+            self.config.crash_after_steps is not None
+            and self.steps >= self.config.crash_after_steps
+        ):
+            os._exit(1)  # no cleanup, no goodbye: what a power cut looks like to the others
         t0 = time.perf_counter()
         decode = h.shape[0] == 1
         h = self.model.forward(np.ascontiguousarray(h, dtype=np.float32), cache)
