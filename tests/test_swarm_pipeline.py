@@ -201,3 +201,71 @@ def test_a_stage_that_keeps_failing_is_marked_offline_and_nothing_hangs(demo_pat
         with pytest.raises(cellswarm.SwarmError, match=r"stage 1 \(layers 15..29\) failed 3 times"):
             pipe.generate([{"prompt": [1, 2, 3], "max_tokens": 12}])
         assert pipe.restarts == 2
+
+
+def test_joining_is_authenticated(demo_path: Path, tmp_path: Path) -> None:
+    """With a cluster token every connection must answer a fresh challenge: no proof, a wrong
+    token, a replayed proof and an unexpected peer id are all refused and nothing runs."""
+    import asyncio
+
+    import numpy as np
+
+    from cellswarm.swarm.auth import prove
+    from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
+
+    token_file = tmp_path / "token"
+    token_file.write_text("a-cluster-secret-of-32-bytes-xyz")
+    generate = Frame("generate", {"req": "x", "max_tokens": 2}, np.asarray([1, 2], np.int64))
+
+    secret = token_file.read_bytes()
+    recorded: list[str] = []  # a nonce seen on an earlier connection
+
+    def proof(key: bytes, nonce: str, peer: str) -> Frame:
+        return Frame("proof", {"peer": peer, "mac": prove(key, nonce, peer)})
+
+    async def attempt(port: int, answer: str) -> str:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        challenge = await read_frame(reader)
+        assert challenge is not None and challenge.type == "challenge"
+        nonce = str(challenge.fields["nonce"])
+        recorded.append(nonce)
+        proofs = {
+            "none": generate,
+            "wrong": proof(b"wrong-secret-123456", nonce, "client"),
+            "replay": proof(secret, recorded[0], "client"),  # valid, but for another challenge
+            "stranger": proof(secret, nonce, "stage-7"),  # valid token, not in the placement
+        }
+        await write_frame(writer, proofs[answer])
+        reply = await read_frame(reader)
+        writer.close()
+        return reply.type if reply is not None else "closed"
+
+    async def good(port: int) -> str:
+        reader, writer = await connect("127.0.0.1", port, token_file.read_bytes())
+        await write_frame(writer, Frame("stats", {}))
+        reply = await read_frame(reader)
+        writer.close()
+        return reply.type if reply is not None else "closed"
+
+    with LocalPipeline(str(demo_path), even_split(30, 2), token_file=str(token_file)) as pipe:
+        [r] = pipe.generate([{"prompt": [1, 2, 3], "max_tokens": 4}])
+        assert len(r.tokens) == 4  # the swarm itself proves every hop and works
+        for answer in ("none", "wrong", "replay", "stranger"):
+            assert asyncio.run(attempt(pipe.port, answer)) == "denied", answer
+        assert asyncio.run(good(pipe.port)) == "stats"
+        assert all(s["steps"] == 5 or s["steps"] == 4 for s in pipe.stats())  # nothing more ran
+
+
+def test_token_files_are_checked(tmp_path: Path) -> None:
+    from cellswarm.swarm.auth import load_token, prove, verify
+
+    with pytest.raises(cellswarm.RequestError, match="does not exist"):
+        load_token(tmp_path / "missing")
+    short = tmp_path / "short"
+    short.write_text("abc")
+    with pytest.raises(cellswarm.RequestError, match="holds 3 bytes; use at least 16"):
+        load_token(short)
+    mac = prove(b"k" * 16, "n1", "client")
+    assert verify(b"k" * 16, "n1", "client", mac)
+    assert not verify(b"k" * 16, "n2", "client", mac)  # bound to its nonce
+    assert not verify(b"k" * 16, "n1", "stage-1", mac)  # and to its peer id

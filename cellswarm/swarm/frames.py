@@ -123,7 +123,43 @@ def no_delay(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-async def connect(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect(
+    host: str, port: int, token: bytes | None = None, peer: str = "client"
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open a frame connection; with a cluster token, answer the listener's challenge."""
     reader, writer = await asyncio.open_connection(host, port)
     no_delay(writer)
+    if token is not None:
+        from cellswarm.swarm.auth import prove
+
+        challenge = await read_frame(reader)
+        if challenge is None or challenge.type != "challenge":
+            raise ProtocolError(f"{host}:{port} sent no challenge; is it part of this swarm?")
+        proof = prove(token, str(challenge.fields["nonce"]), peer)
+        await write_frame(writer, Frame("proof", {"peer": peer, "mac": proof}))
     return reader, writer
+
+
+async def accept(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: bytes,
+    peers: frozenset[str],
+) -> str | None:  # fmt: skip
+    """Challenge a connecting peer; its id when the proof holds and it is expected, else None
+    (after telling it why, in one frame)."""
+    from cellswarm.swarm.auth import new_nonce, verify
+
+    nonce = new_nonce()
+    await write_frame(writer, Frame("challenge", {"nonce": nonce}))
+    try:
+        answer = await asyncio.wait_for(read_frame(reader), timeout=10)
+    except (TimeoutError, ProtocolError):
+        answer = None
+    peer = str(answer.fields.get("peer", "")) if answer is not None else ""
+    ok = (
+        answer is not None and answer.type == "proof" and peer in peers
+        and verify(token, nonce, peer, str(answer.fields.get("mac", "")))
+    )  # fmt: skip
+    if not ok:
+        await write_frame(writer, Frame("denied", {"reason": "no valid proof for this swarm"}))
+        return None
+    return peer

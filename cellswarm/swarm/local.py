@@ -20,6 +20,7 @@ import numpy as np
 
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import BudgetError, RequestError, SwarmError
+from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
 from cellswarm.swarm.stage import StageConfig
 
@@ -67,7 +68,7 @@ class LocalPipeline:
         self, model: str, splits: Sequence[tuple[int, int]], threads: int = 1,
         memory_bytes: int | None = None, context: int = 512, max_sequences: int = 8,
         log_dir: str | None = None, profile: str | None = None,
-        crash_after_steps: dict[int, int] | None = None,
+        crash_after_steps: dict[int, int] | None = None, token_file: str | None = None,
     ):  # fmt: skip
         ports = free_ports(len(splits))
         self.port = ports[0]
@@ -87,10 +88,13 @@ class LocalPipeline:
                 node_id=f"stage-{i}",
                 profile=profile,
                 crash_after_steps=(crash_after_steps or {}).get(i),
+                token_file=token_file,
+                peers=("client", f"stage-{(i - 1) % len(splits)}"),
             )
             for i, layers in enumerate(splits)
         ]
         self.procs: list[subprocess.Popen[str]] = [self._spawn(c) for c in self.configs]
+        self.token = load_token(token_file) if token_file else None
         self.restarts = 0
         self.failures = [0] * len(splits)  # consecutive, per stage
         self.epoch = 0
@@ -118,7 +122,7 @@ class LocalPipeline:
     async def _stats(self) -> list[dict[str, Any]]:
         out = []
         for cfg in self.configs:
-            reader, writer = await connect("127.0.0.1", cfg.listen_port)
+            reader, writer = await connect("127.0.0.1", cfg.listen_port, self.token)
             await write_frame(writer, Frame("stats", {}))
             frame = await read_frame(reader)
             writer.close()
@@ -161,7 +165,7 @@ class LocalPipeline:
     ) -> None:  # fmt: skip
         """Send the unfinished requests (prompt + tokens so far) and read until all are done
         or a stage dies."""
-        reader, writer = await connect("127.0.0.1", self.port)
+        reader, writer = await connect("127.0.0.1", self.port, self.token)
         try:
             for i in todo:
                 await write_frame(writer, _request_frame(requests[i], tokens[i], self._ids[i]))
@@ -198,7 +202,9 @@ class LocalPipeline:
         that does not answer its reset counts as dead: it is killed and replaced too."""
         self.epoch += 1
         for k, cfg in enumerate(self.configs):
-            if self.procs[k].poll() is None and await _reset(cfg.listen_port, self.epoch):
+            if self.procs[k].poll() is None and await _reset(
+                cfg.listen_port, self.epoch, self.token
+            ):
                 continue
             self.failures[k] += 1
             if self.failures[k] >= OFFLINE_AFTER:
@@ -212,7 +218,7 @@ class LocalPipeline:
             self.procs[k] = self._spawn(cfg)
             self._await_ready(self.procs[k])
             self.restarts += 1
-            if not await _reset(cfg.listen_port, self.epoch):
+            if not await _reset(cfg.listen_port, self.epoch, self.token):
                 raise ConnectionError(f"the replacement stage for layers {cfg.layers} is silent")
 
     def close(self) -> None:
@@ -228,10 +234,10 @@ class LocalPipeline:
         self.close()
 
 
-async def _reset(port: int, epoch: int, timeout_s: float = 5.0) -> bool:
+async def _reset(port: int, epoch: int, token: bytes | None, timeout_s: float = 5.0) -> bool:
     """Tell a stage to forget its sequences and adopt a new epoch; False if it is silent."""
     try:
-        reader, writer = await connect("127.0.0.1", port)
+        reader, writer = await connect("127.0.0.1", port, token)
         await write_frame(writer, Frame("reset", {"epoch": epoch}))
         answer = await asyncio.wait_for(read_frame(reader), timeout_s)
         writer.close()

@@ -30,8 +30,9 @@ from cellswarm.engine.model import Model
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.io.weights import Selection
+from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.emulate import Emulation
-from cellswarm.swarm.frames import Frame, connect, no_delay, read_frame, write_frame
+from cellswarm.swarm.frames import Frame, accept, connect, no_delay, read_frame, write_frame
 from cellswarm.swarm.logs import JsonLog
 
 log = logging.getLogger("cellswarm.stage")
@@ -56,6 +57,8 @@ class StageConfig:
     node_id: str = "stage"
     profile: str | None = None  # behave like a node of this planner profile (emulate.py)
     crash_after_steps: int | None = None  # fault injection for tests: die like a SIGKILL
+    token_file: str | None = None  # cluster token: every connection must prove it (auth.py)
+    peers: tuple[str, ...] = ()  # who may connect: the previous stage and the client
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -64,6 +67,7 @@ class StageConfig:
     def from_json(cls, text: str) -> StageConfig:
         raw = json.loads(text)
         raw["layers"] = tuple(raw["layers"])
+        raw["peers"] = tuple(raw.get("peers", ()))
         return cls(**raw)
 
 
@@ -93,6 +97,7 @@ class Stage:
         self._seq_ids = 0
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.log = JsonLog(config.log_dir, config.node_id)
+        self.token = load_token(config.token_file) if config.token_file else None
         self.emulation = Emulation.for_stage(model, config.profile) if config.profile else None
         self.requests: dict[int, str] = {}  # seq -> request id, for the logs
         self.steps, self.busy_s = 0, 0.0
@@ -102,6 +107,12 @@ class Stage:
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         no_delay(writer)
+        if self.token is not None:
+            peer = await accept(reader, writer, self.token, frozenset(self.config.peers))
+            if peer is None:
+                self.log.event("denied", None, stage=self.span)
+                writer.close()
+                return
         try:
             while (frame := await read_frame(reader)) is not None:
                 await self.handle(frame, writer)
@@ -115,7 +126,9 @@ class Stage:
             await self.emulation.send(0 if frame.array is None else frame.array.nbytes)
         async with self._next_lock:
             if self._next is None:
-                _, self._next = await _connect(self.config.next_host, self.config.next_port)
+                _, self._next = await _connect(
+                    self.config.next_host, self.config.next_port, self.token, self.config.node_id
+                )
             await write_frame(self._next, frame)
 
     # -- the protocol ----------------------------------------------------------------------
@@ -285,10 +298,12 @@ class Stage:
             asyncio.get_running_loop().create_task(self.send_next(end))
 
 
-async def _connect(host: str, port: int, attempts: int = 200) -> tuple[Any, Any]:
+async def _connect(
+    host: str, port: int, token: bytes | None, peer: str, attempts: int = 200
+) -> tuple[Any, Any]:
     for _ in range(attempts):
         try:
-            return await connect(host, port)
+            return await connect(host, port, token, peer)
         except OSError:
             await asyncio.sleep(0.05)
     raise ConnectionError(f"stage at {host}:{port} did not answer")
