@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,18 @@ def test_token_files_are_checked(tmp_path: Path) -> None:
     assert verify(b"k" * 16, "n1", "client", mac)
     assert not verify(b"k" * 16, "n2", "client", mac)  # bound to its nonce
     assert not verify(b"k" * 16, "n1", "stage-1", mac)  # and to its peer id
+
+
+def test_budget_split_balances_memory_and_each_stage_accepts_its_share(demo_path: Path) -> None:
+    from cellswarm.swarm.local import budget_split
+
+    splits = budget_split(str(demo_path), 3, 128 << 20, context=256, max_sequences=4)
+    assert splits[0][0] == 0 and splits[-1][1] == 30
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(splits))
+    # the planner's bytes and each stage's own start-up check agree: all three accept
+    with LocalPipeline(str(demo_path), splits, memory_bytes=128 << 20, context=256,
+                       max_sequences=4) as pipe:  # fmt: skip
+        [r] = pipe.generate([{"prompt": [1, 2, 3], "max_tokens": 3}])
+    assert len(r.tokens) == 3
+    with pytest.raises(cellswarm.BudgetError, match=r"2 workers need .* bytes each .* short"):
+        budget_split(str(demo_path), 2, 64 << 20, context=256, max_sequences=4)

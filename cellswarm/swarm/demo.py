@@ -25,7 +25,7 @@ def run(max_tokens: int = 32) -> int:
     from cellswarm.demo import demo_model_path
     from cellswarm.io.gguf_file import GGUFFile
     from cellswarm.io.tokenizer import Tokenizer
-    from cellswarm.swarm.local import LocalPipeline, even_split
+    from cellswarm.swarm.local import LocalPipeline, budget_split
 
     con = Console()
     path = demo_model_path()
@@ -34,7 +34,8 @@ def run(max_tokens: int = 32) -> int:
     request = {"prompt": prompt, "max_tokens": max_tokens, "stop_ids": sorted(tok.stop_ids)}
     con.print(f"[bold]{path.name}[/] on {STAGES} local workers, {format_bytes(BUDGET_BYTES)} each "
               f"(one process would need {_whole_model_need(path)})")  # fmt: skip
-    with LocalPipeline(str(path), even_split(30, STAGES), memory_bytes=BUDGET_BYTES,
+    splits = budget_split(str(path), STAGES, BUDGET_BYTES, CONTEXT, SEQUENCES)
+    with LocalPipeline(str(path), splits, memory_bytes=BUDGET_BYTES,
                        context=CONTEXT, max_sequences=SEQUENCES) as pipe:  # fmt: skip
         con.print(f"[dim]user:[/] {QUESTION}")
         t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import sys
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,47 @@ def even_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
         raise ValueError(f"{n_stages} stages for {n_layers} layers")
     bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
     return list(itertools.pairwise(bounds))
+
+
+def budget_split(
+    model: str, stages: int, memory_bytes: int, context: int = 512, max_sequences: int = 8
+) -> list[tuple[int, int]]:
+    """Contiguous layer ranges that balance what each stage holds — its layers and their KV
+    cache, the embedding on the first, the head on the last, runtime and scratch on all —
+    sized with the planner's byte-exact inventory; BudgetError if `stages` cannot fit."""
+    from cellswarm.planner.api import resolve_model
+    from cellswarm.planner.overhead import runtime_overhead_bytes
+
+    inv = resolve_model(model)
+    kv = inv.kv_bytes_per_token_layer * context * max_sequences
+    layer = [sum(t.nbytes for t in inv.layer_tensors(i)) + kv for i in range(inv.n_layers)]
+    shared = sum(t.nbytes for t in inv.global_tensors() if t.kind not in ("embedding", "output"))
+    fixed = runtime_overhead_bytes() + inv.scratch_bytes(1, context, 0) + shared
+    ends = (inv.embedding_bytes(), inv.head_bytes())
+
+    def fits(cap: int) -> list[tuple[int, int]] | None:
+        out, lo, used = [], 0, fixed + ends[0]
+        for i, b in enumerate(layer):
+            if used + b > cap and i > lo:
+                out.append((lo, i))
+                lo, used = i, fixed
+            used += b
+        out.append((lo, inv.n_layers))
+        ok = len(out) <= stages and used + ends[1] <= cap and max(layer) + fixed <= cap
+        return out if ok else None
+
+    lo, hi = 0, fixed + sum(layer) + sum(ends)
+    while lo < hi:  # the smallest per-stage capacity that a split into <= stages fits
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    if lo > memory_bytes:
+        raise BudgetError(
+            f"{stages} workers need {lo:,} bytes each for {Path(model).name}; --memory is "
+            f"{memory_bytes:,} ({lo - memory_bytes:,} short): add workers or memory"
+        )
+    split = fits(lo)
+    assert split is not None
+    return split
 
 
 def free_ports(n: int) -> list[int]:
