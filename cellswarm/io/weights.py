@@ -157,6 +157,16 @@ _GLOBAL_KINDS = {
 }
 
 
+def global_tensor_shapes(vocab_size: int, d_model: int) -> dict[str, tuple[int, ...]]:
+    """The tensors outside the layers that every architecture reads (numpy-order shapes);
+    output.weight is listed, a file without one ties the head to the embedding."""
+    return {
+        "token_embd.weight": (vocab_size, d_model),
+        "output_norm.weight": (d_model,),
+        "output.weight": (vocab_size, d_model),
+    }
+
+
 def tensor_kind(name: str) -> str:
     """What a tensor is for, from its llama.cpp name: the planner and the memory accounting
     group bytes by this, so both must call this one function."""

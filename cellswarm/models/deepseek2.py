@@ -35,7 +35,7 @@ import numpy as np
 
 from cellswarm.engine.kv_cache import CacheSpec, LayerCache
 from cellswarm.errors import MissingTensorError, ModelFileError, ShapeMismatchError
-from cellswarm.io.weights import WeightStore
+from cellswarm.io.weights import WeightStore, global_tensor_shapes
 from cellswarm.models import ops
 from cellswarm.models.llama import hf_rope_params
 from cellswarm.models.rope import Rope, Yarn, base_inv_freq
@@ -338,11 +338,7 @@ class DeepseekConfig:
         """
         d, n_heads, lat = self.d_model, self.n_heads, self.kv_lora_rank
         q_out, shared = n_heads * self.qk_head_dim, self.n_shared_experts * self.moe_ffn_dim
-        out: dict[str, tuple[int, ...]] = {
-            "token_embd.weight": (self.vocab_size, d),
-            "output_norm.weight": (d,),
-            "output.weight": (self.vocab_size, d),
-        }
+        out = global_tensor_shapes(self.vocab_size, d)
         for i in layers:
             p = f"blk.{i}."
             out |= {

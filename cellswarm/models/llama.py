@@ -18,7 +18,7 @@ import numpy as np
 from cellswarm import kernels
 from cellswarm.engine.kv_cache import CacheSpec, KVCache, LayerCache
 from cellswarm.errors import BudgetError, ModelFileError
-from cellswarm.io.weights import WeightStore
+from cellswarm.io.weights import WeightStore, global_tensor_shapes
 from cellswarm.models import ops
 from cellswarm.models.rope import Rope, base_inv_freq, llama3_factors
 
@@ -142,11 +142,7 @@ class LlamaConfig:
         output.weight is listed too; a file without one ties the head to the embedding.
         """
         d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        out: dict[str, tuple[int, ...]] = {
-            "token_embd.weight": (self.vocab_size, d),
-            "output_norm.weight": (d,),
-            "output.weight": (self.vocab_size, d),
-        }
+        out = global_tensor_shapes(self.vocab_size, d)
         for i in layers:
             p = f"blk.{i}."
             out |= {

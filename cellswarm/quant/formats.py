@@ -352,6 +352,13 @@ class Q3_KFormat(QuantFormat):
         return (scale * _per_sub_block(q, 16)).reshape(n, QK_K)
 
 
+def _k_scale_low(blocks: Bytes) -> tuple[Floats, Floats]:
+    """Q4_K/Q5_K block prelude: (d * scale, dmin * min) per 32-element sub-block, (n, 8, 1)."""
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])  # (n, 1) each
+    sc, mn = _k_scale_min(blocks[:, 4:16])  # (n, 8) each
+    return (d * sc.astype(np.float32))[..., None], (dmin * mn.astype(np.float32))[..., None]
+
+
 @dataclass(frozen=True)
 class Q4_KFormat(QuantFormat):
     """f16 d, f16 dmin, 6-bit scales and mins (12 B), nibbles (128 B).
@@ -361,10 +368,7 @@ class Q4_KFormat(QuantFormat):
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
         n = blocks.shape[0]
-        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])  # (n, 1) each
-        sc, mn = _k_scale_min(blocks[:, 4:16])  # (n, 8) each
-        scale = (d * sc.astype(np.float32))[..., None]  # (n, 8, 1)
-        low = (dmin * mn.astype(np.float32))[..., None]  # (n, 8, 1)
+        scale, low = _k_scale_low(blocks)  # (n, 8, 1) each
         q = _planes(blocks[:, 16:].reshape(n, 4, 32), 4).astype(np.float32)  # (n, 4, 64)
         return (scale * _per_sub_block(q.reshape(n, QK_K), 8) - low).reshape(n, QK_K)
 
@@ -378,10 +382,7 @@ class Q5_KFormat(QuantFormat):
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
         n = blocks.shape[0]
-        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])  # (n, 1) each
-        sc, mn = _k_scale_min(blocks[:, 4:16])  # (n, 8) each
-        scale = (d * sc.astype(np.float32))[..., None]  # (n, 8, 1)
-        low = (dmin * mn.astype(np.float32))[..., None]  # (n, 8, 1)
+        scale, low = _k_scale_low(blocks)  # (n, 8, 1) each
         nibbles = _planes(blocks[:, 48:].reshape(n, 4, 32), 4).reshape(n, QK_K)  # (n, 256)
         high = _planes(blocks[:, 16:48], 1)  # (n, 256)
         q = (nibbles | (high << np.uint8(4))).astype(np.float32)
