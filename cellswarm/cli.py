@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_plan(sub)
+    from cellswarm.swarm.commands import add_commands
+
+    add_commands(sub)
     lg = sub.add_parser("logs", help="one request's timeline, merged across every node's log")
     lg.add_argument("request_id")
     lg.add_argument("--dir", default="cellswarm-logs", help="folder of the nodes' .jsonl logs")
@@ -61,6 +64,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--kv-budget", help="byte budget for the KV cache, e.g. 64M")
     p.add_argument("--threads", type=int, help="threads for kernels and BLAS (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--coordinator", help="run on this swarm (its URL) instead of in-process")
     p.set_defaults(func=_cmd_generate)
 
 
@@ -72,6 +76,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from cellswarm.loader import load
     from cellswarm.units import format_bytes, parse_bytes
 
+    if args.coordinator:
+        from cellswarm.swarm.commands import generate_remote
+
+        return generate_remote(args)
     if args.threads is not None and args.threads < 1:
         raise RequestError(f"--threads {args.threads} must be at least 1")
     kernels.set_threads(args.threads)

@@ -19,7 +19,8 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,10 @@ class StageConfig:
         return cls(**raw)
 
 
+class NextStageLost(ConnectionError):
+    """The next stage in the ring stopped answering: its fault, not ours."""
+
+
 @dataclass
 class Sequence:
     """Stage 0's view of one request."""
@@ -102,11 +107,17 @@ class Stage:
         self.requests: dict[int, str] = {}  # seq -> request id, for the logs
         self.steps, self.busy_s = 0, 0.0
         self.decode_steps, self.decode_s = 0, 0.0
+        # A worker tells its coordinator: ("forward", why) when this node failed a step,
+        # ("next", address) when the next stage stopped answering.
+        self.on_fault: Callable[[str, str], None] | None = None
+        self.fail_forward = False  # fault injection for tests: every forward pass raises
+        self.connections: set[asyncio.StreamWriter] = set()
 
     # -- connections ---------------------------------------------------------------------
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         no_delay(writer)
+        self.connections.add(writer)
         if self.token is not None:
             peer = await accept(reader, writer, self.token, frozenset(self.config.peers))
             if peer is None:
@@ -116,20 +127,36 @@ class Stage:
         try:
             while (frame := await read_frame(reader)) is not None:
                 await self.handle(frame, writer)
-        except Exception:  # a bad peer or a bug: log it, drop this connection, keep serving
+        except Exception as exc:  # a bad peer or a bug: log it, drop this connection, serve on
             log.exception("stage %s: connection dropped", self.config.layers)
+            if self.on_fault is not None:
+                kind = "next" if isinstance(exc, NextStageLost) else "forward"
+                self.on_fault(kind, f"{type(exc).__name__}: {exc}")
         finally:
+            self.connections.discard(writer)
             writer.close()
+
+    def close_connections(self) -> None:
+        """Stop serving: every peer connection, and the link to the next stage."""
+        for w in [*self.connections, *([self._next] if self._next else [])]:
+            w.close()
+        self.connections.clear()
+        self._next = None
 
     async def send_next(self, frame: Frame) -> None:
         if self.emulation is not None:
             await self.emulation.send(0 if frame.array is None else frame.array.nbytes)
         async with self._next_lock:
-            if self._next is None:
-                _, self._next = await _connect(
-                    self.config.next_host, self.config.next_port, self.token, self.config.node_id
-                )
-            await write_frame(self._next, frame)
+            try:
+                if self._next is None:
+                    _, self._next = await _connect(
+                        self.config.next_host, self.config.next_port, self.token,
+                        self.config.node_id,
+                    )  # fmt: skip
+                await write_frame(self._next, frame)
+            except (OSError, ConnectionError) as exc:
+                self._next = None
+                raise NextStageLost(f"{self.config.next_host}:{self.config.next_port}") from exc
 
     # -- the protocol ----------------------------------------------------------------------
 
@@ -147,11 +174,20 @@ class Stage:
         elif frame.type == "stats":
             await write_frame(writer, Frame("stats", self.stats()))
         elif frame.type == "reset":  # the layout changed under us: forget every sequence
-            await self.reset(int(frame.fields["epoch"]), writer)
+            await self.reset(frame, writer)
 
-    async def reset(self, epoch: int, writer: asyncio.StreamWriter) -> None:
+    async def reset(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
+        """A new layout epoch: forget every sequence; a coordinator also sends the ring's new
+        wiring (the next stage's address, who may connect) with it."""
+        f = frame.fields
+        epoch = int(f["epoch"])
         for req in {*self.requests.values(), *(s.req for s in self.sequences.values())}:
             self.log.event("reset", req, stage=self.span, epoch=epoch)
+        if "next_port" in f:
+            self.config = replace(
+                self.config, next_host=str(f["next_host"]), next_port=int(f["next_port"]),
+                peers=tuple(f.get("peers", self.config.peers)),
+            )  # fmt: skip
         self.epoch = epoch
         self.caches.clear()
         self.samplers.clear()
@@ -220,6 +256,8 @@ class Stage:
             and self.steps >= self.config.crash_after_steps
         ):
             os._exit(1)  # no cleanup, no goodbye: what a power cut looks like to the others
+        if self.fail_forward:
+            raise RuntimeError("injected fault: this node's forward pass always fails")
         t0 = time.perf_counter()
         decode = h.shape[0] == 1
         h = self.model.forward(np.ascontiguousarray(h, dtype=np.float32), cache)

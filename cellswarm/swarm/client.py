@@ -1,0 +1,78 @@
+"""A small HTTP client for the coordinator (standard library only: workers and CLIs use it)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from cellswarm.errors import RequestError, SwarmError
+
+
+def call(url: str, path: str, data: dict[str, Any] | None = None, timeout_s: float = 35.0) -> Any:
+    """GET (data None) or POST JSON; a coordinator's error becomes a RequestError carrying
+    its message; an unreachable one a SwarmError naming the URL."""
+    body = None if data is None else json.dumps(data).encode()
+    req = urllib.request.Request(url.rstrip("/") + path, body,
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {exc.code}"
+        raise RequestError(f"coordinator at {url}: {message}") from None
+    except (OSError, ValueError) as exc:
+        raise SwarmError(f"no coordinator answers at {url} ({exc}); is it running?") from None
+
+
+def submit(url: str, request: dict[str, Any]) -> str:
+    return str(call(url, "/v1/requests", request)["request_id"])
+
+
+def wait(
+    url: str, request_id: str, on_tokens: Callable[[list[int]], None] | None = None,
+    timeout_s: float = 600.0, patience_s: float = 60.0,
+) -> dict[str, Any]:  # fmt: skip
+    """Long-poll until the request ends; `on_tokens` gets each new batch of tokens. Rides out
+    a coordinator restart (up to `patience_s` without an answer)."""
+    seen, deadline, last_ok = 0, time.monotonic() + timeout_s, time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            r = call(url, f"/v1/requests/{request_id}?after={seen}&wait_s=10")
+        except SwarmError:
+            if time.monotonic() - last_ok > patience_s:
+                raise
+            time.sleep(0.2)
+            continue
+        last_ok = time.monotonic()
+        if r["tokens"] and on_tokens is not None:
+            on_tokens(list(r["tokens"]))
+        seen += len(r["tokens"])
+        if r["state"] in ("done", "failed"):
+            return dict(r)
+    raise SwarmError(f"request {request_id} did not finish within {timeout_s:.0f} s")
+
+
+def wait_wired(url: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Until the coordinator reports a wired ring; its status."""
+    deadline = time.monotonic() + timeout_s
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            status = call(url, "/v1/status", timeout_s=5)
+            if status["wired"]:
+                return status
+        except SwarmError:
+            pass
+        time.sleep(0.1)
+    nodes = ", ".join(f"{n['node_id']} {n['state']} {n['message']}"
+                      for n in status.get("nodes", []))  # fmt: skip
+    raise SwarmError(
+        f"the swarm at {url} was not ready after {timeout_s:.0f} s: {nodes or 'no nodes'}"
+    )

@@ -1,0 +1,160 @@
+"""The swarm's command line: `coordinator`, `worker`, `status`, `up`, `generate --coordinator`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cellswarm.errors import RequestError
+from cellswarm.units import format_bytes, parse_bytes
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+
+
+def add_commands(sub: Any) -> None:
+    c = sub.add_parser("coordinator", help="run a swarm's coordinator (HTTP, state in SQLite)")
+    c.add_argument("--model", help="the .gguf file to place (default: the demo model)")
+    c.add_argument("--listen", default="127.0.0.1:8470", help="HOST:PORT (default loopback)")
+    c.add_argument("--db", default="sqlite:///cellswarm.db", help="sqlite:///PATH")
+    c.add_argument("--token-file", help="cluster token file; workers must prove they hold it")
+    c.add_argument("--log-dir", help="folder for JSON-line event logs")
+    c.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+    c.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds to 'lost'")
+    c.add_argument("--offline-after", type=int, default=2, help="failures in a row: offline")
+    c.add_argument("--stages", type=int, help="pipeline stages (default: fewest that fit)")
+    c.add_argument("--context", type=int, default=256, help="KV tokens a stage reserves/seq")
+    c.add_argument("--max-sequences", type=int, default=8, help="sequences in flight per stage")
+    c.set_defaults(func=cmd_coordinator)
+
+    w = sub.add_parser("worker", help="join a coordinator and serve the shard it assigns")
+    w.add_argument("--join", required=True, help="the coordinator's URL")
+    w.add_argument("--memory", required=True, help="hard memory budget, e.g. 256M")
+    w.add_argument("--profile", help="behave like a node of this planner profile (ps3, ...)")
+    w.add_argument("--token-file", help="cluster token file (never pass the token itself)")
+    w.add_argument("--node-id", default="", help="a stable name (default: host + random)")
+    w.add_argument("--model", help="a local copy of the model file")
+    w.add_argument("--threads", type=int, help="compute threads")
+    w.add_argument("--log-dir", help="folder for JSON-line event logs")
+    w.add_argument("--stop-after", type=float, default=5.0,
+                   help="stop serving after this many seconds without the coordinator")  # fmt: skip
+    w.add_argument("--fail-forward", action="store_true", help=argparse.SUPPRESS)
+    w.set_defaults(func=cmd_worker)
+
+    s = sub.add_parser("status", help="every node of a swarm: state, shard, memory, failures")
+    s.add_argument("--coordinator", default=DEFAULT_URL, help="the coordinator's URL")
+    s.set_defaults(func=cmd_status)
+
+    u = sub.add_parser("up", help="a coordinator and N local workers, as separate processes")
+    u.add_argument("--workers", type=int, default=3)
+    u.add_argument("--memory", default="256M", help="budget per worker")
+    u.add_argument("--profile", help="emulate this planner profile on every worker")
+    u.add_argument("--model", help="the .gguf file (default: the demo model)")
+    u.add_argument("--stages", type=int, help="pipeline stages (default: fewest that fit)")
+    u.add_argument("--state-dir", default="cellswarm-state", help="database, token, logs")
+    u.add_argument("--port", type=int, default=8470)
+    u.set_defaults(func=cmd_up)
+
+
+def _model(path: str | None) -> str:
+    from cellswarm.demo import demo_model_path
+
+    p = path or str(demo_model_path())
+    if not Path(p).is_file():
+        raise RequestError(f"model file {p} does not exist")
+    return p
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise RequestError(f"--listen {text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from cellswarm.swarm.coordinator import CoordinatorConfig
+    from cellswarm.swarm.server import serve
+
+    if not args.db.startswith("sqlite:///"):
+        raise RequestError(f"--db {args.db!r}: only sqlite:///PATH is supported")
+    host, port = _host_port(args.listen)
+    serve(CoordinatorConfig(
+        model=_model(args.model), db=args.db.removeprefix("sqlite:///"), host=host, port=port,
+        token_file=args.token_file, heartbeat_s=args.heartbeat,
+        heartbeat_timeout_s=args.heartbeat_timeout, offline_after=args.offline_after,
+        stages=args.stages, context=args.context, max_sequences=args.max_sequences,
+        log_dir=args.log_dir,
+    ))  # fmt: skip
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from cellswarm.swarm.worker import WorkerConfig, main
+
+    main(WorkerConfig(
+        join=args.join, memory_bytes=parse_bytes(args.memory), node_id=args.node_id,
+        profile=args.profile, token_file=args.token_file, model=args.model,
+        threads=args.threads, log_dir=args.log_dir, stop_after_s=args.stop_after,
+        fail_forward=args.fail_forward,
+    ))  # fmt: skip
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cellswarm.swarm import client
+
+    print_status(client.call(args.coordinator, "/v1/status"))
+    return 0
+
+
+def print_status(status: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    wired = "wired" if status["wired"] else "not wired"
+    t = Table(title=f"{status['model']} · epoch {status['epoch']} · ring {wired}")
+    for col in ("node", "state", "layers", "memory (peak of budget)", "heartbeat", "served",
+                "failures", "note"):  # fmt: skip
+        t.add_column(col)
+    for n in status["nodes"]:
+        layers = f"{n['layers'][0]}..{n['layers'][1] - 1}" if n["layers"] else "-"
+        mem = f"{format_bytes(n['peak_rss_bytes'])} of {format_bytes(n['memory_bytes'])}"
+        t.add_row(n["node_id"], n["state"], layers, mem, f"{n['last_seen_s_ago']:.1f} s ago",
+                  str(n["served"]), str(n["failures"]), n["message"][:60])  # fmt: skip
+    Console().print(t)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from cellswarm.swarm.up import LocalSwarm
+
+    swarm = LocalSwarm(model=_model(args.model), workers=args.workers, memory=args.memory,
+                       state_dir=Path(args.state_dir), profile=args.profile,
+                       stages=args.stages, port=args.port)  # fmt: skip
+    with swarm:
+        print_status(swarm.wait_ready())
+        print(f"coordinator: {swarm.url} (token in {swarm.token_file}); Ctrl-C stops the swarm")
+        print(f"try: cellswarm generate 'Hello' --coordinator {swarm.url}")
+        while all(p.poll() is None for p in swarm.procs.values()):
+            time.sleep(0.5)
+    return 1
+
+
+def generate_remote(args: argparse.Namespace) -> int:
+    """`cellswarm generate --coordinator URL`: the prompt runs on the swarm; tokens stream."""
+    from cellswarm.swarm import client
+
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "min_p": args.min_p, "repetition_penalty": args.repeat_penalty,
+                "seed": args.seed}  # fmt: skip
+    t0 = time.perf_counter()
+    rid = client.submit(args.coordinator, {"prompt": args.prompt, "max_tokens": args.max_tokens,
+                                           "sampling": sampling})  # fmt: skip
+    result = client.wait(args.coordinator, rid)
+    print(result.get("text", ""))
+    took_s = time.perf_counter() - t0
+    print(f"[request {rid} | {result['n_tokens']} tokens ({result['reason']}) in {took_s:.2f} s"
+          f" | attempts {result['attempts']}]", file=sys.stderr)  # fmt: skip
+    return 0 if result["state"] == "done" else 1

@@ -1,0 +1,110 @@
+"""Who holds which shard: the coordinator's placement decisions as pure functions.
+
+A layout is a list of stages (layer ranges, in ring order); each live stage is held by one
+node. When a node is lost, a spare takes its shard unchanged (cheapest: nobody else reloads);
+without a spare the layout is recomputed over the nodes that are left. The functions take
+node records and return the shards each node should hold; the coordinator stores the result
+and bumps the epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cellswarm.errors import BudgetError
+from cellswarm.swarm.store import Node, NodeId
+
+Shard = dict[str, Any]  # {"stage": k, "layers": [lo, hi], "first": bool, "last": bool, "n": S}
+# (number of stages, per-node memory) -> layer ranges, or BudgetError if they cannot fit
+Splitter = Callable[[int, int], list[tuple[int, int]]]
+
+PLACEABLE = ("spare", "assigned")
+
+
+def shards(split: Sequence[tuple[int, int]]) -> list[Shard]:
+    n = len(split)
+    return [
+        {"stage": k, "layers": [lo, hi], "first": k == 0, "last": k == n - 1, "n": n}
+        for k, (lo, hi) in enumerate(split)
+    ]
+
+
+def layout_complete(nodes: Sequence[Node]) -> bool:
+    """Every stage of the current layout is held by exactly one assigned node."""
+    held = [n.shard for n in nodes if n.state == "assigned" and n.shard is not None]
+    if not held:
+        return False
+    n_stages = int(held[0]["n"])
+    return sorted(int(s["stage"]) for s in held) == list(range(n_stages)) and all(
+        int(s["n"]) == n_stages for s in held
+    )
+
+
+def ring(nodes: Sequence[Node]) -> list[Node]:
+    """The assigned nodes in stage order."""
+    held = [n for n in nodes if n.state == "assigned" and n.shard is not None]
+    return sorted(held, key=lambda n: int(n.shard["stage"]) if n.shard else 0)
+
+
+def repair(
+    nodes: Sequence[Node], layout: Sequence[Shard], split: Splitter, stages: int | None
+) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
+    """The layout and the shard every placeable node should hold (None: a spare). A complete
+    layout stays as it is; a hole is filled by a spare with as much memory as the node it
+    replaces; otherwise the model is placed from scratch. ([], {}) if nothing fits yet."""
+    live = [n for n in nodes if n.state in PLACEABLE]
+    current = {n.node_id: n.shard for n in live}
+    if layout and layout_complete(live):
+        return list(layout), current
+    if layout:
+        filled = _fill_holes(live, layout)
+        if filled is not None:
+            return list(layout), filled
+    return place(live, split, stages)
+
+
+def _fill_holes(
+    live: Sequence[Node], layout: Sequence[Shard]
+) -> dict[NodeId, Shard | None] | None:
+    held = {int(n.shard["stage"]): n for n in live if n.state == "assigned" and n.shard}
+    if not held:
+        return None
+    budget = min(n.memory_bytes for n in held.values())  # what a stage was sized for
+    spares = sorted(
+        (n for n in live if n.state == "spare" and n.memory_bytes >= budget),
+        key=lambda n: (n.joined_s, n.node_id),
+    )
+    out: dict[NodeId, Shard | None] = {n.node_id: n.shard for n in live}
+    for shard in layout:
+        if int(shard["stage"]) in held:
+            continue
+        if not spares:
+            return None
+        out[spares.pop(0).node_id] = dict(shard)
+    return out
+
+
+def place(
+    live: Sequence[Node], split: Splitter, stages: int | None
+) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
+    """A fresh layout over the live nodes: the fewest stages that fit (or `stages`), the
+    earliest joined nodes first, the rest spares. ([], {}) when they cannot hold the model."""
+    if not live:
+        return [], {}
+    order = sorted(live, key=lambda n: (n.joined_s, n.node_id))
+    counts = [stages] if stages else list(range(1, len(order) + 1))
+    for count in counts:
+        if count > len(order):
+            return [], {}
+        chosen = order[:count]
+        try:
+            split_ = split(count, min(n.memory_bytes for n in chosen))
+        except BudgetError:
+            continue
+        layout = shards(split_)
+        out: dict[NodeId, Shard | None] = {n.node_id: None for n in order}
+        for node, shard in zip(chosen, layout, strict=True):
+            out[node.node_id] = shard
+        return layout, out
+    return [], {}

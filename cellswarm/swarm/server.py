@@ -1,0 +1,164 @@
+"""The coordinator's HTTP face (FastAPI on uvicorn): workers join and heartbeat, clients
+submit requests and read their tokens, `cellswarm status` reads the node table.
+
+Errors leave as JSON `{"error": {"message", "type"}}` with a 4xx status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from cellswarm.errors import CellswarmError, RequestError
+from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
+from cellswarm.swarm.store import Node
+
+MAX_WAIT_S = 30.0
+
+
+def build_app(coord: Coordinator) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(coord.monitor()), asyncio.create_task(coord.drive())]
+        yield
+        for t in tasks:
+            t.cancel()
+        coord._checkpoint()
+
+    app = FastAPI(title="cellswarm coordinator", lifespan=lifespan)
+
+    @app.exception_handler(PermissionError)
+    async def denied(_: Request, exc: PermissionError) -> JSONResponse:
+        return _error(401, str(exc), "unauthorized")
+
+    @app.exception_handler(CellswarmError)
+    async def bad(_: Request, exc: CellswarmError) -> JSONResponse:
+        return _error(400, str(exc), type(exc).__name__)
+
+    @app.exception_handler(KeyError)
+    async def missing(_: Request, exc: KeyError) -> JSONResponse:
+        return _error(400, f"missing field {exc}", "RequestError")
+
+    async def body(request: Request) -> dict[str, Any]:
+        try:
+            data = await request.json()
+        except ValueError as exc:
+            raise RequestError("the request body is not JSON") from exc
+        if not isinstance(data, dict):
+            raise RequestError("the request body must be a JSON object")
+        return data
+
+    def node_of(data: dict[str, Any]) -> Node:
+        return coord.authenticate(str(data["node_id"]), str(data["session"]))
+
+    @app.post("/v1/challenge")
+    async def challenge() -> dict[str, Any]:
+        return {"nonce": coord.challenge()}
+
+    @app.post("/v1/join")
+    async def join(request: Request) -> dict[str, Any]:
+        d = await body(request)
+        host = request.client.host if request.client else "127.0.0.1"
+        session = coord.join(str(d["node_id"]), str(d["nonce"]), str(d.get("proof", "")),
+                             dict(d.get("capabilities") or {}), host)  # fmt: skip
+        c = coord.config
+        return {"session": session, "heartbeat_s": c.heartbeat_s,
+                "heartbeat_timeout_s": c.heartbeat_timeout_s}  # fmt: skip
+
+    @app.post("/v1/heartbeat")
+    async def heartbeat(request: Request) -> dict[str, Any]:
+        d = await body(request)
+        return coord.heartbeat(node_of(d), d)
+
+    @app.post("/v1/fault")
+    async def fault(request: Request) -> dict[str, Any]:
+        d = await body(request)
+        coord.fault(node_of(d), str(d.get("kind", "forward")), str(d.get("detail", "")))
+        return {"ok": True}
+
+    @app.get("/v1/status")
+    async def status() -> dict[str, Any]:
+        return coord.status()
+
+    @app.post("/v1/requests")
+    async def submit(request: Request) -> dict[str, Any]:
+        d = await body(request)
+        payload = _payload(coord, d)
+        req = coord.submit(payload, d.get("request_id"))
+        return {"request_id": req.request_id, "state": req.state}
+
+    @app.get("/v1/requests/{request_id}")
+    async def progress(request_id: str, after: int = 0, wait_s: float = 0.0) -> dict[str, Any]:
+        deadline = asyncio.get_running_loop().time() + min(wait_s, MAX_WAIT_S)
+        while True:
+            req = coord.store.request(request_id)
+            if req is None:
+                raise RequestError(f"no request {request_id!r}")
+            tokens = coord.tokens_of(req)
+            left = deadline - asyncio.get_running_loop().time()
+            if req.terminal or len(tokens) > after or left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(coord.pulse.wait(), left)
+        out = {"request_id": req.request_id, "state": req.state, "reason": req.reason,
+               "tokens": tokens[after:], "n_tokens": len(tokens), "attempts": req.attempts}
+        if req.terminal and req.payload.get("text"):
+            out["text"] = coord.tokenizer.decode(tokens, skip_special=True)
+        return out
+
+    return app
+
+
+def _payload(coord: Coordinator, d: dict[str, Any]) -> dict[str, Any]:
+    """A request as the ring takes it: prompt token ids, max_tokens, sampling, stop ids."""
+    prompt = d.get("prompt")
+    text = isinstance(prompt, str)
+    if text:
+        prompt = coord.tokenizer.encode(prompt)
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+        raise RequestError("prompt must be a non-empty string or list of token ids")
+    max_tokens = d.get("max_tokens", 32)
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise RequestError(f"max_tokens {max_tokens!r} must be a positive integer")
+    sampling = d.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise RequestError("sampling must be an object of SamplingParams fields")
+    stop_ids = list(d.get("stop_ids") or [])
+    if text and not stop_ids:
+        stop_ids = sorted(coord.tokenizer.stop_ids)
+    return {"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling,
+            "stop_ids": stop_ids, "text": text}  # fmt: skip
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+def serve(config: CoordinatorConfig) -> None:
+    """Run until interrupted. Prints `READY http://HOST:PORT` once listening."""
+    import uvicorn
+
+    coord = Coordinator(config)
+    if coord.token is None:
+        print("warning: no --token-file: any process that can reach this port may join",
+              flush=True)  # fmt: skip
+    uv = uvicorn.Config(build_app(coord), host=config.host, port=config.port,
+                        log_level="warning", lifespan="on")  # fmt: skip
+    server = uvicorn.Server(uv)
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                return await task
+            await asyncio.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        print(f"READY http://{config.host}:{port}", flush=True)
+        await task
+
+    asyncio.run(run())

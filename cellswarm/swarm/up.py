@@ -1,0 +1,140 @@
+"""`cellswarm up`: a coordinator and N workers as separate processes on this machine.
+
+The same processes a real deployment runs (`cellswarm coordinator`, `cellswarm worker`),
+talking over real sockets; the tests, the demo and bench/swarm.py drive a swarm through it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cellswarm.errors import SwarmError
+from cellswarm.swarm import client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalSwarm:
+    model: str
+    workers: int
+    memory: str  # per worker, e.g. "256M"
+    state_dir: Path
+    profile: str | None = None
+    stages: int | None = None
+    context: int = 256
+    max_sequences: int = 8
+    heartbeat_s: float = 0.25
+    heartbeat_timeout_s: float = 2.0
+    stop_after_s: float = 3.0
+    offline_after: int = 2
+    threads: int = 1
+    worker_memory: dict[int, str] = field(default_factory=dict)  # per-worker overrides
+    fail_forward: Sequence[int] = ()  # workers whose every forward pass fails (tests)
+    port: int = 0
+    procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    output: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.state_dir = Path(self.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.token_file = self.state_dir / "cluster.token"
+        if not self.token_file.exists():
+            self.token_file.write_text(secrets.token_hex(32))
+            self.token_file.chmod(0o600)
+        self.log_dir = self.state_dir / "logs"
+        self.port = self.port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, args: list[str], ready: str) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "cellswarm.cli", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env, start_new_session=True)  # fmt: skip
+        self.procs[name] = p
+        lines: list[str] = []
+        self.output[name] = lines
+        got = threading.Event()
+
+        def pump() -> None:  # keep reading, so a chatty process never blocks on its pipe
+            assert p.stdout is not None
+            for line in p.stdout:
+                lines.append(line.rstrip())
+                if line.startswith(ready):
+                    got.set()
+            got.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        got.wait(120)
+        if p.poll() is not None or not any(x.startswith(ready) for x in lines):
+            raise SwarmError(f"{name} did not start: {' | '.join(lines[-5:])}")
+        return p
+
+    def start_coordinator(self) -> None:
+        args = ["coordinator", "--model", self.model, "--listen", f"127.0.0.1:{self.port}",
+                "--db", f"sqlite:///{self.state_dir / 'coordinator.db'}",
+                "--token-file", str(self.token_file), "--log-dir", str(self.log_dir),
+                "--heartbeat", str(self.heartbeat_s), "--heartbeat-timeout",
+                str(self.heartbeat_timeout_s), "--context", str(self.context),
+                "--max-sequences", str(self.max_sequences),
+                "--offline-after", str(self.offline_after)]  # fmt: skip
+        if self.stages:
+            args += ["--stages", str(self.stages)]
+        self._spawn("coordinator", args, "READY")
+
+    def start_worker(self, i: int) -> None:
+        args = ["worker", "--join", self.url, "--memory", self.worker_memory.get(i, self.memory),
+                "--node-id", f"worker-{i}", "--token-file", str(self.token_file),
+                "--log-dir", str(self.log_dir), "--threads", str(self.threads),
+                "--stop-after", str(self.stop_after_s)]  # fmt: skip
+        if self.profile:
+            args += ["--profile", self.profile]
+        if i in self.fail_forward:
+            args.append("--fail-forward")
+        self._spawn(f"worker-{i}", args, "JOINED")
+
+    def __enter__(self) -> LocalSwarm:
+        try:
+            self.start_coordinator()
+            for i in range(self.workers):
+                self.start_worker(i)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        return client.wait_wired(self.url, timeout_s)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[name]
+        os.kill(p.pid, sig)
+        if sig == signal.SIGKILL:
+            p.wait()
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            p.wait()
+
+    def status(self) -> dict[str, Any]:
+        return dict(client.call(self.url, "/v1/status"))

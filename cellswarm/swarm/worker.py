@@ -1,0 +1,285 @@
+"""A worker: joins a coordinator over outbound HTTP, holds the shard it is given, serves it.
+
+    join (HMAC proof) -> heartbeat every H s -> answer: shard? probe? -> load, listen, serve
+
+One process, one asyncio loop: the heartbeat (urllib, in a thread so a slow coordinator
+never stalls a step) and the stage's TCP server share it. A worker that cannot reach its
+coordinator for `stop_after_s` stops serving — a coordinator that is gone may already have
+given its layers to another node — keeps its logs, and joins again when the coordinator
+answers. Its peak RSS (VmHWM, Python included) goes out with every heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cellswarm.engine.memory import peak_rss_bytes
+from cellswarm.errors import BudgetError, CellswarmError
+from cellswarm.swarm.auth import load_token, prove
+from cellswarm.swarm.stage import Stage, StageConfig, load_stage_model, shard_need_bytes
+
+log = logging.getLogger("cellswarm.worker")
+
+HTTP_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    join: str  # the coordinator's URL
+    memory_bytes: int
+    node_id: str = ""
+    profile: str | None = None
+    token_file: str | None = None
+    model: str | None = None  # a local copy of the model, instead of the coordinator's path
+    listen_host: str = "127.0.0.1"
+    threads: int | None = None
+    log_dir: str | None = None
+    stop_after_s: float = 5.0  # stop serving after this long without the coordinator
+    fail_forward: bool = False  # fault injection for tests: every forward pass fails
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            object.__setattr__(self, "node_id", f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure_capabilities(config: WorkerConfig) -> dict[str, Any]:
+    """What the coordinator places by: the budget, and a quick measure of this host's memory
+    bandwidth and compute (8 MiB, so the measurement itself stays far inside the budget)."""
+    a = np.ones(2 << 20, np.float32)
+    t0 = time.perf_counter()
+    for _ in range(8):
+        a.sum()
+    bandwidth = 8 * a.nbytes / (time.perf_counter() - t0)
+    m = np.ones((256, 256), np.float32)
+    t0 = time.perf_counter()
+    for _ in range(8):
+        m @ m
+    flops = 8 * 2 * 256**3 / (time.perf_counter() - t0)
+    caps: dict[str, Any] = {
+        "memory_bytes": config.memory_bytes, "profile": config.profile,
+        "bandwidth_bytes_per_s": int(bandwidth), "flops": int(flops),
+    }  # fmt: skip
+    if config.profile:
+        from cellswarm.planner.profiles import get_profile
+
+        caps["link_bytes_per_s"] = int(get_profile(config.profile).link_bytes_per_s)
+    return caps
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.token = load_token(config.token_file) if config.token_file else None
+        self.url = config.join.rstrip("/")
+        self.session: str | None = None
+        self.heartbeat_s = 0.5
+        self.stage: Stage | None = None
+        self.server: asyncio.Server | None = None
+        self.shard_key: tuple[Any, ...] | None = None
+        self.data_port: int | None = None
+        self.refused = ""
+        self.probe: tuple[bool, str] | None = None
+        self.caps: dict[str, Any] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # -- talking to the coordinator --------------------------------------------------------
+
+    def _post(self, path: str, data: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(
+            self.url + path, json.dumps(data).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
+            out: dict[str, Any] = json.loads(r.read())
+            return out
+
+    def _join(self) -> None:
+        nonce = self._post("/v1/challenge", {})["nonce"]
+        proof = prove(self.token, nonce, self.config.node_id) if self.token else ""
+        answer = self._post("/v1/join", {"node_id": self.config.node_id, "nonce": nonce,
+                                         "proof": proof, "capabilities": self.caps})  # fmt: skip
+        self.session = str(answer["session"])
+        self.heartbeat_s = float(answer.get("heartbeat_s", self.heartbeat_s))
+        print(f"JOINED {self.config.node_id}", flush=True)
+
+    def _beat(self) -> dict[str, Any]:
+        beat: dict[str, Any] = {
+            "node_id": self.config.node_id, "session": self.session, "rss_bytes": rss_bytes(),
+            "peak_rss_bytes": peak_rss_bytes(), "data_port": self.data_port,
+            "ready_layers": list(self.stage.config.layers) if self.stage else None,
+            "refused": self.refused or None,
+            "stats": self.stage.stats() if self.stage else None,
+        }  # fmt: skip
+        if self.probe is not None:
+            beat["probe_ok"], beat["probe_error"] = self.probe
+            self.probe = None
+        return self._post("/v1/heartbeat", beat)
+
+    def report_fault(self, kind: str, detail: str) -> None:
+        """Called by the stage on a failed step; told to the coordinator at once."""
+        data = {"node_id": self.config.node_id, "session": self.session, "kind": kind,
+                "detail": detail}  # fmt: skip
+        if self.loop is not None:
+            self.loop.run_in_executor(None, self._post_quietly, "/v1/fault", data)
+
+    def _post_quietly(self, path: str, data: dict[str, Any]) -> None:
+        try:
+            self._post(path, data)
+        except (OSError, ValueError) as exc:
+            log.warning("could not tell the coordinator %s: %s", path, exc)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.caps = measure_capabilities(self.config)
+        last_ok = time.monotonic()
+        while True:
+            try:
+                if self.session is None:
+                    await asyncio.to_thread(self._join)
+                answer = await asyncio.to_thread(self._beat)
+            except urllib.error.HTTPError as exc:
+                if exc.code == 401:  # unknown session (a wiped coordinator) or a bad proof
+                    self.session = None
+                    log.warning("coordinator refused us: %s", exc.read().decode()[:200])
+            except (OSError, ValueError) as exc:
+                quiet_s = time.monotonic() - last_ok
+                if quiet_s > self.config.stop_after_s and self.session is not None:
+                    await self.stop_serving(f"no coordinator for {quiet_s:.1f} s ({exc})")
+                    self.session = None  # join again when it is back
+            else:
+                last_ok = time.monotonic()
+                await self.apply(answer)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def apply(self, answer: dict[str, Any]) -> None:
+        shard = answer.get("shard")
+        if answer.get("probe"):
+            self.probe = await asyncio.to_thread(self.run_probe)
+        if shard is None:
+            if self.stage is not None:
+                await self.stop_serving("the coordinator gave this node no shard")
+            self.refused = ""
+            return
+        key = (tuple(shard["layers"]), shard["first"], shard["last"], shard["model"],
+               shard["context"], shard["max_sequences"])  # fmt: skip
+        if key == self.shard_key:
+            return
+        await self.stop_serving("a new shard")
+        self.shard_key = key
+        try:
+            await self.start_serving(shard)
+        except CellswarmError as exc:
+            self.refused = str(exc)
+            print(f"REFUSED {exc}", flush=True)
+            return
+        await asyncio.to_thread(self._beat)  # tell the coordinator at once: it wires the ring
+
+    async def start_serving(self, shard: dict[str, Any]) -> None:
+        c = self.config
+        config = StageConfig(
+            model=c.model or str(shard["model"]), layers=(int(shard["layers"][0]),
+            int(shard["layers"][1])), first=bool(shard["first"]), last=bool(shard["last"]),
+            threads=c.threads, memory_bytes=c.memory_bytes, context=int(shard["context"]),
+            max_sequences=int(shard["max_sequences"]), log_dir=c.log_dir, node_id=c.node_id,
+            profile=c.profile, token_file=c.token_file, peers=("coordinator",),
+        )  # fmt: skip
+        if not Path(config.model).is_file():
+            raise CellswarmError(
+                f"cannot read the model at {config.model}: give this worker --model PATH"
+            )
+        config = size_kv(config)
+        model = load_stage_model(config)
+        self.stage = Stage(config, model)
+        self.stage.on_fault = self.report_fault
+        self.stage.fail_forward = c.fail_forward
+        self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
+        self.server = await asyncio.start_server(self.stage.serve, c.listen_host, 0)
+        self.data_port = self.server.sockets[0].getsockname()[1]
+        self.refused = ""
+        log.info("serving layers %s on port %s", config.layers, self.data_port)
+        print(f"SERVING {config.layers[0]}..{config.layers[1] - 1} {self.data_port}", flush=True)
+
+    async def stop_serving(self, why: str) -> None:
+        if self.stage is not None:
+            self.stage.log.event("stop", None, why=why)
+            print(f"STOPPED {why}", flush=True)
+        if self.server is not None:
+            self.server.close()
+        if self.stage is not None:
+            self.stage.close_connections()
+        self.stage = self.server = None
+        self.shard_key = self.data_port = None
+
+    def run_probe(self) -> tuple[bool, str]:
+        """A health check an offline node must pass to get a shard again: one forward step
+        of its shard (or a small matmul without one), checked to be finite."""
+        try:
+            if self.config.fail_forward:
+                raise RuntimeError("injected fault: this node's forward pass always fails")
+            if self.stage is not None:
+                model = self.stage.model
+                cache = model.new_cache(1)
+                d = model.arch.config.d_model if hasattr(model.arch, "config") else 0
+                x = np.full((1, d), 0.01, np.float32)
+                out = model.forward(x, cache)
+            else:
+                m = np.eye(64, dtype=np.float32)
+                out = m @ m
+            if not np.isfinite(out).all():
+                raise RuntimeError("non-finite output")
+            return True, ""
+        except Exception as exc:  # whatever breaks, the probe says so
+            return False, f"{type(exc).__name__}: {exc}"
+
+
+def size_kv(config: StageConfig) -> StageConfig:
+    """How many sequences' KV cache fit in what the budget leaves after weights, scratch and
+    runtime: at most what the coordinator asked for, at least one, or BudgetError."""
+    from dataclasses import replace
+
+    from cellswarm.engine.model import Model
+    from cellswarm.io.weights import Selection
+    from cellswarm.loader import load
+
+    lo, hi = config.layers
+    sel = Selection(layers=(lo, hi), embed=config.first, head=config.last)
+    probe: Model = load(config.model, selection=sel, tokenizer=False)  # a memory map: cheap
+    need = shard_need_bytes(probe, replace(config, max_sequences=0))
+    per_seq = probe.kv_bytes_per_token() * config.context
+    left = int(config.memory_bytes or 0) - sum(need.values())
+    fits = left // per_seq if per_seq else config.max_sequences
+    if fits < 1:
+        parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
+        total = sum(need.values()) + per_seq
+        raise BudgetError(
+            f"layers {lo}..{hi - 1} need {total:,} bytes ({parts}, KV for one "
+            f"{config.context}-token sequence {per_seq:,}) but --memory is "
+            f"{config.memory_bytes:,}: {total - int(config.memory_bytes or 0):,} bytes short; "
+            "add workers so each holds fewer layers, or give this one more memory"
+        )
+    return replace(config, max_sequences=int(min(fits, config.max_sequences)))
+
+
+def main(config: WorkerConfig) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(Worker(config).run())
