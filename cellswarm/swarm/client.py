@@ -39,12 +39,13 @@ def wait(
     url: str, request_id: str, on_tokens: Callable[[list[int]], None] | None = None,
     timeout_s: float = 600.0, patience_s: float = 60.0,
 ) -> dict[str, Any]:  # fmt: skip
-    """Long-poll until the request ends; `on_tokens` gets each new batch of tokens. Rides out
-    a coordinator restart (up to `patience_s` without an answer)."""
-    seen, deadline, last_ok = 0, time.monotonic() + timeout_s, time.monotonic()
+    """Long-poll until the request ends; its final state with all its tokens. `on_tokens` gets
+    each new batch as it comes. Rides out a coordinator restart (`patience_s` without one)."""
+    tokens: list[int] = []
+    deadline, last_ok = time.monotonic() + timeout_s, time.monotonic()
     while time.monotonic() < deadline:
         try:
-            r = call(url, f"/v1/requests/{request_id}?after={seen}&wait_s=10")
+            r = call(url, f"/v1/requests/{request_id}?after={len(tokens)}&wait_s=10")
         except SwarmError:
             if time.monotonic() - last_ok > patience_s:
                 raise
@@ -53,9 +54,9 @@ def wait(
         last_ok = time.monotonic()
         if r["tokens"] and on_tokens is not None:
             on_tokens(list(r["tokens"]))
-        seen += len(r["tokens"])
+        tokens += r["tokens"]
         if r["state"] in ("done", "failed"):
-            return dict(r)
+            return {**r, "tokens": tokens}
     raise SwarmError(f"request {request_id} did not finish within {timeout_s:.0f} s")
 
 

@@ -125,6 +125,8 @@ def print_status(status: dict[str, Any]) -> None:
         t.add_row(n["node_id"], n["state"], layers, mem, f"{n['last_seen_s_ago']:.1f} s ago",
                   str(n["served"]), str(n["failures"]), n["message"][:60])  # fmt: skip
     Console().print(t)
+    if status.get("problem"):
+        print(f"cannot place the model: {status['problem']}")
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -18,13 +18,14 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cellswarm.errors import ProtocolError, RequestError
+from cellswarm.errors import BudgetError, ProtocolError, RequestError
 from cellswarm.swarm.auth import load_token, new_nonce, verify
 from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
 from cellswarm.swarm.logs import JsonLog
@@ -82,6 +83,7 @@ class Coordinator:
         self.last_probe: dict[str, float] = {}
         self.log = JsonLog(config.log_dir, "coordinator")
         self._tokenizer: Any = None
+        self.problem = ""  # why nothing is placed, when nothing can be
         now = time.time()
         for n in self.store.nodes():  # a restart is not the nodes' fault: give them a grace
             self.store.update_node(n.node_id, last_seen_s=now)
@@ -135,6 +137,9 @@ class Coordinator:
             "data_port": beat.get("data_port"),
             "ready_layers": beat.get("ready_layers"),
         }
+        if beat.get("max_sequences"):  # what its KV cache was sized for
+            changes["capabilities"] = {**node.capabilities,
+                                       "max_sequences": int(beat["max_sequences"])}  # fmt: skip
         if node.state == "lost":  # it is back; whatever it held went to someone else
             changes.update(state="spare", shard=None, message="")
         if beat.get("refused") and node.state == "assigned":
@@ -164,9 +169,13 @@ class Coordinator:
         self.last_probe[node.node_id] = now
         return True
 
-    def fault(self, node: Node, kind: str, detail: str) -> None:
-        """A stage failed a step ("forward"), or found the next stage gone ("next")."""
-        self.log.event("fault", None, node=node.node_id, kind=kind, detail=detail)
+    def fault(self, node: Node, kind: str, detail: str, epoch: int | None = None) -> None:
+        """A stage failed a step ("forward"), or found the next stage gone ("next"). Only
+        a fault in the current epoch counts: the steps in flight when the first one struck
+        fail too, and are one failure, not several."""
+        self.log.event("fault", None, node=node.node_id, kind=kind, detail=detail, epoch=epoch)
+        if epoch is not None and epoch != self.epoch:
+            return
         if kind == "next":
             return self._suspect_next(node)
         failures = node.consecutive_failures + 1
@@ -215,7 +224,9 @@ class Coordinator:
         nodes = self.store.nodes()
         layout, target = repair(nodes, self.layout, self._split, self.config.stages)
         if not target:
+            self.problem = self._why_unplaced(nodes)
             return
+        self.problem = ""
         current = {n.node_id: n.shard for n in nodes}
         if layout == self.layout and all(current.get(k) == v for k, v in target.items()):
             return
@@ -228,6 +239,16 @@ class Coordinator:
         placed = {k: v["layers"] for k, v in target.items() if v is not None}
         self.log.event("placed", None, layout=placed)
         self.unwire("new placement")
+
+    def _why_unplaced(self, nodes: list[Node]) -> str:
+        live = [n for n in nodes if n.state in ("spare", "assigned")]
+        if not live:
+            return "no live workers"
+        try:
+            self._split(len(live), min(n.memory_bytes for n in live))
+        except BudgetError as exc:
+            return str(exc)
+        return ""
 
     def _split(self, stages: int, memory_bytes: int) -> list[tuple[int, int]]:
         from cellswarm.swarm.local import budget_split
@@ -313,19 +334,26 @@ class Coordinator:
             await asyncio.sleep(0.02)
 
     async def _round(self, epoch: int) -> None:
-        head = ring(self.store.nodes())[0]
+        """One wiring's worth of work: keep up to the ring's capacity of requests in flight
+        (the fewest sequences any stage has KV cache for), the rest queued, until a break."""
+        stages = ring(self.store.nodes())
+        head = stages[0]
         assert head.data_port is not None
+        capacity = min(int(n.capabilities.get("max_sequences") or self.config.max_sequences)
+                       for n in stages)  # fmt: skip
         reader, writer = await connect(head.host, head.data_port, self.token, PEER_ID)
         try:
-            sent: set[str] = set()
-            for req in self.store.open_requests():
-                await self._send(writer, req, sent)
+            pending: deque[str] = deque(r.request_id for r in self.store.open_requests())
+            inflight: set[str] = set()
             last = time.monotonic()
             while self.epoch == epoch:
                 while not self.incoming.empty():
-                    req_ = self.store.request(self.incoming.get_nowait())
-                    if req_ is not None and not req_.terminal:
-                        await self._send(writer, req_, sent)
+                    pending.append(self.incoming.get_nowait())
+                while pending and len(inflight) < capacity:
+                    req = self.store.request(pending.popleft())
+                    fresh = req is not None and not req.terminal and req.request_id not in inflight
+                    if fresh and req is not None and await self._send(writer, req):
+                        inflight.add(req.request_id)
                 try:
                     frame = await asyncio.wait_for(read_frame(reader), 0.05)
                 except TimeoutError:
@@ -334,28 +362,30 @@ class Coordinator:
                     if frame is None:
                         raise ConnectionError("stage 0 closed the connection")
                     self._on_frame(frame)
+                    if frame.type in ("done", "error"):
+                        inflight.discard(str(frame.fields.get("req", "")))
                 if time.monotonic() - last > CHECKPOINT_EVERY_S:
                     self._checkpoint()
                     last = time.monotonic()
         finally:
             writer.close()
 
-    async def _send(self, writer: asyncio.StreamWriter, req: Request, sent: set[str]) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, req: Request) -> bool:
+        """Send one attempt of a request (with the tokens it already has, to replay); False
+        if its attempts are spent and it went to its terminal state instead."""
         rid = req.request_id
-        if rid in sent:
-            return
-        sent.add(rid)
         attempts = self.store.start_attempt(rid)
         tokens = self.progress.setdefault(rid, list(req.tokens))
         if attempts > MAX_ATTEMPTS:
             self._finish(rid, "failed", f"failed {MAX_ATTEMPTS} times (the last after "
                          f"{len(tokens)} tokens); giving up")  # fmt: skip
-            return
+            return False
         p = req.payload
         fields = {"req": rid, "max_tokens": p["max_tokens"], "sampling": p.get("sampling", {}),
                   "stop_ids": p.get("stop_ids", []), "replay": tokens}  # fmt: skip
         self.log.event("send", rid, attempt=attempts, replay=len(tokens), epoch=self.epoch)
         await write_frame(writer, Frame("generate", fields, np.asarray(p["prompt"], np.int64)))
+        return True
 
     def _on_frame(self, frame: Frame) -> None:
         rid = str(frame.fields.get("req", ""))
@@ -402,6 +432,7 @@ class Coordinator:
             for n in self.store.nodes()
         ]  # fmt: skip
         return {"epoch": self.epoch, "wired": self.wired_epoch == self.epoch,
+                "problem": self.problem,
                 "model": Path(self.config.model).name, "nodes": nodes}  # fmt: skip
 
     @property

@@ -61,7 +61,7 @@ def repair(
         filled = _fill_holes(live, layout)
         if filled is not None:
             return list(layout), filled
-    return place(live, split, stages)
+    return place(live, split, stages, shrink=bool(layout))
 
 
 def _fill_holes(
@@ -86,17 +86,21 @@ def _fill_holes(
 
 
 def place(
-    live: Sequence[Node], split: Splitter, stages: int | None
+    live: Sequence[Node], split: Splitter, stages: int | None, shrink: bool = False
 ) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
-    """A fresh layout over the live nodes: the fewest stages that fit (or `stages`), the
-    earliest joined nodes first, the rest spares. ([], {}) when they cannot hold the model."""
+    """A fresh layout over the live nodes: `stages` stages (or the fewest that fit), the
+    earliest joined nodes first, the rest spares. ([], {}) when they cannot hold the model.
+    A first placement waits for the stages asked for; a repair (`shrink`) takes fewer
+    rather than stall: the fewest that fit what is left."""
     if not live:
         return [], {}
     order = sorted(live, key=lambda n: (n.joined_s, n.node_id))
-    counts = [stages] if stages else list(range(1, len(order) + 1))
+    counts = ([stages] if stages else []) + (
+        list(range(1, len(order) + 1)) if shrink or not stages else []
+    )
     for count in counts:
         if count > len(order):
-            return [], {}
+            continue
         chosen = order[:count]
         try:
             split_ = split(count, min(n.memory_bytes for n in chosen))

@@ -78,7 +78,9 @@ def build_app(coord: Coordinator) -> FastAPI:
     @app.post("/v1/fault")
     async def fault(request: Request) -> dict[str, Any]:
         d = await body(request)
-        coord.fault(node_of(d), str(d.get("kind", "forward")), str(d.get("detail", "")))
+        epoch = d.get("epoch")
+        coord.fault(node_of(d), str(d.get("kind", "forward")), str(d.get("detail", "")),
+                    None if epoch is None else int(epoch))  # fmt: skip
         return {"ok": True}
 
     @app.get("/v1/status")

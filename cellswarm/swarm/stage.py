@@ -256,11 +256,20 @@ class Stage:
             and self.steps >= self.config.crash_after_steps
         ):
             os._exit(1)  # no cleanup, no goodbye: what a power cut looks like to the others
-        if self.fail_forward:
-            raise RuntimeError("injected fault: this node's forward pass always fails")
         t0 = time.perf_counter()
         decode = h.shape[0] == 1
-        h = self.model.forward(np.ascontiguousarray(h, dtype=np.float32), cache)
+        try:
+            if self.fail_forward:
+                raise RuntimeError("injected fault: this node's forward pass always fails")
+            h = self.model.forward(np.ascontiguousarray(h, dtype=np.float32), cache)
+        except Exception as exc:
+            if self.on_fault is None:
+                raise
+            # Keep the connections: the coordinator resets the ring and replays; dropping
+            # them would make the neighbours report this node as gone rather than faulty.
+            log.exception("stage %s: step failed", self.config.layers)
+            self.on_fault("forward", f"{type(exc).__name__}: {exc}")
+            return
         self.steps += 1
         if self.emulation is not None:
             await self.emulation.pad(t0, h.shape[0])

@@ -126,6 +126,7 @@ class Worker:
             "peak_rss_bytes": peak_rss_bytes(), "data_port": self.data_port,
             "ready_layers": list(self.stage.config.layers) if self.stage else None,
             "refused": self.refused or None,
+            "max_sequences": self.stage.config.max_sequences if self.stage else None,
             "stats": self.stage.stats() if self.stage else None,
         }  # fmt: skip
         if self.probe is not None:
@@ -136,7 +137,7 @@ class Worker:
     def report_fault(self, kind: str, detail: str) -> None:
         """Called by the stage on a failed step; told to the coordinator at once."""
         data = {"node_id": self.config.node_id, "session": self.session, "kind": kind,
-                "detail": detail}  # fmt: skip
+                "detail": detail, "epoch": self.stage.epoch if self.stage else None}  # fmt: skip
         if self.loop is not None:
             self.loop.run_in_executor(None, self._post_quietly, "/v1/fault", data)
 

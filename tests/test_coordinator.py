@@ -1,0 +1,226 @@
+"""A coordinator and worker processes over real HTTP and TCP, killed and stopped for real.
+
+Every test compares the swarm's greedy tokens with the single-process engine's, and ends by
+checking that every worker's peak RSS stayed within its budget.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cellswarm
+from cellswarm.engine.model import GenerateOptions
+from cellswarm.errors import RequestError
+from cellswarm.swarm import client
+from cellswarm.swarm.auth import prove
+from cellswarm.swarm.up import LocalSwarm
+from cellswarm.units import parse_bytes
+
+TEXTS = [
+    "The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,",
+    "The best way to learn", "In 1969, astronauts", "Water boils at", "My favourite",
+]  # fmt: skip
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(demo_path: Path) -> dict[tuple[int, ...], list[int]]:
+    model = cellswarm.load(demo_path)
+    opts = GenerateOptions(MAX_TOKENS, stop_ids=frozenset())
+    prompts = [tuple(model.tokenizer.encode(t)) for t in TEXTS]
+    return {p: model.generate(list(p), opts).token_ids for p in prompts}
+
+
+def submit_all(swarm: LocalSwarm, prompts: list[tuple[int, ...]], copies: int = 1) -> list[str]:
+    return [
+        client.submit(swarm.url, {"prompt": list(p), "max_tokens": MAX_TOKENS,
+                                  "request_id": f"r{k}-{i}"})
+        for k in range(copies)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def check_results(
+    swarm: LocalSwarm, ids: list[str], reference: dict[tuple[int, ...], list[int]]
+) -> list[dict[str, Any]]:
+    expected = list(reference.values())
+    results = [client.wait(swarm.url, rid, timeout_s=180) for rid in ids]
+    for rid, r in zip(ids, results, strict=True):
+        i = int(rid.split("-")[1])
+        assert r["state"] == "done", r
+        assert r["tokens"] == expected[i], rid
+        assert 1 <= r["attempts"] <= 3
+    return results
+
+
+def check_budgets(swarm: LocalSwarm) -> None:
+    for n in swarm.status()["nodes"]:
+        if n["peak_rss_bytes"]:
+            assert n["peak_rss_bytes"] <= n["memory_bytes"], n
+
+
+def wait_for(predicate: Any, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
+
+
+def tokens_so_far(swarm: LocalSwarm, ids: list[str]) -> int:
+    return sum(client.call(swarm.url, f"/v1/requests/{rid}")["n_tokens"] for rid in ids)
+
+
+def node(swarm: LocalSwarm, node_id: str) -> dict[str, Any]:
+    return next(n for n in swarm.status()["nodes"] if n["node_id"] == node_id)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_swarm_output_equals_the_single_process_engine(
+    demo_path: Path, tmp_path: Path, reference: dict[tuple[int, ...], list[int]], workers: int
+) -> None:
+    memory = "400M" if workers == 1 else "120M"  # 120M: the model must be split over three
+    with LocalSwarm(str(demo_path), workers, memory, tmp_path) as swarm:
+        status = swarm.wait_ready()
+        assert sum(n["state"] == "assigned" for n in status["nodes"]) == workers
+        ids = submit_all(swarm, list(reference))
+        check_results(swarm, ids, reference)
+        check_budgets(swarm)
+        assert all(n["served"] == len(ids) for n in swarm.status()["nodes"])
+        text = client.wait(swarm.url, client.submit(swarm.url, {"prompt": TEXTS[0],
+                                                                "max_tokens": 3}))  # fmt: skip
+        assert "Paris" in text["text"]
+
+
+@pytest.mark.parametrize("spare", [True, False], ids=["spare", "re-placed"])
+def test_a_worker_killed_mid_decode_of_20_requests_costs_a_replay(
+    demo_path: Path, tmp_path: Path, reference: dict[tuple[int, ...], list[int]], spare: bool
+) -> None:
+    prompts = list(reference)
+    # 32 tokens of context x 20 sequences: two workers can still hold the model after a kill
+    with LocalSwarm(str(demo_path), 4 if spare else 3, "160M", tmp_path, stages=3,
+                    context=32, max_sequences=20) as swarm:  # fmt: skip
+        swarm.wait_ready()
+        ids = submit_all(swarm, prompts, copies=3)[:20]
+        wait_for(lambda: tokens_so_far(swarm, ids) >= 30)
+        swarm.kill("worker-1")  # the middle stage: noticed from the broken link
+        check_results(swarm, ids, reference)
+        status = swarm.status()
+        assert node(swarm, "worker-1")["state"] == "lost"
+        assert sum(n["state"] == "assigned" for n in status["nodes"]) == (3 if spare else 2)
+        if spare:
+            assert node(swarm, "worker-3")["state"] == "assigned"
+        check_budgets(swarm)
+
+
+def test_a_worker_that_always_fails_goes_offline_and_its_spare_finishes(
+    demo_path: Path, tmp_path: Path, reference: dict[tuple[int, ...], list[int]]
+) -> None:
+    with LocalSwarm(str(demo_path), 4, "160M", tmp_path, stages=3, fail_forward=[1],
+                    offline_after=2) as swarm:  # fmt: skip
+        swarm.wait_ready()
+        ids = submit_all(swarm, list(reference)[:4])
+        check_results(swarm, ids, reference)
+        bad = node(swarm, "worker-1")
+        assert bad["state"] == "offline" and bad["failures"] == 2
+        assert bad["layers"] is None and node(swarm, "worker-3")["state"] == "assigned"
+        wait_for(lambda: "failed its probe" in node(swarm, "worker-1")["message"], 20)
+        assert node(swarm, "worker-1")["state"] == "offline"  # the probe keeps it out
+
+
+def test_workers_cut_off_from_the_coordinator_stop_and_rejoin(
+    demo_path: Path, tmp_path: Path, reference: dict[tuple[int, ...], list[int]]
+) -> None:
+    with LocalSwarm(str(demo_path), 3, "120M", tmp_path, stop_after_s=2.0) as swarm:
+        swarm.wait_ready()
+        swarm.kill("coordinator", signal.SIGSTOP)
+        wait_for(lambda: all(any(x.startswith("STOPPED") for x in swarm.output[f"worker-{i}"])
+                             for i in range(3)), 20)  # fmt: skip
+        swarm.kill("coordinator", signal.SIGCONT)
+        wait_for(lambda: sum(x.startswith("JOINED") for x in swarm.output["worker-0"]) == 2, 20)
+        swarm.wait_ready()
+        ids = submit_all(swarm, list(reference)[:4])
+        check_results(swarm, ids, reference)
+        # a worker that stopped keeps its logs: the earlier events are still there
+        events = [json.loads(line)["event"] for f in swarm.log_dir.glob("worker-*.jsonl")
+                  for line in f.read_text().splitlines()]  # fmt: skip
+        assert events.count("stop") >= 3 and "step" in events
+
+
+def test_a_coordinator_killed_and_restarted_keeps_its_nodes_and_finishes(
+    demo_path: Path, tmp_path: Path, reference: dict[tuple[int, ...], list[int]]
+) -> None:
+    with LocalSwarm(str(demo_path), 3, "120M", tmp_path, stop_after_s=8.0) as swarm:
+        swarm.wait_ready()
+        ids = submit_all(swarm, list(reference))
+        wait_for(lambda: tokens_so_far(swarm, ids) >= 10)
+        swarm.kill("coordinator")
+        swarm.start_coordinator()  # same database, same port
+        assert {n["node_id"] for n in swarm.status()["nodes"]} == {"worker-0", "worker-1",
+                                                                   "worker-2"}  # fmt: skip
+        check_results(swarm, ids, reference)
+        assert all(sum(x.startswith("JOINED") for x in swarm.output[f"worker-{i}"]) == 1
+                   for i in range(3))  # fmt: skip
+
+
+def _post(url: str, data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, json.dumps(data).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_joining_needs_a_fresh_proof_of_the_cluster_token(demo_path: Path, tmp_path: Path) -> None:
+    with LocalSwarm(str(demo_path), 0, "120M", tmp_path) as swarm:
+        token = swarm.token_file.read_bytes().strip()
+        caps = {"memory_bytes": parse_bytes("1G")}
+
+        def join(proof_of: Any, nonce: str | None = None) -> tuple[int, dict[str, Any], str]:
+            nonce = nonce or _post(swarm.url + "/v1/challenge", {})[1]["nonce"]
+            body = {"node_id": "intruder", "nonce": nonce, "proof": proof_of(nonce),
+                    "capabilities": caps}  # fmt: skip
+            code, answer = _post(swarm.url + "/v1/join", body)
+            return code, answer, nonce
+
+        assert join(lambda n: "")[0] == 401  # no token
+        assert join(lambda n: prove(b"not-the-cluster-token", n, "intruder"))[0] == 401
+        code, _, used = join(lambda n: prove(token, n, "intruder"))
+        assert code == 200  # the right proof joins ...
+        code, answer, _ = join(lambda n: prove(token, used, "intruder"), nonce=used)
+        assert code == 401 and "nonce" in answer["error"]["message"]  # ... once
+        assert _post(swarm.url + "/v1/heartbeat", {"node_id": "intruder", "session": "guess"})[
+            0
+        ] == 401
+        intruder = node(swarm, "intruder")  # only the one good join is known, and idle
+        assert intruder["layers"] is None
+
+
+def test_bad_requests_get_a_clear_error(demo_path: Path, tmp_path: Path) -> None:
+    with LocalSwarm(str(demo_path), 0, "120M", tmp_path) as swarm:
+        cases = [({"prompt": []}, "prompt"), ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+                 ({"prompt": "hi", "sampling": 3}, "sampling")]  # fmt: skip
+        for bad, says in cases:
+            with pytest.raises(RequestError, match=says):
+                client.submit(swarm.url, bad)
+        with pytest.raises(RequestError, match="no request"):
+            client.call(swarm.url, "/v1/requests/nope")
+
+
+def test_a_budget_too_small_for_any_shard_is_reported(demo_path: Path, tmp_path: Path) -> None:
+    with LocalSwarm(str(demo_path), 2, "48M", tmp_path) as swarm:
+        wait_for(lambda: "short" in swarm.status()["problem"], 30)
+        problem = swarm.status()["problem"]
+        assert "48.0 MiB" in problem or "50,331,648" in problem
+        assert all(n["layers"] is None for n in swarm.status()["nodes"])
