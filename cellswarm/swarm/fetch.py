@@ -23,10 +23,11 @@ import hashlib
 import json
 import os
 import re
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cellswarm.errors import ModelFileError, ProtocolError, RequestError
 from cellswarm.io.gguf_file import Header, IncompleteHeader, TensorInfo, parse_header
@@ -143,23 +144,20 @@ def build_manifest(
 
 
 def _hash_file(path: Path, chunk_bytes: int) -> Manifest:
-    whole, chunks, size = hashlib.sha256(), [], 0
-    buf = bytearray(chunk_bytes)
-    view = memoryview(buf)
-    with path.open("rb", buffering=0) as f:
-        while n := _read_full(f, view):
-            whole.update(view[:n])
-            chunks.append(hashlib.sha256(view[:n]).hexdigest())
-            size += n
+    # The whole-file hash is sequential; each chunk's hash runs beside it on a thread (hashlib
+    # lets go of the GIL), which nearly halves the time of a many-gigabyte file.
+    # At most two chunks wait for their hash, so memory stays two chunks whatever the file.
+    whole, size, chunks = hashlib.sha256(), 0, []
+    pending: deque[Future[str]] = deque()
+    with path.open("rb") as f, ThreadPoolExecutor(1) as pool:
+        while data := f.read(chunk_bytes):
+            if len(pending) == 2:
+                chunks.append(pending.popleft().result())
+            pending.append(pool.submit(lambda d: hashlib.sha256(d).hexdigest(), data))
+            whole.update(data)
+            size += len(data)
+        chunks.extend(p.result() for p in pending)
     return Manifest(whole.hexdigest(), size, chunk_bytes, tuple(chunks))
-
-
-def _read_full(f: Any, view: memoryview) -> int:
-    """Fill `view` from `f` (raw reads may return less); the count read, short only at EOF."""
-    n = 0
-    while n < len(view) and (got := f.readinto(view[n:])):
-        n += got
-    return n
 
 
 def read_chunk(path: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
