@@ -13,14 +13,13 @@ import pytest
 
 import cellswarm
 from cellswarm.engine.model import Model
-from cellswarm.errors import ModelFileError, ProtocolError, RequestError
+from cellswarm.errors import ChunkMismatchError, ModelFileError, ProtocolError, RequestError
 from cellswarm.io.gguf_file import GGUFFile, IncompleteHeader, TensorInfo, parse_header
 from cellswarm.io.gguf_write import write_gguf
 from cellswarm.io.weights import Selection
 from cellswarm.models.llama import LlamaConfig
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
 from cellswarm.swarm.fetch import (
-    ChunkMismatchError,
     Manifest,
     build_manifest,
     chunks_needed,
@@ -316,3 +315,16 @@ def test_only_the_kept_experts_are_fetched(tmp_path: Path) -> None:
 
 def _listed(cache: Path, manifest: Manifest) -> set[int]:
     return set(json.loads((cache / f"{manifest.sha256}.chunks.json").read_text())["chunks"])
+
+
+def test_only_the_kept_vocabulary_rows_are_fetched(
+    model_file: Path, manifest: Manifest, tmp_path: Path
+) -> None:
+    rows = Selection(layers=(0, 0), vocab_rows=(64, 128), head=False)  # a quarter of the rows
+    report = ensure_local(manifest, rows, Source(model_file, manifest), tmp_path)
+    embd_bytes = CONFIG.vocab_size * CONFIG.d_model * 4
+    assert report.selected_bytes < embd_bytes // 4 + 2048  # + the layerless norms
+    _same_weights(
+        cellswarm.load(model_file, selection=rows, tokenizer=False),
+        cellswarm.load(report.path, selection=rows, tokenizer=False),
+    )

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from cellswarm.errors import ModelFileError, ProtocolError, RequestError
+from cellswarm.errors import ChunkMismatchError, ModelFileError, ProtocolError, RequestError
 from cellswarm.io.gguf_file import Header, IncompleteHeader, TensorInfo, parse_header
 from cellswarm.io.weights import Selection, layer_of
 
@@ -38,13 +38,9 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 
 
-class ChunkMismatchError(ProtocolError):
-    """A fetched chunk's bytes do not hash to the manifest's sha256 (or have the wrong length)."""
-
-
 def default_cache_dir() -> Path:
-    """~/.cache/cellswarm (or $XDG_CACHE_HOME/cellswarm): manifests/ and models/ live here."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cellswarm"
+    """~/.cache/cellswarm, or $CELLSWARM_CACHE as for the kernels: manifests/ and models/."""
+    return Path(os.environ.get("CELLSWARM_CACHE") or Path.home() / ".cache" / "cellswarm")
 
 
 # --------------------------------------------------------------------------------- manifest
