@@ -10,6 +10,7 @@
     ├── BudgetError           something does not fit in a byte budget (says by how much)
     ├── RequestError          a caller asked for something invalid (bad option, bad value)
     ├── ProtocolError         a peer sent a malformed, oversized or corrupt frame
+    │   └── ChunkMismatchError    a fetched chunk of a model file does not match its manifest
     └── SwarmError            the swarm cannot finish: retries spent, a stage offline
 
 Every message names the offending value and, where there is one, the fix.
@@ -54,6 +55,10 @@ class RequestError(CellswarmError):
 
 class ProtocolError(CellswarmError):
     """A peer sent something that is not a valid frame; the connection is dropped."""
+
+
+class ChunkMismatchError(ProtocolError):
+    """A fetched chunk of a model file has another length or sha256 than its manifest says."""
 
 
 class SwarmError(CellswarmError):

@@ -99,30 +99,62 @@ class TensorInfo(NamedTuple):
     offset: int  # from the start of the file
 
 
+class Header(NamedTuple):
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+    size_bytes: int  # metadata and tensor entries, up to (not including) the alignment padding
+
+
+class IncompleteHeader(Exception):  # control flow between cellswarm modules, never shown
+    """The bytes given end inside the header (the file itself may be whole): read at least
+    `end_bytes` bytes of it and parse again. Raised only by `parse_header` on a prefix."""
+
+    def __init__(self, end_bytes: int) -> None:
+        super().__init__(f"the header runs to at least byte {end_bytes}")
+        self.end_bytes = end_bytes
+
+
+def parse_header(prefix: bytes, file_size: int, source: str | Path) -> Header:
+    """The header of a GGUF file of `file_size` bytes from its first bytes, `prefix` (a worker
+    fetching a file chunk by chunk has only these; the rest may still be holes). Damage is
+    judged against `file_size`, so messages match `GGUFFile`'s; raises IncompleteHeader when
+    the header runs past the end of `prefix` but not past the end of the file."""
+    _check_magic(prefix[:4], file_size, source)
+    return _walk(source, prefix, file_size)
+
+
 def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     if not path.is_file():
         raise ModelFileError(f"model file {path} does not exist; pass the path of a .gguf file")
     size = path.stat().st_size
     with path.open("rb") as f:
-        magic = f.read(4)
+        _check_magic(f.read(4), size, path)
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        header = _walk(path, buf, size)
+    return header.metadata, header.tensors
+
+
+def _check_magic(magic: bytes, size: int, source: str | Path) -> None:
     if magic != b"GGUF" and b"GGUF".startswith(magic):
         raise ModelFileError(
-            f"{path} is truncated: it has {size} bytes, too few to hold a GGUF header; "
+            f"{source} is truncated: it has {size} bytes, too few to hold a GGUF header; "
             "re-download or re-convert the file"
         )
     if magic != b"GGUF":
         raise ModelFileError(
-            f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
+            f"{source} is not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
             "convert it with llama.cpp's convert_hf_to_gguf.py or pass a Hugging Face folder"
         )
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        try:
-            return _HeaderWalk(path, buf, size).run()
-        except (UnicodeDecodeError, ValueError, struct.error) as exc:
-            raise ModelFileError(
-                f"{path} is corrupt ({size} bytes; reading its header failed: {exc}); "
-                "re-download or re-convert the file"
-            ) from exc
+
+
+def _walk(source: str | Path, buf: mmap.mmap | bytes, size: int) -> Header:
+    try:
+        return _HeaderWalk(source, buf, size).run()
+    except (UnicodeDecodeError, ValueError, struct.error) as exc:
+        raise ModelFileError(
+            f"{source} is corrupt ({size} bytes; reading its header failed: {exc}); "
+            "re-download or re-convert the file"
+        ) from exc
 
 
 # ------------------------------------------------------------------ header damage, in words
@@ -162,12 +194,13 @@ class _HeaderWalk:
     """Reads a GGUF header with bounds checks: metadata and tensor entries, and where a file is
     damaged, which metadata key or tensor entry runs past the end or holds a garbage value."""
 
-    def __init__(self, path: Path, buf: mmap.mmap, size: int) -> None:
+    def __init__(self, path: str | Path, buf: mmap.mmap | bytes, size: int) -> None:
+        # size: the whole file's; buf may hold fewer bytes (a prefix of the file).
         self.path, self.buf, self.size = path, buf, size
         self.pos = 4  # after the magic
         self.order = "<"
 
-    def run(self) -> tuple[dict[str, Any], list[TensorInfo]]:
+    def run(self) -> Header:
         (version,) = self.read("I", "the header")
         if version & 0xFFFF == 0:  # written on a big-endian machine, as gguf's reader assumes
             self.order = ">"
@@ -217,6 +250,7 @@ class _HeaderWalk:
             block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
             extents.append((name, offset, math.prod(dims) * type_size // block))
             infos.append((name, ttype, tuple(int(d) for d in reversed(dims))))
+        header_bytes = self.pos
         data_start = -(-self.pos // align) * align
         for name, offset, n_bytes in extents:
             end = data_start + offset + n_bytes
@@ -229,7 +263,7 @@ class _HeaderWalk:
             TensorInfo(name, ttype, shape, n_bytes, data_start + offset)
             for (name, ttype, shape), (_, offset, n_bytes) in zip(infos, extents, strict=True)
         ]
-        return meta, tensors
+        return Header(meta, tensors, header_bytes)
 
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALAR_SIZES:
@@ -279,6 +313,8 @@ class _HeaderWalk:
                 f"{self.path} is truncated: {what} runs to byte {end} but the file has only "
                 f"{self.size} bytes; re-download or re-convert the file"
             )
+        if end > len(self.buf):
+            raise IncompleteHeader(end)
         self.pos = end
 
     def corrupt(self, what: str, fix: str = "re-download or re-convert the file") -> NoReturn:
