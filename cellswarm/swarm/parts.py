@@ -38,7 +38,7 @@ import numpy.typing as npt
 
 from cellswarm.engine.memory import peak_rss_bytes, weights_by_kind
 from cellswarm.engine.model import Model
-from cellswarm.errors import CellswarmError, ProtocolError
+from cellswarm.errors import CellswarmError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.frames import (
@@ -55,6 +55,7 @@ from cellswarm.swarm.frames import (
 log = logging.getLogger("cellswarm.parts")
 
 MAX_EXACT_ID = 1 << 24  # float32 holds every integer below this exactly
+MAX_EXPERTS = 1 << 12  # routed experts per layer a placement may name (Kimi K2: 384)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,11 @@ class PartSpec:
     host: str = "127.0.0.1"
     experts: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     vocab_rows: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        bad = [e for ids in self.experts.values() for e in ids if not 0 <= e < MAX_EXPERTS]
+        if bad:
+            raise RequestError(f"part {self.node_id}: expert ids {bad[:3]} outside 0..4095")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -266,20 +272,24 @@ class ExpertParts:
 
     def __init__(self, specs: Sequence[PartSpec], token: bytes | None, peer: str) -> None:
         self.clients = [PartClient(s, token, peer) for s in specs if s.experts]
-        # (layer, expert) -> the client holding it; the first holder wins if two hold one
-        self.holder: dict[tuple[int, int], int] = {}
+        # layer -> (expert id -> index of the client holding it, -1: none); the first
+        # holder wins if two hold one
+        self.holder: dict[int, np.ndarray] = {}
         for i, c in enumerate(self.clients):
             for layer, ids in c.spec.experts.items():
+                table = self.holder.setdefault(layer, np.full(MAX_EXPERTS, -1, np.int64))
                 for e in ids:
-                    self.holder.setdefault((layer, e), i)
+                    table[e] = i if table[e] < 0 else table[e]
 
     def held(self, layer: int) -> set[int]:
-        return {e for (at, e) in self.holder if at == layer}
+        """Expert ids of `layer` held by some part server."""
+        table = self.holder.get(layer)
+        return set() if table is None else set(np.nonzero(table >= 0)[0].tolist())
 
     def scatter(self, layer: int, h: np.ndarray, routing: Any) -> Callable[[], np.ndarray]:
         ids, k = routing.expert_ids, routing.expert_ids.shape[1]  # (T, k)
-        owner = np.vectorize(lambda e: self.holder.get((layer, int(e)), -1), otypes=[np.int64])
-        by_slot = owner(ids) if ids.size else np.zeros_like(ids)  # (T, k): client per slot
+        table = self.holder.get(layer)
+        by_slot = table[ids] if table is not None else np.full_like(ids, -1)  # (T, k): client
         sent: list[tuple[int, np.ndarray]] = []
         for i in sorted(set(by_slot.ravel().tolist()) - {-1}):
             rows = np.nonzero((by_slot == i).any(axis=1))[0]  # tokens routed to client i

@@ -28,7 +28,7 @@ from cellswarm.engine.kv_cache import KVCache
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.engine.model import Model
 from cellswarm.engine.sampling import SamplingParams, sample
-from cellswarm.errors import BudgetError, CellswarmError
+from cellswarm.errors import BudgetError, CellswarmError, RequestError
 from cellswarm.io.weights import Selection
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.emulate import Emulation
@@ -119,6 +119,7 @@ class Stage:
         )
         self.experts = ExpertParts(config.parts, self.token, config.node_id)
         if self.experts.clients:
+            check_expert_cover(model, self.experts)
             model.arch.remote_experts = self.experts  # type: ignore[attr-defined]
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
@@ -378,6 +379,24 @@ def stage_selection(config: StageConfig) -> Selection:
                      head=config.last)  # fmt: skip
 
 
+def check_expert_cover(model: Model, remote: ExpertParts) -> None:
+    """Every routed expert of every MoE layer held here or on a part server: one held
+    nowhere would silently add nothing for the tokens routed to it."""
+    c = model.config
+    if not hasattr(model.arch, "remote_experts"):
+        raise RequestError(f"{c.arch} has no routed experts to place on part servers")
+    for layer in model.layers:
+        if not c.is_moe(layer):
+            continue
+        local = model.weights.experts(f"blk.{layer}.ffn_up_exps.weight").held
+        missing = set(range(c.n_experts)) - set(local) - remote.held(layer)
+        if missing:
+            raise RequestError(
+                f"layer {layer}: routed experts {sorted(missing)[:8]} are held by no node; "
+                "give them to this stage or to a part server"
+            )
+
+
 def shard_need_bytes(model: Model, config: StageConfig) -> dict[str, int]:
     """What this stage will hold at most: the engine's own accounting plus the measured
     runtime of an idle worker (the planner's figure)."""
@@ -406,11 +425,10 @@ def check_budget(model: Model, config: StageConfig) -> None:
 
 async def main(config: StageConfig) -> None:
     try:
-        model = load_stage_model(config)
+        stage = Stage(config, load_stage_model(config))
     except CellswarmError as exc:
         print(f"REFUSED {exc}", flush=True)
         return
-    stage = Stage(config, model)
     server = await asyncio.start_server(stage.serve, "127.0.0.1", config.listen_port)
     port = server.sockets[0].getsockname()[1]
     print(f"READY {port}", flush=True)
