@@ -43,6 +43,21 @@ def load(
     return _load_gguf(p, quant, sel, kv_budget_bytes, tokenizer)
 
 
+def read_config(path: str | os.PathLike[str]) -> Any:
+    """The architecture's config alone (n_layers, n_experts, vocab_size, ...), without
+    loading a tensor: what a placement needs before deciding who loads what."""
+    p = Path(path)
+    if p.is_dir():
+        hf_cfg = hf_dir.read_config(p)
+        module = module_of(entry_for_hf(hf_cfg["model_type"]))
+        return _config(p / "config.json", lambda: module.CONFIG.from_hf(hf_cfg))
+    f = GGUFFile(p)
+    module = module_of(entry_for_gguf(f.architecture))
+    has_embd = "token_embd.weight" in f.tensor_names()
+    vocab_rows = f.tensor_shape("token_embd.weight")[0] if has_embd else 0
+    return _config(p, lambda: module.CONFIG.from_gguf(f.metadata, vocab_rows))
+
+
 def _load_gguf(
     path: Path, quant: str | None, sel: Selection, budget: int | None, with_tok: bool
 ) -> Model:

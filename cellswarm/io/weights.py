@@ -37,6 +37,8 @@ class Selection:
     vocab_rows: half-open row range of the embedding and output head, or None for all rows.
     experts: layer -> expert ids kept for that layer's routed experts (layers absent keep all).
     embed / head: whether this shard holds the token embedding / the output head and final norm.
+    kinds: only tensors of these kinds (`tensor_kind`), or None for every kind. A part server
+        holding some routed experts keeps {"experts"}: no attention, norms or router.
     """
 
     layers: tuple[int, int] | None = None
@@ -44,8 +46,11 @@ class Selection:
     experts: Mapping[int, tuple[int, ...]] | None = None
     embed: bool = True
     head: bool = True
+    kinds: frozenset[str] | None = None
 
     def keeps(self, name: str) -> bool:
+        if self.kinds is not None and tensor_kind(name) not in self.kinds:
+            return False
         layer = layer_of(name)
         if layer is not None:
             return self.layers is None or self.layers[0] <= layer < self.layers[1]

@@ -27,9 +27,9 @@ and Kimi K2 (61 layers, kv_lora_rank 512, qk_rope_dim 64) that is 61 * 576 * 4 =
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -459,6 +459,40 @@ def apply_experts(
     return out
 
 
+def held_experts_sum(w: WeightStore, layer: int, x: np.ndarray, routing: Routing) -> np.ndarray:
+    """The routed experts of `layer` that the store `w` holds, summed per token with their
+    routing weights: (T, d) -> (T, d), zero rows for tokens routed to none of them. What an
+    expert node computes for the layer's owner (swarm/parts.py)."""
+    p = f"blk.{layer}."
+    gate = w.experts(p + "ffn_gate_exps.weight")
+    return apply_experts(
+        x, routing, gate, w.experts(p + "ffn_up_exps.weight"),
+        w.experts(p + "ffn_down_exps.weight"),
+    )  # fmt: skip
+
+
+class RemoteExperts(Protocol):
+    """Routed experts a stage does not hold: its MoE layers send the tokens routed to them
+    away before computing their own experts, and add the results after."""
+
+    def scatter(self, layer: int, h: np.ndarray, routing: Routing) -> Callable[[], np.ndarray]:
+        """Send h (T, d)'s rows routed to experts held elsewhere; the returned call waits
+        for the holders and gives the sum of their weighted outputs (T, d)."""
+        ...
+
+
+class InProcessExperts:
+    """RemoteExperts over weight stores in this process: what expert nodes compute, without
+    sockets (unit tests, and the reference the wire protocol must match)."""
+
+    def __init__(self, stores: Sequence[WeightStore]) -> None:
+        self.stores = list(stores)
+
+    def scatter(self, layer: int, h: np.ndarray, routing: Routing) -> Callable[[], np.ndarray]:
+        parts = [held_experts_sum(w, layer, h, routing) for w in self.stores]
+        return lambda: sum(parts, np.zeros_like(h))
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -483,6 +517,8 @@ class Deepseek2:
         for layer in held:
             self._check_kv_up_projection(f"blk.{layer}.")
         self._attn_layers = len(held)
+        # Routed experts this store lacks, held by other nodes (None: the store has them all)
+        self.remote_experts: RemoteExperts | None = None
 
     def _check_kv_up_projection(self, p: str) -> None:
         """At load, not at the first forward: one of the two layouts, in the config's shape."""
@@ -533,24 +569,26 @@ class Deepseek2:
         return x + self.moe(layer, h)
 
     def moe(self, layer: int, h: np.ndarray) -> np.ndarray:
-        """Routed experts held here plus shared experts: (T, d) -> (T, d)."""
+        """Routed experts (held here, and `remote_experts`) plus shared experts: (T, d) ->
+        (T, d). Remote experts are asked first, so they compute while this node does its own.
+        Their sums are added after the local ones: float32 addition in another order than
+        one process's single pass over all experts: ~3e-7 of the largest logit, not bitwise."""
         c, w, p = self.config, self.w, f"blk.{layer}."
         routing = self.routing(layer, h)
-        out = apply_experts(
-            h,
-            routing,
-            w.experts(p + "ffn_gate_exps.weight"),
-            w.experts(p + "ffn_up_exps.weight"),
-            w.experts(p + "ffn_down_exps.weight"),
-        )
+        remote = self.remote_experts
+        gather = remote.scatter(layer, h, routing) if remote is not None else None
+        out = held_experts_sum(w, layer, h, routing)
+        shared = None
         if c.n_shared_experts:
-            out = out + ops.swiglu(
+            shared = ops.swiglu(
                 h,
                 w.matrix(p + "ffn_gate_shexp.weight"),
                 w.matrix(p + "ffn_up_shexp.weight"),
                 w.matrix(p + "ffn_down_shexp.weight"),
             )
-        return out
+        if gather is not None:
+            out = out + gather()
+        return out if shared is None else out + shared
 
     def routing(self, layer: int, h: np.ndarray) -> Routing:
         """The routed experts of a MoE layer for normed hidden states h (T, d)."""

@@ -6,9 +6,10 @@ key/value heads, D for head dims.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from cellswarm import kernels
 from cellswarm.quant import PackedMatrix
@@ -78,21 +79,34 @@ def embed(w: WeightStore, token_ids: np.ndarray) -> np.ndarray:
     return w.matrix("token_embd.weight").take_rows(token_ids)
 
 
+class Rows(Protocol):
+    """What the output head needs of its matrix: a PackedMatrix, or vocabulary rows spread
+    over part servers (swarm/parts.py) that answer the same two calls."""
+
+    def matmul(self, x: npt.ArrayLike) -> np.ndarray: ...
+
+    def take_rows(self, ids: npt.ArrayLike) -> np.ndarray: ...
+
+
 HEAD_REFINE = 32  # candidates whose logits are recomputed in float after a fused head
 
 
-def lm_head(w: WeightStore, x: np.ndarray, d_model: int, eps: float) -> np.ndarray:
+def lm_head(
+    w: WeightStore, x: np.ndarray, d_model: int, eps: float, head: Rows | None = None
+) -> np.ndarray:
     """(T, d) -> (T, vocab rows held): final RMSNorm, then the output head (or the embedding
-    matrix when the model ties them, as llama.cpp does when a file has no output.weight)."""
+    matrix when the model ties them, as llama.cpp does when a file has no output.weight).
+    `head` replaces the held matrix, e.g. with rows held by other nodes."""
     h = rms_norm(x, w.vector("output_norm.weight", d_model), eps)
-    head = w.matrix("output.weight" if "output.weight" in w else "token_embd.weight")
+    if head is None:
+        head = w.matrix("output.weight" if "output.weight" in w else "token_embd.weight")
     logits = head.matmul(h)
     if h.shape[0] <= kernels.MAX_BATCH and kernels.enabled():
         refine_top(logits, head, h)
     return logits
 
 
-def refine_top(logits: np.ndarray, head: PackedMatrix, h: np.ndarray, k: int = HEAD_REFINE) -> None:
+def refine_top(logits: np.ndarray, head: Rows, h: np.ndarray, k: int = HEAD_REFINE) -> None:
     """The fused head quantizes activations to int8 (~1% of a logit of noise), enough to swap
     two near-tied tokens; the k best candidates of each row are recomputed in float32 from
     their dequantized rows, so greedy choices match the float path. In place."""

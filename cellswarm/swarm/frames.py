@@ -163,3 +163,50 @@ async def accept(
         await write_frame(writer, Frame("denied", {"reason": "no valid proof for this swarm"}))
         return None
     return peer
+
+
+# -- blocking sockets: for calls made from inside a (synchronous) forward pass -------------
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ConnectionError(f"peer closed the connection ({len(buf)} of {n} bytes read)")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame_sync(sock: socket.socket, max_payload: int = MAX_PAYLOAD_BYTES) -> Frame:
+    """The next frame from a blocking socket; ConnectionError at end of stream."""
+    prefix = _recv_exactly(sock, PREFIX.size)
+    magic, n_head, n_payload, _ = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise ProtocolError(f"not a cellswarm frame (magic {magic!r})")
+    _check_sizes(n_head, n_payload, max_payload)  # before reading a byte of the body
+    return decode(prefix, _recv_exactly(sock, n_head + n_payload))
+
+
+def write_frame_sync(sock: socket.socket, frame: Frame) -> None:
+    sock.sendall(encode(frame))
+
+
+def connect_sync(
+    host: str, port: int, token: bytes | None = None, peer: str = "client",
+    timeout_s: float = 30.0,
+) -> socket.socket:  # fmt: skip
+    """A blocking frame connection (the same handshake as `connect`). The timeout bounds
+    every later read too, so a hung peer fails a step instead of freezing it."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if token is not None:
+        from cellswarm.swarm.auth import prove
+
+        challenge = read_frame_sync(sock)
+        if challenge.type != "challenge":
+            sock.close()
+            raise ProtocolError(f"{host}:{port} sent no challenge; is it part of this swarm?")
+        proof = prove(token, str(challenge.fields["nonce"]), peer)
+        write_frame_sync(sock, Frame("proof", {"peer": peer, "mac": proof}))
+    return sock

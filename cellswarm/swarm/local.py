@@ -23,6 +23,7 @@ from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import BudgetError, RequestError, SwarmError
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
+from cellswarm.swarm.parts import PartConfig, PartSpec
 from cellswarm.swarm.stage import StageConfig
 
 
@@ -75,6 +76,34 @@ def budget_split(
     return split
 
 
+def part_specs(
+    model: str, expert_nodes: int, vocab_nodes: int, ports: Sequence[int]
+) -> list[PartSpec]:
+    """Part servers for a model: every MoE layer's routed experts dealt round-robin over
+    `expert_nodes` (expert e of each layer on node e mod N, so a token's k experts usually
+    land on k different nodes and work in parallel), and the vocabulary in `vocab_nodes`
+    contiguous row ranges of sizes differing by at most one."""
+    from cellswarm.loader import read_config
+
+    config = read_config(model)
+    n_experts = int(getattr(config, "n_experts", 0))
+    if expert_nodes and not n_experts:
+        raise RequestError(f"{Path(model).name} has no routed experts to place on expert nodes")
+    if not 0 <= expert_nodes <= max(n_experts, 0):
+        raise RequestError(f"{expert_nodes} expert nodes for {n_experts} experts per layer")
+    moe = [i for i in range(config.n_layers) if n_experts and config.is_moe(i)]
+    specs = [
+        PartSpec(f"experts-{j}", ports[j],
+                 experts={i: tuple(range(j, n_experts, expert_nodes)) for i in moe})
+        for j in range(expert_nodes)
+    ]  # fmt: skip
+    rows = even_split(int(config.vocab_size), vocab_nodes) if vocab_nodes else []
+    specs += [
+        PartSpec(f"vocab-{j}", ports[expert_nodes + j], vocab_rows=r) for j, r in enumerate(rows)
+    ]
+    return specs
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:
@@ -104,6 +133,10 @@ class LocalPipeline:
     one dies it starts a replacement on the same port, tells the others to forget their
     sequences, and replays every unfinished request as prompt + the tokens it already has —
     so a dead stage costs a replay, never a request, and greedy output is unchanged.
+
+    expert_nodes: move every MoE layer's routed experts to this many part processes
+    (swarm/parts.py); vocab_nodes: split the embedding and output head by rows over this
+    many. Part processes are watched and replaced like stages.
     """
 
     def __init__(
@@ -111,8 +144,10 @@ class LocalPipeline:
         memory_bytes: int | None = None, context: int = 512, max_sequences: int = 8,
         log_dir: str | None = None, profile: str | None = None,
         crash_after_steps: dict[int, int] | None = None, token_file: str | None = None,
+        expert_nodes: int = 0, vocab_nodes: int = 0,
     ):  # fmt: skip
-        ports = free_ports(len(splits))
+        ports = free_ports(len(splits) + expert_nodes + vocab_nodes)
+        specs = part_specs(model, expert_nodes, vocab_nodes, ports[len(splits) :])
         self.port = ports[0]
         self.configs = [
             StageConfig(
@@ -132,21 +167,32 @@ class LocalPipeline:
                 crash_after_steps=(crash_after_steps or {}).get(i),
                 token_file=token_file,
                 peers=("client", f"stage-{(i - 1) % len(splits)}"),
+                parts=tuple(specs),
             )
             for i, layers in enumerate(splits)
         ]
+        stage_ids = tuple(c.node_id for c in self.configs)
+        self.part_configs = [
+            PartConfig(model, spec, threads, token_file, ("client", *stage_ids)) for spec in specs
+        ]
+        self.part_procs = [self._spawn_part(c) for c in self.part_configs]
         self.procs: list[subprocess.Popen[str]] = [self._spawn(c) for c in self.configs]
         self.token = load_token(token_file) if token_file else None
         self.restarts = 0
         self.failures = [0] * len(splits)  # consecutive, per stage
+        self.part_failures = [0] * len(specs)
         self.epoch = 0
         self._ids: list[str] = []
         self._on_token: Callable[[int, int], None] | None = None
-        for p in self.procs:
+        for p in [*self.part_procs, *self.procs]:
             self._await_ready(p)
 
     def _spawn(self, cfg: StageConfig) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "cellswarm.swarm.stage", cfg.to_json()]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+    def _spawn_part(self, cfg: PartConfig) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "cellswarm.swarm.parts", cfg.to_json()]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
     def _await_ready(self, p: subprocess.Popen[str]) -> None:
@@ -159,12 +205,16 @@ class LocalPipeline:
 
     def stats(self) -> list[dict[str, Any]]:
         """Each stage's layers, budget, peak RSS, steps and busy seconds."""
-        return asyncio.run(self._stats())
+        return asyncio.run(self._stats([c.listen_port for c in self.configs]))
 
-    async def _stats(self) -> list[dict[str, Any]]:
+    def part_stats(self) -> list[dict[str, Any]]:
+        """Each part server's weight bytes by kind, peak RSS and requests answered."""
+        return asyncio.run(self._stats([c.spec.port for c in self.part_configs]))
+
+    async def _stats(self, ports: list[int]) -> list[dict[str, Any]]:
         out = []
-        for cfg in self.configs:
-            reader, writer = await connect("127.0.0.1", cfg.listen_port, self.token)
+        for port in ports:
+            reader, writer = await connect("127.0.0.1", port, self.token)
             await write_frame(writer, Frame("stats", {}))
             frame = await read_frame(reader)
             writer.close()
@@ -197,6 +247,7 @@ class LocalPipeline:
             try:
                 await self._round(requests, todo, tokens, reasons)
                 self.failures = [0] * len(self.failures)
+                self.part_failures = [0] * len(self.part_failures)
             except (ConnectionError, OSError):
                 await self._recover()
         return [Result(tokens[i], reasons[i], self._ids[i]) for i in range(len(requests))]
@@ -229,8 +280,8 @@ class LocalPipeline:
     async def _read_watching(self, reader: asyncio.StreamReader) -> Frame:
         """The next frame from stage 0; ConnectionError as soon as any stage process died."""
         while True:
-            if any(p.poll() is not None for p in self.procs):
-                raise ConnectionError("a stage process died")
+            if any(p.poll() is not None for p in [*self.procs, *self.part_procs]):
+                raise ConnectionError("a stage or part process died")
             try:
                 frame = await asyncio.wait_for(read_frame(reader), timeout=0.2)
             except TimeoutError:
@@ -241,8 +292,23 @@ class LocalPipeline:
 
     async def _recover(self) -> None:
         """Replace dead stages (same layer range, same port); reset the survivors. A stage
-        that does not answer its reset counts as dead: it is killed and replaced too."""
+        that does not answer its reset counts as dead: it is killed and replaced too. Dead
+        part servers are replaced first (they hold no sequences: nothing to reset), so the
+        stages' replay finds them up."""
         self.epoch += 1
+        for k, part in enumerate(self.part_configs):
+            if self.part_procs[k].poll() is None:
+                continue
+            self.part_failures[k] += 1
+            if self.part_failures[k] >= OFFLINE_AFTER:
+                raise SwarmError(
+                    f"part {part.spec.node_id} failed {self.part_failures[k]} times in a row: "
+                    "marked offline, and no spare node can take what it holds"
+                )
+            self.part_procs[k].wait()
+            self.part_procs[k] = self._spawn_part(part)
+            self._await_ready(self.part_procs[k])
+            self.restarts += 1
         for k, cfg in enumerate(self.configs):
             if self.procs[k].poll() is None and await _reset(
                 cfg.listen_port, self.epoch, self.token
@@ -264,9 +330,10 @@ class LocalPipeline:
                 raise ConnectionError(f"the replacement stage for layers {cfg.layers} is silent")
 
     def close(self) -> None:
-        for p in self.procs:
+        procs = [*self.procs, *getattr(self, "part_procs", [])]
+        for p in procs:
             p.kill()
-        for p in self.procs:
+        for p in procs:
             p.wait()
 
     def __enter__(self) -> LocalPipeline:

@@ -29,12 +29,13 @@ from cellswarm.engine.kv_cache import KVCache
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.engine.model import Model
 from cellswarm.engine.sampling import SamplingParams, sample
-from cellswarm.errors import BudgetError, CellswarmError
+from cellswarm.errors import BudgetError, CellswarmError, RequestError
 from cellswarm.io.weights import Selection
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.emulate import Emulation
 from cellswarm.swarm.frames import Frame, accept, connect, no_delay, read_frame, write_frame
 from cellswarm.swarm.logs import JsonLog
+from cellswarm.swarm.parts import ExpertParts, PartSpec, VocabParts
 
 log = logging.getLogger("cellswarm.stage")
 
@@ -60,16 +61,27 @@ class StageConfig:
     crash_after_steps: int | None = None  # fault injection for tests: die like a SIGKILL
     token_file: str | None = None  # cluster token: every connection must prove it (auth.py)
     peers: tuple[str, ...] = ()  # who may connect: the previous stage and the client
+    # Part servers (swarm/parts.py) holding what this stage does not: routed experts of its
+    # layers (it keeps the rest of each MoE layer), or the vocabulary rows of the embedding
+    # (first stage) and output head (last stage; it keeps the final norm).
+    parts: tuple[PartSpec, ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        d = asdict(self)
+        d["parts"] = [p.to_dict() for p in self.parts]
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str) -> StageConfig:
         raw = json.loads(text)
         raw["layers"] = tuple(raw["layers"])
         raw["peers"] = tuple(raw.get("peers", ()))
+        raw["parts"] = tuple(PartSpec.from_dict(p) for p in raw.get("parts", ()))
         return cls(**raw)
+
+    @property
+    def vocab_remote(self) -> bool:
+        return any(p.vocab_rows is not None for p in self.parts)
 
 
 class NextStageLost(ConnectionError):
@@ -112,6 +124,28 @@ class Stage:
         self.on_fault: Callable[[str, str], None] | None = None
         self.fail_forward = False  # fault injection for tests: every forward pass raises
         self.connections: set[asyncio.StreamWriter] = set()
+        self.vocab = (
+            VocabParts(config.parts, self.token, config.node_id) if config.vocab_remote else None
+        )
+        self.experts = ExpertParts(config.parts, self.token, config.node_id)
+        if self.experts.clients:
+            check_expert_cover(model, self.experts)
+            model.arch.remote_experts = self.experts  # type: ignore[attr-defined]
+
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """(T,) ids -> (T, d), from the vocab parts when the rows live there."""
+        if self.vocab is not None:
+            return self.vocab.embed(token_ids)
+        return self.model.arch.embed(token_ids)
+
+    def head(self, h: np.ndarray) -> np.ndarray:
+        """(T, d) -> (T, vocab): the final norm here, the head's rows on the vocab parts."""
+        if self.vocab is None:
+            return self.model.arch.head(h)
+        from cellswarm.models.ops import lm_head
+
+        c = self.model.config
+        return lm_head(self.model.weights, h, c.d_model, c.rms_eps, head=self.vocab)
 
     # -- connections ---------------------------------------------------------------------
 
@@ -196,6 +230,9 @@ class Stage:
             if self._next is not None:
                 self._next.close()
             self._next = None  # reconnect: the next stage may be a new process
+        self.experts.close()  # and so may a part server
+        if self.vocab is not None:
+            self.vocab.close()
         await write_frame(writer, Frame("reset_done", {}))
 
     def stats(self) -> dict[str, Any]:
@@ -228,7 +265,7 @@ class Stage:
             replay=[int(t) for t in f.get("replay", ())],
         )  # fmt: skip
         capacity = len(prompt) + int(f["max_tokens"])
-        h = self.model.arch.embed(np.asarray(prompt, dtype=np.int64))
+        h = self.embed(np.asarray(prompt, dtype=np.int64))
         tokens = self.sequences[seq].prompt
         first = {"capacity": capacity, "sampling": f.get("sampling", {}), "prompt": tokens,
                  "req": f["req"]}  # fmt: skip
@@ -288,7 +325,7 @@ class Stage:
                 fields["first"] = first
             await self.send_next(Frame("hidden", fields, h))
             return
-        token = self.sample(seq, self.model.arch.head(h[-1:])[-1], first)
+        token = self.sample(seq, self.head(h[-1:])[-1], first)
         if self.config.first:
             await self.on_token(seq, token)
         else:
@@ -318,7 +355,7 @@ class Stage:
         if len(s.tokens) >= s.max_tokens:
             return await self.finish(seq, "max_tokens")
         pos = len(s.prompt) + len(s.tokens) - 1
-        step = self.run_layers(seq, self.model.arch.embed(np.asarray([token])), pos, None)
+        step = self.run_layers(seq, self.embed(np.asarray([token])), pos, None)
         if self.config.last:  # one stage: schedule rather than recurse token after token
             asyncio.get_running_loop().create_task(step)
         else:
@@ -361,12 +398,50 @@ def load_stage_model(config: StageConfig) -> Model:
     from cellswarm.loader import load
 
     kernels.set_threads(config.threads)
-    lo, hi = config.layers
-    sel = Selection(layers=(lo, hi), embed=config.first, head=config.last)
-    model = load(config.model, selection=sel, tokenizer=False)
+    model = load(config.model, selection=stage_selection(config), tokenizer=False)
     if config.memory_bytes is not None:
         check_budget(model, config)
     return model
+
+
+def stage_selection(config: StageConfig) -> Selection:
+    """The stage's layers, less what its part servers hold: routed experts held elsewhere,
+    and every vocabulary row when vocab parts hold them (it keeps the final norm)."""
+    lo, hi = config.layers
+    vocab = (0, 0) if config.vocab_remote else None
+    remote: dict[int, set[int]] = {}
+    for p in config.parts:
+        for layer, ids in p.experts.items():
+            remote.setdefault(layer, set()).update(ids)
+    experts = None
+    if any(lo <= layer < hi for layer in remote):
+        from cellswarm.loader import read_config
+
+        n = int(read_config(config.model).n_experts)
+        experts = {
+            layer: tuple(e for e in range(n) if e not in ids)
+            for layer, ids in remote.items() if lo <= layer < hi
+        }  # fmt: skip
+    return Selection(layers=(lo, hi), vocab_rows=vocab, experts=experts, embed=config.first,
+                     head=config.last)  # fmt: skip
+
+
+def check_expert_cover(model: Model, remote: ExpertParts) -> None:
+    """Every routed expert of every MoE layer held here or on a part server: one held
+    nowhere would silently add nothing for the tokens routed to it."""
+    c = model.config
+    if not hasattr(model.arch, "remote_experts"):
+        raise RequestError(f"{c.arch} has no routed experts to place on part servers")
+    for layer in model.layers:
+        if not c.is_moe(layer):
+            continue
+        local = model.weights.experts(f"blk.{layer}.ffn_up_exps.weight").held
+        missing = set(range(c.n_experts)) - set(local) - remote.held(layer)
+        if missing:
+            raise RequestError(
+                f"layer {layer}: routed experts {sorted(missing)[:8]} are held by no node; "
+                "give them to this stage or to a part server"
+            )
 
 
 def shard_need_bytes(model: Model, config: StageConfig) -> dict[str, int]:
@@ -397,11 +472,10 @@ def check_budget(model: Model, config: StageConfig) -> None:
 
 async def main(config: StageConfig) -> None:
     try:
-        model = load_stage_model(config)
+        stage = Stage(config, load_stage_model(config))
     except CellswarmError as exc:
         print(f"REFUSED {exc}", flush=True)
         return
-    stage = Stage(config, model)
     server = await asyncio.start_server(stage.serve, "127.0.0.1", config.listen_port)
     port = server.sockets[0].getsockname()[1]
     print(f"READY {port}", flush=True)

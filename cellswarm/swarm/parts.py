@@ -1,0 +1,364 @@
+"""Part servers: a layer's routed experts, or rows of the vocabulary, on nodes of their own.
+
+    stage (attention, router, shared experts) --experts--> expert node(s) --sum--> stage
+    first stage --rows(embed)--> vocab node(s)        last stage --logits--> vocab node(s)
+
+A mixture-of-experts layer is mostly experts (DeepSeek-V3: ~11 GB of ~11.2 GB a layer), and
+a token uses 8 of 256; so the layer's owner keeps attention, router and shared experts and
+sends each token's normed hidden state only to the nodes holding the experts it was routed
+to. Each answers the weighted sum over the experts it holds; the owner adds them to its own.
+A vocabulary too big for one node is split by rows: each vocab node holds rows [a, b) of the
+output head (and of the embedding) and answers partial logits, or dequantized rows.
+
+A part server is stateless (no KV cache, no sequences): a replacement needs no replay of its
+own, only the stages' replay of the requests in flight.
+
+The stage's forward pass is synchronous numpy, so it talks to part servers over blocking
+sockets from inside it: all requests of a step are written first, then the answers read, so
+the holders work in parallel with each other and with the stage's own experts — no threads,
+and nothing of the stage's asyncio ring has to become re-entrant.
+
+Run as `python -m cellswarm.swarm.parts CONFIG_JSON`; prints `READY <port>` when listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from cellswarm.engine.memory import peak_rss_bytes, weights_by_kind
+from cellswarm.engine.model import Model
+from cellswarm.errors import CellswarmError, ProtocolError, RequestError
+from cellswarm.io.weights import Selection
+from cellswarm.swarm.auth import load_token
+from cellswarm.swarm.frames import (
+    Frame,
+    accept,
+    connect_sync,
+    no_delay,
+    read_frame,
+    read_frame_sync,
+    write_frame,
+    write_frame_sync,
+)
+
+log = logging.getLogger("cellswarm.parts")
+
+MAX_EXACT_ID = 1 << 24  # float32 holds every integer below this exactly
+MAX_EXPERTS = 1 << 12  # routed experts per layer a placement may name (Kimi K2: 384)
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """Where a part server listens and what it holds: the placement's view of it.
+
+    experts: layer -> routed expert ids held for that layer.
+    vocab_rows: half-open row range of the output head and the embedding, or None.
+    """
+
+    node_id: str
+    port: int
+    host: str = "127.0.0.1"
+    experts: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    vocab_rows: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        bad = [e for ids in self.experts.values() for e in ids if not 0 <= e < MAX_EXPERTS]
+        if bad:
+            raise RequestError(f"part {self.node_id}: expert ids {bad[:3]} outside 0..4095")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["experts"] = {str(k): list(v) for k, v in self.experts.items()}  # JSON keys: str
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> PartSpec:
+        rows = raw.get("vocab_rows")
+        return cls(
+            node_id=str(raw["node_id"]), port=int(raw["port"]), host=str(raw.get("host", "")),
+            experts={int(k): tuple(int(e) for e in v) for k, v in raw.get("experts", {}).items()},
+            vocab_rows=None if rows is None else (int(rows[0]), int(rows[1])),
+        )  # fmt: skip
+
+    def selection(self) -> Selection:
+        """Only what this part serves: expert stacks, or the vocabulary rows (embedding and
+        output head), never attention, norms or routers."""
+        if self.vocab_rows is not None:
+            return Selection(layers=(0, 0), vocab_rows=self.vocab_rows, embed=True, head=True,
+                             kinds=frozenset({"embedding", "output"}))  # fmt: skip
+        lo, hi = (min(self.experts), max(self.experts) + 1) if self.experts else (0, 0)
+        experts = {i: tuple(self.experts.get(i, ())) for i in range(lo, hi)}  # gaps: none
+        return Selection(layers=(lo, hi), experts=experts, embed=False, head=False,
+                         kinds=frozenset({"experts"}))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PartConfig:
+    model: str
+    spec: PartSpec
+    threads: int | None = None
+    token_file: str | None = None  # cluster token: every connection must prove it (auth.py)
+    peers: tuple[str, ...] = ()  # who may connect: the stages using it, and the client
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["spec"] = self.spec.to_dict()
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> PartConfig:
+        raw = json.loads(text)
+        raw["spec"] = PartSpec.from_dict(raw["spec"])
+        raw["peers"] = tuple(raw.get("peers", ()))
+        return cls(**raw)
+
+
+# -- the wire format of an `experts` request ----------------------------------------------
+
+
+def pack_routes(h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Rows h (n, d), their expert ids (n, k) and weights (n, k) as one float32 array
+    (n, d + 2k) — one frame, one buffer, no pickle. Ids travel as float32, exact below
+    2^24 (the largest model routes over 384 experts)."""
+    if ids.size and int(ids.max()) >= MAX_EXACT_ID:
+        raise ProtocolError(f"expert id {int(ids.max())} cannot travel as float32")
+    return np.concatenate(
+        [h.astype(np.float32), weights.astype(np.float32), ids.astype(np.float32)], axis=1
+    )
+
+
+def unpack_routes(packed: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The inverse of pack_routes: h (n, d), ids (n, k) int64, weights (n, k)."""
+    d = packed.shape[1] - 2 * k
+    if packed.ndim != 2 or d < 1 or k < 1:
+        raise ProtocolError(f"experts payload of shape {packed.shape} does not hold k={k}")
+    h = np.ascontiguousarray(packed[:, :d])
+    weights = np.ascontiguousarray(packed[:, d : d + k])
+    return h, packed[:, d + k :].astype(np.int64), weights
+
+
+# -- the server ----------------------------------------------------------------------------
+
+
+class PartServer:
+    def __init__(self, config: PartConfig, model: Model) -> None:
+        self.config, self.model = config, model
+        self.token = load_token(config.token_file) if config.token_file else None
+        self.requests = 0
+        w = model.weights
+        self._head = "output.weight" if "output.weight" in w else "token_embd.weight"
+        self._row0 = (config.spec.vocab_rows or (0, 0))[0]
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        no_delay(writer)
+        peers = frozenset(self.config.peers)
+        if self.token is not None and await accept(reader, writer, self.token, peers) is None:
+            writer.close()
+            return
+        try:
+            while (frame := await read_frame(reader)) is not None:
+                await write_frame(writer, self.answer(frame))
+        except Exception:  # a bad peer or a bug: log it, drop this connection, keep serving
+            log.exception("part %s: connection dropped", self.config.spec.node_id)
+        finally:
+            writer.close()
+
+    def answer(self, frame: Frame) -> Frame:
+        """One request, one answer; the computation blocks the loop, as a stage's does."""
+        f, a = frame.fields, frame.array
+        if frame.type == "stats":
+            return Frame("stats", self.stats())
+        if frame.type == "reset":  # nothing per sequence to forget
+            return Frame("reset_done", {})
+        if a is None:
+            raise ProtocolError(f"a {frame.type!r} request carries no array")
+        self.requests += 1
+        if frame.type == "experts":
+            from cellswarm.models.deepseek2 import Routing, held_experts_sum
+
+            h, ids, weights = unpack_routes(a, int(f["k"]))
+            routing = Routing(ids, weights)
+            out = held_experts_sum(self.model.weights, int(f["layer"]), h, routing)
+            return Frame("experts_out", {}, out)  # (n, d)
+        if frame.type == "logits":  # unrefined: the caller refines the merged top rows
+            return Frame("logits_out", {}, self.model.weights.matrix(self._head).matmul(a))
+        if frame.type == "rows":  # dequantized rows by global id: embedding, or head rows
+            name = "token_embd.weight" if f.get("tensor") == "embed" else self._head
+            local = a.astype(np.int64) - self._row0
+            return Frame("rows_out", {}, self.model.weights.matrix(name).take_rows(local))
+        raise ProtocolError(f"a part server does not answer {frame.type!r} frames")
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "node": self.config.spec.node_id, "requests": self.requests,
+            "weights_by_kind": weights_by_kind(self.model.weights),
+            "weight_bytes": self.model.weights.nbytes(), "peak_rss_bytes": peak_rss_bytes(),
+        }  # fmt: skip
+
+
+def load_part_model(config: PartConfig) -> Model:
+    from cellswarm import kernels
+    from cellswarm.loader import load
+
+    kernels.set_threads(config.threads)
+    return load(config.model, selection=config.spec.selection(), tokenizer=False)
+
+
+async def main(config: PartConfig) -> None:
+    try:
+        model = load_part_model(config)
+    except CellswarmError as exc:
+        print(f"REFUSED {exc}", flush=True)
+        return
+    server = PartServer(config, model)
+    listener = await asyncio.start_server(server.serve, "127.0.0.1", config.spec.port)
+    print(f"READY {listener.sockets[0].getsockname()[1]}", flush=True)
+    async with listener:
+        await listener.serve_forever()
+
+
+# -- the clients a stage uses --------------------------------------------------------------
+
+
+class PartClient:
+    """One blocking connection to a part server, opened on first use and dropped on any
+    error, so the next use reconnects (to a replacement, after a failure)."""
+
+    def __init__(self, spec: PartSpec, token: bytes | None, peer: str) -> None:
+        self.spec, self.token, self.peer = spec, token, peer
+        self._sock: socket.socket | None = None
+
+    def send(self, frame: Frame) -> None:
+        try:
+            if self._sock is None:
+                self._sock = connect_sync(self.spec.host, self.spec.port, self.token, self.peer)
+            write_frame_sync(self._sock, frame)
+        except Exception:
+            self.close()
+            raise
+
+    def receive(self, expected: str) -> np.ndarray:
+        if self._sock is None:
+            raise ConnectionError(f"part {self.spec.node_id}: receive without a request")
+        try:
+            frame = read_frame_sync(self._sock)
+        except Exception:
+            self.close()
+            raise
+        if frame.type != expected or frame.array is None:
+            self.close()
+            raise ProtocolError(f"part {self.spec.node_id} answered {frame.type!r}, not {expected}")
+        return frame.array
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = None
+
+
+class ExpertParts:
+    """RemoteExperts (models/deepseek2.py) over expert part servers."""
+
+    def __init__(self, specs: Sequence[PartSpec], token: bytes | None, peer: str) -> None:
+        self.clients = [PartClient(s, token, peer) for s in specs if s.experts]
+        # layer -> (expert id -> index of the client holding it, -1: none); the first
+        # holder wins if two hold one
+        self.holder: dict[int, np.ndarray] = {}
+        for i, c in enumerate(self.clients):
+            for layer, ids in c.spec.experts.items():
+                table = self.holder.setdefault(layer, np.full(MAX_EXPERTS, -1, np.int64))
+                for e in ids:
+                    table[e] = i if table[e] < 0 else table[e]
+
+    def held(self, layer: int) -> set[int]:
+        """Expert ids of `layer` held by some part server."""
+        table = self.holder.get(layer)
+        return set() if table is None else set(np.nonzero(table >= 0)[0].tolist())
+
+    def scatter(self, layer: int, h: np.ndarray, routing: Any) -> Callable[[], np.ndarray]:
+        ids, k = routing.expert_ids, routing.expert_ids.shape[1]  # (T, k)
+        table = self.holder.get(layer)
+        by_slot = table[ids] if table is not None else np.full_like(ids, -1)  # (T, k): client
+        sent: list[tuple[int, np.ndarray]] = []
+        for i in sorted(set(by_slot.ravel().tolist()) - {-1}):
+            rows = np.nonzero((by_slot == i).any(axis=1))[0]  # tokens routed to client i
+            mine = np.where(by_slot[rows] == i, ids[rows], -1)  # other holders' slots: -1
+            packed = pack_routes(h[rows], mine, routing.weights[rows])
+            self.clients[i].send(Frame("experts", {"layer": layer, "k": k}, packed))
+            sent.append((i, rows))
+
+        def gather() -> np.ndarray:
+            out = np.zeros_like(h, dtype=np.float32)  # (T, d)
+            for i, rows in sent:  # in client order: the sum does not depend on timing
+                out[rows] += self.clients[i].receive("experts_out")
+            return out
+
+        return gather
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+class VocabParts:
+    """The embedding and output head over vocab part servers holding contiguous row ranges;
+    `matmul` and `take_rows` answer as the whole PackedMatrix would (ops.Rows)."""
+
+    def __init__(self, specs: Sequence[PartSpec], token: bytes | None, peer: str) -> None:
+        held = sorted(((s.vocab_rows, s) for s in specs if s.vocab_rows is not None),
+                      key=lambda rs: rs[0])  # fmt: skip
+        ranges = [r for r, _ in held]
+        if not ranges or ranges[0][0] or any(a[1] != b[0] for a, b in itertools.pairwise(ranges)):
+            raise ProtocolError(f"vocab parts' rows {ranges} do not tile [0, vocab)")
+        self.clients = [PartClient(s, token, peer) for _, s in held]
+        self.bounds: np.ndarray = np.asarray([a for a, _ in ranges] + [ranges[-1][1]])
+
+    def matmul(self, x: npt.ArrayLike) -> np.ndarray:
+        """(T, d) normed hidden -> (T, vocab) logits, each part's rows, concatenated.
+        Each logit is one row's dot product, computed the same way whichever rows a node
+        holds, so the concatenation is bit-identical to one node's matmul."""
+        h = np.ascontiguousarray(x, dtype=np.float32)
+        for c in self.clients:
+            c.send(Frame("logits", {}, h))
+        return np.concatenate([c.receive("logits_out") for c in self.clients], axis=1)
+
+    def take_rows(self, ids: npt.ArrayLike, tensor: str = "head") -> np.ndarray:
+        """Rows `ids` (1-D, global ids) dequantized, in the order asked: (n, d)."""
+        index = np.asarray(ids, dtype=np.int64).ravel()
+        part = np.searchsorted(self.bounds, index, side="right") - 1  # (n,)
+        if index.size and (index.min() < 0 or index.max() >= self.bounds[-1]):
+            raise ProtocolError(f"token id outside the vocabulary 0..{self.bounds[-1] - 1}")
+        asked = [i for i in range(len(self.clients)) if (part == i).any()]
+        for i in asked:
+            self.clients[i].send(Frame("rows", {"tensor": tensor}, index[part == i]))
+        out: np.ndarray | None = None
+        for i in asked:
+            rows = self.clients[i].receive("rows_out")
+            if out is None:
+                out = np.empty((len(index), rows.shape[1]), np.float32)
+            out[part == i] = rows
+        assert out is not None or not index.size
+        return out if out is not None else np.zeros((0, 0), np.float32)
+
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        return self.take_rows(token_ids, "embed")  # (T, d)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    asyncio.run(main(PartConfig.from_json(sys.argv[1])))
