@@ -224,3 +224,29 @@ def test_a_budget_too_small_for_any_shard_is_reported(demo_path: Path, tmp_path:
         problem = swarm.status()["problem"]
         assert "48.0 MiB" in problem or "50,331,648" in problem
         assert all(n["layers"] is None for n in swarm.status()["nodes"])
+
+
+def test_workers_fetch_only_their_shard_once(
+    demo_path: Path, tmp_path: Path, reference: dict[tuple[int, ...], list[int]]
+) -> None:
+    size = demo_path.stat().st_size
+    with LocalSwarm(str(demo_path), 3, "120M", tmp_path, fetch=True) as swarm:
+        swarm.wait_ready()
+        fetched = [_fetched(swarm, i)[-1] for i in range(3)]
+        # each a part of the file (the tied embedding serves both ends, so both fetch it)
+        assert all(0 < b < 0.7 * size for b in fetched)
+        check_results(swarm, submit_all(swarm, list(reference)[:4]), reference)
+        swarm.kill("worker-1")
+        swarm.start_worker(1)  # back before its heartbeat timeout: the same shard again
+        swarm.wait_ready()
+        assert node(swarm, "worker-1")["state"] == "assigned"
+        assert _fetched(swarm, 1) == [0]  # the restarted worker read its cache: 0 bytes
+        ids = submit_all(swarm, list(reference)[4:], copies=1)
+        results = [client.wait(swarm.url, rid) for rid in ids]
+        assert [r["tokens"] for r in results] == list(reference.values())[4:]
+
+
+def _fetched(swarm: LocalSwarm, i: int) -> list[int]:
+    """Bytes each FETCHED line of worker i reported."""
+    lines = [x for x in swarm.output[f"worker-{i}"] if x.startswith("FETCHED")]
+    return [int(x.split("(")[1].split()[0].replace(",", "")) for x in lines]

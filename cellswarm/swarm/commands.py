@@ -40,6 +40,9 @@ def add_commands(sub: Any) -> None:
     w.add_argument("--log-dir", help="folder for JSON-line event logs")
     w.add_argument("--stop-after", type=float, default=5.0,
                    help="stop serving after this many seconds without the coordinator")  # fmt: skip
+    w.add_argument("--fetch", action="store_true",
+                   help="fetch the shard from the coordinator even if its path is readable")
+    w.add_argument("--cache-dir", help="where fetched shards are kept")
     w.add_argument("--fail-forward", action="store_true", help=argparse.SUPPRESS)
     w.set_defaults(func=cmd_worker)
 
@@ -98,7 +101,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         join=args.join, memory_bytes=parse_bytes(args.memory), node_id=args.node_id,
         profile=args.profile, token_file=args.token_file, model=args.model,
         threads=args.threads, log_dir=args.log_dir, stop_after_s=args.stop_after,
-        fail_forward=args.fail_forward,
+        fail_forward=args.fail_forward, fetch=args.fetch, cache_dir=args.cache_dir,
     ))  # fmt: skip
     return 0
 

@@ -83,6 +83,7 @@ class Coordinator:
         self.last_probe: dict[str, float] = {}
         self.log = JsonLog(config.log_dir, "coordinator")
         self._tokenizer: Any = None
+        self._manifest: Any = None
         self.problem = ""  # why nothing is placed, when nothing can be
         now = time.time()
         for n in self.store.nodes():  # a restart is not the nodes' fault: give them a grace
@@ -434,6 +435,15 @@ class Coordinator:
         return {"epoch": self.epoch, "wired": self.wired_epoch == self.epoch,
                 "problem": self.problem,
                 "model": Path(self.config.model).name, "nodes": nodes}  # fmt: skip
+
+    def manifest(self) -> Any:
+        """The model file's content id and chunk hashes, for workers that fetch their shard
+        (hashed once, then cached by path, size and mtime)."""
+        if self._manifest is None:
+            from cellswarm.swarm.fetch import build_manifest
+
+            self._manifest = build_manifest(self.config.model)
+        return self._manifest
 
     @property
     def tokenizer(self) -> Any:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from cellswarm.errors import CellswarmError, RequestError
 from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
@@ -82,6 +82,28 @@ def build_app(coord: Coordinator) -> FastAPI:
         coord.fault(node_of(d), str(d.get("kind", "forward")), str(d.get("detail", "")),
                     None if epoch is None else int(epoch))  # fmt: skip
         return {"ok": True}
+
+    def session_node(request: Request) -> Node:
+        who = request.headers.get("x-cellswarm-session", "")
+        node_id, _, session = who.partition(":")
+        return coord.authenticate(node_id, session)
+
+    @app.get("/v1/model/manifest")
+    async def manifest(request: Request) -> Response:
+        session_node(request)  # the weights go to members only
+        m = await asyncio.to_thread(coord.manifest)
+        return Response(m.to_json(), media_type="application/json")
+
+    @app.get("/v1/model/chunks/{index}")
+    async def chunk(index: int, request: Request) -> Response:
+        from cellswarm.swarm.fetch import read_chunk
+
+        session_node(request)
+        m = await asyncio.to_thread(coord.manifest)
+        if not 0 <= index < m.n_chunks:
+            raise RequestError(f"chunk {index} is not in 0..{m.n_chunks - 1}")
+        data = await asyncio.to_thread(read_chunk, coord.config.model, m, index)
+        return Response(data, media_type="application/octet-stream")
 
     @app.get("/v1/status")
     async def status() -> dict[str, Any]:

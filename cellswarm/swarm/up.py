@@ -45,6 +45,7 @@ class LocalSwarm:
     threads: int = 1
     worker_memory: dict[int, str] = field(default_factory=dict)  # per-worker overrides
     fail_forward: Sequence[int] = ()  # workers whose every forward pass fails (tests)
+    fetch: bool = False  # workers fetch their shards from the coordinator into state_dir
     port: int = 0
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)
@@ -105,6 +106,8 @@ class LocalSwarm:
             args += ["--profile", self.profile]
         if i in self.fail_forward:
             args.append("--fail-forward")
+        if self.fetch:
+            args += ["--fetch", "--cache-dir", str(self.state_dir / f"cache-{i}")]
         self._spawn(f"worker-{i}", args, "JOINED")
 
     def __enter__(self) -> LocalSwarm:

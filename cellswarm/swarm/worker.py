@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,8 @@ class WorkerConfig:
     log_dir: str | None = None
     stop_after_s: float = 5.0  # stop serving after this long without the coordinator
     fail_forward: bool = False  # fault injection for tests: every forward pass fails
+    fetch: bool = False  # fetch the shard from the coordinator even if its path is readable
+    cache_dir: str | None = None  # where fetched shards are kept (default ~/.cache/cellswarm)
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -204,10 +206,8 @@ class Worker:
             max_sequences=int(shard["max_sequences"]), log_dir=c.log_dir, node_id=c.node_id,
             profile=c.profile, token_file=c.token_file, peers=("coordinator",),
         )  # fmt: skip
-        if not Path(config.model).is_file():
-            raise CellswarmError(
-                f"cannot read the model at {config.model}: give this worker --model PATH"
-            )
+        if c.fetch or not Path(config.model).is_file():
+            config = replace(config, model=str(await asyncio.to_thread(self.fetch, config)))
         config = size_kv(config)
         model = load_stage_model(config)
         self.stage = Stage(config, model)
@@ -219,6 +219,27 @@ class Worker:
         self.refused = ""
         log.info("serving layers %s on port %s", config.layers, self.data_port)
         print(f"SERVING {config.layers[0]}..{config.layers[1] - 1} {self.data_port}", flush=True)
+
+    def fetch(self, config: StageConfig) -> Path:
+        """This shard's bytes of the model, from the coordinator: only the chunks holding
+        its tensors, each checked against the manifest, cached by content hash on disk."""
+        from cellswarm.swarm.fetch import Manifest, ensure_local
+
+        headers = {"X-Cellswarm-Session": f"{self.config.node_id}:{self.session}"}
+
+        def get(path: str) -> bytes:
+            req = urllib.request.Request(self.url + path, headers=headers)
+            with urllib.request.urlopen(req, timeout=30) as r:
+                data: bytes = r.read()
+                return data
+
+        manifest = Manifest.from_json(get("/v1/model/manifest"))
+        sel = stage_selection_of(config)
+        report = ensure_local(manifest, sel, lambda i: get(f"/v1/model/chunks/{i}"),
+                              self.config.cache_dir)  # fmt: skip
+        print(f"FETCHED {report.chunks_fetched} chunks ({report.bytes_fetched:,} bytes), "
+              f"{report.chunks_cached} from cache", flush=True)  # fmt: skip
+        return report.path
 
     async def stop_serving(self, why: str) -> None:
         if self.stage is not None:
@@ -253,11 +274,15 @@ class Worker:
             return False, f"{type(exc).__name__}: {exc}"
 
 
+def stage_selection_of(config: StageConfig) -> Any:
+    from cellswarm.io.weights import Selection
+
+    return Selection(layers=config.layers, embed=config.first, head=config.last)
+
+
 def size_kv(config: StageConfig) -> StageConfig:
     """How many sequences' KV cache fit in what the budget leaves after weights, scratch and
     runtime: at most what the coordinator asked for, at least one, or BudgetError."""
-    from dataclasses import replace
-
     from cellswarm.engine.model import Model
     from cellswarm.io.weights import Selection
     from cellswarm.loader import load
