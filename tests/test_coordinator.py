@@ -23,6 +23,8 @@ from cellswarm.swarm import client
 from cellswarm.swarm.auth import prove
 from cellswarm.swarm.up import LocalSwarm
 from cellswarm.units import parse_bytes
+from tests.test_swarm_parts import PROMPTS as PARTS_PROMPTS
+from tests.test_swarm_parts import moe  # noqa: F401  (a fixture)
 
 TEXTS = [
     "The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,",
@@ -249,3 +251,34 @@ def _fetched(swarm: LocalSwarm, i: int) -> list[int]:
     """Bytes each FETCHED line of worker i reported."""
     lines = [x for x in swarm.output[f"worker-{i}"] if x.startswith("FETCHED")]
     return [int(x.split("(")[1].split()[0].replace(",", "")) for x in lines]
+
+
+def test_moe_experts_and_vocabulary_on_their_own_nodes_survive_a_kill(
+    moe: tuple[Path, list[list[int]]], tmp_path: Path  # noqa: F811  (the imported fixture)
+) -> None:
+    """2 stages (attention, routers, shared experts), 2 expert nodes, 1 vocab node; then an
+    expert node is SIGKILLed mid-generation and the layout shrinks to the 4 nodes left."""
+    folder, expected = moe
+    with LocalSwarm(str(folder), 5, "400M", tmp_path, stages=2, expert_nodes=2,
+                    vocab_nodes=1) as swarm:  # fmt: skip
+        status = swarm.wait_ready()
+        holds = sorted(n["holds"] for n in status["nodes"])
+        assert sum("experts x" in h for h in holds) == 2 and sum("vocab" in h for h in holds) == 1
+
+        def run(tag: str, kill: str | None = None) -> list[list[int]]:
+            ids = [client.submit(swarm.url, {"prompt": p, "max_tokens": 8,
+                                             "request_id": f"{tag}-{i}"})
+                   for i, p in enumerate(PARTS_PROMPTS)]  # fmt: skip
+            if kill:  # at once: this tiny model finishes 8 tokens in milliseconds
+                swarm.kill(kill)
+            return [client.wait(swarm.url, rid, timeout_s=180)["tokens"] for rid in ids]
+
+        assert run("a") == expected
+        expert_node = next(n["node_id"] for n in status["nodes"] if "experts x" in n["holds"])
+        assert run("b", kill=expert_node) == expected
+        after = swarm.status()["nodes"]
+        assert sum(n["state"] == "assigned" for n in after) == 4
+        assert node(swarm, expert_node)["state"] == "lost"
+        assert max(client.call(swarm.url, f"/v1/requests/b-{i}")["attempts"]
+                   for i in range(3)) == 2  # fmt: skip
+        check_budgets(swarm)

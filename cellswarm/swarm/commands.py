@@ -25,6 +25,10 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds to 'lost'")
     c.add_argument("--offline-after", type=int, default=2, help="failures in a row: offline")
     c.add_argument("--stages", type=int, help="pipeline stages (default: fewest that fit)")
+    c.add_argument("--expert-nodes", type=int, default=0,
+                   help="nodes holding the MoE layers' routed experts, apart from attention")
+    c.add_argument("--vocab-nodes", type=int, default=0,
+                   help="nodes holding the embedding and output head, split by rows")
     c.add_argument("--context", type=int, default=256, help="KV tokens a stage reserves/seq")
     c.add_argument("--max-sequences", type=int, default=8, help="sequences in flight per stage")
     c.set_defaults(func=cmd_coordinator)
@@ -65,8 +69,8 @@ def _model(path: str | None) -> str:
     from cellswarm.demo import demo_model_path
 
     p = path or str(demo_model_path())
-    if not Path(p).is_file():
-        raise RequestError(f"model file {p} does not exist")
+    if not Path(p).exists():
+        raise RequestError(f"model {p} does not exist: give a .gguf file or a model folder")
     return p
 
 
@@ -88,7 +92,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         model=_model(args.model), db=args.db.removeprefix("sqlite:///"), host=host, port=port,
         token_file=args.token_file, heartbeat_s=args.heartbeat,
         heartbeat_timeout_s=args.heartbeat_timeout, offline_after=args.offline_after,
-        stages=args.stages, context=args.context, max_sequences=args.max_sequences,
+        stages=args.stages, expert_nodes=args.expert_nodes, vocab_nodes=args.vocab_nodes,
+        context=args.context, max_sequences=args.max_sequences,
         log_dir=args.log_dir,
     ))  # fmt: skip
     return 0
@@ -119,11 +124,11 @@ def print_status(status: dict[str, Any]) -> None:
 
     wired = "wired" if status["wired"] else "not wired"
     t = Table(title=f"{status['model']} · epoch {status['epoch']} · ring {wired}")
-    for col in ("node", "state", "layers", "memory (peak of budget)", "heartbeat", "served",
+    for col in ("node", "state", "holds", "memory (peak of budget)", "heartbeat", "served",
                 "failures", "note"):  # fmt: skip
         t.add_column(col)
     for n in status["nodes"]:
-        layers = f"{n['layers'][0]}..{n['layers'][1] - 1}" if n["layers"] else "-"
+        layers = n.get("holds") or "-"
         mem = f"{format_bytes(n['peak_rss_bytes'])} of {format_bytes(n['memory_bytes'])}"
         t.add_row(n["node_id"], n["state"], layers, mem, f"{n['last_seen_s_ago']:.1f} s ago",
                   str(n["served"]), str(n["failures"]), n["message"][:60])  # fmt: skip

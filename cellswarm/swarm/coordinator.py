@@ -29,7 +29,7 @@ from cellswarm.errors import BudgetError, ProtocolError, RequestError
 from cellswarm.swarm.auth import load_token, new_nonce, verify
 from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
 from cellswarm.swarm.logs import JsonLog
-from cellswarm.swarm.membership import Shard, layout_complete, repair, ring
+from cellswarm.swarm.membership import Shard, layout_complete, part_nodes, repair, ring
 from cellswarm.swarm.store import Node, NodeId, Request, Store
 
 log = logging.getLogger("cellswarm.coordinator")
@@ -54,6 +54,8 @@ class CoordinatorConfig:
     offline_after: int = 2
     probe_every_s: float = 2.0
     stages: int | None = None  # default: the fewest that fit the workers' budgets
+    expert_nodes: int = 0  # part servers holding every MoE layer's routed experts
+    vocab_nodes: int = 0  # part servers holding the embedding and head, split by rows
     context: int = 256  # tokens of KV cache a stage reserves per sequence
     max_sequences: int = 8  # sequences in flight a stage reserves KV cache for
     log_dir: str | None = None
@@ -84,6 +86,7 @@ class Coordinator:
         self.log = JsonLog(config.log_dir, "coordinator")
         self._tokenizer: Any = None
         self._manifest: Any = None
+        self.part_specs = self._part_specs()
         self.problem = ""  # why nothing is placed, when nothing can be
         now = time.time()
         for n in self.store.nodes():  # a restart is not the nodes' fault: give them a grace
@@ -114,7 +117,7 @@ class Coordinator:
         node = Node(NodeId(node_id), state, session, caps, host, now, now)
         if old is not None:  # a re-join: it dropped whatever it served; keep its record
             node = replace(old, state=state, session=session, capabilities=caps, host=host,
-                           last_seen_s=now, shard=None, data_port=None, ready_layers=None)
+                           last_seen_s=now, shard=None, data_port=None, ready=None)
         self.store.put_node(node)
         if old is not None and old.state == "assigned":
             self.unwire(f"{node_id} re-joined")
@@ -136,7 +139,7 @@ class Coordinator:
             "rss_bytes": int(beat.get("rss_bytes", 0)),
             "peak_rss_bytes": int(beat.get("peak_rss_bytes", 0)),
             "data_port": beat.get("data_port"),
-            "ready_layers": beat.get("ready_layers"),
+            "ready": beat.get("ready"),
         }
         if beat.get("max_sequences"):  # what its KV cache was sized for
             changes["capabilities"] = {**node.capabilities,
@@ -158,8 +161,11 @@ class Coordinator:
         if node.state != "assigned" or node.shard is None:
             return None
         c = self.config
-        return {**node.shard, "model": c.model, "context": c.context,
-                "max_sequences": c.max_sequences}  # fmt: skip
+        out = {**node.shard, "model": c.model, "context": c.context,
+               "max_sequences": c.max_sequences}  # fmt: skip
+        if node.shard["role"] == "stage":
+            out["parts"] = self.part_specs  # what it does not hold; addresses come on wiring
+        return out
 
     def _probe(self, node: Node) -> bool:
         if node.state != "offline":
@@ -179,6 +185,13 @@ class Coordinator:
             return
         if kind == "next":
             return self._suspect_next(node)
+        if kind == "part":  # a part server it calls broke the step: that one is suspect
+            suspect = self.store.node(detail)
+            if suspect is not None:
+                self.lose(suspect, f"{node.node_id} could not reach it")
+            else:
+                self.unwire(f"{node.node_id} lost a part server")
+            return
         failures = node.consecutive_failures + 1
         changes: dict[str, Any] = {"failures": node.failures + 1, "consecutive_failures": failures,
                                    "message": detail[:200]}  # fmt: skip
@@ -199,7 +212,7 @@ class Coordinator:
         if node.state not in ("assigned", "spare"):
             return
         self.store.update_node(node.node_id, state="lost", shard=None, data_port=None,
-                               ready_layers=None, message=why, failures=node.failures + 1)
+                               ready=None, message=why, failures=node.failures + 1)
         self.log.event("lost", None, node=node.node_id, why=why)
         log.warning("node %s lost: %s", node.node_id, why)
         if node.state == "assigned":
@@ -223,7 +236,8 @@ class Coordinator:
 
     def reconcile(self) -> None:
         nodes = self.store.nodes()
-        layout, target = repair(nodes, self.layout, self._split, self.config.stages)
+        layout, target = repair(nodes, self.layout, self._split, self.config.stages,
+                                self.part_specs)  # fmt: skip
         if not target:
             self.problem = self._why_unplaced(nodes)
             return
@@ -255,27 +269,48 @@ class Coordinator:
         from cellswarm.swarm.local import budget_split
 
         c = self.config
-        return budget_split(c.model, stages, memory_bytes, c.context, c.max_sequences)
+        return budget_split(c.model, stages, memory_bytes, c.context, c.max_sequences,
+                            remote_experts=c.expert_nodes > 0, remote_vocab=c.vocab_nodes > 0)
+
+    def _part_specs(self) -> list[dict[str, Any]]:
+        """What each part server holds (addresses come at wiring time)."""
+        from cellswarm.swarm.local import part_specs
+
+        c = self.config
+        n = c.expert_nodes + c.vocab_nodes
+        specs = part_specs(c.model, c.expert_nodes, c.vocab_nodes, [0] * n) if n else []
+        return [s.to_dict() for s in specs]
 
     async def wire(self) -> None:
+        """Once every slot's node serves its shard: tell part servers who may call them,
+        then each stage its epoch, the next stage's address and the part servers'."""
         nodes = self.store.nodes()
         live = [n for n in nodes if n.state in ("assigned", "spare")]
         if self.wired_epoch == self.epoch or not layout_complete(live):
             return
-        stages = ring(nodes)
-        if not all(n.serving for n in stages):
+        stages, parts = ring(nodes), part_nodes(nodes)
+        if not all(n.serving for n in [*stages, *parts]):
             return
         epoch = self.epoch
+        callers = [PEER_ID, *(n.node_id for n in stages)]
+        for node in parts:
+            if not await self._reset(node, {"epoch": epoch, "peers": callers}):
+                return self.lose(node, "did not answer its reset")
+        addressed = [
+            {**(n.shard or {})["spec"], "node_id": n.node_id, "host": n.host, "port": n.data_port}
+            for n in parts
+        ]
         for k, node in enumerate(stages):
             nxt, prev = stages[(k + 1) % len(stages)], stages[k - 1]
             fields = {"epoch": epoch, "next_host": nxt.host, "next_port": nxt.data_port,
-                      "peers": [PEER_ID, prev.node_id]}  # fmt: skip
+                      "peers": [PEER_ID, prev.node_id], "parts": addressed}  # fmt: skip
             if not await self._reset(node, fields):
                 return self.lose(node, "did not answer its reset")
         if self.epoch == epoch:
             self.wired_epoch = epoch
             self.wired.set()
-            self.log.event("wired", None, epoch=epoch, ring=[n.node_id for n in stages])
+            self.log.event("wired", None, epoch=epoch, ring=[n.node_id for n in stages],
+                           parts=[n.node_id for n in parts])  # fmt: skip
 
     async def _reset(self, node: Node, fields: dict[str, Any]) -> bool:
         assert node.data_port is not None
@@ -424,8 +459,9 @@ class Coordinator:
         now = time.time()
         nodes = [
             {"node_id": n.node_id, "state": n.state,
-             "layers": n.shard["layers"] if n.shard else None,
-             "stage": n.shard["stage"] if n.shard else None,
+             "layers": n.shard.get("layers") if n.shard else None,
+             "holds": describe(n.shard),
+             "stage": n.shard.get("stage") if n.shard else None,
              "memory_bytes": n.memory_bytes, "rss_bytes": n.rss_bytes,
              "peak_rss_bytes": n.peak_rss_bytes, "last_seen_s_ago": round(now - n.last_seen_s, 2),
              "served": n.served, "failures": n.failures, "message": n.message,
@@ -457,3 +493,19 @@ class Coordinator:
             self._tokenizer = Tokenizer.from_gguf_metadata(meta)
         return self._tokenizer
 
+
+
+def describe(shard: Shard | None) -> str:
+    """A shard in a few words, for the status table."""
+    if shard is None:
+        return "-"
+    if shard["role"] == "stage":
+        lo, hi = shard["layers"]
+        return f"layers {lo}..{hi - 1}"
+    spec = shard["spec"]
+    if spec.get("vocab_rows"):
+        a, b = spec["vocab_rows"]
+        return f"vocab rows {a}..{b - 1}"
+    experts = spec.get("experts", {})
+    per_layer = len(next(iter(experts.values()), []))
+    return f"{per_layer} experts x {len(experts)} layers"

@@ -36,20 +36,26 @@ def even_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 def budget_split(
-    model: str, stages: int, memory_bytes: int, context: int = 512, max_sequences: int = 8
-) -> list[tuple[int, int]]:
+    model: str, stages: int, memory_bytes: int, context: int = 512, max_sequences: int = 8,
+    remote_experts: bool = False, remote_vocab: bool = False,
+) -> list[tuple[int, int]]:  # fmt: skip
     """Contiguous layer ranges that balance what each stage holds — its layers and their KV
     cache, the embedding on the first, the head on the last, runtime and scratch on all —
-    sized with the planner's byte-exact inventory; BudgetError if `stages` cannot fit."""
+    sized with the planner's byte-exact inventory; BudgetError if `stages` cannot fit.
+    With part servers holding the routed experts / the vocabulary rows, stages hold neither."""
     from cellswarm.planner.api import resolve_model
     from cellswarm.planner.overhead import runtime_overhead_bytes
 
     inv = resolve_model(model)
     kv = inv.kv_bytes_per_token_layer * context * max_sequences
-    layer = [sum(t.nbytes for t in inv.layer_tensors(i)) + kv for i in range(inv.n_layers)]
+    def held(i: int) -> int:
+        return sum(t.nbytes for t in inv.layer_tensors(i)
+                   if not (remote_experts and t.kind == "experts"))  # fmt: skip
+
+    layer = [held(i) + kv for i in range(inv.n_layers)]
     shared = sum(t.nbytes for t in inv.global_tensors() if t.kind not in ("embedding", "output"))
     fixed = runtime_overhead_bytes() + inv.scratch_bytes(1, context, 0) + shared
-    ends = (inv.embedding_bytes(), inv.head_bytes())
+    ends = (0, 0) if remote_vocab else (inv.embedding_bytes(), inv.head_bytes())
 
     def fits(cap: int) -> list[tuple[int, int]] | None:
         out, lo, used = [], 0, fixed + ends[0]

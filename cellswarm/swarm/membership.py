@@ -15,40 +15,53 @@ from typing import Any
 from cellswarm.errors import BudgetError
 from cellswarm.swarm.store import Node, NodeId
 
-Shard = dict[str, Any]  # {"stage": k, "layers": [lo, hi], "first": bool, "last": bool, "n": S}
+# A shard: {"slot": i, "n": slots in the layout, "role": "stage" | "part", ...}. A stage
+# shard adds "stage" k, "layers" [lo, hi], "first", "last"; a part shard adds "spec" (what
+# a part server holds: routed experts of some layers, or vocabulary rows; swarm/parts.py).
+Shard = dict[str, Any]
 # (number of stages, per-node memory) -> layer ranges, or BudgetError if they cannot fit
 Splitter = Callable[[int, int], list[tuple[int, int]]]
 
 PLACEABLE = ("spare", "assigned")
 
 
-def shards(split: Sequence[tuple[int, int]]) -> list[Shard]:
-    n = len(split)
-    return [
-        {"stage": k, "layers": [lo, hi], "first": k == 0, "last": k == n - 1, "n": n}
+def shards(split: Sequence[tuple[int, int]], parts: Sequence[dict[str, Any]] = ()) -> list[Shard]:
+    s, n = len(split), len(split) + len(parts)
+    stages = [
+        {"slot": k, "n": n, "role": "stage", "stage": k, "layers": [lo, hi], "first": k == 0,
+         "last": k == s - 1}
         for k, (lo, hi) in enumerate(split)
-    ]
+    ]  # fmt: skip
+    return stages + [{"slot": s + j, "n": n, "role": "part", "spec": dict(spec)}
+                     for j, spec in enumerate(parts)]  # fmt: skip
 
 
 def layout_complete(nodes: Sequence[Node]) -> bool:
-    """Every stage of the current layout is held by exactly one assigned node."""
+    """Every slot of the current layout is held by exactly one assigned node."""
     held = [n.shard for n in nodes if n.state == "assigned" and n.shard is not None]
     if not held:
         return False
-    n_stages = int(held[0]["n"])
-    return sorted(int(s["stage"]) for s in held) == list(range(n_stages)) and all(
-        int(s["n"]) == n_stages for s in held
+    n_slots = int(held[0]["n"])
+    return sorted(int(s["slot"]) for s in held) == list(range(n_slots)) and all(
+        int(s["n"]) == n_slots for s in held
     )
 
 
 def ring(nodes: Sequence[Node]) -> list[Node]:
-    """The assigned nodes in stage order."""
-    held = [n for n in nodes if n.state == "assigned" and n.shard is not None]
+    """The nodes holding pipeline stages, in stage order."""
+    held = [n for n in nodes if n.state == "assigned" and n.shard and n.shard["role"] == "stage"]
     return sorted(held, key=lambda n: int(n.shard["stage"]) if n.shard else 0)
 
 
+def part_nodes(nodes: Sequence[Node]) -> list[Node]:
+    """The nodes holding part servers, in slot order."""
+    held = [n for n in nodes if n.state == "assigned" and n.shard and n.shard["role"] == "part"]
+    return sorted(held, key=lambda n: int(n.shard["slot"]) if n.shard else 0)
+
+
 def repair(
-    nodes: Sequence[Node], layout: Sequence[Shard], split: Splitter, stages: int | None
+    nodes: Sequence[Node], layout: Sequence[Shard], split: Splitter, stages: int | None,
+    parts: Sequence[dict[str, Any]] = (),
 ) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
     """The layout and the shard every placeable node should hold (None: a spare). A complete
     layout stays as it is; a hole is filled by a spare with as much memory as the node it
@@ -61,13 +74,13 @@ def repair(
         filled = _fill_holes(live, layout)
         if filled is not None:
             return list(layout), filled
-    return place(live, split, stages, shrink=bool(layout))
+    return place(live, split, stages, shrink=bool(layout), parts=parts)
 
 
 def _fill_holes(
     live: Sequence[Node], layout: Sequence[Shard]
 ) -> dict[NodeId, Shard | None] | None:
-    held = {int(n.shard["stage"]): n for n in live if n.state == "assigned" and n.shard}
+    held = {int(n.shard["slot"]): n for n in live if n.state == "assigned" and n.shard}
     if not held:
         return None
     budget = min(n.memory_bytes for n in held.values())  # what a stage was sized for
@@ -77,7 +90,7 @@ def _fill_holes(
     )
     out: dict[NodeId, Shard | None] = {n.node_id: n.shard for n in live}
     for shard in layout:
-        if int(shard["stage"]) in held:
+        if int(shard["slot"]) in held:
             continue
         if not spares:
             return None
@@ -86,12 +99,14 @@ def _fill_holes(
 
 
 def place(
-    live: Sequence[Node], split: Splitter, stages: int | None, shrink: bool = False
+    live: Sequence[Node], split: Splitter, stages: int | None, shrink: bool = False,
+    parts: Sequence[dict[str, Any]] = (),
 ) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
     """A fresh layout over the live nodes: `stages` stages (or the fewest that fit), the
     earliest joined nodes first, the rest spares. ([], {}) when they cannot hold the model.
     A first placement waits for the stages asked for; a repair (`shrink`) takes fewer
-    rather than stall: the fewest that fit what is left."""
+    rather than stall: the fewest that fit what is left. Part servers (`parts`) take the
+    next nodes after the stages."""
     if not live:
         return [], {}
     order = sorted(live, key=lambda n: (n.joined_s, n.node_id))
@@ -99,14 +114,14 @@ def place(
         list(range(1, len(order) + 1)) if shrink or not stages else []
     )
     for count in counts:
-        if count > len(order):
+        if count + len(parts) > len(order):
             continue
-        chosen = order[:count]
+        chosen = order[: count + len(parts)]
         try:
-            split_ = split(count, min(n.memory_bytes for n in chosen))
+            split_ = split(count, min(n.memory_bytes for n in chosen[:count]))
         except BudgetError:
             continue
-        layout = shards(split_)
+        layout = shards(split_, parts)
         out: dict[NodeId, Shard | None] = {n.node_id: None for n in order}
         for node, shard in zip(chosen, layout, strict=True):
             out[node.node_id] = shard

@@ -30,7 +30,7 @@ import logging
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -179,7 +179,9 @@ class PartServer:
         f, a = frame.fields, frame.array
         if frame.type == "stats":
             return Frame("stats", self.stats())
-        if frame.type == "reset":  # nothing per sequence to forget
+        if frame.type == "reset":  # nothing per sequence to forget; maybe new callers
+            if "peers" in f:
+                self.config = replace(self.config, peers=tuple(f["peers"]))
             return Frame("reset_done", {})
         if a is None:
             raise ProtocolError(f"a {frame.type!r} request carries no array")
@@ -231,6 +233,14 @@ async def main(config: PartConfig) -> None:
 # -- the clients a stage uses --------------------------------------------------------------
 
 
+class PartLost(ConnectionError):
+    """A part server stopped answering (or answered garbage): its fault, not the caller's."""
+
+    def __init__(self, node_id: str, why: str) -> None:
+        super().__init__(f"part {node_id}: {why}")
+        self.node_id = node_id
+
+
 class PartClient:
     """One blocking connection to a part server, opened on first use and dropped on any
     error, so the next use reconnects (to a replacement, after a failure)."""
@@ -244,21 +254,21 @@ class PartClient:
             if self._sock is None:
                 self._sock = connect_sync(self.spec.host, self.spec.port, self.token, self.peer)
             write_frame_sync(self._sock, frame)
-        except Exception:
+        except (OSError, ProtocolError) as exc:
             self.close()
-            raise
+            raise PartLost(self.spec.node_id, f"{type(exc).__name__}: {exc}") from exc
 
     def receive(self, expected: str) -> np.ndarray:
         if self._sock is None:
-            raise ConnectionError(f"part {self.spec.node_id}: receive without a request")
+            raise PartLost(self.spec.node_id, "receive without a request")
         try:
             frame = read_frame_sync(self._sock)
-        except Exception:
+        except (OSError, ProtocolError) as exc:
             self.close()
-            raise
+            raise PartLost(self.spec.node_id, f"{type(exc).__name__}: {exc}") from exc
         if frame.type != expected or frame.array is None:
             self.close()
-            raise ProtocolError(f"part {self.spec.node_id} answered {frame.type!r}, not {expected}")
+            raise PartLost(self.spec.node_id, f"answered {frame.type!r}, not {expected}")
         return frame.array
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.emulate import Emulation
 from cellswarm.swarm.frames import Frame, accept, connect, no_delay, read_frame, write_frame
 from cellswarm.swarm.logs import JsonLog
-from cellswarm.swarm.parts import ExpertParts, PartSpec, VocabParts
+from cellswarm.swarm.parts import ExpertParts, PartLost, PartSpec, VocabParts
 
 log = logging.getLogger("cellswarm.stage")
 
@@ -124,13 +124,21 @@ class Stage:
         self.on_fault: Callable[[str, str], None] | None = None
         self.fail_forward = False  # fault injection for tests: every forward pass raises
         self.connections: set[asyncio.StreamWriter] = set()
-        self.vocab = (
-            VocabParts(config.parts, self.token, config.node_id) if config.vocab_remote else None
-        )
-        self.experts = ExpertParts(config.parts, self.token, config.node_id)
+        self.vocab: VocabParts | None = None
+        self.experts = ExpertParts((), self.token, config.node_id)
+        self.connect_parts()
+
+    def connect_parts(self) -> None:
+        """Clients for the part servers in the config (connected on first use)."""
+        c = self.config
+        self.experts.close()
+        if self.vocab is not None:
+            self.vocab.close()
+        self.vocab = VocabParts(c.parts, self.token, c.node_id) if c.vocab_remote else None
+        self.experts = ExpertParts(c.parts, self.token, c.node_id)
         if self.experts.clients:
-            check_expert_cover(model, self.experts)
-            model.arch.remote_experts = self.experts  # type: ignore[attr-defined]
+            check_expert_cover(self.model, self.experts)
+            self.model.arch.remote_experts = self.experts  # type: ignore[attr-defined]
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         """(T,) ids -> (T, d), from the vocab parts when the rows live there."""
@@ -222,6 +230,11 @@ class Stage:
                 self.config, next_host=str(f["next_host"]), next_port=int(f["next_port"]),
                 peers=tuple(f.get("peers", self.config.peers)),
             )  # fmt: skip
+        if f.get("parts"):  # the part servers' addresses in this layout
+            self.config = replace(
+                self.config, parts=tuple(PartSpec.from_dict(p) for p in f["parts"])
+            )
+            self.connect_parts()
         self.epoch = epoch
         self.caches.clear()
         self.samplers.clear()
@@ -305,7 +318,10 @@ class Stage:
             # Keep the connections: the coordinator resets the ring and replays; dropping
             # them would make the neighbours report this node as gone rather than faulty.
             log.exception("stage %s: step failed", self.config.layers)
-            self.on_fault("forward", f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, PartLost):  # a part server's fault, not this node's
+                self.on_fault("part", exc.node_id)
+            else:
+                self.on_fault("forward", f"{type(exc).__name__}: {exc}")
             return
         self.steps += 1
         if self.emulation is not None:

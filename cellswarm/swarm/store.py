@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     shard TEXT,              -- JSON: stage index, layers, first, last (NULL for a spare)
     host TEXT NOT NULL,
     data_port INTEGER,       -- where its stage listens, once loaded
-    ready_layers TEXT,       -- JSON layers it has loaded and serves
+    ready TEXT,              -- the shard it has loaded and serves (membership.shard_id)
     joined_s REAL NOT NULL,
     last_seen_s REAL NOT NULL,
     rss_bytes INTEGER NOT NULL DEFAULT 0,
@@ -69,7 +69,7 @@ class Node:
     last_seen_s: float
     shard: dict[str, Any] | None = None
     data_port: int | None = None
-    ready_layers: list[int] | None = None
+    ready: str | None = None
     rss_bytes: int = 0
     peak_rss_bytes: int = 0
     served: int = 0
@@ -92,8 +92,14 @@ class Node:
             self.state == "assigned"
             and self.shard is not None
             and self.data_port is not None
-            and self.ready_layers == list(self.shard["layers"])
+            and self.ready == shard_id(self.shard)
         )
+
+
+def shard_id(shard: dict[str, Any]) -> str:
+    """What identifies a shard's content: a worker reports it once loaded."""
+    keys = ("slot", "role", "layers", "first", "last", "spec")
+    return json.dumps({k: shard.get(k) for k in keys}, sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,7 @@ class Request:
         return self.state in ("done", "failed")
 
 
-_JSON_NODE = ("capabilities", "shard", "ready_layers")
+_JSON_NODE = ("capabilities", "shard")
 
 
 class Store:

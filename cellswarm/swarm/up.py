@@ -36,6 +36,8 @@ class LocalSwarm:
     state_dir: Path
     profile: str | None = None
     stages: int | None = None
+    expert_nodes: int = 0
+    vocab_nodes: int = 0
     context: int = 256
     max_sequences: int = 8
     heartbeat_s: float = 0.25
@@ -95,6 +97,7 @@ class LocalSwarm:
                 "--offline-after", str(self.offline_after)]  # fmt: skip
         if self.stages:
             args += ["--stages", str(self.stages)]
+        args += ["--expert-nodes", str(self.expert_nodes), "--vocab-nodes", str(self.vocab_nodes)]
         self._spawn("coordinator", args, "READY")
 
     def start_worker(self, i: int) -> None:

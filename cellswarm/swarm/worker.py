@@ -28,7 +28,15 @@ import numpy as np
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.swarm.auth import load_token, prove
-from cellswarm.swarm.stage import Stage, StageConfig, load_stage_model, shard_need_bytes
+from cellswarm.swarm.parts import PartConfig, PartServer, PartSpec, load_part_model
+from cellswarm.swarm.stage import (
+    Stage,
+    StageConfig,
+    load_stage_model,
+    shard_need_bytes,
+    stage_selection,
+)
+from cellswarm.swarm.store import shard_id
 
 log = logging.getLogger("cellswarm.worker")
 
@@ -95,6 +103,8 @@ class Worker:
         self.session: str | None = None
         self.heartbeat_s = 0.5
         self.stage: Stage | None = None
+        self.part: PartServer | None = None
+        self.ready: str | None = None  # the shard_id of what it serves
         self.server: asyncio.Server | None = None
         self.shard_key: tuple[Any, ...] | None = None
         self.data_port: int | None = None
@@ -126,7 +136,7 @@ class Worker:
         beat: dict[str, Any] = {
             "node_id": self.config.node_id, "session": self.session, "rss_bytes": rss_bytes(),
             "peak_rss_bytes": peak_rss_bytes(), "data_port": self.data_port,
-            "ready_layers": list(self.stage.config.layers) if self.stage else None,
+            "ready": self.ready,
             "refused": self.refused or None,
             "max_sequences": self.stage.config.max_sequences if self.stage else None,
             "stats": self.stage.stats() if self.stage else None,
@@ -179,19 +189,23 @@ class Worker:
         if answer.get("probe"):
             self.probe = await asyncio.to_thread(self.run_probe)
         if shard is None:
-            if self.stage is not None:
+            if self.stage is not None or self.part is not None:
                 await self.stop_serving("the coordinator gave this node no shard")
             self.refused = ""
             return
-        key = (tuple(shard["layers"]), shard["first"], shard["last"], shard["model"],
-               shard["context"], shard["max_sequences"])  # fmt: skip
+        key = (shard_id(shard), shard["model"], shard["context"], shard["max_sequences"])
         if key == self.shard_key:
             return
         await self.stop_serving("a new shard")
         self.shard_key = key
         try:
-            await self.start_serving(shard)
-        except CellswarmError as exc:
+            if shard["role"] == "part":
+                await self.start_part(shard)
+            else:
+                await self.start_serving(shard)
+            self.ready = shard_id(shard)
+        except (CellswarmError, OSError) as exc:  # a budget, a file, a fetch: say which
+            await self.stop_serving("could not serve its shard")
             self.refused = str(exc)
             print(f"REFUSED {exc}", flush=True)
             return
@@ -205,8 +219,9 @@ class Worker:
             threads=c.threads, memory_bytes=c.memory_bytes, context=int(shard["context"]),
             max_sequences=int(shard["max_sequences"]), log_dir=c.log_dir, node_id=c.node_id,
             profile=c.profile, token_file=c.token_file, peers=("coordinator",),
+            parts=tuple(PartSpec.from_dict(p) for p in shard.get("parts", ())),
         )  # fmt: skip
-        if c.fetch or not Path(config.model).is_file():
+        if c.fetch or not Path(config.model).exists():
             config = replace(config, model=str(await asyncio.to_thread(self.fetch, config)))
         config = size_kv(config)
         model = load_stage_model(config)
@@ -220,7 +235,27 @@ class Worker:
         log.info("serving layers %s on port %s", config.layers, self.data_port)
         print(f"SERVING {config.layers[0]}..{config.layers[1] - 1} {self.data_port}", flush=True)
 
+    async def start_part(self, shard: dict[str, Any]) -> None:
+        """Serve a part: routed experts of some layers, or vocabulary rows (swarm/parts.py)."""
+        c = self.config
+        spec = PartSpec.from_dict({**shard["spec"], "node_id": c.node_id, "port": 0})
+        model_path = c.model or str(shard["model"])
+        if c.fetch or not Path(model_path).exists():
+            path = await asyncio.to_thread(self.fetch_selection, spec.selection())
+            model_path = str(path)
+        config = PartConfig(model_path, spec, c.threads, c.token_file, ("coordinator",))
+        model = load_part_model(config)
+        check_part_budget(model, c.memory_bytes, spec)
+        self.part = PartServer(config, model)
+        self.server = await asyncio.start_server(self.part.serve, c.listen_host, 0)
+        self.data_port = self.server.sockets[0].getsockname()[1]
+        self.refused = ""
+        print(f"SERVING part {spec.node_id} {self.data_port}", flush=True)
+
     def fetch(self, config: StageConfig) -> Path:
+        return self.fetch_selection(stage_selection(config))
+
+    def fetch_selection(self, sel: Any) -> Path:
         """This shard's bytes of the model, from the coordinator: only the chunks holding
         its tensors, each checked against the manifest, cached by content hash on disk."""
         from cellswarm.swarm.fetch import Manifest, ensure_local
@@ -234,7 +269,6 @@ class Worker:
                 return data
 
         manifest = Manifest.from_json(get("/v1/model/manifest"))
-        sel = stage_selection_of(config)
         report = ensure_local(manifest, sel, lambda i: get(f"/v1/model/chunks/{i}"),
                               self.config.cache_dir)  # fmt: skip
         print(f"FETCHED {report.chunks_fetched} chunks ({report.bytes_fetched:,} bytes), "
@@ -249,8 +283,8 @@ class Worker:
             self.server.close()
         if self.stage is not None:
             self.stage.close_connections()
-        self.stage = self.server = None
-        self.shard_key = self.data_port = None
+        self.stage = self.part = self.server = None
+        self.shard_key = self.data_port = self.ready = None
 
     def run_probe(self) -> tuple[bool, str]:
         """A health check an offline node must pass to get a shard again: one forward step
@@ -274,22 +308,27 @@ class Worker:
             return False, f"{type(exc).__name__}: {exc}"
 
 
-def stage_selection_of(config: StageConfig) -> Any:
-    from cellswarm.io.weights import Selection
+def check_part_budget(model: Any, memory_bytes: int, spec: PartSpec) -> None:
+    """A part holds weights only (no KV cache): they and the runtime must fit the budget."""
+    from cellswarm.planner.overhead import runtime_overhead_bytes
 
-    return Selection(layers=config.layers, embed=config.first, head=config.last)
+    need = model.weights.nbytes() + runtime_overhead_bytes()
+    if need > memory_bytes:
+        raise BudgetError(
+            f"part {spec.node_id} needs {need:,} bytes (weights {model.weights.nbytes():,}, "
+            f"runtime {runtime_overhead_bytes():,}) but --memory is {memory_bytes:,}: "
+            f"{need - memory_bytes:,} bytes short; use more expert/vocab nodes"
+        )
 
 
 def size_kv(config: StageConfig) -> StageConfig:
     """How many sequences' KV cache fit in what the budget leaves after weights, scratch and
     runtime: at most what the coordinator asked for, at least one, or BudgetError."""
     from cellswarm.engine.model import Model
-    from cellswarm.io.weights import Selection
     from cellswarm.loader import load
 
     lo, hi = config.layers
-    sel = Selection(layers=(lo, hi), embed=config.first, head=config.last)
-    probe: Model = load(config.model, selection=sel, tokenizer=False)  # a memory map: cheap
+    probe: Model = load(config.model, selection=stage_selection(config), tokenizer=False)
     need = shard_need_bytes(probe, replace(config, max_sequences=0))
     per_seq = probe.kv_bytes_per_token() * config.context
     left = int(config.memory_bytes or 0) - sum(need.values())
