@@ -87,6 +87,7 @@ class Coordinator:
         self._tokenizer: Any = None
         self._manifest: Any = None
         self.part_specs = self._part_specs()
+        self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
         self.problem = ""  # why nothing is placed, when nothing can be
         now = time.time()
         for n in self.store.nodes():  # a restart is not the nodes' fault: give them a grace
@@ -155,6 +156,7 @@ class Coordinator:
             else:
                 changes.update(message=f"failed its probe: {beat.get('probe_error', '')}")
         node = self.store.update_node(node.node_id, **changes)
+        self.node_stats[node.node_id] = beat.get("stats")
         return {"shard": self._shard_for(node), "epoch": self.epoch, "probe": self._probe(node)}
 
     def _shard_for(self, node: Node) -> dict[str, Any] | None:
@@ -465,7 +467,8 @@ class Coordinator:
              "memory_bytes": n.memory_bytes, "rss_bytes": n.rss_bytes,
              "peak_rss_bytes": n.peak_rss_bytes, "last_seen_s_ago": round(now - n.last_seen_s, 2),
              "served": n.served, "failures": n.failures, "message": n.message,
-             "profile": n.capabilities.get("profile"), "serving": n.serving}
+             "profile": n.capabilities.get("profile"), "serving": n.serving,
+             "stats": self.node_stats.get(n.node_id)}
             for n in self.store.nodes()
         ]  # fmt: skip
         return {"epoch": self.epoch, "wired": self.wired_epoch == self.epoch,

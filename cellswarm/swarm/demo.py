@@ -1,12 +1,13 @@
-"""`cellswarm demo`: the demo model split over a local swarm of stage processes, a stage
-killed mid-generation, and the plan for the seed's 100,000 PS3s."""
+"""`cellswarm demo`: the demo model split over a local swarm — a coordinator and worker
+processes under memory budgets — a worker killed mid-generation, and the plan for the
+seed's 100,000 PS3s."""
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -15,8 +16,8 @@ from rich.table import Table
 from cellswarm.engine.model import Model
 from cellswarm.units import format_bytes
 
-STAGES = 3
-BUDGET_BYTES = 128 << 20  # per worker: below what the whole demo model needs in one process
+STAGES, SPARES = 3, 1
+BUDGET = "128M"  # per worker: below what the whole demo model needs in one process
 CONTEXT, SEQUENCES = 256, 4
 QUESTION = "What is the capital of France?"
 
@@ -25,32 +26,40 @@ def run(max_tokens: int = 32) -> int:
     from cellswarm.demo import demo_model_path
     from cellswarm.io.gguf_file import GGUFFile
     from cellswarm.io.tokenizer import Tokenizer
-    from cellswarm.swarm.local import LocalPipeline, budget_split
+    from cellswarm.swarm import client
+    from cellswarm.swarm.up import LocalSwarm
 
     con = Console()
     path = demo_model_path()
     tok = Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]), False)
     request = {"prompt": prompt, "max_tokens": max_tokens, "stop_ids": sorted(tok.stop_ids)}
-    con.print(f"[bold]{path.name}[/] on {STAGES} local workers, {format_bytes(BUDGET_BYTES)} each "
-              f"(one process would need {_whole_model_need(path)})")  # fmt: skip
-    splits = budget_split(str(path), STAGES, BUDGET_BYTES, CONTEXT, SEQUENCES)
-    with LocalPipeline(str(path), splits, memory_bytes=BUDGET_BYTES,
-                       context=CONTEXT, max_sequences=SEQUENCES) as pipe:  # fmt: skip
+    state = Path(tempfile.mkdtemp(prefix="cellswarm-demo-"))
+    con.print(f"[bold]{path.name}[/] on {STAGES} local workers + {SPARES} spare, {BUDGET} each "
+              f"(one process would need {_whole_model_need(path)}); state in {state}")  # fmt: skip
+    swarm = LocalSwarm(str(path), STAGES + SPARES, BUDGET, state, stages=STAGES,
+                       context=CONTEXT, max_sequences=SEQUENCES)  # fmt: skip
+    with swarm:
+        swarm.wait_ready()
         con.print(f"[dim]user:[/] {QUESTION}")
         t0 = time.perf_counter()
-        [first] = pipe.generate([request], on_token=_streamer(tok))
+        first = client.wait(swarm.url, client.submit(swarm.url, request), _streamer(tok))
         elapsed = time.perf_counter() - t0
         print()
-        con.print(_node_table(pipe.stats(), len(first.tokens), elapsed))
-        victim = 1
-        con.print(f"\nAgain, killing worker {victim} (layers {pipe.configs[victim].layers}) "
-                  "with SIGKILL after 5 tokens:")  # fmt: skip
-        [second] = pipe.generate([request], on_token=_killer(tok, pipe, victim, after=5))
+        time.sleep(3 * swarm.heartbeat_s)  # the workers' step timings come with heartbeats
+        con.print(_node_table(swarm.status(), len(first["tokens"]), elapsed))
+        victim = _stage_holder(swarm.status(), 1)
+        con.print(f"\nAgain, killing {victim} (stage 1) with SIGKILL after 5 tokens:")
+        rid = client.submit(swarm.url, request)
+        second = client.wait(swarm.url, rid, _killer(tok, swarm, victim, after=5))
         print()
-        same = second.tokens == first.tokens
+        same = second["tokens"] == first["tokens"]
         verdict = "[green]same text[/]" if same else "[red]different text[/]"
-        con.print(f"{verdict} after {pipe.restarts} worker replacement(s) and a replay")
+        status = swarm.status()
+        con.print(f"{verdict}: {victim} is {_state_of(status, victim)}, its layers went to "
+                  f"{_stage_holder(status, 1)}, and the request was replayed "
+                  f"(attempts: {second['attempts']})")  # fmt: skip
+        con.print(f"[dim]its timeline across nodes: cellswarm logs {rid} --dir {swarm.log_dir}[/]")
     _plan_summary(con)
     return 0 if same else 1
 
@@ -64,12 +73,20 @@ def _whole_model_need(path: Any) -> str:
     return format_bytes(sum(shard_need_bytes(model, cfg).values()))
 
 
+def _stage_holder(status: dict[str, Any], stage: int) -> str:
+    return next(n["node_id"] for n in status["nodes"] if n["stage"] == stage)
+
+
+def _state_of(status: dict[str, Any], node_id: str) -> str:
+    return next(n["state"] for n in status["nodes"] if n["node_id"] == node_id)
+
+
 def _streamer(tok: Any) -> Any:
     tokens: list[int] = []
     shown = [0]
 
-    def show(_i: int, token: int) -> None:
-        tokens.append(token)
+    def show(new: list[int]) -> None:
+        tokens.extend(new)
         text = tok.decode(tokens)
         safe = len(text.rstrip("\ufffd"))
         sys.stdout.write(text[shown[0] : safe])
@@ -79,29 +96,30 @@ def _streamer(tok: Any) -> Any:
     return show
 
 
-def _killer(tok: Any, pipe: Any, victim: int, after: int) -> Any:
+def _killer(tok: Any, swarm: Any, victim: str, after: int) -> Any:
     show, seen = _streamer(tok), [0]
 
-    def step(i: int, token: int) -> None:
-        show(i, token)
-        seen[0] += 1
-        if seen[0] == after:
-            os.kill(pipe.procs[victim].pid, signal.SIGKILL)
+    def step(new: list[int]) -> None:
+        show(new)
+        before = seen[0]
+        seen[0] += len(new)
+        if before < after <= seen[0]:
+            swarm.kill(victim)
 
     return step
 
 
-def _node_table(stats: list[dict[str, Any]], tokens: int, elapsed: float) -> Table:
+def _node_table(status: dict[str, Any], tokens: int, elapsed: float) -> Table:
     title = f"{tokens} tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s)"
-    t = Table(
-        "worker", "layers", "memory (peak of budget)", "steps", "ms / decode step", title=title
-    )
-    for i, s in enumerate(stats):
-        lo, hi = s["layers"]
+    t = Table("worker", "state", "holds", "memory (peak of budget)", "ms / decode step",
+              title=title)  # fmt: skip
+    for n in status["nodes"]:
+        s = n.get("stats") or {}
+        ms = 1000 * s.get("decode_s", 0) / max(s.get("decode_steps", 0), 1) if s else None
         t.add_row(
-            str(i), f"{lo}..{hi - 1}",
-            f"{format_bytes(s['peak_rss_bytes'])} of {format_bytes(s['memory_bytes'])}",
-            str(s["steps"]), f"{1000 * s['decode_s'] / max(s['decode_steps'], 1):.2f}",
+            n["node_id"], n["state"], n["holds"],
+            f"{format_bytes(n['peak_rss_bytes'])} of {format_bytes(n['memory_bytes'])}",
+            "-" if ms is None else f"{ms:.2f}",
         )  # fmt: skip
     return t
 
