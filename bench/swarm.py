@@ -26,6 +26,7 @@ from cellswarm.loader import load
 from cellswarm.swarm.local import LocalPipeline, even_split
 
 PROMPT = list(range(100, 108))
+CONTEXT = 512
 
 
 def single_process_tokens_per_s(path: str, tokens: int) -> float:
@@ -59,6 +60,36 @@ def per_hop_overhead_s(path: str, tokens: int) -> float:
     return (eight - one) / 7
 
 
+def planner_prediction(path: str, profile: str, stages: int, concurrency: int) -> float:
+    """The planner's tokens/s (all sequences) for the same setup: `stages` nodes of the
+    profile, each given just enough memory that the model needs all of them (found by
+    bisection, since the planner fills nodes by memory), `concurrency` sequences in flight."""
+    from dataclasses import replace
+
+    from cellswarm.planner.api import plan, resolve_model
+    from cellswarm.planner.plan import PlanRequest
+    from cellswarm.planner.plan import plan as plan_inventory
+    from cellswarm.planner.profiles import get_profile
+
+    inv = resolve_model(path)
+    base = plan(inv, node=profile, count=stages, context=CONTEXT, concurrency=concurrency)
+    lo, hi = 1 << 20, 1 << 34
+    result = base
+    while lo < hi:  # the smallest memory for which the model still fits on `stages` nodes
+        mid = (lo + hi) // 2
+        req = replace(base.request, node=replace(get_profile(profile), memory_bytes=mid))
+        trial = plan_inventory(inv, req)
+        if trial.fits and trial.min_nodes <= stages:
+            hi, result = mid, trial
+        else:
+            lo = mid + 1
+    assert isinstance(result.request, PlanRequest)
+    if result.min_nodes != stages:
+        return float("nan")
+    return float(result.throughput_tokens_per_s if concurrency > 1 else
+                 result.decode_tokens_per_s)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
@@ -75,11 +106,15 @@ def main() -> None:
         many = swarm_decode(path, stages, stages, tokens)
         print(f"{stages:>6} {one:>17.1f} {one / base:>9.2f} {many:>18.1f} "
               f"{many / (stages * one):>12.2f}")  # fmt: skip
-    print("emulated rpi4 stages:")
-    for stages in (2, 4):
-        one = swarm_decode(path, stages, 1, tokens, "rpi4")
-        many = swarm_decode(path, stages, stages, tokens, "rpi4")
-        print(f"{stages:>6} {one:>17.1f} {'':>9} {many:>18.1f} {many / (stages * one):>12.2f}")
+    for profile in ("rpi4", "ps3"):
+        print(f"emulated {profile} stages (planner's prediction for the same setup in brackets):")
+        for stages in (2, 4):
+            one = swarm_decode(path, stages, 1, tokens, profile)
+            many = swarm_decode(path, stages, stages, tokens, profile)
+            p_one = planner_prediction(path, profile, stages, 1)
+            p_many = planner_prediction(path, profile, stages, stages)
+            print(f"{stages:>6} {one:>9.1f} [{p_one:>5.1f}] {'':>9} {many:>10.1f} [{p_many:>5.1f}]"
+                  f" {many / (stages * one):>12.2f} [{p_many / (stages * p_one):.2f}]")  # fmt: skip
 
 
 if __name__ == "__main__":

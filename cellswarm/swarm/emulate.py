@@ -28,10 +28,14 @@ class Emulation:
 
     @classmethod
     def for_stage(cls, model: Model, profile_name: str) -> Emulation:
-        # The engine's own accounting: bytes held, and parameters of every matrix.
+        # The engine's own accounting: the bytes a step streams and the parameters it
+        # multiplies. An embedding is a row lookup, not a stream — unless it is also the
+        # (tied) output head of the last stage, which reads all of it, as the planner counts.
         weights = model.weights
-        nbytes = sum(int(t.nbytes) for t in weights.values())
-        params = sum(math.prod(t.shape) for t in weights.values() if len(t.shape) >= 2)
+        tied_head = "output.weight" not in weights and "output_norm.weight" in weights
+        read = {k: t for k, t in weights.items() if k != "token_embd.weight" or tied_head}
+        nbytes = sum(int(t.nbytes) for t in read.values())
+        params = sum(math.prod(t.shape) for t in read.values() if len(t.shape) >= 2)
         return cls(get_profile(profile_name), nbytes, params)
 
     def step_s(self, tokens: int) -> float:
