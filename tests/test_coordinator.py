@@ -21,6 +21,7 @@ from cellswarm.engine.model import GenerateOptions
 from cellswarm.errors import RequestError
 from cellswarm.swarm import client
 from cellswarm.swarm.auth import prove
+from cellswarm.swarm.logs import timeline
 from cellswarm.swarm.up import LocalSwarm
 from cellswarm.units import parse_bytes
 from tests.test_swarm_parts import PROMPTS as PARTS_PROMPTS
@@ -101,6 +102,12 @@ def test_swarm_output_equals_the_single_process_engine(
         text = client.wait(swarm.url, client.submit(swarm.url, {"prompt": TEXTS[0],
                                                                 "max_tokens": 3}))  # fmt: skip
         assert "Paris" in text["text"]
+        # one request's timeline, merged across the coordinator's and every worker's log
+        events = timeline(swarm.log_dir, ids[0])
+        assert {e["node"] for e in events} == {"coordinator", *(f"worker-{i}"
+                                                                for i in range(workers))}
+        assert [e["event"] for e in events][:2] == ["submitted", "send"]
+        assert events[-1]["event"] == "finished"
 
 
 @pytest.mark.parametrize("spare", [True, False], ids=["spare", "re-placed"])
