@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import cellswarm
@@ -285,3 +286,28 @@ def test_budget_split_balances_memory_and_each_stage_accepts_its_share(demo_path
     assert len(r.tokens) == 3
     with pytest.raises(cellswarm.BudgetError, match=r"2 workers need .* bytes each .* short"):
         budget_split(str(demo_path), 2, 64 << 20, context=256, max_sequences=4)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 5, 8])
+def test_a_random_llama_over_up_to_8_stages_equals_one_process(tmp_path: Path, stages: int) -> None:
+    """Random weights, 8 layers: greedy tokens and the last stage's logits match one process
+    (the ring carries the same float32 activations the single process computes)."""
+    from tests.hf_reference import LLAMA_FAMILY, build_hf_model, save_hf
+
+    config = dict(LLAMA_FAMILY["llama"], num_hidden_layers=8)
+    folder = save_hf(build_hf_model(config, seed=3), tmp_path / "llama8")
+    model = cellswarm.load(folder)
+    prompts = [[1, 5, 9, 14, 3], [7, 7, 2], [30, 31, 32, 33]]
+    opts = GenerateOptions(8, stop_ids=frozenset())
+    expected = [model.generate(p, opts).token_ids for p in prompts]
+    with LocalPipeline(str(folder), even_split(8, stages)) as pipe:
+        results = pipe.generate([{"prompt": p, "max_tokens": 8} for p in prompts])
+    assert [r.tokens for r in results] == expected
+    # the stages' layer ranges, run one after another in this process, give the same logits
+    ids = np.asarray(prompts[0] + expected[0])
+    staged = cellswarm.load(folder)
+    cache = staged.new_cache(len(ids))
+    h = staged.arch.embed(ids)
+    for lo, hi in even_split(8, stages):
+        h = staged.forward(h, cache, range(lo, hi))
+    assert np.abs(staged.arch.head(h) - model.logits(ids)).max() <= 1e-5
