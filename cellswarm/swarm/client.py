@@ -55,7 +55,7 @@ def wait(
         if r["tokens"] and on_tokens is not None:
             on_tokens(list(r["tokens"]))
         tokens += r["tokens"]
-        if r["state"] in ("done", "failed"):
+        if r["state"] in ("done", "dead", "cancelled"):
             return {**r, "tokens": tokens}
     raise SwarmError(f"request {request_id} did not finish within {timeout_s:.0f} s")
 

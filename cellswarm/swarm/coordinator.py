@@ -18,32 +18,36 @@ import json
 import logging
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from cellswarm.errors import BudgetError, ProtocolError, RequestError
 from cellswarm.swarm.auth import load_token, new_nonce, verify
+from cellswarm.swarm.db import open_database
 from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
+from cellswarm.swarm.jobs import Job, JobQueue, QueueConfig
 from cellswarm.swarm.logs import JsonLog
-from cellswarm.swarm.membership import Shard, layout_complete, part_nodes, repair, ring
-from cellswarm.swarm.store import Node, NodeId, Request, Store
+from cellswarm.swarm.membership import (
+    Shard,
+    layout_complete,
+    part_nodes,
+    repair,
+    replicas,
+    ring,
+)
+from cellswarm.swarm.store import Node, NodeId, Store
 
 log = logging.getLogger("cellswarm.coordinator")
 
-MAX_ATTEMPTS = 3  # per request, in total
 NONCE_TTL_S = 30.0
-CHECKPOINT_EVERY_S = 0.2
 PEER_ID = "coordinator"  # how the coordinator names itself on the data plane
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
     model: str
-    db: str = "cellswarm.db"
+    db: str = "cellswarm.db"  # a SQLite path, or postgresql://... to share with others
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8470
     token_file: str | None = None  # without one, any node may join (a warning says so)
@@ -59,6 +63,9 @@ class CoordinatorConfig:
     context: int = 256  # tokens of KV cache a stage reserves per sequence
     max_sequences: int = 8  # sequences in flight a stage reserves KV cache for
     log_dir: str | None = None
+    replicas: int = 1  # independent rings serving the same queue
+    lease_s: float = 10.0  # a head must checkpoint a job within this, or it goes elsewhere
+    evict_after_disagreements: int = 3  # verification: outvoted this often, taken out
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_s:
@@ -71,17 +78,15 @@ class CoordinatorConfig:
 class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.store = Store(config.db)
+        db = open_database(config.db)
+        self.store = Store(db)
+        self.queue = JobQueue(db, QueueConfig(lease_s=config.lease_s))
         self.token = load_token(config.token_file) if config.token_file else None
         self.nonces: dict[str, float] = {}  # nonce -> expiry; each is good for one proof
         self.layout: list[Shard] = json.loads(self.store.get_meta("layout", "[]"))
         self.epoch = self.store.next_epoch()  # a restart rewires whatever was there
         self.wired_epoch: int | None = None
-        self.progress: dict[str, list[int]] = {}  # tokens so far of open requests
-        self.dirty: set[str] = set()  # requests whose tokens are not checkpointed yet
-        self.incoming: asyncio.Queue[str] = asyncio.Queue()
-        self.wired = asyncio.Event()
-        self.pulse = asyncio.Event()  # set and replaced whenever a request makes progress
+        self.pulse = asyncio.Event()  # set and replaced whenever a job makes progress
         self.last_probe: dict[str, float] = {}
         self.log = JsonLog(config.log_dir, "coordinator")
         self._tokenizer: Any = None
@@ -157,7 +162,8 @@ class Coordinator:
                 changes.update(message=f"failed its probe: {beat.get('probe_error', '')}")
         node = self.store.update_node(node.node_id, **changes)
         self.node_stats[node.node_id] = beat.get("stats")
-        return {"shard": self._shard_for(node), "epoch": self.epoch, "probe": self._probe(node)}
+        return {"shard": self._shard_for(node), "epoch": self.epoch, "probe": self._probe(node),
+                "wired": self.wired_epoch == self.epoch, "lease_s": self.config.lease_s}
 
     def _shard_for(self, node: Node) -> dict[str, Any] | None:
         if node.state != "assigned" or node.shard is None:
@@ -204,7 +210,7 @@ class Coordinator:
         self.unwire(f"{node.node_id} failed: {detail}")
 
     def _suspect_next(self, node: Node) -> None:
-        nodes = ring(self.store.nodes())
+        nodes = ring(self.store.nodes(), int((node.shard or {}).get("replica", 0)))
         ids = [n.node_id for n in nodes]
         if node.node_id in ids:
             nxt = nodes[(ids.index(node.node_id) + 1) % len(nodes)]
@@ -224,7 +230,6 @@ class Coordinator:
         """The layout changed: a new epoch; stage frames of the old one are void."""
         self.epoch = self.store.next_epoch()
         self.wired_epoch = None
-        self.wired.clear()
         self.log.event("unwire", None, epoch=self.epoch, why=why)
 
     # -- placement and wiring --------------------------------------------------------------
@@ -239,7 +244,7 @@ class Coordinator:
     def reconcile(self) -> None:
         nodes = self.store.nodes()
         layout, target = repair(nodes, self.layout, self._split, self.config.stages,
-                                self.part_specs)  # fmt: skip
+                                self.part_specs, self.config.replicas)  # fmt: skip
         if not target:
             self.problem = self._why_unplaced(nodes)
             return
@@ -284,35 +289,44 @@ class Coordinator:
         return [s.to_dict() for s in specs]
 
     async def wire(self) -> None:
-        """Once every slot's node serves its shard: tell part servers who may call them,
-        then each stage its epoch, the next stage's address and the part servers'."""
+        """Once every slot's node serves its shard, for each replica: tell its part servers
+        who may call them, then (last stage first, so that stage 0 — which starts sending as
+        soon as it is reset — only ever sends to reset stages) each stage its epoch, the next
+        stage's address and its part servers' addresses."""
         nodes = self.store.nodes()
         live = [n for n in nodes if n.state in ("assigned", "spare")]
         if self.wired_epoch == self.epoch or not layout_complete(live):
             return
-        stages, parts = ring(nodes), part_nodes(nodes)
-        if not all(n.serving for n in [*stages, *parts]):
+        if not all(n.serving for n in live if n.state == "assigned"):
             return
         epoch = self.epoch
+        for replica in replicas(nodes):
+            if not await self._wire_replica(nodes, replica, epoch):
+                return
+        if self.epoch == epoch:
+            self.wired_epoch = epoch
+            self.log.event("wired", None, epoch=epoch, replicas=[
+                [n.node_id for n in ring(nodes, r)] for r in replicas(nodes)])  # fmt: skip
+
+    async def _wire_replica(self, nodes: list[Node], replica: int, epoch: int) -> bool:
+        stages, parts = ring(nodes, replica), part_nodes(nodes, replica)
         callers = [PEER_ID, *(n.node_id for n in stages)]
         for node in parts:
             if not await self._reset(node, {"epoch": epoch, "peers": callers}):
-                return self.lose(node, "did not answer its reset")
+                self.lose(node, "did not answer its reset")
+                return False
         addressed = [
             {**(n.shard or {})["spec"], "node_id": n.node_id, "host": n.host, "port": n.data_port}
             for n in parts
         ]
-        for k, node in enumerate(stages):
-            nxt, prev = stages[(k + 1) % len(stages)], stages[k - 1]
+        for k in reversed(range(len(stages))):
+            node, nxt, prev = stages[k], stages[(k + 1) % len(stages)], stages[k - 1]
             fields = {"epoch": epoch, "next_host": nxt.host, "next_port": nxt.data_port,
                       "peers": [PEER_ID, prev.node_id], "parts": addressed}  # fmt: skip
             if not await self._reset(node, fields):
-                return self.lose(node, "did not answer its reset")
-        if self.epoch == epoch:
-            self.wired_epoch = epoch
-            self.wired.set()
-            self.log.event("wired", None, epoch=epoch, ring=[n.node_id for n in stages],
-                           parts=[n.node_id for n in parts])  # fmt: skip
+                self.lose(node, "did not answer its reset")
+                return False
+        return True
 
     async def _reset(self, node: Node, fields: dict[str, Any]) -> bool:
         assert node.data_port is not None
@@ -333,127 +347,98 @@ class Coordinator:
                 self.check_timeouts()
                 self.reconcile()
                 await self.wire()
+                if self.queue.expire():
+                    self._notify()
             except Exception:  # keep watching whatever one tick ran into
                 log.exception("monitor tick failed")
             await asyncio.sleep(0.1)
 
-    # -- requests --------------------------------------------------------------------------
+    # -- jobs: submitted by clients, leased by pipeline heads ------------------------------
 
-    def submit(self, payload: dict[str, Any], request_id: str | None = None) -> Request:
-        rid = request_id or uuid.uuid4().hex[:16]
-        req, new = self.store.add_request(rid, payload)
+    def submit(self, payload: dict[str, Any], request_id: str | None = None,
+               kind: str = "generate") -> Job:  # fmt: skip
+        """An interactive request: a job ahead of batch work. `request_id` is its
+        idempotency key (the same id twice is the same job)."""
+        job, new = self.queue.submit(payload, kind, request_id, priority=1)
         if new:
-            self.incoming.put_nowait(rid)
-            self.log.event("submitted", rid, prompt_tokens=len(payload["prompt"]))
-        return req
-
-    def tokens_of(self, req: Request) -> list[int]:
-        return self.progress.get(req.request_id, req.tokens) if not req.terminal else req.tokens
+            self.log.event("submitted", job.job_id, prompt_tokens=len(payload.get("prompt", [])),
+                           key=request_id)  # fmt: skip
+        return job
 
     def _notify(self) -> None:
         self.pulse.set()
         self.pulse = asyncio.Event()
 
-    async def drive(self) -> None:
-        """Send open requests through the wired ring; on any break, wait for the next wiring
-        and resend them (with their tokens so far, which stage 0 replays)."""
-        while True:
-            await self.wired.wait()
-            epoch = self.epoch
-            try:
-                await self._round(epoch)
-            except (OSError, ConnectionError, TimeoutError, ProtocolError) as exc:
-                if self.epoch == epoch:
-                    head = ring(self.store.nodes())
-                    if head:
-                        self.lose(head[0], f"its connection broke ({type(exc).__name__})")
-            finally:
-                self._checkpoint()
-            await asyncio.sleep(0.02)
+    def lease(self, node: Node, n: int) -> list[dict[str, Any]]:
+        """Jobs for a pipeline head: only stage 0 of a wired replica, and no more than the
+        sequences its ring has KV cache for."""
+        shard = node.shard or {}
+        if self.wired_epoch != self.epoch or shard.get("role") != "stage" or shard.get("stage"):
+            return []
+        stages = ring(self.store.nodes(), int(shard.get("replica", 0)))
+        capacity = min(int(s.capabilities.get("max_sequences") or self.config.max_sequences)
+                       for s in stages)  # fmt: skip
+        room = capacity - self.queue.leased_count(node.node_id)
+        if room <= 0:
+            return []
+        jobs = self.queue.lease(node.node_id, str(shard.get("replica", 0)), min(n, room))
+        for job in jobs:
+            self.log.event("leased", job.job_id, node=node.node_id, fence=job.fence,
+                           resume=len(job.tokens), attempt=job.attempts + 1)  # fmt: skip
+        return [j.lease_view() for j in jobs]
 
-    async def _round(self, epoch: int) -> None:
-        """One wiring's worth of work: keep up to the ring's capacity of requests in flight
-        (the fewest sequences any stage has KV cache for), the rest queued, until a break."""
-        stages = ring(self.store.nodes())
-        head = stages[0]
-        assert head.data_port is not None
-        capacity = min(int(n.capabilities.get("max_sequences") or self.config.max_sequences)
-                       for n in stages)  # fmt: skip
-        reader, writer = await connect(head.host, head.data_port, self.token, PEER_ID)
-        try:
-            pending: deque[str] = deque(r.request_id for r in self.store.open_requests())
-            inflight: set[str] = set()
-            last = time.monotonic()
-            while self.epoch == epoch:
-                while not self.incoming.empty():
-                    pending.append(self.incoming.get_nowait())
-                while pending and len(inflight) < capacity:
-                    req = self.store.request(pending.popleft())
-                    fresh = req is not None and not req.terminal and req.request_id not in inflight
-                    if fresh and req is not None and await self._send(writer, req):
-                        inflight.add(req.request_id)
-                try:
-                    frame = await asyncio.wait_for(read_frame(reader), 0.05)
-                except TimeoutError:
-                    frame = None
-                else:
-                    if frame is None:
-                        raise ConnectionError("stage 0 closed the connection")
-                    self._on_frame(frame)
-                    if frame.type in ("done", "error"):
-                        inflight.discard(str(frame.fields.get("req", "")))
-                if time.monotonic() - last > CHECKPOINT_EVERY_S:
-                    self._checkpoint()
-                    last = time.monotonic()
-        finally:
-            writer.close()
+    def checkpoint(self, node: Node, runs: list[dict[str, Any]]) -> list[str]:
+        """Tokens so far of a head's jobs (renewing their leases); the ids it lost."""
+        stale = [str(r["job_id"]) for r in runs
+                 if not self.queue.checkpoint(str(r["job_id"]), int(r["fence"]),
+                                              [int(t) for t in r["tokens"]])]  # fmt: skip
+        for rid in stale:
+            self.log.event("stale", rid, node=node.node_id, call="checkpoint")
+        self._notify()
+        return stale
 
-    async def _send(self, writer: asyncio.StreamWriter, req: Request) -> bool:
-        """Send one attempt of a request (with the tokens it already has, to replay); False
-        if its attempts are spent and it went to its terminal state instead."""
-        rid = req.request_id
-        attempts = self.store.start_attempt(rid)
-        tokens = self.progress.setdefault(rid, list(req.tokens))
-        if attempts > MAX_ATTEMPTS:
-            self._finish(rid, "failed", f"failed {MAX_ATTEMPTS} times (the last after "
-                         f"{len(tokens)} tokens); giving up")  # fmt: skip
-            return False
-        p = req.payload
-        fields = {"req": rid, "max_tokens": p["max_tokens"], "sampling": p.get("sampling", {}),
-                  "stop_ids": p.get("stop_ids", []), "replay": tokens}  # fmt: skip
-        self.log.event("send", rid, attempt=attempts, replay=len(tokens), epoch=self.epoch)
-        await write_frame(writer, Frame("generate", fields, np.asarray(p["prompt"], np.int64)))
-        return True
-
-    def _on_frame(self, frame: Frame) -> None:
-        rid = str(frame.fields.get("req", ""))
-        if frame.type == "token" and rid in self.progress:
-            self.progress[rid].append(int(frame.fields["token"]))
-            self.dirty.add(rid)
-        elif frame.type == "done":
-            self._finish(rid, "done", str(frame.fields["reason"]))
+    def complete(self, node: Node, job_id: str, fence: int, result: dict[str, Any]) -> str:
+        replica = int((node.shard or {}).get("replica", 0))
+        members = [n.node_id for n in ring(self.store.nodes(), replica)]
+        outcome = self.queue.complete(job_id, fence, result, str(replica), members)
+        self.log.event("completed" if outcome != "stale" else "stale", job_id,
+                       node=node.node_id, outcome=outcome,
+                       tokens=len(result.get("tokens", [])))  # fmt: skip
+        if outcome == "done":
             with self.store.transaction():
-                for n in ring(self.store.nodes()):
+                for n in ring(self.store.nodes(), replica):
                     self.store.update_node(n.node_id, served=n.served + 1, consecutive_failures=0)
-        elif frame.type == "error":
-            self._finish(rid, "failed", str(frame.fields["message"]))
+            self._record_votes(job_id)
         self._notify()
+        return outcome
 
-    def _finish(self, rid: str, state: str, reason: str) -> None:
-        tokens = self.progress.pop(rid, None)
-        if tokens is None:
-            req = self.store.request(rid)
-            tokens = req.tokens if req else []
-        self.dirty.discard(rid)
-        self.store.finish(rid, state, reason, tokens)
-        self.log.event("finished", rid, state=state, reason=reason, tokens=len(tokens))
+    def fail(self, node: Node, job_id: str, fence: int, reason: str) -> str:
+        outcome = self.queue.fail(job_id, fence, reason)
+        self.log.event("failed", job_id, node=node.node_id, outcome=outcome, reason=reason)
         self._notify()
+        return outcome
 
-    def _checkpoint(self) -> None:
-        if self.dirty:
-            self.store.checkpoint({rid: self.progress[rid] for rid in self.dirty
-                                   if rid in self.progress})  # fmt: skip
-            self.dirty.clear()
+    def _record_votes(self, job_id: str) -> None:
+        """After a verified job: nodes of runs that agreed with the result get an agreement,
+        the others a disagreement; a node that keeps disagreeing is taken out."""
+        job = self.queue.get(job_id)
+        if job is None or len(job.runs) < 2 or job.result is None:
+            return
+        for run in job.runs:
+            agreed = run["result"].get("tokens") == job.result.get("tokens")
+            for nid in run["nodes"]:
+                n = self.store.node(nid)
+                if n is None:
+                    continue
+                if agreed:
+                    self.store.update_node(nid, agreements=n.agreements + 1)
+                    continue
+                n = self.store.update_node(nid, disagreements=n.disagreements + 1)
+                self.log.event("disagreed", job_id, node=nid, disagreements=n.disagreements)
+                if n.disagreements >= self.config.evict_after_disagreements:
+                    self.store.update_node(nid, state="offline", shard=None, message=(
+                        f"outvoted {n.disagreements} times by other replicas: taken out"))
+                    self.unwire(f"{nid} keeps disagreeing")
 
     # -- views -----------------------------------------------------------------------------
 
@@ -464,6 +449,8 @@ class Coordinator:
              "layers": n.shard.get("layers") if n.shard else None,
              "holds": describe(n.shard),
              "stage": n.shard.get("stage") if n.shard else None,
+             "replica": n.shard.get("replica") if n.shard else None,
+             "agreements": n.agreements, "disagreements": n.disagreements,
              "memory_bytes": n.memory_bytes, "rss_bytes": n.rss_bytes,
              "peak_rss_bytes": n.peak_rss_bytes, "last_seen_s_ago": round(now - n.last_seen_s, 2),
              "served": n.served, "failures": n.failures, "message": n.message,

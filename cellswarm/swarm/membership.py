@@ -25,15 +25,22 @@ Splitter = Callable[[int, int], list[tuple[int, int]]]
 PLACEABLE = ("spare", "assigned")
 
 
-def shards(split: Sequence[tuple[int, int]], parts: Sequence[dict[str, Any]] = ()) -> list[Shard]:
-    s, n = len(split), len(split) + len(parts)
-    stages = [
-        {"slot": k, "n": n, "role": "stage", "stage": k, "layers": [lo, hi], "first": k == 0,
-         "last": k == s - 1}
-        for k, (lo, hi) in enumerate(split)
-    ]  # fmt: skip
-    return stages + [{"slot": s + j, "n": n, "role": "part", "spec": dict(spec)}
-                     for j, spec in enumerate(parts)]  # fmt: skip
+def shards(
+    split: Sequence[tuple[int, int]], parts: Sequence[dict[str, Any]] = (), replicas: int = 1
+) -> list[Shard]:
+    """Every slot of a layout: per replica, its stages then its part servers."""
+    s, per = len(split), len(split) + len(parts)
+    n = per * replicas
+    out: list[Shard] = []
+    for r in range(replicas):
+        out += [
+            {"slot": r * per + k, "n": n, "replica": r, "role": "stage", "stage": k,
+             "layers": [lo, hi], "first": k == 0, "last": k == s - 1}
+            for k, (lo, hi) in enumerate(split)
+        ]  # fmt: skip
+        out += [{"slot": r * per + s + j, "n": n, "replica": r, "role": "part",
+                 "spec": dict(spec)} for j, spec in enumerate(parts)]  # fmt: skip
+    return out
 
 
 def layout_complete(nodes: Sequence[Node]) -> bool:
@@ -47,21 +54,29 @@ def layout_complete(nodes: Sequence[Node]) -> bool:
     )
 
 
-def ring(nodes: Sequence[Node]) -> list[Node]:
-    """The nodes holding pipeline stages, in stage order."""
-    held = [n for n in nodes if n.state == "assigned" and n.shard and n.shard["role"] == "stage"]
-    return sorted(held, key=lambda n: int(n.shard["stage"]) if n.shard else 0)
+def _held(nodes: Sequence[Node], role: str, replica: int) -> list[Node]:
+    return [n for n in nodes if n.state == "assigned" and n.shard
+            and n.shard["role"] == role and int(n.shard.get("replica", 0)) == replica]  # fmt: skip
 
 
-def part_nodes(nodes: Sequence[Node]) -> list[Node]:
-    """The nodes holding part servers, in slot order."""
-    held = [n for n in nodes if n.state == "assigned" and n.shard and n.shard["role"] == "part"]
-    return sorted(held, key=lambda n: int(n.shard["slot"]) if n.shard else 0)
+def ring(nodes: Sequence[Node], replica: int = 0) -> list[Node]:
+    """The nodes holding a replica's pipeline stages, in stage order."""
+    return sorted(_held(nodes, "stage", replica), key=lambda n: int((n.shard or {})["stage"]))
+
+
+def part_nodes(nodes: Sequence[Node], replica: int = 0) -> list[Node]:
+    """The nodes holding a replica's part servers, in slot order."""
+    return sorted(_held(nodes, "part", replica), key=lambda n: int((n.shard or {})["slot"]))
+
+
+def replicas(nodes: Sequence[Node]) -> list[int]:
+    return sorted({int(n.shard.get("replica", 0)) for n in nodes
+                   if n.state == "assigned" and n.shard})  # fmt: skip
 
 
 def repair(
     nodes: Sequence[Node], layout: Sequence[Shard], split: Splitter, stages: int | None,
-    parts: Sequence[dict[str, Any]] = (),
+    parts: Sequence[dict[str, Any]] = (), replicas: int = 1,
 ) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
     """The layout and the shard every placeable node should hold (None: a spare). A complete
     layout stays as it is; a hole is filled by a spare with as much memory as the node it
@@ -74,7 +89,7 @@ def repair(
         filled = _fill_holes(live, layout)
         if filled is not None:
             return list(layout), filled
-    return place(live, split, stages, shrink=bool(layout), parts=parts)
+    return place(live, split, stages, shrink=bool(layout), parts=parts, replicas=replicas)
 
 
 def _fill_holes(
@@ -100,30 +115,31 @@ def _fill_holes(
 
 def place(
     live: Sequence[Node], split: Splitter, stages: int | None, shrink: bool = False,
-    parts: Sequence[dict[str, Any]] = (),
+    parts: Sequence[dict[str, Any]] = (), replicas: int = 1,
 ) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
-    """A fresh layout over the live nodes: `stages` stages (or the fewest that fit), the
-    earliest joined nodes first, the rest spares. ([], {}) when they cannot hold the model.
-    A first placement waits for the stages asked for; a repair (`shrink`) takes fewer
-    rather than stall: the fewest that fit what is left. Part servers (`parts`) take the
-    next nodes after the stages."""
+    """A fresh layout over the live nodes: `replicas` rings of `stages` stages (or the fewest
+    that fit) and their part servers, the earliest joined nodes first, the rest spares.
+    ([], {}) when they cannot hold the model. A first placement waits for what was asked;
+    a repair (`shrink`) takes fewer replicas, then fewer stages, rather than stall."""
     if not live:
         return [], {}
     order = sorted(live, key=lambda n: (n.joined_s, n.node_id))
     counts = ([stages] if stages else []) + (
         list(range(1, len(order) + 1)) if shrink or not stages else []
     )
-    for count in counts:
-        if count + len(parts) > len(order):
-            continue
-        chosen = order[: count + len(parts)]
-        try:
-            split_ = split(count, min(n.memory_bytes for n in chosen[:count]))
-        except BudgetError:
-            continue
-        layout = shards(split_, parts)
-        out: dict[NodeId, Shard | None] = {n.node_id: None for n in order}
-        for node, shard in zip(chosen, layout, strict=True):
-            out[node.node_id] = shard
-        return layout, out
+    for r in range(replicas, 0 if shrink else replicas - 1, -1):
+        for count in counts:
+            need = r * (count + len(parts))
+            if need > len(order):
+                continue
+            chosen = order[:need]
+            try:
+                split_ = split(count, min(n.memory_bytes for n in chosen))
+            except BudgetError:
+                continue
+            layout = shards(split_, parts, r)
+            out: dict[NodeId, Shard | None] = {n.node_id: None for n in order}
+            for node, shard in zip(chosen, layout, strict=True):
+                out[node.node_id] = shard
+            return layout, out
     return [], {}

@@ -14,8 +14,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import CellswarmError, RequestError
 from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
+from cellswarm.swarm.jobs import Job
 from cellswarm.swarm.store import Node
 
 MAX_WAIT_S = 30.0
@@ -24,11 +26,9 @@ MAX_WAIT_S = 30.0
 def build_app(coord: Coordinator) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(coord.monitor()), asyncio.create_task(coord.drive())]
+        task = asyncio.create_task(coord.monitor())
         yield
-        for t in tasks:
-            t.cancel()
-        coord._checkpoint()
+        task.cancel()
 
     app = FastAPI(title="cellswarm coordinator", lifespan=lifespan)
 
@@ -113,29 +113,74 @@ def build_app(coord: Coordinator) -> FastAPI:
     async def submit(request: Request) -> dict[str, Any]:
         d = await body(request)
         payload = _payload(coord, d)
-        req = coord.submit(payload, d.get("request_id"))
-        return {"request_id": req.request_id, "state": req.state}
+        job = coord.submit(payload, d.get("request_id"))
+        return {"request_id": job.job_id, "state": job.state}
 
     @app.get("/v1/requests/{request_id}")
     async def progress(request_id: str, after: int = 0, wait_s: float = 0.0) -> dict[str, Any]:
-        deadline = asyncio.get_running_loop().time() + min(wait_s, MAX_WAIT_S)
-        while True:
-            req = coord.store.request(request_id)
-            if req is None:
-                raise RequestError(f"no request {request_id!r}")
-            tokens = coord.tokens_of(req)
-            left = deadline - asyncio.get_running_loop().time()
-            if req.terminal or len(tokens) > after or left <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(coord.pulse.wait(), left)
-        out = {"request_id": req.request_id, "state": req.state, "reason": req.reason,
-               "tokens": tokens[after:], "n_tokens": len(tokens), "attempts": req.attempts}
-        if req.terminal and req.payload.get("text"):
+        job = await wait_for_job(coord, request_id, after, wait_s)
+        tokens = job.tokens if job.result is None else list(job.result.get("tokens", []))
+        out = {
+            "request_id": job.job_id, "state": job.state, "reason": _reason(job),
+            "tokens": tokens[after:], "n_tokens": len(tokens), "attempts": job.leases,
+        }  # fmt: skip
+        if job.terminal and job.payload.get("text"):
             out["text"] = coord.tokenizer.decode(tokens, skip_special=True)
         return out
 
+    # -- pipeline heads: lease, checkpoint, complete, fail --------------------------------
+
+    @app.post("/v1/jobs/lease")
+    async def lease(request: Request) -> dict[str, Any]:
+        d = await body(request)
+        return {"jobs": coord.lease(node_of(d), int(d.get("n", 1)))}
+
+    @app.post("/v1/jobs/checkpoint")
+    async def checkpoint(request: Request) -> dict[str, Any]:
+        d = await body(request)
+        return {"stale": coord.checkpoint(node_of(d), list(d.get("runs", [])))}
+
+    @app.post("/v1/jobs/complete")
+    async def complete(request: Request) -> dict[str, Any]:
+        d = await body(request)
+        outcome = coord.complete(node_of(d), str(d["job_id"]), int(d["fence"]),
+                                 dict(d["result"]))  # fmt: skip
+        return {"outcome": outcome}
+
+    @app.post("/v1/jobs/fail")
+    async def fail(request: Request) -> dict[str, Any]:
+        d = await body(request)
+        outcome = coord.fail(node_of(d), str(d["job_id"]), int(d["fence"]), str(d["reason"]))
+        return {"outcome": outcome}
+
+    @app.get("/v1/ledger")
+    async def ledger() -> dict[str, Any]:
+        return coord.queue.ledger()
+
     return app
+
+
+async def wait_for_job(coord: Coordinator, job_id: str, after: int, wait_s: float) -> Job:
+    """The job once it has more than `after` tokens or is over, or when `wait_s` is up.
+    Woken by this coordinator's own progress; polls too, for work another coordinator saw."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(wait_s, MAX_WAIT_S)
+    while True:
+        job = coord.queue.get(job_id)
+        if job is None:
+            raise RequestError(f"no request {job_id!r}")
+        tokens = job.result.get("tokens", []) if job.result else job.tokens
+        left = deadline - loop.time()
+        if job.terminal or len(tokens) > after or left <= 0:
+            return job
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(coord.pulse.wait(), min(left, 0.25))
+
+
+def _reason(job: Job) -> str:
+    if job.state == "done" and job.result is not None:
+        return str(job.result.get("reason", ""))
+    return job.error
 
 
 def _payload(coord: Coordinator, d: dict[str, Any]) -> dict[str, Any]:
@@ -152,6 +197,10 @@ def _payload(coord: Coordinator, d: dict[str, Any]) -> dict[str, Any]:
     sampling = d.get("sampling") or {}
     if not isinstance(sampling, dict):
         raise RequestError("sampling must be an object of SamplingParams fields")
+    try:
+        SamplingParams(**sampling)
+    except (TypeError, ValueError, CellswarmError) as exc:
+        raise RequestError(f"sampling {sampling}: {exc}") from None
     stop_ids = list(d.get("stop_ids") or [])
     if text and not stop_ids:
         stop_ids = sorted(coord.tokenizer.stop_ids)

@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -84,6 +84,9 @@ class StageConfig:
         return any(p.vocab_rows is not None for p in self.parts)
 
 
+Emit = Callable[[Frame], Awaitable[None]]
+
+
 class NextStageLost(ConnectionError):
     """The next stage in the ring stopped answering: its fault, not ours."""
 
@@ -93,7 +96,7 @@ class Sequence:
     """Stage 0's view of one request."""
 
     req: str
-    client: asyncio.StreamWriter
+    emit: Emit  # where its tokens go: a client connection, or the head in this process
     prompt: list[int]
     max_tokens: int
     stop_ids: frozenset[int]
@@ -203,14 +206,18 @@ class Stage:
     # -- the protocol ----------------------------------------------------------------------
 
     async def handle(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
-        if frame.type in ("hidden", "token", "end") and frame.fields.get("ep") != self.epoch:
+        if frame.type in ("hidden", "token", "end", "scored") and (
+            frame.fields.get("ep") != self.epoch
+        ):
             return  # sent before the last reset, by or for a layout that no longer exists
         if frame.type == "generate":
-            await self.on_generate(frame, writer)
+            await self.on_generate(frame, lambda out: write_frame(writer, out))
         elif frame.type == "hidden":
             await self.on_hidden(frame)
         elif frame.type == "token":
             await self.on_token(frame.fields["seq"], int(frame.fields["token"]))
+        elif frame.type == "scored":
+            await self.on_scored(frame.fields["seq"], float(frame.fields["logprob"]))
         elif frame.type == "end":
             self.release(frame.fields["seq"])
         elif frame.type == "stats":
@@ -257,10 +264,15 @@ class Stage:
             "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 4),
         }  # fmt: skip
 
-    async def on_generate(self, frame: Frame, client: asyncio.StreamWriter) -> None:
+    async def on_generate(self, frame: Frame, emit: Emit) -> None:
         f, prompt = frame.fields, frame.array
         assert prompt is not None
         need, c = len(prompt) + int(f["max_tokens"]), self.config
+        vocab = int(self.model.config.vocab_size)
+        if len(prompt) == 0 or int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
+            bad = "an empty prompt" if len(prompt) == 0 else f"token ids outside 0..{vocab - 1}"
+            await emit(Frame("error", {"req": f["req"], "message": f"the prompt has {bad}"}))
+            return
         over = need > c.context or len(self.sequences) >= c.max_sequences
         if c.memory_bytes is not None and over:
             # KV for `context` x `max_sequences` tokens is what the budget was checked for
@@ -268,12 +280,12 @@ class Stage:
                 f"request needs {need} tokens of context (stage reserves {self.config.context}) "
                 f"with {len(self.sequences)} of {self.config.max_sequences} sequences in flight"
             )
-            await write_frame(client, Frame("error", {"req": f["req"], "message": why}))
+            await emit(Frame("error", {"req": f["req"], "message": why}))
             return
         self._seq_ids += 1
         seq = self._seq_ids
         self.sequences[seq] = Sequence(
-            f["req"], client, [int(t) for t in prompt], int(f["max_tokens"]),
+            f["req"], emit, [int(t) for t in prompt], int(f["max_tokens"]),
             frozenset(int(t) for t in f.get("stop_ids", ())),
             replay=[int(t) for t in f.get("replay", ())],
         )  # fmt: skip
@@ -281,7 +293,7 @@ class Stage:
         h = self.embed(np.asarray(prompt, dtype=np.int64))
         tokens = self.sequences[seq].prompt
         first = {"capacity": capacity, "sampling": f.get("sampling", {}), "prompt": tokens,
-                 "req": f["req"]}  # fmt: skip
+                 "req": f["req"], "score_from": f.get("score_from")}  # fmt: skip
         self.log.event("generate", f["req"], stage=self.span, prompt_tokens=len(tokens),
                        replay=len(self.sequences[seq].replay))  # fmt: skip
         await self.run_layers(seq, h, 0, first)
@@ -341,11 +353,38 @@ class Stage:
                 fields["first"] = first
             await self.send_next(Frame("hidden", fields, h))
             return
+        if first is not None and first.get("score_from") is not None:
+            logprob = self.score(h, first)
+            if self.config.first:
+                return await self.on_scored(seq, logprob)
+            fields = {"seq": seq, "logprob": logprob, "ep": self.epoch}
+            return await self.send_next(Frame("scored", fields))
         token = self.sample(seq, self.head(h[-1:])[-1], first)
         if self.config.first:
             await self.on_token(seq, token)
         else:
             await self.send_next(Frame("token", {"seq": seq, "token": token, "ep": self.epoch}))
+
+    def score(self, h: np.ndarray, first: dict[str, Any]) -> float:
+        """Log-likelihood of the sequence's tokens from `score_from` on, given those before:
+        the head over the positions that predict them (the offline-classification path)."""
+        ids = np.asarray(first["prompt"], np.int64)
+        start = int(first["score_from"])
+        logits = self.head(h[start - 1 : len(ids) - 1]).astype(np.float64)  # (C, vocab)
+        top = logits.max(axis=-1, keepdims=True)
+        logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
+        picked = logits[np.arange(len(ids) - start), ids[start:]]
+        return float((picked - logz).sum())
+
+    async def on_scored(self, seq: int, logprob: float) -> None:
+        s = self.sequences.pop(seq, None)
+        if s is None:  # dropped by a reset while the score was on the wire
+            return
+        self.log.event("scored", s.req, stage=self.span, logprob=round(logprob, 4))
+        await s.emit(Frame("score", {"req": s.req, "logprob": logprob}))
+        self.release(seq)
+        if not self.config.last:
+            await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
 
     def sample(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
         if first is not None:
@@ -367,7 +406,7 @@ class Stage:
             return await self.finish(seq, "stop_token")
         s.tokens.append(token)
         if not replaying:
-            await write_frame(s.client, Frame("token", {"req": s.req, "token": token}))
+            await s.emit(Frame("token", {"req": s.req, "token": token}))
         if len(s.tokens) >= s.max_tokens:
             return await self.finish(seq, "max_tokens")
         pos = len(s.prompt) + len(s.tokens) - 1
@@ -380,7 +419,7 @@ class Stage:
     async def finish(self, seq: int, reason: str) -> None:
         s = self.sequences.pop(seq)
         self.log.event("done", s.req, stage=self.span, reason=reason, tokens=len(s.tokens))
-        await write_frame(s.client, Frame("done", {"req": s.req, "reason": reason}))
+        await s.emit(Frame("done", {"req": s.req, "reason": reason}))
         self.release(seq)
         if not self.config.last:
             await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))

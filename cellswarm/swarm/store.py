@@ -1,29 +1,25 @@
-"""The coordinator's durable state: nodes, the layout epoch and requests, in SQLite (WAL).
+"""The coordinator's durable state about nodes: who they are, what they hold, the layout
+and its epoch (jobs live beside them, in jobs.py), in a `Database` (db.py).
 
-Everything the coordinator must remember across a crash lives here, so a coordinator
-restarted from its database picks up its workers (their sessions are rows) and finishes its
-requests (their tokens are checkpointed as they come). One connection, used from the
-coordinator's event loop only; `synchronous=FULL` so an acknowledged write survives a
-power cut, at the price of an fsync per commit (token checkpoints are batched).
+A coordinator restarted from its database picks up its workers: their sessions are rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import sqlite3
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NewType
 
+from cellswarm.swarm.db import Database, open_database
+
 NodeId = NewType("NodeId", str)
-RequestId = NewType("RequestId", str)
 
 # Node states. A node is `spare` until placed, `assigned` while it holds a shard, `lost` when
 # its heartbeats stop (it may come back), `offline` after K failures in a row (it gets no
 # shard until it passes a probe), `refused` when its budget cannot hold the shard it was given.
 NODE_STATES = ("spare", "assigned", "lost", "offline", "refused")
-REQUEST_STATES = ("queued", "running", "done", "failed")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -31,30 +27,22 @@ CREATE TABLE IF NOT EXISTS nodes (
     state TEXT NOT NULL,
     session TEXT NOT NULL,
     capabilities TEXT NOT NULL,
-    shard TEXT,              -- JSON: stage index, layers, first, last (NULL for a spare)
+    shard TEXT,              -- JSON: slot, role, replica, layers or part spec (NULL: a spare)
     host TEXT NOT NULL,
-    data_port INTEGER,       -- where its stage listens, once loaded
-    ready TEXT,              -- the shard it has loaded and serves (membership.shard_id)
-    joined_s REAL NOT NULL,
-    last_seen_s REAL NOT NULL,
-    rss_bytes INTEGER NOT NULL DEFAULT 0,
-    peak_rss_bytes INTEGER NOT NULL DEFAULT 0,
+    data_port INTEGER,       -- where its stage or part server listens, once loaded
+    ready TEXT,              -- the shard it has loaded and serves (shard_id)
+    joined_s DOUBLE PRECISION NOT NULL,
+    last_seen_s DOUBLE PRECISION NOT NULL,
+    rss_bytes BIGINT NOT NULL DEFAULT 0,
+    peak_rss_bytes BIGINT NOT NULL DEFAULT 0,
     served INTEGER NOT NULL DEFAULT 0,
     failures INTEGER NOT NULL DEFAULT 0,
     consecutive_failures INTEGER NOT NULL DEFAULT 0,
+    agreements INTEGER NOT NULL DEFAULT 0,     -- verification runs it was part of that agreed
+    disagreements INTEGER NOT NULL DEFAULT 0,  -- ... and that the majority outvoted
     message TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS requests (
-    request_id TEXT PRIMARY KEY,
-    state TEXT NOT NULL,
-    payload TEXT NOT NULL,   -- JSON: prompt ids, max_tokens, sampling, stop ids
-    tokens TEXT NOT NULL DEFAULT '[]',
-    reason TEXT NOT NULL DEFAULT '',
-    attempts INTEGER NOT NULL DEFAULT 0,
-    created_s REAL NOT NULL,
-    updated_s REAL NOT NULL
-);
 """
 
 
@@ -75,6 +63,8 @@ class Node:
     served: int = 0
     failures: int = 0
     consecutive_failures: int = 0
+    agreements: int = 0
+    disagreements: int = 0
     message: str = ""
 
     def __post_init__(self) -> None:
@@ -102,53 +92,43 @@ def shard_id(shard: dict[str, Any]) -> str:
     return json.dumps({k: shard.get(k) for k in keys}, sort_keys=True)
 
 
-@dataclass(frozen=True)
-class Request:
-    request_id: RequestId
-    state: str
-    payload: dict[str, Any]
-    created_s: float
-    updated_s: float
-    tokens: list[int] = field(default_factory=list)
-    reason: str = ""
-    attempts: int = 0
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in ("done", "failed")
-
-
 _JSON_NODE = ("capabilities", "shard")
 
 
 class Store:
-    """SQLite-backed state. `path` ':memory:' gives a throwaway store for unit tests."""
+    """Nodes, the layout and the epoch, in a `Database` (SQLite, or PostgreSQL to share)."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA busy_timeout=5000")
-        self.db.executescript(SCHEMA)
+    def __init__(self, db: Database | str | Path) -> None:
+        self.db: Database = db if not isinstance(db, str | Path) else open_database(str(db))
+        self.db.script(SCHEMA)
 
     def close(self) -> None:
         self.db.close()
 
+    def transaction(self) -> contextlib.AbstractContextManager[None]:
+        return self.db.transaction()
+
     # -- meta ------------------------------------------------------------------------------
 
     def get_meta(self, key: str, default: str = "") -> str:
-        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return str(row["value"]) if row else default
+        rows = self.db.execute("SELECT value FROM meta WHERE key=?", (key,))
+        return str(rows[0]["value"]) if rows else default
 
     def set_meta(self, key: str, value: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+        self.db.execute(
+            "INSERT INTO meta(key, value) VALUES (?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+            (key, value),
+        )
 
     def next_epoch(self) -> int:
-        epoch = int(self.get_meta("epoch", "0")) + 1
-        self.set_meta("epoch", str(epoch))
-        return epoch
+        """A new layout epoch, atomically (several coordinators may share the database)."""
+        self.db.execute("INSERT INTO meta(key, value) VALUES ('epoch', '0') ON CONFLICT DO NOTHING")
+        rows = self.db.execute(
+            "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) "
+            "WHERE key='epoch' RETURNING value"
+        )
+        return int(rows[0]["value"])
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -158,106 +138,33 @@ class Store:
             row[k] = None if row[k] is None else json.dumps(row[k])
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
-        sql = f"INSERT OR REPLACE INTO nodes({cols}) VALUES ({marks})"
+        updates = ", ".join(f"{c}=excluded.{c}" for c in row if c != "node_id")
+        sql = (f"INSERT INTO nodes({cols}) VALUES ({marks}) "
+               f"ON CONFLICT(node_id) DO UPDATE SET {updates}")  # fmt: skip
         self.db.execute(sql, tuple(row.values()))
 
     def node(self, node_id: str) -> Node | None:
-        row = self.db.execute("SELECT * FROM nodes WHERE node_id=?", (node_id,)).fetchone()
-        return _node(row) if row else None
+        rows = self.db.execute("SELECT * FROM nodes WHERE node_id=?", (node_id,))
+        return _node(rows[0]) if rows else None
 
     def nodes(self) -> list[Node]:
         return [_node(r) for r in self.db.execute("SELECT * FROM nodes ORDER BY joined_s, node_id")]
 
     def update_node(self, node_id: str, **changes: Any) -> Node:
-        node = self.node(node_id)
-        if node is None:
-            raise KeyError(node_id)
-        node = replace(node, **changes)
-        self.put_node(node)
+        with self.transaction():
+            node = self.node(node_id)
+            if node is None:
+                raise KeyError(node_id)
+            node = replace(node, **changes)
+            self.put_node(node)
         return node
 
-    # -- requests --------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, payload: dict[str, Any]) -> tuple[Request, bool]:
-        """Insert a queued request; an id seen before returns the existing one (idempotent)."""
-        now = time.time()
-        cur = self.db.execute(
-            "INSERT OR IGNORE INTO requests(request_id, state, payload, created_s, updated_s) "
-            "VALUES (?, 'queued', ?, ?, ?)",
-            (request_id, json.dumps(payload), now, now),
-        )
-        req = self.request(request_id)
-        assert req is not None
-        return req, cur.rowcount == 1
-
-    def request(self, request_id: str) -> Request | None:
-        row = self.db.execute("SELECT * FROM requests WHERE request_id=?", (request_id,)).fetchone()
-        return _request(row) if row else None
-
-    def open_requests(self) -> list[Request]:
-        rows = self.db.execute(
-            "SELECT * FROM requests WHERE state IN ('queued', 'running') ORDER BY created_s"
-        )
-        return [_request(r) for r in rows]
-
-    def checkpoint(self, progress: dict[str, list[int]]) -> None:
-        """Tokens so far for several requests, in one transaction."""
-        now = time.time()
-        with self.transaction():
-            for rid, tokens in progress.items():
-                self.db.execute(
-                    "UPDATE requests SET tokens=?, state='running', updated_s=? "
-                    "WHERE request_id=? AND state IN ('queued', 'running')",
-                    (json.dumps(tokens), now, rid),
-                )
-
-    def start_attempt(self, request_id: str) -> int:
-        self.db.execute(
-            "UPDATE requests SET attempts=attempts+1, state='running', updated_s=? "
-            "WHERE request_id=?",
-            (time.time(), request_id),
-        )
-        req = self.request(request_id)
-        return req.attempts if req else 0
-
-    def finish(self, request_id: str, state: str, reason: str, tokens: list[int]) -> None:
-        """The request's one terminal state: a second finish of the same request is a no-op."""
-        if state not in ("done", "failed"):
-            raise ValueError(f"{state!r} is not a terminal state")
-        self.db.execute(
-            "UPDATE requests SET state=?, reason=?, tokens=?, updated_s=? "
-            "WHERE request_id=? AND state IN ('queued', 'running')",
-            (state, reason, json.dumps(tokens), time.time(), request_id),
-        )
-
-    def transaction(self) -> _Transaction:
-        return _Transaction(self.db)
-
-
-class _Transaction:
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
-
-
-def _node(row: sqlite3.Row) -> Node:
+def _node(row: dict[str, Any]) -> Node:
     d = dict(row)
     for k in _JSON_NODE:
         d[k] = None if d[k] is None else json.loads(d[k])
     d["node_id"] = NodeId(d["node_id"])
     return Node(**d)
 
-
-def _request(row: sqlite3.Row) -> Request:
-    d = dict(row)
-    return Request(
-        request_id=RequestId(d["request_id"]), state=d["state"], payload=json.loads(d["payload"]),
-        created_s=d["created_s"], updated_s=d["updated_s"], tokens=json.loads(d["tokens"]),
-        reason=d["reason"], attempts=d["attempts"],
-    )  # fmt: skip
 

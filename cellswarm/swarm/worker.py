@@ -28,6 +28,7 @@ import numpy as np
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.swarm.auth import load_token, prove
+from cellswarm.swarm.head import Head
 from cellswarm.swarm.parts import PartConfig, PartServer, PartSpec, load_part_model
 from cellswarm.swarm.stage import (
     Stage,
@@ -102,8 +103,12 @@ class Worker:
         self.url = config.join.rstrip("/")
         self.session: str | None = None
         self.heartbeat_s = 0.5
+        self.lease_s = 10.0
         self.stage: Stage | None = None
         self.part: PartServer | None = None
+        self.head: Head | None = None  # when this worker holds a replica's stage 0
+        self.wired = False  # the coordinator says the whole layout is wired ...
+        self.coordinator_epoch = -1  # ... in this epoch
         self.ready: str | None = None  # the shard_id of what it serves
         self.server: asyncio.Server | None = None
         self.shard_key: tuple[Any, ...] | None = None
@@ -146,6 +151,9 @@ class Worker:
             self.probe = None
         return self._post("/v1/heartbeat", beat)
 
+    def _post_session(self, path: str, data: dict[str, Any]) -> dict[str, Any]:
+        return self._post(path, {**data, "node_id": self.config.node_id, "session": self.session})
+
     def report_fault(self, kind: str, detail: str) -> None:
         """Called by the stage on a failed step; told to the coordinator at once."""
         data = {"node_id": self.config.node_id, "session": self.session, "kind": kind,
@@ -164,6 +172,7 @@ class Worker:
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.caps = measure_capabilities(self.config)
+        self._leading = asyncio.create_task(self.lead())  # for the process's life
         last_ok = time.monotonic()
         while True:
             try:
@@ -184,8 +193,23 @@ class Worker:
                 await self.apply(answer)
             await asyncio.sleep(self.heartbeat_s)
 
+    async def lead(self) -> None:
+        """As a replica's head: pull jobs and run them whenever the ring is wired."""
+        while True:
+            head, stage = self.head, self.stage
+            if head is not None and stage is not None:
+                wired = self.wired and stage.epoch == self.coordinator_epoch
+                try:
+                    await head.tick(wired)
+                except Exception:  # a bad job or a bug: keep leading
+                    log.exception("head tick failed")
+            await asyncio.sleep(0.02)
+
     async def apply(self, answer: dict[str, Any]) -> None:
         shard = answer.get("shard")
+        self.wired = bool(answer.get("wired"))
+        self.coordinator_epoch = int(answer.get("epoch", -1))
+        self.lease_s = float(answer.get("lease_s", self.lease_s))
         if answer.get("probe"):
             self.probe = await asyncio.to_thread(self.run_probe)
         if shard is None:
@@ -229,6 +253,8 @@ class Worker:
         self.stage.on_fault = self.report_fault
         self.stage.fail_forward = c.fail_forward
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
+        if config.first:
+            self.head = Head(self.stage, self._post_session, self.lease_s)
         self.server = await asyncio.start_server(self.stage.serve, c.listen_host, 0)
         self.data_port = self.server.sockets[0].getsockname()[1]
         self.refused = ""
@@ -283,7 +309,9 @@ class Worker:
             self.server.close()
         if self.stage is not None:
             self.stage.close_connections()
-        self.stage = self.part = self.server = None
+        if self.head is not None:
+            self.head.forget()
+        self.stage = self.part = self.server = self.head = None
         self.shard_key = self.data_port = self.ready = None
 
     def run_probe(self) -> tuple[bool, str]:

@@ -1,0 +1,98 @@
+"""One small seam over the coordinator's database: SQLite by default, PostgreSQL to share.
+
+The store and the job queue write portable SQL (`?` placeholders, `ON CONFLICT`, `RETURNING`)
+and run it through a `Database`: `execute` returns rows as dicts, `transaction()` makes a
+block atomic (SQLite: `BEGIN IMMEDIATE`, taking the write lock up front so two writers never
+deadlock on an upgrade; PostgreSQL: a transaction in which `skip_locked` row locks apply).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+Row = dict[str, Any]
+
+
+class Database(Protocol):
+    dialect: str  # "sqlite" | "postgres"
+    skip_locked: str  # appended to a SELECT that picks rows to lease
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
+
+    def execute_count(self, sql: str, params: Sequence[Any] = ()) -> int: ...
+
+    def transaction(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def script(self, sql: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SQLiteDatabase:
+    """WAL, synchronous=FULL: an acknowledged write survives a crash or a power cut."""
+
+    dialect = "sqlite"
+    skip_locked = ""  # SQLite has one writer at a time: the transaction is the lock
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute("PRAGMA busy_timeout=10000")
+        self._lock = threading.RLock()  # one connection, shared by the loop and its threads
+        self._depth = 0
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        with self._lock:
+            return [dict(r) for r in self.conn.execute(sql, tuple(params)).fetchall()]
+
+    def execute_count(self, sql: str, params: Sequence[Any] = ()) -> int:
+        with self._lock:
+            return int(self.conn.execute(sql, tuple(params)).rowcount)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth:  # nested: part of the outer transaction
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            self.conn.execute("BEGIN IMMEDIATE")
+            self._depth = 1
+            try:
+                yield
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            else:
+                self.conn.execute("COMMIT")
+            finally:
+                self._depth = 0
+
+    def script(self, sql: str) -> None:
+        with self._lock:
+            self.conn.executescript(sql)
+
+    def integrity_check(self) -> str:
+        return str(self.execute("PRAGMA integrity_check")[0]["integrity_check"])
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def open_database(url: str) -> Database:
+    """`sqlite:///PATH`, a bare path, `:memory:`, or `postgresql://...`."""
+    if url.startswith(("postgresql://", "postgres://")):
+        from cellswarm.swarm.db_postgres import PostgresDatabase
+
+        return PostgresDatabase(url)
+    return SQLiteDatabase(url.removeprefix("sqlite:///"))

@@ -1,0 +1,161 @@
+"""A pipeline's head: stage 0's worker pulls jobs from the coordinator and runs them.
+
+    head --lease(n)--> coordinator: jobs, each with a fence and the tokens to resume from
+    head --generate (replay = tokens so far)--> its own stage 0 --> ... ring ... --> tokens
+    head --checkpoint(fence, tokens) every 0.1 s--> coordinator (renews the lease)
+    head --complete / fail(fence)--> coordinator: 'done', or 'stale' if it lost the lease
+
+Pull, not push: a head takes only what its ring has room for, a coordinator needs to know
+nothing about how busy a ring is, and several coordinators can share one queue. A job whose
+lease the head lost (it was paused past the lease, the job went elsewhere) is dropped at its
+next checkpoint: its late result would be refused anyway (fencing). When the ring is reset
+(a new layout), the head sends its jobs again with the tokens they have, which stage 0
+replays: same lease, same attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cellswarm.swarm.frames import Frame
+
+log = logging.getLogger("cellswarm.head")
+
+CHECKPOINT_EVERY_S = 0.1
+
+
+@dataclass
+class Run:
+    """One leased job on this head."""
+
+    job_id: str
+    fence: int
+    kind: str
+    payload: dict[str, Any]
+    tokens: list[int]
+    sent_epoch: int = -1  # the ring epoch it was last sent into
+    saved: int = -1  # tokens at the last checkpoint
+    saved_s: float = 0.0
+    scores: dict[int, float] = field(default_factory=dict)
+
+
+Post = Callable[[str, dict[str, Any]], dict[str, Any]]
+
+
+class Head:
+    def __init__(self, stage: Any, post: Post, lease_s: float) -> None:
+        self.stage = stage  # this worker's stage 0
+        self.post = post  # blocking HTTP POST to the coordinator (run in a thread)
+        self.lease_s = lease_s
+        self.runs: dict[str, Run] = {}
+
+    @property
+    def capacity(self) -> int:
+        return int(self.stage.config.max_sequences)
+
+    async def tick(self, wired: bool) -> None:
+        """One round: (re)send runs into the ring if its epoch changed, lease more if there
+        is room, checkpoint what progressed (or is due for a renewal)."""
+        if not wired:
+            return
+        epoch = self.stage.epoch
+        for run in list(self.runs.values()):
+            if run.sent_epoch != epoch:
+                await self._send(run, epoch)
+        busy = sum(len(r.payload.get("completions", [])) or 1 for r in self.runs.values())
+        free = self.capacity - busy
+        if free > 0:
+            answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/lease", {"n": free})
+            for view in (answer or {}).get("jobs", []):
+                run = Run(str(view["job_id"]), int(view["fence"]), str(view["kind"]),
+                          dict(view["payload"]), [int(t) for t in view["tokens"]])  # fmt: skip
+                self.runs[run.job_id] = run
+                await self._send(run, epoch)
+        await self._checkpoint()
+
+    async def _send(self, run: Run, epoch: int) -> None:
+        run.sent_epoch = epoch
+        if run.kind == "score":
+            return await self._send_scores(run)
+        p = run.payload
+        fields = {"req": run.job_id, "max_tokens": p["max_tokens"],
+                  "sampling": p.get("sampling", {}), "stop_ids": p.get("stop_ids", []),
+                  "replay": list(run.tokens)}  # fmt: skip
+        frame = Frame("generate", fields, np.asarray(p["prompt"], np.int64))
+        await self.stage.on_generate(frame, self._emit)
+
+    async def _send_scores(self, run: Run) -> None:
+        """Scoring: one sequence per completion, prompt + completion, scored at the end."""
+        run.scores.clear()
+        prompt = [int(t) for t in run.payload["prompt"]]
+        for i, completion in enumerate(run.payload["completions"]):
+            ids = prompt + [int(t) for t in completion]
+            fields = {"req": f"{run.job_id}#{i}", "max_tokens": 1, "score_from": len(prompt),
+                      "sampling": {}, "stop_ids": [], "replay": []}  # fmt: skip
+            await self.stage.on_generate(Frame("generate", fields, np.asarray(ids, np.int64)),
+                                         self._emit)  # fmt: skip
+
+    async def _emit(self, frame: Frame) -> None:
+        """Frames stage 0 sends its client: tokens, done, error, score."""
+        rid = str(frame.fields.get("req", ""))
+        job_id, _, part = rid.partition("#")
+        run = self.runs.get(job_id)
+        if run is None:
+            return
+        if frame.type == "token":
+            run.tokens.append(int(frame.fields["token"]))
+        elif frame.type == "score":
+            run.scores[int(part)] = float(frame.fields["logprob"])
+            if len(run.scores) == len(run.payload["completions"]):
+                scores = [run.scores[i] for i in range(len(run.scores))]
+                await self._finish(run, {"scores": scores, "reason": "scored"})
+        elif frame.type == "done" and run.kind == "generate":
+            await self._finish(run, {"tokens": list(run.tokens),
+                                     "reason": str(frame.fields["reason"])})  # fmt: skip
+        elif frame.type == "error":
+            self.runs.pop(job_id, None)
+            body = {"job_id": job_id, "fence": run.fence, "reason": str(frame.fields["message"])}
+            await asyncio.to_thread(self._post_quietly, "/v1/jobs/fail", body)
+
+    async def _finish(self, run: Run, result: dict[str, Any]) -> None:
+        self.runs.pop(run.job_id, None)
+        body = {"job_id": run.job_id, "fence": run.fence, "result": result}
+        await asyncio.to_thread(self._post_quietly, "/v1/jobs/complete", body)
+
+    async def _checkpoint(self) -> None:
+        now = time.monotonic()
+        due = [r for r in self.runs.values()
+               if (len(r.tokens) != r.saved and now - r.saved_s >= CHECKPOINT_EVERY_S)
+               or now - r.saved_s > self.lease_s / 3]  # fmt: skip
+        if not due:
+            return
+        body = {"runs": [{"job_id": r.job_id, "fence": r.fence, "tokens": list(r.tokens)}
+                         for r in due]}  # fmt: skip
+        answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/checkpoint", body)
+        if answer is None:
+            return
+        for r in due:
+            r.saved, r.saved_s = len(r.tokens), now
+        for job_id in answer.get("stale", []):  # the lease went elsewhere: let it go
+            log.warning("lost the lease of job %s; dropping it", job_id)
+            self.runs.pop(str(job_id), None)
+
+    def _post_quietly(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A lost call is safe: checkpoints are retried, a lost result's lease expires and
+        the job runs again (its next result is committed once)."""
+        try:
+            return self.post(path, body)
+        except (OSError, ValueError) as exc:
+            log.warning("coordinator call %s failed: %s", path, exc)
+            return None
+
+    def forget(self) -> None:
+        """The worker stopped serving: its leases will expire on the coordinator."""
+        self.runs.clear()

@@ -1,0 +1,424 @@
+"""The durable job queue: pull-mode leases with fencing, bounded attempts, dead letters.
+
+    submit --> queued --lease(fence+1)--> leased --complete(fence)--> done
+                 ^                          |  \\--fail / lease expired--> queued (backoff)
+                 |                          |        ... attempt 3 --> dead (reason kept)
+                 +----- verify: rerun ------+  cancel --> cancelled
+
+Every transition is one transaction guarded by the job's state and, for a holder's calls,
+its fence: each lease increments the job's fence, so a holder that was presumed dead (its
+lease expired and the job went to someone else) finds its checkpoints and its result refused
+— exactly one result is ever committed (the `commits` ledger records each one). A job has
+exactly one terminal state (done, dead or cancelled) and at most MAX_ATTEMPTS leases that
+failed. Submissions carry an idempotency key: the same key gives the same job.
+
+Verification (`verify` = runs that must agree, 2 with `--verify`): a completed run is kept,
+and the job goes back to the queue for a run on another replica; two runs with the same
+tokens decide (2 of 3 when the first two differ). Greedy decoding, or sampling with the
+job's fixed seed, makes the same tokens on any correct replica (the engine is deterministic
+on one host; across hosts with other CPU features a near-tie could flip — the third run
+decides then, and both nodes get a mark, not an eviction).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+from cellswarm.errors import RequestError
+from cellswarm.swarm.db import Database, Row
+
+JobId = NewType("JobId", str)
+
+MAX_ATTEMPTS = 3
+MAX_RUNS = 5  # verification: give up (dead) when this many runs never had two agree
+TERMINAL = ("done", "dead", "cancelled")
+JOB_STATES = ("queued", "leased", *TERMINAL)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    idem_key TEXT UNIQUE,
+    batch_id TEXT,
+    position INTEGER NOT NULL DEFAULT 0,
+    kind TEXT NOT NULL,                 -- generate | score
+    priority INTEGER NOT NULL DEFAULT 0, -- interactive requests before batch work
+    payload TEXT NOT NULL,
+    state TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0, -- leases that ended in a failure or an expiry
+    leases INTEGER NOT NULL DEFAULT 0,
+    fence INTEGER NOT NULL DEFAULT 0,
+    lease_owner TEXT,
+    lease_replica TEXT,
+    lease_expires_s DOUBLE PRECISION,
+    not_before_s DOUBLE PRECISION NOT NULL DEFAULT 0,
+    tokens TEXT NOT NULL DEFAULT '[]',  -- the current run's checkpoint
+    result TEXT,
+    error TEXT NOT NULL DEFAULT '',
+    verify INTEGER NOT NULL DEFAULT 0,
+    runs TEXT NOT NULL DEFAULT '[]',    -- verification runs: replica, nodes, tokens
+    created_s DOUBLE PRECISION NOT NULL,
+    updated_s DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_pick ON jobs(state, priority, created_s);
+CREATE INDEX IF NOT EXISTS jobs_batch ON jobs(batch_id, position);
+CREATE TABLE IF NOT EXISTS commits (
+    job_id TEXT NOT NULL,
+    fence INTEGER NOT NULL,
+    replica TEXT,
+    committed_s DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    total INTEGER NOT NULL,
+    created_s DOUBLE PRECISION NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: JobId
+    kind: str
+    payload: dict[str, Any]
+    state: str
+    created_s: float
+    updated_s: float
+    idem_key: str | None = None
+    batch_id: str | None = None
+    position: int = 0
+    priority: int = 0
+    attempts: int = 0
+    leases: int = 0
+    fence: int = 0
+    lease_owner: str | None = None
+    lease_replica: str | None = None
+    lease_expires_s: float | None = None
+    not_before_s: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    error: str = ""
+    verify: int = 0
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def lease_view(self) -> dict[str, Any]:
+        """What a holder needs: the work, its fence, and the tokens to resume from."""
+        return {
+            "job_id": self.job_id, "kind": self.kind, "payload": self.payload,
+            "fence": self.fence, "tokens": self.tokens, "attempt": self.attempts + 1,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    lease_s: float = 10.0  # a holder renews by checkpointing well within this
+    backoff_s: float = 0.5  # after a failed attempt: backoff_s x 2^(attempt-1), capped
+    max_backoff_s: float = 30.0
+
+    def backoff(self, attempts: int) -> float:
+        return float(min(self.max_backoff_s, self.backoff_s * 2 ** max(attempts - 1, 0)))
+
+
+class JobQueue:
+    def __init__(self, db: Database, config: QueueConfig = QueueConfig()) -> None:
+        self.db, self.config = db, config
+        self.db.script(SCHEMA)
+
+    # -- submitting --------------------------------------------------------------------------
+
+    def submit(
+        self, payload: dict[str, Any], kind: str = "generate", idem_key: str | None = None,
+        batch_id: str | None = None, position: int = 0, priority: int = 0, verify: int = 0,
+    ) -> tuple[Job, bool]:  # fmt: skip
+        """A queued job, or the one submitted before under the same key; and whether new."""
+        if kind not in ("generate", "score"):
+            raise RequestError(f"job kind {kind!r} is not 'generate' or 'score'")
+        now = time.time()
+        job_id = uuid.uuid4().hex[:16]
+        rows = self.db.execute(
+            "INSERT INTO jobs(job_id, idem_key, batch_id, position, kind, priority, payload, "
+            "state, verify, created_s, updated_s) VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?) "
+            "ON CONFLICT DO NOTHING RETURNING job_id",
+            (job_id, idem_key, batch_id, position, kind, priority, json.dumps(payload),
+             verify, now, now),
+        )  # fmt: skip
+        if rows:
+            job = self.get(job_id)
+            assert job is not None
+            return job, True
+        if idem_key is None:
+            raise RuntimeError("a job id collided")  # 64 random bits: not in this universe
+        found = self.db.execute("SELECT * FROM jobs WHERE idem_key=?", (idem_key,))
+        return _job(found[0]), False
+
+    def submit_batch(
+        self, name: str, items: Sequence[tuple[str, dict[str, Any]]], verify: int = 0,
+        idem_prefix: str | None = None,
+    ) -> str:  # fmt: skip
+        """A batch of (kind, payload) in input order, in one transaction; its id."""
+        batch_id = uuid.uuid4().hex[:12]
+        with self.db.transaction():
+            self.db.execute(
+                "INSERT INTO batches(batch_id, name, total, created_s) VALUES (?, ?, ?, ?)",
+                (batch_id, name, len(items), time.time()),
+            )
+            for i, (kind, payload) in enumerate(items):
+                key = f"{idem_prefix}:{i}" if idem_prefix else None
+                self.submit(payload, kind, key, batch_id, i, verify=verify)
+        return batch_id
+
+    # -- holding -----------------------------------------------------------------------------
+
+    def lease(self, owner: str, replica: str, n: int = 1, now: float | None = None) -> list[Job]:
+        """Up to n runnable jobs for `owner` (a pipeline head), each with a new fence."""
+        now = time.time() if now is None else now
+        out: list[Job] = []
+        with self.db.transaction():
+            self.expire(now)
+            rows = self.db.execute(
+                "SELECT * FROM jobs WHERE state='queued' AND not_before_s <= ? "
+                "ORDER BY priority DESC, created_s, position LIMIT ?" + self.db.skip_locked,
+                (now, max(4 * n, 16)),
+            )
+            for row in rows:
+                job = _job(row)
+                if len(out) >= n or _ran_on(job, replica):
+                    continue  # a verification run wants another replica than the ones it had
+                self.db.execute(
+                    "UPDATE jobs SET state='leased', fence=fence+1, leases=leases+1, "
+                    "lease_owner=?, lease_replica=?, lease_expires_s=?, updated_s=? "
+                    "WHERE job_id=? AND state='queued'",
+                    (owner, replica, now + self.config.lease_s, now, job.job_id),
+                )
+                leased = self.get(job.job_id)
+                assert leased is not None
+                out.append(leased)
+        return out
+
+    def checkpoint(
+        self, job_id: str, fence: int, tokens: list[int], now: float | None = None
+    ) -> bool:
+        """Record the tokens so far and renew the lease; False: the lease is no longer yours."""
+        now = time.time() if now is None else now
+        return self.db.execute_count(
+            "UPDATE jobs SET tokens=?, lease_expires_s=?, updated_s=? "
+            "WHERE job_id=? AND fence=? AND state='leased'",
+            (json.dumps(tokens), now + self.config.lease_s, now, job_id, fence),
+        ) == 1
+
+    def complete(
+        self, job_id: str, fence: int, result: dict[str, Any], replica: str = "",
+        nodes: Sequence[str] = (), now: float | None = None,
+    ) -> str:  # fmt: skip
+        """'done', 'verify' (kept; another replica runs it next) or 'stale' (refused)."""
+        now = time.time() if now is None else now
+        with self.db.transaction():
+            rows = self.db.execute(
+                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'" +
+                self.db.skip_locked, (job_id, fence),
+            )  # fmt: skip
+            if not rows:
+                return "stale"
+            job = _job(rows[0])
+            if job.verify:
+                return self._verify_run(job, result, replica, list(nodes), now)
+            self._commit(job, result, replica, now)
+            return "done"
+
+    def fail(self, job_id: str, fence: int, reason: str, now: float | None = None) -> str:
+        """A holder says this attempt failed: back to the queue after a backoff, or dead
+        after MAX_ATTEMPTS; 'stale' if the lease is not the caller's any more."""
+        now = time.time() if now is None else now
+        with self.db.transaction():
+            rows = self.db.execute(
+                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'", (job_id, fence)
+            )
+            if not rows:
+                return "stale"
+            return self._failed(_job(rows[0]), reason, now)
+
+    def release(self, job_id: str, fence: int, now: float | None = None) -> bool:
+        """A holder gives a job back unharmed (it is stopping): no attempt is spent."""
+        now = time.time() if now is None else now
+        return self.db.execute_count(
+            "UPDATE jobs SET state='queued', lease_owner=NULL, lease_expires_s=NULL, "
+            "updated_s=? WHERE job_id=? AND fence=? AND state='leased'",
+            (now, job_id, fence),
+        ) == 1
+
+    def expire(self, now: float | None = None) -> int:
+        """Leases not renewed in time count as failed attempts."""
+        now = time.time() if now is None else now
+        with self.db.transaction():
+            rows = self.db.execute(
+                "SELECT * FROM jobs WHERE state='leased' AND lease_expires_s < ?", (now,)
+            )
+            for row in rows:
+                job = _job(row)
+                self._failed(job, f"lease of {job.lease_owner} expired (attempt "
+                                  f"{job.attempts + 1})", now)  # fmt: skip
+        return len(rows)
+
+    def cancel(self, batch_id: str) -> int:
+        now = time.time()
+        return self.db.execute_count(
+            "UPDATE jobs SET state='cancelled', error='cancelled', updated_s=? "
+            "WHERE batch_id=? AND state IN ('queued', 'leased')",
+            (now, batch_id),
+        )
+
+    def retry_failed(self, batch_id: str) -> int:
+        """Dead-lettered jobs of a batch go back to the queue with fresh attempts."""
+        now = time.time()
+        return self.db.execute_count(
+            "UPDATE jobs SET state='queued', attempts=0, error='', not_before_s=0, "
+            "updated_s=? WHERE batch_id=? AND state='dead'",
+            (now, batch_id),
+        )
+
+    def leased_count(self, owner: str) -> int:
+        rows = self.db.execute(
+            "SELECT COUNT(*) AS n FROM jobs WHERE state='leased' AND lease_owner=?", (owner,)
+        )
+        return int(rows[0]["n"])
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> Job | None:
+        rows = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,))
+        return _job(rows[0]) if rows else None
+
+    def batch(self, batch_id: str) -> list[Job]:
+        rows = self.db.execute("SELECT * FROM jobs WHERE batch_id=? ORDER BY position", (batch_id,))
+        return [_job(r) for r in rows]
+
+    def batch_info(self, batch_id: str) -> dict[str, Any] | None:
+        rows = self.db.execute("SELECT * FROM batches WHERE batch_id=?", (batch_id,))
+        if not rows:
+            return None
+        counts = {s: 0 for s in JOB_STATES}
+        for r in self.db.execute(
+            "SELECT state, COUNT(*) AS n FROM jobs WHERE batch_id=? GROUP BY state", (batch_id,)
+        ):
+            counts[str(r["state"])] = int(r["n"])
+        tokens = self.db.execute(
+            "SELECT COALESCE(SUM(LENGTH(tokens) - LENGTH(REPLACE(tokens, ',', '')) + "
+            "CASE WHEN tokens = '[]' THEN 0 ELSE 1 END), 0) AS n FROM jobs WHERE batch_id=?",
+            (batch_id,),
+        )
+        return {**rows[0], "counts": counts, "tokens": int(tokens[0]["n"] or 0)}
+
+    def ledger(self) -> dict[str, int]:
+        """Jepsen-style counts: every job terminal once, results committed once."""
+        states = {s: 0 for s in JOB_STATES}
+        for r in self.db.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state"):
+            states[str(r["state"])] = int(r["n"])
+        dup = self.db.execute(
+            "SELECT COUNT(*) AS n FROM (SELECT job_id FROM commits GROUP BY job_id "
+            "HAVING COUNT(*) > 1) AS d"
+        )
+        done_without = self.db.execute(
+            "SELECT COUNT(*) AS n FROM jobs WHERE state='done' AND job_id NOT IN "
+            "(SELECT job_id FROM commits)"
+        )
+        return {**states, "duplicates": int(dup[0]["n"]),
+                "done_without_commit": int(done_without[0]["n"])}  # fmt: skip
+
+    # -- transitions inside a transaction ---------------------------------------------------
+
+    def _commit(self, job: Job, result: dict[str, Any], replica: str, now: float) -> None:
+        self.db.execute(
+            "UPDATE jobs SET state='done', result=?, tokens=?, lease_owner=NULL, "
+            "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND fence=? AND state='leased'",
+            (json.dumps(result), json.dumps(result.get("tokens", [])), now, job.job_id,
+             job.fence),
+        )  # fmt: skip
+        self.db.execute(
+            "INSERT INTO commits(job_id, fence, replica, committed_s) VALUES (?, ?, ?, ?)",
+            (job.job_id, job.fence, replica, now),
+        )
+
+    def _failed(self, job: Job, reason: str, now: float) -> str:
+        attempts = job.attempts + 1
+        if attempts >= MAX_ATTEMPTS:
+            self.db.execute(
+                "UPDATE jobs SET state='dead', attempts=?, error=?, lease_owner=NULL, "
+                "lease_expires_s=NULL, updated_s=? WHERE job_id=?",
+                (attempts, f"failed {attempts} times; last: {reason}", now, job.job_id),
+            )
+            return "dead"
+        self.db.execute(
+            "UPDATE jobs SET state='queued', attempts=?, error=?, lease_owner=NULL, "
+            "lease_expires_s=NULL, not_before_s=?, updated_s=? WHERE job_id=?",
+            (attempts, reason, now + self.config.backoff(attempts), now, job.job_id),
+        )
+        return "queued"
+
+    def _verify_run(
+        self, job: Job, result: dict[str, Any], replica: str, nodes: list[str], now: float
+    ) -> str:
+        runs = [*job.runs, {"replica": replica, "nodes": nodes, "result": result}]
+        winner = _majority(runs)
+        if winner is not None:
+            self._commit(job, {**winner["result"], "runs": len(runs)}, replica, now)
+            self.db.execute("UPDATE jobs SET runs=? WHERE job_id=?",
+                            (json.dumps(runs), job.job_id))  # fmt: skip
+            return "done"
+        if len(runs) >= MAX_RUNS:
+            self.db.execute(
+                "UPDATE jobs SET state='dead', runs=?, error=?, updated_s=? WHERE job_id=?",
+                (json.dumps(runs), f"{len(runs)} runs and no two agree", now, job.job_id),
+            )
+            return "dead"
+        self.db.execute(  # back to the queue, for a run on a replica it has not had yet
+            "UPDATE jobs SET state='queued', runs=?, tokens='[]', lease_owner=NULL, "
+            "lease_expires_s=NULL, updated_s=? WHERE job_id=?",
+            (json.dumps(runs), now, job.job_id),
+        )
+        return "verify"
+
+
+def _majority(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first result two runs agree on."""
+    for i, a in enumerate(runs):
+        for b in runs[i + 1 :]:
+            if _same(a["result"], b["result"]):
+                return a
+    return None
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.get("tokens") == b.get("tokens") and a.get("scores") == b.get("scores")
+
+
+def _ran_on(job: Job, replica: str) -> bool:
+    """A verification run goes to a replica that has not run the job yet, while one exists
+    that has not; a third run only avoids the replica of the last run."""
+    if not job.runs:
+        return False
+    had = [r["replica"] for r in job.runs]
+    return replica in had[-1:] or (len(had) < 2 and replica in had)
+
+
+def _job(row: Row) -> Job:
+    d = dict(row)
+    return Job(
+        job_id=JobId(d["job_id"]), kind=d["kind"], payload=json.loads(d["payload"]),
+        state=d["state"], created_s=d["created_s"], updated_s=d["updated_s"],
+        idem_key=d["idem_key"], batch_id=d["batch_id"], position=d["position"],
+        priority=d["priority"], attempts=d["attempts"], leases=d["leases"], fence=d["fence"],
+        lease_owner=d["lease_owner"], lease_replica=d["lease_replica"],
+        lease_expires_s=d["lease_expires_s"], not_before_s=d["not_before_s"],
+        tokens=json.loads(d["tokens"]),
+        result=None if d["result"] is None else json.loads(d["result"]),
+        error=d["error"], verify=d["verify"], runs=json.loads(d["runs"]),
+    )  # fmt: skip
