@@ -285,3 +285,14 @@ def test_budget_split_balances_memory_and_each_stage_accepts_its_share(demo_path
     assert len(r.tokens) == 3
     with pytest.raises(cellswarm.BudgetError, match=r"2 workers need .* bytes each .* short"):
         budget_split(str(demo_path), 2, 64 << 20, context=256, max_sequences=4)
+
+
+def test_balanced_split_evens_out_emulated_step_times(demo_path: Path) -> None:
+    """The demo model's tied head weighs several layers: the last stage gets fewer layers,
+    and no stage's emulated step is far from the others'."""
+    from cellswarm.swarm.emulate import balanced_split
+
+    split = balanced_split(str(demo_path), 4, "rpi4")
+    assert split[0][0] == 0 and split[-1][1] == 30
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(split))
+    assert split[-1][1] - split[-1][0] < 30 // 4
