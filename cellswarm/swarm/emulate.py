@@ -5,8 +5,8 @@ wait out the time the profile would have taken for the same step — its weight 
 profile's effective memory bandwidth, or its FLOPs at the profile's effective FLOP/s,
 whichever is longer (the planner's roofline). The wait is an asyncio sleep, so an emulated
 node costs the host no CPU while it "computes". A stage can be slowed to a profile, never
-sped up: if the host is slower, the real time stands (a PS3 profile on this host's Python
-stages: its 10-15 layer step is ~1.3-2.8 ms, the host's 1.5-3.4 ms).
+sped up: if the host is slower, the real time stands (a PS3 runs 7-8 demo layers in
+~1.3-1.5 ms, 15 in ~2.8 ms; this host's Python takes ~1.5-2.6 and ~3.4 ms).
 
 Link: a token bucket at the profile's TCP goodput, plus half its round trip per frame. Like a
 real NIC the link sends while the node computes: `depart` only books the frame's slot on the
