@@ -311,3 +311,14 @@ def test_a_random_llama_over_up_to_8_stages_equals_one_process(tmp_path: Path, s
     for lo, hi in even_split(8, stages):
         h = staged.forward(h, cache, range(lo, hi))
     assert np.abs(staged.arch.head(h) - model.logits(ids)).max() <= 1e-5
+
+
+def test_balanced_split_evens_out_emulated_step_times(demo_path: Path) -> None:
+    """The demo model's tied head weighs several layers: the last stage gets fewer layers,
+    and no stage's emulated step is far from the others'."""
+    from cellswarm.swarm.emulate import balanced_split
+
+    split = balanced_split(str(demo_path), 4, "rpi4")
+    assert split[0][0] == 0 and split[-1][1] == 30
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(split))
+    assert split[-1][1] - split[-1][0] < 30 // 4

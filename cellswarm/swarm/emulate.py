@@ -1,22 +1,44 @@
 """Make a local stage behave like a node of a planner profile (a PS3, a Raspberry Pi).
 
-Compute: after each real step, wait out the time the profile would have taken for the same
-step — its weight bytes at the profile's effective memory bandwidth, or its FLOPs at the
-profile's effective FLOP/s, whichever is longer (the planner's roofline). The wait is an
-asyncio sleep, so an emulated node costs the host no CPU while it "computes". A stage can be
-slowed to a profile, never sped up: if the host is slower, the real time stands.
-Link: a token bucket at the profile's TCP goodput, plus half its round trip per frame.
+Compute: after each real step (the layers, and on the last stage the head and the sampler),
+wait out the time the profile would have taken for the same step — its weight bytes at the
+profile's effective memory bandwidth, or its FLOPs at the profile's effective FLOP/s,
+whichever is longer (the planner's roofline). The wait is an asyncio sleep, so an emulated
+node costs the host no CPU while it "computes". A stage can be slowed to a profile, never
+sped up: if the host is slower, the real time stands (a PS3 runs 7-8 demo layers in
+~1.3-1.5 ms, 15 in ~2.8 ms; this host's Python takes ~1.5-2.6 and ~3.4 ms).
+
+Link: a token bucket at the profile's TCP goodput, plus half its round trip per frame. Like a
+real NIC the link sends while the node computes: `depart` only books the frame's slot on the
+wire and says when it arrives; the stage hands the frame to a writer that delivers it then
+(stage.py), and goes on with its next step at once.
+
+Timers: asyncio's default (epoll) loop waits in whole milliseconds, rounded up, so every
+emulated wait overshot by ~0.5-1 ms — 10-20 % of a 5 ms step, paid at every stage and every
+hop. An emulated node runs on `precise_loop`, whose select() waits in microseconds.
+
+What emulation cannot remove: the host's own CPU. Every stage's real compute, its frame
+encoding and loopback sockets, and the client share the host's cores; when several stages
+compute at once on fewer cores they slow each other, and no padding hides that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import selectors
 import time
 from dataclasses import dataclass
 
 from cellswarm.engine.model import Model
 from cellswarm.planner.profiles import NodeProfile, get_profile
+
+
+def precise_loop() -> asyncio.AbstractEventLoop:
+    """An event loop whose timers fire within microseconds, not milliseconds: select() takes
+    its timeout in microseconds where epoll_wait() takes whole milliseconds. select() is
+    limited to 1024 descriptors, far more than a stage's few connections."""
+    return asyncio.SelectorEventLoop(selectors.SelectSelector())
 
 
 @dataclass
@@ -48,9 +70,46 @@ class Emulation:
         if remaining > 0:
             await asyncio.sleep(remaining)
 
-    async def send(self, nbytes: int) -> None:
-        """Wait for the link: queued frames leave one after another at the link's rate."""
-        now = time.perf_counter()
-        start = max(now, self._link_free_at)
+    def depart(self, nbytes: int) -> float:
+        """Book a frame of `nbytes` on the link; the perf_counter time it reaches the next
+        node. Queued frames leave one after another at the link's rate, in order."""
+        start = max(time.perf_counter(), self._link_free_at)
         self._link_free_at = start + nbytes / self.profile.link_bytes_per_s
-        await asyncio.sleep(self._link_free_at - now + self.profile.link_rtt_s / 2)
+        return self._link_free_at + self.profile.link_rtt_s / 2
+
+
+def balanced_split(model: str, n_stages: int, profile_name: str) -> list[tuple[int, int]]:
+    """Contiguous layer ranges whose emulated step times (`Emulation.step_s(1)`) are as even
+    as they can be: the slowest stage bounds a full pipeline, and an even split by layer
+    count leaves the last stage — its layers plus the output head, which for a small model
+    with a big vocabulary weighs several layers — far slower than the others."""
+    from cellswarm.planner.api import resolve_model
+    from cellswarm.planner.cost import head_cost
+
+    inv, p = resolve_model(model), get_profile(profile_name)
+    tensors = [inv.layer_tensors(i) for i in range(inv.n_layers)]
+    layer = [(sum(t.nbytes for t in ts), sum(t.params for t in ts)) for ts in tensors]
+    head = head_cost(inv)
+
+    def cost(lo: int, hi: int) -> float:
+        nbytes = sum(b for b, _ in layer[lo:hi]) + (head[0] if hi == inv.n_layers else 0)
+        params = sum(n for _, n in layer[lo:hi]) + (head[1] if hi == inv.n_layers else 0)
+        return max(nbytes / p.effective_bandwidth_bytes_per_s, 2 * params / p.effective_flops)
+
+    n = inv.n_layers
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"{n_stages} stages for {n} layers")
+    # best[k][i]: the least possible slowest stage over layers 0..i in k stages
+    best = [[math.inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], cost(j, i))
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    bounds = [n]
+    for k in range(n_stages, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return [(bounds[i + 1], bounds[i]) for i in range(n_stages - 1, -1, -1)]

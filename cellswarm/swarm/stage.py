@@ -14,6 +14,7 @@ Run as `python -m cellswarm.swarm.stage CONFIG_JSON`; prints `READY <port>` when
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -32,12 +33,13 @@ from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError, RequestError
 from cellswarm.io.weights import Selection
 from cellswarm.swarm.auth import load_token
-from cellswarm.swarm.emulate import Emulation
+from cellswarm.swarm.emulate import Emulation, precise_loop
 from cellswarm.swarm.frames import Frame, accept, connect, no_delay, read_frame, write_frame
 from cellswarm.swarm.logs import JsonLog
 from cellswarm.swarm.parts import ExpertParts, PartLost, PartSpec, VocabParts
 
 log = logging.getLogger("cellswarm.stage")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,15 @@ class Stage:
         self.sequences: dict[int, Sequence] = {}
         self._next: asyncio.StreamWriter | None = None
         self._next_lock = asyncio.Lock()
+        # Emulated link: frames booked on the wire, delivered at their arrival time by a
+        # writer task, so the stage computes while they are "in flight" (emulate.py).
+        self._wire: asyncio.Queue[tuple[float, Frame]] = asyncio.Queue()
+        self._wire_task: asyncio.Task[None] | None = None
+        # ... and computes on a thread of its own, one step at a time, so that the loop is
+        # free to deliver those frames while a step runs, as a NIC does beside a CPU.
+        self._cpu = (
+            concurrent.futures.ThreadPoolExecutor(1, "compute") if config.profile else None
+        )
         self._seq_ids = 0
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.log = JsonLog(config.log_dir, config.node_id)
@@ -189,8 +200,27 @@ class Stage:
         self._next = None
 
     async def send_next(self, frame: Frame) -> None:
-        if self.emulation is not None:
-            await self.emulation.send(0 if frame.array is None else frame.array.nbytes)
+        if self.emulation is None:
+            return await self.write_next(frame)
+        arrives = self.emulation.depart(0 if frame.array is None else frame.array.nbytes)
+        self._wire.put_nowait((arrives, frame))
+        if self._wire_task is None or self._wire_task.done():
+            self._wire_task = asyncio.get_running_loop().create_task(self._deliver())
+
+    async def _deliver(self) -> None:
+        """The emulated link: each frame to the next stage at its arrival time, in order."""
+        while True:
+            arrives, frame = await self._wire.get()
+            if (wait := arrives - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            try:
+                await self.write_next(frame)
+            except NextStageLost as exc:  # what serve() does when a send fails in a step
+                log.exception("stage %s: next stage lost", self.config.layers)
+                if self.on_fault is not None:
+                    self.on_fault("next", f"{type(exc).__name__}: {exc}")
+
+    async def write_next(self, frame: Frame) -> None:
         async with self._next_lock:
             try:
                 if self._next is None:
@@ -246,6 +276,8 @@ class Stage:
         self.caches.clear()
         self.samplers.clear()
         self.sequences.clear()
+        while not self._wire.empty():  # frames of the old epoch still "on the wire"
+            self._wire.get_nowait()
         async with self._next_lock:
             if self._next is not None:
                 self._next.close()
@@ -323,7 +355,7 @@ class Stage:
         try:
             if self.fail_forward:
                 raise RuntimeError("injected fault: this node's forward pass always fails")
-            h = self.model.forward(np.ascontiguousarray(h, dtype=np.float32), cache)
+            h = await self.compute(self.model.forward, np.ascontiguousarray(h, np.float32), cache)
         except Exception as exc:
             if self.on_fault is None:
                 raise
@@ -336,6 +368,13 @@ class Stage:
                 self.on_fault("forward", f"{type(exc).__name__}: {exc}")
             return
         self.steps += 1
+        # The last stage's step includes the head and the sampler: the emulated step time
+        # counts the head's bytes, so its real time belongs inside the padded window.
+        scoring = first is not None and first.get("score_from") is not None
+        out: Any = None  # the last stage's: a sampled token, or a score
+        if self.config.last:
+            out = await (self.compute(self.score, h, first) if scoring and first is not None
+                         else self.compute(self.head_sample, seq, h, first))  # fmt: skip
         if self.emulation is not None:
             await self.emulation.pad(t0, h.shape[0])
         self.busy_s += time.perf_counter() - t0
@@ -353,13 +392,12 @@ class Stage:
                 fields["first"] = first
             await self.send_next(Frame("hidden", fields, h))
             return
-        if first is not None and first.get("score_from") is not None:
-            logprob = self.score(h, first)
+        if scoring:
             if self.config.first:
-                return await self.on_scored(seq, logprob)
-            fields = {"seq": seq, "logprob": logprob, "ep": self.epoch}
-            return await self.send_next(Frame("scored", fields))
-        token = self.sample(seq, self.head(h[-1:])[-1], first)
+                return await self.on_scored(seq, float(out))
+            scored = {"seq": seq, "logprob": float(out), "ep": self.epoch}
+            return await self.send_next(Frame("scored", scored))
+        token = int(out)
         if self.config.first:
             await self.on_token(seq, token)
         else:
@@ -385,6 +423,15 @@ class Stage:
         self.release(seq)
         if not self.config.last:
             await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) here, or on the compute thread of an emulated node."""
+        if self._cpu is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def head_sample(self, seq: int, h: np.ndarray, first: dict[str, Any] | None) -> int:
+        return self.sample(seq, self.head(h[-1:])[-1], first)
 
     def sample(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
         if first is not None:
@@ -540,4 +587,7 @@ async def main(config: StageConfig) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    asyncio.run(main(StageConfig.from_json(sys.argv[1])))
+    stage_config = StageConfig.from_json(sys.argv[1])
+    # an emulated node's waits must be precise to well under its step time (emulate.py)
+    with asyncio.Runner(loop_factory=precise_loop if stage_config.profile else None) as runner:
+        runner.run(main(stage_config))

@@ -374,5 +374,9 @@ def size_kv(config: StageConfig) -> StageConfig:
 
 
 def main(config: WorkerConfig) -> None:
+    from cellswarm.swarm.emulate import precise_loop
+
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(Worker(config).run())
+    # an emulated node's waits must be precise to well under its step time (emulate.py)
+    with asyncio.Runner(loop_factory=precise_loop if config.profile else None) as runner:
+        runner.run(Worker(config).run())
