@@ -121,6 +121,11 @@ def pipeline_decode(
             total += _group_step(placement, node, opts, act, layer, group, slot, busy)
         prev = slot
     total += _head_step(inv, placement, node, act, prev)
+    nbytes, params = head_cost(inv)
+    for s in placement.slots:  # each head shard is busy with its rows every token, too
+        if s.head_rows:
+            part = (s.head_rows[1] - s.head_rows[0]) / inv.vocab_size
+            busy[s.node] += roofline(node, part * nbytes, 2 * part * params).total_s
     total += StepTime(network_s=node.link_rtt_s / 2)  # the sampled token back to the first stage
     return StepTime(total.compute_s, total.memory_s, total.network_s, tuple(busy.values()))
 
