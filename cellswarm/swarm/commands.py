@@ -15,6 +15,9 @@ DEFAULT_URL = "http://127.0.0.1:8470"
 
 
 def add_commands(sub: Any) -> None:
+    from cellswarm.swarm.batch_cli import add_batch_commands
+
+    add_batch_commands(sub)
     c = sub.add_parser("coordinator", help="run a swarm's coordinator (HTTP, state in SQLite)")
     c.add_argument("--model", help="the .gguf file to place (default: the demo model)")
     c.add_argument("--listen", default="127.0.0.1:8470", help="HOST:PORT (default loopback)")
@@ -29,6 +32,10 @@ def add_commands(sub: Any) -> None:
                    help="nodes holding the MoE layers' routed experts, apart from attention")
     c.add_argument("--vocab-nodes", type=int, default=0,
                    help="nodes holding the embedding and output head, split by rows")
+    c.add_argument("--replicas", type=int, default=1, help="independent rings sharing the queue")
+    c.add_argument("--lease", type=float, default=10.0, help="seconds a job lease lasts unrenewed")
+    c.add_argument("--evict-after", type=int, default=3,
+                   help="verification: a node outvoted this many times is taken out")
     c.add_argument("--context", type=int, default=256, help="KV tokens a stage reserves/seq")
     c.add_argument("--max-sequences", type=int, default=8, help="sequences in flight per stage")
     c.set_defaults(func=cmd_coordinator)
@@ -48,6 +55,7 @@ def add_commands(sub: Any) -> None:
                    help="fetch the shard from the coordinator even if its path is readable")
     w.add_argument("--cache-dir", help="where fetched shards are kept")
     w.add_argument("--fail-forward", action="store_true", help=argparse.SUPPRESS)
+    w.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
     w.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("status", help="every node of a swarm: state, shard, memory, failures")
@@ -93,7 +101,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         token_file=args.token_file, heartbeat_s=args.heartbeat,
         heartbeat_timeout_s=args.heartbeat_timeout, offline_after=args.offline_after,
         stages=args.stages, expert_nodes=args.expert_nodes, vocab_nodes=args.vocab_nodes,
-        context=args.context, max_sequences=args.max_sequences,
+        context=args.context, replicas=args.replicas, lease_s=args.lease,
+        evict_after_disagreements=args.evict_after, max_sequences=args.max_sequences,
         log_dir=args.log_dir,
     ))  # fmt: skip
     return 0
@@ -107,6 +116,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         profile=args.profile, token_file=args.token_file, model=args.model,
         threads=args.threads, log_dir=args.log_dir, stop_after_s=args.stop_after,
         fail_forward=args.fail_forward, fetch=args.fetch, cache_dir=args.cache_dir,
+        perturb=args.perturb,
     ))  # fmt: skip
     return 0
 

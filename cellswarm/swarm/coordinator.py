@@ -97,6 +97,7 @@ class Coordinator:
         now = time.time()
         for n in self.store.nodes():  # a restart is not the nodes' fault: give them a grace
             self.store.update_node(n.node_id, last_seen_s=now)
+        self.queue.extend_leases()  # nor the holders': they could not renew meanwhile
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -113,7 +114,7 @@ class Coordinator:
         if expiry is None or expiry < time.monotonic():
             raise PermissionError("unknown or used nonce: ask /v1/challenge for a fresh one")
         if self.token is not None and not verify(self.token, nonce, node_id, proof):
-            self.log.event("join_denied", None, node=node_id)
+            self.log.event("join_denied", None, worker=node_id)
             raise PermissionError("proof does not match the cluster token")
         if int(caps.get("memory_bytes") or 0) <= 0:
             raise RequestError("capabilities.memory_bytes must be a positive byte count")
@@ -127,7 +128,7 @@ class Coordinator:
         self.store.put_node(node)
         if old is not None and old.state == "assigned":
             self.unwire(f"{node_id} re-joined")
-        self.log.event("join", None, node=node_id, memory_bytes=node.memory_bytes)
+        self.log.event("join", None, worker=node_id, memory_bytes=node.memory_bytes)
         return session
 
     def authenticate(self, node_id: str, session: str) -> Node:
@@ -188,7 +189,7 @@ class Coordinator:
         """A stage failed a step ("forward"), or found the next stage gone ("next"). Only
         a fault in the current epoch counts: the steps in flight when the first one struck
         fail too, and are one failure, not several."""
-        self.log.event("fault", None, node=node.node_id, kind=kind, detail=detail, epoch=epoch)
+        self.log.event("fault", None, worker=node.node_id, kind=kind, detail=detail, epoch=epoch)
         if epoch is not None and epoch != self.epoch:
             return
         if kind == "next":
@@ -221,7 +222,7 @@ class Coordinator:
             return
         self.store.update_node(node.node_id, state="lost", shard=None, data_port=None,
                                ready=None, message=why, failures=node.failures + 1)
-        self.log.event("lost", None, node=node.node_id, why=why)
+        self.log.event("lost", None, worker=node.node_id, why=why)
         log.warning("node %s lost: %s", node.node_id, why)
         if node.state == "assigned":
             self.unwire(f"{node.node_id} lost")
@@ -381,9 +382,11 @@ class Coordinator:
         room = capacity - self.queue.leased_count(node.node_id)
         if room <= 0:
             return []
-        jobs = self.queue.lease(node.node_id, str(shard.get("replica", 0)), min(n, room))
+        several = len(replicas(self.store.nodes())) > 1
+        jobs = self.queue.lease(node.node_id, str(shard.get("replica", 0)), min(n, room),
+                                exclusive=several)  # fmt: skip
         for job in jobs:
-            self.log.event("leased", job.job_id, node=node.node_id, fence=job.fence,
+            self.log.event("leased", job.job_id, worker=node.node_id, fence=job.fence,
                            resume=len(job.tokens), attempt=job.attempts + 1)  # fmt: skip
         return [j.lease_view() for j in jobs]
 
@@ -393,7 +396,7 @@ class Coordinator:
                  if not self.queue.checkpoint(str(r["job_id"]), int(r["fence"]),
                                               [int(t) for t in r["tokens"]])]  # fmt: skip
         for rid in stale:
-            self.log.event("stale", rid, node=node.node_id, call="checkpoint")
+            self.log.event("stale", rid, worker=node.node_id, call="checkpoint")
         self._notify()
         return stale
 
@@ -402,7 +405,7 @@ class Coordinator:
         members = [n.node_id for n in ring(self.store.nodes(), replica)]
         outcome = self.queue.complete(job_id, fence, result, str(replica), members)
         self.log.event("completed" if outcome != "stale" else "stale", job_id,
-                       node=node.node_id, outcome=outcome,
+                       worker=node.node_id, outcome=outcome,
                        tokens=len(result.get("tokens", [])))  # fmt: skip
         if outcome == "done":
             with self.store.transaction():
@@ -414,7 +417,7 @@ class Coordinator:
 
     def fail(self, node: Node, job_id: str, fence: int, reason: str) -> str:
         outcome = self.queue.fail(job_id, fence, reason)
-        self.log.event("failed", job_id, node=node.node_id, outcome=outcome, reason=reason)
+        self.log.event("failed", job_id, worker=node.node_id, outcome=outcome, reason=reason)
         self._notify()
         return outcome
 
@@ -434,7 +437,7 @@ class Coordinator:
                     self.store.update_node(nid, agreements=n.agreements + 1)
                     continue
                 n = self.store.update_node(nid, disagreements=n.disagreements + 1)
-                self.log.event("disagreed", job_id, node=nid, disagreements=n.disagreements)
+                self.log.event("disagreed", job_id, worker=nid, disagreements=n.disagreements)
                 if n.disagreements >= self.config.evict_after_disagreements:
                     self.store.update_node(nid, state="offline", shard=None, message=(
                         f"outvoted {n.disagreements} times by other replicas: taken out"))

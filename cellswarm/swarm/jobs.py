@@ -22,6 +22,7 @@ decides then, and both nodes get a mark, not an eviction).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -161,25 +162,35 @@ class JobQueue:
         return _job(found[0]), False
 
     def submit_batch(
-        self, name: str, items: Sequence[tuple[str, dict[str, Any]]], verify: int = 0,
-        idem_prefix: str | None = None,
+        self, name: str, items: Sequence[tuple[str, dict[str, Any]]],
+        verify_fraction: float = 0.0, batch_id: str | None = None,
     ) -> str:  # fmt: skip
-        """A batch of (kind, payload) in input order, in one transaction; its id."""
-        batch_id = uuid.uuid4().hex[:12]
+        """A batch of (kind, payload) in input order, in one transaction; its id. The same
+        `batch_id` twice is the same batch (its jobs' keys are batch id : position). A
+        `verify_fraction` of its jobs, chosen by a hash of their position, are run twice."""
+        batch_id = batch_id or uuid.uuid4().hex[:12]
         with self.db.transaction():
-            self.db.execute(
-                "INSERT INTO batches(batch_id, name, total, created_s) VALUES (?, ?, ?, ?)",
+            created = self.db.execute(
+                "INSERT INTO batches(batch_id, name, total, created_s) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT DO NOTHING RETURNING batch_id",
                 (batch_id, name, len(items), time.time()),
             )
+            if not created:
+                return batch_id
             for i, (kind, payload) in enumerate(items):
-                key = f"{idem_prefix}:{i}" if idem_prefix else None
-                self.submit(payload, kind, key, batch_id, i, verify=verify)
+                verify = 2 if _chosen(batch_id, i, verify_fraction) else 0
+                self.submit(payload, kind, f"{batch_id}:{i}", batch_id, i, verify=verify)
         return batch_id
 
     # -- holding -----------------------------------------------------------------------------
 
-    def lease(self, owner: str, replica: str, n: int = 1, now: float | None = None) -> list[Job]:
-        """Up to n runnable jobs for `owner` (a pipeline head), each with a new fence."""
+    def lease(
+        self, owner: str, replica: str, n: int = 1, now: float | None = None,
+        exclusive: bool = True,
+    ) -> list[Job]:  # fmt: skip
+        """Up to n runnable jobs for `owner` (a pipeline head), each with a new fence. With
+        `exclusive`, a verification run goes to another replica than the one before (off when
+        only one replica is left: two runs there still catch a node that is not deterministic)."""
         now = time.time() if now is None else now
         out: list[Job] = []
         with self.db.transaction():
@@ -191,7 +202,7 @@ class JobQueue:
             )
             for row in rows:
                 job = _job(row)
-                if len(out) >= n or _ran_on(job, replica):
+                if len(out) >= n or (exclusive and _ran_on(job, replica)):
                     continue  # a verification run wants another replica than the ones it had
                 self.db.execute(
                     "UPDATE jobs SET state='leased', fence=fence+1, leases=leases+1, "
@@ -267,6 +278,15 @@ class JobQueue:
                 self._failed(job, f"lease of {job.lease_owner} expired (attempt "
                                   f"{job.attempts + 1})", now)  # fmt: skip
         return len(rows)
+
+    def extend_leases(self, now: float | None = None) -> int:
+        """A coordinator (re)starting: holders could not renew while none answered, so every
+        lease gets a fresh term instead of expiring for the coordinator's absence."""
+        now = time.time() if now is None else now
+        return self.db.execute_count(
+            "UPDATE jobs SET lease_expires_s=? WHERE state='leased' AND lease_expires_s < ?",
+            (now + self.config.lease_s, now + self.config.lease_s),
+        )
 
     def cancel(self, batch_id: str) -> int:
         now = time.time()
@@ -385,6 +405,14 @@ class JobQueue:
             (json.dumps(runs), now, job.job_id),
         )
         return "verify"
+
+
+def _chosen(batch_id: str, position: int, fraction: float) -> bool:
+    """A stable pick of `fraction` of a batch's positions (the same on every coordinator)."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(f"{batch_id}:{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
 def _majority(runs: list[dict[str, Any]]) -> dict[str, Any] | None:

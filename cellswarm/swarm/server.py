@@ -153,6 +153,10 @@ def build_app(coord: Coordinator) -> FastAPI:
         outcome = coord.fail(node_of(d), str(d["job_id"]), int(d["fence"]), str(d["reason"]))
         return {"outcome": outcome}
 
+    from cellswarm.swarm.batch_api import add_batch_routes
+
+    add_batch_routes(app, coord)
+
     @app.get("/v1/ledger")
     async def ledger() -> dict[str, Any]:
         return coord.queue.ledger()

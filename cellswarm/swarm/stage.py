@@ -137,6 +137,10 @@ class Stage:
         # ("next", address) when the next stage stopped answering.
         self.on_fault: Callable[[str, str], None] | None = None
         self.fail_forward = False  # fault injection for tests: every forward pass raises
+        # fault injection for tests: this fraction of sequences get wrong tokens (bad RAM)
+        self.perturb = 0.0
+        self.corrupted: set[int] = set()
+        self._rng = np.random.default_rng()
         self.connections: set[asyncio.StreamWriter] = set()
         self.vocab: VocabParts | None = None
         self.experts = ExpertParts((), self.token, config.node_id)
@@ -431,7 +435,12 @@ class Stage:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     def head_sample(self, seq: int, h: np.ndarray, first: dict[str, Any] | None) -> int:
-        return self.sample(seq, self.head(h[-1:])[-1], first)
+        token = self.sample(seq, self.head(h[-1:])[-1], first)
+        if self.perturb and first is not None and self._rng.random() < self.perturb:
+            self.corrupted.add(seq)  # fault injection: this sequence's output goes bad
+        if seq in self.corrupted:
+            token = (token + 1 + int(self._rng.integers(1000))) % int(self.model.config.vocab_size)
+        return token
 
     def sample(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
         if first is not None:
@@ -476,6 +485,7 @@ class Stage:
         return f"{self.config.layers[0]}..{self.config.layers[1] - 1}"
 
     def release(self, seq: int) -> None:
+        self.corrupted.discard(seq)
         self.requests.pop(seq, None)
         self.caches.pop(seq, None)
         self.samplers.pop(seq, None)

@@ -37,6 +37,10 @@ class LocalSwarm:
     profile: str | None = None
     stages: int | None = None
     expert_nodes: int = 0
+    replicas: int = 1
+    lease_s: float = 10.0
+    evict_after: int = 3
+    perturb: dict[int, float] = field(default_factory=dict)  # worker -> wrong-output fraction
     vocab_nodes: int = 0
     context: int = 256
     max_sequences: int = 8
@@ -97,7 +101,9 @@ class LocalSwarm:
                 "--offline-after", str(self.offline_after)]  # fmt: skip
         if self.stages:
             args += ["--stages", str(self.stages)]
-        args += ["--expert-nodes", str(self.expert_nodes), "--vocab-nodes", str(self.vocab_nodes)]
+        args += ["--expert-nodes", str(self.expert_nodes), "--vocab-nodes", str(self.vocab_nodes),
+                 "--replicas", str(self.replicas), "--lease", str(self.lease_s),
+                 "--evict-after", str(self.evict_after)]  # fmt: skip
         self._spawn("coordinator", args, "READY")
 
     def start_worker(self, i: int) -> None:
@@ -109,6 +115,8 @@ class LocalSwarm:
             args += ["--profile", self.profile]
         if i in self.fail_forward:
             args.append("--fail-forward")
+        if i in self.perturb:
+            args += ["--perturb", str(self.perturb[i])]
         if self.fetch:
             args += ["--fetch", "--cache-dir", str(self.state_dir / f"cache-{i}")]
         self._spawn(f"worker-{i}", args, "JOINED")

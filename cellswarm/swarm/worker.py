@@ -58,6 +58,7 @@ class WorkerConfig:
     stop_after_s: float = 5.0  # stop serving after this long without the coordinator
     fail_forward: bool = False  # fault injection for tests: every forward pass fails
     fetch: bool = False  # fetch the shard from the coordinator even if its path is readable
+    perturb: float = 0.0  # fault injection for tests: this fraction of outputs go wrong
     cache_dir: str | None = None  # where fetched shards are kept (default ~/.cache/cellswarm)
 
     def __post_init__(self) -> None:
@@ -252,6 +253,7 @@ class Worker:
         self.stage = Stage(config, model)
         self.stage.on_fault = self.report_fault
         self.stage.fail_forward = c.fail_forward
+        self.stage.perturb = c.perturb
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
         if config.first:
             self.head = Head(self.stage, self._post_session, self.lease_s)

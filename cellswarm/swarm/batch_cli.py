@@ -1,0 +1,120 @@
+"""`cellswarm batch submit | watch | results | cancel | retry-failed`."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cellswarm.errors import RequestError
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+
+
+def add_batch_commands(sub: Any) -> None:
+    b = sub.add_parser("batch", help="batch jobs: submit a JSONL file, watch it, get results")
+    bsub = b.add_subparsers(dest="batch_command", required=True)
+    s = bsub.add_parser("submit", help="submit FILE.jsonl; prints the batch's job id")
+    s.add_argument("file", type=Path, help="one JSON object per line: id, prompt|messages, ...")
+    s.add_argument("--verify", type=float, default=0.0,
+                   help="fraction of jobs rerun on another replica, compared (0..1)")
+    s.add_argument("--name", help="a name for the batch (default: the file's)")
+    s.set_defaults(func=cmd_submit)
+    w = bsub.add_parser("watch", help="a live progress bar until the batch is finished")
+    w.add_argument("job")
+    w.set_defaults(func=cmd_watch)
+    r = bsub.add_parser("results", help="one line per input, in input order")
+    r.add_argument("job")
+    r.add_argument("-o", "--output", type=Path, help="write JSONL here (default: stdout)")
+    r.set_defaults(func=cmd_results)
+    c = bsub.add_parser("cancel", help="cancel the batch's unfinished jobs")
+    c.add_argument("job")
+    c.set_defaults(func=lambda a: _post(a, f"/v1/batches/{a.job}/cancel"))
+    t = bsub.add_parser("retry-failed", help="requeue the batch's dead-lettered jobs")
+    t.add_argument("job")
+    t.set_defaults(func=lambda a: _post(a, f"/v1/batches/{a.job}/retry-failed"))
+    for p in (s, w, r, c, t):
+        p.add_argument("--coordinator", default=DEFAULT_URL, help="the coordinator's URL")
+
+
+def read_items(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise RequestError(f"batch file {path} does not exist")
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"{path}:{n} is not JSON ({exc.msg}); one object per line") from None
+        if not isinstance(item, dict):
+            raise RequestError(f"{path}:{n} is not a JSON object")
+        items.append(item)
+    if not items:
+        raise RequestError(f"{path} has no lines")
+    return items
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from cellswarm.swarm import client
+
+    items = read_items(args.file)
+    # the same file submitted twice is the same batch: the key is its content
+    key = hashlib.sha256(args.file.read_bytes()).hexdigest() + f":{args.verify}"
+    answer = client.call(args.coordinator, "/v1/batches", {
+        "name": args.name or args.file.name, "items": items,
+        "verify_fraction": args.verify, "idempotency_key": key,
+    })  # fmt: skip
+    print(answer["batch_id"])
+    print(f"{answer['total']} jobs; watch: cellswarm batch watch {answer['batch_id']}",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from cellswarm.swarm import client
+
+    info = client.call(args.coordinator, f"/v1/batches/{args.job}")
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[detail]}")]  # fmt: skip
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task(info["name"], total=info["total"], detail="")
+        while True:
+            info = client.call(args.coordinator, f"/v1/batches/{args.job}")
+            c = info["counts"]
+            eta = "-" if info["eta_s"] is None else f"{info['eta_s']:.0f} s"
+            detail = (f"done {c['done']} failed {c['dead']} cancelled {c['cancelled']} | "
+                      f"{info['tokens_per_s']:.1f} tok/s | ETA {eta}")  # fmt: skip
+            bar.update(task, completed=info["finished"], detail=detail)
+            if info["finished"] >= info["total"]:
+                break
+            time.sleep(0.5)
+    return 0 if info["counts"]["dead"] == 0 else 1
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    from cellswarm.swarm import client
+
+    rows = client.call(args.coordinator, f"/v1/batches/{args.job}/results")["results"]
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    if args.output:
+        args.output.write_text(lines)
+        done = sum(r["state"] == "done" for r in rows)
+        print(f"{len(rows)} results ({done} done) written to {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(lines)
+    return 0
+
+
+def _post(args: argparse.Namespace, path: str) -> int:
+    from cellswarm.swarm import client
+
+    print(json.dumps(client.call(args.coordinator, path, {})))
+    return 0

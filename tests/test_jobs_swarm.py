@@ -1,0 +1,243 @@
+"""The job queue under a real local swarm, with processes killed, stopped and lying.
+
+Each test ends with a ledger in the style of Jepsen's queue checker: every acknowledged
+job is terminal exactly once (lost = 0), nothing unexpected is in the queue, and no job has
+more than one committed result (duplicates = 0).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cellswarm
+from cellswarm.engine.model import GenerateOptions
+from cellswarm.swarm import client
+from cellswarm.swarm.up import LocalSwarm
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,",
+           "Water boils at", "My favourite colour is"]  # fmt: skip
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def expected(demo_path: Path) -> dict[str, list[int]]:
+    """Greedy tokens of the single-process engine for each prompt (with the text path's
+    stop tokens, as the coordinator sets them for text prompts)."""
+    model = cellswarm.load(demo_path)
+    opts = GenerateOptions(MAX_TOKENS, stop_ids=model.tokenizer.stop_ids)
+    return {p: model.generate(p, opts).token_ids for p in PROMPTS}
+
+
+def items(n: int, **extra: Any) -> list[dict[str, Any]]:
+    return [{"id": f"j{i}", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": MAX_TOKENS,
+             **extra} for i in range(n)]  # fmt: skip
+
+
+def submit(swarm: LocalSwarm, rows: list[dict[str, Any]], **kw: Any) -> str:
+    answer = client.call(swarm.url, "/v1/batches", {"items": rows, **kw})
+    assert answer["total"] == len(rows)
+    return str(answer["batch_id"])
+
+
+def drain(swarm: LocalSwarm, batch: str, timeout_s: float = 240.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            info = client.call(swarm.url, f"/v1/batches/{batch}", timeout_s=5)
+            if info["finished"] == info["total"]:
+                return list(client.call(swarm.url, f"/v1/batches/{batch}/results")["results"])
+        except Exception:  # a coordinator being restarted
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"batch {batch} did not finish: {info}")
+
+
+def check_ledger(swarm: LocalSwarm, submitted: int, dead: int = 0) -> dict[str, int]:
+    ledger = client.call(swarm.url, "/v1/ledger")
+    terminal = ledger["done"] + ledger["dead"] + ledger["cancelled"]
+    assert terminal == submitted, ledger  # lost = 0 and unexpected = 0
+    assert ledger["queued"] == ledger["leased"] == 0
+    assert ledger["duplicates"] == 0 and ledger["done_without_commit"] == 0, ledger
+    assert ledger["dead"] == dead, ledger
+    return dict(ledger)
+
+
+def check_outputs(rows: list[dict[str, Any]], expected: dict[str, list[int]]) -> None:
+    for i, row in enumerate(rows):
+        assert row["id"] == f"j{i}"  # input order
+        assert row["state"] == "done", row
+        assert row["tokens"] == expected[PROMPTS[i % len(PROMPTS)]], row
+
+
+def test_batch_results_in_input_order_with_scoring(
+    demo_path: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    labels = [" Paris", " London", " Berlin"]
+    rows = [*items(8), {"id": "classify", "prompt": PROMPTS[0], "labels": labels},
+            {"id": "score", "prompt": PROMPTS[3], "completions": [" 4, 5", " 7, 9"]}]  # fmt: skip
+    with LocalSwarm(str(demo_path), 1, "400M", tmp_path) as swarm:
+        swarm.wait_ready()
+        batch = submit(swarm, rows)
+        results = drain(swarm, batch)
+        check_outputs(results[:8], expected)
+        assert results[8]["label"] == " Paris"
+        # the log-likelihoods equal the single-process engine's
+        model = cellswarm.load(demo_path)
+        tok = model.tokenizer
+        prompt = tok.encode(PROMPTS[3])
+        for text, score in results[9]["scores"].items():
+            ids = prompt + tok.encode(text, add_special=False)
+            logits = model.logits(ids).astype(np.float64)
+            logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                   keepdims=True)) - logits.max(-1, keepdims=True)  # fmt: skip
+            ref = sum(logp[i - 1, ids[i]] for i in range(len(prompt), len(ids)))
+            assert abs(score - ref) < 1e-3
+        assert results[9]["scores"][" 4, 5"] > results[9]["scores"][" 7, 9"]
+        check_ledger(swarm, len(rows))
+        # the same file again is the same batch; cancel and retry-failed answer
+        again = client.call(swarm.url, "/v1/batches", {"items": rows, "idempotency_key": "k"})
+        assert client.call(swarm.url, "/v1/batches", {"items": rows, "idempotency_key": "k"})[
+            "batch_id"] == again["batch_id"]  # fmt: skip
+        drain(swarm, again["batch_id"])
+        check_ledger(swarm, 2 * len(rows))
+
+
+def test_the_same_key_five_times_at_once_is_one_job(demo_path: Path, tmp_path: Path) -> None:
+    with LocalSwarm(str(demo_path), 1, "400M", tmp_path) as swarm:
+        swarm.wait_ready()
+        ids: list[str] = []
+
+        def go() -> None:
+            ids.append(client.submit(swarm.url, {"prompt": PROMPTS[0], "max_tokens": 4,
+                                                 "request_id": "same-key"}))  # fmt: skip
+
+        threads = [threading.Thread(target=go) for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(set(ids)) == 1
+        assert client.wait(swarm.url, ids[0])["state"] == "done"
+        check_ledger(swarm, 1)
+
+
+def test_a_poison_job_gets_three_attempts_then_dead_letter(
+    demo_path: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    with LocalSwarm(str(demo_path), 1, "400M", tmp_path) as swarm:
+        swarm.wait_ready()
+        batch = submit(swarm, items(12))
+        poison = client.submit(swarm.url, {"prompt": [1, 2, 10**9], "max_tokens": 4})
+        results = drain(swarm, batch)
+        check_outputs(results, expected)
+        dead = client.wait(swarm.url, poison)
+        assert dead["state"] == "dead" and dead["attempts"] == 3
+        assert "failed 3 times" in dead["reason"] and "token ids outside" in dead["reason"]
+        check_ledger(swarm, 13, dead=1)
+
+
+def test_a_stale_holder_s_late_result_is_refused(demo_path: Path, tmp_path: Path) -> None:
+    """SIGSTOP the head holding a long job for twice the lease: the job goes to the other
+    replica; after SIGCONT the stopped head's checkpoint/result is refused (fencing)."""
+    with LocalSwarm(str(demo_path), 2, "400M", tmp_path, replicas=2, lease_s=1.5,
+                    heartbeat_timeout_s=4.0, stop_after_s=20.0) as swarm:  # fmt: skip
+        swarm.wait_ready()
+        rid = client.submit(swarm.url, {"prompt": PROMPTS[1], "max_tokens": 120})
+        wait_until(lambda: client.call(swarm.url, f"/v1/requests/{rid}")["n_tokens"] >= 5)
+        holder = holder_of(swarm, rid)
+        swarm.kill(holder, signal.SIGSTOP)
+        time.sleep(3.0)  # twice the lease
+        swarm.kill(holder, signal.SIGCONT)
+        result = client.wait(swarm.url, rid)
+        assert result["state"] == "done" and result["attempts"] == 2
+        wait_until(lambda: any(e["event"] == "stale" and e.get("worker") == holder
+                               for e in coordinator_events(swarm, rid)))  # fmt: skip
+        check_ledger(swarm, 1)
+
+
+def test_worker_churn_200_jobs(
+    demo_path: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    """A random worker SIGKILLed every few seconds and restarted, during a 200-job batch."""
+    rng = random.Random(7)
+    with LocalSwarm(str(demo_path), 4, "400M", tmp_path, replicas=2,
+                    lease_s=3.0) as swarm:  # fmt: skip
+        swarm.wait_ready()
+        batch = submit(swarm, items(200))
+        kills = 0
+        while client.call(swarm.url, f"/v1/batches/{batch}")["finished"] < 200 and kills < 8:
+            time.sleep(rng.uniform(1.0, 2.5))
+            victim = rng.randrange(4)
+            swarm.kill(f"worker-{victim}")
+            swarm.start_worker(victim)
+            kills += 1
+        results = drain(swarm, batch)
+        check_outputs(results, expected)
+        check_ledger(swarm, 200)
+        assert kills >= 3
+
+
+def test_coordinator_killed_20_times_loses_nothing(
+    demo_path: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    rng = random.Random(3)
+    with LocalSwarm(str(demo_path), 2, "400M", tmp_path, replicas=2, lease_s=3.0,
+                    stop_after_s=30.0) as swarm:  # fmt: skip
+        swarm.wait_ready()
+        batch = submit(swarm, items(60))  # acknowledged: it must survive every crash
+        for _ in range(20):
+            time.sleep(rng.uniform(0.1, 0.6))
+            swarm.kill("coordinator")
+            swarm.start_coordinator()
+        results = drain(swarm, batch)
+        check_outputs(results, expected)
+        check_ledger(swarm, 60)
+        swarm.kill("coordinator")
+        db = sqlite3.connect(swarm.state_dir / "coordinator.db")
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_a_lying_worker_is_outvoted_and_taken_out(
+    demo_path: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    """worker-0 corrupts 20% of its outputs; with --verify 1.0 every job runs on two
+    replicas, disagreements go to a third run, and no wrong result is accepted."""
+    with LocalSwarm(str(demo_path), 3, "400M", tmp_path, replicas=2, perturb={0: 0.2},
+                    evict_after=2) as swarm:  # fmt: skip
+        swarm.wait_ready()
+        batch = submit(swarm, items(40), verify_fraction=1.0)
+        results = drain(swarm, batch)
+        check_outputs(results, expected)  # 0 wrong results accepted
+        check_ledger(swarm, 40)
+        liar = next(n for n in swarm.status()["nodes"] if n["node_id"] == "worker-0")
+        assert liar["state"] == "offline" and "outvoted" in liar["message"]
+        assert liar["disagreements"] >= 2
+
+
+def holder_of(swarm: LocalSwarm, rid: str) -> str:
+    leased = [e for e in coordinator_events(swarm, rid) if e["event"] == "leased"]
+    return str(leased[-1]["worker"])
+
+
+def coordinator_events(swarm: LocalSwarm, rid: str) -> list[dict[str, Any]]:
+    from cellswarm.swarm.logs import timeline
+
+    return [e for e in timeline(swarm.log_dir, rid) if e["node"] == "coordinator"]
+
+
+def wait_until(predicate: Any, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
