@@ -159,6 +159,10 @@ def test_a_stale_holder_s_late_result_is_refused(demo_path: Path, tmp_path: Path
         swarm.kill(holder, signal.SIGCONT)
         result = client.wait(swarm.url, rid)
         assert result["state"] == "done" and result["attempts"] == 2
+        # resumed, not restarted: the second lease began from the checkpointed tokens
+        leases = [e for e in coordinator_events(swarm, rid) if e["event"] == "leased"]
+        assert leases[0]["resume"] == 0 and leases[1]["resume"] >= 5
+        assert leases[1]["worker"] != holder
         wait_until(lambda: any(e["event"] == "stale" and e.get("worker") == holder
                                for e in coordinator_events(swarm, rid)))  # fmt: skip
         check_ledger(swarm, 1)
