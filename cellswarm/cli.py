@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--dir", default="cellswarm-logs", help="folder of the nodes' .jsonl logs")
     lg.set_defaults(func=_cmd_logs)
     d = sub.add_parser("demo", help="the demo model on a local swarm, a worker killed mid-way")
-    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--max-tokens", type=int, default=48)
     d.set_defaults(
         func=lambda a: __import__("cellswarm.swarm.demo", fromlist=["run"]).run(a.max_tokens)
     )
