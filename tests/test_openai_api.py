@@ -204,3 +204,25 @@ def test_text_stream_holds_back_half_characters_and_stop_prefixes() -> None:
     assert s.stopped and s.used == 5 and s.shown == "abéc"
     s = TextStream(decode)
     assert s.feed([1, 2], last=True) == "ab\ufffd"  # the end: nothing more will complete it
+
+
+def test_without_workers_the_api_answers_503_and_without_keys_asks_for_none(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
+    from cellswarm.swarm.server import build_app
+
+    coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
+    with TestClient(build_app(coord)) as http:
+        assert http.get("/v1/models").json()["data"][0]["id"] == demo_path.name  # no key
+        deadline = time.monotonic() + 10
+        while not coord.problem and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = http.post("/v1/chat/completions", json={"model": demo_path.name,
+                                                    "messages": QUESTION})  # fmt: skip
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "no_ring" and "no live workers" in r.text
