@@ -23,6 +23,9 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--listen", default="127.0.0.1:8470", help="HOST:PORT (default loopback)")
     c.add_argument("--db", default="sqlite:///cellswarm.db", help="sqlite:///PATH")
     c.add_argument("--token-file", help="cluster token file; workers must prove they hold it")
+    c.add_argument("--api-key-file",
+                   help="keys for the OpenAI API (/v1/chat/completions, ...), one per line; "
+                   "clients send 'Authorization: Bearer KEY' (without a file: no auth)")
     c.add_argument("--log-dir", help="folder for JSON-line event logs")
     c.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     c.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds to 'lost'")
@@ -98,7 +101,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     host, port = _host_port(args.listen)
     serve(CoordinatorConfig(
         model=_model(args.model), db=args.db.removeprefix("sqlite:///"), host=host, port=port,
-        token_file=args.token_file, heartbeat_s=args.heartbeat,
+        token_file=args.token_file, api_key_file=args.api_key_file, heartbeat_s=args.heartbeat,
         heartbeat_timeout_s=args.heartbeat_timeout, offline_after=args.offline_after,
         stages=args.stages, expert_nodes=args.expert_nodes, vocab_nodes=args.vocab_nodes,
         context=args.context, replicas=args.replicas, lease_s=args.lease,

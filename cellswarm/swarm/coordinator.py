@@ -51,6 +51,7 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8470
     token_file: str | None = None  # without one, any node may join (a warning says so)
+    api_key_file: str | None = None  # keys for the OpenAI API, one a line; without: no auth
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     # A node failing this many steps in a row goes offline. Below MAX_ATTEMPTS on purpose: a

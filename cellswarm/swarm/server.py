@@ -18,6 +18,7 @@ from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import CellswarmError, RequestError
 from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.jobs import Job
+from cellswarm.swarm.openai_api import add_openai_routes, load_api_keys
 from cellswarm.swarm.store import Node
 
 MAX_WAIT_S = 30.0
@@ -31,6 +32,7 @@ def build_app(coord: Coordinator) -> FastAPI:
         task.cancel()
 
     app = FastAPI(title="cellswarm coordinator", lifespan=lifespan)
+    add_openai_routes(app, coord, load_api_keys(coord.config.api_key_file))  # openai_api.py
 
     @app.exception_handler(PermissionError)
     async def denied(_: Request, exc: PermissionError) -> JSONResponse:
@@ -114,6 +116,7 @@ def build_app(coord: Coordinator) -> FastAPI:
         d = await body(request)
         payload = _payload(coord, d)
         job = coord.submit(payload, d.get("request_id"))
+        request.state.request_id = job.job_id  # the x-request-id header
         return {"request_id": job.job_id, "state": job.state}
 
     @app.get("/v1/requests/{request_id}")

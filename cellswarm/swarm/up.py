@@ -52,6 +52,7 @@ class LocalSwarm:
     worker_memory: dict[int, str] = field(default_factory=dict)  # per-worker overrides
     fail_forward: Sequence[int] = ()  # workers whose every forward pass fails (tests)
     fetch: bool = False  # workers fetch their shards from the coordinator into state_dir
+    api_key_file: str | None = None  # the coordinator's --api-key-file (OpenAI API keys)
     port: int = 0
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)
@@ -104,6 +105,8 @@ class LocalSwarm:
         args += ["--expert-nodes", str(self.expert_nodes), "--vocab-nodes", str(self.vocab_nodes),
                  "--replicas", str(self.replicas), "--lease", str(self.lease_s),
                  "--evict-after", str(self.evict_after)]  # fmt: skip
+        if self.api_key_file:
+            args += ["--api-key-file", str(self.api_key_file)]
         self._spawn("coordinator", args, "READY")
 
     def start_worker(self, i: int) -> None:

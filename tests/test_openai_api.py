@@ -1,0 +1,228 @@
+"""The coordinator's OpenAI-compatible API, driven by the official `openai` client against a
+real local swarm (a coordinator and two worker processes holding the demo model's halves)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+import cellswarm
+from cellswarm.engine.model import GenerateOptions
+from cellswarm.swarm.logs import timeline
+from cellswarm.swarm.openai_api import TextStream
+from cellswarm.swarm.up import LocalSwarm
+
+KEY = "sk-test-0123456789"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def swarm(demo_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    state = tmp_path_factory.mktemp("oai")
+    keys = state / "api-keys"
+    keys.write_text(f"# the test's keys\n{KEY}\n\nsk-another\n")
+    with LocalSwarm(str(demo_path), 2, "160M", state, api_key_file=str(keys)) as s:
+        s.wait_ready()
+        yield s
+
+
+@pytest.fixture(scope="module")
+def api(swarm: LocalSwarm) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{swarm.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_id(demo_path: Path) -> str:
+    return demo_path.name
+
+
+def test_models_lists_the_one_model(api: openai.OpenAI, model_id: str) -> None:
+    models = list(api.models.list())
+    assert [(m.id, m.owned_by) for m in models] == [(model_id, "cellswarm")]
+    assert api.models.retrieve(model_id).id == model_id
+
+
+def test_chat_completion_answers_and_counts_its_tokens(
+    api: openai.OpenAI, swarm: LocalSwarm, model_id: str, demo_path: Path
+) -> None:
+    raw = api.chat.completions.with_raw_response.create(
+        model=model_id, messages=QUESTION, temperature=0, max_tokens=24
+    )
+    r = raw.parse()
+    rid = raw.headers["x-request-id"]
+    assert r.id == f"chatcmpl-{rid}"
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert "Paris" in (choice.message.content or "")
+    assert choice.finish_reason in ("stop", "length")
+    tok = cellswarm.load(demo_path).tokenizer
+    prompt = tok.encode(tok.apply_chat_template(QUESTION), False)
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(prompt)
+    assert 0 < r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # the request's timeline: the coordinator's and both workers' events under that id
+    events = timeline(swarm.log_dir, rid)
+    assert {e["node"] for e in events} == {"coordinator", "worker-0", "worker-1"}
+    kinds = [e["event"] for e in events]
+    assert kinds[:2] == ["submitted", "openai"] and "answered" in kinds
+
+
+def test_a_streamed_chat_equals_the_answer_in_one_piece(api: openai.OpenAI, model_id: str) -> None:
+    whole = api.chat.completions.create(
+        model=model_id, messages=QUESTION, temperature=0, max_tokens=40
+    )
+    chunks = list(api.chat.completions.create(
+        model=model_id, messages=QUESTION, temperature=0, max_tokens=40,
+        stream=True, stream_options={"include_usage": True},
+    ))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+
+
+def test_completion_of_token_ids_equals_the_single_process_engine(
+    api: openai.OpenAI, model_id: str, demo_path: Path
+) -> None:
+    model = cellswarm.load(demo_path)
+    prompt = model.tokenizer.encode("The capital of France is")
+    expected = model.generate(prompt, GenerateOptions(12)).token_ids
+    r = api.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0,
+                               extra_body={"return_token_ids": True})  # fmt: skip
+    choice = r.choices[0]
+    assert choice.token_ids == expected
+    assert choice.text == model.tokenizer.decode(expected, skip_special=True)
+    assert r.usage is not None and r.usage.completion_tokens == len(expected)
+    assert choice.finish_reason == ("length" if len(expected) == 12 else "stop")
+    # streamed, with a text prompt: the same text
+    chunks = list(api.completions.create(model=model_id, prompt="The capital of France is",
+                                         max_tokens=12, temperature=0, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+
+
+def test_a_stop_string_cuts_the_text(api: openai.OpenAI, model_id: str) -> None:
+    full = api.completions.create(model=model_id, prompt="The capital of France is",
+                                  max_tokens=12, temperature=0)  # fmt: skip
+    text = full.choices[0].text
+    assert "Paris" in text
+    for stream in (False, True):
+        kw: dict[str, Any] = dict(model=model_id, prompt="The capital of France is",
+                                  max_tokens=12, temperature=0, stop=["Paris", "zzz"])  # fmt: skip
+        if stream:
+            got = "".join(c.choices[0].text for c in api.completions.create(**kw, stream=True))
+        else:
+            r = api.completions.create(**kw)
+            got = r.choices[0].text
+            assert r.choices[0].finish_reason == "stop"
+            assert r.usage is not None and r.usage.completion_tokens < full.usage.completion_tokens
+        assert got == text[: text.index("Paris")]
+
+
+def test_a_wrong_key_is_refused(swarm: LocalSwarm, model_id: str) -> None:
+    bad = openai.OpenAI(base_url=f"{swarm.url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=model_id, messages=QUESTION)
+    r = httpx.get(f"{swarm.url}/v1/models")  # no key at all
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert len(r.headers["x-request-id"]) == 16
+    assert httpx.get(f"{swarm.url}/v1/status").status_code == 200  # not an OpenAI route
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "says"),
+    [
+        ({"n": 2}, openai.BadRequestError, "n=1"),
+        ({"model": "gpt-4o"}, openai.NotFoundError, "gpt-4o"),
+        ({"temperature": -1}, openai.BadRequestError, "temperature"),
+        ({"messages": None}, openai.BadRequestError, "messages"),
+        ({"messages": []}, openai.BadRequestError, "messages"),
+        ({"max_tokens": 100_000}, openai.BadRequestError, "maximum context length"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+         openai.BadRequestError, "tool"),
+    ],
+)  # fmt: skip
+def test_bad_chat_parameters_get_openai_errors(
+    api: openai.OpenAI, model_id: str, kwargs: dict[str, Any], error: type, says: str
+) -> None:
+    args: dict[str, Any] = {"model": model_id, "messages": QUESTION, "max_tokens": 4, **kwargs}
+    if args["messages"] is None:
+        del args["messages"]
+        args["extra_body"] = {}
+        with pytest.raises((error, TypeError)) as e:  # the client itself may refuse
+            api.chat.completions.create(**args)
+        if e.type is TypeError:
+            r = httpx.post(f"{api.base_url}chat/completions", json={"model": model_id},
+                           headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+            assert r.status_code == 400
+            err = r.json()["error"]
+            assert err["param"] == "messages" and err["type"] == "invalid_request_error"
+        return
+    with pytest.raises(error) as e:
+        api.chat.completions.create(**args)
+    assert says in str(e.value)
+
+
+def test_bad_completion_parameters_and_bodies(api: openai.OpenAI, swarm: LocalSwarm,
+                                               model_id: str) -> None:  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        api.completions.create(model=model_id, prompt="Hi", echo=True)
+    with pytest.raises(openai.BadRequestError, match="one per request"):
+        api.completions.create(model=model_id, prompt=["a", "b"])
+    with pytest.raises(openai.BadRequestError, match="token id"):
+        api.completions.create(model=model_id, prompt=[1, 10**9])
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{swarm.url}/v1/completions", content=b"{not json", headers=headers)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert "not valid JSON" in err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert r.headers["x-request-id"]
+    r = httpx.get(f"{swarm.url}/v1/chat/completions", headers=headers)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_text_stream_holds_back_half_characters_and_stop_prefixes() -> None:
+    pieces = {1: b"ab", 2: b"\xc3", 3: b"\xa9c", 4: b"X", 5: b"Yd"}
+
+    def decode(ids: Any) -> str:
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    s = TextStream(decode, ["XY"])
+    out = [s.feed([1, 2, 3, 4, 5][:k], last=False) for k in range(1, 6)]
+    assert out == ["ab", "", "éc", "", ""]
+    assert s.stopped and s.used == 5 and s.shown == "abéc"
+    s = TextStream(decode)
+    assert s.feed([1, 2], last=True) == "ab\ufffd"  # the end: nothing more will complete it
+
+
+def test_without_workers_the_api_answers_503_and_without_keys_asks_for_none(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
+    from cellswarm.swarm.server import build_app
+
+    coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
+    with TestClient(build_app(coord)) as http:
+        assert http.get("/v1/models").json()["data"][0]["id"] == demo_path.name  # no key
+        deadline = time.monotonic() + 10
+        while not coord.problem and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = http.post("/v1/chat/completions", json={"model": demo_path.name,
+                                                    "messages": QUESTION})  # fmt: skip
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "no_ring" and "no live workers" in r.text
