@@ -602,3 +602,14 @@ def test_queue_state_machine(backend: Backend) -> None:
         settings=settings(max_examples=150, stateful_step_count=30, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow]),
     )  # fmt: skip
+
+
+def test_a_batch_submitted_again_with_its_key_is_the_same_batch(queue: JobQueue) -> None:
+    """A client that retries a batch submission (its answer was lost) gets the batch it made."""
+    items = [("generate", {"prompt": [i]}) for i in range(3)]
+    first = queue.submit_batch("b", items, idem_prefix="client-7")
+    again = queue.submit_batch("b", items, idem_prefix="client-7")
+    assert again == first
+    assert len(queue.batch(again)) == 3
+    assert queue.ledger()["queued"] == 3
+    assert len(queue.db.execute("SELECT * FROM batches")) == 1

@@ -164,9 +164,16 @@ class JobQueue:
         self, name: str, items: Sequence[tuple[str, dict[str, Any]]], verify: int = 0,
         idem_prefix: str | None = None,
     ) -> str:  # fmt: skip
-        """A batch of (kind, payload) in input order, in one transaction; its id."""
+        """A batch of (kind, payload) in input order, in one transaction; its id. The same
+        `idem_prefix` again gives the batch made the first time."""
         batch_id = uuid.uuid4().hex[:12]
         with self.db.transaction():
+            if idem_prefix:
+                made = self.db.execute(
+                    "SELECT batch_id FROM jobs WHERE idem_key=?", (f"{idem_prefix}:0",)
+                )
+                if made and made[0]["batch_id"] is not None:
+                    return str(made[0]["batch_id"])
             self.db.execute(
                 "INSERT INTO batches(batch_id, name, total, created_s) VALUES (?, ?, ?, ?)",
                 (batch_id, name, len(items), time.time()),
