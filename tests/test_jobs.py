@@ -229,8 +229,8 @@ def test_submit_batch_keeps_input_order_and_cancel_and_retry_act_on_the_batch(
 
 
 def _run(q: JobQueue, job_id: str, replica: str, tokens: list[int], now: float) -> str:
-    leased = [j for j in q.lease(f"head-{replica}", replica, n=8, now=now) if j.job_id == job_id]
-    assert leased, f"{replica} could not lease {job_id}"
+    leased = q.lease(f"head-{replica}", replica, now=now)
+    assert [j.job_id for j in leased] == [job_id], f"{replica} could not lease {job_id}"
     return q.complete(job_id, leased[0].fence, {"tokens": tokens}, replica=replica, now=now)
 
 
@@ -613,3 +613,14 @@ def test_a_batch_submitted_again_with_its_key_is_the_same_batch(queue: JobQueue)
     assert len(queue.batch(again)) == 3
     assert queue.ledger()["queued"] == 3
     assert len(queue.db.execute("SELECT * FROM batches")) == 1
+
+
+def test_verification_reruns_at_the_head_do_not_hide_runnable_jobs(queue: JobQueue) -> None:
+    """A fast replica that made the first run of many verified jobs still gets the jobs
+    behind them (those reruns wait for another replica)."""
+    ids = [queue.submit({"prompt": [i]}, verify=2)[0].job_id for i in range(20)]
+    for job_id in ids:
+        assert _run(queue, job_id, "A", [1], T0) == "verify"
+    fresh, _ = queue.submit({"prompt": [99]})
+    assert [j.job_id for j in queue.lease("head-A", "A", now=T0)] == [fresh.job_id]
+    assert len(queue.lease("head-B", "B", n=20, now=T0)) == 20

@@ -191,24 +191,30 @@ class JobQueue:
         out: list[Job] = []
         with self.db.transaction():
             self.expire(now)
-            rows = self.db.execute(
-                "SELECT * FROM jobs WHERE state='queued' AND not_before_s <= ? "
-                "ORDER BY priority DESC, created_s, position LIMIT ?" + self.db.skip_locked,
-                (now, max(4 * n, 16)),
-            )
-            for row in rows:
-                job = _job(row)
-                if len(out) >= n or _ran_on(job, replica):
-                    continue  # a verification run wants another replica than the ones it had
-                self.db.execute(
-                    "UPDATE jobs SET state='leased', fence=fence+1, leases=leases+1, "
-                    "lease_owner=?, lease_replica=?, lease_expires_s=?, updated_s=? "
-                    "WHERE job_id=? AND state='queued'",
-                    (owner, replica, now + self.config.lease_s, now, job.job_id),
+            page, skipped = max(4 * n, 16), 0
+            while len(out) < n:  # page on past verification runs that want another replica
+                rows = self.db.execute(
+                    "SELECT * FROM jobs WHERE state='queued' AND not_before_s <= ? "
+                    "ORDER BY priority DESC, created_s, position LIMIT ? OFFSET ?"
+                    + self.db.skip_locked,
+                    (now, page, skipped),
                 )
-                leased = self.get(job.job_id)
-                assert leased is not None
-                out.append(leased)
+                for row in rows:
+                    job = _job(row)
+                    if len(out) >= n or _ran_on(job, replica):
+                        skipped += 1  # a verification run wants another replica
+                        continue
+                    self.db.execute(
+                        "UPDATE jobs SET state='leased', fence=fence+1, leases=leases+1, "
+                        "lease_owner=?, lease_replica=?, lease_expires_s=?, updated_s=? "
+                        "WHERE job_id=? AND state='queued'",
+                        (owner, replica, now + self.config.lease_s, now, job.job_id),
+                    )
+                    leased = self.get(job.job_id)
+                    assert leased is not None
+                    out.append(leased)
+                if len(rows) < page:
+                    break
         return out
 
     def checkpoint(
