@@ -20,6 +20,7 @@ Row = dict[str, Any]
 class Database(Protocol):
     dialect: str  # "sqlite" | "postgres"
     skip_locked: str  # appended to a SELECT that picks rows to lease
+    for_update: str  # appended to a SELECT whose rows the transaction then changes
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
 
@@ -37,6 +38,7 @@ class SQLiteDatabase:
 
     dialect = "sqlite"
     skip_locked = ""  # SQLite has one writer at a time: the transaction is the lock
+    for_update = ""
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -195,24 +195,30 @@ class JobQueue:
         out: list[Job] = []
         with self.db.transaction():
             self.expire(now)
-            rows = self.db.execute(
-                "SELECT * FROM jobs WHERE state='queued' AND not_before_s <= ? "
-                "ORDER BY priority DESC, created_s, position LIMIT ?" + self.db.skip_locked,
-                (now, max(4 * n, 16)),
-            )
-            for row in rows:
-                job = _job(row)
-                if len(out) >= n or (exclusive and _ran_on(job, replica)):
-                    continue  # a verification run wants another replica than the ones it had
-                self.db.execute(
-                    "UPDATE jobs SET state='leased', fence=fence+1, leases=leases+1, "
-                    "lease_owner=?, lease_replica=?, lease_expires_s=?, updated_s=? "
-                    "WHERE job_id=? AND state='queued'",
-                    (owner, replica, now + self.config.lease_s, now, job.job_id),
+            page, skipped = max(4 * n, 16), 0
+            while len(out) < n:  # page on past verification runs that want another replica
+                rows = self.db.execute(
+                    "SELECT * FROM jobs WHERE state='queued' AND not_before_s <= ? "
+                    "ORDER BY priority DESC, created_s, position LIMIT ? OFFSET ?"
+                    + self.db.skip_locked,
+                    (now, page, skipped),
                 )
-                leased = self.get(job.job_id)
-                assert leased is not None
-                out.append(leased)
+                for row in rows:
+                    job = _job(row)
+                    if len(out) >= n or (exclusive and _ran_on(job, replica)):
+                        skipped += 1  # a verification run wants another replica
+                        continue
+                    self.db.execute(
+                        "UPDATE jobs SET state='leased', fence=fence+1, leases=leases+1, "
+                        "lease_owner=?, lease_replica=?, lease_expires_s=?, updated_s=? "
+                        "WHERE job_id=? AND state='queued'",
+                        (owner, replica, now + self.config.lease_s, now, job.job_id),
+                    )
+                    leased = self.get(job.job_id)
+                    assert leased is not None
+                    out.append(leased)
+                if len(rows) < page:
+                    break
         return out
 
     def checkpoint(
@@ -233,9 +239,9 @@ class JobQueue:
         """'done', 'verify' (kept; another replica runs it next) or 'stale' (refused)."""
         now = time.time() if now is None else now
         with self.db.transaction():
-            rows = self.db.execute(
-                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'" +
-                self.db.skip_locked, (job_id, fence),
+            rows = self.db.execute(  # waits for a row lock (never skips): no false 'stale'
+                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'"
+                + getattr(self.db, "for_update", ""), (job_id, fence),
             )  # fmt: skip
             if not rows:
                 return "stale"
@@ -271,8 +277,9 @@ class JobQueue:
         now = time.time() if now is None else now
         with self.db.transaction():
             rows = self.db.execute(
-                "SELECT * FROM jobs WHERE state='leased' AND lease_expires_s < ?", (now,)
-            )
+                "SELECT * FROM jobs WHERE state='leased' AND lease_expires_s < ?"
+                + self.db.skip_locked, (now,),
+            )  # fmt: skip
             for row in rows:
                 job = _job(row)
                 self._failed(job, f"lease of {job.lease_owner} expired (attempt "
@@ -300,7 +307,7 @@ class JobQueue:
         """Dead-lettered jobs of a batch go back to the queue with fresh attempts."""
         now = time.time()
         return self.db.execute_count(
-            "UPDATE jobs SET state='queued', attempts=0, error='', not_before_s=0, "
+            "UPDATE jobs SET state='queued', attempts=0, error='', not_before_s=0, runs='[]', "
             "updated_s=? WHERE batch_id=? AND state='dead'",
             (now, batch_id),
         )
@@ -370,18 +377,21 @@ class JobQueue:
     def _failed(self, job: Job, reason: str, now: float) -> str:
         attempts = job.attempts + 1
         if attempts >= MAX_ATTEMPTS:
-            self.db.execute(
+            changed = self.db.execute_count(
                 "UPDATE jobs SET state='dead', attempts=?, error=?, lease_owner=NULL, "
-                "lease_expires_s=NULL, updated_s=? WHERE job_id=?",
-                (attempts, f"failed {attempts} times; last: {reason}", now, job.job_id),
+                "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND fence=? AND state='leased'",
+                (attempts, f"failed {attempts} times; last: {reason}", now, job.job_id, job.fence),
             )
-            return "dead"
-        self.db.execute(
+            return "dead" if changed else "stale"
+        # Guarded by fence and state: a holder that completed meanwhile (another coordinator,
+        # under PostgreSQL's READ COMMITTED) keeps its result.
+        changed = self.db.execute_count(
             "UPDATE jobs SET state='queued', attempts=?, error=?, lease_owner=NULL, "
-            "lease_expires_s=NULL, not_before_s=?, updated_s=? WHERE job_id=?",
-            (attempts, reason, now + self.config.backoff(attempts), now, job.job_id),
+            "lease_expires_s=NULL, not_before_s=?, updated_s=? "
+            "WHERE job_id=? AND fence=? AND state='leased'",
+            (attempts, reason, now + self.config.backoff(attempts), now, job.job_id, job.fence),
         )
-        return "queued"
+        return "queued" if changed else "stale"
 
     def _verify_run(
         self, job: Job, result: dict[str, Any], replica: str, nodes: list[str], now: float
