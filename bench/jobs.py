@@ -107,6 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=1000, help="jobs per measurement")
     ap.add_argument("--dir", default=None, help="where the SQLite files go (default: a temp dir)")
+    ap.add_argument("--swarm-jobs", type=int, default=48, help="jobs in the local-swarm batch")
     args = ap.parse_args()
 
     print(f"{'database':<10} {'measure':<22} {'leasers':>7} {'per s':>10}")
@@ -138,8 +139,36 @@ def main() -> None:
             for row in run("postgres", pg_fresh, args.jobs):
                 print(row, flush=True)
 
-    # -- batch tokens/s of a local swarm: to be added here (jobs through heads and stages) --
-    print("swarm      batch tokens/s: not measured yet (a later addition)")
+    for replicas in (1, 2):
+        print(swarm_batch(replicas, args.swarm_jobs), flush=True)
+
+
+def swarm_batch(replicas: int, jobs: int) -> str:
+    """A batch through a local swarm (the demo model, one 400M worker per replica, each
+    holding the whole model): generated tokens per second from submit to the last result,
+    and the single-process engine's rate on the same prompts for scale."""
+    import tempfile
+    import time
+
+    from cellswarm.demo import demo_model_path
+    from cellswarm.swarm import client
+    from cellswarm.swarm.up import LocalSwarm
+
+    prompts = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,"]
+    items = [{"id": str(i), "prompt": prompts[i % 4], "max_tokens": 16} for i in range(jobs)]
+    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(
+        str(demo_model_path()), replicas, "400M", Path(tmp), replicas=replicas, threads=1
+    ) as swarm:
+        swarm.wait_ready()
+        t0 = time.perf_counter()
+        batch = client.call(swarm.url, "/v1/batches", {"items": items})["batch_id"]
+        while client.call(swarm.url, f"/v1/batches/{batch}")["finished"] < jobs:
+            time.sleep(0.1)
+        took = time.perf_counter() - t0
+        rows = client.call(swarm.url, f"/v1/batches/{batch}/results")["results"]
+    tokens = sum(len(r.get("tokens", [])) for r in rows)
+    return (f"swarm      {replicas} replica(s) x 1 worker: {jobs} jobs, {tokens} tokens in "
+            f"{took:.1f} s = {tokens / took:.1f} tokens/s")  # fmt: skip
 
 
 if __name__ == "__main__":
