@@ -240,9 +240,10 @@ class JobQueue:
         now = time.time() if now is None else now
         with self.db.transaction():
             rows = self.db.execute(
-                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'", (job_id, fence)
-            )
-            if not rows:
+                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'" +
+                self.db.skip_locked, (job_id, fence),
+            )  # fmt: skip
+            if not rows:  # (or another coordinator is expiring it right now)
                 return "stale"
             return self._failed(_job(rows[0]), reason, now)
 
@@ -256,12 +257,14 @@ class JobQueue:
         ) == 1
 
     def expire(self, now: float | None = None) -> int:
-        """Leases not renewed in time count as failed attempts."""
+        """Leases not renewed in time count as failed attempts. Several coordinators may
+        expire at once: each job's row is locked by the one that takes it, skipped by others."""
         now = time.time() if now is None else now
         with self.db.transaction():
             rows = self.db.execute(
-                "SELECT * FROM jobs WHERE state='leased' AND lease_expires_s < ?", (now,)
-            )
+                "SELECT * FROM jobs WHERE state='leased' AND lease_expires_s < ?" +
+                self.db.skip_locked, (now,),
+            )  # fmt: skip
             for row in rows:
                 job = _job(row)
                 self._failed(job, f"lease of {job.lease_owner} expired (attempt "
@@ -352,14 +355,16 @@ class JobQueue:
         if attempts >= MAX_ATTEMPTS:
             self.db.execute(
                 "UPDATE jobs SET state='dead', attempts=?, error=?, lease_owner=NULL, "
-                "lease_expires_s=NULL, updated_s=? WHERE job_id=?",
-                (attempts, f"failed {attempts} times; last: {reason}", now, job.job_id),
+                "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND fence=? AND state='leased'",
+                (attempts, f"failed {attempts} times; last: {reason}", now, job.job_id,
+                 job.fence),
             )
             return "dead"
         self.db.execute(
             "UPDATE jobs SET state='queued', attempts=?, error=?, lease_owner=NULL, "
-            "lease_expires_s=NULL, not_before_s=?, updated_s=? WHERE job_id=?",
-            (attempts, reason, now + self.config.backoff(attempts), now, job.job_id),
+            "lease_expires_s=NULL, not_before_s=?, updated_s=? "
+            "WHERE job_id=? AND fence=? AND state='leased'",
+            (attempts, reason, now + self.config.backoff(attempts), now, job.job_id, job.fence),
         )
         return "queued"
 
