@@ -18,7 +18,8 @@ def add_commands(sub: Any) -> None:
     c = sub.add_parser("coordinator", help="run a swarm's coordinator (HTTP, state in SQLite)")
     c.add_argument("--model", help="the .gguf file to place (default: the demo model)")
     c.add_argument("--listen", default="127.0.0.1:8470", help="HOST:PORT (default loopback)")
-    c.add_argument("--db", default="sqlite:///cellswarm.db", help="sqlite:///PATH")
+    c.add_argument("--db", default="sqlite:///cellswarm.db",
+                   help="sqlite:///PATH, or postgresql://... shared by several coordinators")
     c.add_argument("--token-file", help="cluster token file; workers must prove they hold it")
     c.add_argument("--log-dir", help="folder for JSON-line event logs")
     c.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
@@ -34,7 +35,8 @@ def add_commands(sub: Any) -> None:
     c.set_defaults(func=cmd_coordinator)
 
     w = sub.add_parser("worker", help="join a coordinator and serve the shard it assigns")
-    w.add_argument("--join", required=True, help="the coordinator's URL")
+    w.add_argument("--join", required=True,
+                   help="the coordinator's URL, or URL1,URL2,... (fails over in order)")
     w.add_argument("--memory", required=True, help="hard memory budget, e.g. 256M")
     w.add_argument("--profile", help="behave like a node of this planner profile (ps3, ...)")
     w.add_argument("--token-file", help="cluster token file (never pass the token itself)")
@@ -85,11 +87,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from cellswarm.swarm.coordinator import CoordinatorConfig
     from cellswarm.swarm.server import serve
 
-    if not args.db.startswith("sqlite:///"):
-        raise RequestError(f"--db {args.db!r}: only sqlite:///PATH is supported")
+    shared = args.db.startswith(("postgresql://", "postgres://"))
+    if not shared and not args.db.startswith("sqlite:///"):
+        raise RequestError(f"--db {args.db!r}: give sqlite:///PATH or postgresql://...")
     host, port = _host_port(args.listen)
     serve(CoordinatorConfig(
-        model=_model(args.model), db=args.db.removeprefix("sqlite:///"), host=host, port=port,
+        model=_model(args.model), db=args.db if shared else args.db.removeprefix("sqlite:///"),
+        host=host, port=port,
         token_file=args.token_file, heartbeat_s=args.heartbeat,
         heartbeat_timeout_s=args.heartbeat_timeout, offline_after=args.offline_after,
         stages=args.stages, expert_nodes=args.expert_nodes, vocab_nodes=args.vocab_nodes,
