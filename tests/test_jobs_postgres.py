@@ -243,6 +243,19 @@ def test_concurrent_coordinators_lease_each_job_once_per_fence(pg_url: str) -> N
     setup.db.close()
 
 
+def test_a_lost_connection_is_opened_again(pg_url: str) -> None:
+    import psycopg
+
+    db = open_database(pg_url)
+    pid = db.execute("SELECT pg_backend_pid() AS pid")[0]["pid"]
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    with pytest.raises(psycopg.OperationalError):
+        db.execute("SELECT 1 AS one")  # the statement it broke under fails ...
+    assert db.execute("SELECT 1 AS one") == [{"one": 1}]  # ... the next one reconnects
+    db.close()
+
+
 def test_sqlite_database_is_still_the_default(tmp_path: Path) -> None:
     assert isinstance(open_database(str(tmp_path / "x.db")), SQLiteDatabase)
     assert open_database("sqlite:///" + str(tmp_path / "y.db")).dialect == "sqlite"

@@ -95,21 +95,33 @@ class PostgresDatabase:
             ) from exc
         self.url = url
         self._psycopg = psycopg
-        try:
-            self.conn = psycopg.connect(url, autocommit=True, row_factory=dict_row)
-        except psycopg.OperationalError as exc:
-            raise RequestError(f"cannot reach PostgreSQL at {url.split('@')[-1]}: {exc}") from exc
+        self._row_factory = dict_row
         self._lock = threading.RLock()
         self._depth = 0
+        self.conn = self._connect()
+
+    def _connect(self) -> Any:
+        try:
+            return self._psycopg.connect(self.url, autocommit=True, row_factory=self._row_factory)
+        except self._psycopg.OperationalError as exc:
+            where = self.url.split("@")[-1]
+            raise RequestError(f"cannot reach PostgreSQL at {where}: {exc}") from exc
+
+    def _cursor(self, sql: str, params: Sequence[Any]) -> Any:
+        """Run one statement. A connection that broke (the server restarted, the backend was
+        ended) fails the statement it broke under, and is opened again for the next one."""
+        if self.conn.broken and not self._depth:
+            self.conn = self._connect()
+        return self.conn.execute(translate(sql), tuple(params))
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with self._lock:
-            cur = self.conn.execute(translate(sql), tuple(params))
+            cur = self._cursor(sql, params)
             return [dict(r) for r in cur.fetchall()] if cur.description else []
 
     def execute_count(self, sql: str, params: Sequence[Any] = ()) -> int:
         with self._lock:
-            return int(self.conn.execute(translate(sql), tuple(params)).rowcount)
+            return int(self._cursor(sql, params).rowcount)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
@@ -121,6 +133,8 @@ class PostgresDatabase:
                 finally:
                     self._depth -= 1
                 return
+            if self.conn.broken:
+                self.conn = self._connect()
             self._depth = 1
             try:
                 with self.conn.transaction():
