@@ -3,6 +3,7 @@ the leader is killed mid-batch the others take over without losing or repeating 
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from cellswarm.swarm import client
 from cellswarm.swarm.up import LocalSwarm
 from tests.test_coordinator import TEXTS, wait_for
 
-MAX_TOKENS = 16
+MAX_TOKENS = 32
 N_REQUESTS = 30
 
 
@@ -41,11 +42,13 @@ def leader_of(swarm: LocalSwarm) -> tuple[str, str]:
 def test_the_leader_killed_mid_batch_loses_and_repeats_nothing(
     demo_path: Path, tmp_path: Path, pg_url: str, expected: list[tuple[list[int], list[int]]]
 ) -> None:
-    with LocalSwarm(str(demo_path), 3, "120M", tmp_path, coordinators=2, db=pg_url) as swarm:
+    with LocalSwarm(str(demo_path), 3, "120M", tmp_path, coordinators=2, db=pg_url,
+                    leader_ttl_s=2.0) as swarm:  # fmt: skip
         swarm.wait_ready()
         leader, leader_url = leader_of(swarm)
         other = next(u for u in swarm.urls if u != leader_url)
         follower: dict[str, Any] = client.call(other, "/v1/status")
+        follower_id = follower["coordinator"]
         assert not follower["leader"] and follower["wired"]  # the database says so
         assert {n["node_id"] for n in follower["nodes"]} == {f"worker-{i}" for i in range(3)}
         prompt_of: dict[str, int] = {}
@@ -61,7 +64,7 @@ def test_the_leader_killed_mid_batch_loses_and_repeats_nothing(
             return sum(client.call(other, f"/v1/requests/{r}")["n_tokens"] for r in ids)
 
         wait_for(lambda: progress() >= 40)
-        t_kill = time.monotonic()
+        t_kill, kill_ts = time.monotonic(), time.time()
         swarm.kill(leader, signal.SIGKILL)
         assert progress() < N_REQUESTS * MAX_TOKENS  # killed mid-way
         results = {rid: client.wait(other, rid, timeout_s=240) for rid in ids}
@@ -72,7 +75,16 @@ def test_the_leader_killed_mid_batch_loses_and_repeats_nothing(
         ledger = client.call(other, "/v1/ledger")
         assert ledger["done"] == N_REQUESTS and ledger["duplicates"] == 0, ledger
         assert ledger["done_without_commit"] == 0 and ledger["dead"] == 0, ledger
+        wait_for(lambda: client.call(other, "/v1/status")["leader"], 30)
         status = client.call(other, "/v1/status")
-        assert status["leader"] and status["wired"]
-        assert all(n["state"] == "assigned" for n in status["nodes"])
-        print(f"leader killed; the rest of the batch took {took_s:.1f} s")
+        assert status["wired"] and all(n["state"] == "assigned" for n in status["nodes"])
+        # the follower took the lead (and rewired: a new epoch, the heads replayed) while
+        # the batch was still running
+        events = [json.loads(line) for line in (swarm.log_dir / "coordinator.jsonl").open()
+                  if line.strip().endswith("}")]  # fmt: skip
+        took_lead = [e["ts"] for e in events
+                     if e["event"] == "leader" and e["coordinator"] == follower_id]  # fmt: skip
+        last_done = max(e["ts"] for e in events if e["event"] == "completed")
+        assert len(took_lead) == 1 and took_lead[0] < last_done
+        print(f"leader killed; took over after {took_lead[0] - kill_ts:.1f} s; the rest of "
+              f"the batch took {took_s:.1f} s")

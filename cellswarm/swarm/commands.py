@@ -32,6 +32,8 @@ def add_commands(sub: Any) -> None:
                    help="nodes holding the embedding and output head, split by rows")
     c.add_argument("--context", type=int, default=256, help="KV tokens a stage reserves/seq")
     c.add_argument("--max-sequences", type=int, default=8, help="sequences in flight per stage")
+    c.add_argument("--leader-ttl", type=float, default=5.0,
+                   help="several coordinators: seconds a leader's term lasts unrenewed")
     c.set_defaults(func=cmd_coordinator)
 
     w = sub.add_parser("worker", help="join a coordinator and serve the shard it assigns")
@@ -98,7 +100,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout, offline_after=args.offline_after,
         stages=args.stages, expert_nodes=args.expert_nodes, vocab_nodes=args.vocab_nodes,
         context=args.context, max_sequences=args.max_sequences,
-        log_dir=args.log_dir,
+        log_dir=args.log_dir, leader_ttl_s=args.leader_ttl,
     ))  # fmt: skip
     return 0
 

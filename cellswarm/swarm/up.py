@@ -51,6 +51,7 @@ class LocalSwarm:
     port: int = 0
     coordinators: int = 1  # more than one: they share `db`, which must be PostgreSQL
     db: str | None = None  # default: a SQLite file in state_dir
+    leader_ttl_s: float = 5.0
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)
 
@@ -107,6 +108,8 @@ class LocalSwarm:
         if self.stages:
             args += ["--stages", str(self.stages)]
         args += ["--expert-nodes", str(self.expert_nodes), "--vocab-nodes", str(self.vocab_nodes)]
+        if self.coordinators > 1:
+            args += ["--leader-ttl", str(self.leader_ttl_s)]
         self._spawn(f"coordinator-{k}" if k else "coordinator", args, "READY")
 
     def start_worker(self, i: int) -> None:
