@@ -31,3 +31,23 @@ def demo_path() -> Path:
     from cellswarm.demo import demo_model_path
 
     return demo_model_path()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Any:
+    """A throwaway PostgreSQL cluster for the session (tests/pg_cluster.py); skips without
+    PostgreSQL's binaries or psycopg."""
+    from tests import pg_cluster as pg
+
+    reason = pg.why_not()
+    if reason:
+        pytest.skip(reason)
+    cluster = pg.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_url(pg_cluster: Any) -> str:
+    """A fresh, empty database on the session's cluster."""
+    return str(pg_cluster.new_database())

@@ -223,7 +223,7 @@ def test_a_lying_worker_is_outvoted_and_taken_out(
         check_outputs(results, expected)  # 0 wrong results accepted
         check_ledger(swarm, 40)
         liar = next(n for n in swarm.status()["nodes"] if n["node_id"] == "worker-0")
-        assert liar["state"] == "offline" and "outvoted" in liar["message"]
+        assert liar["state"] == "evicted" and "outvoted" in liar["message"]
         assert liar["disagreements"] >= 2
 
 

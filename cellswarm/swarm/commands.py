@@ -21,7 +21,8 @@ def add_commands(sub: Any) -> None:
     c = sub.add_parser("coordinator", help="run a swarm's coordinator (HTTP, state in SQLite)")
     c.add_argument("--model", help="the .gguf file to place (default: the demo model)")
     c.add_argument("--listen", default="127.0.0.1:8470", help="HOST:PORT (default loopback)")
-    c.add_argument("--db", default="sqlite:///cellswarm.db", help="sqlite:///PATH")
+    c.add_argument("--db", default="sqlite:///cellswarm.db",
+                   help="sqlite:///PATH, or postgresql://... shared by several coordinators")
     c.add_argument("--token-file", help="cluster token file; workers must prove they hold it")
     c.add_argument("--api-key-file",
                    help="keys for the OpenAI API (/v1/chat/completions, ...), one per line; "
@@ -41,10 +42,13 @@ def add_commands(sub: Any) -> None:
                    help="verification: a node outvoted this many times is taken out")
     c.add_argument("--context", type=int, default=256, help="KV tokens a stage reserves/seq")
     c.add_argument("--max-sequences", type=int, default=8, help="sequences in flight per stage")
+    c.add_argument("--leader-ttl", type=float, default=5.0,
+                   help="several coordinators: seconds a leader's term lasts unrenewed")
     c.set_defaults(func=cmd_coordinator)
 
     w = sub.add_parser("worker", help="join a coordinator and serve the shard it assigns")
-    w.add_argument("--join", required=True, help="the coordinator's URL")
+    w.add_argument("--join", required=True,
+                   help="the coordinator's URL, or URL1,URL2,... (fails over in order)")
     w.add_argument("--memory", required=True, help="hard memory budget, e.g. 256M")
     w.add_argument("--profile", help="behave like a node of this planner profile (ps3, ...)")
     w.add_argument("--token-file", help="cluster token file (never pass the token itself)")
@@ -96,17 +100,19 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from cellswarm.swarm.coordinator import CoordinatorConfig
     from cellswarm.swarm.server import serve
 
-    if not args.db.startswith("sqlite:///"):
-        raise RequestError(f"--db {args.db!r}: only sqlite:///PATH is supported")
+    shared = args.db.startswith(("postgresql://", "postgres://"))
+    if not shared and not args.db.startswith("sqlite:///"):
+        raise RequestError(f"--db {args.db!r}: give sqlite:///PATH or postgresql://...")
     host, port = _host_port(args.listen)
     serve(CoordinatorConfig(
-        model=_model(args.model), db=args.db.removeprefix("sqlite:///"), host=host, port=port,
+        model=_model(args.model), db=args.db if shared else args.db.removeprefix("sqlite:///"),
+        host=host, port=port,
         token_file=args.token_file, api_key_file=args.api_key_file, heartbeat_s=args.heartbeat,
         heartbeat_timeout_s=args.heartbeat_timeout, offline_after=args.offline_after,
         stages=args.stages, expert_nodes=args.expert_nodes, vocab_nodes=args.vocab_nodes,
         context=args.context, replicas=args.replicas, lease_s=args.lease,
         evict_after_disagreements=args.evict_after, max_sequences=args.max_sequences,
-        log_dir=args.log_dir,
+        log_dir=args.log_dir, leader_ttl_s=args.leader_ttl,
     ))  # fmt: skip
     return 0
 

@@ -67,6 +67,7 @@ class CoordinatorConfig:
     replicas: int = 1  # independent rings serving the same queue
     lease_s: float = 10.0  # a head must checkpoint a job within this, or it goes elsewhere
     evict_after_disagreements: int = 3  # verification: outvoted this often, taken out
+    leader_ttl_s: float = 5.0  # several coordinators on PostgreSQL: a leader's term
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_s:
@@ -85,8 +86,8 @@ class Coordinator:
         self.token = load_token(config.token_file) if config.token_file else None
         self.nonces: dict[str, float] = {}  # nonce -> expiry; each is good for one proof
         self.layout: list[Shard] = json.loads(self.store.get_meta("layout", "[]"))
-        self.epoch = self.store.next_epoch()  # a restart rewires whatever was there
-        self.wired_epoch: int | None = None
+        self.id = f"{config.host}:{config.port}/{uuid.uuid4().hex[:8]}"
+        self.leading, self.lead_until = False, 0.0
         self.pulse = asyncio.Event()  # set and replaced whenever a job makes progress
         self.last_probe: dict[str, float] = {}
         self.log = JsonLog(config.log_dir, "coordinator")
@@ -98,7 +99,58 @@ class Coordinator:
         now = time.time()
         for n in self.store.nodes():  # a restart is not the nodes' fault: give them a grace
             self.store.update_node(n.node_id, last_seen_s=now)
-        self.queue.extend_leases()  # nor the holders': they could not renew meanwhile
+        self.lead()  # taking the lead (at once on SQLite) rewires whatever was there
+
+    # -- shared state: the epoch and leadership live in the database -----------------------
+
+    @property
+    def epoch(self) -> int:
+        """The layout's epoch, read from the database: every coordinator answers the same."""
+        return int(self.store.get_meta("epoch", "0"))
+
+    @property
+    def wired_epoch(self) -> int | None:
+        """The epoch the leader last finished wiring (wired: it equals `epoch`)."""
+        value = self.store.get_meta("wired_epoch")
+        return int(value) if value else None
+
+    @wired_epoch.setter
+    def wired_epoch(self, epoch: int | None) -> None:
+        self.store.set_meta("wired_epoch", "" if epoch is None else str(epoch))
+
+    def lead(self) -> bool:
+        """Whether this coordinator runs timeouts, placement, wiring and lease expiry now.
+        On SQLite it is the only one. On PostgreSQL the `leader` row of `meta` names the
+        leader and the end of its term (`elect`), renewed every tick; a coordinator takes it
+        over once the term has run out. A new leader starts a new epoch (the old one may have
+        died halfway through wiring), so the stages are reset and the heads replay."""
+        db, now = self.store.db, time.time()
+        if db.dialect == "sqlite":
+            leading = True
+        else:
+            db.execute("INSERT INTO meta(key, value) VALUES ('leader', '{}') "
+                       "ON CONFLICT DO NOTHING")  # fmt: skip
+            with db.transaction():
+                rows = db.execute("SELECT value FROM meta WHERE key='leader'" + db.skip_locked)
+                if not rows:  # another coordinator is electing right now: keep our term
+                    leading = self.leading and now < self.lead_until
+                else:
+                    held = json.loads(rows[0]["value"]) or None
+                    term = elect(held, self.id, now, self.config.leader_ttl_s)
+                    if term != held:
+                        self.store.set_meta("leader", json.dumps(term))
+                    leading = term["id"] == self.id
+                    self.lead_until = float(term["until"]) if leading else 0.0
+        if leading != self.leading:
+            self.leading = leading
+            self.log.event("leader" if leading else "follower", None, coordinator=self.id)
+            log.warning("coordinator %s %s", self.id, "leads" if leading else "follows")
+            if leading:
+                self.unwire("took the lead")
+                # a coordinator restart is not the holders' fault either: they could not
+                # renew while none answered
+                self.queue.extend_leases()
+        return leading
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -121,7 +173,8 @@ class Coordinator:
             raise RequestError("capabilities.memory_bytes must be a positive byte count")
         old = self.store.node(node_id)
         session, now = uuid.uuid4().hex, time.time()
-        state = "offline" if old is not None and old.state == "offline" else "spare"
+        kept_out = old is not None and old.state in ("offline", "evicted")
+        state = old.state if old is not None and kept_out else "spare"
         node = Node(NodeId(node_id), state, session, caps, host, now, now)
         if old is not None:  # a re-join: it dropped whatever it served; keep its record
             node = replace(old, state=state, session=session, capabilities=caps, host=host,
@@ -164,8 +217,9 @@ class Coordinator:
                 changes.update(message=f"failed its probe: {beat.get('probe_error', '')}")
         node = self.store.update_node(node.node_id, **changes)
         self.node_stats[node.node_id] = beat.get("stats")
-        return {"shard": self._shard_for(node), "epoch": self.epoch, "probe": self._probe(node),
-                "wired": self.wired_epoch == self.epoch, "lease_s": self.config.lease_s}
+        epoch = self.epoch
+        return {"shard": self._shard_for(node), "epoch": epoch, "probe": self._probe(node),
+                "wired": self.wired_epoch == epoch, "lease_s": self.config.lease_s}
 
     def _shard_for(self, node: Node) -> dict[str, Any] | None:
         if node.state != "assigned" or node.shard is None:
@@ -229,10 +283,9 @@ class Coordinator:
             self.unwire(f"{node.node_id} lost")
 
     def unwire(self, why: str) -> None:
-        """The layout changed: a new epoch; stage frames of the old one are void."""
-        self.epoch = self.store.next_epoch()
-        self.wired_epoch = None
-        self.log.event("unwire", None, epoch=self.epoch, why=why)
+        """The layout changed: a new epoch (so not wired); stage frames of the old one are void."""
+        epoch = self.store.next_epoch()
+        self.log.event("unwire", None, epoch=epoch, why=why)
 
     # -- placement and wiring --------------------------------------------------------------
 
@@ -244,6 +297,7 @@ class Coordinator:
                 self.lose(n, f"no heartbeat for {quiet_s:.1f} s")
 
     def reconcile(self) -> None:
+        self.layout = json.loads(self.store.get_meta("layout", "[]"))  # a past leader's, maybe
         nodes = self.store.nodes()
         layout, target = repair(nodes, self.layout, self._split, self.config.stages,
                                 self.part_specs, self.config.replicas)  # fmt: skip
@@ -332,6 +386,8 @@ class Coordinator:
 
     async def _reset(self, node: Node, fields: dict[str, Any]) -> bool:
         assert node.data_port is not None
+        if self.epoch != fields["epoch"]:  # a newer epoch (maybe a newer leader's): stop;
+            return True  # a stale reset must never take a stage back to an older epoch
         try:
             reader, writer = await asyncio.wait_for(
                 connect(node.host, node.data_port, self.token, PEER_ID), 5.0
@@ -346,11 +402,12 @@ class Coordinator:
     async def monitor(self) -> None:
         while True:
             try:
-                self.check_timeouts()
-                self.reconcile()
-                await self.wire()
-                if self.queue.expire():
-                    self._notify()
+                if self.lead():  # only the leader places, wires and expires
+                    self.check_timeouts()
+                    self.reconcile()
+                    await self.wire()
+                    if self.queue.expire():
+                        self._notify()
             except Exception:  # keep watching whatever one tick ran into
                 log.exception("monitor tick failed")
             await asyncio.sleep(0.1)
@@ -440,7 +497,7 @@ class Coordinator:
                 n = self.store.update_node(nid, disagreements=n.disagreements + 1)
                 self.log.event("disagreed", job_id, worker=nid, disagreements=n.disagreements)
                 if n.disagreements >= self.config.evict_after_disagreements:
-                    self.store.update_node(nid, state="offline", shard=None, message=(
+                    self.store.update_node(nid, state="evicted", shard=None, message=(
                         f"outvoted {n.disagreements} times by other replicas: taken out"))
                     self.unwire(f"{nid} keeps disagreeing")
 
@@ -462,8 +519,9 @@ class Coordinator:
              "stats": self.node_stats.get(n.node_id)}
             for n in self.store.nodes()
         ]  # fmt: skip
-        return {"epoch": self.epoch, "wired": self.wired_epoch == self.epoch,
-                "problem": self.problem,
+        epoch = self.epoch
+        return {"epoch": epoch, "wired": self.wired_epoch == epoch, "problem": self.problem,
+                "coordinator": self.id, "leader": self.leading,
                 "model": Path(self.config.model).name, "nodes": nodes}  # fmt: skip
 
     def manifest(self) -> Any:
@@ -487,6 +545,15 @@ class Coordinator:
             self._tokenizer = Tokenizer.from_gguf_metadata(meta)
         return self._tokenizer
 
+
+
+def elect(held: dict[str, Any] | None, me: str, now: float, ttl_s: float) -> dict[str, Any]:
+    """The leader's term after `me` asks for it at `now`: renewed if `me` holds it, taken if
+    nobody does or its term ran out, else unchanged. (Terms are wall-clock times: the
+    coordinators' clocks must agree to well within `ttl_s`.)"""
+    if not held or held.get("id") == me or float(held.get("until", 0.0)) <= now:
+        return {"id": me, "until": now + ttl_s}
+    return held
 
 
 def describe(shard: Shard | None) -> str:

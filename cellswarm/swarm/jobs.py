@@ -241,7 +241,7 @@ class JobQueue:
         with self.db.transaction():
             rows = self.db.execute(  # waits for a row lock (never skips): no false 'stale'
                 "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'"
-                + getattr(self.db, "for_update", ""), (job_id, fence),
+                + self.db.for_update, (job_id, fence),
             )  # fmt: skip
             if not rows:
                 return "stale"
@@ -257,9 +257,10 @@ class JobQueue:
         now = time.time() if now is None else now
         with self.db.transaction():
             rows = self.db.execute(
-                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'", (job_id, fence)
-            )
-            if not rows:
+                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'" +
+                self.db.skip_locked, (job_id, fence),
+            )  # fmt: skip
+            if not rows:  # (or another coordinator is expiring it right now)
                 return "stale"
             return self._failed(_job(rows[0]), reason, now)
 
@@ -273,12 +274,13 @@ class JobQueue:
         ) == 1
 
     def expire(self, now: float | None = None) -> int:
-        """Leases not renewed in time count as failed attempts."""
+        """Leases not renewed in time count as failed attempts. Several coordinators may
+        expire at once: each job's row is locked by the one that takes it, skipped by others."""
         now = time.time() if now is None else now
         with self.db.transaction():
             rows = self.db.execute(
-                "SELECT * FROM jobs WHERE state='leased' AND lease_expires_s < ?"
-                + self.db.skip_locked, (now,),
+                "SELECT * FROM jobs WHERE state='leased' AND lease_expires_s < ?" +
+                self.db.skip_locked, (now,),
             )  # fmt: skip
             for row in rows:
                 job = _job(row)
@@ -380,7 +382,8 @@ class JobQueue:
             changed = self.db.execute_count(
                 "UPDATE jobs SET state='dead', attempts=?, error=?, lease_owner=NULL, "
                 "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND fence=? AND state='leased'",
-                (attempts, f"failed {attempts} times; last: {reason}", now, job.job_id, job.fence),
+                (attempts, f"failed {attempts} times; last: {reason}", now, job.job_id,
+                 job.fence),
             )
             return "dead" if changed else "stale"
         # Guarded by fence and state: a holder that completed meanwhile (another coordinator,

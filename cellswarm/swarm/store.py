@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, NewType
 
@@ -18,8 +18,10 @@ NodeId = NewType("NodeId", str)
 
 # Node states. A node is `spare` until placed, `assigned` while it holds a shard, `lost` when
 # its heartbeats stop (it may come back), `offline` after K failures in a row (it gets no
-# shard until it passes a probe), `refused` when its budget cannot hold the shard it was given.
-NODE_STATES = ("spare", "assigned", "lost", "offline", "refused")
+# shard until it passes a probe), `refused` when its budget cannot hold the shard it was given,
+# `evicted` when other replicas outvoted its results too often (no probe clears that: its
+# steps run fine, its answers are wrong; an operator re-admits it under a new node id).
+NODE_STATES = ("spare", "assigned", "lost", "offline", "refused", "evicted")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -151,13 +153,29 @@ class Store:
         return [_node(r) for r in self.db.execute("SELECT * FROM nodes ORDER BY joined_s, node_id")]
 
     def update_node(self, node_id: str, **changes: Any) -> Node:
-        with self.transaction():
+        """One UPDATE of just these columns: a coordinator recording a heartbeat never
+        overwrites what another one (the leader placing shards) wrote in the meantime."""
+        unknown = set(changes) - _NODE_FIELDS
+        if unknown or "node_id" in changes:
+            raise ValueError(f"not node fields: {sorted(unknown) or ['node_id']}")
+        if changes.get("state", NODE_STATES[0]) not in NODE_STATES:
+            raise ValueError(f"node state {changes['state']!r} is not one of {NODE_STATES}")
+        if not changes:
             node = self.node(node_id)
             if node is None:
                 raise KeyError(node_id)
-            node = replace(node, **changes)
-            self.put_node(node)
-        return node
+            return node
+        values = [json.dumps(v) if k in _JSON_NODE and v is not None else v
+                  for k, v in changes.items()]  # fmt: skip
+        sets = ", ".join(f"{k}=?" for k in changes)
+        rows = self.db.execute(f"UPDATE nodes SET {sets} WHERE node_id=? RETURNING *",
+                               (*values, node_id))  # fmt: skip
+        if not rows:
+            raise KeyError(node_id)
+        return _node(rows[0])
+
+
+_NODE_FIELDS = {f.name for f in fields(Node)}
 
 
 def _node(row: dict[str, Any]) -> Node:

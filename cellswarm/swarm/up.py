@@ -54,6 +54,9 @@ class LocalSwarm:
     fetch: bool = False  # workers fetch their shards from the coordinator into state_dir
     api_key_file: str | None = None  # the coordinator's --api-key-file (OpenAI API keys)
     port: int = 0
+    coordinators: int = 1  # more than one: they share `db`, which must be PostgreSQL
+    db: str | None = None  # default: a SQLite file in state_dir
+    leader_ttl_s: float = 5.0
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)
 
@@ -65,8 +68,13 @@ class LocalSwarm:
             self.token_file.write_text(secrets.token_hex(32))
             self.token_file.chmod(0o600)
         self.log_dir = self.state_dir / "logs"
+        if self.coordinators > 1 and not (self.db or "").startswith("postgres"):
+            raise SwarmError(f"{self.coordinators} coordinators must share a PostgreSQL "
+                             "database: pass db='postgresql://...'")  # fmt: skip
         self.port = self.port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.ports = [self.port, *(free_port() for _ in range(self.coordinators - 1))]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.url = self.urls[0]
 
     def _spawn(self, name: str, args: list[str], ready: str) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "cellswarm.cli", *args]
@@ -92,9 +100,11 @@ class LocalSwarm:
             raise SwarmError(f"{name} did not start: {' | '.join(lines[-5:])}")
         return p
 
-    def start_coordinator(self) -> None:
-        args = ["coordinator", "--model", self.model, "--listen", f"127.0.0.1:{self.port}",
-                "--db", f"sqlite:///{self.state_dir / 'coordinator.db'}",
+    def start_coordinator(self, k: int = 0) -> None:
+        """Coordinator k (named `coordinator`, then `coordinator-1`, ...)."""
+        db = self.db or f"sqlite:///{self.state_dir / 'coordinator.db'}"
+        args = ["coordinator", "--model", self.model, "--listen", f"127.0.0.1:{self.ports[k]}",
+                "--db", db,
                 "--token-file", str(self.token_file), "--log-dir", str(self.log_dir),
                 "--heartbeat", str(self.heartbeat_s), "--heartbeat-timeout",
                 str(self.heartbeat_timeout_s), "--context", str(self.context),
@@ -107,11 +117,14 @@ class LocalSwarm:
                  "--evict-after", str(self.evict_after)]  # fmt: skip
         if self.api_key_file:
             args += ["--api-key-file", str(self.api_key_file)]
-        self._spawn("coordinator", args, "READY")
+        if self.coordinators > 1:
+            args += ["--leader-ttl", str(self.leader_ttl_s)]
+        self._spawn(f"coordinator-{k}" if k else "coordinator", args, "READY")
 
     def start_worker(self, i: int) -> None:
-        args = ["worker", "--join", self.url, "--memory", self.worker_memory.get(i, self.memory),
-                "--node-id", f"worker-{i}", "--token-file", str(self.token_file),
+        args = ["worker", "--join", ",".join(self.urls),
+                "--memory", self.worker_memory.get(i, self.memory), "--node-id", f"worker-{i}",
+                "--token-file", str(self.token_file),
                 "--log-dir", str(self.log_dir), "--threads", str(self.threads),
                 "--stop-after", str(self.stop_after_s)]  # fmt: skip
         if self.profile:
@@ -126,7 +139,8 @@ class LocalSwarm:
 
     def __enter__(self) -> LocalSwarm:
         try:
-            self.start_coordinator()
+            for k in range(self.coordinators):
+                self.start_coordinator(k)
             for i in range(self.workers):
                 self.start_worker(i)
         except BaseException:

@@ -46,7 +46,7 @@ HTTP_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    join: str  # the coordinator's URL
+    join: str  # the coordinator's URL, or several, comma-separated (failover in order)
     memory_bytes: int
     node_id: str = ""
     profile: str | None = None
@@ -101,7 +101,8 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.token = load_token(config.token_file) if config.token_file else None
-        self.url = config.join.rstrip("/")
+        self.urls = [u.strip().rstrip("/") for u in config.join.split(",") if u.strip()]
+        self.current = 0  # the coordinator answering us; the others take over if it stops
         self.session: str | None = None
         self.heartbeat_s = 0.5
         self.lease_s = 10.0
@@ -121,13 +122,32 @@ class Worker:
 
     # -- talking to the coordinator --------------------------------------------------------
 
+    @property
+    def url(self) -> str:
+        return self.urls[self.current]
+
     def _post(self, path: str, data: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(
-            self.url + path, json.dumps(data).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
-            out: dict[str, Any] = json.loads(r.read())
+        """POST to the current coordinator; one that does not answer is skipped for the
+        next in the list (coordinators sharing a database accept each other's sessions)."""
+        failure: OSError | None = None
+        for k in range(len(self.urls)):
+            i = (self.current + k) % len(self.urls)
+            req = urllib.request.Request(self.urls[i] + path, json.dumps(data).encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+            try:
+                with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
+                    out: dict[str, Any] = json.loads(r.read())
+            except urllib.error.HTTPError:
+                raise  # it answered: its answer stands
+            except OSError as exc:
+                failure = exc
+                continue
+            if i != self.current:
+                log.warning("coordinator %s does not answer; now %s", self.url, self.urls[i])
+                self.current = i
             return out
+        assert failure is not None
+        raise failure
 
     def _join(self) -> None:
         nonce = self._post("/v1/challenge", {})["nonce"]

@@ -1,0 +1,161 @@
+"""The `Database` seam on PostgreSQL (psycopg 3), so several coordinators can share state.
+
+Same portable SQL as SQLite: `?` placeholders become `%s` (a literal `%` is escaped, and a
+`?` inside a quoted string is left alone), rows come back as dicts, statements autocommit
+unless inside `transaction()` (nested blocks are part of the outer one). Lease pickers append
+`skip_locked` (`FOR UPDATE SKIP LOCKED`): two coordinators leasing at once lock disjoint
+rows, and a row one of them is changing is skipped, not waited for. One connection behind a
+lock, as for SQLite: the coordinator's loop and its threads share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from cellswarm.errors import RequestError
+from cellswarm.swarm.db import Row
+
+
+def translate(sql: str) -> str:
+    """`?` placeholders to psycopg's `%s`; `%` escaped; quoted text and comments untouched
+    (except `%`, which psycopg reads everywhere)."""
+    out: list[str] = []
+    quote = ""
+    i = 0
+    while i < len(sql):
+        ch = sql[i]
+        if ch == "%":
+            out.append("%%")
+        elif quote:
+            out.append(ch)
+            if ch == quote:
+                quote = ""
+        elif ch in ("'", '"'):
+            quote = ch
+            out.append(ch)
+        elif ch == "-" and sql.startswith("--", i):  # a comment: to the end of its line
+            end = sql.find("\n", i)
+            end = len(sql) if end < 0 else end
+            out.append(sql[i:end].replace("%", "%%"))
+            i = end
+            continue
+        elif ch == "?":
+            out.append("%s")
+        else:
+            out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def split_script(sql: str) -> list[str]:
+    """A schema's statements: split on `;` outside quotes, `--` comments dropped."""
+    statements: list[str] = []
+    current: list[str] = []
+    quote = ""
+    i = 0
+    while i < len(sql):
+        ch = sql[i]
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in ("'", '"'):
+            quote = ch
+        elif ch == "-" and sql.startswith("--", i):
+            end = sql.find("\n", i)
+            i = len(sql) if end < 0 else end
+            continue
+        elif ch == ";":
+            statements.append("".join(current).strip())
+            current = []
+            i += 1
+            continue
+        current.append(ch)
+        i += 1
+    statements.append("".join(current).strip())
+    return [s for s in statements if s]
+
+
+class PostgresDatabase:
+    """`postgresql://user@host:port/dbname`: every acknowledged write is committed (PostgreSQL's
+    own durability: WAL, fsync on commit)."""
+
+    dialect = "postgres"
+    skip_locked = " FOR UPDATE SKIP LOCKED"
+    for_update = " FOR UPDATE"
+
+    def __init__(self, url: str) -> None:
+        try:
+            import psycopg
+            from psycopg.rows import dict_row
+        except ImportError as exc:
+            raise RequestError(
+                f"{url.split('@')[-1]}: PostgreSQL needs psycopg 3 "
+                "(pip install 'psycopg[binary]')"
+            ) from exc
+        self.url = url
+        self._psycopg = psycopg
+        self._row_factory = dict_row
+        self._lock = threading.RLock()
+        self._depth = 0
+        self.conn = self._connect()
+
+    def _connect(self) -> Any:
+        try:
+            return self._psycopg.connect(self.url, autocommit=True, row_factory=self._row_factory)
+        except self._psycopg.OperationalError as exc:
+            where = self.url.split("@")[-1]
+            raise RequestError(f"cannot reach PostgreSQL at {where}: {exc}") from exc
+
+    def _cursor(self, sql: str, params: Sequence[Any]) -> Any:
+        """Run one statement. A connection that broke (the server restarted, the backend was
+        ended) fails the statement it broke under, and is opened again for the next one."""
+        if self.conn.broken and not self._depth:
+            self.conn = self._connect()
+        return self.conn.execute(translate(sql), tuple(params))
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        with self._lock:
+            cur = self._cursor(sql, params)
+            return [dict(r) for r in cur.fetchall()] if cur.description else []
+
+    def execute_count(self, sql: str, params: Sequence[Any] = ()) -> int:
+        with self._lock:
+            return int(self._cursor(sql, params).rowcount)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth:  # nested: part of the outer transaction
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            if self.conn.broken:
+                self.conn = self._connect()
+            self._depth = 1
+            try:
+                with self.conn.transaction():
+                    yield
+            finally:
+                self._depth = 0
+
+    def script(self, sql: str) -> None:
+        """A schema: its statements in one transaction. Concurrent `CREATE ... IF NOT EXISTS`
+        of the same table can still collide in the catalog: retried once."""
+        for attempt in range(3):
+            try:
+                with self.transaction():
+                    for statement in split_script(sql):
+                        self.execute(statement)
+                return
+            except self._psycopg.errors.UniqueViolation:
+                if attempt == 2:
+                    raise
+
+    def close(self) -> None:
+        with self._lock:
+            self.conn.close()
