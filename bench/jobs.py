@@ -123,10 +123,17 @@ def main() -> None:
             print(row, flush=True)
 
     url = os.environ.get("CELLSWARM_PG_URL")
-    if not url:
-        print("postgres   skipped: CELLSWARM_PG_URL is not set (a postgresql:// URL of a "
-              "scratch database)")  # fmt: skip
-    else:
+    cluster = None
+    if not url:  # a throwaway cluster of our own, as the tests start one
+        from tests import pg_cluster
+
+        reason = pg_cluster.why_not()
+        if reason:
+            print(f"postgres   skipped: {reason} (or set CELLSWARM_PG_URL)")
+        else:
+            cluster = pg_cluster.start()
+            url = cluster.new_database()
+    if url:
         try:
             open_database(url).close()
         except Exception as e:  # no driver, no db_postgres module yet, no server
@@ -138,6 +145,8 @@ def main() -> None:
 
             for row in run("postgres", pg_fresh, args.jobs):
                 print(row, flush=True)
+    if cluster is not None:
+        cluster.stop()
 
     for replicas in (1, 2):
         print(swarm_batch(replicas, args.swarm_jobs), flush=True)
