@@ -79,6 +79,12 @@ def budget_split(
         )
     split = fits(lo)
     assert split is not None
+    while len(split) < min(stages, inv.n_layers):  # fewer fit: still give every node a share
+        k = max(range(len(split)), key=lambda i: split[i][1] - split[i][0])
+        a, b = split[k]
+        if b - a < 2:
+            break
+        split[k : k + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
     return split
 
 

@@ -137,6 +137,8 @@ def place(
                 split_ = split(count, min(n.memory_bytes for n in chosen))
             except BudgetError:
                 continue
+            if len(split_) != count:  # e.g. more nodes than layers: not this many stages
+                continue
             layout = shards(split_, parts, r)
             out: dict[NodeId, Shard | None] = {n.node_id: None for n in order}
             for node, shard in zip(chosen, layout, strict=True):

@@ -92,6 +92,10 @@ Emit = Callable[[Frame], Awaitable[None]]
 class NextStageLost(ConnectionError):
     """The next stage in the ring stopped answering: its fault, not ours."""
 
+    def __init__(self, address: str, epoch: int) -> None:
+        super().__init__(address)
+        self.epoch = epoch
+
 
 @dataclass
 class Sequence:
@@ -135,7 +139,7 @@ class Stage:
         self.decode_steps, self.decode_s = 0, 0.0
         # A worker tells its coordinator: ("forward", why) when this node failed a step,
         # ("next", address) when the next stage stopped answering.
-        self.on_fault: Callable[[str, str], None] | None = None
+        self.on_fault: Callable[[str, str, int], None] | None = None
         self.fail_forward = False  # fault injection for tests: every forward pass raises
         # fault injection for tests: this fraction of sequences get wrong tokens (bad RAM)
         self.perturb = 0.0
@@ -190,8 +194,10 @@ class Stage:
         except Exception as exc:  # a bad peer or a bug: log it, drop this connection, serve on
             log.exception("stage %s: connection dropped", self.config.layers)
             if self.on_fault is not None:
-                kind = "next" if isinstance(exc, NextStageLost) else "forward"
-                self.on_fault(kind, f"{type(exc).__name__}: {exc}")
+                if isinstance(exc, NextStageLost):
+                    self.on_fault("next", f"{type(exc).__name__}: {exc}", exc.epoch)
+                else:
+                    self.on_fault("forward", f"{type(exc).__name__}: {exc}", self.epoch)
         finally:
             self.connections.discard(writer)
             writer.close()
@@ -222,20 +228,29 @@ class Stage:
             except NextStageLost as exc:  # what serve() does when a send fails in a step
                 log.exception("stage %s: next stage lost", self.config.layers)
                 if self.on_fault is not None:
-                    self.on_fault("next", f"{type(exc).__name__}: {exc}")
+                    self.on_fault("next", f"{type(exc).__name__}: {exc}", exc.epoch)
 
     async def write_next(self, frame: Frame) -> None:
+        """Send to the next stage. A frame of an older epoch is dropped (its layout is gone);
+        a failure names the address and epoch it was for, so a reset that rewired the ring
+        meanwhile never gets a healthy new neighbour blamed."""
+        ep = frame.fields.get("ep", self.epoch)
         async with self._next_lock:
+            if ep != self.epoch:
+                return
+            host, port, epoch = self.config.next_host, self.config.next_port, self.epoch
             try:
                 if self._next is None:
                     _, self._next = await _connect(
-                        self.config.next_host, self.config.next_port, self.token,
-                        self.config.node_id,
+                        host, port, self.token, self.config.node_id,
+                        still=lambda: self.epoch == epoch,
                     )  # fmt: skip
                 await write_frame(self._next, frame)
             except (OSError, ConnectionError) as exc:
                 self._next = None
-                raise NextStageLost(f"{self.config.next_host}:{self.config.next_port}") from exc
+                if self.epoch != epoch:
+                    return  # rewired while we tried: that address is history
+                raise NextStageLost(f"{host}:{port}", epoch) from exc
 
     # -- the protocol ----------------------------------------------------------------------
 
@@ -367,9 +382,9 @@ class Stage:
             # them would make the neighbours report this node as gone rather than faulty.
             log.exception("stage %s: step failed", self.config.layers)
             if isinstance(exc, PartLost):  # a part server's fault, not this node's
-                self.on_fault("part", exc.node_id)
+                self.on_fault("part", exc.node_id, self.epoch)
             else:
-                self.on_fault("forward", f"{type(exc).__name__}: {exc}")
+                self.on_fault("forward", f"{type(exc).__name__}: {exc}", self.epoch)
             return
         self.steps += 1
         # The last stage's step includes the head and the sampler: the emulated step time
@@ -495,9 +510,13 @@ class Stage:
 
 
 async def _connect(
-    host: str, port: int, token: bytes | None, peer: str, attempts: int = 200
+    host: str, port: int, token: bytes | None, peer: str, attempts: int = 20,
+    still: Callable[[], bool] = lambda: True,
 ) -> tuple[Any, Any]:
+    """Connect, retrying for about a second (a replacement may be starting), while `still`."""
     for _ in range(attempts):
+        if not still():
+            break
         try:
             return await connect(host, port, token, peer)
         except OSError:

@@ -175,10 +175,10 @@ class Worker:
     def _post_session(self, path: str, data: dict[str, Any]) -> dict[str, Any]:
         return self._post(path, {**data, "node_id": self.config.node_id, "session": self.session})
 
-    def report_fault(self, kind: str, detail: str) -> None:
-        """Called by the stage on a failed step; told to the coordinator at once."""
+    def report_fault(self, kind: str, detail: str, epoch: int) -> None:
+        """Called by the stage on a failed step (of `epoch`); told to the coordinator at once."""
         data = {"node_id": self.config.node_id, "session": self.session, "kind": kind,
-                "detail": detail, "epoch": self.stage.epoch if self.stage else None}  # fmt: skip
+                "detail": detail, "epoch": epoch}  # fmt: skip
         if self.loop is not None:
             self.loop.run_in_executor(None, self._post_quietly, "/v1/fault", data)
 

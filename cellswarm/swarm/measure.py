@@ -1,0 +1,106 @@
+"""Measure a real local swarm of emulated nodes: what the simulator is calibrated against.
+
+`measure_local` starts a coordinator and N workers that behave like a planner profile
+(`--profile`: padded compute, metered link), one ring of N stages, runs a batch of J jobs of
+M tokens with S in flight, optionally SIGKILLs one stage's worker once tokens flow (a spare
+takes its layers), and reports what a user sees: generated tokens per second over the whole
+batch (submit to last result) and the median request latency (submission to completion, from
+the coordinator's own log) — the same two numbers the simulator predicts.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cellswarm.swarm import client
+from cellswarm.swarm.up import LocalSwarm
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,"]
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    workers: int  # stages in the ring (a spare more when `kill`)
+    profile: str
+    jobs: int
+    max_tokens: int
+    in_flight: int
+    killed: bool
+    split: tuple[tuple[int, int], ...]  # the layer ranges the coordinator placed
+    prompt_tokens: tuple[int, ...]  # per job
+    tokens: int  # generated, all jobs
+    makespan_s: float  # first submission to last completion
+    tokens_per_s: float
+    p50_latency_s: float
+    kill_at_s: float | None  # when the worker was killed, after the batch was submitted
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_local(
+    workers: int, profile: str = "rpi4", jobs: int = 8, max_tokens: int = 16,
+    in_flight: int = 4, kill: bool = False, memory: str = "160M",
+    model: str | None = None,
+) -> LocalRun:  # fmt: skip
+    from cellswarm.demo import demo_model_path
+
+    path = model or str(demo_model_path())
+    rows = [{"id": str(i), "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens}
+            for i in range(jobs)]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(
+        path, workers + (1 if kill else 0), memory, Path(tmp), profile=profile,
+        stages=workers, max_sequences=in_flight, context=64,
+    ) as swarm:  # fmt: skip
+        status = swarm.wait_ready(timeout_s=300)
+        stages = sorted((n for n in status["nodes"] if n["stage"] is not None),
+                        key=lambda n: n["stage"])  # fmt: skip
+        split = tuple((int(n["layers"][0]), int(n["layers"][1])) for n in stages)
+        t0 = time.time()
+        batch = client.call(swarm.url, "/v1/batches", {"items": rows})["batch_id"]
+        kill_at = _kill_mid_batch(swarm, batch) - t0 if kill else None
+        while client.call(swarm.url, f"/v1/batches/{batch}")["finished"] < jobs:
+            time.sleep(0.05)
+        results = client.call(swarm.url, f"/v1/batches/{batch}/results")["results"]
+        events = _coordinator_events(swarm.log_dir)
+    assert all(r["state"] == "done" for r in results), results
+    submitted = {e["request_id"]: e["ts"] for e in events if e["event"] == "submitted"}
+    done = {e["request_id"]: e["ts"] for e in events
+            if e["event"] == "completed" and e.get("outcome") == "done"}  # fmt: skip
+    ids = [r["job_id"] for r in results]
+    latencies = [done[i] - submitted.get(i, t0) for i in ids]
+    makespan = max(done[i] for i in ids) - t0
+    tokens = sum(len(r["tokens"]) for r in results)
+    from cellswarm.io.gguf_file import GGUFFile
+    from cellswarm.io.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+    return LocalRun(
+        workers, profile, jobs, max_tokens, in_flight, kill, split,
+        tuple(len(tok.encode(str(r["prompt"]))) for r in rows), tokens, round(makespan, 4),
+        round(tokens / makespan, 3), round(statistics.median(latencies), 4),
+        None if kill_at is None else round(kill_at, 4),
+    )  # fmt: skip
+
+
+def _kill_mid_batch(swarm: LocalSwarm, batch: str) -> float:
+    """SIGKILL the worker of the ring's middle stage once a few tokens are out; when."""
+    while client.call(swarm.url, f"/v1/batches/{batch}")["tokens"] < 4:
+        time.sleep(0.02)
+    status = swarm.status()
+    stages = sorted((n for n in status["nodes"] if n["stage"] is not None),
+                    key=lambda n: n["stage"])  # fmt: skip
+    victim = stages[len(stages) // 2]["node_id"]
+    swarm.kill(victim)
+    return time.time()
+
+
+def _coordinator_events(log_dir: Path) -> list[dict[str, Any]]:
+    path = Path(log_dir) / "coordinator.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
