@@ -229,7 +229,8 @@ class Simulator:
             "node_fail": self._on_node_fail, "node_repair": self._on_node_repair,
             "rack_fail": self._on_rack_fail, "rack_repair": self._on_rack_repair,
             "arrival": self._on_arrival, "release": self._on_release,
-            "expire": self._on_expire, "sample": self._on_sample,
+            "expire": self._on_expire,
+            "kill": self._on_kill, "sample": self._on_sample,
         }  # fmt: skip
         self._sample_now()
         heap = self.heap
@@ -557,6 +558,19 @@ class Simulator:
         self._node_lost(n)
         self.push(self._exp(self.sc.mttr_s), "node_repair", n)
 
+    def schedule_kill(self, t: float, position: int, replica: int = 0) -> None:
+        """Kill the node holding `position` of `replica` at time t (no repair)."""
+        self.push(t, "kill", (replica, position))
+
+    def _on_kill(self, arg: tuple[int, int]) -> None:
+        n = self.replicas[arg[0]].nodes[arg[1]]
+        if self._node_up(n):
+            self.c.node_failures += 1
+            self.node_failed[n] = True
+            self.node_fail_count[n] += 1
+            self.down_nodes += 1
+            self._node_lost(n)
+
     def _on_node_repair(self, n: int) -> None:
         self.node_failed[n] = False
         self.c.repairs += 1
@@ -577,7 +591,10 @@ class Simulator:
     def _on_rack_fail(self, _: Any) -> None:
         assert self.sc.rack_mtbf_s is not None
         self.push(self._exp(self.sc.rack_mtbf_s / self.switches), "rack_fail")
-        sw = self.rng.randrange(self.switches)
+        self.fail_rack(self.rng.randrange(self.switches))
+
+    def fail_rack(self, sw: int) -> None:
+        """Access switch `sw` goes down: every node on it is lost at once."""
         if self.switch_down[sw]:
             return
         self.c.rack_failures += 1
