@@ -34,6 +34,7 @@ test: $(VENV)/.test
 bench: $(VENV)/.test
 	$(BIN)/python -m bench.engine
 	$(BIN)/python -m bench.kernels
+	$(BIN)/python -m bench.simulate
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,653 @@
+"""The discrete-event loop: replicas, the pull-mode job queue, failures, spares, power.
+
+Own loop on `heapq`, not SimPy: a SimPy process per replica costs a generator switch and an
+event object per yield, and the state changes here are few and coarse, so a plain heap of
+(time, sequence number, kind, args) tuples keeps the 100,000-node hour well under a second
+and stays bit-reproducible (ties break by the sequence number, randomness comes from one
+seeded `random.Random`).
+
+Granularity — a fluid model per replica, events only where a rate changes:
+- a replica holds up to `concurrency` sequences; between two of its events the number
+  decoding (k) is constant, so each decoding sequence gains (t - t0) / interval(k) tokens,
+  interval(k) = max(token time, k x busiest node's time) x network slowdown: the planner's
+  pipelined rate, but integrated, so a replica that is loading a spare, replaying a prefix or
+  waiting for work visibly stalls. A replica's next event is the earliest of: a sequence
+  finishing, a prefill/replay finishing. No event per token, none per node per token.
+- failures are events on nodes (exponential MTBF, thinned over all nodes so one event
+  process serves 100,000 of them) and on access switches (a rack); a node maps to its
+  replica and position. Repairs are events too.
+- swarm-wide integrals (tokens, energy, node-seconds down) advance at every event from
+  running totals (the sum of the replicas' current rates, the count of busy/idle/down
+  nodes), so the time series costs nothing per replica.
+
+Rules, as the real swarm (swarm/jobs.py, membership.py): a replica's head pulls jobs while
+it has free sequence slots; a lost non-head node is replaced by a spare (the replica is down
+while the spare loads its shard: bytes / link bandwidth) and the head replays each sequence's
+prompt + tokens so far (a prefill of that length) under the same lease; a lost head cannot
+renew its leases, so they expire after `lease_s`, which counts as a failed attempt: back to
+the queue after the backoff 0.5 x 2^(n-1) s, dead after 3. No spare left: the replica is
+dissolved (its nodes become spares, its jobs' leases expire) and placed again once enough
+spares exist. A node that failed `offline_after` times is taken out for the run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cellswarm.sim.model import ReplicaModel, StepTiming
+from cellswarm.sim.network import TIERS, NetModel
+from cellswarm.sim.params import Scenario
+
+EPS_TOKENS = 1e-6
+
+
+@dataclass
+class Job:
+    id: int
+    arrival: float
+    prompt: int
+    output: int
+    poison: bool = False
+    state: str = "queued"  # queued, backoff, running, orphaned, done, dead
+    attempts: int = 0
+    leases: int = 0
+    tokens: int = 0  # checkpointed tokens (a retry resumes from them)
+    done_at: float = -1.0
+
+
+@dataclass
+class Seq:
+    job: Job
+    ready_at: float  # decoding starts after the prefill / replay
+    progress: float  # tokens so far (fractional between events)
+    decoding: bool = False
+
+
+@dataclass
+class Replica:
+    idx: int
+    nodes: list[int]
+    state: str = "loading"  # loading, up, gone
+    timing: StepTiming | None = None
+    seqs: list[Seq] = field(default_factory=list)
+    t0: float = 0.0
+    interval: float = math.inf
+    rate: float = 0.0  # tokens/s now
+    busy: bool = False  # its nodes draw busy power
+    gen: int = 0
+    ready_at: float = 0.0
+    needs_replay: bool = False
+
+
+@dataclass
+class Counters:
+    submitted: int = 0
+    done: int = 0
+    dead: int = 0
+    retried: int = 0  # failed attempts that went back to the queue
+    lease_expiries: int = 0
+    node_failures: int = 0
+    rack_failures: int = 0
+    repairs: int = 0
+    replacements: int = 0
+    replicas_dissolved: int = 0
+    replicas_formed: int = 0
+    offline_nodes: int = 0
+    replays: int = 0
+    replay_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_seq_s: float = 0.0  # sequence-seconds spent decoding
+    tokens_generated: float = 0.0
+    max_leases: int = 0
+    events: int = 0
+
+
+class Simulator:
+    def __init__(
+        self,
+        scenario: Scenario,
+        model: ReplicaModel,
+        net: NetModel,
+        replicas: int,
+        power: Any,
+        node_power: tuple[float, float],
+    ) -> None:
+        self.sc, self.model, self.net = scenario, model, net
+        self.p = scenario.params
+        self.rng = random.Random(scenario.seed)
+        self.npr = model.nodes
+        self.count = scenario.count
+        self.pue = power.pue if scenario.count > 1 else 1.0
+        self.p_busy, self.p_idle = node_power
+        self.c = Counters()
+        self.heap: list[tuple[float, int, str, Any]] = []
+        self.seq_no = 0
+        self.now = 0.0
+        # per node: replica (-1 spare/out), position, speed, own failure, failures so far
+        self.node_replica = [-1] * self.count
+        self.node_pos = [0] * self.count
+        self.node_failed = [False] * self.count
+        self.node_fail_count = [0] * self.count
+        self.node_offline = [False] * self.count
+        per_switch = net.net.nodes_per_access_switch
+        self.per_switch = per_switch
+        self.switches = -(-self.count // per_switch)
+        self.switch_down = [False] * self.switches
+        self.speed = self._speeds()
+        self.spares: list[int] = []
+        self.is_spare = [False] * self.count
+        self.n_spares = 0
+        self.down_nodes = 0
+        self.busy_nodes = 0
+        self.jobs: list[Job] = []
+        self.ready: deque[Job] = deque()
+        self.n_backoff = 0
+        self.hungry: list[int] = []  # replica ids that may have free slots (lazy heap)
+        self.in_hungry: list[bool] = []
+        self.replicas: list[Replica] = []
+        self.live = 0
+        self.slowdown = 1.0
+        # integrals
+        self.t_int = 0.0
+        self.rate_total = 0.0
+        self.tokens_int = 0.0
+        self.energy_j = 0.0
+        self.down_node_s = 0.0
+        self.busy_node_s = 0.0
+        self.idle_node_s = 0.0
+        self.latencies: list[float] = []
+        self.series: dict[str, list[float]] = {
+            "t_s": [], "tokens_per_s": [], "live_replicas": [], "queue_depth": [],
+            "in_flight": [], "down_nodes": [], "power_w": [],
+        }  # fmt: skip
+        self.tier_series: dict[str, list[float]] = {t: [] for t in TIERS}
+        self._last_sample = (0.0, 0.0)
+        self._place_initial(replicas)
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _speeds(self) -> list[float]:
+        speed = [1.0] * self.count
+        if self.sc.slow_fraction > 0:
+            n = round(self.sc.slow_fraction * self.count)
+            rng = np.random.default_rng(self.sc.seed)
+            for i in rng.choice(self.count, size=n, replace=False).tolist():
+                speed[i] = self.sc.slow_speed
+        return speed
+
+    def _place_initial(self, replicas: int) -> None:
+        for r in range(replicas):
+            nodes = list(range(r * self.npr, (r + 1) * self.npr))
+            rep = Replica(r, nodes)
+            self.replicas.append(rep)
+            self.in_hungry.append(False)
+            for pos, n in enumerate(nodes):
+                self.node_replica[n], self.node_pos[n] = r, pos
+            rep.timing = self._timing(rep)
+            rep.state = "up"
+            self.live += 1
+            self._set_busy(rep, True)
+        for n in range(replicas * self.npr, self.count):
+            self._add_spare(n)
+        self.slowdown = self.net.slowdown(self.live)
+        for rep in self.replicas:
+            rep.interval = rep.timing.interval(1) * self.slowdown if rep.timing else math.inf
+
+    def _timing(self, rep: Replica) -> StepTiming:
+        if self.sc.slow_fraction == 0:
+            return self.model.base
+        speeds = np.fromiter((self.speed[n] for n in rep.nodes), np.float64, len(rep.nodes))
+        return self.model.timing(speeds)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def push(self, t: float, kind: str, arg: Any = None) -> None:
+        self.seq_no += 1
+        heapq.heappush(self.heap, (t, self.seq_no, kind, arg))
+
+    def run(self) -> None:
+        sc, end = self.sc, self.sc.duration_s
+        self._schedule_workload()
+        if sc.mtbf_s is not None:
+            self.push(self._exp(sc.mtbf_s / self.count), "node_fail")
+        if sc.rack_mtbf_s is not None:
+            self.push(self._exp(sc.rack_mtbf_s / self.switches), "rack_fail")
+        step = end / (sc.samples - 1)
+        for i in range(1, sc.samples):
+            self.push(min(i * step, end), "sample")
+        for rep in self.replicas:
+            self._update(rep)
+        handlers: dict[str, Any] = {
+            "round": self._on_round, "replica_up": self._on_replica_up,
+            "node_fail": self._on_node_fail, "node_repair": self._on_node_repair,
+            "rack_fail": self._on_rack_fail, "rack_repair": self._on_rack_repair,
+            "arrival": self._on_arrival, "release": self._on_release,
+            "expire": self._on_expire,
+            "kill": self._on_kill, "sample": self._on_sample,
+        }  # fmt: skip
+        self._sample_now()
+        heap = self.heap
+        while heap and heap[0][0] <= end:
+            t, _, kind, arg = heapq.heappop(heap)
+            self.c.events += 1
+            self._integrate(t)
+            handlers[kind](arg)
+        self._integrate(end)
+        for rep in self.replicas:
+            if rep.state == "up":
+                self._advance(rep, end)
+
+    def _exp(self, mean: float) -> float:
+        return self.now + self.rng.expovariate(1.0 / mean)
+
+    def _integrate(self, t: float) -> None:
+        dt = t - self.t_int
+        if dt > 0:
+            self.tokens_int += self.rate_total * dt
+            idle = self.count - self.busy_nodes - self.down_nodes
+            self.energy_j += (self.busy_nodes * self.p_busy + idle * self.p_idle) * self.pue * dt
+            self.down_node_s += self.down_nodes * dt
+            self.busy_node_s += self.busy_nodes * dt
+            self.idle_node_s += idle * dt
+            self.t_int = t
+        self.now = t
+
+    # -- workload and queue -----------------------------------------------------------------
+
+    def _new_job(self) -> Job:
+        sc = self.sc
+        poison = sc.poison_fraction > 0 and self.rng.random() < sc.poison_fraction
+        job = Job(len(self.jobs), self.now, sc.prompt_tokens, sc.output_tokens, poison)
+        self.jobs.append(job)
+        self.c.submitted += 1
+        return job
+
+    def _schedule_workload(self) -> None:
+        if self.sc.rate is None:
+            for _ in range(self.sc.jobs):
+                self.ready.append(self._new_job())
+        else:
+            self.push(self._exp(1.0 / self.sc.rate), "arrival")
+
+    def _on_arrival(self, _: Any) -> None:
+        self._enqueue(self._new_job())
+        self.push(self._exp(1.0 / self.sc.rate if self.sc.rate else math.inf), "arrival")
+
+    def _enqueue(self, job: Job) -> None:
+        job.state = "queued"
+        self.ready.append(job)
+        while self.ready and self.hungry:
+            r = heapq.heappop(self.hungry)
+            self.in_hungry[r] = False
+            rep = self.replicas[r]
+            if rep.state == "up" and len(rep.seqs) < self.sc.concurrency:
+                self._update(rep)
+
+    def _mark_hungry(self, rep: Replica) -> None:
+        if not self.in_hungry[rep.idx]:
+            self.in_hungry[rep.idx] = True
+            heapq.heappush(self.hungry, rep.idx)
+
+    def _on_release(self, job: Job) -> None:
+        self.n_backoff -= 1
+        self._enqueue(job)
+
+    def _fail_attempt(self, job: Job, reason: str) -> None:
+        del reason  # kept for readers of a trace; the counters say which kind
+        job.attempts += 1
+        if job.attempts >= self.p.max_attempts:
+            job.state = "dead"
+            self.c.dead += 1
+            return
+        job.state = "backoff"
+        self.c.retried += 1
+        self.n_backoff += 1
+        self.push(self.now + self.p.backoff(job.attempts), "release", job)
+
+    def _orphan(self, seq: Seq) -> None:
+        """The holder can no longer renew: the lease runs out lease_s from now."""
+        job = seq.job
+        job.tokens = min(int(seq.progress + EPS_TOKENS), job.output)
+        job.state = "orphaned"
+        self.push(self.now + self.p.lease_s, "expire", job)
+
+    def _on_expire(self, job: Job) -> None:
+        self.c.lease_expiries += 1
+        self._fail_attempt(job, "lease expired")
+
+    # -- replicas ---------------------------------------------------------------------------
+
+    def _advance(self, rep: Replica, t: float) -> None:
+        dt = t - rep.t0
+        if dt > 0 and rep.state == "up":
+            gained = dt / rep.interval
+            k = 0
+            for s in rep.seqs:
+                if s.decoding:
+                    s.progress += gained
+                    k += 1
+            self.c.tokens_generated += k * gained
+            self.c.decode_seq_s += k * dt
+        rep.t0 = t
+
+    def _start(self, rep: Replica, job: Job) -> None:
+        job.state = "running"
+        job.leases += 1
+        self.c.max_leases = max(self.c.max_leases, job.leases)
+        replay = job.tokens > 0
+        seq = Seq(job, self.now, float(job.tokens))
+        rep.seqs.append(seq)
+        self._begin_prefill(rep, seq, replay)
+
+    def _begin_prefill(self, rep: Replica, seq: Seq, replay: bool) -> None:
+        assert rep.timing is not None
+        stretch = rep.timing.token_s / self.model.base.token_s if self.model.base.token_s else 1
+        length = seq.job.prompt + int(seq.progress + EPS_TOKENS)
+        secs = self.model.prefill_s(length) * stretch * self.slowdown
+        if replay:
+            self.c.replays += 1
+            self.c.replay_s += secs
+        else:
+            self.c.prefill_s += secs
+        seq.ready_at, seq.decoding = self.now + secs, False
+
+    def _update(self, rep: Replica) -> None:
+        """Bring a replica to now: finish, fail and start sequences, set its rate, and
+        schedule its next event (the earliest finish or prefill end)."""
+        now = self.now
+        self._advance(rep, now)
+        if rep.state != "up":
+            return
+        conc = self.sc.concurrency
+        while True:
+            keep: list[Seq] = []
+            for s in rep.seqs:
+                if s.decoding and s.progress >= s.job.output - EPS_TOKENS:
+                    self._complete(s.job)
+                elif not s.decoding and s.ready_at <= now and s.job.poison:
+                    s.job.tokens = 0
+                    self._fail_attempt(s.job, "poison input: the step failed")
+                else:
+                    if not s.decoding and s.ready_at <= now:
+                        s.decoding = True
+                    keep.append(s)
+            rep.seqs = keep
+            started = False
+            while len(rep.seqs) < conc and self.ready:
+                self._start(rep, self.ready.popleft())
+                started = True
+            if not started or all(s.ready_at > now for s in rep.seqs if not s.decoding):
+                break
+        k = sum(1 for s in rep.seqs if s.decoding)
+        assert rep.timing is not None
+        rep.interval = rep.timing.interval(max(k, 1)) * self.slowdown
+        self._set_rate(rep, k / rep.interval)
+        self._set_busy(rep, bool(rep.seqs))
+        if len(rep.seqs) < conc:
+            self._mark_hungry(rep)
+        nxt = math.inf
+        for s in rep.seqs:
+            if s.decoding:
+                nxt = min(nxt, now + max(s.job.output - s.progress, 0.0) * rep.interval)
+            else:
+                nxt = min(nxt, s.ready_at)
+        rep.gen += 1
+        if nxt < math.inf:
+            self.push(nxt, "round", (rep.idx, rep.gen))
+
+    def _complete(self, job: Job) -> None:
+        job.state, job.done_at, job.tokens = "done", self.now, job.output
+        self.c.done += 1
+        self.latencies.append(self.now - job.arrival)
+
+    def _on_round(self, arg: tuple[int, int]) -> None:
+        r, gen = arg
+        rep = self.replicas[r]
+        if rep.gen == gen and rep.state == "up":
+            self._update(rep)
+
+    def _set_rate(self, rep: Replica, rate: float) -> None:
+        self.rate_total += rate - rep.rate
+        rep.rate = rate
+
+    def _set_busy(self, rep: Replica, busy: bool) -> None:
+        if busy != rep.busy:
+            self.busy_nodes += self.npr if busy else -self.npr
+            rep.busy = busy
+
+    def _set_live(self, delta: int) -> None:
+        self.live += delta
+        slowdown = self.net.slowdown(self.live)
+        if slowdown != self.slowdown:
+            for rep in self.replicas:
+                if rep.state == "up":
+                    self._advance(rep, self.now)
+            self.slowdown = slowdown
+            for rep in self.replicas:
+                if rep.state == "up":
+                    self._update(rep)
+
+    def _take_down(self, rep: Replica, head_lost: bool) -> None:
+        """A node of this replica is gone: stop it; keep or orphan its sequences."""
+        self._advance(rep, self.now)
+        was_up = rep.state == "up"
+        rep.state = "loading"
+        rep.gen += 1
+        self._set_rate(rep, 0.0)
+        if head_lost:
+            for s in rep.seqs:
+                self._orphan(s)
+            rep.seqs = []
+        else:
+            for s in rep.seqs:  # the head keeps its leases and replays them after rewiring
+                s.decoding = False
+                s.progress = float(int(s.progress + EPS_TOKENS))
+            rep.needs_replay = rep.needs_replay or bool(rep.seqs)
+        if was_up:
+            self._set_live(-1)
+
+    def _node_lost(self, n: int) -> None:
+        if self.is_spare[n]:
+            self.is_spare[n] = False
+            self.n_spares -= 1
+        r = self.node_replica[n]
+        if r < 0:
+            return
+        rep, pos = self.replicas[r], self.node_pos[n]
+        self.node_replica[n] = -1
+        if rep.state == "gone":
+            return
+        self._take_down(rep, head_lost=pos == 0)
+        spare = self._pop_spare()
+        if spare is None:
+            self._dissolve(rep)
+            return
+        rep.nodes[pos] = spare
+        self.node_replica[spare], self.node_pos[spare] = r, pos
+        self.c.replacements += 1
+        rep.ready_at = max(rep.ready_at, self.now + self.p.replace_overhead_s
+                           + self.model.load_s(pos))  # fmt: skip
+        rep.timing = self._timing(rep)
+        self.push(rep.ready_at, "replica_up", (r, rep.gen))
+
+    def _dissolve(self, rep: Replica) -> None:
+        for s in rep.seqs:
+            self._orphan(s)
+        rep.seqs = []
+        rep.state = "gone"
+        self._set_busy(rep, False)
+        self.c.replicas_dissolved += 1
+        for n in rep.nodes:
+            if self.node_replica[n] == rep.idx:
+                self.node_replica[n] = -1
+                self._add_spare(n)
+
+    def _on_replica_up(self, arg: tuple[int, int]) -> None:
+        r, gen = arg
+        rep = self.replicas[r]
+        if rep.gen != gen or rep.state != "loading" or self.now < rep.ready_at:
+            return
+        rep.state = "up"
+        rep.t0 = self.now
+        if rep.needs_replay:
+            for s in rep.seqs:
+                self._begin_prefill(rep, s, replay=True)
+            rep.needs_replay = False
+        self._set_live(+1)
+        self._update(rep)
+
+    def _form_replicas(self) -> None:
+        """Enough spares for a whole replica: place one again where one was dissolved."""
+        for rep in self.replicas:
+            if rep.state != "gone" or self.n_spares < self.npr:
+                continue
+            nodes = [self._pop_spare() for _ in range(self.npr)]
+            rep.nodes = [n for n in nodes if n is not None]
+            for pos, n in enumerate(rep.nodes):
+                self.node_replica[n], self.node_pos[n] = rep.idx, pos
+            rep.state, rep.gen = "loading", rep.gen + 1
+            rep.ready_at = (
+                self.now
+                + self.p.replace_overhead_s
+                + max(self.model.load_s(pos) for pos in range(self.npr))
+            )
+            rep.timing = self._timing(rep)
+            self._set_busy(rep, True)
+            self.c.replicas_formed += 1
+            self.push(rep.ready_at, "replica_up", (rep.idx, rep.gen))
+
+    # -- spares -----------------------------------------------------------------------------
+
+    def _add_spare(self, n: int) -> None:
+        if not self.is_spare[n]:
+            self.is_spare[n] = True
+            self.n_spares += 1
+            heapq.heappush(self.spares, n)
+
+    def _pop_spare(self) -> int | None:
+        while self.spares:
+            n = heapq.heappop(self.spares)
+            if self.is_spare[n]:
+                self.is_spare[n] = False
+                self.n_spares -= 1
+                return n
+        return None
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def _node_up(self, n: int) -> bool:
+        return not self.node_failed[n] and not self.switch_down[n // self.per_switch]
+
+    def _on_node_fail(self, _: Any) -> None:
+        assert self.sc.mtbf_s is not None
+        self.push(self._exp(self.sc.mtbf_s / self.count), "node_fail")
+        n = self.rng.randrange(self.count)
+        if not self._node_up(n) or self.node_offline[n]:
+            return  # thinning: a node that is down (or out) cannot fail again
+        self.c.node_failures += 1
+        self.node_failed[n] = True
+        self.node_fail_count[n] += 1
+        self.down_nodes += 1
+        self._node_lost(n)
+        self.push(self._exp(self.sc.mttr_s), "node_repair", n)
+
+    def schedule_kill(self, t: float, position: int, replica: int = 0) -> None:
+        """Kill the node holding `position` of `replica` at time t (no repair)."""
+        self.push(t, "kill", (replica, position))
+
+    def _on_kill(self, arg: tuple[int, int]) -> None:
+        n = self.replicas[arg[0]].nodes[arg[1]]
+        if self._node_up(n):
+            self.c.node_failures += 1
+            self.node_failed[n] = True
+            self.node_fail_count[n] += 1
+            self.down_nodes += 1
+            self._node_lost(n)
+
+    def _on_node_repair(self, n: int) -> None:
+        self.node_failed[n] = False
+        self.c.repairs += 1
+        if self.switch_down[n // self.per_switch]:
+            return
+        self.down_nodes -= 1
+        self._back(n)
+
+    def _back(self, n: int) -> None:
+        if self.node_fail_count[n] >= self.p.offline_after:
+            if not self.node_offline[n]:
+                self.node_offline[n] = True
+                self.c.offline_nodes += 1
+            return
+        self._add_spare(n)
+        self._form_replicas()
+
+    def _on_rack_fail(self, _: Any) -> None:
+        assert self.sc.rack_mtbf_s is not None
+        self.push(self._exp(self.sc.rack_mtbf_s / self.switches), "rack_fail")
+        self.fail_rack(self.rng.randrange(self.switches))
+
+    def fail_rack(self, sw: int) -> None:
+        """Access switch `sw` goes down: every node on it is lost at once."""
+        if self.switch_down[sw]:
+            return
+        self.c.rack_failures += 1
+        nodes = range(sw * self.per_switch, min((sw + 1) * self.per_switch, self.count))
+        up = [n for n in nodes if not self.node_failed[n]]
+        self.switch_down[sw] = True
+        self.down_nodes += len(up)
+        for n in up:
+            self._node_lost(n)
+        self.push(self._exp(self.sc.rack_mttr_s), "rack_repair", sw)
+
+    def _on_rack_repair(self, sw: int) -> None:
+        self.switch_down[sw] = False
+        for n in range(sw * self.per_switch, min((sw + 1) * self.per_switch, self.count)):
+            if not self.node_failed[n]:
+                self.down_nodes -= 1
+                self._back(n)
+
+    # -- observation ------------------------------------------------------------------------
+
+    def _on_sample(self, _: Any) -> None:
+        self._sample_now()
+
+    def _sample_now(self) -> None:
+        t0, tok0 = self._last_sample
+        dt = self.now - t0
+        tps = (self.tokens_int - tok0) / dt if dt > 0 else self.rate_total
+        s = self.series
+        s["t_s"].append(self.now)
+        s["tokens_per_s"].append(tps)
+        s["live_replicas"].append(float(self.live))
+        s["queue_depth"].append(float(len(self.ready) + self.n_backoff))
+        s["in_flight"].append(float(sum(len(r.seqs) for r in self.replicas)))
+        s["down_nodes"].append(float(self.down_nodes))
+        idle = self.count - self.busy_nodes - self.down_nodes
+        s["power_w"].append((self.busy_nodes * self.p_busy + idle * self.p_idle) * self.pue)
+        unit = self.net.unit_utilization(self.live)
+        per_replica = tps / self.live if self.live else 0.0
+        for tier, u in zip(TIERS, unit, strict=True):
+            self.tier_series[tier].append(u * per_replica)
+        self._last_sample = (self.now, self.tokens_int)
+
+    def lost_jobs(self) -> int:
+        """Jobs in no place they should be (must be 0): a running job not in a replica, a
+        queued one not in the queue, a done/dead one counted twice or never."""
+        where = {id(s.job): "running" for r in self.replicas for s in r.seqs}
+        where |= {id(j): "queued" for j in self.ready}
+        lost = 0
+        for j in self.jobs:
+            if j.state in ("running", "queued"):
+                lost += where.get(id(j)) != j.state
+            else:
+                lost += j.state not in ("backoff", "orphaned", "done", "dead")
+        backoff = sum(1 for j in self.jobs if j.state == "backoff")
+        by_state = sum(1 for j in self.jobs if j.state in ("done", "dead"))
+        return lost + abs(by_state - self.c.done - self.c.dead) + abs(backoff - self.n_backoff)

@@ -1,0 +1,111 @@
+"""A replica's timing, taken from the planner: per-token time, per-node busy time, prefill.
+
+Nothing here re-derives a formula: the per-token step comes from `cost.pipeline_decode`
+(its total is the serial time of one token, its `node_busy_s` what each node spends on it),
+prefill and replay from `cost.pipeline_prefill`, shard sizes from the placement's slots. What
+is added: the calibration overheads of `SimParams`, and slow nodes (a node at speed s spends
+busy/s on its part, so the token waits busy x (1/s - 1) longer and the bottleneck may move).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from cellswarm.planner import cost
+from cellswarm.planner.inventory import ModelInventory
+from cellswarm.planner.placement import Placement
+from cellswarm.sim.params import SimParams
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    token_s: float  # one token through the replica, one sequence in flight (serial time)
+    bottleneck_s: float  # the busiest node's time per token (pipelining cannot beat it)
+
+    def interval(self, in_flight: int) -> float:
+        """Seconds between two tokens of one sequence when `in_flight` are decoding: K in
+        flight keep K stages busy until the busiest node is always busy (the planner's
+        `_pipelined_tokens_per_s`, per sequence)."""
+        return max(self.token_s, in_flight * self.bottleneck_s)
+
+
+class ReplicaModel:
+    """The timing of one placed replica on nodes of one profile."""
+
+    def __init__(
+        self,
+        inv: ModelInventory,
+        placement: Placement,
+        node: Any,
+        opts: cost.CostOptions,
+        params: SimParams,
+        decode: cost.StepTime | None = None,
+        one_box: bool = False,
+    ) -> None:
+        """one_box: a tiered single machine (the planner's `tiers`): one node per replica,
+        its decode given by the tier plan; prefill still from the placement's layers."""
+        self.inv, self.placement, self.node, self.opts = inv, placement, node, opts
+        self.params = params
+        self.decode = decode or cost.pipeline_decode(inv, placement, node, opts)
+        self.nodes = 1 if one_box else placement.nodes_per_replica
+        busy = np.asarray(self.decode.node_busy_s or (self.decode.total_s,), dtype=np.float64)
+        self.busy = busy + params.step_overhead_s
+        self.stages, self.hops = (1, 0) if one_box else serial_path(inv, placement)
+        self.shard_bytes = [s.weight_bytes for s in placement.slots]
+        if one_box:
+            self.shard_bytes = [sum(self.shard_bytes)]
+        self.base = StepTiming(
+            self.decode.total_s + self.stages * params.step_overhead_s
+            + self.hops * params.hop_overhead_s,
+            float(self.busy.max()),
+        )  # fmt: skip
+        self._prefill = lru_cache(maxsize=4096)(self._prefill_s)
+
+    def timing(self, speeds: np.ndarray | None) -> StepTiming:
+        """Per-position speed factors (1 = the profile) -> this replica's timing."""
+        if speeds is None or bool(np.all(speeds >= 1.0)):
+            return self.base
+        stretched = self.busy / speeds
+        extra = float((stretched - self.busy).sum())
+        return StepTiming(self.base.token_s + extra, float(stretched.max()))
+
+    def prefill_s(self, tokens: int) -> float:
+        """A prompt (or a replay: prompt + tokens so far) through the replica in one chunk."""
+        return float(self._prefill(int(tokens)))
+
+    def _prefill_s(self, tokens: int) -> float:
+        step = cost.pipeline_prefill(self.inv, self.placement, self.node, self.opts, tokens)
+        p = self.params
+        return step.total_s + self.stages * p.step_overhead_s + self.hops * p.hop_overhead_s
+
+    def load_s(self, position: int) -> float:
+        """A spare fetching one position's shard over its own link."""
+        return self.shard_bytes[position] / self.node.link_bytes_per_s
+
+
+def serial_path(inv: ModelInventory, placement: Placement) -> tuple[int, int]:
+    """(stages a token passes through in order, messages on its serial path per token).
+
+    Hops: one per change of layer owner along the model (and embedding -> first layer), a
+    round trip (2) per layer whose feed-forward units sit partly on other nodes (scatter,
+    then gather; the holders work in parallel), a round trip to remote head shards, and the
+    sampled token back to the first stage when the ring has more than one stage."""
+    owners = {layer: s.node for s in placement.slots if s.layers for layer in range(*s.layers)}
+    path = [s.node for s in placement.slots if s.embed_rows][:1]
+    for layer in range(inv.n_layers):
+        if path[-1:] != [owners[layer]]:
+            path.append(owners[layer])
+    hops = len(path) - 1
+    for layer in range(inv.n_layers):
+        for group in inv.groups(layer):
+            if set(cost.holders(placement, layer, group.kind)) - {owners[layer]}:
+                hops += 2
+    if any(s.head_rows and s.node != path[-1] for s in placement.slots):
+        hops += 2
+    if len(placement.slots) > 1:
+        hops += 1
+    return len(path), hops
