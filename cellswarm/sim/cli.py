@@ -39,6 +39,11 @@ def add_simulate_command(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", type=Path, help="charts over time to this PNG file")
+    p.add_argument("--calibrate", action="store_true",
+                   help="run real local swarms of emulated workers (4, 8, 16; with and without "
+                        "a kill), fit the simulator's overheads, print predicted vs measured")
+    p.add_argument("--calibrate-profile", default="rpi4",
+                   help="the profile the calibration's workers emulate (default rpi4)")
     p.set_defaults(func=cmd_simulate)
 
 
@@ -68,6 +73,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from cellswarm.sim import report
     from cellswarm.sim.run import timed_simulate
 
+    if args.calibrate:
+        from cellswarm.sim.calibrate import calibrate, render
+
+        cal = calibrate(profile=args.calibrate_profile,
+                        progress=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+        if args.json:
+            print(json.dumps(cal.as_dict(), sort_keys=True))
+        else:
+            render(cal)
+        return 0 if cal.ok else 1
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise RequestError(f"--plot {args.plot}: give a .png file name")
     out, wall, events = timed_simulate(scenario_from_args(args))

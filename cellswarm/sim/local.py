@@ -18,6 +18,7 @@ loads its shard over the profile's link, in-flight sequences replayed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,6 +87,12 @@ def local_placement(inv: ModelInventory, split: Sequence[tuple[int, int]]) -> Pl
     return Placement(tuple(slots), capacity_bytes=max(s.weight_bytes for s in slots))
 
 
+@functools.lru_cache(maxsize=8)
+def _inventory(path: str) -> ModelInventory:
+    """Read once per process: a calibration calls predict_local hundreds of times."""
+    return api.resolve_model(path)
+
+
 def predict_local(
     split: Sequence[tuple[int, int]],
     *,
@@ -97,7 +104,7 @@ def predict_local(
     kill_at_s: float | None = None,
     kill_stage: int = 1,
     params: SimParams | None = None,
-    model: str | Path | None = None,
+    model: str | Path | ModelInventory | None = None,
     profiles_file: Path | None = None,
 ) -> LocalPrediction:
     """Predict a local one-replica swarm's decode tokens/s and p50 latency.
@@ -113,7 +120,8 @@ def predict_local(
     from cellswarm.demo import demo_model_path
 
     params = params or SimParams()
-    inv = api.resolve_model(str(model or demo_model_path()))
+    path = str(demo_model_path()) if model is None else model
+    inv = path if isinstance(path, ModelInventory) else _inventory(str(path))
     placement = local_placement(inv, split)
     if not 0 <= kill_stage < len(placement.slots):
         raise RequestError(f"kill_stage {kill_stage} is not a stage of a {len(split)}-stage ring")

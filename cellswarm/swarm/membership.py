@@ -124,9 +124,10 @@ def place(
     if not live:
         return [], {}
     order = sorted(live, key=lambda n: (n.joined_s, n.node_id))
-    counts = ([stages] if stages else []) + (
-        list(range(1, len(order) + 1)) if shrink or not stages else []
-    )
+    if stages:  # what was asked; a repair steps down from it rather than jump to the fewest
+        counts = [stages, *(range(stages - 1, 0, -1) if shrink else [])]
+    else:
+        counts = list(range(1, len(order) + 1))
     for r in range(replicas, 0 if shrink else replicas - 1, -1):
         for count in counts:
             need = r * (count + len(parts))

@@ -268,8 +268,9 @@ class Worker:
         )  # fmt: skip
         if c.fetch or not Path(config.model).exists():
             config = replace(config, model=str(await asyncio.to_thread(self.fetch, config)))
-        config = size_kv(config)
-        model = load_stage_model(config)
+        # in a thread: the heartbeat goes on while a big shard loads (or the node looks dead)
+        config = await asyncio.to_thread(size_kv, config)
+        model = await asyncio.to_thread(load_stage_model, config)
         self.stage = Stage(config, model)
         self.stage.on_fault = self.report_fault
         self.stage.fail_forward = c.fail_forward
@@ -292,7 +293,7 @@ class Worker:
             path = await asyncio.to_thread(self.fetch_selection, spec.selection())
             model_path = str(path)
         config = PartConfig(model_path, spec, c.threads, c.token_file, ("coordinator",))
-        model = load_part_model(config)
+        model = await asyncio.to_thread(load_part_model, config)
         check_part_budget(model, c.memory_bytes, spec)
         self.part = PartServer(config, model)
         self.server = await asyncio.start_server(self.part.serve, c.listen_host, 0)
