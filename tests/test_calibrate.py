@@ -9,7 +9,7 @@ from cellswarm.sim.params import SimParams
 
 
 def test_calibrated_predictions_are_within_15_percent(demo_path: Path) -> None:
-    """4, 8 and 16 emulated rpi4 workers, each with and without one worker SIGKILLed
+    """4, 8 and 16 emulated ps3 workers, each with and without one worker SIGKILLed
     mid-batch: after fitting the overheads, decode tokens/s and p50 latency are predicted
     within ±15% (real processes, real sockets; ~60 s)."""
     cal = calibrate()

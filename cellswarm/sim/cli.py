@@ -42,8 +42,8 @@ def add_simulate_command(sub: Any) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="run real local swarms of emulated workers (4, 8, 16; with and without "
                         "a kill), fit the simulator's overheads, print predicted vs measured")
-    p.add_argument("--calibrate-profile", default="rpi4",
-                   help="the profile the calibration's workers emulate (default rpi4)")
+    p.add_argument("--calibrate-profile", default="ps3",
+                   help="the profile the calibration's workers emulate (default ps3)")
     p.set_defaults(func=cmd_simulate)
 
 

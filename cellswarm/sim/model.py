@@ -53,13 +53,17 @@ class ReplicaModel:
         self.decode = decode or cost.pipeline_decode(inv, placement, node, opts)
         self.nodes = 1 if one_box else placement.nodes_per_replica
         busy = np.asarray(self.decode.node_busy_s or (self.decode.total_s,), dtype=np.float64)
-        self.busy = busy + params.step_overhead_s
         self.stages, self.hops = (1, 0) if one_box else serial_path(inv, placement)
         self.shard_bytes = [s.weight_bytes for s in placement.slots]
         if one_box:
             self.shard_bytes = [sum(self.shard_bytes)]
+        floor = np.zeros_like(busy)
+        if params.host_bytes_per_s > 0 and len(self.shard_bytes) == len(busy):
+            floor = np.maximum(np.asarray(self.shard_bytes, np.float64)
+                               / params.host_bytes_per_s - busy, 0.0)  # fmt: skip
+        self.busy = busy + floor + params.step_overhead_s
         self.base = StepTiming(
-            self.decode.total_s + self.stages * params.step_overhead_s
+            self.decode.total_s + float(floor.sum()) + self.stages * params.step_overhead_s
             + self.hops * params.hop_overhead_s,
             float(self.busy.max()),
         )  # fmt: skip

@@ -43,6 +43,10 @@ class SimParams:
     hop_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     replace_overhead_s: float = 0.0
+    # The emulation floor, for local calibration only: an emulated node cannot be faster
+    # than the host running it, so a step takes at least its shard's bytes at this rate
+    # (0: no floor — real nodes).
+    host_bytes_per_s: float = 0.0
     lease_s: float = QueueConfig.lease_s  # the real queue's defaults (swarm/jobs.py)
     backoff_s: float = QueueConfig.backoff_s
     max_backoff_s: float = QueueConfig.max_backoff_s
@@ -50,7 +54,8 @@ class SimParams:
     offline_after: int = 2  # a node that failed this many times is taken out (membership.py)
 
     def __post_init__(self) -> None:
-        for name in ("hop_overhead_s", "step_overhead_s", "replace_overhead_s", "backoff_s"):
+        for name in ("hop_overhead_s", "step_overhead_s", "replace_overhead_s", "backoff_s",
+                     "host_bytes_per_s"):
             _non_negative(name, getattr(self, name))
         _positive("lease_s", self.lease_s)
         if self.max_attempts < 1 or self.offline_after < 1:
