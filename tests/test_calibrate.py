@@ -21,4 +21,4 @@ def test_calibrated_predictions_are_within_15_percent(demo_path: Path) -> None:
     raw = [predict(c.run, SimParams()) for c in cal.checks if not c.run.killed]
     measured = [c.run for c in cal.checks if not c.run.killed]
     assert max(p.tokens_per_s / r.tokens_per_s for p, r in zip(raw, measured, strict=True)) > 1
-    assert fit([c.run for c in cal.checks]) == cal.params  # deterministic
+    assert fit([c.run for c in cal.checks], host_floor=True) == cal.params  # deterministic

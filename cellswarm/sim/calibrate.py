@@ -105,9 +105,9 @@ def fit(runs: Sequence[LocalRun], host_floor: bool = False) -> SimParams:
     params = SimParams(hop_overhead_s=hop, step_overhead_s=step, host_bytes_per_s=host)
     killed = [r for r in runs if r.killed]
     if killed:
-        best = min((_loss(killed, dataclasses.replace(params, replace_overhead_s=x)), x)
-                   for x in [i * 0.1 for i in range(31)])  # fmt: skip
-        params = dataclasses.replace(params, replace_overhead_s=best[1])
+        _, replace = min((_loss(killed, dataclasses.replace(params, replace_overhead_s=x)), x)
+                         for x in [i * 0.1 for i in range(31)])  # fmt: skip
+        params = dataclasses.replace(params, replace_overhead_s=replace)
     return params
 
 
