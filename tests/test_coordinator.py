@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,6 +25,7 @@ from cellswarm.swarm.up import LocalSwarm
 from cellswarm.units import parse_bytes
 from tests.test_swarm_parts import PROMPTS as PARTS_PROMPTS
 from tests.test_swarm_parts import moe  # noqa: F401  (a fixture)
+from tests.waiting import wait_until as wait_for
 
 TEXTS = [
     "The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,",
@@ -74,15 +74,6 @@ def check_budgets(swarm: LocalSwarm) -> None:
     for n in swarm.status()["nodes"]:
         if n["peak_rss_bytes"]:
             assert n["peak_rss_bytes"] <= n["memory_bytes"], n
-
-
-def wait_for(predicate: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not reached in time")
 
 
 def tokens_so_far(swarm: LocalSwarm, ids: list[str]) -> int:

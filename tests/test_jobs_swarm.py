@@ -22,6 +22,7 @@ import cellswarm
 from cellswarm.engine.model import GenerateOptions
 from cellswarm.swarm import client
 from cellswarm.swarm.up import LocalSwarm
+from tests.waiting import wait_until
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,",
            "Water boils at", "My favourite colour is"]  # fmt: skip
@@ -238,10 +239,3 @@ def coordinator_events(swarm: LocalSwarm, rid: str) -> list[dict[str, Any]]:
     return [e for e in timeline(swarm.log_dir, rid) if e["node"] == "coordinator"]
 
 
-def wait_until(predicate: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not reached in time")

@@ -33,7 +33,35 @@ class Database(Protocol):
     def close(self) -> None: ...
 
 
-class SQLiteDatabase:
+class NestedTransactions:
+    """One connection behind a lock; `transaction()` blocks nest (an inner one is part of
+    the outer). A backend provides `_outermost()`, the real transaction."""
+
+    _lock: threading.RLock
+    _depth: int
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth:  # nested: part of the outer transaction
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            self._depth = 1
+            try:
+                with self._outermost():
+                    yield
+            finally:
+                self._depth = 0
+
+    def _outermost(self) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError
+
+
+class SQLiteDatabase(NestedTransactions):
     """WAL, synchronous=FULL: an acknowledged write survives a crash or a power cut."""
 
     dialect = "sqlite"
@@ -59,26 +87,15 @@ class SQLiteDatabase:
             return int(self.conn.execute(sql, tuple(params)).rowcount)
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[None]:
-        with self._lock:
-            if self._depth:  # nested: part of the outer transaction
-                self._depth += 1
-                try:
-                    yield
-                finally:
-                    self._depth -= 1
-                return
-            self.conn.execute("BEGIN IMMEDIATE")
-            self._depth = 1
-            try:
-                yield
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
-            else:
-                self.conn.execute("COMMIT")
-            finally:
-                self._depth = 0
+    def _outermost(self) -> Iterator[None]:
+        self.conn.execute("BEGIN IMMEDIATE")  # the write lock up front: no upgrade deadlock
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        else:
+            self.conn.execute("COMMIT")
 
     def script(self, sql: str) -> None:
         with self._lock:

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.db import Row
+from cellswarm.swarm.db import NestedTransactions, Row
 
 
 def translate(sql: str) -> str:
@@ -77,7 +77,7 @@ def split_script(sql: str) -> list[str]:
     return [s for s in statements if s]
 
 
-class PostgresDatabase:
+class PostgresDatabase(NestedTransactions):
     """`postgresql://user@host:port/dbname`: every acknowledged write is committed (PostgreSQL's
     own durability: WAL, fsync on commit)."""
 
@@ -125,23 +125,11 @@ class PostgresDatabase:
             return int(self._cursor(sql, params).rowcount)
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[None]:
-        with self._lock:
-            if self._depth:  # nested: part of the outer transaction
-                self._depth += 1
-                try:
-                    yield
-                finally:
-                    self._depth -= 1
-                return
-            if self.conn.broken:
-                self.conn = self._connect()
-            self._depth = 1
-            try:
-                with self.conn.transaction():
-                    yield
-            finally:
-                self._depth = 0
+    def _outermost(self) -> Iterator[None]:
+        if self.conn.broken:
+            self.conn = self._connect()
+        with self.conn.transaction():
+            yield
 
     def script(self, sql: str) -> None:
         """A schema: its statements in one transaction. Concurrent `CREATE ... IF NOT EXISTS`
