@@ -63,7 +63,8 @@ def build_model(path: Path, config: DeepseekConfig = CONFIG, seed: int = 0) -> P
 
 def _generate(path: Path, args: list[str]) -> dict[str, Any]:
     """`cellswarm generate --json` in a fresh process (so RssAnon is its own)."""
-    cmd = [sys.executable, "-m", "cellswarm", "generate", "x", "--model", str(path), "--json"]
+    cmd = [sys.executable, "-m", "cellswarm", "generate", "3,17,101,5,64", "--ids", "--json"]
+    cmd += ["--model", str(path)]
     out = subprocess.run(cmd + args, check=True, capture_output=True, text=True).stdout
     return dict(json.loads(out.strip().splitlines()[-1]))
 
