@@ -67,7 +67,20 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--kv-budget", help="byte budget for the KV cache, e.g. 64M")
     p.add_argument("--threads", type=int, help="threads for kernels and BLAS (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--ids", action="store_true", help="the prompt is comma-separated token ids")
     p.add_argument("--coordinator", help="run on this swarm (its URL) instead of in-process")
+    t = p.add_argument_group("tiered box (MoE models): weights split between DRAM and a slow tier")
+    t.add_argument("--dram-budget", help="anonymous memory for this process in all, e.g. 8G")
+    t.add_argument(
+        "--slow-tier",
+        help="where the GGUF lives (a DAX-mounted PMem namespace, an SSD): a folder holding "
+        "the --model file's name, or the file itself (default: --model as given)",
+    )
+    t.add_argument("--slow-bandwidth", help="pace slow-tier reads to this many bytes/s, e.g. 2G")
+    t.add_argument("--routing-stats", type=Path, help="JSON routing counts: read, then saved")
+    t.add_argument("--context", type=int, default=512, help="tokens to reserve KV cache for")
+    t.add_argument("--numa", type=int, help="pin threads and allocations to this NUMA node")
+    t.add_argument("--plan-node", default="xeon-optane", help="profile for the prediction")
     p.set_defaults(func=_cmd_generate)
 
 
@@ -87,7 +100,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError(f"--threads {args.threads} must be at least 1")
     kernels.set_threads(args.threads)
     budget = parse_bytes(args.kv_budget) if args.kv_budget else None
-    model = load(args.model or demo_model_path(), quant=args.quant, kv_budget_bytes=budget)
+    tiered = None
+    if args.dram_budget:
+        tiered = _load_tiered(args)
+        model = tiered.model
+    else:
+        model = load(args.model or demo_model_path(), quant=args.quant, kv_budget_bytes=budget)
     sampling = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -98,12 +116,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     opts = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
     stream = None if args.json else _print_piece
-    gen = model.generate(args.prompt, opts, on_text=stream, chat=args.chat)
+    prompt: Any = args.prompt
+    if args.ids:
+        try:
+            prompt = [int(i) for i in args.prompt.split(",")]
+        except ValueError:
+            raise RequestError(f"--ids: {args.prompt!r} is not comma-separated integers") from None
+    gen = model.generate(prompt, opts, on_text=stream, chat=args.chat)
     s = gen.stats
+    tier_stats = _tier_stats(tiered, args, s.decode_tokens_per_s) if tiered else None
     if args.json:
-        print(json.dumps({"text": gen.text, "token_ids": gen.token_ids, "stats": s.as_dict()}))
+        out = {"text": gen.text, "token_ids": gen.token_ids, "stats": s.as_dict()}
+        if tier_stats is not None:
+            out["tiered"] = tier_stats
+        print(json.dumps(out))
         return 0
     print(flush=True)
+    if tier_stats is not None:
+        print(_tier_line(tier_stats, s.decode_tokens_per_s), file=sys.stderr)
     print(
         f"[prompt {s.prompt_tokens} tokens | prefill {s.prefill_tokens_per_s:.1f} tok/s | "
         f"decode {s.decode_tokens_per_s:.1f} tok/s | {s.generated_tokens} generated "
@@ -111,6 +141,67 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _load_tiered(args: argparse.Namespace) -> Any:
+    from cellswarm.engine import tiered
+    from cellswarm.units import parse_bytes
+
+    if args.quant or args.kv_budget:
+        raise RequestError("--dram-budget keeps the file's own weights: drop --quant/--kv-budget")
+    if not args.model:
+        raise RequestError("--dram-budget needs --model, a MoE .gguf file")
+    path = Path(args.model)
+    if args.slow_tier:
+        slow = Path(args.slow_tier)
+        path = slow / path.name if slow.is_dir() else slow
+    note = tiered.pin_numa(args.numa) if args.numa is not None else None
+    if note and not args.json:
+        print(note, file=sys.stderr)
+    bandwidth = parse_bytes(args.slow_bandwidth) if args.slow_bandwidth else None
+    tm = tiered.load_tiered(
+        path, parse_bytes(args.dram_budget), slow_bandwidth=bandwidth, context=args.context,
+        routing_stats=args.routing_stats,
+    )  # fmt: skip
+    if not args.json:
+        print(tm.placement.describe(), file=sys.stderr)
+    tm.numa_note = note
+    return tm
+
+
+def _tier_stats(tm: Any, args: argparse.Namespace, measured: float) -> dict[str, Any]:
+    from cellswarm.engine import tiered
+
+    stats = tm.stats()
+    stats["placement"] = tm.placement.as_dict()
+    stats["numa"] = tm.numa_note
+    dram_bw = tiered.dram_bandwidth()
+    stats["dram_bandwidth"] = dram_bw
+    stats["predicted_tokens_per_s"] = tiered.predict_tokens_per_s(
+        tm.slow.path, stats, dram_bw, node=args.plan_node
+    )
+    stats["measured_tokens_per_s"] = measured
+    if args.routing_stats:
+        tm.experts.save_counts(args.routing_stats)
+    return stats
+
+
+def _tier_line(t: dict[str, Any], measured: float) -> str:
+    from cellswarm.units import format_bytes as fb
+
+    tot = t["total"]
+    slow_bw = t["slow_bytes_read"] / t["slow_read_s"] if t["slow_read_s"] else 0.0
+    return (
+        f"[tiered | expert cache hit rate {t['hit_rate']:.1%} ({tot['hits']} hits + "
+        f"{tot['misses']} misses = {tot['uses']} expert uses; decode {t['decode_hit_rate']:.1%})"
+        f" | per decode token: DRAM {fb(t['dram_bytes_per_token'])}, slow tier "
+        f"{fb(t['slow_bytes_per_token'])} | page faults major {t['majflt']} minor "
+        f"{t['minflt']} | peak RssAnon {fb(t['peak_rss_anon'])} of "
+        f"{fb(t['placement']['dram_budget'])}, peak RssFile {fb(t['peak_rss_file'])}, model "
+        f"in page cache {fb(max(t['page_cache_bytes'], 0))} | decode {measured:.2f} tok/s "
+        f"measured, {t['predicted_tokens_per_s']:.2f} predicted (planner, measured tiers: DRAM "
+        f"{fb(t['dram_bandwidth'])}/s, slow {fb(slow_bw)}/s)]"
+    )
 
 
 def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
