@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+import cellswarm
 from bench.tiered import build_model
+from cellswarm.engine.model import GenerateOptions
 from cellswarm.engine.tiered import ExpertCache, load_tiered, proc_status
 from cellswarm.errors import RequestError
 from cellswarm.loader import load
@@ -90,3 +92,22 @@ def test_lfu_admits_only_hotter_experts() -> None:
     for _ in range(3):
         count = cache.note(b)
     assert cache.victim(count) == 0  # b (4) now beats a (3)
+
+
+def test_swarm_workers_tier_their_shards(model_file: Path, tmp_path: Path) -> None:
+    """`cellswarm worker --dram-budget`: two workers each hold half the layers, their
+    experts tiered between 100 MiB of DRAM and the file; tokens equal one process's."""
+    from cellswarm.swarm import client
+    from cellswarm.swarm.up import LocalSwarm
+
+    model = cellswarm.load(model_file, tokenizer=False)
+    prompts = [[1, 5, 9, 14, 3], [7, 7, 2]]
+    opts = GenerateOptions(6, stop_ids=frozenset())
+    expected = [model.generate(p, opts).token_ids for p in prompts]
+    with LocalSwarm(str(model_file), 2, "600M", tmp_path, stages=2, context=64,
+                    dram_budget="100M") as swarm:  # fmt: skip
+        swarm.wait_ready(timeout_s=120)
+        ids = [client.submit(swarm.url, {"prompt": p, "max_tokens": 6}) for p in prompts]
+        assert [client.wait(swarm.url, rid)["tokens"] for rid in ids] == expected
+        assert all(any("tiered placement" in line for line in swarm.output[f"worker-{i}"])
+                   for i in range(2))  # each printed its placement

@@ -453,9 +453,12 @@ def load_tiered(
     context: int = 512,
     routing_stats: Path | None = None,
     tokenizer: bool = True,
+    selection: Selection | None = None,
 ) -> TieredModel:
     """Load a MoE GGUF file for a box whose DRAM holds `dram_budget` bytes of this process's
-    anonymous memory in all; see the module docstring."""
+    anonymous memory in all; see the module docstring. `selection`: a swarm worker's shard
+    (its layer range, embedding / head or not), tiered the same way."""
+    sel = selection or Selection()
     from cellswarm.loader import _check_tensors, _config, _gguf_tokenizer
 
     p = Path(path)
@@ -466,8 +469,8 @@ def load_tiered(
     config = _config(p, lambda: module.CONFIG.from_gguf(f.metadata, vocab_rows))
     if not getattr(config, "n_experts", 0):
         raise RequestError(f"{p} has no routed experts; --dram-budget tiers MoE models only")
-    infos = {n: f._reader_tensor(n) for n in f.tensor_names()}
-    _check_tensors(p, config, Selection(), {n: i.shape for n, i in infos.items()})
+    infos = {n: f._reader_tensor(n) for n in f.tensor_names() if sel.keeps(n)}
+    _check_tensors(p, config, sel, {n: i.shape for n, i in infos.items()})
     runtime = proc_status().get("RssAnon", 0)
     slow = SlowTier(p, slow_bandwidth)
 
@@ -494,9 +497,11 @@ def load_tiered(
     weights = WeightStore(tensors)
     tok = _gguf_tokenizer(f.metadata, config.vocab_size) if tokenizer else None
     arch = module.MODEL(config, weights)
-    model = Model(config, arch, weights, tok, Selection(), None)
-    moe_layers = [i for i in range(config.n_layers) if config.is_moe(i)]
-    absorbed = config.absorbed_bytes_per_layer() * config.n_layers
+    model = Model(config, arch, weights, tok, sel, None)
+    moe_layers = [i for i in model.layers if config.is_moe(i)]
+    if not moe_layers:
+        raise RequestError(f"layers {model.layers} of {p} hold no routed experts to tier")
+    absorbed = config.absorbed_bytes_per_layer() * len(model.layers)
     kv = model.kv_bytes_per_token() * context
     scratch = config.scratch_bytes(min(context, PREFILL_CHUNK), context)
     reserved = kv + scratch
@@ -524,7 +529,7 @@ def load_tiered(
         slow.bytes_read = 0
         slow.seconds = 0.0
     arch.remote_experts = experts
-    for layer in range(config.n_layers):  # decode W_UK / W_UV now: they are pinned too
+    for layer in model.layers:  # decode W_UK / W_UV now: they are pinned too
         arch.absorbed(layer)
     experts.sample_memory()
     placement = Placement(

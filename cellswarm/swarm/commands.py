@@ -61,6 +61,9 @@ def add_commands(sub: Any) -> None:
     w.add_argument("--fetch", action="store_true",
                    help="fetch the shard from the coordinator even if its path is readable")
     w.add_argument("--cache-dir", help="where fetched shards are kept")
+    w.add_argument("--dram-budget",
+                   help="tier the shard's MoE experts: this much DRAM, the rest read from the file")
+    w.add_argument("--slow-tier", help="the model file on the slow tier (PMem, SSD): as --model")
     w.add_argument("--fail-forward", action="store_true", help=argparse.SUPPRESS)
     w.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
     w.set_defaults(func=cmd_worker)
@@ -122,10 +125,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     main(WorkerConfig(
         join=args.join, memory_bytes=parse_bytes(args.memory), node_id=args.node_id,
-        profile=args.profile, token_file=args.token_file, model=args.model,
+        profile=args.profile, token_file=args.token_file, model=args.slow_tier or args.model,
         threads=args.threads, log_dir=args.log_dir, stop_after_s=args.stop_after,
         fail_forward=args.fail_forward, fetch=args.fetch, cache_dir=args.cache_dir,
         perturb=args.perturb,
+        dram_budget_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
     ))  # fmt: skip
     return 0
 

@@ -67,6 +67,9 @@ class StageConfig:
     # layers (it keeps the rest of each MoE layer), or the vocabulary rows of the embedding
     # (first stage) and output head (last stage; it keeps the final norm).
     parts: tuple[PartSpec, ...] = ()
+    # A big box as one stage: routed experts tiered between this much DRAM and the model
+    # file (engine/tiered.py) instead of held whole.
+    dram_budget_bytes: int | None = None
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -529,6 +532,13 @@ def load_stage_model(config: StageConfig) -> Model:
     from cellswarm.loader import load
 
     kernels.set_threads(config.threads)
+    if config.dram_budget_bytes:
+        from cellswarm.engine.tiered import load_tiered
+
+        tiered = load_tiered(config.model, config.dram_budget_bytes, context=config.context,
+                             selection=stage_selection(config), tokenizer=False)  # fmt: skip
+        print(tiered.placement.describe(), file=sys.stderr, flush=True)
+        return tiered.model
     model = load(config.model, selection=stage_selection(config), tokenizer=False)
     if config.memory_bytes is not None:
         check_budget(model, config)

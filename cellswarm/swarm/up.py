@@ -52,6 +52,7 @@ class LocalSwarm:
     worker_memory: dict[int, str] = field(default_factory=dict)  # per-worker overrides
     fail_forward: Sequence[int] = ()  # workers whose every forward pass fails (tests)
     fetch: bool = False  # workers fetch their shards from the coordinator into state_dir
+    dram_budget: str | None = None  # workers tier their shard's experts (engine/tiered.py)
     api_key_file: str | None = None  # the coordinator's --api-key-file (OpenAI API keys)
     port: int = 0
     coordinators: int = 1  # more than one: they share `db`, which must be PostgreSQL
@@ -133,6 +134,8 @@ class LocalSwarm:
             args.append("--fail-forward")
         if i in self.perturb:
             args += ["--perturb", str(self.perturb[i])]
+        if self.dram_budget:
+            args += ["--dram-budget", self.dram_budget]
         if self.fetch:
             args += ["--fetch", "--cache-dir", str(self.state_dir / f"cache-{i}")]
         self._spawn(f"worker-{i}", args, "JOINED")

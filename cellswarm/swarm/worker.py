@@ -59,6 +59,7 @@ class WorkerConfig:
     fail_forward: bool = False  # fault injection for tests: every forward pass fails
     fetch: bool = False  # fetch the shard from the coordinator even if its path is readable
     perturb: float = 0.0  # fault injection for tests: this fraction of outputs go wrong
+    dram_budget_bytes: int | None = None  # tier a MoE shard's experts: DRAM + the model file
     cache_dir: str | None = None  # where fetched shards are kept (default ~/.cache/cellswarm)
 
     def __post_init__(self) -> None:
@@ -265,11 +266,13 @@ class Worker:
             max_sequences=int(shard["max_sequences"]), log_dir=c.log_dir, node_id=c.node_id,
             profile=c.profile, token_file=c.token_file, peers=("coordinator",),
             parts=tuple(PartSpec.from_dict(p) for p in shard.get("parts", ())),
+            dram_budget_bytes=c.dram_budget_bytes,
         )  # fmt: skip
         if c.fetch or not Path(config.model).exists():
             config = replace(config, model=str(await asyncio.to_thread(self.fetch, config)))
         # in a thread: the heartbeat goes on while a big shard loads (or the node looks dead)
-        config = await asyncio.to_thread(size_kv, config)
+        if not config.dram_budget_bytes:  # a tiered shard sizes its cache from its budget
+            config = await asyncio.to_thread(size_kv, config)
         model = await asyncio.to_thread(load_stage_model, config)
         self.stage = Stage(config, model)
         self.stage.on_fault = self.report_fault
