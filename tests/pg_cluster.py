@@ -11,12 +11,13 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from cellswarm.swarm.up import free_port
 
 
 def pg_bin() -> Path | None:
@@ -39,12 +40,6 @@ def why_not() -> str:
     if pg_bin() is None:
         return "no PostgreSQL binaries (initdb, pg_ctl): apt-get install postgresql"
     return ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -96,7 +91,7 @@ def start() -> Cluster:
             subprocess.run(["useradd", "--system", "--no-create-home", user], check=True)
         pw = pwd.getpwnam(user)
         os.chown(root, pw.pw_uid, pw.pw_gid)
-    cluster = Cluster(root, _free_port(), binary, user)
+    cluster = Cluster(root, free_port(), binary, user)
     data = root / "data"
     try:
         cluster._run("initdb", "-D", str(data), "-A", "trust", "-U", "postgres",
