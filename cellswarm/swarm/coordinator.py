@@ -1,14 +1,16 @@
-"""The coordinator: membership, placement, the ring's wiring, and the requests it drives.
+"""The coordinator: membership, placement, the ring's wiring, and the job queue.
 
-    worker --HTTP join/heartbeat/fault--> coordinator (SQLite) --TCP frames--> stage 0 ... ring
+    worker --HTTP join/heartbeat/fault--> coordinator (database) --reset frames--> stages
+    head (stage 0's worker) --HTTP lease/checkpoint/complete--> coordinator: jobs
 
 Workers join with an HMAC proof of the cluster token, heartbeat their memory and readiness,
 and learn their shard from the heartbeat's answer. The coordinator places shards with the
 planner's inventory (`budget_split`), fills a lost node's stage with a spare or re-places,
-and — once every stage of the layout is loaded — wires the ring with one `reset` frame per
-stage (new epoch, next stage's address, who may connect). It is also the ring's client: it
-sends requests to stage 0 and checkpoints their tokens, so after any failure (or its own
-restart) each open request is resent with the tokens it already has, which stage 0 replays.
+and — once every stage of the layout is loaded — wires each ring with one `reset` frame per
+stage (new epoch, next stage's address, who may connect). Requests and batch lines are jobs
+(jobs.py) that replicas' heads pull, checkpoint and complete under fenced leases; after a
+failure (or a coordinator restart) a job resumes from its checkpointed tokens. With several
+coordinators on PostgreSQL one leader places and wires; every one answers every call.
 """
 
 from __future__ import annotations
