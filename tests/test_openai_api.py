@@ -16,6 +16,7 @@ from cellswarm.engine.model import GenerateOptions
 from cellswarm.swarm.logs import timeline
 from cellswarm.swarm.openai_api import TextStream
 from cellswarm.swarm.up import LocalSwarm
+from tests.waiting import wait_until
 
 KEY = "sk-test-0123456789"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -125,6 +126,24 @@ def test_a_stop_string_cuts_the_text(api: openai.OpenAI, model_id: str) -> None:
             assert r.choices[0].finish_reason == "stop"
             assert r.usage is not None and r.usage.completion_tokens < full.usage.completion_tokens
         assert got == text[: text.index("Paris")]
+
+
+def test_a_stop_string_stops_the_ring_too(
+    swarm: LocalSwarm, api: openai.OpenAI, model_id: str
+) -> None:
+    """The answer ends at the stop string, and so does the work: the job is cancelled and
+    its head drops the sequence, instead of running on to max_tokens."""
+    from cellswarm.swarm import client
+    from cellswarm.swarm.logs import timeline
+
+    raw = api.completions.with_raw_response.create(
+        model=model_id, prompt="1, 2, 3,", max_tokens=200, temperature=0, stop=["5"])
+    assert raw.parse().choices[0].text == " 4, "
+    rid = raw.headers["x-request-id"]
+    job = client.call(swarm.url, f"/v1/requests/{rid}")
+    assert job["state"] == "cancelled" and job["n_tokens"] < 200
+    wait_until(lambda: any(e["event"] == "cancelled" and e["node"].startswith("worker")
+                           for e in timeline(swarm.log_dir, rid)))  # fmt: skip
 
 
 def test_a_wrong_key_is_refused(swarm: LocalSwarm, model_id: str) -> None:

@@ -143,9 +143,10 @@ class Head:
             return
         for r in due:
             r.saved, r.saved_s = len(r.tokens), now
-        for job_id in answer.get("stale", []):  # the lease went elsewhere: let it go
+        for job_id in answer.get("stale", []):  # the lease went elsewhere, or it was cancelled
             log.warning("lost the lease of job %s; dropping it", job_id)
             self.runs.pop(str(job_id), None)
+            await self.stage.cancel_request(str(job_id))  # and stop spending the ring on it
 
     def _post_quietly(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         """A lost call is safe: checkpoints are retried, a lost result's lease expires and

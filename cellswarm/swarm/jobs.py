@@ -305,6 +305,15 @@ class JobQueue:
             (now, batch_id),
         )
 
+    def cancel_job(self, job_id: str, reason: str = "cancelled") -> bool:
+        """One unfinished job -> cancelled (its holder's next checkpoint is refused, and the
+        head drops the sequence); False if it had already ended."""
+        return self.db.execute_count(
+            "UPDATE jobs SET state='cancelled', error=?, lease_owner=NULL, "
+            "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND state IN ('queued', 'leased')",
+            (reason, time.time(), job_id),
+        ) == 1
+
     def retry_failed(self, batch_id: str) -> int:
         """Dead-lettered jobs of a batch go back to the queue with fresh attempts."""
         now = time.time()

@@ -25,9 +25,8 @@ Stop strings: the ring stops on token ids only (the tokenizer's end-of-turn toke
 `stop_ids`), so stop strings are applied here: the text is cut before the first occurrence of
 any of them and the answer finishes at once (`finish_reason` "stop", `completion_tokens` the
 fewest tokens whose text holds the stop string). A stream holds back text that could be the
-start of a stop string. The ring is not told: the job runs on to an end token or max_tokens
-and its tokens stay in the queue, as a disconnected client's job does too (the queue has no
-per-job cancel a pipeline head would act on).
+start of a stop string. The job is then cancelled (as it is when a streaming client goes
+away): its head's next checkpoint is refused and the head drops the sequence from its ring.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400
 invalid_request_error (bad parameters; malformed JSON; FastAPI's validation errors on these
@@ -354,6 +353,9 @@ async def _follow(coord: Coordinator, job_id: str, stream: TextStream) -> AsyncI
             delta = stream.feed(tokens, job.terminal)
             if delta:
                 yield delta
+            if stream.stopped and not job.terminal:  # the ring stops on ids only: tell it
+                coord.queue.cancel_job(job_id, "a stop string ended the answer")
+                coord.log.event("cancelled", job_id, why="stop string")
             if stream.stopped or job.terminal:
                 reason = str((job.result or {}).get("reason", ""))
                 length = reason == "max_tokens" and not stream.stopped
@@ -503,6 +505,10 @@ def add_openai_routes(app: FastAPI, coord: Coordinator, api_keys: Iterable[str] 
             except OpenAIError as exc:
                 yield f"data: {json.dumps(exc.body())}\n\n"
                 return
+            except BaseException:  # the client went away mid-stream: stop the job too
+                if coord.queue.cancel_job(job_id, "the client disconnected"):
+                    coord.log.event("cancelled", job_id, why="client disconnected")
+                raise
             finish, used = done()
             yield event([choice(None if chat else "", finish, True)])
             if include_usage:

@@ -498,6 +498,18 @@ class Stage:
         if not self.config.last:
             await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
 
+    async def cancel_request(self, req: str) -> int:
+        """Stage 0 drops a request's sequences (a scoring job's too: `req#i`) and tells the
+        ring to free their caches; how many it dropped."""
+        seqs = [q for q, s in self.sequences.items() if s.req == req or s.req.startswith(req + "#")]
+        for seq in seqs:
+            s = self.sequences.pop(seq)
+            self.log.event("cancelled", s.req, stage=self.span)
+            self.release(seq)
+            if not self.config.last:
+                await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
+        return len(seqs)
+
     @property
     def span(self) -> str:
         return f"{self.config.layers[0]}..{self.config.layers[1] - 1}"
