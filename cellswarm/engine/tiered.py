@@ -47,6 +47,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ PAGE = mmap.PAGESIZE
 # dropping a neighbour's mapping is harmless (it is read-only and re-faults if needed).
 RELEASE_ALIGN = max(PAGE, 2 << 20)
 SAFETY_BYTES = 4 << 20  # malloc slack and small Python objects made while running
+STREAM_BUFFERS = 2  # experts read past the cache: one is read while the other computes
 PROJ = ("gate", "up", "down")
 
 
@@ -183,7 +185,7 @@ class ExpertCache:
     n_slots: int
     slot_bytes: int
     pool: np.ndarray = field(init=False)
-    scratch: np.ndarray = field(init=False)
+    scratch: list[np.ndarray] = field(init=False)  # two: one read while one computes
     slot_of: dict[tuple[int, int], int] = field(default_factory=dict)
     key_of: list[tuple[int, int] | None] = field(init=False)
     counts: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -191,7 +193,7 @@ class ExpertCache:
     def __post_init__(self) -> None:
         # np.empty: pages become resident as slots are filled, never beyond n_slots.
         self.pool = np.empty((self.n_slots, self.slot_bytes), np.uint8)
-        self.scratch = np.empty(self.slot_bytes, np.uint8)
+        self.scratch = [np.empty(self.slot_bytes, np.uint8) for _ in range(STREAM_BUFFERS)]
         self.key_of = [None] * self.n_slots
         self._slot_count = np.zeros(self.n_slots, np.int64)  # count of the key in each slot
 
@@ -203,12 +205,17 @@ class ExpertCache:
             self._slot_count[slot] = c
         return c
 
-    def victim(self, count: int) -> int | None:
-        """The slot a newly read expert routed `count` times should take, or None (stream)."""
-        if self.n_slots == 0:
+    def victim(self, count: int, busy: frozenset[int] | set[int] = frozenset()) -> int | None:
+        """The slot a newly read expert routed `count` times should take, or None (stream).
+        `busy` slots (in use by the step being planned) are never taken."""
+        if self.n_slots == 0 or len(busy) >= self.n_slots:
             return None
-        slot = int(np.argmin(self._slot_count))  # free slots have count 0
-        return slot if self._slot_count[slot] < count else None
+        counts = self._slot_count
+        if busy:
+            counts = counts.copy()
+            counts[list(busy)] = np.iinfo(np.int64).max
+        slot = int(np.argmin(counts))  # free slots have count 0
+        return slot if counts[slot] < count else None
 
     def put(self, slot: int, key: tuple[int, int], count: int) -> bool:
         """Store `key` in `slot`; True when it evicted another expert."""
@@ -249,6 +256,7 @@ class TieredExperts:
                 self.layout[layer, proj] = (info.offset, rows * row_bytes, rows, row_bytes)
         self.total = TierCounters()
         self.decode = TierCounters()  # steps of one token only
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="slow-tier")
         self.peak_anon = 0
         self.peak_file = 0
 
@@ -291,7 +299,12 @@ class TieredExperts:
             pos += per
         return out
 
-    def _fetch(self, layer: int, e: int, counters: list[TierCounters]) -> list[PackedMatrix]:
+    def _plan(
+        self, layer: int, e: int, counters: list[TierCounters], busy: set[int]
+    ) -> tuple[int | None, bool]:
+        """Count one use of expert `e`; (cache slot, whether it must be read first). A miss
+        gets a slot if admitted (reserved now, so two misses never pick the same one), else
+        None: it streams through a scratch buffer."""
         key = (layer, e)
         count = self.cache.note(key)
         size = self.expert_bytes(layer)
@@ -305,18 +318,22 @@ class TieredExperts:
                 c.misses += 1
                 c.slow_bytes += size
         if slot is not None:
-            return self._matrices(layer, self.cache.pool[slot])
-        victim = self.cache.victim(count)
-        buf = self.cache.scratch if victim is None else self.cache.pool[victim]
-        self.slow.read_into(self._ranges(layer, e), buf)
+            busy.add(slot)
+            return slot, False
+        victim = self.cache.victim(count, busy)
         if victim is not None:
+            busy.add(victim)
             evicted = self.cache.put(victim, key, count)
             for c in counters:
                 c.admitted += 1
                 c.evicted += int(evicted)
-        return self._matrices(layer, buf)
+        return victim, True
 
     def scatter(self, layer: int, h: np.ndarray, routing: Any) -> Callable[[], np.ndarray]:
+        """Every routed expert of this layer: cached ones computed at once while the first
+        miss is read on the reader thread; each later miss read while the one before it
+        computes (prefetch within the layer). The weighted outputs are then added in
+        ascending expert order, as `apply_experts` does, so the result is the same bits."""
         from cellswarm.models import ops
 
         counters = [self.total] + ([self.decode] if h.shape[0] == 1 else [])
@@ -324,12 +341,40 @@ class TieredExperts:
             for c in counters:
                 c.steps += 1
                 c.tokens += h.shape[0]
-        out = np.zeros_like(h, dtype=np.float32)  # as apply_experts: ascending expert order
-        for e in np.unique(routing.expert_ids).tolist():
-            gate, up, down = self._fetch(layer, int(e), counters)
+        order = [int(e) for e in np.unique(routing.expert_ids).tolist()]
+        busy: set[int] = set()  # slots this step reads from: no miss may overwrite them
+        plans = {e: self._plan(layer, e, counters, busy) for e in order}
+        misses = [e for e in order if plans[e][1]]
+        bufs: dict[int, np.ndarray] = {}
+        for i, e in enumerate(misses):
+            slot = plans[e][0]
+            bufs[e] = self.cache.pool[slot] if slot is not None else self.cache.scratch[i % 2]
+
+        def read(e: int) -> Future[None]:
+            return self.reader.submit(self.slow.read_into, self._ranges(layer, e), bufs[e])
+
+        ys: dict[int, np.ndarray] = {}
+
+        def run(e: int, buf: np.ndarray) -> None:
+            gate, up, down = self._matrices(layer, buf)
+            tokens, _ = np.nonzero(routing.expert_ids == e)
+            ys[e] = ops.swiglu(h[tokens], gate, up, down)
+
+        pending = read(misses[0]) if misses else None
+        for e in order:
+            slot, _ = plans[e]
+            if not plans[e][1] and slot is not None:
+                run(e, self.cache.pool[slot])
+        for i, e in enumerate(misses):
+            assert pending is not None
+            pending.result()
+            # the next read may reuse only the scratch buffer two misses back: computed by now
+            pending = read(misses[i + 1]) if i + 1 < len(misses) else None
+            run(e, bufs[e])
+        out = np.zeros_like(h, dtype=np.float32)
+        for e in order:
             tokens, slots = np.nonzero(routing.expert_ids == e)
-            y = ops.swiglu(h[tokens], gate, up, down)
-            out[tokens] += y * routing.weights[tokens, slots][:, None]
+            out[tokens] += ys[e] * routing.weights[tokens, slots][:, None]
         self.sample_memory()
         return lambda: out
 
@@ -508,7 +553,8 @@ def load_tiered(
     used = proc_status().get("RssAnon", 0)  # runtime + pinned copies
     slot = sum(infos[f"blk.{moe_layers[0]}.ffn_{q}_exps.weight"].n_bytes for q in PROJ)
     slot //= config.n_experts
-    free = dram_budget - used - absorbed - reserved - SAFETY_BYTES - slot  # slot: the scratch
+    # the streaming buffers come out of the budget too
+    free = dram_budget - used - absorbed - reserved - SAFETY_BYTES - STREAM_BUFFERS * slot
     n_total = config.n_experts * len(moe_layers)
     if free < 0:
         from cellswarm.units import format_bytes as fb
