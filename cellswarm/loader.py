@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cellswarm.engine.model import Model
-from cellswarm.errors import ModelFileError, RequestError
+from cellswarm.errors import ModelFileError, RequestError, TokenizerError
 from cellswarm.io import hf_dir
 from cellswarm.io.gguf_file import GGUFFile
 from cellswarm.io.weights import Selection, Tensor, WeightStore, validate
@@ -129,6 +129,24 @@ def _check_tensors(
     if "output.weight" not in tensors:  # no head of its own: tied to the embedding
         expected.pop("output.weight", None)
     validate(tensors, expected, str(source))
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A model's tokenizer alone (no weights): from a GGUF's metadata, or a Hugging Face
+    folder's tokenizer.json; TokenizerError when the model has none."""
+    from cellswarm.io.tokenizer import Tokenizer
+
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "tokenizer.json").is_file():
+            raise TokenizerError(f"{p} has no tokenizer.json: send token ids")
+        return Tokenizer.from_hf_dir(p)
+    from cellswarm.io.gguf_file import GGUFFile
+
+    meta = GGUFFile(p).metadata
+    if "tokenizer.ggml.model" not in meta:
+        raise TokenizerError(f"{p} has no tokenizer in its metadata: send token ids")
+    return Tokenizer.from_gguf_metadata(meta)
 
 
 def _gguf_tokenizer(meta: dict[str, Any], vocab_size: int) -> Tokenizer | None:

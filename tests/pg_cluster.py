@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from cellswarm.swarm.up import free_port
+from cellswarm.swarm.local import free_port
 
 
 def pg_bin() -> Path | None:

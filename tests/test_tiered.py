@@ -14,8 +14,9 @@ import pytest
 
 import cellswarm
 from bench.tiered import build_model
+from cellswarm.engine.memory import proc_status
 from cellswarm.engine.model import GenerateOptions
-from cellswarm.engine.tiered import ExpertCache, load_tiered, proc_status
+from cellswarm.engine.tiered import ExpertCache, load_tiered
 from cellswarm.errors import RequestError
 from cellswarm.loader import load
 

@@ -72,18 +72,34 @@ def memory_report(model: Model, batch: int, context: int) -> MemoryReport:
     )
 
 
+def proc_status() -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon, RssFile, RssShmem of this process in bytes (Linux; empty
+    elsewhere): the one reader of /proc/self/status."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                    out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (0 where /proc is missing)."""
+    return proc_status().get("VmRSS", 0)
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size.
 
     On Linux, VmHWM from /proc/self/status: ru_maxrss survives fork + exec, so a worker
     started by a big parent would report the parent's peak as its own.
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak_hwm = proc_status().get("VmHWM")
+    if peak_hwm is not None:
+        return peak_hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return int(peak if sys.platform == "darwin" else peak * 1024)

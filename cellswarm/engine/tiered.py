@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from cellswarm.engine.memory import proc_status
 from cellswarm.engine.model import PREFILL_CHUNK, Model
 from cellswarm.errors import RequestError
 from cellswarm.io.gguf_file import GGUFFile, TensorInfo, _to_tensor
@@ -70,20 +71,6 @@ RELEASE_ALIGN = max(PAGE, 2 << 20)
 SAFETY_BYTES = 4 << 20  # malloc slack and small Python objects made while running
 STREAM_BUFFERS = 2  # experts read past the cache: one is read while the other computes
 PROJ = ("gate", "up", "down")
-
-
-def proc_status() -> dict[str, int]:
-    """RssAnon, RssFile, VmHWM of this process in bytes (Linux; empty elsewhere)."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key = line.split(":", 1)[0]
-                if key in ("RssAnon", "RssFile", "RssShmem", "VmHWM"):
-                    out[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 def faults() -> tuple[int, int]:

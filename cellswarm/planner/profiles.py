@@ -288,7 +288,7 @@ _NETWORK_RATES = {
     "aggregation_uplink": "aggregation_uplink_bits_per_s",
     "core_bandwidth": "core_bandwidth_bits_per_s",
 }
-_NETWORK_KEYS: dict[str, tuple[str, Converter]] = {
+NETWORK_KEYS: dict[str, tuple[str, Converter]] = {
     "nodes_per_access_switch": ("nodes_per_access_switch", _as_int),
     "access_uplinks": ("access_uplinks", _as_int),
     "access_uplink": ("access_uplink_bits_per_s", parse_rate),
@@ -472,7 +472,7 @@ def _defaults(section: str, extra: Path | None) -> tuple[dict[str, Any], str]:
 
 def load_network(extra: Path | None = None) -> NetworkSpec:
     raw, origin = _defaults("network", extra)
-    return NetworkSpec(**_convert(f"network defaults{origin}", raw, _NETWORK_KEYS))
+    return NetworkSpec(**_convert(f"network defaults{origin}", raw, NETWORK_KEYS))
 
 
 def load_power(extra: Path | None = None) -> PowerSpec:

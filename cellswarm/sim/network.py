@@ -17,7 +17,7 @@ from cellswarm.errors import RequestError
 from cellswarm.planner import network
 from cellswarm.planner.inventory import ModelInventory
 from cellswarm.planner.placement import Placement
-from cellswarm.planner.profiles import _NETWORK_KEYS
+from cellswarm.planner.profiles import NETWORK_KEYS
 
 TIERS = ("access", "aggregation", "core")
 
@@ -26,11 +26,11 @@ def apply_topology(net: Any, overrides: tuple[tuple[str, str | float], ...]) -> 
     """[defaults.network] keys (nodes_per_access_switch=24, core_bandwidth=100G, ...)."""
     changes: dict[str, Any] = {}
     for key, value in overrides:
-        if key not in _NETWORK_KEYS:
+        if key not in NETWORK_KEYS:
             raise RequestError(
-                f"--topology key {key!r} is unknown; known: {', '.join(sorted(_NETWORK_KEYS))}"
+                f"--topology key {key!r} is unknown; known: {', '.join(sorted(NETWORK_KEYS))}"
             )
-        attr, convert = _NETWORK_KEYS[key]
+        attr, convert = NETWORK_KEYS[key]
         try:
             changes[attr] = convert(value)
         except (TypeError, ValueError):

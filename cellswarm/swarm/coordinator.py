@@ -24,10 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cellswarm.errors import BudgetError, ProtocolError, RequestError
+from cellswarm.errors import BudgetError, RequestError
 from cellswarm.swarm.auth import load_token, new_nonce, verify
 from cellswarm.swarm.db import open_database
-from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
 from cellswarm.swarm.jobs import Job, JobQueue, QueueConfig
 from cellswarm.swarm.logs import JsonLog
 from cellswarm.swarm.membership import (
@@ -38,6 +37,7 @@ from cellswarm.swarm.membership import (
     replicas,
     ring,
 )
+from cellswarm.swarm.stage import reset_stage
 from cellswarm.swarm.store import Node, NodeId, Store
 
 log = logging.getLogger("cellswarm.coordinator")
@@ -390,16 +390,7 @@ class Coordinator:
         assert node.data_port is not None
         if self.epoch != fields["epoch"]:  # a newer epoch (maybe a newer leader's): stop;
             return True  # a stale reset must never take a stage back to an older epoch
-        try:
-            reader, writer = await asyncio.wait_for(
-                connect(node.host, node.data_port, self.token, PEER_ID), 5.0
-            )
-            await write_frame(writer, Frame("reset", fields))
-            answer = await asyncio.wait_for(read_frame(reader), 5.0)
-            writer.close()
-            return answer is not None and answer.type == "reset_done"
-        except (OSError, TimeoutError, ConnectionError, ProtocolError):
-            return False
+        return await reset_stage(node.host, node.data_port, fields, self.token, PEER_ID)
 
     async def monitor(self) -> None:
         while True:
@@ -538,13 +529,9 @@ class Coordinator:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from cellswarm.io.gguf_file import GGUFFile
-            from cellswarm.io.tokenizer import Tokenizer
+            from cellswarm.loader import load_tokenizer
 
-            meta = GGUFFile(self.config.model).metadata
-            if "tokenizer.ggml.model" not in meta:
-                raise RequestError(f"{self.config.model} has no tokenizer: send token ids")
-            self._tokenizer = Tokenizer.from_gguf_metadata(meta)
+            self._tokenizer = load_tokenizer(self.config.model)
         return self._tokenizer
 
 

@@ -25,14 +25,13 @@ QUESTION = "Name five famous landmarks in Paris."
 
 def run(max_tokens: int = 48) -> int:
     from cellswarm.demo import demo_model_path
-    from cellswarm.io.gguf_file import GGUFFile
-    from cellswarm.io.tokenizer import Tokenizer
+    from cellswarm.loader import load_tokenizer
     from cellswarm.swarm import client
     from cellswarm.swarm.up import LocalSwarm
 
     con = Console()
     path = demo_model_path()
-    tok = Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+    tok = load_tokenizer(path)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]), False)
     request = {"prompt": prompt, "max_tokens": max_tokens, "stop_ids": sorted(tok.stop_ids)}
     state = Path(tempfile.mkdtemp(prefix="cellswarm-demo-"))

@@ -58,6 +58,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     lease_expires_s DOUBLE PRECISION,
     not_before_s DOUBLE PRECISION NOT NULL DEFAULT 0,
     tokens TEXT NOT NULL DEFAULT '[]',  -- the current run's checkpoint
+    n_tokens INTEGER NOT NULL DEFAULT 0, -- its length (batch progress sums it)
     result TEXT,
     error TEXT NOT NULL DEFAULT '',
     verify INTEGER NOT NULL DEFAULT 0,
@@ -227,9 +228,9 @@ class JobQueue:
         """Record the tokens so far and renew the lease; False: the lease is no longer yours."""
         now = time.time() if now is None else now
         return self.db.execute_count(
-            "UPDATE jobs SET tokens=?, lease_expires_s=?, updated_s=? "
+            "UPDATE jobs SET tokens=?, n_tokens=?, lease_expires_s=?, updated_s=? "
             "WHERE job_id=? AND fence=? AND state='leased'",
-            (json.dumps(tokens), now + self.config.lease_s, now, job_id, fence),
+            (json.dumps(tokens), len(tokens), now + self.config.lease_s, now, job_id, fence),
         ) == 1
 
     def complete(
@@ -349,9 +350,7 @@ class JobQueue:
         ):
             counts[str(r["state"])] = int(r["n"])
         tokens = self.db.execute(
-            "SELECT COALESCE(SUM(LENGTH(tokens) - LENGTH(REPLACE(tokens, ',', '')) + "
-            "CASE WHEN tokens = '[]' THEN 0 ELSE 1 END), 0) AS n FROM jobs WHERE batch_id=?",
-            (batch_id,),
+            "SELECT COALESCE(SUM(n_tokens), 0) AS n FROM jobs WHERE batch_id=?", (batch_id,)
         )
         return {**rows[0], "counts": counts, "tokens": int(tokens[0]["n"] or 0)}
 
@@ -375,10 +374,10 @@ class JobQueue:
 
     def _commit(self, job: Job, result: dict[str, Any], replica: str, now: float) -> None:
         self.db.execute(
-            "UPDATE jobs SET state='done', result=?, tokens=?, lease_owner=NULL, "
+            "UPDATE jobs SET state='done', result=?, tokens=?, n_tokens=?, lease_owner=NULL, "
             "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND fence=? AND state='leased'",
-            (json.dumps(result), json.dumps(result.get("tokens", [])), now, job.job_id,
-             job.fence),
+            (json.dumps(result), json.dumps(result.get("tokens", [])),
+             len(result.get("tokens", [])), now, job.job_id, job.fence),
         )  # fmt: skip
         self.db.execute(
             "INSERT INTO commits(job_id, fence, replica, committed_s) VALUES (?, ?, ?, ?)",
@@ -422,7 +421,7 @@ class JobQueue:
             )
             return "dead"
         self.db.execute(  # back to the queue, for a run on a replica it has not had yet
-            "UPDATE jobs SET state='queued', runs=?, tokens='[]', lease_owner=NULL, "
+            "UPDATE jobs SET state='queued', runs=?, tokens='[]', n_tokens=0, lease_owner=NULL, "
             "lease_expires_s=NULL, updated_s=? WHERE job_id=?",
             (json.dumps(runs), now, job.job_id),
         )

@@ -24,7 +24,7 @@ from cellswarm.errors import BudgetError, RequestError, SwarmError
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
 from cellswarm.swarm.parts import PartConfig, PartSpec
-from cellswarm.swarm.stage import StageConfig
+from cellswarm.swarm.stage import StageConfig, reset_stage
 
 
 def even_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
@@ -114,6 +114,10 @@ def part_specs(
         PartSpec(f"vocab-{j}", ports[expert_nodes + j], vocab_rows=r) for j, r in enumerate(rows)
     ]
     return specs
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
@@ -322,8 +326,8 @@ class LocalPipeline:
             self._await_ready(self.part_procs[k])
             self.restarts += 1
         for k, cfg in enumerate(self.configs):
-            if self.procs[k].poll() is None and await _reset(
-                cfg.listen_port, self.epoch, self.token
+            if self.procs[k].poll() is None and await reset_stage(
+                "127.0.0.1", cfg.listen_port, {"epoch": self.epoch}, self.token
             ):
                 continue
             self.failures[k] += 1
@@ -338,7 +342,8 @@ class LocalPipeline:
             self.procs[k] = self._spawn(cfg)
             self._await_ready(self.procs[k])
             self.restarts += 1
-            if not await _reset(cfg.listen_port, self.epoch, self.token):
+            if not await reset_stage("127.0.0.1", cfg.listen_port, {"epoch": self.epoch},
+                                     self.token):  # fmt: skip
                 raise ConnectionError(f"the replacement stage for layers {cfg.layers} is silent")
 
     def close(self) -> None:
@@ -353,18 +358,6 @@ class LocalPipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-async def _reset(port: int, epoch: int, token: bytes | None, timeout_s: float = 5.0) -> bool:
-    """Tell a stage to forget its sequences and adopt a new epoch; False if it is silent."""
-    try:
-        reader, writer = await connect("127.0.0.1", port, token)
-        await write_frame(writer, Frame("reset", {"epoch": epoch}))
-        answer = await asyncio.wait_for(read_frame(reader), timeout_s)
-        writer.close()
-        return answer is not None and answer.type == "reset_done"
-    except (OSError, TimeoutError, ConnectionError):
-        return False
 
 
 def _request_frame(request: dict[str, Any], done: list[int], request_id: str) -> Frame:

@@ -79,10 +79,9 @@ def measure_local(
     latencies = [done[i] - submitted.get(i, t0) for i in ids]
     makespan = max(done[i] for i in ids) - t0
     tokens = sum(len(r["tokens"]) for r in results)
-    from cellswarm.io.gguf_file import GGUFFile
-    from cellswarm.io.tokenizer import Tokenizer
+    from cellswarm.loader import load_tokenizer
 
-    tok = Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+    tok = load_tokenizer(path)
     return LocalRun(
         workers, profile, jobs, max_tokens, in_flight, kill, split,
         tuple(len(tok.encode(str(r["prompt"]))) for r in rows), tokens, round(makespan, 4),

@@ -30,7 +30,7 @@ from cellswarm.engine.kv_cache import KVCache
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.engine.model import Model
 from cellswarm.engine.sampling import SamplingParams, sample
-from cellswarm.errors import BudgetError, CellswarmError, RequestError
+from cellswarm.errors import BudgetError, CellswarmError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.emulate import Emulation, precise_loop
@@ -537,6 +537,22 @@ async def _connect(
         except OSError:
             await asyncio.sleep(0.05)
     raise ConnectionError(f"stage at {host}:{port} did not answer")
+
+
+async def reset_stage(
+    host: str, port: int, fields: dict[str, Any], token: bytes | None, peer: str = "client",
+    timeout_s: float = 5.0,
+) -> bool:  # fmt: skip
+    """Send a stage (or part server) a `reset` frame — a new epoch, and with a coordinator
+    the ring's new wiring — and wait for `reset_done`; False if it is silent or gone."""
+    try:
+        reader, writer = await asyncio.wait_for(connect(host, port, token, peer), timeout_s)
+        await write_frame(writer, Frame("reset", fields))
+        answer = await asyncio.wait_for(read_frame(reader), timeout_s)
+        writer.close()
+        return answer is not None and answer.type == "reset_done"
+    except (OSError, TimeoutError, ConnectionError, ProtocolError):
+        return False
 
 
 def load_stage_model(config: StageConfig) -> Model:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,12 +19,7 @@ from typing import Any
 
 from cellswarm.errors import SwarmError
 from cellswarm.swarm import client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from cellswarm.swarm.local import free_port
 
 
 @dataclass

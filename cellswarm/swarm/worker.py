@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cellswarm.engine.memory import peak_rss_bytes
+from cellswarm.engine.memory import peak_rss_bytes, rss_bytes
 from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.head import Head
@@ -65,13 +65,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.node_id:
             object.__setattr__(self, "node_id", f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
-
-
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def measure_capabilities(config: WorkerConfig) -> dict[str, Any]:
