@@ -53,13 +53,18 @@ def add_commands(sub: Any) -> None:
     w.add_argument("--profile", help="behave like a node of this planner profile (ps3, ...)")
     w.add_argument("--token-file", help="cluster token file (never pass the token itself)")
     w.add_argument("--node-id", default="", help="a stable name (default: host + random)")
-    w.add_argument("--model", help="a local copy of the model file")
+    w.add_argument("--model", help="a local copy of the model file (default: fetch the "
+                   "shard's bytes from the coordinator, with progress)")
+    w.add_argument("--listen", help="HOST[:PORT] for the data port (default: this host's "
+                   "address on the route to the coordinator, any free port)")
+    w.add_argument("--advertise", help="HOST[:PORT] peers should dial (NAT, containers; "
+                   "default: the --listen address)")
     w.add_argument("--threads", type=int, help="compute threads")
     w.add_argument("--log-dir", help="folder for JSON-line event logs")
     w.add_argument("--stop-after", type=float, default=5.0,
                    help="stop serving after this many seconds without the coordinator")  # fmt: skip
     w.add_argument("--fetch", action="store_true",
-                   help="fetch the shard from the coordinator even if its path is readable")
+                   help="fetch the shard from the coordinator even with --model")
     w.add_argument("--cache-dir", help="where fetched shards are kept")
     w.add_argument("--dram-budget",
                    help="tier the shard's MoE experts: this much DRAM, the rest read from the file")
@@ -127,6 +132,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         join=args.join, memory_bytes=parse_bytes(args.memory), node_id=args.node_id,
         profile=args.profile, token_file=args.token_file, model=args.slow_tier or args.model,
         threads=args.threads, log_dir=args.log_dir, stop_after_s=args.stop_after,
+        listen=args.listen, advertise=args.advertise,
         fail_forward=args.fail_forward, fetch=args.fetch, cache_dir=args.cache_dir,
         perturb=args.perturb,
         dram_budget_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
@@ -147,17 +153,26 @@ def print_status(status: dict[str, Any]) -> None:
 
     wired = "wired" if status["wired"] else "not wired"
     t = Table(title=f"{status['model']} · epoch {status['epoch']} · ring {wired}")
-    for col in ("node", "state", "holds", "memory (peak of budget)", "heartbeat", "served",
-                "failures", "note"):  # fmt: skip
+    for col in ("node", "address", "state", "holds", "memory (peak of budget)", "heartbeat",
+                "clock", "served", "failures", "note"):  # fmt: skip
         t.add_column(col)
     for n in status["nodes"]:
         layers = n.get("holds") or "-"
         mem = f"{format_bytes(n['peak_rss_bytes'])} of {format_bytes(n['memory_bytes'])}"
-        t.add_row(n["node_id"], n["state"], layers, mem, f"{n['last_seen_s_ago']:.1f} s ago",
-                  str(n["served"]), str(n["failures"]), n["message"][:60])  # fmt: skip
+        t.add_row(n["node_id"], n.get("address", ""), n["state"], layers, mem,
+                  f"{n['last_seen_s_ago']:.1f} s ago", _clock(n), str(n["served"]),
+                  str(n["failures"]), n["message"][:60])  # fmt: skip
     Console().print(t)
     if status.get("problem"):
         print(f"cannot place the model: {status['problem']}")
+
+
+def _clock(node: dict[str, Any]) -> str:
+    """The node's clock against the coordinator's, e.g. '+1.2 ms ±0.3'."""
+    offset, error = node.get("clock_offset_s"), node.get("clock_error_s")
+    if offset is None:
+        return "-"
+    return f"{-1000 * offset:+.1f} ms ±{1000 * (error or 0):.1f}"
 
 
 def cmd_up(args: argparse.Namespace) -> int:

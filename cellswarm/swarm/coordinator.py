@@ -97,6 +97,8 @@ class Coordinator:
         self._manifest: Any = None
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
+        # each node's clock behind ours (s) and the estimate's error bound, from heartbeats
+        self.node_clock: dict[str, tuple[float, float]] = {}
         self.problem = ""  # why nothing is placed, when nothing can be
         now = time.time()
         for n in self.store.nodes():  # a restart is not the nodes' fault: give them a grace
@@ -204,6 +206,11 @@ class Coordinator:
             "data_port": beat.get("data_port"),
             "ready": beat.get("ready"),
         }
+        if beat.get("data_host"):  # what the node advertises; else the address it came from
+            changes["host"] = str(beat["data_host"])
+        if beat.get("clock_offset_s") is not None:  # the node's estimate of our clock - its
+            self.node_clock[node.node_id] = (float(beat["clock_offset_s"]),
+                                             float(beat.get("clock_error_s") or 0.0))  # fmt: skip
         if beat.get("max_sequences"):  # what its KV cache was sized for
             changes["capabilities"] = {**node.capabilities,
                                        "max_sequences": int(beat["max_sequences"])}  # fmt: skip
@@ -221,7 +228,8 @@ class Coordinator:
         self.node_stats[node.node_id] = beat.get("stats")
         epoch = self.epoch
         return {"shard": self._shard_for(node), "epoch": epoch, "probe": self._probe(node),
-                "wired": self.wired_epoch == epoch, "lease_s": self.config.lease_s}
+                "wired": self.wired_epoch == epoch, "lease_s": self.config.lease_s,
+                "now_s": time.time()}  # fmt: skip
 
     def _shard_for(self, node: Node) -> dict[str, Any] | None:
         if node.state != "assigned" or node.shard is None:
@@ -509,13 +517,20 @@ class Coordinator:
              "peak_rss_bytes": n.peak_rss_bytes, "last_seen_s_ago": round(now - n.last_seen_s, 2),
              "served": n.served, "failures": n.failures, "message": n.message,
              "profile": n.capabilities.get("profile"), "serving": n.serving,
-             "stats": self.node_stats.get(n.node_id)}
+             "stats": self.node_stats.get(n.node_id),
+             "address": f"{n.host}:{n.data_port}" if n.data_port else n.host,
+             "clock_offset_s": self._clock(n.node_id)[0],
+             "clock_error_s": self._clock(n.node_id)[1]}
             for n in self.store.nodes()
         ]  # fmt: skip
         epoch = self.epoch
         return {"epoch": epoch, "wired": self.wired_epoch == epoch, "problem": self.problem,
                 "coordinator": self.id, "leader": self.leading,
                 "model": Path(self.config.model).name, "nodes": nodes}  # fmt: skip
+
+    def _clock(self, node_id: str) -> tuple[float | None, float | None]:
+        """How far the node's clock is behind ours (s; negative: ahead), and the error."""
+        return self.node_clock.get(node_id, (None, None))
 
     def manifest(self) -> Any:
         """The model file's content id and chunk hashes, for workers that fetch their shard

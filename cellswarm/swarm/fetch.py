@@ -249,18 +249,25 @@ def ensure_local(
     selection: Selection,
     fetch_chunk: Callable[[int], bytes],
     cache_dir: str | os.PathLike[str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> FetchReport:
     """Make `cache_dir/<sha256>.gguf` (default ~/.cache/cellswarm/models) hold the header and
     every tensor `selection` keeps, fetching only the chunks not already there; the rest of
-    the file stays holes. Raises ChunkMismatchError if a chunk is bad twice in a row."""
+    the file stays holes. Raises ChunkMismatchError if a chunk is bad twice in a row.
+    `progress(done_bytes, total_bytes)` is called after each chunk of the shard."""
     folder = Path(cache_dir or default_cache_dir() / "models")
     folder.mkdir(parents=True, exist_ok=True)
     with _Local(folder, manifest, fetch_chunk) as local:
         header = local.header()
         ranges = selected_ranges(header.tensors, selection)
         needed = chunks_needed(header.size_bytes, ranges, manifest.chunk_bytes, manifest.size_bytes)
+        total = sum(_span(manifest.chunk_range(i)) for i in needed)
+        done = 0
         for i in needed:
             local.ensure(i)
+            done += _span(manifest.chunk_range(i))
+            if progress is not None:
+                progress(done, total)
         fetched = local.fetched
         return FetchReport(
             path=local.path,

@@ -130,8 +130,10 @@ class LocalSwarm:
             args += ["--perturb", str(self.perturb[i])]
         if self.dram_budget:
             args += ["--dram-budget", self.dram_budget]
-        if self.fetch:
-            args += ["--fetch", "--cache-dir", str(self.state_dir / f"cache-{i}")]
+        if self.fetch:  # as a host sharing no disk: only its shard's bytes, over HTTP
+            args += ["--cache-dir", str(self.state_dir / f"cache-{i}")]
+        else:  # one machine: every worker reads the coordinator's file
+            args += ["--model", self.model]
         self._spawn(f"worker-{i}", args, "JOINED")
 
     def __enter__(self) -> LocalSwarm:

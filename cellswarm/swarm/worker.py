@@ -29,6 +29,7 @@ from cellswarm.engine.memory import peak_rss_bytes, rss_bytes
 from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.head import Head
+from cellswarm.swarm.net import ClockOffset, Progress, parse_address, route_source
 from cellswarm.swarm.parts import PartConfig, PartServer, PartSpec, load_part_model
 from cellswarm.swarm.stage import (
     Stage,
@@ -51,13 +52,16 @@ class WorkerConfig:
     node_id: str = ""
     profile: str | None = None
     token_file: str | None = None
-    model: str | None = None  # a local copy of the model, instead of the coordinator's path
-    listen_host: str = "127.0.0.1"
+    # A local copy of the model; without one the shard's bytes are fetched from the
+    # coordinator (hosts share no disk), only the chunks the shard needs.
+    model: str | None = None
+    listen: str | None = None  # HOST[:PORT] of the data port (default: route to coordinator)
+    advertise: str | None = None  # HOST[:PORT] peers dial (NAT, containers); default: listen
     threads: int | None = None
     log_dir: str | None = None
     stop_after_s: float = 5.0  # stop serving after this long without the coordinator
     fail_forward: bool = False  # fault injection for tests: every forward pass fails
-    fetch: bool = False  # fetch the shard from the coordinator even if its path is readable
+    fetch: bool = False  # fetch the shard even when --model is given
     perturb: float = 0.0  # fault injection for tests: this fraction of outputs go wrong
     dram_budget_bytes: int | None = None  # tier a MoE shard's experts: DRAM + the model file
     cache_dir: str | None = None  # where fetched shards are kept (default ~/.cache/cellswarm)
@@ -113,6 +117,10 @@ class Worker:
         self.probe: tuple[bool, str] | None = None
         self.caps: dict[str, Any] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.bind = parse_address(config.listen or route_source(self.urls[0]), "--listen")
+        self.advertised = parse_address(config.advertise, "--advertise") if config.advertise \
+            else None  # fmt: skip
+        self.clock = ClockOffset()  # the coordinator's clock minus ours
 
     # -- talking to the coordinator --------------------------------------------------------
 
@@ -155,8 +163,9 @@ class Worker:
     def _beat(self) -> dict[str, Any]:
         beat: dict[str, Any] = {
             "node_id": self.config.node_id, "session": self.session, "rss_bytes": rss_bytes(),
-            "peak_rss_bytes": peak_rss_bytes(), "data_port": self.data_port,
-            "ready": self.ready,
+            "peak_rss_bytes": peak_rss_bytes(), **self.data_address(),
+            "ready": self.ready, "sent_s": time.time(), "clock_offset_s": self.clock.offset_s,
+            "clock_error_s": self.clock.error_s,
             "refused": self.refused or None,
             "max_sequences": self.stage.config.max_sequences if self.stage else None,
             "stats": self.stage.stats() if self.stage else None,
@@ -164,7 +173,21 @@ class Worker:
         if self.probe is not None:
             beat["probe_ok"], beat["probe_error"] = self.probe
             self.probe = None
-        return self._post("/v1/heartbeat", beat)
+        answer = self._post("/v1/heartbeat", beat)
+        if answer.get("now_s") is not None:
+            self.clock.add(beat["sent_s"], float(answer["now_s"]), time.time())
+        return answer
+
+    def data_address(self) -> dict[str, Any]:
+        """Where peers reach this node's data port: the advertised address, else the bound
+        one (a wildcard bind leaves the host to the coordinator: the address we came from)."""
+        if self.data_port is None:
+            return {"data_port": None}
+        adv = self.advertised
+        host = adv.host if adv else self.bind.host
+        port = adv.port if adv and adv.port else self.data_port
+        wildcard = host in ("0.0.0.0", "::", "")
+        return {"data_port": port, **({} if wildcard else {"data_host": host})}
 
     def _post_session(self, path: str, data: dict[str, Any]) -> dict[str, Any]:
         return self._post(path, {**data, "node_id": self.config.node_id, "session": self.session})
@@ -261,7 +284,7 @@ class Worker:
             parts=tuple(PartSpec.from_dict(p) for p in shard.get("parts", ())),
             dram_budget_bytes=c.dram_budget_bytes,
         )  # fmt: skip
-        if c.fetch or not Path(config.model).exists():
+        if c.fetch or c.model is None:
             config = replace(config, model=str(await asyncio.to_thread(self.fetch, config)))
         # in a thread: the heartbeat goes on while a big shard loads (or the node looks dead)
         if not config.dram_budget_bytes:  # a tiered shard sizes its cache from its budget
@@ -274,7 +297,7 @@ class Worker:
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
         if config.first:
             self.head = Head(self.stage, self._post_session, self.lease_s)
-        self.server = await asyncio.start_server(self.stage.serve, c.listen_host, 0)
+        self.server = await asyncio.start_server(self.stage.serve, *self._bind())
         self.data_port = self.server.sockets[0].getsockname()[1]
         self.refused = ""
         log.info("serving layers %s on port %s", config.layers, self.data_port)
@@ -285,17 +308,20 @@ class Worker:
         c = self.config
         spec = PartSpec.from_dict({**shard["spec"], "node_id": c.node_id, "port": 0})
         model_path = c.model or str(shard["model"])
-        if c.fetch or not Path(model_path).exists():
+        if c.fetch or c.model is None:
             path = await asyncio.to_thread(self.fetch_selection, spec.selection())
             model_path = str(path)
         config = PartConfig(model_path, spec, c.threads, c.token_file, ("coordinator",))
         model = await asyncio.to_thread(load_part_model, config)
         check_part_budget(model, c.memory_bytes, spec)
         self.part = PartServer(config, model)
-        self.server = await asyncio.start_server(self.part.serve, c.listen_host, 0)
+        self.server = await asyncio.start_server(self.part.serve, *self._bind())
         self.data_port = self.server.sockets[0].getsockname()[1]
         self.refused = ""
         print(f"SERVING part {spec.node_id} {self.data_port}", flush=True)
+
+    def _bind(self) -> tuple[str, int]:
+        return self.bind.host, self.bind.port
 
     def fetch(self, config: StageConfig) -> Path:
         return self.fetch_selection(stage_selection(config))
@@ -315,7 +341,7 @@ class Worker:
 
         manifest = Manifest.from_json(get("/v1/model/manifest"))
         report = ensure_local(manifest, sel, lambda i: get(f"/v1/model/chunks/{i}"),
-                              self.config.cache_dir)  # fmt: skip
+                              self.config.cache_dir, Progress("shard"))  # fmt: skip
         print(f"FETCHED {report.chunks_fetched} chunks ({report.bytes_fetched:,} bytes), "
               f"{report.chunks_cached} from cache", flush=True)  # fmt: skip
         return report.path
