@@ -11,7 +11,8 @@
     ├── RequestError          a caller asked for something invalid (bad option, bad value)
     ├── ProtocolError         a peer sent a malformed, oversized or corrupt frame
     │   └── ChunkMismatchError    a fetched chunk of a model file does not match its manifest
-    └── SwarmError            the swarm cannot finish: retries spent, a stage offline
+    ├── SwarmError            the swarm cannot finish: retries spent, a stage offline
+    └── LabError              the lab cannot run here (not root, no namespaces) or failed
 
 Every message names the offending value and, where there is one, the fix.
 """
@@ -63,3 +64,7 @@ class ChunkMismatchError(ProtocolError):
 
 class SwarmError(CellswarmError):
     """Bounded retries ran out, or a stage failed too often to keep in the placement."""
+
+
+class LabError(CellswarmError):
+    """`cellswarm lab` cannot run on this machine (not root, no namespaces, ...) or failed."""

@@ -103,3 +103,37 @@ def peak_rss_bytes() -> int:
         return peak_hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+
+def cgroup_memory() -> dict[str, int]:
+    """This process's memory cgroup: its limit and how many processes the kernel killed in it
+    for memory (v1 memory.oom_control / v2 memory.events; {} when unreadable)."""
+    from pathlib import Path
+
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return {}
+    found: tuple[Path, str, str] | None = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # v1: the memory hierarchy's own line
+            found = (Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes",
+                     "memory.oom_control")  # fmt: skip
+            break
+        if controllers == "" and found is None:  # v2: the unified line
+            found = (Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max", "memory.events")
+    if found is None:
+        return {}
+    folder, limit_file, events_file = found
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        events = dict(x.split(" ", 1) for x in (folder / events_file).read_text().splitlines()
+                      if " " in x)  # fmt: skip
+    except OSError:
+        return {}
+    out = {"oom_kills": int(events.get("oom_kill", "0"))}
+    if limit.isdigit() and int(limit) < 1 << 60:
+        out["limit_bytes"] = int(limit)
+    return out

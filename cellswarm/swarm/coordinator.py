@@ -183,6 +183,9 @@ class Coordinator:
         if old is not None:  # a re-join: it dropped whatever it served; keep its record
             node = replace(old, state=state, session=session, capabilities=caps, host=host,
                            last_seen_s=now, shard=None, data_port=None, ready=None)
+        oom = oom_message(old.capabilities if old else {}, caps)
+        if oom:
+            node = replace(node, message=oom)
         self.store.put_node(node)
         if old is not None and old.state == "assigned":
             self.unwire(f"{node_id} re-joined")
@@ -549,6 +552,18 @@ class Coordinator:
             self._tokenizer = load_tokenizer(self.config.model)
         return self._tokenizer
 
+
+
+def oom_message(before: dict[str, Any], now: dict[str, Any]) -> str:
+    """Why a node came back, when its memory cgroup counts an OOM kill it did not have
+    before: the kernel killed its last process for going over the limit."""
+    kills, seen = int(now.get("oom_kills") or 0), int(before.get("oom_kills") or 0)
+    if kills <= seen:
+        return ""
+    limit = now.get("cgroup_limit_bytes")
+    where = f"its cgroup limit of {int(limit):,} bytes" if limit else "its memory limit"
+    return (f"killed by the kernel for memory ({kills - seen} OOM kill(s) over {where}; "
+            f"its --memory is {int(now.get('memory_bytes') or 0):,}): lower --memory")
 
 
 def elect(held: dict[str, Any] | None, me: str, now: float, ttl_s: float) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cellswarm.engine.memory import peak_rss_bytes, rss_bytes
+from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
 from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.head import Head
@@ -88,6 +88,10 @@ def measure_capabilities(config: WorkerConfig) -> dict[str, Any]:
         "memory_bytes": config.memory_bytes, "profile": config.profile,
         "bandwidth_bytes_per_s": int(bandwidth), "flops": int(flops),
     }  # fmt: skip
+    cgroup = cgroup_memory()  # a supervisor restarted us after the kernel's OOM killer?
+    if cgroup:
+        caps["oom_kills"] = cgroup["oom_kills"]
+        caps["cgroup_limit_bytes"] = cgroup.get("limit_bytes")
     if config.profile:
         from cellswarm.planner.profiles import get_profile
 
@@ -117,6 +121,7 @@ class Worker:
         self.probe: tuple[bool, str] | None = None
         self.caps: dict[str, Any] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.loading: asyncio.Task[None] | None = None  # the shard being loaded, if any
         self.bind = parse_address(config.listen or route_source(self.urls[0]), "--listen")
         self.advertised = parse_address(config.advertise, "--advertise") if config.advertise \
             else None  # fmt: skip
@@ -260,6 +265,11 @@ class Worker:
             return
         await self.stop_serving("a new shard")
         self.shard_key = key
+        # Loading (a fetch over a slow link, reading a big shard) runs beside the heartbeat:
+        # a node that stops beating while it loads looks dead to the coordinator.
+        self.loading = asyncio.create_task(self.load(shard))
+
+    async def load(self, shard: dict[str, Any]) -> None:
         try:
             if shard["role"] == "part":
                 await self.start_part(shard)
@@ -347,6 +357,9 @@ class Worker:
         return report.path
 
     async def stop_serving(self, why: str) -> None:
+        loading, self.loading = self.loading, None
+        if loading is not None and loading is not asyncio.current_task():
+            loading.cancel()  # a fetch in its thread finishes; its result is dropped
         if self.stage is not None:
             self.stage.log.event("stop", None, why=why)
             print(f"STOPPED {why}", flush=True)

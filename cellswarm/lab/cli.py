@@ -1,0 +1,186 @@
+"""`cellswarm lab up|status|run|down`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cellswarm.errors import LabError, RequestError
+from cellswarm.units import format_bytes, parse_bytes
+
+DEFAULT_STATE = "cellswarm-lab"
+
+
+def add_lab_command(sub: Any) -> None:
+    lab = sub.add_parser("lab", help="a swarm of real hosts (network namespaces) on this machine")
+    cmds = lab.add_subparsers(dest="lab_command", required=True)
+    up = cmds.add_parser("up", help="build the hosts and switches, start coordinators and workers")
+    up.add_argument("--hosts", type=int, default=8, help="worker hosts")
+    up.add_argument("--racks", type=int, default=2, help="racks (access switches)")
+    up.add_argument("--coordinators", type=int, default=1,
+                    help="2 or 3: they share PostgreSQL on a database host of its own")
+    up.add_argument("--topology", help="a TOML file with the [lab] keys below and slow hosts")
+    up.add_argument("--model", help="the .gguf file the coordinator places (default: demo)")
+    up.add_argument("--memory", default="128M", help="each worker's --memory and cgroup limit")
+    up.add_argument("--host-rate", default="1G", help="bits/s of a host port (default 1G)")
+    up.add_argument("--oversubscription", default="2.4:4",
+                    help="rack and aggregation uplink oversubscription "
+                    "(default: the planner's 2.4:4)")  # fmt: skip
+    up.add_argument("--slow", action="append", default=[], metavar="HOST=CORES",
+                    help="a slow host: CPU quota in cores, e.g. h3=0.2 (repeatable)")
+    up.add_argument("--stages", type=int, help="the coordinator's --stages")
+    up.add_argument("--expert-nodes", type=int, default=0, help="the coordinator's --expert-nodes")
+    up.add_argument("--prefix", default="cslab", help="names of namespaces and cgroups")
+    up.add_argument("--state-dir", default=DEFAULT_STATE, help="each host's folder, lab.json")
+    up.add_argument("--detach", action="store_true",
+                    help="return once up (then `cellswarm lab down`); default: stay in the "
+                    "foreground and take the lab down on Ctrl-C or SIGTERM")
+    up.set_defaults(func=cmd_up)
+    for name, helptext, func in (("status", "hosts, links, memory, the swarm", cmd_status),
+                                 ("down", "stop every process, remove namespaces and cgroups",
+                                  cmd_down)):  # fmt: skip
+        p = cmds.add_parser(name, help=helptext)
+        p.add_argument("--state-dir", default=DEFAULT_STATE)
+        p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+        p.set_defaults(func=func)
+    run = cmds.add_parser("run", help="run a command inside a host: lab run [--host h1] -- CMD")
+    run.add_argument("--host", default="c0", help="the host (default: the first coordinator)")
+    run.add_argument("--state-dir", default=DEFAULT_STATE)
+    run.add_argument("cmd", nargs=argparse.REMAINDER)
+    run.set_defaults(func=cmd_run)
+
+
+def spec_from_args(args: argparse.Namespace) -> Any:
+    from cellswarm.lab.topology import LabSpec
+    from cellswarm.planner.profiles import parse_rate
+
+    keys: dict[str, Any] = {}
+    if args.topology:
+        keys = _read_topology(Path(args.topology))
+    over = str(keys.pop("oversubscription", args.oversubscription)).split(":")
+    if len(over) != 2:
+        raise RequestError(
+            f"--oversubscription {args.oversubscription!r}: give ACCESS:AGG, e.g. 20:4"
+        )
+    slow = {**keys.pop("slow", {}), **dict(_slow(s) for s in args.slow)}
+    try:
+        return LabSpec(
+            hosts=int(keys.pop("hosts", args.hosts)), racks=int(keys.pop("racks", args.racks)),
+            coordinators=int(keys.pop("coordinators", args.coordinators)),
+            host_bits_per_s=parse_rate(keys.pop("host_rate", args.host_rate)),
+            access_oversubscription=float(over[0]), aggregation_oversubscription=float(over[1]),
+            memory_bytes=parse_bytes(str(keys.pop("memory", args.memory))),
+            slow_hosts={k: float(v) for k, v in slow.items()},
+            **keys,
+        )  # fmt: skip
+    except (ValueError, TypeError) as exc:
+        raise RequestError(f"lab: {exc}") from None
+
+
+def _read_topology(path: Path) -> dict[str, Any]:
+    import tomllib
+
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RequestError(f"--topology {path}: {exc}") from None
+    return dict(data.get("lab", data))
+
+
+def _slow(text: str) -> tuple[str, float]:
+    host, _, cores = text.partition("=")
+    try:
+        return host, float(cores)
+    except ValueError:
+        raise RequestError(f"--slow {text!r}: give HOST=CORES, e.g. h3=0.2") from None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from cellswarm.lab.lab import Lab
+
+    coordinator_args = ["--expert-nodes", str(args.expert_nodes)]
+    if args.stages:
+        coordinator_args += ["--stages", str(args.stages)]
+    lab = Lab(spec_from_args(args), Path(args.state_dir), args.model, args.prefix,
+              coordinator_args=tuple(coordinator_args))  # fmt: skip
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop["now"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        lab.up()
+        print_status(lab)
+        if args.detach:
+            print(f"lab up; `cellswarm lab down --state-dir {args.state_dir}` takes it down")
+            return 0
+        print("lab up; Ctrl-C (or SIGTERM) takes it down")
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("taking the lab down", file=sys.stderr)
+        lab.down()
+        return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cellswarm.lab.lab import Lab
+
+    lab = Lab.load(Path(args.state_dir))
+    if args.json:
+        print(json.dumps(lab.status(), indent=1))
+    else:
+        print_status(lab)
+    return 0
+
+
+def print_status(lab: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    status = lab.status()
+    t = Table(title=f"lab {status['prefix']} · coordinators {', '.join(status['coordinators'])}")
+    for col in ("host", "role", "rack", "address", "processes", "memory (peak of limit)",
+                "cpu", "oom kills"):  # fmt: skip
+        t.add_column(col)
+    for h in status["hosts"]:
+        limit = h.get("memory_limit_bytes", 0)
+        mem = (f"{format_bytes(h.get('memory_peak_bytes', 0))} of {format_bytes(limit)}"
+               if limit and limit < 1 << 50 else "-")  # fmt: skip
+        t.add_row(h["host"], h["role"], "-" if h["rack"] is None else str(h["rack"]),
+                  h["address"], str(h["processes"]), mem,
+                  f"{h['cpu_quota']:.2f} cores" if h["cpu_quota"] else "-",
+                  str(h["oom_kills"]))  # fmt: skip
+    Console().print(t)
+    for lk in status["links"]:
+        print(f"  {lk['tier']:<12} {lk['a']:>6} <-> {lk['b']:<6} {lk['rate_bits_per_s'] / 1e6:,.0f}"
+              " Mbit/s each way (tbf)")
+    for note in status["notes"]:
+        print(f"  note: {note}")
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from cellswarm.lab.lab import Lab
+
+    Lab.load(Path(args.state_dir)).down()
+    print("lab down: no process, namespace or cgroup left")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from cellswarm.lab.lab import Lab
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise RequestError("lab run: give a command after --, e.g. lab run --host h1 -- ip addr")
+    lab = Lab.load(Path(args.state_dir))
+    if args.host not in {h.name for h in lab.topology.hosts}:
+        raise LabError(f"no host {args.host!r}; hosts: {[h.name for h in lab.topology.hosts]}")
+    return lab.run(args.host, cmd)

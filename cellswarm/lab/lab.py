@@ -1,0 +1,377 @@
+"""`cellswarm lab`: a swarm of real hosts on one Linux machine.
+
+Every host is a network namespace with its own address, its own folder (database, token,
+logs, fetched shards, kernel cache: nothing read from another host's folder) and its own
+cgroup (memory limit = the worker's --memory, so the kernel kills a process that lies about
+its budget; a CPU quota makes a slow node). Switches are namespaces too (topology.py), with
+tbf-shaped ports. Coordinators and workers are started through the real CLI, inside their
+host; the operator (this process, the tests) reaches them through a port on the core switch.
+
+The lab's description and the pids it started are kept in STATE/lab.json, so `lab status`,
+`lab run` and `lab down` work from another shell; `down` removes every process, namespace
+and cgroup whose name has the lab's prefix, whatever state `up` left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cellswarm.errors import LabError
+from cellswarm.lab import system
+from cellswarm.lab.topology import SUBNET, HostSpec, LabSpec, Topology, build
+
+COORDINATOR_PORT = 8470
+OPERATOR_ADDRESS = f"{SUBNET}.255.254"  # the operator's port on the core switch
+
+
+@dataclass
+class Lab:
+    spec: LabSpec
+    state_dir: Path
+    model: str | None = None  # default: the demo model
+    prefix: str = "cslab"  # namespaces are PREFIX-HOST, cgroups PREFIX/HOST
+    coordinator_args: tuple[str, ...] = ()  # extra `cellswarm coordinator` flags
+    worker_args: tuple[str, ...] = ()  # extra `cellswarm worker` flags, every worker
+    host_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per worker host
+    cgroup_memory: dict[str, int] = field(default_factory=dict)  # a limit other than --memory
+    heartbeat_s: float = 0.25
+    heartbeat_timeout_s: float = 2.0
+    stop_after_s: float = 3.0
+    threads: int = 1
+    topology: Topology = field(init=False)
+    notes: list[str] = field(default_factory=list)  # what could not be applied, and why
+    pids: dict[str, list[int]] = field(default_factory=dict)
+    cgroups: dict[str, system.Cgroup] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.state_dir = Path(self.state_dir).resolve()
+        self.topology = build(self.spec)
+        if len(self.prefix) > 8 or not self.prefix.isalnum():
+            raise LabError(f"lab prefix {self.prefix!r}: give 1-8 letters or digits")
+
+    # -- names and places ------------------------------------------------------------------
+
+    def ns(self, name: str) -> str:
+        return f"{self.prefix}-{name}"
+
+    def host_dir(self, host: str) -> Path:
+        return self.state_dir / "hosts" / host
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{h.address}:{COORDINATOR_PORT}" for h in self.topology.hosts
+                if h.role == "coordinator"]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    # -- up --------------------------------------------------------------------------------
+
+    def up(self, start: bool = True) -> Lab:
+        why = system.why_not_supported()
+        if why:
+            raise LabError(why)
+        if system.netns_list(self.prefix + "-"):
+            raise LabError(f"a lab with prefix {self.prefix!r} is already up: "
+                           "run `cellswarm lab down` first")  # fmt: skip
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._build_network()
+            self._make_hosts()
+            self.save()
+            if start:
+                self.start_all()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _build_network(self) -> None:
+        topo = self.topology
+        for sw in topo.switches:
+            system.netns_add(self.ns(sw))
+            system.bridge_add(self.ns(sw))
+        for h in topo.hosts:
+            system.netns_add(self.ns(h.name))
+        for link in topo.links:
+            system.veth_add(self.ns(link.a), link.a_dev, self.ns(link.b), link.b_dev)
+            for ns, dev in ((link.a, link.a_dev), (link.b, link.b_dev)):
+                if ns in topo.switches:
+                    system.attach(self.ns(ns), dev)
+                else:
+                    system.address(self.ns(ns), dev, f"{topo.host(ns).address}/16")
+                if link.rate_bits_per_s:
+                    system.shape(self.ns(ns), dev, link.rate_bits_per_s)
+        # the operator's port: this (root) namespace reaches every host through the core
+        op = f"{self.prefix}op"
+        system.run("ip", "link", "add", op, "type", "veth", "peer", "name", "p-op",
+                   "netns", self.ns("core"))  # fmt: skip
+        system.attach(self.ns("core"), "p-op")
+        system.run("ip", "addr", "add", f"{OPERATOR_ADDRESS}/16", "dev", op)
+        system.run("ip", "link", "set", op, "up")
+        if not system.has_qdisc("netem"):
+            self.notes.append("delay, loss and reordering not applied: this kernel has no "
+                              "netem (only rates are shaped, with tbf)")  # fmt: skip
+
+    def _make_hosts(self) -> None:
+        token = secrets.token_hex(32)
+        kernels = _kernel_cache()
+        for h in self.topology.hosts:
+            d = self.host_dir(h.name)
+            if d.exists():
+                shutil.rmtree(d)
+            (d / "logs").mkdir(parents=True)
+            (d / "cluster.token").write_text(token)  # each host gets its own copy
+            (d / "cluster.token").chmod(0o600)
+            if kernels is not None:  # the installed software: its compiled kernels
+                shutil.copytree(kernels, d / "cache" / "kernels")
+            memory = self.cgroup_memory.get(h.name, h.memory_bytes or 0) or None
+            self.cgroups[h.name] = system.cgroup_create(self.prefix, h.name, memory,
+                                                        h.cpu_quota)  # fmt: skip
+
+    def start_all(self) -> None:
+        if self.spec.coordinators > 1:
+            self.start_database()
+        for h in self.topology.hosts:
+            if h.role == "coordinator":
+                self.start_coordinator(h.name)
+        for h in self.topology.workers():
+            self.start_worker(h.name, wait=False)
+        for h in self.topology.workers():
+            self.wait_output(h.name, "worker", "JOINED")
+
+    # -- processes -------------------------------------------------------------------------
+
+    def env(self, host: str) -> dict[str, str]:
+        d = self.host_dir(host)
+        return {**os.environ, "HOME": str(d), "CELLSWARM_CACHE": str(d / "cache"),
+                "PYTHONUNBUFFERED": "1"}  # fmt: skip
+
+    def spawn(self, host: str, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        """Start `cmd` inside host: its namespace, its cgroup, its folder; output appended
+        to HOST_DIR/NAME.out."""
+        d = self.host_dir(host)
+        with (d / f"{name}.out").open("ab") as out:
+            p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), *cmd], cwd=d,
+                                 env=self.env(host), stdout=out, stderr=subprocess.STDOUT,
+                                 preexec_fn=self._enter_cgroup(host),
+                                 start_new_session=True)  # fmt: skip
+        self.pids.setdefault(host, []).append(p.pid)
+        self.save()
+        return p
+
+    def _enter_cgroup(self, host: str) -> Callable[[], None]:
+        procs = self.cgroups[host].procs_files() if host in self.cgroups else []
+
+        def enter() -> None:  # in the child, before exec: it and all it starts
+            for f in procs:
+                with open(f, "w") as fh:
+                    fh.write(str(os.getpid()))
+
+        return enter
+
+    def cellswarm(self, host: str, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        return self.spawn(host, name, [sys.executable, "-m", "cellswarm.cli", *args])
+
+    def output(self, host: str, name: str) -> str:
+        path = self.host_dir(host) / f"{name}.out"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_output(self, host: str, name: str, text: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if text in self.output(host, name):
+                return
+            time.sleep(0.1)
+        tail = " | ".join(self.output(host, name).strip().splitlines()[-4:])
+        raise LabError(f"{name} on {host} did not print {text!r} in {timeout_s:.0f} s: {tail}")
+
+    def start_coordinator(self, host: str) -> None:
+        h, d = self.topology.host(host), self.host_dir(host)
+        db = self.database_url or f"sqlite:///{d / 'coordinator.db'}"
+        from cellswarm.demo import demo_model_path
+
+        args = ["coordinator", "--model", self.model or str(demo_model_path()),
+                "--listen", f"{h.address}:{COORDINATOR_PORT}", "--db", db,
+                "--token-file", str(d / "cluster.token"), "--log-dir", str(d / "logs"),
+                "--heartbeat", str(self.heartbeat_s),
+                "--heartbeat-timeout", str(self.heartbeat_timeout_s),
+                *self.coordinator_args]  # fmt: skip
+        self.cellswarm(host, "coordinator", args)
+        self.wait_output(host, "coordinator", "READY")
+
+    def start_worker(self, host: str, wait: bool = True) -> None:
+        h, d = self.topology.host(host), self.host_dir(host)
+        args = ["worker", "--join", ",".join(self.urls), "--memory", str(h.memory_bytes),
+                "--node-id", host, "--token-file", str(d / "cluster.token"),
+                "--log-dir", str(d / "logs"), "--threads", str(self.threads),
+                "--stop-after", str(self.stop_after_s),
+                *self.worker_args, *self.host_args.get(host, ())]  # fmt: skip
+        self.cellswarm(host, "worker", args)
+        if wait:
+            self.wait_output(host, "worker", "JOINED")
+
+    # -- the database host (several coordinators share PostgreSQL) -------------------------
+
+    @property
+    def database_url(self) -> str | None:
+        if self.spec.coordinators < 2:
+            return None
+        return f"postgresql://postgres@{self.topology.host('db').address}:5432/cellswarm"
+
+    def start_database(self) -> None:
+        from cellswarm.lab.postgres import start_postgres
+
+        start_postgres(self, "db")
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def kill_host(self, host: str, sig: int = signal.SIGKILL) -> list[int]:
+        """Every process in the host's namespace gets `sig` (a host dying: power cut)."""
+        pids = system.netns_pids(self.ns(host))
+        for pid in pids:
+            _signal(pid, sig)
+        return pids
+
+    def set_uplink(self, rack: int, up: bool) -> None:
+        """A rack's uplink to the aggregation switch goes down (or comes back), both ends."""
+        link = self.topology.uplink(rack)
+        system.link_state(self.ns(link.a), link.a_dev, up)
+        system.link_state(self.ns(link.b), link.b_dev, up)
+
+    # -- looking -----------------------------------------------------------------------------
+
+    def host_status(self, host: str) -> dict[str, Any]:
+        h = self.topology.host(host)
+        cg = self.cgroups.get(host)
+        mem = _cgroup_memory(cg) if cg else {}
+        alive = [p for p in system.netns_pids(self.ns(host))]
+        return {"host": host, "role": h.role, "address": h.address, "rack": h.rack,
+                "processes": len(alive), "cpu_quota": h.cpu_quota,
+                "oom_kills": cg.oom_kills() if cg else 0, **mem}  # fmt: skip
+
+    def status(self) -> dict[str, Any]:
+        return {"prefix": self.prefix, "state_dir": str(self.state_dir),
+                "coordinators": self.urls, "notes": self.notes,
+                "links": [asdict(lk) for lk in self.topology.links if lk.rate_bits_per_s],
+                "hosts": [self.host_status(h.name) for h in self.topology.hosts]}  # fmt: skip
+
+    def run(self, host: str, cmd: list[str], timeout_s: float | None = None) -> int:
+        """Run a command inside a host (its namespace, cgroup and folder), in the foreground."""
+        done = subprocess.run(["ip", "netns", "exec", self.ns(host), *cmd],
+                              cwd=self.host_dir(host), env=self.env(host), timeout=timeout_s,
+                              preexec_fn=self._enter_cgroup(host))  # fmt: skip
+        return done.returncode
+
+    # -- persistence and down ----------------------------------------------------------------
+
+    def save(self) -> None:
+        data = {"spec": {**asdict(self.spec)}, "prefix": self.prefix, "model": self.model,
+                "pids": self.pids, "notes": self.notes,
+                "cgroups": {k: asdict(v) for k, v in self.cgroups.items()}}  # fmt: skip
+        tmp = self.state_dir / "lab.json.tmp"
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(self.state_dir / "lab.json")
+
+    @classmethod
+    def load(cls, state_dir: Path) -> Lab:
+        path = Path(state_dir) / "lab.json"
+        if not path.exists():
+            raise LabError(f"no lab in {state_dir} (no lab.json): start one with "
+                           "`cellswarm lab up`")  # fmt: skip
+        data = json.loads(path.read_text())
+        lab = cls(LabSpec(**data["spec"]), Path(state_dir), data["model"], data["prefix"])
+        lab.pids, lab.notes = data["pids"], data["notes"]
+        lab.cgroups = {k: system.Cgroup(v["kind"], tuple(v["paths"]))
+                       for k, v in data["cgroups"].items()}  # fmt: skip
+        return lab
+
+    def down(self) -> None:
+        """Every process, namespace and cgroup of this lab's prefix: gone."""
+        from cellswarm.lab.postgres import stop_postgres
+
+        namespaces = system.netns_list(self.prefix + "-")
+        for ns in namespaces:
+            for pid in system.netns_pids(ns):
+                _signal(pid, signal.SIGKILL)
+        for pids in self.pids.values():
+            for pid in pids:
+                _signal(pid, signal.SIGKILL)
+        stop_postgres(self)
+        _wait_gone([pid for pids in self.pids.values() for pid in pids], 10.0)
+        for ns in namespaces:
+            system.netns_delete(ns)
+        system.run("ip", "link", "delete", f"{self.prefix}op", check=False)
+        system.cgroup_remove_all(self.prefix)
+        (self.state_dir / "lab.json").unlink(missing_ok=True)
+
+    def __enter__(self) -> Lab:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            if not Path(f"/proc/{pid}").exists() or _zombie(pid):
+                break
+            time.sleep(0.05)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _cgroup_memory(cg: system.Cgroup) -> dict[str, int]:
+    d = cg.memory_dir()
+    names = {"v1": ("memory.usage_in_bytes", "memory.max_usage_in_bytes", "memory.limit_in_bytes"),
+             "v2": ("memory.current", "memory.peak", "memory.max")}[cg.kind]  # fmt: skip
+    out = {}
+    for key, name in zip(("memory_used_bytes", "memory_peak_bytes", "memory_limit_bytes"), names,
+                         strict=True):  # fmt: skip
+        try:
+            text = (d / name).read_text().strip()
+            out[key] = int(text) if text.isdigit() else 0
+        except OSError:
+            out[key] = 0
+    return out
+
+
+def _kernel_cache() -> Path | None:
+    """This machine's compiled kernels (built now if needed), copied into each host's
+    cache as software is installed on each machine."""
+    try:
+        from cellswarm.kernels import build
+
+        return build().parent
+    except Exception:  # no compiler: hosts run the numpy path, as such a machine would
+        return None
+
+
+__all__ = ["HostSpec", "Lab", "LabSpec"]

@@ -1,0 +1,91 @@
+"""The lab's database host: a PostgreSQL server of its own in host `db`, shared by the
+coordinators (as a real two-coordinator swarm runs it). Debian's server binaries are used
+as they are; `initdb` refuses root, so the cluster belongs to the `postgres` user."""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cellswarm.errors import LabError
+
+if TYPE_CHECKING:
+    from cellswarm.lab.lab import Lab
+
+USER = "postgres"
+
+
+def pg_bin() -> Path | None:
+    """The folder of initdb / postgres, or None when PostgreSQL is not installed."""
+    found = shutil.which("initdb")
+    if found and shutil.which("postgres"):
+        return Path(os.path.realpath(found)).parent
+    for d in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
+        if Path(d, "initdb").exists() and Path(d, "postgres").exists():
+            return Path(d)
+    return None
+
+
+def _as_postgres(binary: Path, *args: str) -> list[str]:
+    return ["runuser", "-u", USER, "--", str(binary), *args]
+
+
+def start_postgres(lab: Lab, host: str) -> None:
+    binary = pg_bin()
+    if binary is None:
+        raise LabError("--coordinators 2 needs PostgreSQL's server binaries on this machine "
+                       "(Debian: apt-get install postgresql)")  # fmt: skip
+    try:
+        pwd.getpwnam(USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", USER], check=True)
+    pw = pwd.getpwnam(USER)
+    root = lab.host_dir(host) / "pg"
+    root.mkdir(parents=True, exist_ok=True)
+    os.chown(root, pw.pw_uid, pw.pw_gid)
+    os.chmod(lab.host_dir(host), 0o755)
+    data = root / "data"
+    done = subprocess.run(_as_postgres(binary / "initdb", "-D", str(data), "-A", "trust",
+                                       "-U", USER, "--no-sync", "-E", "UTF8"),
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        raise LabError(f"initdb failed: {done.stderr.strip()[-300:]}")
+    with (data / "pg_hba.conf").open("a") as f:  # the lab's hosts, no password (a lab)
+        f.write("host all all 10.77.0.0/16 trust\n")
+    address = lab.topology.host(host).address
+    lab.spawn(host, "postgres", _as_postgres(
+        binary / "postgres", "-D", str(data), "-k", str(root), "-p", "5432",
+        "-c", f"listen_addresses={address}", "-c", "max_connections=200"))  # fmt: skip
+    _wait_ready(lab, host, binary, address)
+    created = subprocess.run(
+        ["ip", "netns", "exec", lab.ns(host), *_as_postgres(
+            binary / "createdb" if (binary / "createdb").exists() else Path("createdb"),
+            "-h", address, "-p", "5432", "-U", USER, "cellswarm")],
+        capture_output=True, text=True)  # fmt: skip
+    if created.returncode != 0:
+        raise LabError(f"createdb failed: {created.stderr.strip()[-300:]}")
+
+
+def _wait_ready(lab: Lab, host: str, binary: Path, address: str, timeout_s: float = 60) -> None:
+    isready = binary / "pg_isready"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ok = subprocess.run(["ip", "netns", "exec", lab.ns(host), str(isready), "-h", address,
+                             "-p", "5432"], capture_output=True)  # fmt: skip
+        if ok.returncode == 0:
+            return
+        time.sleep(0.2)
+    raise LabError(f"PostgreSQL on {host} did not start: {lab.output(host, 'postgres')[-300:]}")
+
+
+def stop_postgres(lab: Lab) -> None:
+    """Nothing to do beyond killing the db host's processes (`down` does), but a server
+    killed hard leaves its pid file: remove the data folder's lock so a next `up` starts."""
+    for pid_file in lab.state_dir.glob("hosts/*/pg/data/postmaster.pid"):
+        pid_file.unlink(missing_ok=True)

@@ -1,0 +1,126 @@
+"""The lab's wiring as data: hosts, switches, links and their rates — pure, no system calls.
+
+The seed's three tiers, each switch a network namespace holding one Linux bridge:
+
+    worker hosts --host ports--> rack (access) switch --uplink--> aggregation --uplink--> core
+    coordinator / database hosts --host ports--> core
+
+Every host is on one flat /16 (bridges forward layer 2), so addresses never change when a
+link goes down: the host is simply unreachable, as a real rack behind a dead uplink is.
+Port rates come from the node profile's link; an uplink carries the rack's (or the
+aggregation's) host rate divided by its oversubscription — the planner's network model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUBNET = "10.77"  # 10.77.0.0/16: infrastructure hosts in .0.x, rack r's hosts in .(r+1).x
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    name: str  # c0, c1, db, h1, h2, ...
+    role: str  # "coordinator", "database" or "worker"
+    address: str
+    switch: str  # the switch namespace's short name its port is on
+    rack: int | None = None  # None: infrastructure, on the core switch
+    memory_bytes: int | None = None  # the cgroup's limit (a worker's --memory)
+    cpu_quota: float | None = None  # fraction of one core, None: unlimited
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One veth pair between namespaces `a` and `b` (short names), shaped both ways."""
+
+    a: str
+    a_dev: str
+    b: str
+    b_dev: str
+    rate_bits_per_s: float | None  # None: unshaped
+    tier: str  # "host", "access" (rack uplink) or "aggregation" (aggregation uplink)
+
+
+@dataclass(frozen=True)
+class LabSpec:
+    hosts: int = 8  # worker hosts
+    racks: int = 2
+    coordinators: int = 1  # more than one: they share PostgreSQL on a host of its own
+    racks_per_aggregation: int = 2
+    host_bits_per_s: float = 1e9
+    access_oversubscription: float = 2.4  # host ports : rack uplink (planner default)
+    aggregation_oversubscription: float = 4.0
+    memory_bytes: int = 128 << 20  # each worker's --memory and cgroup limit
+    slow_hosts: dict[str, float] = field(default_factory=dict)  # host -> CPU quota (cores)
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.racks < 1 or self.racks > self.hosts:
+            raise ValueError(f"--hosts {self.hosts} --racks {self.racks}: need 1 <= racks <= hosts")
+        if self.racks > 200 or self.hosts > 250 * self.racks:
+            raise ValueError(f"{self.hosts} hosts in {self.racks} racks do not fit 10.77.0.0/16")
+        if not 1 <= self.coordinators <= 3:
+            raise ValueError(f"--coordinators {self.coordinators}: give 1, 2 or 3")
+        for what in ("host_bits_per_s", "access_oversubscription", "aggregation_oversubscription"):
+            if getattr(self, what) <= 0:
+                raise ValueError(f"{what} must be positive")
+
+
+@dataclass(frozen=True)
+class Topology:
+    spec: LabSpec
+    hosts: tuple[HostSpec, ...]
+    switches: tuple[str, ...]  # core, agg0.., rack0..
+    links: tuple[LinkSpec, ...]
+
+    def host(self, name: str) -> HostSpec:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(f"no host {name!r} in this lab; hosts: {[h.name for h in self.hosts]}")
+
+    def workers(self) -> list[HostSpec]:
+        return [h for h in self.hosts if h.role == "worker"]
+
+    def rack_hosts(self, rack: int) -> list[HostSpec]:
+        return [h for h in self.workers() if h.rack == rack]
+
+    def uplink(self, rack: int) -> LinkSpec:
+        return next(lk for lk in self.links if lk.tier == "access" and lk.a == f"rack{rack}")
+
+
+def rack_of(index: int, hosts: int, racks: int) -> int:
+    """Worker host `index` (0-based) goes to rack index * racks // hosts: racks as even as
+    can be, consecutive hosts together (a pipeline's hops mostly stay inside a rack)."""
+    return index * racks // hosts
+
+
+def build(spec: LabSpec) -> Topology:
+    infra = [f"c{k}" for k in range(spec.coordinators)] + (["db"] if spec.coordinators > 1 else [])
+    hosts = [
+        HostSpec(name, "database" if name == "db" else "coordinator", f"{SUBNET}.0.{k + 1}", "core")
+        for k, name in enumerate(infra)
+    ]
+    per_rack: dict[int, int] = {}
+    for i in range(spec.hosts):
+        rack = rack_of(i, spec.hosts, spec.racks)
+        per_rack[rack] = per_rack.get(rack, 0) + 1
+        name = f"h{i + 1}"
+        hosts.append(HostSpec(name, "worker", f"{SUBNET}.{rack + 1}.{per_rack[rack]}",
+                              f"rack{rack}", rack, spec.memory_bytes,
+                              spec.slow_hosts.get(name)))  # fmt: skip
+    n_agg = -(-spec.racks // spec.racks_per_aggregation)
+    switches = ("core", *(f"agg{a}" for a in range(n_agg)),
+                *(f"rack{r}" for r in range(spec.racks)))  # fmt: skip
+    links = [LinkSpec(h.name, "eth0", h.switch, f"p-{h.name}",
+                      None if h.rack is None else spec.host_bits_per_s, "host")
+             for h in hosts]  # fmt: skip
+    uplink = [per_rack.get(r, 0) * spec.host_bits_per_s / spec.access_oversubscription
+              for r in range(spec.racks)]  # fmt: skip
+    for r in range(spec.racks):
+        agg = r // spec.racks_per_aggregation
+        links.append(LinkSpec(f"rack{r}", "uplink", f"agg{agg}", f"p-rack{r}", uplink[r], "access"))
+    for a in range(n_agg):  # as the planner: what its racks' uplinks bring, oversubscribed
+        down = sum(uplink[a * spec.racks_per_aggregation:(a + 1) * spec.racks_per_aggregation])
+        links.append(LinkSpec(f"agg{a}", "uplink", "core", f"p-agg{a}",
+                              down / spec.aggregation_oversubscription, "aggregation"))  # fmt: skip
+    return Topology(spec, tuple(hosts), switches, tuple(links))

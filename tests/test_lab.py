@@ -1,0 +1,196 @@
+"""The swarm across real hosts: `cellswarm lab` (network namespaces on bridges as racks,
+an aggregation and a core switch, tbf-shaped ports, a cgroup per host), every process
+started through the real CLI inside its host, every worker with its own folder (it fetches
+its shard: no shared disk). Skipped, with the reason, where the lab cannot run (not root,
+not Linux, no namespaces)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cellswarm
+from cellswarm.engine.model import GenerateOptions
+from cellswarm.lab import system
+from cellswarm.lab.lab import Lab
+from cellswarm.lab.topology import LabSpec
+from cellswarm.swarm import client
+from tests.waiting import wait_until
+
+WHY_NOT = system.why_not_supported()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "Water boils at"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def expected(demo_path: Path) -> dict[str, list[int]]:
+    """Greedy tokens of one process, with the stop tokens the coordinator sets for text."""
+    model = cellswarm.load(demo_path)
+    opts = GenerateOptions(48, stop_ids=model.tokenizer.stop_ids)
+    return {p: model.generate(p, opts).token_ids for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """8 worker hosts in 2 racks (128 MiB each: the demo model needs 3 of them) and a
+    coordinator host; the tests below change it (a host dies, a rack is cut off) and put
+    it back."""
+    spec = LabSpec(hosts=8, racks=2, memory_bytes=128 << 20)
+    with Lab(spec, tmp_path_factory.mktemp("lab"), prefix="cstest") as lab:
+        client.wait_wired(lab.url, 180)
+        yield lab
+
+
+def _nodes(lab: Lab) -> dict[str, dict[str, Any]]:
+    return {n["node_id"]: n for n in client.call(lab.url, "/v1/status")["nodes"]}
+
+
+def _generate(lab: Lab, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    return client.submit(lab.url, {"prompt": prompt, "max_tokens": max_tokens})
+
+
+def test_the_lab_is_real_hosts(lab: Lab) -> None:
+    """Every host its own address; the coordinator wired each node by the address it
+    advertised (its own, not loopback); a worker's folder holds only its own files."""
+    nodes = _nodes(lab)
+    assert set(nodes) == {f"h{i}" for i in range(1, 9)}
+    for name, n in nodes.items():
+        host = lab.topology.host(name)
+        assert n["address"].split(":")[0] == host.address
+        assert n["clock_offset_s"] is not None
+    out = subprocess.run(["ip", "netns", "exec", lab.ns("h1"), "ip", "-4", "-o", "addr"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "10.77.1.1/16" in out and "127.0.0.1" in out and "10.77.0.1" not in out
+    assigned = [h for h, n in nodes.items() if n["state"] == "assigned"]
+    for h in assigned:  # fetched its shard into its own cache: no model path was given
+        assert "FETCHED" in lab.output(h, "worker")
+        assert list((lab.host_dir(h) / "cache" / "models").glob("*.gguf"))
+
+
+def test_tokens_identical_to_one_process_then_a_host_dies(
+    lab: Lab, expected: dict[str, list[int]]
+) -> None:
+    ids = {p: _generate(lab, p) for p in PROMPTS}
+    for p, rid in ids.items():
+        assert client.wait(lab.url, rid, timeout_s=120)["tokens"] == expected[p][:MAX_TOKENS]
+
+    # a host holding a middle stage loses power mid-generation
+    before = _nodes(lab)
+    victim = next(h for h, n in before.items() if n["stage"] == 1)
+    layers = before[victim]["layers"]
+    prompt = PROMPTS[0]
+    rid = _generate(lab, prompt, 48)
+    wait_until(lambda: len(client.call(lab.url, f"/v1/requests/{rid}")["tokens"]) >= 3, 60)
+    assert lab.kill_host(victim)
+    result = client.wait(lab.url, rid, timeout_s=180)
+    assert result["tokens"] == expected[prompt]  # the same text, resumed from its tokens
+    after = _nodes(lab)
+    assert after[victim]["state"] == "lost"
+    heir = [h for h, n in after.items() if n["layers"] == layers and n["state"] == "assigned"]
+    assert heir and heir[0] != victim  # the layers moved to another host
+    lab.start_worker(victim)  # the host is back: its worker joins as a spare
+    wait_until(lambda: _nodes(lab)[victim]["state"] == "spare", 60)
+
+
+def test_a_rack_cut_off_mid_batch_loses_nothing(lab: Lab) -> None:
+    """The uplink of the rack holding the most stages goes down mid-batch: its workers stop
+    serving after --stop-after, their layers move to the other rack, the batch completes
+    with an exact ledger; the link comes back and they rejoin as spares."""
+    client.wait_wired(lab.url, 120)
+    nodes = _nodes(lab)
+    rack_of = {h.name: h.rack for h in lab.topology.workers()}
+    assigned = [h for h, n in nodes.items() if n["state"] == "assigned"]
+    rack = max((0, 1), key=lambda r: sum(rack_of[h] == r for h in assigned))
+    cut = [h.name for h in lab.topology.rack_hosts(rack)]
+    before = client.call(lab.url, "/v1/ledger")
+    items = [{"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 6}
+             for i in range(24)]  # fmt: skip
+    batch = client.call(lab.url, "/v1/batches", {"items": items})["batch_id"]
+    wait_until(lambda: client.call(lab.url, f"/v1/batches/{batch}")["finished"] >= 2, 120)
+    lab.set_uplink(rack, up=False)
+    try:
+        wait_until(lambda: client.call(lab.url, f"/v1/batches/{batch}")["finished"] == 24, 240)
+        stopped = [h for h in cut if h in assigned]
+        wait_until(lambda: all("STOPPED no coordinator" in lab.output(h, "worker")
+                               for h in stopped), 30)  # fmt: skip
+        after = _nodes(lab)
+        serving = [h for h, n in after.items() if n["state"] == "assigned"]
+        assert serving and not set(serving) & set(cut)
+    finally:
+        lab.set_uplink(rack, up=True)
+    ledger = client.call(lab.url, "/v1/ledger")
+    done = {k: ledger[k] - before.get(k, 0) for k in ("done", "dead", "cancelled")}
+    assert done == {"done": 24, "dead": 0, "cancelled": 0}, ledger
+    assert ledger["queued"] == ledger["leased"] == 0
+    assert ledger["duplicates"] == 0 and ledger["done_without_commit"] == 0, ledger
+    wait_until(lambda: all(_nodes(lab)[h]["state"] == "spare" for h in cut), 60)
+
+
+def test_lab_cli_status_run_and_refusal(lab: Lab) -> None:
+    """`lab status` and `lab run` from another process, on the lab's own state folder."""
+    cli = [sys.executable, "-m", "cellswarm.cli", "lab"]
+    state = ["--state-dir", str(lab.state_dir)]
+    status = subprocess.run([*cli, "status", *state], capture_output=True, text=True)
+    assert status.returncode == 0 and "10.77.2.4" in status.stdout and "netem" in status.stdout
+    run = subprocess.run([*cli, "run", *state, "--host", "h5", "--", "cat",
+                          "/proc/self/cgroup"], capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0 and "cstest/h5" in run.stdout
+    again = subprocess.run([*cli, "up", "--prefix", "cstest", "--state-dir",
+                            str(lab.state_dir / "other"), "--detach"],
+                           capture_output=True, text=True)  # fmt: skip
+    assert again.returncode == 2 and "already up" in again.stderr
+
+
+def test_a_worker_killed_by_its_cgroup_is_marked_and_replaced(
+    tmp_path: Path, lab: Lab
+) -> None:
+    """h4 claims --memory 128M but its cgroup holds 38 MiB (an idle worker has ~28 MiB of
+    anonymous memory, a serving one ~45; mapped weights are reclaimable and never count
+    against it): given a shard, the kernel kills it, its layers go to the next spare, and
+    when it is restarted (as systemd would) it joins saying why it died."""
+    lab.down()  # one lab at a time: this test builds its own
+    spec = LabSpec(hosts=5, racks=1, memory_bytes=128 << 20)
+    small = Lab(spec, tmp_path, prefix="cstest", cgroup_memory={"h4": 38 << 20})
+    small.up(start=False)
+    try:
+        small.start_coordinator("c0")
+        for h in ("h1", "h2", "h3", "h4"):  # h4 joins before h5: the first spare
+            small.start_worker(h)
+        client.wait_wired(small.url, 180)
+        small.start_worker("h5")
+        small.kill_host("h2")
+        wait_until(lambda: small.cgroups["h4"].oom_kills() >= 1, 120)
+        status = client.wait_wired(small.url, 180)
+        holders = {n["node_id"] for n in status["nodes"] if n["state"] == "assigned"}
+        assert holders == {"h1", "h3", "h5"}
+        small.start_worker("h4")
+        wait_until(lambda: "killed by the kernel for memory" in _message(small, "h4"), 60)
+    finally:
+        small.down()
+
+
+def _message(lab: Lab, node: str) -> str:
+    return str(next(n["message"] for n in client.call(lab.url, "/v1/status")["nodes"]
+                    if n["node_id"] == node))  # fmt: skip
+
+
+def test_down_leaves_nothing(tmp_path: Path) -> None:
+    spec = LabSpec(hosts=2, racks=1)
+    lab = Lab(spec, tmp_path, prefix="cstest")
+    lab.up(start=False)
+    lab.cellswarm("h1", "sleep", ["--help"])
+    proc = lab.spawn("h2", "sleeper", ["sleep", "600"])
+    assert system.netns_list("cstest-")
+    lab.down()
+    assert not system.netns_list("cstest-")
+    assert proc.wait(10) is not None
+    assert not Path("/sys/fs/cgroup/memory/cstest").exists()
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert "cstestop" not in links
