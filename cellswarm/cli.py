@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cellswarm.swarm.commands import add_commands
 
     add_commands(sub)
+    from cellswarm.swarm.certs_cli import add_certs_commands
+
+    add_certs_commands(sub)
     from cellswarm.sim.cli import add_simulate_command
 
     add_simulate_command(sub)
