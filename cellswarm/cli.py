@@ -72,6 +72,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--ids", action="store_true", help="the prompt is comma-separated token ids")
     p.add_argument("--coordinator", help="run on this swarm (its URL) instead of in-process")
+    p.add_argument("--tls", metavar="DIR", help="with --coordinator: mutual TLS (certs folder)")
     t = p.add_argument_group("tiered box (MoE models): weights split between DRAM and a slow tier")
     t.add_argument("--dram-budget", help="anonymous memory for this process in all, e.g. 8G")
     t.add_argument(
