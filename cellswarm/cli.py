@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cellswarm.swarm.commands import add_commands
 
     add_commands(sub)
+    from cellswarm.swarm.certs_cli import add_certs_commands
+
+    add_certs_commands(sub)
     from cellswarm.sim.cli import add_simulate_command
 
     add_simulate_command(sub)
@@ -72,6 +75,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--ids", action="store_true", help="the prompt is comma-separated token ids")
     p.add_argument("--coordinator", help="run on this swarm (its URL) instead of in-process")
+    p.add_argument("--tls", metavar="DIR", help="with --coordinator: mutual TLS (certs folder)")
     t = p.add_argument_group("tiered box (MoE models): weights split between DRAM and a slow tier")
     t.add_argument("--dram-budget", help="anonymous memory for this process in all, e.g. 8G")
     t.add_argument(

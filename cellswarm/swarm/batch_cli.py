@@ -39,6 +39,7 @@ def add_batch_commands(sub: Any) -> None:
     t.set_defaults(func=lambda a: _post(a, f"/v1/batches/{a.job}/retry-failed"))
     for p in (s, w, r, c, t):
         p.add_argument("--coordinator", default=DEFAULT_URL, help="the coordinator's URL")
+        p.add_argument("--tls", metavar="DIR", help="mutual TLS: this node's certs folder")
 
 
 def read_items(path: Path) -> list[dict[str, Any]]:
@@ -69,7 +70,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     answer = client.call(args.coordinator, "/v1/batches", {
         "name": args.name or args.file.name, "items": items,
         "verify_fraction": args.verify, "idempotency_key": key,
-    })  # fmt: skip
+    }, tls=args.tls)  # fmt: skip
     print(answer["batch_id"])
     print(f"{answer['total']} jobs; watch: cellswarm batch watch {answer['batch_id']}",
           file=sys.stderr)  # fmt: skip
@@ -81,13 +82,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     from cellswarm.swarm import client
 
-    info = client.call(args.coordinator, f"/v1/batches/{args.job}")
+    info = client.call(args.coordinator, f"/v1/batches/{args.job}", tls=args.tls)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[detail]}")]  # fmt: skip
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task(info["name"], total=info["total"], detail="")
         while True:
-            info = client.call(args.coordinator, f"/v1/batches/{args.job}")
+            info = client.call(args.coordinator, f"/v1/batches/{args.job}", tls=args.tls)
             c = info["counts"]
             eta = "-" if info["eta_s"] is None else f"{info['eta_s']:.0f} s"
             detail = (f"done {c['done']} failed {c['dead']} cancelled {c['cancelled']} | "
@@ -102,7 +103,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def cmd_results(args: argparse.Namespace) -> int:
     from cellswarm.swarm import client
 
-    rows = client.call(args.coordinator, f"/v1/batches/{args.job}/results")["results"]
+    path = f"/v1/batches/{args.job}/results"
+    rows = client.call(args.coordinator, path, tls=args.tls)["results"]
     lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     if args.output:
         args.output.write_text(lines)
@@ -116,5 +118,5 @@ def cmd_results(args: argparse.Namespace) -> int:
 def _post(args: argparse.Namespace, path: str) -> int:
     from cellswarm.swarm import client
 
-    print(json.dumps(client.call(args.coordinator, path, {})))
+    print(json.dumps(client.call(args.coordinator, path, {}, tls=args.tls)))
     return 0

@@ -1,8 +1,13 @@
-"""A small HTTP client for the coordinator (standard library only: workers and CLIs use it)."""
+"""A small HTTP client for the coordinator (standard library only: workers and CLIs use it).
+
+With `tls` (a node's certificate folder, swarm/tls.py) it speaks mutual TLS to an https URL.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -12,14 +17,17 @@ from typing import Any
 from cellswarm.errors import RequestError, SwarmError
 
 
-def call(url: str, path: str, data: dict[str, Any] | None = None, timeout_s: float = 35.0) -> Any:
+def call(
+    url: str, path: str, data: dict[str, Any] | None = None, timeout_s: float = 35.0,
+    tls: str | None = None,
+) -> Any:  # fmt: skip
     """GET (data None) or POST JSON; a coordinator's error becomes a RequestError carrying
     its message; an unreachable one a SwarmError naming the URL."""
     body = None if data is None else json.dumps(data).encode()
     req = urllib.request.Request(url.rstrip("/") + path, body,
                                  {"Content-Type": "application/json"})  # fmt: skip
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        with urllib.request.urlopen(req, timeout=timeout_s, context=_context(url, tls)) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -28,16 +36,27 @@ def call(url: str, path: str, data: dict[str, Any] | None = None, timeout_s: flo
             message = f"HTTP {exc.code}"
         raise RequestError(f"coordinator at {url}: {message}") from None
     except (OSError, ValueError) as exc:
-        raise SwarmError(f"no coordinator answers at {url} ({exc}); is it running?") from None
+        hint = "is it running?" + (f" Is --tls {tls} of its cluster's CA?" if tls else "")
+        raise SwarmError(f"no coordinator answers at {url} ({exc}); {hint}") from None
 
 
-def submit(url: str, request: dict[str, Any]) -> str:
-    return str(call(url, "/v1/requests", request)["request_id"])
+@functools.lru_cache(maxsize=8)
+def _context(url: str, tls: str | None) -> ssl.SSLContext | None:
+    """The client side of mutual TLS for `url`, loaded once per folder (a poll loop calls
+    often); None for plain http."""
+    from cellswarm.swarm.tls import check_url, client_context
+
+    check_url(url, tls)
+    return client_context(tls) if tls else None
+
+
+def submit(url: str, request: dict[str, Any], tls: str | None = None) -> str:
+    return str(call(url, "/v1/requests", request, tls=tls)["request_id"])
 
 
 def wait(
     url: str, request_id: str, on_tokens: Callable[[list[int]], None] | None = None,
-    timeout_s: float = 600.0, patience_s: float = 60.0,
+    timeout_s: float = 600.0, patience_s: float = 60.0, tls: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Long-poll until the request ends; its final state with all its tokens. `on_tokens` gets
     each new batch as it comes. Rides out a coordinator restart (`patience_s` without one)."""
@@ -45,7 +64,7 @@ def wait(
     deadline, last_ok = time.monotonic() + timeout_s, time.monotonic()
     while time.monotonic() < deadline:
         try:
-            r = call(url, f"/v1/requests/{request_id}?after={len(tokens)}&wait_s=10")
+            r = call(url, f"/v1/requests/{request_id}?after={len(tokens)}&wait_s=10", tls=tls)
         except SwarmError:
             if time.monotonic() - last_ok > patience_s:
                 raise
@@ -60,13 +79,13 @@ def wait(
     raise SwarmError(f"request {request_id} did not finish within {timeout_s:.0f} s")
 
 
-def wait_wired(url: str, timeout_s: float = 120.0) -> dict[str, Any]:
+def wait_wired(url: str, timeout_s: float = 120.0, tls: str | None = None) -> dict[str, Any]:
     """Until the coordinator reports a wired ring; its status."""
     deadline = time.monotonic() + timeout_s
     status: dict[str, Any] = {}
     while time.monotonic() < deadline:
         try:
-            status = call(url, "/v1/status", timeout_s=5)
+            status = call(url, "/v1/status", timeout_s=5, tls=tls)
             if status["wired"]:
                 return status
         except SwarmError:

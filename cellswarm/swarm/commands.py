@@ -76,6 +76,8 @@ def add_commands(sub: Any) -> None:
     s = sub.add_parser("status", help="every node of a swarm: state, shard, memory, failures")
     s.add_argument("--coordinator", default=DEFAULT_URL, help="the coordinator's URL")
     s.set_defaults(func=cmd_status)
+    for p in (c, w, s):
+        add_tls_option(p)
 
     u = sub.add_parser("up", help="a coordinator and N local workers, as separate processes")
     u.add_argument("--workers", type=int, default=3)
@@ -86,6 +88,13 @@ def add_commands(sub: Any) -> None:
     u.add_argument("--state-dir", default="cellswarm-state", help="database, token, logs")
     u.add_argument("--port", type=int, default=8470)
     u.set_defaults(func=cmd_up)
+    add_tls_option(u)
+
+
+def add_tls_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls", metavar="DIR",
+                   help="mutual TLS with this node's certificate folder (ca.pem, node.pem, "
+                   "node.key from `cellswarm certs node`); URLs become https://")  # fmt: skip
 
 
 def _model(path: str | None) -> str:
@@ -120,7 +129,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         stages=args.stages, expert_nodes=args.expert_nodes, vocab_nodes=args.vocab_nodes,
         context=args.context, replicas=args.replicas, lease_s=args.lease,
         evict_after_disagreements=args.evict_after, max_sequences=args.max_sequences,
-        log_dir=args.log_dir, leader_ttl_s=args.leader_ttl,
+        log_dir=args.log_dir, leader_ttl_s=args.leader_ttl, tls_dir=args.tls,
     ))  # fmt: skip
     return 0
 
@@ -134,7 +143,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         threads=args.threads, log_dir=args.log_dir, stop_after_s=args.stop_after,
         listen=args.listen, advertise=args.advertise,
         fail_forward=args.fail_forward, fetch=args.fetch, cache_dir=args.cache_dir,
-        perturb=args.perturb,
+        perturb=args.perturb, tls_dir=args.tls,
         dram_budget_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
     ))  # fmt: skip
     return 0
@@ -143,7 +152,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from cellswarm.swarm import client
 
-    print_status(client.call(args.coordinator, "/v1/status"))
+    print_status(client.call(args.coordinator, "/v1/status", tls=args.tls))
     return 0
 
 
@@ -180,11 +189,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     swarm = LocalSwarm(model=_model(args.model), workers=args.workers, memory=args.memory,
                        state_dir=Path(args.state_dir), profile=args.profile,
-                       stages=args.stages, port=args.port)  # fmt: skip
+                       stages=args.stages, port=args.port, tls_dir=args.tls)  # fmt: skip
     with swarm:
         print_status(swarm.wait_ready())
         print(f"coordinator: {swarm.url} (token in {swarm.token_file}); Ctrl-C stops the swarm")
-        print(f"try: cellswarm generate 'Hello' --coordinator {swarm.url}")
+        tls = f" --tls {args.tls}" if args.tls else ""
+        print(f"try: cellswarm generate 'Hello' --coordinator {swarm.url}{tls}")
         while all(p.poll() is None for p in swarm.procs.values()):
             time.sleep(0.5)
     return 1
@@ -199,8 +209,8 @@ def generate_remote(args: argparse.Namespace) -> int:
                 "seed": args.seed}  # fmt: skip
     t0 = time.perf_counter()
     rid = client.submit(args.coordinator, {"prompt": args.prompt, "max_tokens": args.max_tokens,
-                                           "sampling": sampling})  # fmt: skip
-    result = client.wait(args.coordinator, rid)
+                                           "sampling": sampling}, args.tls)  # fmt: skip
+    result = client.wait(args.coordinator, rid, tls=args.tls)
     print(result.get("text", ""))
     took_s = time.perf_counter() - t0
     print(f"[request {rid} | {result['n_tokens']} tokens ({result['reason']}) in {took_s:.2f} s"

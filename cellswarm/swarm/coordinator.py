@@ -39,6 +39,7 @@ from cellswarm.swarm.membership import (
 )
 from cellswarm.swarm.stage import reset_stage
 from cellswarm.swarm.store import Node, NodeId, Store
+from cellswarm.swarm.tls import client_context
 
 log = logging.getLogger("cellswarm.coordinator")
 
@@ -70,6 +71,7 @@ class CoordinatorConfig:
     lease_s: float = 10.0  # a head must checkpoint a job within this, or it goes elsewhere
     evict_after_disagreements: int = 3  # verification: outvoted this often, taken out
     leader_ttl_s: float = 5.0  # several coordinators on PostgreSQL: a leader's term
+    tls_dir: str | None = None  # mutual TLS: its HTTPS and its resets to stages (tls.py)
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_s:
@@ -86,6 +88,7 @@ class Coordinator:
         self.store = Store(db)
         self.queue = JobQueue(db, QueueConfig(lease_s=config.lease_s))
         self.token = load_token(config.token_file) if config.token_file else None
+        self.tls = client_context(config.tls_dir) if config.tls_dir else None  # for resets
         self.nonces: dict[str, float] = {}  # nonce -> expiry; each is good for one proof
         self.layout: list[Shard] = json.loads(self.store.get_meta("layout", "[]"))
         self.id = f"{config.host}:{config.port}/{uuid.uuid4().hex[:8]}"
@@ -401,7 +404,8 @@ class Coordinator:
         assert node.data_port is not None
         if self.epoch != fields["epoch"]:  # a newer epoch (maybe a newer leader's): stop;
             return True  # a stale reset must never take a stage back to an older epoch
-        return await reset_stage(node.host, node.data_port, fields, self.token, PEER_ID)
+        return await reset_stage(node.host, node.data_port, fields, self.token, PEER_ID,
+                                 tls=self.tls)  # fmt: skip
 
     async def monitor(self) -> None:
         while True:

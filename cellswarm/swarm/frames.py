@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -124,17 +125,20 @@ def no_delay(writer: asyncio.StreamWriter) -> None:
 
 
 async def connect(
-    host: str, port: int, token: bytes | None = None, peer: str = "client"
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Open a frame connection; with a cluster token, answer the listener's challenge."""
-    reader, writer = await asyncio.open_connection(host, port)
+    host: str, port: int, token: bytes | None = None, peer: str = "client",
+    tls: ssl.SSLContext | None = None,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:  # fmt: skip
+    """Open a frame connection (over TLS with a context, swarm/tls.py); with a cluster
+    token, answer the listener's challenge."""
+    reader, writer = await asyncio.open_connection(host, port, ssl=tls)
     no_delay(writer)
     if token is not None:
         from cellswarm.swarm.auth import prove
 
         challenge = await read_frame(reader)
         if challenge is None or challenge.type != "challenge":
-            raise ProtocolError(f"{host}:{port} sent no challenge; is it part of this swarm?")
+            why = " (or it refused our TLS certificate)" if tls else ""
+            raise ProtocolError(f"{host}:{port} sent no challenge; is it part of this swarm?{why}")
         proof = prove(token, str(challenge.fields["nonce"]), peer)
         await write_frame(writer, Frame("proof", {"peer": peer, "mac": proof}))
     return reader, writer
@@ -194,12 +198,18 @@ def write_frame_sync(sock: socket.socket, frame: Frame) -> None:
 
 def connect_sync(
     host: str, port: int, token: bytes | None = None, peer: str = "client",
-    timeout_s: float = 30.0,
+    timeout_s: float = 30.0, tls: ssl.SSLContext | None = None,
 ) -> socket.socket:  # fmt: skip
-    """A blocking frame connection (the same handshake as `connect`). The timeout bounds
+    """A blocking frame connection (the same handshakes as `connect`). The timeout bounds
     every later read too, so a hung peer fails a step instead of freezing it."""
     sock = socket.create_connection((host, port), timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is not None:
+        try:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+        except OSError:
+            sock.close()
+            raise
     if token is not None:
         from cellswarm.swarm.auth import prove
 

@@ -28,6 +28,7 @@ import itertools
 import json
 import logging
 import socket
+import ssl
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -110,6 +111,7 @@ class PartConfig:
     threads: int | None = None
     token_file: str | None = None  # cluster token: every connection must prove it (auth.py)
     peers: tuple[str, ...] = ()  # who may connect: the stages using it, and the client
+    tls_dir: str | None = None  # mutual TLS on its listener (swarm/tls.py)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -224,7 +226,10 @@ async def main(config: PartConfig) -> None:
         print(f"REFUSED {exc}", flush=True)
         return
     server = PartServer(config, model)
-    listener = await asyncio.start_server(server.serve, "127.0.0.1", config.spec.port)
+    from cellswarm.swarm.tls import server_context
+
+    tls = server_context(config.tls_dir) if config.tls_dir else None
+    listener = await asyncio.start_server(server.serve, "127.0.0.1", config.spec.port, ssl=tls)
     print(f"READY {listener.sockets[0].getsockname()[1]}", flush=True)
     async with listener:
         await listener.serve_forever()
@@ -245,14 +250,17 @@ class PartClient:
     """One blocking connection to a part server, opened on first use and dropped on any
     error, so the next use reconnects (to a replacement, after a failure)."""
 
-    def __init__(self, spec: PartSpec, token: bytes | None, peer: str) -> None:
-        self.spec, self.token, self.peer = spec, token, peer
+    def __init__(
+        self, spec: PartSpec, token: bytes | None, peer: str, tls: ssl.SSLContext | None = None
+    ) -> None:
+        self.spec, self.token, self.peer, self.tls = spec, token, peer, tls
         self._sock: socket.socket | None = None
 
     def send(self, frame: Frame) -> None:
         try:
             if self._sock is None:
-                self._sock = connect_sync(self.spec.host, self.spec.port, self.token, self.peer)
+                self._sock = connect_sync(self.spec.host, self.spec.port, self.token, self.peer,
+                                          tls=self.tls)  # fmt: skip
             write_frame_sync(self._sock, frame)
         except (OSError, ProtocolError) as exc:
             self.close()
@@ -280,8 +288,11 @@ class PartClient:
 class ExpertParts:
     """RemoteExperts (models/deepseek2.py) over expert part servers."""
 
-    def __init__(self, specs: Sequence[PartSpec], token: bytes | None, peer: str) -> None:
-        self.clients = [PartClient(s, token, peer) for s in specs if s.experts]
+    def __init__(
+        self, specs: Sequence[PartSpec], token: bytes | None, peer: str,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:  # fmt: skip
+        self.clients = [PartClient(s, token, peer, tls) for s in specs if s.experts]
         # layer -> (expert id -> index of the client holding it, -1: none); the first
         # holder wins if two hold one
         self.holder: dict[int, np.ndarray] = {}
@@ -325,13 +336,16 @@ class VocabParts:
     """The embedding and output head over vocab part servers holding contiguous row ranges;
     `matmul` and `take_rows` answer as the whole PackedMatrix would (ops.Rows)."""
 
-    def __init__(self, specs: Sequence[PartSpec], token: bytes | None, peer: str) -> None:
+    def __init__(
+        self, specs: Sequence[PartSpec], token: bytes | None, peer: str,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:  # fmt: skip
         held = sorted(((s.vocab_rows, s) for s in specs if s.vocab_rows is not None),
                       key=lambda rs: rs[0])  # fmt: skip
         ranges = [r for r, _ in held]
         if not ranges or ranges[0][0] or any(a[1] != b[0] for a, b in itertools.pairwise(ranges)):
             raise ProtocolError(f"vocab parts' rows {ranges} do not tile [0, vocab)")
-        self.clients = [PartClient(s, token, peer) for _, s in held]
+        self.clients = [PartClient(s, token, peer, tls) for _, s in held]
         self.bounds: np.ndarray = np.asarray([a for a, _ in ranges] + [ranges[-1][1]])
 
     def matmul(self, x: npt.ArrayLike) -> np.ndarray:

@@ -220,7 +220,7 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 
 
 def serve(config: CoordinatorConfig) -> None:
-    """Run until interrupted. Prints `READY http://HOST:PORT` once listening."""
+    """Run until interrupted. Prints `READY http://HOST:PORT` (https with TLS) once listening."""
     import uvicorn
 
     coord = Coordinator(config)
@@ -228,7 +228,7 @@ def serve(config: CoordinatorConfig) -> None:
         print("warning: no --token-file: any process that can reach this port may join",
               flush=True)  # fmt: skip
     uv = uvicorn.Config(build_app(coord), host=config.host, port=config.port,
-                        log_level="warning", lifespan="on")  # fmt: skip
+                        log_level="warning", lifespan="on", **_tls(config.tls_dir))  # fmt: skip
     server = uvicorn.Server(uv)
 
     async def run() -> None:
@@ -238,7 +238,22 @@ def serve(config: CoordinatorConfig) -> None:
                 return await task
             await asyncio.sleep(0.02)
         port = server.servers[0].sockets[0].getsockname()[1]
-        print(f"READY http://{config.host}:{port}", flush=True)
+        scheme = "https" if config.tls_dir else "http"
+        print(f"READY {scheme}://{config.host}:{port}", flush=True)
         await task
 
     asyncio.run(run())
+
+
+def _tls(tls_dir: str | None) -> dict[str, Any]:
+    """uvicorn's options for mutual TLS: our certificate, and a client's required (tls.py)."""
+    if tls_dir is None:
+        return {}
+    import ssl
+
+    from cellswarm.swarm.tls import TLS12_CIPHERS, files
+
+    ca, cert, key = files(tls_dir)
+    return {"ssl_certfile": cert, "ssl_keyfile": key, "ssl_ca_certs": ca,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_version": ssl.PROTOCOL_TLS_SERVER,
+            "ssl_ciphers": TLS12_CIPHERS}  # fmt: skip

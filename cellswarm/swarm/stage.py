@@ -18,6 +18,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -37,6 +38,7 @@ from cellswarm.swarm.emulate import Emulation, precise_loop
 from cellswarm.swarm.frames import Frame, accept, connect, no_delay, read_frame, write_frame
 from cellswarm.swarm.logs import JsonLog
 from cellswarm.swarm.parts import ExpertParts, PartLost, PartSpec, VocabParts
+from cellswarm.swarm.tls import client_context, server_context
 
 log = logging.getLogger("cellswarm.stage")
 T = TypeVar("T")
@@ -70,6 +72,7 @@ class StageConfig:
     # A big box as one stage: routed experts tiered between this much DRAM and the model
     # file (engine/tiered.py) instead of held whole.
     dram_budget_bytes: int | None = None
+    tls_dir: str | None = None  # mutual TLS on every data-plane connection (swarm/tls.py)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -136,6 +139,7 @@ class Stage:
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.log = JsonLog(config.log_dir, config.node_id)
         self.token = load_token(config.token_file) if config.token_file else None
+        self.tls = client_context(config.tls_dir) if config.tls_dir else None  # to dial peers
         self.emulation = Emulation.for_stage(model, config.profile) if config.profile else None
         self.requests: dict[int, str] = {}  # seq -> request id, for the logs
         self.steps, self.busy_s = 0, 0.0
@@ -159,8 +163,9 @@ class Stage:
         self.experts.close()
         if self.vocab is not None:
             self.vocab.close()
-        self.vocab = VocabParts(c.parts, self.token, c.node_id) if c.vocab_remote else None
-        self.experts = ExpertParts(c.parts, self.token, c.node_id)
+        tls = self.tls
+        self.vocab = VocabParts(c.parts, self.token, c.node_id, tls) if c.vocab_remote else None
+        self.experts = ExpertParts(c.parts, self.token, c.node_id, tls)
         if self.experts.clients:
             check_expert_cover(self.model, self.experts)
             self.model.arch.remote_experts = self.experts  # type: ignore[attr-defined]
@@ -246,7 +251,7 @@ class Stage:
                 if self._next is None:
                     _, self._next = await _connect(
                         host, port, self.token, self.config.node_id,
-                        still=lambda: self.epoch == epoch,
+                        still=lambda: self.epoch == epoch, tls=self.tls,
                     )  # fmt: skip
                 await write_frame(self._next, frame)
             except (OSError, ConnectionError) as exc:
@@ -526,14 +531,16 @@ class Stage:
 
 async def _connect(
     host: str, port: int, token: bytes | None, peer: str, attempts: int = 20,
-    still: Callable[[], bool] = lambda: True,
+    still: Callable[[], bool] = lambda: True, tls: ssl.SSLContext | None = None,
 ) -> tuple[Any, Any]:
     """Connect, retrying for about a second (a replacement may be starting), while `still`."""
     for _ in range(attempts):
         if not still():
             break
         try:
-            return await connect(host, port, token, peer)
+            return await connect(host, port, token, peer, tls)
+        except ssl.SSLError:
+            raise  # a refused certificate: retrying will not change it
         except OSError:
             await asyncio.sleep(0.05)
     raise ConnectionError(f"stage at {host}:{port} did not answer")
@@ -541,12 +548,12 @@ async def _connect(
 
 async def reset_stage(
     host: str, port: int, fields: dict[str, Any], token: bytes | None, peer: str = "client",
-    timeout_s: float = 5.0,
+    timeout_s: float = 5.0, tls: ssl.SSLContext | None = None,
 ) -> bool:  # fmt: skip
     """Send a stage (or part server) a `reset` frame — a new epoch, and with a coordinator
     the ring's new wiring — and wait for `reset_done`; False if it is silent or gone."""
     try:
-        reader, writer = await asyncio.wait_for(connect(host, port, token, peer), timeout_s)
+        reader, writer = await asyncio.wait_for(connect(host, port, token, peer, tls), timeout_s)
         await write_frame(writer, Frame("reset", fields))
         answer = await asyncio.wait_for(read_frame(reader), timeout_s)
         writer.close()
@@ -645,7 +652,8 @@ async def main(config: StageConfig) -> None:
     except CellswarmError as exc:
         print(f"REFUSED {exc}", flush=True)
         return
-    server = await asyncio.start_server(stage.serve, "127.0.0.1", config.listen_port)
+    tls = server_context(config.tls_dir) if config.tls_dir else None
+    server = await asyncio.start_server(stage.serve, "127.0.0.1", config.listen_port, ssl=tls)
     port = server.sockets[0].getsockname()[1]
     print(f"READY {port}", flush=True)
     async with server:

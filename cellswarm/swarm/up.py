@@ -52,6 +52,9 @@ class LocalSwarm:
     coordinators: int = 1  # more than one: they share `db`, which must be PostgreSQL
     db: str | None = None  # default: a SQLite file in state_dir
     leader_ttl_s: float = 5.0
+    # mutual TLS on both planes: a node's certificate folder (`cellswarm certs node`), used by
+    # the coordinator, every worker and this object's own calls
+    tls_dir: str | None = None
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)
 
@@ -68,7 +71,8 @@ class LocalSwarm:
                              "database: pass db='postgresql://...'")  # fmt: skip
         self.port = self.port or free_port()
         self.ports = [self.port, *(free_port() for _ in range(self.coordinators - 1))]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        scheme = "https" if self.tls_dir else "http"
+        self.urls = [f"{scheme}://127.0.0.1:{p}" for p in self.ports]
         self.url = self.urls[0]
 
     def _spawn(self, name: str, args: list[str], ready: str) -> subprocess.Popen[str]:
@@ -114,6 +118,7 @@ class LocalSwarm:
             args += ["--api-key-file", str(self.api_key_file)]
         if self.coordinators > 1:
             args += ["--leader-ttl", str(self.leader_ttl_s)]
+        args += ["--tls", str(self.tls_dir)] if self.tls_dir else []
         self._spawn(f"coordinator-{k}" if k else "coordinator", args, "READY")
 
     def start_worker(self, i: int) -> None:
@@ -130,6 +135,7 @@ class LocalSwarm:
             args += ["--perturb", str(self.perturb[i])]
         if self.dram_budget:
             args += ["--dram-budget", self.dram_budget]
+        args += ["--tls", str(self.tls_dir)] if self.tls_dir else []
         if self.fetch:  # as a host sharing no disk: only its shard's bytes, over HTTP
             args += ["--cache-dir", str(self.state_dir / f"cache-{i}")]
         else:  # one machine: every worker reads the coordinator's file
@@ -151,7 +157,7 @@ class LocalSwarm:
         self.close()
 
     def wait_ready(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        return client.wait_wired(self.url, timeout_s)
+        return client.wait_wired(self.url, timeout_s, tls=self.tls_dir)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.procs[name]
@@ -167,4 +173,4 @@ class LocalSwarm:
             p.wait()
 
     def status(self) -> dict[str, Any]:
-        return dict(client.call(self.url, "/v1/status"))
+        return dict(client.call(self.url, "/v1/status", tls=self.tls_dir))

@@ -39,6 +39,7 @@ from cellswarm.swarm.stage import (
     stage_selection,
 )
 from cellswarm.swarm.store import shard_id
+from cellswarm.swarm.tls import check_url, client_context, server_context, tls_failure
 
 log = logging.getLogger("cellswarm.worker")
 
@@ -65,6 +66,7 @@ class WorkerConfig:
     perturb: float = 0.0  # fault injection for tests: this fraction of outputs go wrong
     dram_budget_bytes: int | None = None  # tier a MoE shard's experts: DRAM + the model file
     cache_dir: str | None = None  # where fetched shards are kept (default ~/.cache/cellswarm)
+    tls_dir: str | None = None  # mutual TLS to the coordinator and on the data plane (tls.py)
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -126,6 +128,11 @@ class Worker:
         self.advertised = parse_address(config.advertise, "--advertise") if config.advertise \
             else None  # fmt: skip
         self.clock = ClockOffset()  # the coordinator's clock minus ours
+        for url in self.urls:
+            check_url(url, config.tls_dir)
+        self.tls = client_context(config.tls_dir) if config.tls_dir else None  # we dial
+        self.tls_server = server_context(config.tls_dir) if config.tls_dir else None  # we serve
+        self.tls_failure = ""  # the last TLS error said, so it is said once
 
     # -- talking to the coordinator --------------------------------------------------------
 
@@ -142,7 +149,7 @@ class Worker:
             req = urllib.request.Request(self.urls[i] + path, json.dumps(data).encode(),
                                          {"Content-Type": "application/json"})  # fmt: skip
             try:
-                with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
+                with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S, context=self.tls) as r:
                     out: dict[str, Any] = json.loads(r.read())
             except urllib.error.HTTPError:
                 raise  # it answered: its answer stands
@@ -227,6 +234,7 @@ class Worker:
                     self.session = None
                     log.warning("coordinator refused us: %s", exc.read().decode()[:200])
             except (OSError, ValueError) as exc:
+                self._say_tls_failure(exc)
                 quiet_s = time.monotonic() - last_ok
                 if quiet_s > self.config.stop_after_s and self.session is not None:
                     await self.stop_serving(f"no coordinator for {quiet_s:.1f} s ({exc})")
@@ -235,6 +243,14 @@ class Worker:
                 last_ok = time.monotonic()
                 await self.apply(answer)
             await asyncio.sleep(self.heartbeat_s)
+
+    def _say_tls_failure(self, exc: Exception) -> None:
+        """A refused handshake is not an outage: say what it was (once), not just retry."""
+        why = tls_failure(exc) if self.tls is not None else ""
+        if why and why != self.tls_failure:
+            log.warning("TLS with the coordinator failed: %s; does --tls %s hold a certificate "
+                        "of this cluster's CA?", why, self.config.tls_dir)  # fmt: skip
+        self.tls_failure = why
 
     async def lead(self) -> None:
         """As a replica's head: pull jobs and run them whenever the ring is wired."""
@@ -292,7 +308,7 @@ class Worker:
             max_sequences=int(shard["max_sequences"]), log_dir=c.log_dir, node_id=c.node_id,
             profile=c.profile, token_file=c.token_file, peers=("coordinator",),
             parts=tuple(PartSpec.from_dict(p) for p in shard.get("parts", ())),
-            dram_budget_bytes=c.dram_budget_bytes,
+            dram_budget_bytes=c.dram_budget_bytes, tls_dir=c.tls_dir,
         )  # fmt: skip
         if c.fetch or c.model is None:
             config = replace(config, model=str(await asyncio.to_thread(self.fetch, config)))
@@ -307,7 +323,8 @@ class Worker:
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
         if config.first:
             self.head = Head(self.stage, self._post_session, self.lease_s)
-        self.server = await asyncio.start_server(self.stage.serve, *self._bind())
+        self.server = await asyncio.start_server(self.stage.serve, *self._bind(),
+                                                 ssl=self.tls_server)  # fmt: skip
         self.data_port = self.server.sockets[0].getsockname()[1]
         self.refused = ""
         log.info("serving layers %s on port %s", config.layers, self.data_port)
@@ -321,11 +338,13 @@ class Worker:
         if c.fetch or c.model is None:
             path = await asyncio.to_thread(self.fetch_selection, spec.selection())
             model_path = str(path)
-        config = PartConfig(model_path, spec, c.threads, c.token_file, ("coordinator",))
+        config = PartConfig(model_path, spec, c.threads, c.token_file, ("coordinator",),
+                            tls_dir=c.tls_dir)  # fmt: skip
         model = await asyncio.to_thread(load_part_model, config)
         check_part_budget(model, c.memory_bytes, spec)
         self.part = PartServer(config, model)
-        self.server = await asyncio.start_server(self.part.serve, *self._bind())
+        self.server = await asyncio.start_server(self.part.serve, *self._bind(),
+                                                 ssl=self.tls_server)  # fmt: skip
         self.data_port = self.server.sockets[0].getsockname()[1]
         self.refused = ""
         print(f"SERVING part {spec.node_id} {self.data_port}", flush=True)
@@ -345,7 +364,7 @@ class Worker:
 
         def get(path: str) -> bytes:
             req = urllib.request.Request(self.url + path, headers=headers)
-            with urllib.request.urlopen(req, timeout=30) as r:
+            with urllib.request.urlopen(req, timeout=30, context=self.tls) as r:
                 data: bytes = r.read()
                 return data
 
