@@ -50,6 +50,7 @@ class Lab:
     heartbeat_timeout_s: float = 2.0
     stop_after_s: float = 3.0
     threads: int = 1
+    tls: bool = False  # a cluster CA, a certificate per host, --tls on every process
     topology: Topology = field(init=False)
     notes: list[str] = field(default_factory=list)  # what could not be applied, and why
     pids: dict[str, list[int]] = field(default_factory=dict)
@@ -71,8 +72,17 @@ class Lab:
 
     @property
     def urls(self) -> list[str]:
-        return [f"http://{h.address}:{COORDINATOR_PORT}" for h in self.topology.hosts
+        scheme = "https" if self.tls else "http"
+        return [f"{scheme}://{h.address}:{COORDINATOR_PORT}" for h in self.topology.hosts
                 if h.role == "coordinator"]  # fmt: skip
+
+    @property
+    def operator_tls(self) -> str | None:
+        """The operator's certificate folder (for client calls), when the lab runs TLS."""
+        return str(self.state_dir / "operator") if self.tls else None
+
+    def _tls_args(self, host: str) -> list[str]:
+        return ["--tls", str(self.host_dir(host) / "tls")] if self.tls else []
 
     @property
     def url(self) -> str:
@@ -128,6 +138,13 @@ class Lab:
 
     def _make_hosts(self) -> None:
         token = secrets.token_hex(32)
+        if self.tls:
+            from cellswarm.swarm.tls import init_ca, issue
+
+            if (self.state_dir / "ca").exists():
+                shutil.rmtree(self.state_dir / "ca")
+            init_ca(self.state_dir / "ca")
+            issue(self.state_dir / "ca", "operator", self.state_dir / "operator")
         kernels = _kernel_cache()
         for h in self.topology.hosts:
             d = self.host_dir(h.name)
@@ -138,6 +155,10 @@ class Lab:
             (d / "cluster.token").chmod(0o600)
             if kernels is not None:  # the installed software: its compiled kernels
                 shutil.copytree(kernels, d / "cache" / "kernels")
+            if self.tls:  # as an operator would: the CA stays with them, a cert per host
+                from cellswarm.swarm.tls import issue
+
+                issue(self.state_dir / "ca", h.name, d / "tls", hosts=[h.address])
             memory = self.cgroup_memory.get(h.name, h.memory_bytes or 0) or None
             self.cgroups[h.name] = system.cgroup_create(self.prefix, h.name, memory,
                                                         h.cpu_quota)  # fmt: skip
@@ -209,7 +230,7 @@ class Lab:
                 "--token-file", str(d / "cluster.token"), "--log-dir", str(d / "logs"),
                 "--heartbeat", str(self.heartbeat_s),
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s),
-                *self.coordinator_args]  # fmt: skip
+                *self._tls_args(host), *self.coordinator_args]  # fmt: skip
         self.cellswarm(host, "coordinator", args)
         self.wait_output(host, "coordinator", "READY")
 
@@ -218,7 +239,7 @@ class Lab:
         args = ["worker", "--join", ",".join(self.urls), "--memory", str(h.memory_bytes),
                 "--node-id", host, "--token-file", str(d / "cluster.token"),
                 "--log-dir", str(d / "logs"), "--threads", str(self.threads),
-                "--stop-after", str(self.stop_after_s),
+                "--stop-after", str(self.stop_after_s), *self._tls_args(host),
                 *self.worker_args, *self.host_args.get(host, ())]  # fmt: skip
         self.cellswarm(host, "worker", args)
         if wait:
@@ -280,6 +301,7 @@ class Lab:
 
     def save(self) -> None:
         data = {"spec": {**asdict(self.spec)}, "prefix": self.prefix, "model": self.model,
+                "tls": self.tls,
                 "pids": self.pids, "notes": self.notes,
                 "cgroups": {k: asdict(v) for k, v in self.cgroups.items()}}  # fmt: skip
         tmp = self.state_dir / "lab.json.tmp"
@@ -293,7 +315,8 @@ class Lab:
             raise LabError(f"no lab in {state_dir} (no lab.json): start one with "
                            "`cellswarm lab up`")  # fmt: skip
         data = json.loads(path.read_text())
-        lab = cls(LabSpec(**data["spec"]), Path(state_dir), data["model"], data["prefix"])
+        lab = cls(LabSpec(**data["spec"]), Path(state_dir), data["model"], data["prefix"],
+                  tls=bool(data.get("tls")))  # fmt: skip
         lab.pids, lab.notes = data["pids"], data["notes"]
         lab.cgroups = {k: system.Cgroup(v["kind"], tuple(v["paths"]))
                        for k, v in data["cgroups"].items()}  # fmt: skip
