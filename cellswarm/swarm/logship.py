@@ -61,6 +61,7 @@ class LogShipper:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
+        self._failing = False  # backing off: a full batch does not cut the wait short
         self._thread: threading.Thread | None = None
         self._threaded = thread  # False: the caller runs ship_once (tests)
 
@@ -80,7 +81,7 @@ class LogShipper:
                 self.dropped_total += 1
             self.buffer.append(event)
             full = len(self.buffer) >= self.batch
-        if full:
+        if full and not self._failing:
             self._wake.set()
         if self._thread is None and self._threaded:
             self.start()
@@ -136,6 +137,7 @@ class LogShipper:
             while ok and not self._stop and self.pending() >= self.batch:  # catching up
                 ok = self.ship_once()
             backoff = self.every_s if ok else min(2 * backoff, self.max_backoff_s)
+            self._failing = not ok
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the thread after one last try at what is left."""
