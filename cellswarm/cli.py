@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     lg = sub.add_parser("logs", help="one request's timeline, merged across every node's log")
     lg.add_argument("request_id")
     lg.add_argument("--dir", default="cellswarm-logs", help="folder of the nodes' .jsonl logs")
+    lg.add_argument("--coordinator", help="read the events every node shipped to this "
+                    "coordinator instead (URL; nodes need not share a disk)")
+    lg.add_argument("--token-file", help="with --coordinator: prove the cluster token")
+    lg.add_argument("--api-key-file", help="with --coordinator: send its first key")
+    lg.add_argument("--tls", metavar="DIR", help="with --coordinator: mutual TLS (certs folder)")
     lg.set_defaults(func=_cmd_logs)
     d = sub.add_parser("demo", help="the demo model on a local swarm, a worker killed mid-way")
     d.add_argument("--max-tokens", type=int, default=48)
@@ -282,6 +287,20 @@ def _smaller_context(result: Any, api: Any) -> Any:
 def _cmd_logs(args: argparse.Namespace) -> int:
     from cellswarm.swarm.logs import format_timeline, timeline
 
+    if args.coordinator:
+        from cellswarm.swarm.auth import load_token
+        from cellswarm.swarm.logship import fetch_timeline
+        from cellswarm.swarm.openai_api import load_api_keys
+
+        key = None
+        if args.api_key_file:
+            load_api_keys(args.api_key_file)  # the same checks (exists, holds a key)
+            lines = Path(args.api_key_file).read_text().splitlines()
+            key = next(s for line in lines if (s := line.strip()) and not s.startswith("#"))
+        token = load_token(args.token_file) if args.token_file else None
+        events, clocks = fetch_timeline(args.coordinator, args.request_id, token, key, args.tls)
+        print(format_timeline(events, clocks))
+        return 0
     if not Path(args.dir).is_dir():
         raise RequestError(f"log folder {args.dir} does not exist; pass --dir")
     print(format_timeline(timeline(args.dir, args.request_id)))

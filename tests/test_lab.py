@@ -133,6 +133,28 @@ def test_a_rack_cut_off_mid_batch_loses_nothing(lab: Lab) -> None:
     wait_until(lambda: all(_nodes(lab)[h]["state"] == "spare" for h in cut), 60)
 
 
+def test_logs_of_a_request_come_from_every_host(lab: Lab) -> None:
+    """No shared disk: `cellswarm logs ID --coordinator URL` shows the request's hops on
+    the coordinator's host and every stage's host, in (clock-corrected) time order."""
+    rid = _generate(lab, PROMPTS[1], 4)
+    client.wait(lab.url, rid, timeout_s=120)
+    stages = {h for h, n in _nodes(lab).items() if n["state"] == "assigned"}
+    token = str(lab.host_dir("c0") / "cluster.token")
+    cmd = [sys.executable, "-m", "cellswarm.cli", "logs", rid, "--coordinator", lab.url,
+           "--token-file", token]  # fmt: skip
+
+    def hosts_seen() -> set[str]:
+        out = subprocess.run(cmd, capture_output=True, text=True).stdout
+        rows = [line.split() for line in out.splitlines() if " ms " in line]
+        return {r[2] for r in rows if len(r) > 2}
+
+    wait_until(lambda: stages | {"coordinator"} <= hosts_seen(), 30)  # shipped every 0.5 s
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    times = [float(line.split()[0]) for line in out.splitlines() if " ms " in line]
+    assert len(times) >= 4 and times == sorted(times)
+    assert len(stages | {"coordinator"}) >= 4
+
+
 def test_lab_cli_status_run_and_refusal(lab: Lab) -> None:
     """`lab status` and `lab run` from another process, on the lab's own state folder."""
     cli = [sys.executable, "-m", "cellswarm.cli", "lab"]
@@ -146,6 +168,65 @@ def test_lab_cli_status_run_and_refusal(lab: Lab) -> None:
                             str(lab.state_dir / "other"), "--detach"],
                            capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 2 and "already up" in again.stderr
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """A random DeepSeek-V3-shaped GGUF (MLA, 8 routed experts top-2, a shared expert) and
+    one process's greedy tokens for MOE_PROMPTS."""
+    import json
+
+    from cellswarm.io import hf_dir
+    from cellswarm.io.gguf_write import write_gguf
+    from cellswarm.models.deepseek2 import DeepseekConfig, hf_tensors_to_gguf
+    from tests.hf_reference import build_hf_model, save_hf
+    from tests.test_deepseek2 import DEEPSEEK_V3
+
+    folder = save_hf(build_hf_model(DEEPSEEK_V3, seed=7), tmp_path_factory.mktemp("moe") / "m")
+    config = DeepseekConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    path = folder.parent / "moe.gguf"
+    tensors = hf_tensors_to_gguf(config, hf_dir.read_safetensors(folder), split_kv_b=True)
+    write_gguf(path, config.to_gguf_metadata(), tensors)
+    model = cellswarm.load(path)
+    opts = GenerateOptions(10, stop_ids=frozenset())
+    return path, [model.generate(p, opts).token_ids for p in MOE_PROMPTS]
+
+
+MOE_PROMPTS = [[1, 5, 9, 14, 3], [7, 7, 2], [100, 3, 64, 8, 8, 1, 90]]
+
+
+def test_moe_with_expert_nodes_over_tls(
+    lab: Lab, tmp_path: Path, moe_gguf: tuple[Path, list[list[int]]]
+) -> None:
+    """8 hosts in 2 racks, every connection mutual TLS: 2 stages and 2 expert nodes for a
+    random MoE give one process's greedy tokens; a host holding another CA's certificate
+    never joins."""
+    lab.down()  # one lab at a time
+    path, expected = moe_gguf
+    spec = LabSpec(hosts=8, racks=2, memory_bytes=128 << 20)
+    with Lab(spec, tmp_path, str(path), prefix="cstest", tls=True,
+             coordinator_args=("--stages", "2", "--expert-nodes", "2")) as tls_lab:  # fmt: skip
+        tls = tls_lab.operator_tls
+        status = client.wait_wired(tls_lab.url, 180, tls=tls)
+        holds = [n["holds"] for n in status["nodes"]]
+        assert sum("experts" in (h or "") for h in holds) == 2
+        ids = [client.submit(tls_lab.url, {"prompt": p, "max_tokens": 10}, tls=tls)
+               for p in MOE_PROMPTS]  # fmt: skip
+        got = [client.wait(tls_lab.url, rid, timeout_s=120, tls=tls)["tokens"] for rid in ids]
+        assert got == expected
+        # a stranger: a certificate from another CA, on a host of the lab's network
+        from cellswarm.swarm.tls import init_ca, issue
+
+        init_ca(tmp_path / "other-ca")
+        issue(tmp_path / "other-ca", "h8", tls_lab.host_dir("h8") / "tls", hosts=["10.77.2.4"])
+        tls_lab.kill_host("h8")
+        (tls_lab.host_dir("h8") / "worker.out").write_text("")
+        tls_lab.start_worker("h8", wait=False)
+        wait_until(lambda: "TLS" in tls_lab.output("h8", "worker"), 60)
+        assert "JOINED" not in tls_lab.output("h8", "worker")
+        h8 = next(n for n in client.call(tls_lab.url, "/v1/status", tls=tls)["nodes"]
+                  if n["node_id"] == "h8")  # fmt: skip
+        assert h8["state"] == "lost"
 
 
 def test_a_worker_killed_by_its_cgroup_is_marked_and_replaced(

@@ -27,7 +27,7 @@ def call(
     req = urllib.request.Request(url.rstrip("/") + path, body,
                                  {"Content-Type": "application/json"})  # fmt: skip
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s, context=_context(url, tls)) as r:
+        with urllib.request.urlopen(req, timeout=timeout_s, context=tls_context(url, tls)) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -41,7 +41,7 @@ def call(
 
 
 @functools.lru_cache(maxsize=8)
-def _context(url: str, tls: str | None) -> ssl.SSLContext | None:
+def tls_context(url: str, tls: str | None) -> ssl.SSLContext | None:
     """The client side of mutual TLS for `url`, loaded once per folder (a poll loop calls
     often); None for plain http."""
     from cellswarm.swarm.tls import check_url, client_context

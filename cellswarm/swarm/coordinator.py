@@ -29,6 +29,7 @@ from cellswarm.swarm.auth import load_token, new_nonce, verify
 from cellswarm.swarm.db import open_database
 from cellswarm.swarm.jobs import Job, JobQueue, QueueConfig
 from cellswarm.swarm.logs import JsonLog
+from cellswarm.swarm.logship import EventStore, LogShipper
 from cellswarm.swarm.membership import (
     Shard,
     layout_complete,
@@ -96,6 +97,10 @@ class Coordinator:
         self.pulse = asyncio.Event()  # set and replaced whenever a job makes progress
         self.last_probe: dict[str, float] = {}
         self.log = JsonLog(config.log_dir, "coordinator")
+        self.events = EventStore(db)  # every node's events, ours too (logship.py)
+        self.log_shipper = LogShipper(lambda b: self.events.insert(PEER_ID, self.log_shipper.run,
+                                                                   b))  # fmt: skip
+        self.log.sink = self.log_shipper.add
         self._tokenizer: Any = None
         self._manifest: Any = None
         self.part_specs = self._part_specs()

@@ -2,13 +2,16 @@
 
 Each line: {"ts": unix seconds, "node": node id, "request_id": ..., "stage": "0..9",
 "event": ..., plus the event's own fields (timings in ms)}. `cellswarm logs REQUEST_ID`
-merges every node's file into one timeline, ordered by time.
+merges every node's file into one timeline, ordered by time (`--dir`, a shared disk); every
+event also goes to `sink` when one is set — a `LogShipper` (logship.py) that sends it to the
+coordinator's database, whence `cellswarm logs REQUEST_ID --coordinator URL` reads it.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -17,16 +20,20 @@ class JsonLog:
     def __init__(self, directory: str | Path | None, node: str) -> None:
         self.node = node
         self._file: TextIO | None = None
+        self.sink: Callable[[dict[str, Any]], None] | None = None  # e.g. LogShipper.add
         if directory is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
             self._file = (Path(directory) / f"{node}.jsonl").open("a", buffering=1)
 
     def event(self, event: str, request_id: str | None = None, **fields: Any) -> None:
-        if self._file is None:
+        if self._file is None and self.sink is None:
             return
         line = {"ts": round(time.time(), 6), "node": self.node, "request_id": request_id,
                 "event": event, **fields}  # fmt: skip
-        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        if self._file is not None:
+            self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        if self.sink is not None:
+            self.sink(line)
 
 
 def timeline(directory: str | Path, request_id: str) -> list[dict[str, Any]]:
@@ -44,11 +51,17 @@ def timeline(directory: str | Path, request_id: str) -> list[dict[str, Any]]:
     return sorted(events, key=lambda e: (e["ts"], e["node"]))
 
 
-def format_timeline(events: list[dict[str, Any]]) -> str:
+def format_timeline(events: list[dict[str, Any]],
+                    clocks: dict[str, tuple[float, float | None]] | None = None) -> str:
+    """One line per event, ms since the first; `clocks` (node -> the offset its times were
+    corrected by, and its error bound, in s) heads the timeline, once per node."""
     if not events:
         return "no events for that request id"
     t0 = events[0]["ts"]
     rows = []
+    for node, (offset_s, error_s) in sorted((clocks or {}).items()):
+        bound = "" if error_s is None else f" +- {1000 * error_s:.2f} ms"
+        rows.append(f"clock {node:<10} {1000 * offset_s:+.2f} ms{bound}")
     for e in events:
         extra = {k: v for k, v in e.items() if k not in ("ts", "node", "request_id", "event")}
         detail = " ".join(f"{k}={v}" for k, v in extra.items())

@@ -18,6 +18,7 @@ from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import CellswarmError, RequestError
 from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.jobs import Job
+from cellswarm.swarm.log_api import add_log_routes
 from cellswarm.swarm.openai_api import add_openai_routes, load_api_keys
 from cellswarm.swarm.store import Node
 
@@ -30,9 +31,12 @@ def build_app(coord: Coordinator) -> FastAPI:
         task = asyncio.create_task(coord.monitor())
         yield
         task.cancel()
+        coord.log_shipper.close()  # its own events still in the buffer
 
     app = FastAPI(title="cellswarm coordinator", lifespan=lifespan)
-    add_openai_routes(app, coord, load_api_keys(coord.config.api_key_file))  # openai_api.py
+    api_keys = load_api_keys(coord.config.api_key_file)
+    add_openai_routes(app, coord, api_keys)  # openai_api.py
+    add_log_routes(app, coord, api_keys)  # log_api.py: POST /v1/logs, GET /v1/logs/{id}
 
     @app.exception_handler(PermissionError)
     async def denied(_: Request, exc: PermissionError) -> JSONResponse:

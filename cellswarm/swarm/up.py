@@ -55,6 +55,7 @@ class LocalSwarm:
     # mutual TLS on both planes: a node's certificate folder (`cellswarm certs node`), used by
     # the coordinator, every worker and this object's own calls
     tls_dir: str | None = None
+    own_log_dirs: bool = False  # no shared disk: logs-<i> per worker, logs-coordinator
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)
 
@@ -99,12 +100,17 @@ class LocalSwarm:
             raise SwarmError(f"{name} did not start: {' | '.join(lines[-5:])}")
         return p
 
+    def node_log_dir(self, node: int | str) -> Path:
+        """Where a worker (its index) or the coordinator writes its JSON-line log."""
+        return self.state_dir / f"logs-{node}" if self.own_log_dirs else self.log_dir
+
     def start_coordinator(self, k: int = 0) -> None:
         """Coordinator k (named `coordinator`, then `coordinator-1`, ...)."""
         db = self.db or f"sqlite:///{self.state_dir / 'coordinator.db'}"
         args = ["coordinator", "--model", self.model, "--listen", f"127.0.0.1:{self.ports[k]}",
                 "--db", db,
-                "--token-file", str(self.token_file), "--log-dir", str(self.log_dir),
+                "--token-file", str(self.token_file),
+                "--log-dir", str(self.node_log_dir("coordinator")),
                 "--heartbeat", str(self.heartbeat_s), "--heartbeat-timeout",
                 str(self.heartbeat_timeout_s), "--context", str(self.context),
                 "--max-sequences", str(self.max_sequences),
@@ -125,7 +131,7 @@ class LocalSwarm:
         args = ["worker", "--join", ",".join(self.urls),
                 "--memory", self.worker_memory.get(i, self.memory), "--node-id", f"worker-{i}",
                 "--token-file", str(self.token_file),
-                "--log-dir", str(self.log_dir), "--threads", str(self.threads),
+                "--log-dir", str(self.node_log_dir(i)), "--threads", str(self.threads),
                 "--stop-after", str(self.stop_after_s)]  # fmt: skip
         if self.profile:
             args += ["--profile", self.profile]

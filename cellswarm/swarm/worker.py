@@ -29,6 +29,7 @@ from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
 from cellswarm.errors import BudgetError, CellswarmError
 from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.head import Head
+from cellswarm.swarm.logship import LogShipper
 from cellswarm.swarm.net import ClockOffset, Progress, parse_address, route_source
 from cellswarm.swarm.parts import PartConfig, PartServer, PartSpec, load_part_model
 from cellswarm.swarm.stage import (
@@ -133,6 +134,7 @@ class Worker:
         self.tls = client_context(config.tls_dir) if config.tls_dir else None  # we dial
         self.tls_server = server_context(config.tls_dir) if config.tls_dir else None  # we serve
         self.tls_failure = ""  # the last TLS error said, so it is said once
+        self.shipper = LogShipper(self._ship_logs)  # its events, to the coordinator's table
 
     # -- talking to the coordinator --------------------------------------------------------
 
@@ -216,6 +218,20 @@ class Worker:
             self._post(path, data)
         except (OSError, ValueError) as exc:
             log.warning("could not tell the coordinator %s: %s", path, exc)
+
+    def _ship_logs(self, events: list[dict[str, Any]]) -> None:
+        """The shipper's thread: one batch; raises unless the coordinator took it."""
+        if self.session is None:
+            raise OSError("not joined: the batch waits")
+        try:
+            self._post("/v1/logs", {
+                "node_id": self.config.node_id, "session": self.session, "run": self.shipper.run,
+                "clock_offset_s": self.clock.offset_s, "clock_error_s": self.clock.error_s,
+                "events": events})  # fmt: skip
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401 or exc.code >= 500:
+                raise  # a session it no longer knows (we join again), or a passing fault
+            log.warning("coordinator refused %d log events (HTTP %s)", len(events), exc.code)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -318,6 +334,7 @@ class Worker:
         model = await asyncio.to_thread(load_stage_model, config)
         self.stage = Stage(config, model)
         self.stage.on_fault = self.report_fault
+        self.stage.log.sink = self.shipper.add  # the local file stays; a thread ships
         self.stage.fail_forward = c.fail_forward
         self.stage.perturb = c.perturb
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring

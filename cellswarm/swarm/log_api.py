@@ -1,0 +1,70 @@
+"""The coordinator's log routes (logship.py has the rest): nodes ship batches of events,
+operators read one request's timeline across nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+
+from cellswarm.errors import RequestError
+from cellswarm.swarm.auth import verify
+from cellswarm.swarm.logship import OPERATOR
+
+if TYPE_CHECKING:
+    from cellswarm.swarm.coordinator import Coordinator
+
+
+def add_log_routes(
+    app: FastAPI, coord: Coordinator, api_keys: frozenset[str] = frozenset()
+) -> None:
+    """`POST /v1/logs` (a node's batch, with its session) and `GET /v1/logs/{request_id}`
+    (for operators: an API key, a proof of the cluster token over a fresh nonce, or a node's
+    session; open only when the coordinator has neither a token nor API keys)."""
+
+    @app.post("/v1/logs")
+    async def ship(request: Request) -> dict[str, Any]:
+        d = await request.json()
+        if not isinstance(d, dict) or not isinstance(d.get("events"), list):
+            raise RequestError("a log batch is an object with a list of events")
+        node = coord.authenticate(str(d["node_id"]), str(d["session"]))
+        if d.get("clock_offset_s") is not None:  # as a heartbeat reports it
+            coord.node_clock[node.node_id] = (float(d["clock_offset_s"]),
+                                              float(d.get("clock_error_s") or 0.0))  # fmt: skip
+        offset_s, error_s = coord.node_clock.get(node.node_id, (0.0, None))
+        added = await asyncio.to_thread(coord.events.insert, node.node_id, str(d["run"]),
+                                        d["events"], offset_s, error_s)  # fmt: skip
+        return {"acked": len(d["events"]), "added": added}
+
+    def operator(request: Request) -> None:
+        if coord.token is None and not api_keys:
+            return
+        h = request.headers
+        scheme, _, key = h.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and any(
+            hmac.compare_digest(key.strip().encode(), k.encode()) for k in api_keys
+        ):
+            return
+        nonce, _, proof = h.get("x-cellswarm-proof", "").partition(":")
+        if coord.token is not None and nonce:
+            expiry = coord.nonces.pop(nonce, None)  # single use, as for a join
+            if expiry is not None and expiry > time.monotonic() \
+                    and verify(coord.token, nonce, OPERATOR, proof):  # fmt: skip
+                return
+        node_id, _, session = h.get("x-cellswarm-session", "").partition(":")
+        if node_id:
+            coord.authenticate(node_id, session)
+            return
+        raise PermissionError(
+            "the logs need an API key (Authorization: Bearer KEY), a proof "
+            "of the cluster token (--token-file) or a node's session"
+        )
+
+    @app.get("/v1/logs/{request_id}")
+    async def timeline(request_id: str, request: Request) -> dict[str, Any]:
+        operator(request)
+        events = await asyncio.to_thread(coord.events.timeline, request_id)
+        return {"request_id": request_id, "events": events}
