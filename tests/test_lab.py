@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,14 +144,13 @@ def test_logs_of_a_request_come_from_every_host(lab: Lab) -> None:
     cmd = [sys.executable, "-m", "cellswarm.cli", "logs", rid, "--coordinator", lab.url,
            "--token-file", token]  # fmt: skip
 
-    def hosts_seen() -> set[str]:
+    def events() -> list[list[str]]:  # "   12.34 ms  NODE  EVENT ..." (clock lines apart)
         out = subprocess.run(cmd, capture_output=True, text=True).stdout
         rows = [line.split() for line in out.splitlines() if " ms " in line]
-        return {r[2] for r in rows if len(r) > 2}
+        return [r for r in rows if r[0] != "clock"]
 
-    wait_until(lambda: stages | {"coordinator"} <= hosts_seen(), 30)  # shipped every 0.5 s
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    times = [float(line.split()[0]) for line in out.splitlines() if " ms " in line]
+    wait_until(lambda: stages | {"coordinator"} <= {r[2] for r in events()}, 30)
+    times = [float(r[0]) for r in events()]
     assert len(times) >= 4 and times == sorted(times)
     assert len(stages | {"coordinator"}) >= 4
 
@@ -224,9 +224,15 @@ def test_moe_with_expert_nodes_over_tls(
         tls_lab.start_worker("h8", wait=False)
         wait_until(lambda: "TLS" in tls_lab.output("h8", "worker"), 60)
         assert "JOINED" not in tls_lab.output("h8", "worker")
-        h8 = next(n for n in client.call(tls_lab.url, "/v1/status", tls=tls)["nodes"]
-                  if n["node_id"] == "h8")  # fmt: skip
-        assert h8["state"] == "lost"
+
+        def h8_state() -> str:
+            return str(next(n["state"] for n in client.call(tls_lab.url, "/v1/status",
+                                                            tls=tls)["nodes"]
+                            if n["node_id"] == "h8"))  # fmt: skip
+
+        wait_until(lambda: h8_state() == "lost", 30)  # its old self's heartbeats stopped
+        time.sleep(3 * tls_lab.heartbeat_s)
+        assert h8_state() == "lost" and "JOINED" not in tls_lab.output("h8", "worker")
 
 
 def test_a_worker_killed_by_its_cgroup_is_marked_and_replaced(

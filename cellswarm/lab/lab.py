@@ -186,13 +186,19 @@ class Lab:
         to HOST_DIR/NAME.out."""
         d = self.host_dir(host)
         with (d / f"{name}.out").open("ab") as out:
-            p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), *cmd], cwd=d,
+            p = subprocess.Popen([*self.enter(host), *cmd], cwd=d,
                                  env=self.env(host), stdout=out, stderr=subprocess.STDOUT,
                                  preexec_fn=self._enter_cgroup(host),
                                  start_new_session=True)  # fmt: skip
         self.pids.setdefault(host, []).append(p.pid)
         self.save()
         return p
+
+    def enter(self, host: str) -> list[str]:
+        """The command prefix that runs a program in the host's network namespace. nsenter,
+        not `ip netns exec`: that one remounts /sys, hiding /sys/fs/cgroup, where a worker
+        reads its memory limit and OOM kills."""
+        return ["nsenter", f"--net=/run/netns/{self.ns(host)}", "--"]
 
     def _enter_cgroup(self, host: str) -> Callable[[], None]:
         procs = self.cgroups[host].procs_files() if host in self.cgroups else []
@@ -292,7 +298,7 @@ class Lab:
 
     def run(self, host: str, cmd: list[str], timeout_s: float | None = None) -> int:
         """Run a command inside a host (its namespace, cgroup and folder), in the foreground."""
-        done = subprocess.run(["ip", "netns", "exec", self.ns(host), *cmd],
+        done = subprocess.run([*self.enter(host), *cmd],
                               cwd=self.host_dir(host), env=self.env(host), timeout=timeout_s,
                               preexec_fn=self._enter_cgroup(host))  # fmt: skip
         return done.returncode
