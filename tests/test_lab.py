@@ -268,6 +268,52 @@ def _message(lab: Lab, node: str) -> str:
                     if n["node_id"] == node))  # fmt: skip
 
 
+def test_a_slow_host_is_named_and_given_fewer_layers(
+    tmp_path: Path, lab: Lab, expected: dict[str, list[int]]
+) -> None:
+    """h2 runs on a fifth of a core (its cgroup's CPU quota): `status` names it as the
+    pipeline's bottleneck, and once every stage has measured its step time the coordinator
+    moves layers off it; the text stays one process's."""
+    lab.down()  # one lab at a time
+    spec = LabSpec(hosts=3, racks=1, memory_bytes=128 << 20, slow_hosts={"h2": 0.2})
+    slow = Lab(spec, tmp_path, prefix="cstest")
+    slow.up(start=False)
+    try:
+        slow.start_coordinator("c0")
+        for h in ("h1", "h2", "h3"):  # in this order: h2 holds the middle stage
+            slow.start_worker(h)
+        client.wait_wired(slow.url, 180)
+        layers = {n["node_id"]: n["layers"] for n in client.call(slow.url, "/v1/status")["nodes"]}
+        named: list[str] = []
+
+        def run_batch() -> None:
+            ids = [_generate(slow, p, 8) for p in PROMPTS * 2]
+            for rid in ids:
+                while client.call(slow.url, f"/v1/requests/{rid}")["state"] not in (
+                        "done", "dead", "cancelled"):  # fmt: skip
+                    named.extend(b["node_id"] for b in
+                                 client.call(slow.url, "/v1/status")["bottlenecks"])  # fmt: skip
+                    time.sleep(0.2)
+
+        def moved() -> bool:
+            now = {n["node_id"]: n["layers"] for n in client.call(slow.url, "/v1/status")["nodes"]}
+            return now["h2"] is not None and now["h2"] != layers["h2"]
+
+        deadline = time.monotonic() + 240
+        while not moved():
+            assert time.monotonic() < deadline, "the coordinator never moved layers off h2"
+            run_batch()
+        assert named and max(set(named), key=named.count) == "h2"
+        now = {n["node_id"]: n["layers"] for n in client.wait_wired(slow.url, 120)["nodes"]}
+        assert now["h2"][1] - now["h2"][0] < layers["h2"][1] - layers["h2"][0]
+        assert "rebalanced by measured step times" in slow.output("c0", "coordinator")
+        for p in PROMPTS[:2]:
+            rid = _generate(slow, p)
+            assert client.wait(slow.url, rid, timeout_s=120)["tokens"] == expected[p][:MAX_TOKENS]
+    finally:
+        slow.down()
+
+
 def test_down_leaves_nothing(tmp_path: Path) -> None:
     spec = LabSpec(hosts=2, racks=1)
     lab = Lab(spec, tmp_path, prefix="cstest")

@@ -172,6 +172,9 @@ def print_status(status: dict[str, Any]) -> None:
                   f"{n['last_seen_s_ago']:.1f} s ago", _clock(n), str(n["served"]),
                   str(n["failures"]), n["message"][:60])  # fmt: skip
     Console().print(t)
+    for b in status.get("bottlenecks", []):
+        print(f"pipeline bottleneck: {b['node_id']} (stage {b['stage']}, {b['step_ms']:.1f} ms "
+              f"a decode step, {b['times_median']:.1f}x the median stage)")  # fmt: skip
     if status.get("problem"):
         print(f"cannot place the model: {status['problem']}")
 

@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import BudgetError, RequestError
+from cellswarm.swarm import rebalance
 from cellswarm.swarm.auth import load_token, new_nonce, verify
 from cellswarm.swarm.db import open_database
 from cellswarm.swarm.jobs import Job, JobQueue, QueueConfig
+from cellswarm.swarm.local import StageCosts, stage_costs
 from cellswarm.swarm.logs import JsonLog
 from cellswarm.swarm.logship import EventStore, LogShipper
 from cellswarm.swarm.membership import (
@@ -72,6 +74,8 @@ class CoordinatorConfig:
     lease_s: float = 10.0  # a head must checkpoint a job within this, or it goes elsewhere
     evict_after_disagreements: int = 3  # verification: outvoted this often, taken out
     leader_ttl_s: float = 5.0  # several coordinators on PostgreSQL: a leader's term
+    # move layers off a stage measured much slower than the others (swarm/rebalance.py)
+    rebalance: bool = True
     tls_dir: str | None = None  # mutual TLS: its HTTPS and its resets to stages (tls.py)
 
     def __post_init__(self) -> None:
@@ -102,6 +106,7 @@ class Coordinator:
                                                                    b))  # fmt: skip
         self.log.sink = self.log_shipper.add
         self._tokenizer: Any = None
+        self._stage_costs: StageCosts | None = None
         self._manifest: Any = None
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
@@ -356,6 +361,47 @@ class Coordinator:
         return budget_split(c.model, stages, memory_bytes, c.context, c.max_sequences,
                             remote_experts=c.expert_nodes > 0, remote_vocab=c.vocab_nodes > 0)
 
+    def stage_costs(self) -> StageCosts:
+        if self._stage_costs is None:
+            c = self.config
+            self._stage_costs = stage_costs(c.model, c.context, c.max_sequences,
+                                            c.expert_nodes > 0, c.vocab_nodes > 0)  # fmt: skip
+        return self._stage_costs
+
+    def maybe_rebalance(self) -> None:
+        """Once per layout, after every stage measured its step time: new layer ranges over
+        the same nodes when the slowest stage would get much faster (rebalance.py)."""
+        if not self.config.rebalance or self.config.replicas != 1:
+            return  # replicas share one layout: their nodes' speeds would pull it apart
+        if self.wired_epoch != self.epoch:
+            return
+        key = json.dumps(self.layout, sort_keys=True)
+        if self.store.get_meta("rebalance_decided") == key:
+            return
+        nodes = ring(self.store.nodes(), 0)
+        times = rebalance.ring_times(nodes, self.node_stats, rebalance.MIN_STEPS)
+        if times is None:
+            return
+        split = rebalance.plan(times, self.stage_costs())
+        if split is None:
+            self.store.set_meta("rebalance_decided", key)
+            return
+        layout = [dict(sh) for sh in self.layout]
+        with self.store.transaction():
+            for node, (lo, hi) in zip(times.nodes, split, strict=True):
+                shard = {**(node.shard or {}), "layers": [lo, hi]}
+                self.store.update_node(node.node_id, shard=shard)
+                layout[int(shard["slot"])] = shard
+            self.layout = layout
+            self.store.set_meta("layout", json.dumps(layout))
+            self.store.set_meta("rebalance_decided", json.dumps(layout, sort_keys=True))
+        why = (f"rebalanced by measured step times {times.bottleneck()['steps_ms']} ms: "
+               f"layers {[list(r) for r in split]}")  # fmt: skip
+        self.log.event("rebalanced", None, steps_ms=times.bottleneck()["steps_ms"],
+                       layers=[list(r) for r in split])  # fmt: skip
+        log.warning(why)
+        self.unwire(why)
+
     def _part_specs(self) -> list[dict[str, Any]]:
         """What each part server holds (addresses come at wiring time)."""
         from cellswarm.swarm.local import part_specs
@@ -419,6 +465,7 @@ class Coordinator:
                     self.check_timeouts()
                     self.reconcile()
                     await self.wire()
+                    self.maybe_rebalance()
                     if self.queue.expire():
                         self._notify()
             except Exception:  # keep watching whatever one tick ran into
@@ -536,7 +583,10 @@ class Coordinator:
             for n in self.store.nodes()
         ]  # fmt: skip
         epoch = self.epoch
+        times = [rebalance.ring_times(ring(self.store.nodes(), r), self.node_stats)
+                 for r in range(self.config.replicas)]  # fmt: skip
         return {"epoch": epoch, "wired": self.wired_epoch == epoch, "problem": self.problem,
+                "bottlenecks": [t.bottleneck() for t in times if t is not None],
                 "coordinator": self.id, "leader": self.leading,
                 "model": Path(self.config.model).name, "nodes": nodes}  # fmt: skip
 

@@ -35,6 +35,55 @@ def even_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
+@dataclass(frozen=True)
+class StageCosts:
+    """What a pipeline stage holds, by layer, in bytes (the planner's byte-exact inventory):
+    `weights[i]` are layer i's weights a stage keeps (read once per decode step), `kv` each
+    layer's KV cache reservation, `fixed` what every stage holds besides (runtime, scratch,
+    shared tensors), `ends` the embedding (first stage) and output head (last stage)."""
+
+    weights: tuple[int, ...]
+    kv: int
+    fixed: int
+    ends: tuple[int, int]
+
+    @property
+    def memory(self) -> list[int]:
+        return [w + self.kv for w in self.weights]
+
+    def held(self, lo: int, hi: int, first: bool, last: bool) -> int:
+        """Bytes a stage holding layers [lo, hi) needs."""
+        return (self.fixed + sum(self.memory[lo:hi]) + (self.ends[0] if first else 0)
+                + (self.ends[1] if last else 0))  # fmt: skip
+
+    def read(self, lo: int, hi: int, last: bool) -> int:
+        """Weight bytes a decode step of a stage reads — its layers, the head on the last
+        (the first reads one embedding row a token: nothing) — what its time goes by."""
+        return sum(self.weights[lo:hi]) + (self.ends[1] if last else 0)
+
+
+def stage_costs(
+    model: str, context: int = 512, max_sequences: int = 8,
+    remote_experts: bool = False, remote_vocab: bool = False,
+) -> StageCosts:  # fmt: skip
+    from cellswarm.planner.api import resolve_model
+    from cellswarm.planner.overhead import runtime_overhead_bytes
+
+    inv = resolve_model(model)
+
+    def held(i: int) -> int:
+        return sum(t.nbytes for t in inv.layer_tensors(i)
+                   if not (remote_experts and t.kind == "experts"))  # fmt: skip
+
+    shared = sum(t.nbytes for t in inv.global_tensors() if t.kind not in ("embedding", "output"))
+    return StageCosts(
+        weights=tuple(held(i) for i in range(inv.n_layers)),
+        kv=inv.kv_bytes_per_token_layer * context * max_sequences,
+        fixed=runtime_overhead_bytes() + inv.scratch_bytes(1, context, 0) + shared,
+        ends=(0, 0) if remote_vocab else (inv.embedding_bytes(), inv.head_bytes()),
+    )
+
+
 def budget_split(
     model: str, stages: int, memory_bytes: int, context: int = 512, max_sequences: int = 8,
     remote_experts: bool = False, remote_vocab: bool = False,
@@ -43,19 +92,9 @@ def budget_split(
     cache, the embedding on the first, the head on the last, runtime and scratch on all —
     sized with the planner's byte-exact inventory; BudgetError if `stages` cannot fit.
     With part servers holding the routed experts / the vocabulary rows, stages hold neither."""
-    from cellswarm.planner.api import resolve_model
-    from cellswarm.planner.overhead import runtime_overhead_bytes
-
-    inv = resolve_model(model)
-    kv = inv.kv_bytes_per_token_layer * context * max_sequences
-    def held(i: int) -> int:
-        return sum(t.nbytes for t in inv.layer_tensors(i)
-                   if not (remote_experts and t.kind == "experts"))  # fmt: skip
-
-    layer = [held(i) + kv for i in range(inv.n_layers)]
-    shared = sum(t.nbytes for t in inv.global_tensors() if t.kind not in ("embedding", "output"))
-    fixed = runtime_overhead_bytes() + inv.scratch_bytes(1, context, 0) + shared
-    ends = (0, 0) if remote_vocab else (inv.embedding_bytes(), inv.head_bytes())
+    costs = stage_costs(model, context, max_sequences, remote_experts, remote_vocab)
+    layer, fixed, ends = costs.memory, costs.fixed, costs.ends
+    n_layers = len(layer)
 
     def fits(cap: int) -> list[tuple[int, int]] | None:
         out, lo, used = [], 0, fixed + ends[0]
@@ -64,7 +103,7 @@ def budget_split(
                 out.append((lo, i))
                 lo, used = i, fixed
             used += b
-        out.append((lo, inv.n_layers))
+        out.append((lo, n_layers))
         ok = len(out) <= stages and used + ends[1] <= cap and max(layer) + fixed <= cap
         return out if ok else None
 
@@ -79,7 +118,7 @@ def budget_split(
         )
     split = fits(lo)
     assert split is not None
-    while len(split) < min(stages, inv.n_layers):  # fewer fit: still give every node a share
+    while len(split) < min(stages, n_layers):  # fewer fit: still give every node a share
         k = max(range(len(split)), key=lambda i: split[i][1] - split[i][0])
         a, b = split[k]
         if b - a < 2:

@@ -1,0 +1,74 @@
+"""Placement by measured step times: a ring whose slowest stage is much slower than the
+byte-balanced split assumed (a throttled CPU, a busy or older host) gets new layer ranges
+over the same nodes, fewer layers on the slow one.
+
+    stage stats (decode seconds / steps, per node) -> seconds per byte read, per node
+    -> time_balanced_split (membership.py) -> worth it? (predicted slowest step <= GAIN x
+    measured) -> the coordinator stores the new layout, the nodes reload, the ring rewires
+
+Decided once per layout: measured again after a rebalance, the ring is left as it is, so
+noise cannot make it oscillate; a new placement (a node lost, a rejoin) starts over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cellswarm.swarm.local import StageCosts
+from cellswarm.swarm.membership import bottleneck, time_balanced_split
+from cellswarm.swarm.store import Node
+
+MIN_STEPS = 24  # decode steps each stage must have measured before anything is decided
+GAIN = 0.75  # rebalance only when the slowest stage gets at least this much faster ...
+SLOW = 2.0  # ... and some node is this many times slower per byte read than the median:
+# nodes of one speed keep the byte-balanced split (their small differences are noise, and
+# a reload costs the ring seconds)
+
+
+@dataclass(frozen=True)
+class RingTimes:
+    nodes: tuple[Node, ...]  # in ring order
+    step_s: tuple[float, ...]  # measured seconds per decode step, per stage
+
+    def bottleneck(self) -> dict[str, Any]:
+        k, ratio = bottleneck(self.step_s)
+        return {"node_id": self.nodes[k].node_id, "stage": k,
+                "step_ms": round(1000 * self.step_s[k], 3), "times_median": round(ratio, 2),
+                "steps_ms": [round(1000 * s, 3) for s in self.step_s]}  # fmt: skip
+
+
+def ring_times(ring: Sequence[Node], stats: dict[str, Any], min_steps: int = 1) -> RingTimes | None:
+    """Each stage's measured step time, when every stage has reported at least `min_steps`
+    decode steps of the layers it holds now (a stage's counters start with its shard)."""
+    steps = []
+    for n in ring:
+        s = stats.get(n.node_id) or {}
+        layers = list((n.shard or {}).get("layers") or [])
+        if s.get("layers") != layers or int(s.get("decode_steps") or 0) < max(min_steps, 1):
+            return None
+        steps.append(float(s["decode_s"]) / int(s["decode_steps"]))
+    return RingTimes(tuple(ring), tuple(steps)) if ring else None
+
+
+def plan(times: RingTimes, costs: StageCosts, gain: float = GAIN) -> list[tuple[int, int]] | None:
+    """New layer ranges for the ring, or None when no node is much slower than the others
+    (SLOW), the current ranges are as good (within `gain`) or nothing else fits."""
+    ranges = [tuple((n.shard or {})["layers"]) for n in times.nodes]
+    last = len(ranges) - 1
+    pairs = enumerate(zip(ranges, times.step_s, strict=True))
+    per_byte = [t / max(costs.read(lo, hi, k == last), 1) for k, ((lo, hi), t) in pairs]
+    median = sorted(per_byte)[len(per_byte) // 2]
+    if max(per_byte) < SLOW * median:
+        return None
+    budgets = [n.memory_bytes for n in times.nodes]
+
+    def fits(k: int, lo: int, hi: int) -> bool:
+        return costs.held(lo, hi, k == 0, k == last) <= budgets[k]
+
+    split = time_balanced_split(len(costs.weights), costs.read, per_byte, fits)
+    if split is None or split == [tuple(r) for r in ranges]:
+        return None
+    predicted = max(per_byte[k] * costs.read(lo, hi, k == last) for k, (lo, hi) in enumerate(split))
+    return split if predicted <= gain * max(times.step_s) else None

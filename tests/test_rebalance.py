@@ -1,0 +1,84 @@
+"""Placement by measured step times (swarm/rebalance.py, membership.time_balanced_split):
+pure functions, checked with tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from cellswarm.swarm.local import StageCosts
+from cellswarm.swarm.membership import bottleneck, time_balanced_split
+from cellswarm.swarm.rebalance import RingTimes, plan, ring_times
+from cellswarm.swarm.store import Node, NodeId
+
+
+def _read(weights: list[int], head: int = 0):  # type: ignore[no-untyped-def]
+    return lambda lo, hi, last: sum(weights[lo:hi]) + (head if last else 0)
+
+
+def _always(k: int, lo: int, hi: int) -> bool:
+    return True
+
+
+@pytest.mark.parametrize(
+    ("weights", "head", "speeds", "expected"),
+    [
+        ([1] * 12, 0, [1, 1, 1], [(0, 4), (4, 8), (8, 12)]),  # equal nodes: equal shares
+        ([1] * 12, 0, [1, 5, 1], [(0, 6), (6, 7), (7, 12)]),  # a 5x slower middle node
+        ([1] * 12, 0, [1, 1, 2], [(0, 5), (5, 10), (10, 12)]),  # a 2x slower last
+        ([1] * 12, 6, [1, 1, 1], [(0, 7), (7, 11), (11, 12)]),  # the head weighs 6 layers
+        ([4, 1, 1, 1, 1, 4], 0, [1, 1], [(0, 3), (3, 6)]),  # uneven layers
+        ([1, 1], 0, [1, 100], [(0, 1), (1, 2)]),  # every stage keeps a layer
+    ],
+)
+def test_time_balanced_split(
+    weights: list[int], head: int, speeds: list[float], expected: list[tuple[int, int]]
+) -> None:
+    assert time_balanced_split(len(weights), _read(weights, head), speeds, _always) == expected
+
+
+def test_memory_limits_what_a_fast_node_may_take() -> None:
+    # node 0 is 10x faster but holds at most 3 layers
+    split = time_balanced_split(8, _read([1] * 8), [0.1, 1.0],
+                                lambda k, lo, hi: k != 0 or hi - lo <= 3)  # fmt: skip
+    assert split == [(0, 3), (3, 8)]
+    assert time_balanced_split(8, _read([1] * 8), [1, 1], lambda k, lo, hi: hi - lo <= 3) is None
+    assert time_balanced_split(2, _read([1, 1]), [1, 1, 1], _always) is None  # more stages
+
+
+@pytest.mark.parametrize(
+    ("steps", "slowest", "ratio"),
+    [([1.0, 1.0, 1.0], 0, 1.0), ([1.0, 5.0, 1.0], 1, 5.0), ([2.0, 1.0, 1.0, 1.0], 0, 2.0)],
+)
+def test_bottleneck(steps: list[float], slowest: int, ratio: float) -> None:
+    assert bottleneck(steps) == (slowest, pytest.approx(ratio))
+
+
+def _node(name: str, layers: tuple[int, int], memory: int = 1 << 30) -> Node:
+    shard = {"slot": int(name[1:]), "n": 3, "role": "stage", "layers": list(layers)}
+    return Node(NodeId(name), "assigned", "s", {"memory_bytes": memory}, "h", 0.0, 0.0, shard)
+
+
+COSTS = StageCosts(weights=(10,) * 12, kv=0, fixed=0, ends=(0, 0))
+
+
+def test_a_slow_node_gets_fewer_layers_once_measured() -> None:
+    ring = [_node("n0", (0, 4)), _node("n1", (4, 8)), _node("n2", (8, 12))]
+    stats = {"n0": {"layers": [0, 4], "decode_steps": 30, "decode_s": 30 * 0.004},
+             "n1": {"layers": [4, 8], "decode_steps": 30, "decode_s": 30 * 0.020},
+             "n2": {"layers": [8, 12], "decode_steps": 30, "decode_s": 30 * 0.004}}  # fmt: skip
+    times = ring_times(ring, stats, min_steps=24)
+    assert times is not None and times.bottleneck()["node_id"] == "n1"
+    assert plan(times, COSTS) == [(0, 6), (6, 7), (7, 12)]
+    assert ring_times(ring, stats, min_steps=31) is None  # not measured enough yet
+    stale = {**stats, "n1": {**stats["n1"], "layers": [4, 9]}}  # from another shard
+    assert ring_times(ring, stale) is None
+
+
+def test_nothing_moves_when_the_gain_is_small_or_memory_forbids() -> None:
+    ring = [_node("n0", (0, 6)), _node("n1", (6, 12))]
+    even = RingTimes(tuple(ring), (0.0060, 0.0066))
+    assert plan(even, COSTS) is None  # 10% apart: not worth a reload
+    lopsided = [_node("n0", (0, 4)), _node("n1", (4, 12))]
+    assert plan(RingTimes(tuple(lopsided), (0.004, 0.008)), COSTS) is None  # same speed/byte
+    tight = [_node("n0", (0, 6), memory=60), _node("n1", (6, 12), memory=60)]
+    assert plan(RingTimes(tuple(tight), (0.002, 0.02)), COSTS) is None  # cannot take more
