@@ -6,6 +6,7 @@ not Linux, no namespaces)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -55,6 +56,56 @@ def _nodes(lab: Lab) -> dict[str, dict[str, Any]]:
 
 def _generate(lab: Lab, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
     return client.submit(lab.url, {"prompt": prompt, "max_tokens": max_tokens})
+
+
+def test_three_hosts_on_one_bridge_by_hand(
+    tmp_path: Path, demo_path: Path, expected: dict[str, list[int]]
+) -> None:
+    """The issue's report, as a new user would wire it with iproute2 alone: three namespaces
+    on one bridge (10.77.0.1-3), the coordinator on the first with --listen 10.77.0.1:8470
+    --stages 2, a worker on each of the others with --join: "Paris", one process's tokens."""
+    ns = [f"csthree{i}" for i in (1, 2, 3)]
+    system.netns_add("csthreesw")
+    try:
+        system.bridge_add("csthreesw")
+        for i, n in enumerate(ns, 1):
+            system.netns_add(n)
+            system.veth_add(n, "eth0", "csthreesw", f"p{i}")
+            system.attach("csthreesw", f"p{i}")
+            system.address(n, "eth0", f"10.77.0.{i}/24")
+        cli = [sys.executable, "-m", "cellswarm.cli"]
+        token = tmp_path / "cluster.token"
+        token.write_text("a shared secret of this test's swarm")
+
+        def start(n: str, args: list[str], name: str) -> Path:
+            folder = tmp_path / n
+            folder.mkdir(exist_ok=True)
+            env = {**os.environ, "CELLSWARM_CACHE": str(folder)}
+            with (folder / f"{name}.out").open("wb") as out:
+                subprocess.Popen(["nsenter", f"--net=/run/netns/{n}", "--", *cli, *args],
+                                 cwd=folder, stdout=out, stderr=subprocess.STDOUT, env=env)
+            return folder / f"{name}.out"
+
+        log = start(ns[0], ["coordinator", "--listen", "10.77.0.1:8470", "--stages", "2",
+                            "--token-file", str(token)], "coordinator")  # fmt: skip
+        wait_until(lambda: "READY" in log.read_text(), 60)
+        for n in ns[1:]:
+            start(n, ["worker", "--join", "http://10.77.0.1:8470", "--memory", "256M",
+                      "--token-file", str(token)], "worker")  # fmt: skip
+        prompt = PROMPTS[0]
+        out = subprocess.run(["nsenter", f"--net=/run/netns/{ns[0]}", "--", *cli, "generate",
+                              prompt, "--coordinator", "http://10.77.0.1:8470", "--max-tokens",
+                              str(MAX_TOKENS)], capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[0] == "Paris."
+        text = cellswarm.load(demo_path).tokenizer.decode(expected[prompt][:MAX_TOKENS])
+        assert out.stdout.rstrip("\n") == text  # one process's tokens, as text
+    finally:
+        for n in [*ns, "csthreesw"]:
+            for pid in system.netns_pids(n):
+                os.kill(pid, 9)
+            system.netns_delete(n)
 
 
 def test_the_lab_is_real_hosts(lab: Lab) -> None:
