@@ -7,6 +7,7 @@ not Linux, no namespaces)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -363,6 +364,44 @@ def test_a_slow_host_is_named_and_given_fewer_layers(
             assert client.wait(slow.url, rid, timeout_s=120)["tokens"] == expected[p][:MAX_TOKENS]
     finally:
         slow.down()
+
+
+def test_two_coordinators_on_a_database_host_and_sigterm_takes_the_lab_down(
+    tmp_path: Path, lab: Lab
+) -> None:
+    """`cellswarm lab up --coordinators 2` in the foreground: PostgreSQL on a host of its
+    own, two coordinators; the leader's host dies mid-batch and the other carries on with
+    an exact ledger; SIGTERM to `lab up` leaves no process, namespace or cgroup."""
+    lab.down()  # one lab at a time
+    state = tmp_path / "lab"
+    up = subprocess.Popen([sys.executable, "-m", "cellswarm.cli", "lab", "up", "--hosts", "4",
+                           "--racks", "1", "--coordinators", "2", "--prefix", "cstest",
+                           "--state-dir", str(state)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        assert up.stdout is not None
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("lab up;"):
+                break
+        assert "10.77.0.3" in "".join(lines)  # the database host
+        urls = ["http://10.77.0.1:8470", "http://10.77.0.2:8470"]
+        client.wait_wired(urls[0], 180)
+        items = [{"id": f"c{i}", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 6}
+                 for i in range(16)]  # fmt: skip
+        batch = client.call(urls[1], "/v1/batches", {"items": items})["batch_id"]
+        wait_until(lambda: client.call(urls[1], f"/v1/batches/{batch}")["finished"] >= 2, 120)
+        Lab.load(state).kill_host("c0")
+        wait_until(lambda: client.call(urls[1], f"/v1/batches/{batch}")["finished"] == 16, 240)
+        ledger = client.call(urls[1], "/v1/ledger")
+        assert ledger["done"] == 16 and ledger["duplicates"] == 0, ledger
+        assert ledger["queued"] == ledger["leased"] == 0 and ledger["done_without_commit"] == 0
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+    assert not system.netns_list("cstest-")
+    assert not Path("/sys/fs/cgroup/memory/cstest").exists()
 
 
 def test_down_leaves_nothing(tmp_path: Path) -> None:

@@ -46,10 +46,12 @@ def start_postgres(lab: Lab, host: str) -> None:
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", USER], check=True)
     pw = pwd.getpwnam(USER)
-    root = lab.host_dir(host) / "pg"
-    root.mkdir(parents=True, exist_ok=True)
+    root = data_root(lab)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
     os.chown(root, pw.pw_uid, pw.pw_gid)
-    os.chmod(lab.host_dir(host), 0o755)
+    (lab.host_dir(host) / "pg").unlink(missing_ok=True)
+    (lab.host_dir(host) / "pg").symlink_to(root)  # the host's folder shows where it is
     data = root / "data"
     done = subprocess.run(_as_postgres(binary / "initdb", "-D", str(data), "-A", "trust",
                                        "-U", USER, "--no-sync", "-E", "UTF8"),
@@ -64,7 +66,7 @@ def start_postgres(lab: Lab, host: str) -> None:
         "-c", f"listen_addresses={address}", "-c", "max_connections=200"))  # fmt: skip
     _wait_ready(lab, host, binary, address)
     created = subprocess.run(
-        ["ip", "netns", "exec", lab.ns(host), *_as_postgres(
+        [*lab.enter(host), *_as_postgres(
             binary / "createdb" if (binary / "createdb").exists() else Path("createdb"),
             "-h", address, "-p", "5432", "-U", USER, "cellswarm")],
         capture_output=True, text=True)  # fmt: skip
@@ -76,7 +78,7 @@ def _wait_ready(lab: Lab, host: str, binary: Path, address: str, timeout_s: floa
     isready = binary / "pg_isready"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ok = subprocess.run(["ip", "netns", "exec", lab.ns(host), str(isready), "-h", address,
+        ok = subprocess.run([*lab.enter(host), str(isready), "-U", USER, "-h", address,
                              "-p", "5432"], capture_output=True)  # fmt: skip
         if ok.returncode == 0:
             return
@@ -84,8 +86,12 @@ def _wait_ready(lab: Lab, host: str, binary: Path, address: str, timeout_s: floa
     raise LabError(f"PostgreSQL on {host} did not start: {lab.output(host, 'postgres')[-300:]}")
 
 
+def data_root(lab: Lab) -> Path:
+    """The server's folder: outside the lab's state folder, whose parents the `postgres`
+    user may not be allowed to enter (a 0700 home or temporary folder)."""
+    return Path("/var/tmp") / f"cellswarm-lab-{lab.prefix}-pg"
+
+
 def stop_postgres(lab: Lab) -> None:
-    """Nothing to do beyond killing the db host's processes (`down` does), but a server
-    killed hard leaves its pid file: remove the data folder's lock so a next `up` starts."""
-    for pid_file in lab.state_dir.glob("hosts/*/pg/data/postmaster.pid"):
-        pid_file.unlink(missing_ok=True)
+    """The db host's processes are killed by `down`; its data goes with the lab."""
+    shutil.rmtree(data_root(lab), ignore_errors=True)
