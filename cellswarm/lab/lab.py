@@ -51,6 +51,9 @@ class Lab:
     stop_after_s: float = 3.0
     threads: int = 1
     tls: bool = False  # a cluster CA, a certificate per host, --tls on every process
+    # workers join one after another in host order, so a ring's stages sit on consecutive
+    # hosts (rack by rack), as the planner numbers them
+    in_order: bool = False
     topology: Topology = field(init=False)
     notes: list[str] = field(default_factory=list)  # what could not be applied, and why
     pids: dict[str, list[int]] = field(default_factory=dict)
@@ -170,7 +173,7 @@ class Lab:
             if h.role == "coordinator":
                 self.start_coordinator(h.name)
         for h in self.topology.workers():
-            self.start_worker(h.name, wait=False)
+            self.start_worker(h.name, wait=self.in_order)
         for h in self.topology.workers():
             self.wait_output(h.name, "worker", "JOINED")
 

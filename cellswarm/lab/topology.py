@@ -14,6 +14,7 @@ aggregation's) host rate divided by its oversubscription — the planner's netwo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 SUBNET = "10.77"  # 10.77.0.0/16: infrastructure hosts in .0.x, rack r's hosts in .(r+1).x
 
@@ -86,6 +87,26 @@ class Topology:
 
     def uplink(self, rack: int) -> LinkSpec:
         return next(lk for lk in self.links if lk.tier == "access" and lk.a == f"rack{rack}")
+
+    def network_spec(self) -> Any:
+        """The planner's NetworkSpec of this lab (what `plan` and `simulate` are given to
+        predict it): its rack size, uplink rates and oversubscriptions; the bridges add
+        no round trip worth counting (microseconds, against tbf's queueing)."""
+        from cellswarm.planner.profiles import NetworkSpec
+
+        spec = self.spec
+        access = [lk.rate_bits_per_s or 0.0 for lk in self.links if lk.tier == "access"]
+        agg = [lk.rate_bits_per_s or 0.0 for lk in self.links if lk.tier == "aggregation"]
+        return NetworkSpec(
+            nodes_per_access_switch=-(-spec.hosts // spec.racks), access_uplinks=1,
+            access_uplink_bits_per_s=min(access),
+            access_oversubscription=spec.access_oversubscription,
+            access_switches_per_aggregation=spec.racks_per_aggregation, aggregation_uplinks=1,
+            aggregation_uplink_bits_per_s=min(agg),
+            aggregation_oversubscription=spec.aggregation_oversubscription,
+            core_bandwidth_bits_per_s=sum(agg), access_added_rtt_s=0.0,
+            aggregation_added_rtt_s=0.0, core_added_rtt_s=0.0,
+        )  # fmt: skip
 
 
 def rack_of(index: int, hosts: int, racks: int) -> int:

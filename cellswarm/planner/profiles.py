@@ -446,6 +446,17 @@ def load_profiles(extra: Path | None = None) -> dict[str, NodeProfile]:
 
 
 def get_profile(name: str, extra: Path | None = None) -> NodeProfile:
+    """A profile by name; `NAME/K` is that node slowed K times (see `dilate`)."""
+    base, slash, factor = name.partition("/")
+    if slash:
+        try:
+            k = float(factor)
+        except ValueError:
+            k = 0.0
+        if not k >= 1.0:
+            raise RequestError(f"node profile {name!r}: after '/' give a slowdown >= 1, "
+                               f"e.g. {base}/20")  # fmt: skip
+        return dilate(get_profile(base, extra), k)
     profiles = load_profiles(extra)
     if name not in profiles:
         raise RequestError(
@@ -478,3 +489,26 @@ def load_network(extra: Path | None = None) -> NetworkSpec:
 def load_power(extra: Path | None = None) -> PowerSpec:
     raw, origin = _defaults("power", extra)
     return PowerSpec(**_convert(f"power defaults{origin}", raw, _POWER_KEYS))
+
+
+def dilate(p: NodeProfile, k: float) -> NodeProfile:
+    """The node in slow motion: memory, compute and link rates divided by k, round trips
+    times k. Every time it predicts is k times longer and every ratio (which tier saturates
+    first, where a pipeline's bottleneck is) stays, so a machine too small to emulate a
+    swarm at full speed can run it at 1/k and report figures that scale back by k. Memory
+    sizes are not scaled: what fits still fits."""
+    from dataclasses import replace
+
+    return replace(
+        p, name=f"{p.name}/{k:g}", description=f"{p.description} (slowed {k:g}x)",
+        memory_bandwidth_bytes_per_s=p.memory_bandwidth_bytes_per_s / k, flops=p.flops / k,
+        link_bits_per_s=p.link_bits_per_s / k, link_rtt_s=p.link_rtt_s * k,
+        tiers=tuple(_dilate_tier(t, k) for t in p.tiers),
+        swap=_dilate_tier(p.swap, k) if p.swap else None,
+    )  # fmt: skip
+
+
+def _dilate_tier(t: MemoryTier, k: float) -> MemoryTier:
+    from dataclasses import replace
+
+    return replace(t, bandwidth_bytes_per_s=t.bandwidth_bytes_per_s / k, latency_s=t.latency_s * k)

@@ -106,6 +106,7 @@ def predict_local(
     params: SimParams | None = None,
     model: str | Path | ModelInventory | None = None,
     profiles_file: Path | None = None,
+    network: profiles.NetworkSpec | None = None,
 ) -> LocalPrediction:
     """Predict a local one-replica swarm's decode tokens/s and p50 latency.
 
@@ -116,6 +117,8 @@ def predict_local(
     kill_at_s / kill_stage: kill that stage's node at that time (None: no kill); one spare
     waits to take its shard. params: the overheads being calibrated.
     model: the model file (default: the demo model, `cellswarm.demo.demo_model_path()`).
+    network: the three tiers the stages sit on, numbered in rack order (default: one
+    switch, as on one machine).
     """
     from cellswarm.demo import demo_model_path
 
@@ -138,7 +141,8 @@ def predict_local(
         concurrency=in_flight, duration_s=horizon, jobs=jobs, prompt_tokens=prompt_tokens,
         output_tokens=tokens, params=params, samples=2,
     )  # fmt: skip
-    net = dataclasses.replace(profiles.load_network(profiles_file), nodes_per_access_switch=64)
+    net = network or dataclasses.replace(profiles.load_network(profiles_file),
+                                         nodes_per_access_switch=64)  # fmt: skip
     nominal = min(in_flight / base.token_s, 1.0 / base.bottleneck_s)
     netmodel = NetModel(inv, placement, opts.activation_bytes, net, nominal)
     power = profiles.load_power(profiles_file)

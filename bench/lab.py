@@ -1,0 +1,277 @@
+"""The swarm on real hosts (`cellswarm lab`) next to what `plan` and `simulate` predict for
+the same topology and node profile.
+
+    python -m bench.lab [--profile ps3/40] [--quick] [--json] [--out docs]
+
+Per topology (R racks x H hosts, one ring of R x H stages so every rack boundary is on the
+token's path) and per number of sequences in flight S (1, 4, 16): a fresh lab, workers
+joined in host order (stage k on host k+1), emulating the profile, a batch of 2S (at least
+4) jobs of 16 tokens queued at once; measured tokens/s (jobs x tokens / submit-to-last-
+done) and p50/p99 latency (submission to completion, from the coordinator's own log).
+
+Predictions on the split the coordinator really placed:
+  plan      the planner's cost model alone (cost.pipeline_decode on that placement, the
+            lab's network as a NetworkSpec): S / max(token time, S x busiest node), slowed
+            by the busiest uplink when it is past capacity; steady state, no prefill
+  simulate  `cellswarm simulate`'s event loop (sim/local.py) with SimParams fitted on the
+            first topology's runs only (calibrate.fit), then predicting the others
+
+This machine has 2 cores for up to 25 processes, so nodes are a PS3 slowed 40x (`ps3/40`:
+memory, compute and link rates / 40, round trips x 40; planner/profiles.py `dilate`): every
+ratio of the PS3 swarm is kept, its times are 40x these. Host ports run at the slowed
+profile's link rate (tbf), uplinks at that over the oversubscription.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cellswarm.lab.lab import Lab
+from cellswarm.lab.topology import LabSpec, Topology
+from cellswarm.swarm import client
+from cellswarm.swarm.measure import PROMPTS, LocalRun
+
+TOKENS = 16
+IN_FLIGHT = (1, 4, 16)
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    racks: int
+    hosts_per_rack: int
+    oversubscription: tuple[float, float]  # access, aggregation
+
+
+SETUPS = (
+    Setup("1 rack x 8", 1, 8, (2.4, 4.0)),
+    Setup("2 racks x 8", 2, 8, (2.4, 4.0)),
+    Setup("4 racks x 6, 20:1", 4, 6, (20.0, 4.0)),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    setup: str
+    in_flight: int
+    stages: int
+    measured_tokens_per_s: float
+    measured_p50_s: float
+    measured_p99_s: float
+    plan_tokens_per_s: float
+    sim_tokens_per_s: float
+    sim_p50_s: float
+    sim_p99_s: float
+    uplink_utilization: float  # the planner's busiest tier at the measured rate
+    busiest_tier: str
+
+    def errors(self) -> dict[str, float]:
+        m = self
+        return {"plan_tokens": m.plan_tokens_per_s / m.measured_tokens_per_s - 1,
+                "sim_tokens": m.sim_tokens_per_s / m.measured_tokens_per_s - 1,
+                "sim_p50": m.sim_p50_s / m.measured_p50_s - 1,
+                "sim_p99": m.sim_p99_s / m.measured_p99_s - 1}  # fmt: skip
+
+
+def lab_spec(setup: Setup, profile: str) -> LabSpec:
+    from cellswarm.planner.profiles import get_profile
+
+    return LabSpec(
+        hosts=setup.racks * setup.hosts_per_rack, racks=setup.racks, memory_bytes=128 << 20,
+        host_bits_per_s=get_profile(profile).link_bits_per_s,
+        access_oversubscription=setup.oversubscription[0],
+        aggregation_oversubscription=setup.oversubscription[1],
+        racks_per_aggregation=2,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Measured:
+    run: LocalRun  # what the calibration and the simulator's local prediction take
+    p99_s: float
+    topology: Topology
+
+
+def measure(setup: Setup, profile: str, in_flight: int, jobs: int) -> Measured:
+    """One run on a fresh lab: the batch's tokens/s, latencies and the placed split."""
+    spec = lab_spec(setup, profile)
+    stages = spec.hosts
+    rows = [{"id": str(i), "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": TOKENS}
+            for i in range(jobs)]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        lab = Lab(spec, Path(tmp), prefix="csbench", in_order=True,
+                  worker_args=("--profile", profile),
+                  coordinator_args=("--stages", str(stages), "--max-sequences", str(in_flight),
+                                    "--context", "64", "--heartbeat-timeout", "6"))  # fmt: skip
+        with lab:
+            status = client.wait_wired(lab.url, 300)
+            ring = sorted((n for n in status["nodes"] if n["stage"] is not None),
+                          key=lambda n: n["stage"])  # fmt: skip
+            split = tuple((int(n["layers"][0]), int(n["layers"][1])) for n in ring)
+            assert [n["node_id"] for n in ring] == [f"h{i + 1}" for i in range(stages)], ring
+            client.wait(lab.url, client.submit(lab.url, {"prompt": PROMPTS[0], "max_tokens": 2}))
+            t0 = time.time()
+            batch = client.call(lab.url, "/v1/batches", {"items": rows})["batch_id"]
+            while client.call(lab.url, f"/v1/batches/{batch}")["finished"] < jobs:
+                time.sleep(0.1)
+            results = client.call(lab.url, f"/v1/batches/{batch}/results")["results"]
+            events = [json.loads(line) for line in
+                      (lab.host_dir("c0") / "logs" / "coordinator.jsonl").read_text().splitlines()
+                      if line.strip()]  # fmt: skip
+            topology = lab.topology
+    submitted = {e["request_id"]: e["ts"] for e in events if e["event"] == "submitted"}
+    done = {e["request_id"]: e["ts"] for e in events
+            if e["event"] == "completed" and e.get("outcome") == "done"}  # fmt: skip
+    ids = [r["job_id"] for r in results]
+    latencies = [done[i] - submitted.get(i, t0) for i in ids]
+    makespan = max(done[i] for i in ids) - t0
+    tokens = sum(len(r["tokens"]) for r in results)
+    from cellswarm.loader import load_tokenizer
+
+    tok = load_tokenizer(str(_demo()))
+    run = LocalRun(
+        stages, profile, jobs, TOKENS, in_flight, False, split,
+        tuple(len(tok.encode(str(r["prompt"]))) for r in rows), tokens, round(makespan, 4),
+        round(tokens / makespan, 3), round(statistics.median(latencies), 4), None,
+    )  # fmt: skip
+    return Measured(run, float(np.percentile(latencies, 99)), topology)
+
+
+def plan_rate(run: LocalRun, topology: Topology) -> tuple[float, float, str]:
+    """The planner alone: steady pipelined decode of the placed split on the lab's network;
+    (tokens/s, the busiest tier's utilisation at the measured rate, its name)."""
+    from cellswarm.planner import cost, network, profiles
+    from cellswarm.sim.local import _inventory, local_placement
+    from cellswarm.sim.model import ReplicaModel
+    from cellswarm.sim.params import SimParams
+
+    inv = _inventory(str(_demo()))
+    placement = local_placement(inv, run.split)
+    node = profiles.get_profile(run.profile)
+    opts = cost.CostOptions()
+    base = ReplicaModel(inv, placement, node, opts, SimParams()).base
+    rate = run.in_flight / base.interval(run.in_flight)
+    flows = network.replica_flows(inv, placement, opts.activation_bytes)
+    net = topology.network_spec()
+    loads = network.tier_loads(flows, placement.nodes_per_replica, 1, rate, net)
+    busiest = network.first_saturated(loads)
+    if busiest.utilization > 1:
+        rate /= busiest.utilization
+    at_measured = network.first_saturated(
+        network.tier_loads(flows, placement.nodes_per_replica, 1, run.tokens_per_s, net))
+    return rate, at_measured.utilization, at_measured.tier
+
+
+def _demo() -> Path:
+    from cellswarm.demo import demo_model_path
+
+    return demo_model_path()
+
+
+def simulate(run: LocalRun, topology: Topology, params: Any) -> Any:
+    from cellswarm.sim.local import predict_local
+
+    return predict_local(
+        list(run.split), node=run.profile, in_flight=run.in_flight, jobs=run.jobs,
+        tokens=run.max_tokens, prompt_tokens=round(sum(run.prompt_tokens) / len(run.prompt_tokens)),
+        params=params, network=topology.network_spec(),
+    )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="ps3/40")
+    ap.add_argument("--quick", action="store_true", help="the first two setups, S = 1 and 4")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", help="write DIR/lab.json and DIR/lab-*.png")
+    args = ap.parse_args()
+    setups = SETUPS[:2] if args.quick else SETUPS
+    in_flight = IN_FLIGHT[:2] if args.quick else IN_FLIGHT
+    measured: dict[str, list[Measured]] = {}
+    for setup in setups:
+        for s in in_flight:
+            print(f"measuring {setup.name}, {s} in flight ...", flush=True)
+            measured.setdefault(setup.name, []).append(
+                measure(setup, args.profile, s, max(4, 2 * s)))
+    from cellswarm.sim.calibrate import fit
+
+    params = fit([m.run for m in measured[setups[0].name]], host_floor=True)
+    rows = []
+    for setup in setups:
+        for m in measured[setup.name]:
+            run = m.run
+            p = simulate(run, m.topology, params)
+            plan_tps, util, tier = plan_rate(run, m.topology)
+            rows.append(Row(setup.name, run.in_flight, run.workers, run.tokens_per_s,
+                            run.p50_latency_s, round(m.p99_s, 4), round(plan_tps, 3),
+                            round(p.tokens_per_s, 3), round(p.latency_p50_s, 4),
+                            round(p.latency_p99_s, 4), round(util, 4), tier))  # fmt: skip
+    out = {"profile": args.profile, "calibrated_on": setups[0].name,
+           "params": asdict(params), "rows": [{**asdict(r), **{k: round(v, 4) for k, v in
+                                                 r.errors().items()}} for r in rows]}  # fmt: skip
+    if args.out:
+        folder = Path(args.out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "lab.json").write_text(json.dumps(out, indent=1))
+        plot(rows, folder)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    render(rows, params, args.profile)
+
+
+def render(rows: list[Row], params: Any, profile: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("setup", "S", "tok/s", "plan", "sim", "p50 s", "sim p50", "p99 s", "sim p99",
+              "busiest uplink", title=f"lab, nodes {profile}; simulate calibrated on "
+              f"{rows[0].setup}: hop {1000 * params.hop_overhead_s:.2f} ms, step "
+              f"{1000 * params.step_overhead_s:.2f} ms")  # fmt: skip
+    for r in rows:
+        e = r.errors()
+        t.add_row(r.setup, str(r.in_flight), f"{r.measured_tokens_per_s:.2f}",
+                  f"{r.plan_tokens_per_s:.2f} ({100 * e['plan_tokens']:+.0f}%)",
+                  f"{r.sim_tokens_per_s:.2f} ({100 * e['sim_tokens']:+.0f}%)",
+                  f"{r.measured_p50_s:.2f}", f"{r.sim_p50_s:.2f} ({100 * e['sim_p50']:+.0f}%)",
+                  f"{r.measured_p99_s:.2f}", f"{r.sim_p99_s:.2f} ({100 * e['sim_p99']:+.0f}%)",
+                  f"{r.busiest_tier} {100 * r.uplink_utilization:.1f}%")  # fmt: skip
+    Console().print(t)
+
+
+def plot(rows: list[Row], folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for setup in dict.fromkeys(r.setup for r in rows):
+        mine = [r for r in rows if r.setup == setup]
+        s = [r.in_flight for r in mine]
+        line = axes[0].plot(s, [r.measured_tokens_per_s for r in mine], "o-", label=setup)[0]
+        axes[0].plot(s, [r.sim_tokens_per_s for r in mine], "x--", color=line.get_color())
+        axes[0].plot(s, [r.plan_tokens_per_s for r in mine], ":", color=line.get_color())
+        axes[1].plot(s, [r.measured_p50_s for r in mine], "o-", color=line.get_color(),
+                     label=setup)  # fmt: skip
+        axes[1].plot(s, [r.sim_p50_s for r in mine], "x--", color=line.get_color())
+    titles = ("tokens/s (o measured, x simulate, : plan)", "p50 latency s (o measured, x sim)")
+    for ax, label in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequences in flight")
+        ax.set_title(label)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "lab.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
