@@ -50,12 +50,16 @@ class Setup:
     racks: int
     hosts_per_rack: int
     oversubscription: tuple[float, float]  # access, aggregation
+    heartbeat_s: float = 0.25
 
 
 SETUPS = (
     Setup("1 rack x 8", 1, 8, (2.4, 4.0)),
     Setup("2 racks x 8", 2, 8, (2.4, 4.0)),
     Setup("4 racks x 6, 20:1", 4, 6, (20.0, 4.0)),
+    # uplinks cut to ~0.3 Mbit/s (scaled), so the planner has the rack uplink saturate
+    # between 4 and 16 in flight; heartbeats every 1 s to leave it to the data plane
+    Setup("2 racks x 4, 300:1", 2, 4, (300.0, 1.0), heartbeat_s=1.0),
 )
 
 
@@ -109,9 +113,10 @@ def measure(setup: Setup, profile: str, in_flight: int, jobs: int) -> Measured:
             for i in range(jobs)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         lab = Lab(spec, Path(tmp), prefix="csbench", in_order=True,
+                  heartbeat_s=setup.heartbeat_s, heartbeat_timeout_s=6.0,
                   worker_args=("--profile", profile),
                   coordinator_args=("--stages", str(stages), "--max-sequences", str(in_flight),
-                                    "--context", "64", "--heartbeat-timeout", "6"))  # fmt: skip
+                                    "--context", "64"))  # fmt: skip
         with lab:
             status = client.wait_wired(lab.url, 300)
             ring = sorted((n for n in status["nodes"] if n["stage"] is not None),

@@ -46,7 +46,10 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     coordinator host; the tests below change it (a host dies, a rack is cut off) and put
     it back."""
     spec = LabSpec(hosts=8, racks=2, memory_bytes=128 << 20)
-    with Lab(spec, tmp_path_factory.mktemp("lab"), prefix="cstest") as lab:
+    ports = {"h2": ("--listen", "10.77.1.2:9470"),  # a fixed data port, as a firewall wants
+             "h3": ("--listen", "0.0.0.0:9471", "--advertise", "10.77.1.3:9471")}  # fmt: skip
+    with Lab(spec, tmp_path_factory.mktemp("lab"), prefix="cstest", host_args=ports,
+             in_order=True) as lab:  # joined in order: h1, h2, h3 hold the 3 stages
         client.wait_wired(lab.url, 180)
         yield lab
 
@@ -118,6 +121,9 @@ def test_the_lab_is_real_hosts(lab: Lab) -> None:
         host = lab.topology.host(name)
         assert n["address"].split(":")[0] == host.address
         assert n["clock_offset_s"] is not None
+    # a fixed --listen port, and a wildcard bind with --advertise: the ring is wired by them
+    assert nodes["h2"]["address"] == "10.77.1.2:9470" and nodes["h2"]["state"] == "assigned"
+    assert nodes["h3"]["address"] == "10.77.1.3:9471" and nodes["h3"]["state"] == "assigned"
     out = subprocess.run(["ip", "netns", "exec", lab.ns("h1"), "ip", "-4", "-o", "addr"],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "10.77.1.1/16" in out and "127.0.0.1" in out and "10.77.0.1" not in out
@@ -366,18 +372,20 @@ def test_a_slow_host_is_named_and_given_fewer_layers(
         slow.down()
 
 
-def test_two_coordinators_on_a_database_host_and_sigterm_takes_the_lab_down(
-    tmp_path: Path, lab: Lab
+def test_two_coordinators_over_tls_and_sigterm_takes_the_lab_down(
+    tmp_path: Path, lab: Lab, expected: dict[str, list[int]]
 ) -> None:
-    """`cellswarm lab up --coordinators 2` in the foreground: PostgreSQL on a host of its
-    own, two coordinators; the leader's host dies mid-batch and the other carries on with
-    an exact ledger; SIGTERM to `lab up` leaves no process, namespace or cgroup."""
+    """`cellswarm lab up --coordinators 2 --tls` in the foreground: PostgreSQL on a host of
+    its own, two coordinators, every connection mutual TLS; a batch gives one process's
+    tokens although the leader's host dies mid-way (the other coordinator carries on, the
+    ledger exact); SIGTERM to `lab up` leaves no process, namespace or cgroup."""
     lab.down()  # one lab at a time
     state = tmp_path / "lab"
     up = subprocess.Popen([sys.executable, "-m", "cellswarm.cli", "lab", "up", "--hosts", "4",
-                           "--racks", "1", "--coordinators", "2", "--prefix", "cstest",
+                           "--racks", "1", "--coordinators", "2", "--tls", "--prefix", "cstest",
                            "--state-dir", str(state)], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    tls = str(state / "operator")
     try:
         assert up.stdout is not None
         lines = []
@@ -386,15 +394,21 @@ def test_two_coordinators_on_a_database_host_and_sigterm_takes_the_lab_down(
             if line.startswith("lab up;"):
                 break
         assert "10.77.0.3" in "".join(lines)  # the database host
-        urls = ["http://10.77.0.1:8470", "http://10.77.0.2:8470"]
-        client.wait_wired(urls[0], 180)
+        urls = ["https://10.77.0.1:8470", "https://10.77.0.2:8470"]
+        client.wait_wired(urls[0], 180, tls=tls)
         items = [{"id": f"c{i}", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 6}
                  for i in range(16)]  # fmt: skip
-        batch = client.call(urls[1], "/v1/batches", {"items": items})["batch_id"]
-        wait_until(lambda: client.call(urls[1], f"/v1/batches/{batch}")["finished"] >= 2, 120)
+
+        def batch_info(path: str = "") -> Any:
+            return client.call(urls[1], f"/v1/batches/{batch}{path}", tls=tls)
+
+        batch = client.call(urls[1], "/v1/batches", {"items": items}, tls=tls)["batch_id"]
+        wait_until(lambda: batch_info()["finished"] >= 2, 120)
         Lab.load(state).kill_host("c0")
-        wait_until(lambda: client.call(urls[1], f"/v1/batches/{batch}")["finished"] == 16, 240)
-        ledger = client.call(urls[1], "/v1/ledger")
+        wait_until(lambda: batch_info()["finished"] == 16, 240)
+        for item, result in zip(items, batch_info("/results")["results"], strict=True):
+            assert result["tokens"] == expected[str(item["prompt"])][:6]
+        ledger = client.call(urls[1], "/v1/ledger", tls=tls)
         assert ledger["done"] == 16 and ledger["duplicates"] == 0, ledger
         assert ledger["queued"] == ledger["leased"] == 0 and ledger["done_without_commit"] == 0
     finally:

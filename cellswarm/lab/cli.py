@@ -35,6 +35,9 @@ def add_lab_command(sub: Any) -> None:
                     help="a slow host: CPU quota in cores, e.g. h3=0.2 (repeatable)")
     up.add_argument("--stages", type=int, help="the coordinator's --stages")
     up.add_argument("--expert-nodes", type=int, default=0, help="the coordinator's --expert-nodes")
+    up.add_argument("--tls", action="store_true",
+                    help="mutual TLS on both planes: a cluster CA in the lab's folder, a "
+                    "certificate per host (the operator's in STATE/operator)")  # fmt: skip
     up.add_argument("--prefix", default="cslab", help="names of namespaces and cgroups")
     up.add_argument("--state-dir", default=DEFAULT_STATE, help="each host's folder, lab.json")
     up.add_argument("--detach", action="store_true",
@@ -107,7 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.stages:
         coordinator_args += ["--stages", str(args.stages)]
     lab = Lab(spec_from_args(args), Path(args.state_dir), args.model, args.prefix,
-              coordinator_args=tuple(coordinator_args))  # fmt: skip
+              coordinator_args=tuple(coordinator_args), tls=args.tls)  # fmt: skip
     stop = {"now": False}
 
     def on_signal(signum: int, frame: Any) -> None:
