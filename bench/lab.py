@@ -38,7 +38,7 @@ import numpy as np
 from cellswarm.lab.lab import Lab
 from cellswarm.lab.topology import LabSpec, Topology
 from cellswarm.swarm import client
-from cellswarm.swarm.measure import PROMPTS, LocalRun
+from cellswarm.swarm.measure import PROMPTS, LocalRun, batch_timings
 
 TOKENS = 16
 IN_FLIGHT = (1, 4, 16)
@@ -133,13 +133,7 @@ def measure(setup: Setup, profile: str, in_flight: int, jobs: int) -> Measured:
                       (lab.host_dir("c0") / "logs" / "coordinator.jsonl").read_text().splitlines()
                       if line.strip()]  # fmt: skip
             topology = lab.topology
-    submitted = {e["request_id"]: e["ts"] for e in events if e["event"] == "submitted"}
-    done = {e["request_id"]: e["ts"] for e in events
-            if e["event"] == "completed" and e.get("outcome") == "done"}  # fmt: skip
-    ids = [r["job_id"] for r in results]
-    latencies = [done[i] - submitted.get(i, t0) for i in ids]
-    makespan = max(done[i] for i in ids) - t0
-    tokens = sum(len(r["tokens"]) for r in results)
+    latencies, makespan, tokens = batch_timings(events, results, t0)
     from cellswarm.loader import load_tokenizer
 
     tok = load_tokenizer(str(_demo()))

@@ -26,6 +26,19 @@ def prefill_then_decode(model: Any, ids: np.ndarray, prefill: int) -> np.ndarray
     return np.concatenate(out, axis=0)
 
 
+def greedy_reference(
+    path: Path, texts: list[str], max_tokens: int
+) -> dict[tuple[int, ...], list[int]]:
+    """Prompt ids -> one process's greedy tokens (no stop ids: every run makes max_tokens)."""
+    import cellswarm
+    from cellswarm.engine.model import GenerateOptions
+
+    model = cellswarm.load(path)
+    opts = GenerateOptions(max_tokens, stop_ids=frozenset())
+    prompts = [tuple(model.tokenizer.encode(t)) for t in texts]
+    return {p: model.generate(list(p), opts).token_ids for p in prompts}
+
+
 @pytest.fixture(scope="session")
 def demo_path() -> Path:
     from cellswarm.demo import demo_model_path

@@ -7,7 +7,6 @@ listening on a free 127.0.0.1 port and a socket in its own folder; no system ser
 
 from __future__ import annotations
 
-import glob
 import os
 import pwd
 import shutil
@@ -17,18 +16,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from cellswarm.lab import postgres
 from cellswarm.swarm.local import free_port
 
 
 def pg_bin() -> Path | None:
     """The folder of initdb / pg_ctl, or None when PostgreSQL is not installed."""
-    found = shutil.which("initdb")
-    if found and shutil.which("pg_ctl"):
-        return Path(os.path.realpath(found)).parent
-    for d in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
-        if Path(d, "initdb").exists() and Path(d, "pg_ctl").exists():
-            return Path(d)
-    return None
+    return postgres.pg_bin("pg_ctl")
 
 
 def why_not() -> str:

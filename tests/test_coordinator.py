@@ -15,14 +15,13 @@ from typing import Any
 
 import pytest
 
-import cellswarm
-from cellswarm.engine.model import GenerateOptions
 from cellswarm.errors import RequestError
 from cellswarm.swarm import client
 from cellswarm.swarm.auth import prove
 from cellswarm.swarm.logs import timeline
 from cellswarm.swarm.up import LocalSwarm
 from cellswarm.units import parse_bytes
+from tests.conftest import greedy_reference
 from tests.test_swarm_parts import PROMPTS as PARTS_PROMPTS
 from tests.test_swarm_parts import moe  # noqa: F401  (a fixture)
 from tests.waiting import wait_until as wait_for
@@ -36,10 +35,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def reference(demo_path: Path) -> dict[tuple[int, ...], list[int]]:
-    model = cellswarm.load(demo_path)
-    opts = GenerateOptions(MAX_TOKENS, stop_ids=frozenset())
-    prompts = [tuple(model.tokenizer.encode(t)) for t in TEXTS]
-    return {p: model.generate(list(p), opts).token_ids for p in prompts}
+    return greedy_reference(demo_path, TEXTS, MAX_TOKENS)
 
 
 def submit_all(swarm: LocalSwarm, prompts: list[tuple[int, ...]], copies: int = 1) -> list[str]:

@@ -17,14 +17,13 @@ from typing import Any
 
 import pytest
 
-import cellswarm
 from cellswarm.cli import main as cli
-from cellswarm.engine.model import GenerateOptions
 from cellswarm.errors import ProtocolError, RequestError, SwarmError
 from cellswarm.swarm import client, frames
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.tls import check_url, client_context, server_context
 from cellswarm.swarm.up import LocalSwarm
+from tests.conftest import greedy_reference
 from tests.waiting import wait_until
 
 TEXTS = ["The capital of France is", "Once upon a time", "def fib(n):"]
@@ -127,10 +126,7 @@ def test_the_handshake_refuses_another_ca_both_ways(certs: dict[str, Path]) -> N
 @pytest.fixture(scope="module")
 def reference(demo_path: Path) -> dict[tuple[int, ...], list[int]]:
     """Prompt ids -> one process's greedy tokens (no stop ids: every run makes MAX_TOKENS)."""
-    model = cellswarm.load(demo_path)
-    opts = GenerateOptions(MAX_TOKENS, stop_ids=frozenset())
-    prompts = [tuple(model.tokenizer.encode(t)) for t in TEXTS]
-    return {p: model.generate(list(p), opts).token_ids for p in prompts}
+    return greedy_reference(demo_path, TEXTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,14 @@ if TYPE_CHECKING:
 USER = "postgres"
 
 
-def pg_bin() -> Path | None:
-    """The folder of initdb / postgres, or None when PostgreSQL is not installed."""
+def pg_bin(tool: str = "postgres") -> Path | None:
+    """The folder of initdb and `tool` (on PATH, or Debian's /usr/lib/postgresql/N/bin),
+    or None when PostgreSQL's server is not installed."""
     found = shutil.which("initdb")
-    if found and shutil.which("postgres"):
+    if found and shutil.which(tool):
         return Path(os.path.realpath(found)).parent
     for d in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
-        if Path(d, "initdb").exists() and Path(d, "postgres").exists():
+        if Path(d, "initdb").exists() and Path(d, tool).exists():
             return Path(d)
     return None
 

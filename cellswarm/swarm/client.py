@@ -19,13 +19,13 @@ from cellswarm.errors import RequestError, SwarmError
 
 def call(
     url: str, path: str, data: dict[str, Any] | None = None, timeout_s: float = 35.0,
-    tls: str | None = None,
+    tls: str | None = None, headers: dict[str, str] | None = None,
 ) -> Any:  # fmt: skip
     """GET (data None) or POST JSON; a coordinator's error becomes a RequestError carrying
     its message; an unreachable one a SwarmError naming the URL."""
     body = None if data is None else json.dumps(data).encode()
-    req = urllib.request.Request(url.rstrip("/") + path, body,
-                                 {"Content-Type": "application/json"})  # fmt: skip
+    head = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url.rstrip("/") + path, body, head)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s, context=tls_context(url, tls)) as r:
             return json.loads(r.read())

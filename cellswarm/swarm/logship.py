@@ -281,7 +281,8 @@ def fetch_timeline(url: str, request_id: str, token: bytes | None = None,
     elif token is not None:
         nonce = str(client.call(url, "/v1/challenge", {}, tls=tls)["nonce"])
         headers["X-Cellswarm-Proof"] = f"{nonce}:{prove(token, nonce, OPERATOR)}"
-    answer = _get(url.rstrip("/") + f"/v1/logs/{quote(request_id, safe='')}", headers, tls)
+    answer = client.call(url, f"/v1/logs/{quote(request_id, safe='')}", tls=tls,
+                         headers=headers)  # fmt: skip
     events: list[Event] = []
     clocks: dict[str, Any] = {}
     for e in answer["events"]:
@@ -291,23 +292,3 @@ def fetch_timeline(url: str, request_id: str, token: bytes | None = None,
         events.append(e)
     return events, clocks
 
-
-def _get(url: str, headers: dict[str, str], tls: str | None = None) -> Any:
-    import urllib.error
-    import urllib.request
-
-    from cellswarm.errors import SwarmError
-    from cellswarm.swarm.client import tls_context
-
-    req = urllib.request.Request(url, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=35, context=tls_context(url, tls)) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = f"HTTP {exc.code}"
-        raise RequestError(f"coordinator at {url}: {message}") from None
-    except (OSError, ValueError) as exc:
-        raise SwarmError(f"no coordinator answers at {url} ({exc}); is it running?") from None

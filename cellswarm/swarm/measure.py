@@ -72,13 +72,7 @@ def measure_local(
         results = client.call(swarm.url, f"/v1/batches/{batch}/results")["results"]
         events = _coordinator_events(swarm.log_dir)
     assert all(r["state"] == "done" for r in results), results
-    submitted = {e["request_id"]: e["ts"] for e in events if e["event"] == "submitted"}
-    done = {e["request_id"]: e["ts"] for e in events
-            if e["event"] == "completed" and e.get("outcome") == "done"}  # fmt: skip
-    ids = [r["job_id"] for r in results]
-    latencies = [done[i] - submitted.get(i, t0) for i in ids]
-    makespan = max(done[i] for i in ids) - t0
-    tokens = sum(len(r["tokens"]) for r in results)
+    latencies, makespan, tokens = batch_timings(events, results, t0)
     from cellswarm.loader import load_tokenizer
 
     tok = load_tokenizer(path)
@@ -88,6 +82,19 @@ def measure_local(
         round(tokens / makespan, 3), round(statistics.median(latencies), 4),
         None if kill_at is None else round(kill_at, 4),
     )  # fmt: skip
+
+
+def batch_timings(
+    events: list[dict[str, Any]], results: list[dict[str, Any]], t0: float
+) -> tuple[list[float], float, int]:
+    """From the coordinator's events: each job's latency (submitted to completed), the
+    makespan from t0 to the last completion, and the tokens generated."""
+    submitted = {e["request_id"]: e["ts"] for e in events if e["event"] == "submitted"}
+    done = {e["request_id"]: e["ts"] for e in events
+            if e["event"] == "completed" and e.get("outcome") == "done"}  # fmt: skip
+    ids = [r["job_id"] for r in results]
+    latencies = [done[i] - submitted.get(i, t0) for i in ids]
+    return latencies, max(done[i] for i in ids) - t0, sum(len(r["tokens"]) for r in results)
 
 
 def _kill_mid_batch(swarm: LocalSwarm, batch: str) -> float:
