@@ -21,6 +21,7 @@ import cellswarm
 from cellswarm.engine.model import GenerateOptions
 from cellswarm.lab import system
 from cellswarm.lab.lab import Lab
+from cellswarm.lab.postgres import pg_bin
 from cellswarm.lab.topology import LabSpec
 from cellswarm.swarm import client
 from tests.waiting import wait_until
@@ -372,6 +373,8 @@ def test_a_slow_host_is_named_and_given_fewer_layers(
         slow.down()
 
 
+@pytest.mark.skipif(pg_bin() is None, reason="no PostgreSQL server binaries (apt-get install "
+                    "postgresql; .ci/run does)")  # fmt: skip
 def test_two_coordinators_over_tls_and_sigterm_takes_the_lab_down(
     tmp_path: Path, lab: Lab, expected: dict[str, list[int]]
 ) -> None:

@@ -1,0 +1,95 @@
+"""`cellswarm lab`'s pure parts: the topology as data (tables), its TOML file, and where the
+lab cannot run (one line saying why, exit status 2, nothing built). The lab itself is
+tests/test_lab.py, which needs root and network namespaces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cellswarm.cli import build_parser, main
+from cellswarm.lab import system
+from cellswarm.lab.cli import spec_from_args
+from cellswarm.lab.topology import LabSpec, build, rack_of
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lab-seed.toml"
+
+
+@pytest.mark.parametrize(
+    ("hosts", "racks", "expected"),
+    [(8, 1, [0] * 8), (8, 2, [0, 0, 0, 0, 1, 1, 1, 1]), (5, 2, [0, 0, 0, 1, 1]),
+     (24, 4, [r for r in range(4) for _ in range(6)])],
+)  # fmt: skip
+def test_hosts_fill_racks_in_order(hosts: int, racks: int, expected: list[int]) -> None:
+    assert [rack_of(i, hosts, racks) for i in range(hosts)] == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "access_bits", "aggregation_bits"),
+    [(LabSpec(hosts=8, racks=2), [4e9 / 2.4] * 2, [8e9 / 2.4 / 4]),  # planner defaults
+     (LabSpec(hosts=24, racks=4, access_oversubscription=20), [6e9 / 20] * 4,
+      [12e9 / 20 / 4] * 2),  # the seed's 20:1, two aggregation switches
+     (LabSpec(hosts=6, racks=1, host_bits_per_s=1e7, access_oversubscription=1,
+              aggregation_oversubscription=1), [6e7], [6e7])],
+)  # fmt: skip
+def test_uplinks_carry_their_hosts_over_the_oversubscription(
+    spec: LabSpec, access_bits: list[float], aggregation_bits: list[float]
+) -> None:
+    topo = build(spec)
+    access = [lk.rate_bits_per_s for lk in topo.links if lk.tier == "access"]
+    agg = [lk.rate_bits_per_s for lk in topo.links if lk.tier == "aggregation"]
+    assert access == pytest.approx(access_bits) and agg == pytest.approx(aggregation_bits)
+    hosts = [lk for lk in topo.links if lk.tier == "host" and lk.rate_bits_per_s]
+    assert len(hosts) == spec.hosts
+    net = topo.network_spec()
+    assert net.nodes_per_access_switch == spec.hosts // spec.racks
+    assert net.access_uplink_bits_per_s == pytest.approx(min(access_bits))
+
+
+def test_addresses_are_unique_and_coordinators_sit_on_the_core() -> None:
+    topo = build(LabSpec(hosts=10, racks=3, coordinators=2))
+    assert len({h.address for h in topo.hosts}) == len(topo.hosts) == 13
+    assert [h.name for h in topo.hosts[:3]] == ["c0", "c1", "db"]
+    assert all(h.switch == "core" for h in topo.hosts[:3])
+    assert topo.host("h1").address == "10.77.1.1" and topo.host("h10").address == "10.77.3.3"
+
+
+def test_a_topology_file_sets_the_spec() -> None:
+    args = build_parser().parse_args(["lab", "up", "--topology", str(EXAMPLE)])
+    spec = spec_from_args(args)
+    assert (spec.hosts, spec.racks, spec.racks_per_aggregation) == (24, 4, 2)
+    assert (spec.access_oversubscription, spec.aggregation_oversubscription) == (20.0, 4.0)
+    assert spec.slow_hosts == {"h5": 0.2} and spec.memory_bytes == 128 << 20
+
+
+def test_bad_lab_options_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv in (["--hosts", "2", "--racks", "3"], ["--oversubscription", "20"],
+                 ["--slow", "h1=fast"]):  # fmt: skip
+        assert main(["lab", "up", "--state-dir", str(tmp_path), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("cellswarm: error:"), err
+
+
+def test_without_root_the_lab_refuses_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(system.os, "geteuid", lambda: 1000)
+    assert main(["lab", "up", "--state-dir", str(tmp_path / "lab"), "--detach"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs root" in err and "sudo" in err
+    assert not (tmp_path / "lab" / "lab.json").exists()
+
+
+def test_elsewhere_than_linux_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(system.sys, "platform", "darwin")
+    assert "Linux network namespaces" in str(system.why_not_supported())
+
+
+def test_status_of_no_lab_says_how_to_start_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["lab", "status", "--state-dir", str(tmp_path)]) == 2
+    assert "cellswarm lab up" in capsys.readouterr().err
