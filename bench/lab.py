@@ -86,12 +86,12 @@ class Row:
                 "sim_p99": m.sim_p99_s / m.measured_p99_s - 1}  # fmt: skip
 
 
-def lab_spec(setup: Setup, profile: str) -> LabSpec:
-    from cellswarm.planner.profiles import get_profile
-
+def lab_spec(setup: Setup) -> LabSpec:
+    """Host ports at 1 Gbit/s while workers fetch their shards (at the emulated nodes' rate
+    the seed-shaped uplinks would take many minutes); `measure` then reshapes to them."""
     return LabSpec(
         hosts=setup.racks * setup.hosts_per_rack, racks=setup.racks, memory_bytes=128 << 20,
-        host_bits_per_s=get_profile(profile).link_bits_per_s,
+        host_bits_per_s=1e9,
         access_oversubscription=setup.oversubscription[0],
         aggregation_oversubscription=setup.oversubscription[1],
         racks_per_aggregation=2,
@@ -107,7 +107,9 @@ class Measured:
 
 def measure(setup: Setup, profile: str, in_flight: int, jobs: int) -> Measured:
     """One run on a fresh lab: the batch's tokens/s, latencies and the placed split."""
-    spec = lab_spec(setup, profile)
+    from cellswarm.planner.profiles import get_profile
+
+    spec = lab_spec(setup)
     stages = spec.hosts
     rows = [{"id": str(i), "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": TOKENS}
             for i in range(jobs)]  # fmt: skip
@@ -123,6 +125,7 @@ def measure(setup: Setup, profile: str, in_flight: int, jobs: int) -> Measured:
                           key=lambda n: n["stage"])  # fmt: skip
             split = tuple((int(n["layers"][0]), int(n["layers"][1])) for n in ring)
             assert [n["node_id"] for n in ring] == [f"h{i + 1}" for i in range(stages)], ring
+            lab.reshape(get_profile(profile).link_bits_per_s)  # the emulated nodes' links
             client.wait(lab.url, client.submit(lab.url, {"prompt": PROMPTS[0], "max_tokens": 2}))
             t0 = time.time()
             batch = client.call(lab.url, "/v1/batches", {"items": rows})["batch_id"]
@@ -199,8 +202,10 @@ def main() -> None:
     for setup in setups:
         for s in in_flight:
             print(f"measuring {setup.name}, {s} in flight ...", flush=True)
-            measured.setdefault(setup.name, []).append(
-                measure(setup, args.profile, s, max(4, 2 * s)))
+            m = measure(setup, args.profile, s, max(4, 2 * s))
+            measured.setdefault(setup.name, []).append(m)
+            print(f"  {m.run.tokens_per_s:.2f} tokens/s, p50 {m.run.p50_latency_s:.2f} s, "
+                  f"p99 {m.p99_s:.2f} s, split {list(m.run.split)}", flush=True)
     from cellswarm.sim.calibrate import fit
 
     params = fit([m.run for m in measured[setups[0].name]], host_floor=True)

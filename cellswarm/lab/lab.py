@@ -267,6 +267,20 @@ class Lab:
 
         start_postgres(self, "db")
 
+    def reshape(self, host_bits_per_s: float) -> None:
+        """Every shaped link again, for host ports of this rate (uplinks follow by their
+        oversubscription): e.g. weights fetched at full speed, then measured at the rate of
+        the nodes being emulated."""
+        from dataclasses import replace
+
+        self.spec = replace(self.spec, host_bits_per_s=host_bits_per_s)
+        self.topology = build(self.spec)
+        for link in self.topology.links:
+            if link.rate_bits_per_s:
+                system.shape(self.ns(link.a), link.a_dev, link.rate_bits_per_s)
+                system.shape(self.ns(link.b), link.b_dev, link.rate_bits_per_s)
+        self.save()
+
     # -- faults ----------------------------------------------------------------------------
 
     def kill_host(self, host: str, sig: int = signal.SIGKILL) -> list[int]:
