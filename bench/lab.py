@@ -29,7 +29,7 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from cellswarm.swarm.measure import PROMPTS, LocalRun, batch_timings
 
 TOKENS = 16
 IN_FLIGHT = (1, 4, 16)
+STALL_S = 300.0  # a batch not finished by then is recorded as stalled, with why
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,10 @@ def measure(setup: Setup, profile: str, in_flight: int, jobs: int) -> Measured:
             client.wait(lab.url, client.submit(lab.url, {"prompt": PROMPTS[0], "max_tokens": 2}))
             t0 = time.time()
             batch = client.call(lab.url, "/v1/batches", {"items": rows})["batch_id"]
+            deadline = time.monotonic() + STALL_S
             while client.call(lab.url, f"/v1/batches/{batch}")["finished"] < jobs:
+                if time.monotonic() > deadline:
+                    raise Stalled(_why_stalled(lab))
                 time.sleep(0.1)
             results = client.call(lab.url, f"/v1/batches/{batch}/results")["results"]
             events = [json.loads(line) for line in
@@ -146,6 +150,19 @@ def measure(setup: Setup, profile: str, in_flight: int, jobs: int) -> Measured:
         round(tokens / makespan, 3), round(statistics.median(latencies), 4), None,
     )  # fmt: skip
     return Measured(run, float(np.percentile(latencies, 99)), topology)
+
+
+class Stalled(Exception):
+    """A batch that made no end in STALL_S: what the swarm was doing instead."""
+
+
+def _why_stalled(lab: Lab) -> str:
+    status = client.call(lab.url, "/v1/status")
+    lost = [n["node_id"] for n in status["nodes"] if n["state"] == "lost"]
+    ledger = client.call(lab.url, "/v1/ledger")
+    return (f"after {STALL_S:.0f} s: {ledger['done']} jobs done, {ledger['queued']} queued; "
+            f"epoch {status['epoch']} (rewired that often), lost now: {lost or 'none'}; "
+            "heartbeats share the saturated uplink with the data plane")  # fmt: skip
 
 
 def plan_rate(run: LocalRun, topology: Topology) -> tuple[float, float, str]:
@@ -194,42 +211,75 @@ def main() -> None:
     ap.add_argument("--profile", default="ps3/40")
     ap.add_argument("--quick", action="store_true", help="the first two setups, S = 1 and 4")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", help="write DIR/lab.json and DIR/lab-*.png")
+    ap.add_argument("--out", help="write DIR/lab.json, DIR/lab-runs.jsonl and DIR/lab.png")
+    ap.add_argument("--runs", help="predict from these saved runs (lab-runs.jsonl) instead")
     args = ap.parse_args()
     setups = SETUPS[:2] if args.quick else SETUPS
     in_flight = IN_FLIGHT[:2] if args.quick else IN_FLIGHT
-    measured: dict[str, list[Measured]] = {}
-    for setup in setups:
-        for s in in_flight:
-            print(f"measuring {setup.name}, {s} in flight ...", flush=True)
-            m = measure(setup, args.profile, s, max(4, 2 * s))
-            measured.setdefault(setup.name, []).append(m)
-            print(f"  {m.run.tokens_per_s:.2f} tokens/s, p50 {m.run.p50_latency_s:.2f} s, "
-                  f"p99 {m.p99_s:.2f} s, split {list(m.run.split)}", flush=True)
+    folder = Path(args.out) if args.out else None
+    if folder:
+        folder.mkdir(parents=True, exist_ok=True)
+    if args.runs:
+        saved = [json.loads(line) for line in Path(args.runs).read_text().splitlines() if line]
+    else:
+        saved = []
+        for setup in setups:
+            for s in in_flight:
+                print(f"measuring {setup.name}, {s} in flight ...", flush=True)
+                saved.append(measure_saved(setup, args.profile, s, folder))
+    predict_and_report(saved, args.profile, folder, args.json)
+
+
+def measure_saved(setup: Setup, profile: str, in_flight: int, folder: Path | None) -> Any:
+    """One measurement as a JSON line (appended to FOLDER/lab-runs.jsonl as it is made, so
+    a long sitting loses nothing); a run that does not finish is recorded with why."""
+    try:
+        m = measure(setup, profile, in_flight, max(4, 2 * in_flight))
+        line: dict[str, Any] = {"setup": setup.name, "run": m.run.as_dict(), "p99_s": m.p99_s}
+        print(f"  {m.run.tokens_per_s:.2f} tokens/s, p50 {m.run.p50_latency_s:.2f} s, "
+              f"p99 {m.p99_s:.2f} s", flush=True)  # fmt: skip
+    except Stalled as exc:
+        line = {"setup": setup.name, "in_flight": in_flight, "stalled": str(exc)}
+        print(f"  stalled: {exc}", flush=True)
+    if folder:
+        with (folder / "lab-runs.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
+    return line
+
+
+def predict_and_report(saved: list[Any], profile: str, folder: Path | None, as_json: bool) -> None:
+    from cellswarm.lab.topology import build
+    from cellswarm.planner.profiles import get_profile
     from cellswarm.sim.calibrate import fit
 
-    params = fit([m.run for m in measured[setups[0].name]], host_floor=True)
+    setups = {s.name: s for s in SETUPS}
+    runs = [(x["setup"], LocalRun(**{**x["run"], "split": tuple(map(tuple, x["run"]["split"])),
+                                     "prompt_tokens": tuple(x["run"]["prompt_tokens"])}),
+             x["p99_s"]) for x in saved if "run" in x]  # fmt: skip
+    first = runs[0][0]
+    params = fit([r for name, r, _ in runs if name == first], host_floor=True)
     rows = []
-    for setup in setups:
-        for m in measured[setup.name]:
-            run = m.run
-            p = simulate(run, m.topology, params)
-            plan_tps, util, tier = plan_rate(run, m.topology)
-            rows.append(Row(setup.name, run.in_flight, run.workers, run.tokens_per_s,
-                            run.p50_latency_s, round(m.p99_s, 4), round(plan_tps, 3),
-                            round(p.tokens_per_s, 3), round(p.latency_p50_s, 4),
-                            round(p.latency_p99_s, 4), round(util, 4), tier))  # fmt: skip
-    out = {"profile": args.profile, "calibrated_on": setups[0].name,
-           "params": asdict(params), "rows": [{**asdict(r), **{k: round(v, 4) for k, v in
-                                                 r.errors().items()}} for r in rows]}  # fmt: skip
-    if args.out:
-        folder = Path(args.out)
-        folder.mkdir(parents=True, exist_ok=True)
+    for name, run, p99 in runs:
+        spec = lab_spec(setups[name])
+        topology = build(replace(spec, host_bits_per_s=get_profile(profile).link_bits_per_s))
+        p = simulate(run, topology, params)
+        plan_tps, util, tier = plan_rate(run, topology)
+        rows.append(Row(name, run.in_flight, run.workers, run.tokens_per_s,
+                        run.p50_latency_s, round(p99, 4), round(plan_tps, 3),
+                        round(p.tokens_per_s, 3), round(p.latency_p50_s, 4),
+                        round(p.latency_p99_s, 4), round(util, 4), tier))  # fmt: skip
+    stalled = [x for x in saved if "stalled" in x]
+    out = {"profile": profile, "calibrated_on": first, "params": asdict(params),
+           "rows": [{**asdict(r), **{k: round(v, 4) for k, v in r.errors().items()}}
+                    for r in rows], "stalled": stalled}  # fmt: skip
+    if folder:
         (folder / "lab.json").write_text(json.dumps(out, indent=1))
         plot(rows, folder)
-    if args.json:
+    if as_json:
         print(json.dumps(out, indent=1))
-    render(rows, params, args.profile)
+    render(rows, params, profile)
+    for x in stalled:
+        print(f"{x['setup']}, {x['in_flight']} in flight: stalled: {x['stalled']}")
 
 
 def render(rows: list[Row], params: Any, profile: str) -> None:
