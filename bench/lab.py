@@ -119,7 +119,7 @@ def measure(setup: Setup, profile: str, in_flight: int, jobs: int) -> Measured:
                   heartbeat_s=setup.heartbeat_s, heartbeat_timeout_s=6.0,
                   worker_args=("--profile", profile),
                   coordinator_args=("--stages", str(stages), "--max-sequences", str(in_flight),
-                                    "--context", "64"))  # fmt: skip
+                                    "--context", "64", "--no-rebalance"))  # fmt: skip
         with lab:
             status = client.wait_wired(lab.url, 300)
             ring = sorted((n for n in status["nodes"] if n["stage"] is not None),

@@ -80,5 +80,7 @@ def test_nothing_moves_when_the_gain_is_small_or_memory_forbids() -> None:
     assert plan(even, COSTS) is None  # 10% apart: not worth a reload
     lopsided = [_node("n0", (0, 4)), _node("n1", (4, 12))]
     assert plan(RingTimes(tuple(lopsided), (0.004, 0.008)), COSTS) is None  # same speed/byte
+    small = [_node("n0", (0, 1)), _node("n1", (1, 12))]  # slow per byte, fast per step: a
+    assert plan(RingTimes(tuple(small), (0.002, 0.011)), COSTS) is None  # step's fixed cost
     tight = [_node("n0", (0, 6), memory=60), _node("n1", (6, 12), memory=60)]
     assert plan(RingTimes(tuple(tight), (0.002, 0.02)), COSTS) is None  # cannot take more

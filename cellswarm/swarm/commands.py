@@ -42,6 +42,9 @@ def add_commands(sub: Any) -> None:
                    help="verification: a node outvoted this many times is taken out")
     c.add_argument("--context", type=int, default=256, help="KV tokens a stage reserves/seq")
     c.add_argument("--max-sequences", type=int, default=8, help="sequences in flight per stage")
+    c.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
+                   help="move layers off a stage measured much slower than the others "
+                   "(default on; off for measuring one fixed placement)")  # fmt: skip
     c.add_argument("--leader-ttl", type=float, default=5.0,
                    help="several coordinators: seconds a leader's term lasts unrenewed")
     c.set_defaults(func=cmd_coordinator)
@@ -129,7 +132,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         stages=args.stages, expert_nodes=args.expert_nodes, vocab_nodes=args.vocab_nodes,
         context=args.context, replicas=args.replicas, lease_s=args.lease,
         evict_after_disagreements=args.evict_after, max_sequences=args.max_sequences,
-        log_dir=args.log_dir, leader_ttl_s=args.leader_ttl, tls_dir=args.tls,
+        log_dir=args.log_dir, leader_ttl_s=args.leader_ttl, rebalance=args.rebalance,
+        tls_dir=args.tls,
     ))  # fmt: skip
     return 0
 

@@ -57,6 +57,7 @@ def measure_local(
     with tempfile.TemporaryDirectory() as tmp, LocalSwarm(
         path, workers + (1 if kill else 0), memory, Path(tmp), profile=profile,
         stages=workers, max_sequences=in_flight, context=64, heartbeat_timeout_s=6.0,
+        rebalance=False,  # the split measured is the split predicted
     ) as swarm:  # fmt: skip
         status = swarm.wait_ready(timeout_s=300)
         stages = sorted((n for n in status["nodes"] if n["stage"] is not None),

@@ -22,7 +22,8 @@ from cellswarm.swarm.store import Node
 
 MIN_STEPS = 24  # decode steps each stage must have measured before anything is decided
 GAIN = 0.75  # rebalance only when the slowest stage gets at least this much faster ...
-SLOW = 2.0  # ... and some node is this many times slower per byte read than the median:
+SLOW = 2.0  # ... and some node this many times slower per byte read and per step than the
+# median:
 # nodes of one speed keep the byte-balanced split (their small differences are noise, and
 # a reload costs the ring seconds)
 
@@ -59,8 +60,12 @@ def plan(times: RingTimes, costs: StageCosts, gain: float = GAIN) -> list[tuple[
     last = len(ranges) - 1
     pairs = enumerate(zip(ranges, times.step_s, strict=True))
     per_byte = [t / max(costs.read(lo, hi, k == last), 1) for k, ((lo, hi), t) in pairs]
-    median = sorted(per_byte)[len(per_byte) // 2]
-    if max(per_byte) < SLOW * median:
+    # slow per byte AND slow per step: a stage of one small layer is slow per byte only
+    # because a step has a fixed cost (Python, framing) that its few bytes do not amortize
+    median_byte = sorted(per_byte)[len(per_byte) // 2]
+    median_step = sorted(times.step_s)[len(times.step_s) // 2]
+    if not any(b >= SLOW * median_byte and t >= SLOW * median_step
+               for b, t in zip(per_byte, times.step_s, strict=True)):  # fmt: skip
         return None
     budgets = [n.memory_bytes for n in times.nodes]
 

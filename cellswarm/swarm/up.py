@@ -52,6 +52,7 @@ class LocalSwarm:
     coordinators: int = 1  # more than one: they share `db`, which must be PostgreSQL
     db: str | None = None  # default: a SQLite file in state_dir
     leader_ttl_s: float = 5.0
+    rebalance: bool = True  # off: the placement stays as first made (measurements)
     # mutual TLS on both planes: a node's certificate folder (`cellswarm certs node`), used by
     # the coordinator, every worker and this object's own calls
     tls_dir: str | None = None
@@ -124,6 +125,8 @@ class LocalSwarm:
             args += ["--api-key-file", str(self.api_key_file)]
         if self.coordinators > 1:
             args += ["--leader-ttl", str(self.leader_ttl_s)]
+        if not self.rebalance:
+            args.append("--no-rebalance")
         args += ["--tls", str(self.tls_dir)] if self.tls_dir else []
         self._spawn(f"coordinator-{k}" if k else "coordinator", args, "READY")
 
