@@ -350,8 +350,10 @@ def test_a_slow_host_is_named_and_given_fewer_layers(
             for rid in ids:
                 while client.call(slow.url, f"/v1/requests/{rid}")["state"] not in (
                         "done", "dead", "cancelled"):  # fmt: skip
-                    named.extend(b["node_id"] for b in
-                                 client.call(slow.url, "/v1/status")["bottlenecks"])  # fmt: skip
+                    status = client.call(slow.url, "/v1/status")
+                    now = {n["node_id"]: n["layers"] for n in status["nodes"]}
+                    if now == layers:  # what status says of the first placement
+                        named.extend(b["node_id"] for b in status["bottlenecks"])
                     time.sleep(0.2)
 
         def moved() -> bool:
