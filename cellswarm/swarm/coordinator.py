@@ -583,7 +583,8 @@ class Coordinator:
             for n in self.store.nodes()
         ]  # fmt: skip
         epoch = self.epoch
-        times = [rebalance.ring_times(ring(self.store.nodes(), r), self.node_stats)
+        times = [rebalance.ring_times(ring(self.store.nodes(), r), self.node_stats,
+                                      rebalance.STATUS_MIN_STEPS)
                  for r in range(self.config.replicas)]  # fmt: skip
         return {"epoch": epoch, "wired": self.wired_epoch == epoch, "problem": self.problem,
                 "bottlenecks": [t.bottleneck() for t in times if t is not None],

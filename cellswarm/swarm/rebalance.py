@@ -21,6 +21,8 @@ from cellswarm.swarm.membership import bottleneck, time_balanced_split
 from cellswarm.swarm.store import Node
 
 MIN_STEPS = 24  # decode steps each stage must have measured before anything is decided
+STATUS_MIN_STEPS = MIN_STEPS // 2  # ... before status names a bottleneck (the first steps
+# carry page faults and warm-up: a stage's first step is no measure of it)
 GAIN = 0.75  # rebalance only when the slowest stage gets at least this much faster ...
 SLOW = 2.0  # ... and some node this many times slower per byte read and per step than the
 # median:
