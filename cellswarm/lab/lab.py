@@ -302,7 +302,7 @@ class Lab:
         h = self.topology.host(host)
         cg = self.cgroups.get(host)
         mem = _cgroup_memory(cg) if cg else {}
-        alive = [p for p in system.netns_pids(self.ns(host))]
+        alive = system.netns_pids(self.ns(host))
         return {"host": host, "role": h.role, "address": h.address, "rack": h.rack,
                 "processes": len(alive), "cpu_quota": h.cpu_quota,
                 "oom_kills": cg.oom_kills() if cg else 0, **mem}  # fmt: skip
