@@ -58,8 +58,9 @@ SETUPS = (
     Setup("1 rack x 8", 1, 8, (2.4, 4.0)),
     Setup("2 racks x 8", 2, 8, (2.4, 4.0)),
     Setup("4 racks x 6, 20:1", 4, 6, (20.0, 4.0)),
-    # uplinks cut to ~0.3 Mbit/s (scaled), so the planner has the rack uplink saturate
-    # between 4 and 16 in flight; heartbeats every 1 s to leave it to the data plane
+    # uplinks cut to ~0.3 Mbit/s (scaled): the rack uplink saturates. Heartbeats every 1 s:
+    # the control plane's bytes are not slowed 40 times like the links, and at 0.25 s four
+    # nodes' heartbeats alone would fill this uplink (data/runtime.toml [control])
     Setup("2 racks x 4, 300:1", 2, 4, (300.0, 1.0), heartbeat_s=1.0),
 )
 
@@ -165,10 +166,13 @@ def _why_stalled(lab: Lab) -> str:
             "heartbeats share the saturated uplink with the data plane")  # fmt: skip
 
 
-def plan_rate(run: LocalRun, topology: Topology) -> tuple[float, float, str]:
-    """The planner alone: steady pipelined decode of the placed split on the lab's network;
-    (tokens/s, the busiest tier's utilisation at the measured rate, its name)."""
-    from cellswarm.planner import cost, network, profiles
+def plan_rate(run: LocalRun, topology: Topology, heartbeat_s: float) -> tuple[float, float, str]:
+    """The planner alone: steady pipelined decode of the placed split on the lab's network,
+    with the runtime's measured software and control-plane costs (data/runtime.toml) at the
+    setup's heartbeat interval; (tokens/s, the busiest tier's utilisation at the measured
+    rate, its name)."""
+    from cellswarm.planner import network, profiles
+    from cellswarm.planner.overhead import control_traffic, software_cost
     from cellswarm.sim.local import _inventory, local_placement
     from cellswarm.sim.model import ReplicaModel
     from cellswarm.sim.params import SimParams
@@ -176,17 +180,14 @@ def plan_rate(run: LocalRun, topology: Topology) -> tuple[float, float, str]:
     inv = _inventory(str(_demo()))
     placement = local_placement(inv, run.split)
     node = profiles.get_profile(run.profile)
-    opts = cost.CostOptions()
+    opts, control = software_cost(), control_traffic(heartbeat_s)
     base = ReplicaModel(inv, placement, node, opts, SimParams()).base
-    rate = run.in_flight / base.interval(run.in_flight)
     flows = network.replica_flows(inv, placement, opts.activation_bytes)
-    net = topology.network_spec()
-    loads = network.tier_loads(flows, placement.nodes_per_replica, 1, rate, net)
-    busiest = network.first_saturated(loads)
-    if busiest.utilization > 1:
-        rate /= busiest.utilization
+    net, npr = topology.network_spec(), placement.nodes_per_replica
+    rate = min(run.in_flight / base.interval(run.in_flight),
+               network.network_cap(flows, npr, 1, net, control))  # fmt: skip
     at_measured = network.first_saturated(
-        network.tier_loads(flows, placement.nodes_per_replica, 1, run.tokens_per_s, net))
+        network.tier_loads(flows, npr, 1, run.tokens_per_s, net, control))
     return rate, at_measured.utilization, at_measured.tier
 
 
@@ -263,7 +264,7 @@ def predict_and_report(saved: list[Any], profile: str, folder: Path | None, as_j
         spec = lab_spec(setups[name])
         topology = build(replace(spec, host_bits_per_s=get_profile(profile).link_bits_per_s))
         p = simulate(run, topology, params)
-        plan_tps, util, tier = plan_rate(run, topology)
+        plan_tps, util, tier = plan_rate(run, topology, setups[name].heartbeat_s)
         rows.append(Row(name, run.in_flight, run.workers, run.tokens_per_s,
                         run.p50_latency_s, round(p99, 4), round(plan_tps, 3),
                         round(p.tokens_per_s, 3), round(p.latency_p50_s, 4),

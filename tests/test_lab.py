@@ -1,5 +1,5 @@
 """The swarm across real hosts: `cellswarm lab` (network namespaces on bridges as racks,
-an aggregation and a core switch, tbf-shaped ports, a cgroup per host), every process
+an aggregation and a core switch, htb-shaped ports, a cgroup per host), every process
 started through the real CLI inside its host, every worker with its own folder (it fetches
 its shard: no shared disk). Skipped, with the reason, where the lab cannot run (not root,
 not Linux, no namespaces)."""

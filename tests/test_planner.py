@@ -247,3 +247,60 @@ def test_stored_runtime_overhead_matches_a_fresh_idle_worker() -> None:
     from cellswarm.planner.overhead import measure_idle_worker_rss_bytes, runtime_overhead_bytes
 
     assert measure_idle_worker_rss_bytes() == pytest.approx(runtime_overhead_bytes(), rel=0.25)
+
+
+# -- what the roofline left out: the runtime's own time, the control plane ----------------------
+
+
+def _demo_split(demo_path: Path, stages: int) -> tuple[inventory.ModelInventory, object]:
+    from cellswarm.sim.local import local_placement
+
+    inv = inventory.from_gguf(demo_path)
+    bounds = np.linspace(0, inv.n_layers, stages + 1).astype(int)
+    return inv, local_placement(inv, list(itertools.pairwise(bounds.tolist())))
+
+
+@pytest.mark.parametrize("stages", [1, 4, 8])
+def test_software_cost_is_charged_per_stage_step(demo_path: Path, stages: int) -> None:
+    from cellswarm.planner import cost, profiles
+
+    inv, placement = _demo_split(demo_path, stages)
+    node = profiles.get_profile("ps3")
+    bare = cost.pipeline_decode(inv, placement, node, cost.CostOptions())
+    step = cost.pipeline_decode(inv, placement, node, cost.CostOptions(stage_step_s=0.002))
+    assert step.software_s == pytest.approx(stages * 0.002)
+    assert step.total_s == pytest.approx(bare.total_s + stages * 0.002)
+    assert step.bottleneck_busy_s == pytest.approx(bare.bottleneck_busy_s + 0.002)
+    assert bare.software_s == 0.0
+
+
+def test_plan_carries_the_measured_software_and_control_costs(demo_path: Path) -> None:
+    from cellswarm.planner.overhead import control_traffic, software_cost
+
+    r = api.plan(str(demo_path), node="ps3", count=8)
+    assert r.request.cost == software_cost()
+    assert r.request.cost.stage_step_s > 0
+    assert r.request.control == control_traffic()
+    assert control_traffic(0.25).node_bytes_per_s == 2 * control_traffic(0.5).node_bytes_per_s
+
+
+# (control bytes/s per node as a share of one access uplink, expected share of the uplink the
+#  data plane may still use)
+@pytest.mark.parametrize("control_share, left", [(0.0, 1.0), (0.25, 0.75), (0.6, 0.4), (1.2, 0.0)])
+def test_the_control_plane_takes_its_share_of_the_uplink_first(
+    demo_path: Path, control_share: float, left: float
+) -> None:
+    from cellswarm.lab.topology import LabSpec, build
+    from cellswarm.planner import network
+
+    inv, placement = _demo_split(demo_path, 8)
+    spec = LabSpec(hosts=8, racks=2, access_oversubscription=300.0,
+                   aggregation_oversubscription=1.0)  # fmt: skip
+    net = build(spec).network_spec()  # the access uplinks are the thin ones
+    flows = network.replica_flows(inv, placement, 4.0)
+    per_node = control_share * net.access_uplink_total_bits_per_s / 8 / 4  # 4 nodes a rack
+    control = network.ControlTraffic(node_bytes_per_s=per_node)
+    bare = network.network_cap(flows, 8, 1, net)
+    assert network.network_cap(flows, 8, 1, net, control) == pytest.approx(left * bare)
+    idle = network.tier_loads(flows, 8, 1, 0.0, net, control)
+    assert idle[0].utilization == pytest.approx(control_share)

@@ -164,7 +164,7 @@ def print_status(lab: Any) -> None:
     Console().print(t)
     for lk in status["links"]:
         print(f"  {lk['tier']:<12} {lk['a']:>6} <-> {lk['b']:<6} {lk['rate_bits_per_s'] / 1e6:,.0f}"
-              " Mbit/s each way (tbf)")
+              " Mbit/s each way (htb; the coordinator port first)")
     for note in status["notes"]:
         print(f"  note: {note}")
 

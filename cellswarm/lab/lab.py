@@ -4,7 +4,7 @@ Every host is a network namespace with its own address, its own folder (database
 logs, fetched shards, kernel cache: nothing read from another host's folder) and its own
 cgroup (memory limit = the worker's --memory, so the kernel kills a process that lies about
 its budget; a CPU quota makes a slow node). Switches are namespaces too (topology.py), with
-tbf-shaped ports. Coordinators and workers are started through the real CLI, inside their
+htb-shaped ports. Coordinators and workers are started through the real CLI, inside their
 host; the operator (this process, the tests) reaches them through a port on the core switch.
 
 The lab's description and the pids it started are kept in STATE/lab.json, so `lab status`,
@@ -127,7 +127,7 @@ class Lab:
                 else:
                     system.address(self.ns(ns), dev, f"{topo.host(ns).address}/16")
                 if link.rate_bits_per_s:
-                    system.shape(self.ns(ns), dev, link.rate_bits_per_s)
+                    system.shape(self.ns(ns), dev, link.rate_bits_per_s, COORDINATOR_PORT)
         # the operator's port: this (root) namespace reaches every host through the core
         op = f"{self.prefix}op"
         system.run("ip", "link", "add", op, "type", "veth", "peer", "name", "p-op",
@@ -137,7 +137,7 @@ class Lab:
         system.run("ip", "link", "set", op, "up")
         if not system.has_qdisc("netem"):
             self.notes.append("delay, loss and reordering not applied: this kernel has no "
-                              "netem (only rates are shaped, with tbf)")  # fmt: skip
+                              "netem (only rates are shaped, with htb)")  # fmt: skip
 
     def _make_hosts(self) -> None:
         token = secrets.token_hex(32)
@@ -277,8 +277,8 @@ class Lab:
         self.topology = build(self.spec)
         for link in self.topology.links:
             if link.rate_bits_per_s:
-                system.shape(self.ns(link.a), link.a_dev, link.rate_bits_per_s)
-                system.shape(self.ns(link.b), link.b_dev, link.rate_bits_per_s)
+                system.shape(self.ns(link.a), link.a_dev, link.rate_bits_per_s, COORDINATOR_PORT)
+                system.shape(self.ns(link.b), link.b_dev, link.rate_bits_per_s, COORDINATOR_PORT)
         self.save()
 
     # -- faults ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ system, so `lab down` can undo exactly what `lab up` did, and a half-built lab (
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -88,12 +89,36 @@ def link_state(ns: str, dev: str, up: bool) -> None:
     run("ip", "-n", ns, "link", "set", "dev", dev, "up" if up else "down")
 
 
-def shape(ns: str, dev: str, rate_bits_per_s: float) -> None:
-    """Egress of `dev` limited to the rate by a token bucket (tbf); a burst of 4 ms of the
-    rate (at least 16 KiB) lets TCP keep the link full without queueing much."""
-    burst = max(int(rate_bits_per_s / 8 * 0.004), 16 << 10)
-    run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-        "rate", f"{int(rate_bits_per_s)}bit", "burst", str(burst), "latency", "50ms")  # fmt: skip
+def shape(ns: str, dev: str, rate_bits_per_s: float, control_port: int | None = None) -> None:
+    """Egress of `dev` limited to the rate (htb). Small packets to or from `control_port`
+    (the coordinator's: heartbeats, leases, checkpoints) have their own class, served first
+    (strict priority), as a switch does with a QoS class for control traffic: a
+    data plane that fills the link delays tokens, it must not make live nodes look dead.
+    The data class queues at most ~50 ms of the rate (at least 10 packets), as a switch's
+    buffer would, so TCP sees a full link, not an endless queue."""
+    rate = int(rate_bits_per_s)
+    burst = max(int(rate_bits_per_s / 8 * 0.004), 16 << 10)  # 4 ms of the rate, >= 16 KiB
+    tc = ("ip", "netns", "exec", ns, "tc")
+    run(*tc, "qdisc", "del", "dev", dev, "root", check=False)
+    run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20")
+    link = ("burst", str(burst), "cburst", str(burst), "quantum", "1514")
+    run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+        "rate", f"{rate}bit", "ceil", f"{rate}bit", *link)  # fmt: skip
+    for cls, prio in (("1:10", "0"), ("1:20", "1")):  # both may use the whole link; control
+        run(*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", cls, "htb",  # first
+            "rate", f"{rate}bit", "ceil", f"{rate}bit", "prio", prio, *link)  # fmt: skip
+    packets = max(10, int(rate_bits_per_s / 8 * 0.05 / 1514))
+    run(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "pfifo", "limit", str(packets))
+    if control_port is None:
+        return
+    # Control packets are small; full-size ones on that port are a shard being fetched,
+    # bulk data that must not jump the queue: below 1,280 bytes (IP total length, the
+    # 16 bits at offset 2) is 0x0000-0x03ff or 0x0400-0x04ff.
+    for field, (length, mask) in itertools.product(("dport", "sport"),
+                                                   (("0x0000", "0xfc00"), ("0x0400", "0xff00"))):
+        run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+            "u32", "match", "ip", field, str(control_port), "0xffff",
+            "match", "u16", length, mask, "at", "2", "flowid", "1:10")  # fmt: skip
 
 
 def has_qdisc(kind: str) -> bool:

@@ -91,7 +91,7 @@ class Topology:
     def network_spec(self) -> Any:
         """The planner's NetworkSpec of this lab (what `plan` and `simulate` are given to
         predict it): its rack size, uplink rates and oversubscriptions; the bridges add
-        no round trip worth counting (microseconds, against tbf's queueing)."""
+        no round trip worth counting (microseconds, against the shaper's queueing)."""
         from cellswarm.planner.profiles import NetworkSpec
 
         spec = self.spec

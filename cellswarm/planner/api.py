@@ -9,7 +9,7 @@ from cellswarm.errors import RequestError
 from cellswarm.planner import inventory, presets, profiles
 from cellswarm.planner.cost import CostOptions
 from cellswarm.planner.inventory import ModelInventory, QuantSpec, TensorSpec
-from cellswarm.planner.overhead import runtime_overhead_bytes
+from cellswarm.planner.overhead import control_traffic, runtime_overhead_bytes, software_cost
 from cellswarm.planner.placement import place_pipeline
 from cellswarm.planner.plan import PlanRequest, PlanResult
 from cellswarm.planner.plan import plan as _plan
@@ -82,7 +82,8 @@ def plan(
         else runtime_overhead,
         network=profiles.load_network(profiles_file),
         power=profiles.load_power(profiles_file),
-        cost=CostOptions(activation_bytes=ACTIVATION_BYTES[activations]),
+        cost=software_cost(CostOptions(activation_bytes=ACTIVATION_BYTES[activations])),
+        control=control_traffic(),
         dram_bytes=dram_bytes,
         expert_hit_rate=expert_hit_rate,
     )

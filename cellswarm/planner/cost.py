@@ -29,6 +29,12 @@ class CostOptions:
     # that waits for n nodes waits for the slowest: ~ mean x (1 + cv x sqrt(2 ln n)).
     straggler_cv: float = 0.25
     tp_syncs_per_layer: int = 2
+    # What the runtime spends besides kernels and wires: per stage step a token makes (Python
+    # around the kernels, the event loop) and per message on its path (framing, syscalls).
+    # The roofline alone missed it by 20-46% in the lab (docs/lab.md); `cellswarm plan` takes
+    # the measured figures from data/runtime.toml [software]. 0 here: a bare roofline.
+    stage_step_s: float = 0.0
+    hop_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -39,15 +45,17 @@ class StepTime:
     memory_s: float = 0.0
     network_s: float = 0.0
     node_busy_s: tuple[float, ...] = field(default=(), repr=False)  # per node, per token
+    software_s: float = 0.0  # the runtime's own time per step (CostOptions.stage_step_s, hop_s)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.memory_s + self.network_s
+        return self.compute_s + self.memory_s + self.network_s + self.software_s
 
     @property
     def bound(self) -> str:
         parts = {"compute": self.compute_s, "memory bandwidth": self.memory_s}
         parts["network"] = self.network_s
+        parts["software"] = self.software_s
         return max(sorted(parts), key=lambda k: parts[k])
 
     def __add__(self, other: StepTime) -> StepTime:
@@ -56,6 +64,7 @@ class StepTime:
             self.memory_s + other.memory_s,
             self.network_s + other.network_s,
             self.node_busy_s + other.node_busy_s,
+            self.software_s + other.software_s,
         )
 
     @property
@@ -127,7 +136,12 @@ def pipeline_decode(
             part = (s.head_rows[1] - s.head_rows[0]) / inv.vocab_size
             busy[s.node] += roofline(node, part * nbytes, 2 * part * params).total_s
     total += StepTime(network_s=node.link_rtt_s / 2)  # the sampled token back to the first stage
-    return StepTime(total.compute_s, total.memory_s, total.network_s, tuple(busy.values()))
+    stages, hops = serial_path(inv, placement)
+    for n in {s.node for s in placement.slots if s.layers}:
+        busy[n] += opts.stage_step_s
+    software = stages * opts.stage_step_s + hops * opts.hop_s
+    return StepTime(total.compute_s, total.memory_s, total.network_s, tuple(busy.values()),
+                    total.software_s + software)  # fmt: skip
 
 
 def _group_step(
@@ -184,7 +198,33 @@ def pipeline_prefill(
             flops = 2 * group.unit_params * prompt * group.used / n_holders
             total += roofline(node, touched, flops)
     nbytes, params = head_cost(inv)
-    return total + roofline(node, nbytes, 2 * params)  # logits for the last position only
+    stages, n_hops = serial_path(inv, placement)
+    software = StepTime(software_s=stages * opts.stage_step_s + n_hops * opts.hop_s)
+    return total + roofline(node, nbytes, 2 * params) + software  # logits: last position only
+
+
+def serial_path(inv: ModelInventory, placement: Placement) -> tuple[int, int]:
+    """(stages a token passes through in order, messages on its serial path per token).
+
+    Hops: one per change of layer owner along the model (and embedding -> first layer), a
+    round trip (2) per layer whose feed-forward units sit partly on other nodes (scatter,
+    then gather; the holders work in parallel), a round trip to remote head shards, and the
+    sampled token back to the first stage when the ring has more than one stage."""
+    owners = {layer: s.node for s in placement.slots if s.layers for layer in range(*s.layers)}
+    path = [s.node for s in placement.slots if s.embed_rows][:1]
+    for layer in range(inv.n_layers):
+        if path[-1:] != [owners[layer]]:
+            path.append(owners[layer])
+    hops = len(path) - 1
+    for layer in range(inv.n_layers):
+        for group in inv.groups(layer):
+            if set(holders(placement, layer, group.kind)) - {owners[layer]}:
+                hops += 2
+    if any(s.head_rows and s.node != path[-1] for s in placement.slots):
+        hops += 2
+    if len(placement.slots) > 1:
+        hops += 1
+    return len(path), hops
 
 
 # -- tensor parallel --------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""The runtime's own memory: what an idle worker process holds before it loads any weight.
+"""The runtime's own costs, measured and stored in data/runtime.toml: the memory an idle
+worker process holds before it loads any weight, the time it spends per step besides the
+kernels, and the control-plane bytes every node exchanges with the coordinator.
 
 Measured, not guessed: a fresh interpreter imports what a worker imports (numpy, the engine,
 the GGUF reader, the architecture files), loads the fused kernels (a cached shared object
@@ -12,7 +14,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import tomllib
+from dataclasses import replace
 from importlib import resources
+from typing import Any
+
+from cellswarm.planner.cost import CostOptions
+from cellswarm.planner.network import ControlTraffic
 
 IDLE_WORKER = """
 import re
@@ -34,9 +41,28 @@ def measure_idle_worker_rss_bytes() -> int:
     return int(out.stdout.strip()) * 1024
 
 
-def stored_overhead() -> dict[str, object]:
+def _stored() -> dict[str, Any]:
     text = resources.files("cellswarm.planner").joinpath("data/runtime.toml").read_text()
-    return tomllib.loads(text)["idle_worker"]
+    return tomllib.loads(text)
+
+
+def stored_overhead() -> dict[str, object]:
+    return dict(_stored()["idle_worker"])
+
+
+def software_cost(opts: CostOptions | None = None) -> CostOptions:
+    """`opts` with the runtime's measured time per stage step and per message."""
+    sw = _stored()["software"]
+    step_s, hop_s = float(sw["stage_step_s"]), float(sw["hop_s"])
+    return replace(opts or CostOptions(), stage_step_s=step_s, hop_s=hop_s)
+
+
+def control_traffic(heartbeat_s: float | None = None) -> ControlTraffic:
+    """The measured control plane per node, at this heartbeat interval (default: the
+    coordinator's)."""
+    c = _stored()["control"]
+    every_s = float(c["heartbeat_s"]) if heartbeat_s is None else heartbeat_s
+    return ControlTraffic(float(c["heartbeat_bytes"]) / every_s, float(c["head_bytes_per_s"]))
 
 
 def runtime_overhead_bytes() -> int:

@@ -14,6 +14,7 @@ from typing import Any
 from cellswarm.errors import RequestError
 from cellswarm.planner import cost, network
 from cellswarm.planner.inventory import ModelInventory
+from cellswarm.planner.network import ControlTraffic
 from cellswarm.planner.placement import Placement, place_pipeline
 from cellswarm.planner.tiers import TierPlan, plan_tiers
 
@@ -32,6 +33,7 @@ class PlanRequest:
     network: Any = None  # NetworkSpec
     power: Any = None  # PowerSpec
     cost: cost.CostOptions = field(default_factory=cost.CostOptions)
+    control: ControlTraffic = field(default_factory=ControlTraffic)  # (`network` is a field)
     dram_bytes: int | None = None  # tiered boxes: DRAM given to weights (None: the tier's size)
     expert_hit_rate: float | None = None  # tiered boxes: None = what fits in DRAM
 
@@ -132,8 +134,9 @@ def plan(inv: ModelInventory, req: PlanRequest) -> PlanResult:
         tiers.decode if tiers is not None else cost.pipeline_decode(inv, placement, node, req.cost)
     )
     per_replica = _pipelined_tokens_per_s(decode, req.concurrency)
+    if fits and tiers is None:
+        per_replica = min(per_replica, _network_cap(inv, placement, replicas, req))
     loads = _loads(inv, placement, replicas, per_replica, req) if fits and tiers is None else ()
-    per_replica = _network_capped(per_replica, loads)
     prefill = cost.pipeline_prefill(inv, placement, node, req.cost, req.prompt_tokens).total_s
     return PlanResult(
         model=inv, request=req, placement=placement, scratch_bytes=scratch,
@@ -170,12 +173,13 @@ def _loads(
     inv: ModelInventory, p: Placement, replicas: int, per_replica: float, req: PlanRequest
 ) -> list[network.TierLoad]:
     flows = network.replica_flows(inv, p, req.cost.activation_bytes)
-    return network.tier_loads(flows, p.nodes_per_replica, replicas, per_replica, req.network)
+    return network.tier_loads(flows, p.nodes_per_replica, replicas, per_replica, req.network,
+                              req.control)  # fmt: skip
 
 
-def _network_capped(tokens_per_s: float, loads: list[network.TierLoad] | tuple[()]) -> float:
-    worst = max((t.utilization for t in loads), default=0.0)
-    return tokens_per_s / worst if worst > 1.0 else tokens_per_s
+def _network_cap(inv: ModelInventory, p: Placement, replicas: int, req: PlanRequest) -> float:
+    flows = network.replica_flows(inv, p, req.cost.activation_bytes)
+    return network.network_cap(flows, p.nodes_per_replica, replicas, req.network, req.control)
 
 
 def _power(req: PlanRequest, busy_nodes: int) -> float:

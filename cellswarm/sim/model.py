@@ -53,7 +53,7 @@ class ReplicaModel:
         self.decode = decode or cost.pipeline_decode(inv, placement, node, opts)
         self.nodes = 1 if one_box else placement.nodes_per_replica
         busy = np.asarray(self.decode.node_busy_s or (self.decode.total_s,), dtype=np.float64)
-        self.stages, self.hops = (1, 0) if one_box else serial_path(inv, placement)
+        self.stages, self.hops = (1, 0) if one_box else cost.serial_path(inv, placement)
         self.shard_bytes = [s.weight_bytes for s in placement.slots]
         if one_box:
             self.shard_bytes = [sum(self.shard_bytes)]
@@ -89,27 +89,3 @@ class ReplicaModel:
     def load_s(self, position: int) -> float:
         """A spare fetching one position's shard over its own link."""
         return self.shard_bytes[position] / self.node.link_bytes_per_s
-
-
-def serial_path(inv: ModelInventory, placement: Placement) -> tuple[int, int]:
-    """(stages a token passes through in order, messages on its serial path per token).
-
-    Hops: one per change of layer owner along the model (and embedding -> first layer), a
-    round trip (2) per layer whose feed-forward units sit partly on other nodes (scatter,
-    then gather; the holders work in parallel), a round trip to remote head shards, and the
-    sampled token back to the first stage when the ring has more than one stage."""
-    owners = {layer: s.node for s in placement.slots if s.layers for layer in range(*s.layers)}
-    path = [s.node for s in placement.slots if s.embed_rows][:1]
-    for layer in range(inv.n_layers):
-        if path[-1:] != [owners[layer]]:
-            path.append(owners[layer])
-    hops = len(path) - 1
-    for layer in range(inv.n_layers):
-        for group in inv.groups(layer):
-            if set(cost.holders(placement, layer, group.kind)) - {owners[layer]}:
-                hops += 2
-    if any(s.head_rows and s.node != path[-1] for s in placement.slots):
-        hops += 2
-    if len(placement.slots) > 1:
-        hops += 1
-    return len(path), hops

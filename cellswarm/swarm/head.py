@@ -1,6 +1,7 @@
 """A pipeline's head: stage 0's worker pulls jobs from the coordinator and runs them.
 
-    head --lease(n)--> coordinator: jobs, each with a fence and the tokens to resume from
+    head --lease(n, wait_s)--> coordinator: jobs, each with a fence and the tokens to resume
+         from; the coordinator holds the call up to wait_s while there is none (long poll)
     head --generate (replay = tokens so far)--> its own stage 0 --> ... ring ... --> tokens
     head --checkpoint(fence, tokens) every 0.1 s--> coordinator (renews the lease)
     head --complete / fail(fence)--> coordinator: 'done', or 'stale' if it lost the lease
@@ -29,6 +30,10 @@ from cellswarm.swarm.frames import Frame
 log = logging.getLogger("cellswarm.head")
 
 CHECKPOINT_EVERY_S = 0.1
+# An idle head waits at the coordinator for work instead of asking again and again: asking
+# every tick (50 times a second) cost each head ~70 KB/s of its uplink with nothing queued,
+# which on an oversubscribed rack uplink starved the heartbeats (docs/lab.md).
+LEASE_WAIT_S = 1.0
 
 
 @dataclass
@@ -55,14 +60,16 @@ class Head:
         self.post = post  # blocking HTTP POST to the coordinator (run in a thread)
         self.lease_s = lease_s
         self.runs: dict[str, Run] = {}
+        self.leasing: asyncio.Task[None] | None = None  # the long poll in flight, if any
 
     @property
     def capacity(self) -> int:
         return int(self.stage.config.max_sequences)
 
     async def tick(self, wired: bool) -> None:
-        """One round: (re)send runs into the ring if its epoch changed, lease more if there
-        is room, checkpoint what progressed (or is due for a renewal)."""
+        """One round: (re)send runs into the ring if its epoch changed, ask for more work if
+        there is room (a long poll beside the ticks, so checkpoints never wait for it),
+        checkpoint what progressed (or is due for a renewal)."""
         if not wired:
             return
         epoch = self.stage.epoch
@@ -71,14 +78,18 @@ class Head:
                 await self._send(run, epoch)
         busy = sum(len(r.payload.get("completions", [])) or 1 for r in self.runs.values())
         free = self.capacity - busy
-        if free > 0:
-            answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/lease", {"n": free})
-            for view in (answer or {}).get("jobs", []):
-                run = Run(str(view["job_id"]), int(view["fence"]), str(view["kind"]),
-                          dict(view["payload"]), [int(t) for t in view["tokens"]])  # fmt: skip
-                self.runs[run.job_id] = run
-                await self._send(run, epoch)
+        if free > 0 and (self.leasing is None or self.leasing.done()):
+            self.leasing = asyncio.create_task(self._lease(free))
         await self._checkpoint()
+
+    async def _lease(self, free: int) -> None:
+        body = {"n": free, "wait_s": LEASE_WAIT_S}
+        answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/lease", body)
+        for view in (answer or {}).get("jobs", []):
+            run = Run(str(view["job_id"]), int(view["fence"]), str(view["kind"]),
+                      dict(view["payload"]), [int(t) for t in view["tokens"]])  # fmt: skip
+            self.runs[run.job_id] = run
+            await self._send(run, self.stage.epoch)
 
     async def _send(self, run: Run, epoch: int) -> None:
         run.sent_epoch = epoch
@@ -158,5 +169,8 @@ class Head:
             return None
 
     def forget(self) -> None:
-        """The worker stopped serving: its leases will expire on the coordinator."""
+        """The worker stopped serving: its leases will expire on the coordinator (a long poll
+        still in flight is dropped with what it brings: those leases expire too)."""
+        if self.leasing is not None:
+            self.leasing.cancel()
         self.runs.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from cellswarm.swarm.openai_api import add_openai_routes, load_api_keys
 from cellswarm.swarm.store import Node
 
 MAX_WAIT_S = 30.0
+MAX_LEASE_WAIT_S = 1.5  # under the worker's HTTP timeout (worker.HTTP_TIMEOUT_S + wait)
 
 
 def build_app(coord: Coordinator) -> FastAPI:
@@ -140,7 +142,15 @@ def build_app(coord: Coordinator) -> FastAPI:
     @app.post("/v1/jobs/lease")
     async def lease(request: Request) -> dict[str, Any]:
         d = await body(request)
-        return {"jobs": coord.lease(node_of(d), int(d.get("n", 1)))}
+        node, n = node_of(d), int(d.get("n", 1))
+        wait_s = min(max(float(d.get("wait_s", 0.0)), 0.0), MAX_LEASE_WAIT_S)
+        deadline = time.monotonic() + wait_s
+        while not (jobs := coord.lease(node, n)) and time.monotonic() < deadline:
+            # a long poll: look again on news (a finished step, a requeue) or every 0.1 s
+            # (another coordinator sharing the database may have queued the job)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(coord.pulse.wait(), 0.1)
+        return {"jobs": jobs}
 
     @app.post("/v1/jobs/checkpoint")
     async def checkpoint(request: Request) -> dict[str, Any]:

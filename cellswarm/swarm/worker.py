@@ -151,7 +151,8 @@ class Worker:
             req = urllib.request.Request(self.urls[i] + path, json.dumps(data).encode(),
                                          {"Content-Type": "application/json"})  # fmt: skip
             try:
-                with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S, context=self.tls) as r:
+                timeout_s = HTTP_TIMEOUT_S + float(data.get("wait_s", 0.0))  # a long poll
+                with urllib.request.urlopen(req, timeout=timeout_s, context=self.tls) as r:
                     out: dict[str, Any] = json.loads(r.read())
             except urllib.error.HTTPError:
                 raise  # it answered: its answer stands
