@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -167,10 +168,15 @@ def _why_stalled(lab: Lab) -> str:
 
 
 def plan_rate(run: LocalRun, topology: Topology, heartbeat_s: float) -> tuple[float, float, str]:
-    """The planner alone: steady pipelined decode of the placed split on the lab's network,
-    with the runtime's measured software and control-plane costs (data/runtime.toml) at the
+    """The planner alone on the run's workload: the placed split on the lab's network, with
+    the runtime's measured software and control-plane costs (data/runtime.toml) at the
     setup's heartbeat interval; (tokens/s, the busiest tier's utilisation at the measured
-    rate, its name)."""
+    rate, its name).
+
+    The measured figure is a batch's (jobs x tokens over submit-to-last-done), so the plan's
+    is too: the jobs in waves of S, each wave a prefill of the prompt then `tokens` decode
+    steps at the pipelined interval (capped by the network), all from the planner's cost
+    model (`pipeline_prefill`, `pipeline_decode`, `network_cap`) — no queue, no fitted knob."""
     from cellswarm.planner import network, profiles
     from cellswarm.planner.overhead import control_traffic, software_cost
     from cellswarm.sim.local import _inventory, local_placement
@@ -181,11 +187,14 @@ def plan_rate(run: LocalRun, topology: Topology, heartbeat_s: float) -> tuple[fl
     placement = local_placement(inv, run.split)
     node = profiles.get_profile(run.profile)
     opts, control = software_cost(), control_traffic(heartbeat_s)
-    base = ReplicaModel(inv, placement, node, opts, SimParams()).base
+    model = ReplicaModel(inv, placement, node, opts, SimParams())
     flows = network.replica_flows(inv, placement, opts.activation_bytes)
     net, npr = topology.network_spec(), placement.nodes_per_replica
-    rate = min(run.in_flight / base.interval(run.in_flight),
-               network.network_cap(flows, npr, 1, net, control))  # fmt: skip
+    decode_rate = min(run.in_flight / model.base.interval(run.in_flight),
+                      network.network_cap(flows, npr, 1, net, control))  # fmt: skip
+    prompt = round(sum(run.prompt_tokens) / len(run.prompt_tokens))
+    wave_s = model.prefill_s(prompt) + run.max_tokens * run.in_flight / decode_rate
+    rate = run.jobs * run.max_tokens / (math.ceil(run.jobs / run.in_flight) * wave_s)
     at_measured = network.first_saturated(
         network.tier_loads(flows, npr, 1, run.tokens_per_s, net, control))
     return rate, at_measured.utilization, at_measured.tier
