@@ -63,6 +63,9 @@ SETUPS = (
     # the control plane's bytes are not slowed 40 times like the links, and at 0.25 s four
     # nodes' heartbeats alone would fill this uplink (data/runtime.toml [control])
     Setup("2 racks x 4, 300:1", 2, 4, (300.0, 1.0), heartbeat_s=1.0),
+    # thinner still: the planner has the control plane take half of each rack uplink and
+    # the data plane fill the rest at ~4.8 tokens/s, above S = 1's rate and below S = 4's
+    Setup("2 racks x 4, 500:1", 2, 4, (500.0, 1.0), heartbeat_s=1.0),
 )
 
 
@@ -223,8 +226,15 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="write DIR/lab.json, DIR/lab-runs.jsonl and DIR/lab.png")
     ap.add_argument("--runs", help="predict from these saved runs (lab-runs.jsonl) instead")
+    ap.add_argument("--only", action="append", metavar="SETUP",
+                    help="measure only this setup (repeatable); with --out, its rows in "
+                         "DIR/lab-runs.jsonl are replaced and the rest kept")  # fmt: skip
     args = ap.parse_args()
     setups = SETUPS[:2] if args.quick else SETUPS
+    if args.only:
+        setups = tuple(s for s in SETUPS if s.name in args.only)
+        if len(setups) != len(args.only):
+            ap.error(f"--only: choose from {[s.name for s in SETUPS]}")
     in_flight = IN_FLIGHT[:2] if args.quick else IN_FLIGHT
     folder = Path(args.out) if args.out else None
     if folder:
@@ -232,12 +242,23 @@ def main() -> None:
     if args.runs:
         saved = [json.loads(line) for line in Path(args.runs).read_text().splitlines() if line]
     else:
-        saved = []
+        saved = _kept(folder, setups) if args.only else []
         for setup in setups:
             for s in in_flight:
                 print(f"measuring {setup.name}, {s} in flight ...", flush=True)
                 saved.append(measure_saved(setup, args.profile, s, folder))
     predict_and_report(saved, args.profile, folder, args.json)
+
+
+def _kept(folder: Path | None, remeasured: tuple[Setup, ...]) -> list[Any]:
+    """The saved runs of every other setup (rewritten to the file without the ones about to
+    be measured again)."""
+    if folder is None or not (folder / "lab-runs.jsonl").exists():
+        return []
+    path, names = folder / "lab-runs.jsonl", {s.name for s in remeasured}
+    kept = [x for x in map(json.loads, path.read_text().splitlines()) if x["setup"] not in names]
+    path.write_text("".join(json.dumps(x) + "\n" for x in kept))
+    return kept
 
 
 def measure_saved(setup: Setup, profile: str, in_flight: int, folder: Path | None) -> Any:
@@ -263,6 +284,8 @@ def predict_and_report(saved: list[Any], profile: str, folder: Path | None, as_j
     from cellswarm.sim.calibrate import fit
 
     setups = {s.name: s for s in SETUPS}
+    order = {s.name: k for k, s in enumerate(SETUPS)}
+    saved = sorted(saved, key=lambda x: order[x["setup"]])  # stable: S order kept
     runs = [(x["setup"], LocalRun(**{**x["run"], "split": tuple(map(tuple, x["run"]["split"])),
                                      "prompt_tokens": tuple(x["run"]["prompt_tokens"])}),
              x["p99_s"]) for x in saved if "run" in x]  # fmt: skip
