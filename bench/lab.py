@@ -307,6 +307,7 @@ def predict_and_report(saved: list[Any], profile: str, folder: Path | None, as_j
                     for r in rows], "stalled": stalled}  # fmt: skip
     if folder:
         (folder / "lab.json").write_text(json.dumps(out, indent=1))
+        (folder / "lab-table.md").write_text(markdown(rows))
         plot(rows, folder)
     if as_json:
         print(json.dumps(out, indent=1))
@@ -332,6 +333,24 @@ def render(rows: list[Row], params: Any, profile: str) -> None:
                   f"{r.measured_p99_s:.2f}", f"{r.sim_p99_s:.2f} ({100 * e['sim_p99']:+.0f}%)",
                   f"{r.busiest_tier} {100 * r.uplink_utilization:.1f}%")  # fmt: skip
     Console().print(t)
+
+
+def markdown(rows: list[Row]) -> str:
+    """The same table for docs/lab.md (written to DIR/lab-table.md with --out)."""
+    head = ("| setup | S | tok/s | plan | simulate | p50 s | sim p50 | p99 s | sim p99 | "
+            "busiest uplink (planner, at the measured rate) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
+    lines = []
+    for r in rows:
+        e = r.errors()
+        lines.append(
+            f"| {r.setup} | {r.in_flight} | {r.measured_tokens_per_s:.2f} | "
+            f"{r.plan_tokens_per_s:.2f} ({100 * e['plan_tokens']:+.0f}%) | "
+            f"{r.sim_tokens_per_s:.2f} ({100 * e['sim_tokens']:+.0f}%) | "
+            f"{r.measured_p50_s:.2f} | {r.sim_p50_s:.2f} ({100 * e['sim_p50']:+.0f}%) | "
+            f"{r.measured_p99_s:.2f} | {r.sim_p99_s:.2f} ({100 * e['sim_p99']:+.0f}%) | "
+            f"{r.busiest_tier} {100 * r.uplink_utilization:.1f}% |")  # fmt: skip
+    return head + "\n".join(lines) + "\n"
 
 
 def plot(rows: list[Row], folder: Path) -> None:
