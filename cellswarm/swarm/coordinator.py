@@ -51,6 +51,16 @@ PEER_ID = "coordinator"  # how the coordinator names itself on the data plane
 
 
 @dataclass(frozen=True)
+class Beat:
+    """What a node's latest heartbeat said that is not worth a database write each time."""
+
+    seen_s: float
+    rss_bytes: int
+    peak_rss_bytes: int
+    written_s: float  # when the database row last got last_seen_s
+
+
+@dataclass(frozen=True)
 class CoordinatorConfig:
     model: str
     db: str = "cellswarm.db"  # a SQLite path, or postgresql://... to share with others
@@ -110,6 +120,7 @@ class Coordinator:
         self._manifest: Any = None
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
+        self.beats: dict[str, Beat] = {}  # each node's latest heartbeat here (see heartbeat)
         # each node's clock behind ours (s) and the estimate's error bound, from heartbeats
         self.node_clock: dict[str, tuple[float, float]] = {}
         self.problem = ""  # why nothing is placed, when nothing can be
@@ -214,14 +225,16 @@ class Coordinator:
     # -- heartbeats and faults -------------------------------------------------------------
 
     def heartbeat(self, node: Node, beat: dict[str, Any]) -> dict[str, Any]:
-        """Record what the node reports; answer with its shard and whether to run a probe."""
-        changes: dict[str, Any] = {
-            "last_seen_s": time.time(),
-            "rss_bytes": int(beat.get("rss_bytes", 0)),
-            "peak_rss_bytes": int(beat.get("peak_rss_bytes", 0)),
-            "data_port": beat.get("data_port"),
-            "ready": beat.get("ready"),
-        }
+        """Record what the node reports; answer with its shard and whether to run a probe.
+
+        What changes every beat (when it was seen, its memory) is kept in memory; the
+        database is written when something else changed, or when the row's last_seen_s is
+        a third of the timeout old (so a leader elsewhere, reading the database, still sees
+        the node alive). A beat is otherwise no write: an fsync per heartbeat per node was
+        most of an idle coordinator's work."""
+        now = time.time()
+        live = Beat(now, int(beat.get("rss_bytes", 0)), int(beat.get("peak_rss_bytes", 0)), now)
+        changes: dict[str, Any] = {"data_port": beat.get("data_port"), "ready": beat.get("ready")}
         if beat.get("data_host"):  # what the node advertises; else the address it came from
             changes["host"] = str(beat["data_host"])
         if beat.get("clock_offset_s") is not None:  # the node's estimate of our clock - its
@@ -240,7 +253,16 @@ class Coordinator:
                 changes.update(state="spare", consecutive_failures=0, message="passed its probe")
             else:
                 changes.update(message=f"failed its probe: {beat.get('probe_error', '')}")
-        node = self.store.update_node(node.node_id, **changes)
+        changes = {k: v for k, v in changes.items() if getattr(node, k) != v}
+        written = self.beats.get(node.node_id)
+        refresh_s = self.config.heartbeat_timeout_s / 3
+        if changes or written is None or now - written.written_s > refresh_s:
+            node = self.store.update_node(node.node_id, **changes, last_seen_s=now,
+                                          rss_bytes=live.rss_bytes,
+                                          peak_rss_bytes=live.peak_rss_bytes)  # fmt: skip
+        else:
+            live = replace(live, written_s=written.written_s)
+        self.beats[node.node_id] = live
         self.node_stats[node.node_id] = beat.get("stats")
         epoch = self.epoch
         return {"shard": self._shard_for(node), "epoch": epoch, "probe": self._probe(node),
@@ -315,9 +337,17 @@ class Coordinator:
 
     # -- placement and wiring --------------------------------------------------------------
 
+    def live(self, node: Node) -> Node:
+        """The node as its latest heartbeat here has it (the database's row may be older)."""
+        beat = self.beats.get(node.node_id)
+        if beat is None or beat.seen_s <= node.last_seen_s:
+            return node
+        return replace(node, last_seen_s=beat.seen_s, rss_bytes=beat.rss_bytes,
+                                   peak_rss_bytes=beat.peak_rss_bytes)  # fmt: skip
+
     def check_timeouts(self) -> None:
         now = time.time()
-        for n in self.store.nodes():
+        for n in map(self.live, self.store.nodes()):
             quiet_s = now - n.last_seen_s
             if n.state in ("assigned", "spare") and quiet_s > self.config.heartbeat_timeout_s:
                 self.lose(n, f"no heartbeat for {quiet_s:.1f} s")
@@ -580,7 +610,7 @@ class Coordinator:
              "address": f"{n.host}:{n.data_port}" if n.data_port else n.host,
              "clock_offset_s": self._clock(n.node_id)[0],
              "clock_error_s": self._clock(n.node_id)[1]}
-            for n in self.store.nodes()
+            for n in map(self.live, self.store.nodes())
         ]  # fmt: skip
         epoch = self.epoch
         times = [rebalance.ring_times(ring(self.store.nodes(), r), self.node_stats,
