@@ -12,6 +12,7 @@
     ├── ProtocolError         a peer sent a malformed, oversized or corrupt frame
     │   └── ChunkMismatchError    a fetched chunk of a model file does not match its manifest
     ├── SwarmError            the swarm cannot finish: retries spent, a stage offline
+    ├── StorageFullError      a disk the coordinator writes (its database) is full
     └── LabError              the lab cannot run here (not root, no namespaces) or failed
 
 Every message names the offending value and, where there is one, the fix.
@@ -52,6 +53,12 @@ class BudgetError(CellswarmError):
 
 class RequestError(CellswarmError):
     pass
+
+
+class StorageFullError(CellswarmError):
+    """The coordinator's database cannot grow: its disk is full. Nothing acknowledged is
+    lost (the write that failed was not acknowledged); it works again once space returns.
+    HTTP: 507."""
 
 
 class ProtocolError(CellswarmError):

@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cellswarm.errors import BudgetError, RequestError
+from cellswarm.errors import BudgetError, RequestError, StorageFullError
 from cellswarm.swarm import rebalance
 from cellswarm.swarm.auth import load_token, new_nonce, verify
 from cellswarm.swarm.db import open_database
 from cellswarm.swarm.jobs import Job, JobQueue, QueueConfig
 from cellswarm.swarm.local import StageCosts, stage_costs
-from cellswarm.swarm.logs import JsonLog
+from cellswarm.swarm.logs import JsonLog, Throttled
 from cellswarm.swarm.logship import EventStore, LogShipper
 from cellswarm.swarm.membership import (
     Shard,
@@ -121,6 +121,7 @@ class Coordinator:
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
         self.beats: dict[str, Beat] = {}  # each node's latest heartbeat here (see heartbeat)
+        self.disk_full = Throttled(log)  # a full disk: one line a minute, not one per write
         # each node's clock behind ours (s) and the estimate's error bound, from heartbeats
         self.node_clock: dict[str, tuple[float, float]] = {}
         self.problem = ""  # why nothing is placed, when nothing can be
@@ -257,9 +258,13 @@ class Coordinator:
         written = self.beats.get(node.node_id)
         refresh_s = self.config.heartbeat_timeout_s / 3
         if changes or written is None or now - written.written_s > refresh_s:
-            node = self.store.update_node(node.node_id, **changes, last_seen_s=now,
-                                          rss_bytes=live.rss_bytes,
-                                          peak_rss_bytes=live.peak_rss_bytes)  # fmt: skip
+            try:
+                node = self.store.update_node(node.node_id, **changes, last_seen_s=now,
+                                              rss_bytes=live.rss_bytes,
+                                              peak_rss_bytes=live.peak_rss_bytes)  # fmt: skip
+            except StorageFullError as exc:  # a full disk costs no node its place: the beat
+                self.disk_full.warn(str(exc))  # is in memory, the write is tried next beat
+                live = replace(live, written_s=written.written_s if written else 0.0)
         else:
             live = replace(live, written_s=written.written_s)
         self.beats[node.node_id] = live
@@ -498,6 +503,8 @@ class Coordinator:
                     self.maybe_rebalance()
                     if self.queue.expire():
                         self._notify()
+            except StorageFullError as exc:  # said once a minute, tried again every tick
+                self.disk_full.warn(str(exc))
             except Exception:  # keep watching whatever one tick ran into
                 log.exception("monitor tick failed")
             await asyncio.sleep(0.1)

@@ -9,10 +9,13 @@ deadlock on an upgrade; PostgreSQL: a transaction in which `skip_locked` row loc
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
+
+from cellswarm.errors import StorageFullError
 
 Row = dict[str, Any]
 
@@ -79,23 +82,38 @@ class SQLiteDatabase(NestedTransactions):
         self._depth = 0
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        with self._lock:
+        with self._lock, self._full():
             return [dict(r) for r in self.conn.execute(sql, tuple(params)).fetchall()]
 
     def execute_count(self, sql: str, params: Sequence[Any] = ()) -> int:
-        with self._lock:
+        with self._lock, self._full():
             return int(self.conn.execute(sql, tuple(params)).rowcount)
 
     @contextlib.contextmanager
     def _outermost(self) -> Iterator[None]:
-        self.conn.execute("BEGIN IMMEDIATE")  # the write lock up front: no upgrade deadlock
+        with self._full():
+            self.conn.execute("BEGIN IMMEDIATE")  # the write lock up front: no upgrade deadlock
         try:
             yield
+            with self._full():
+                self.conn.execute("COMMIT")
         except BaseException:
-            self.conn.execute("ROLLBACK")
+            if self.conn.in_transaction:  # a failed COMMIT (a full disk) leaves it open
+                self.conn.execute("ROLLBACK")
             raise
-        else:
-            self.conn.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _full(self) -> Iterator[None]:
+        """A full disk is an operator's problem with a fix, not a traceback."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            if not disk_full(exc, self.path):
+                raise
+            raise StorageFullError(
+                f"the database {self.path} cannot grow: its disk is full ({exc}); free space "
+                "there and it carries on (nothing acknowledged is lost)"
+            ) from exc
 
     def script(self, sql: str) -> None:
         with self._lock:
@@ -106,6 +124,20 @@ class SQLiteDatabase(NestedTransactions):
 
     def close(self) -> None:
         self.conn.close()
+
+
+def disk_full(exc: sqlite3.Error, path: str) -> bool:
+    """SQLITE_FULL, or an I/O error on a file system with no room left."""
+    name = str(getattr(exc, "sqlite_errorname", ""))
+    if name == "SQLITE_FULL" or "disk is full" in str(exc):
+        return True
+    if not name.startswith("SQLITE_IOERR") or path == ":memory:":
+        return False
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20
 
 
 def open_database(url: str) -> Database:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from cellswarm.errors import RequestError
+from cellswarm.errors import RequestError, StorageFullError
 from cellswarm.swarm.db import NestedTransactions, Row
 
 
@@ -113,7 +113,13 @@ class PostgresDatabase(NestedTransactions):
         ended) fails the statement it broke under, and is opened again for the next one."""
         if self.conn.broken and not self._depth:
             self.conn = self._connect()
-        return self.conn.execute(translate(sql), tuple(params))
+        try:
+            return self.conn.execute(translate(sql), tuple(params))
+        except self._psycopg.errors.DiskFull as exc:
+            raise StorageFullError(
+                f"PostgreSQL at {self.url.split('@')[-1]} cannot write: its disk is full "
+                f"({str(exc).strip()}); free space there (nothing acknowledged is lost)"
+            ) from exc
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with self._lock:

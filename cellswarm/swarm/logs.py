@@ -10,16 +10,38 @@ coordinator's database, whence `cellswarm logs REQUEST_ID --coordinator URL` rea
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 
+class Throttled:
+    """A warning said at most once per `every_s` (a full disk fails every write; the log
+    should say so once a minute, with how many more there were, not thousands of times)."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 60.0) -> None:
+        self.logger, self.every_s = logger, every_s
+        self.last_s, self.more = -math.inf, 0
+
+    def warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self.last_s < self.every_s:
+            self.more += 1
+            return
+        since = f" ({self.more} more like it in the last {self.every_s:.0f} s)" if self.more else ""
+        self.logger.warning("%s%s", message, since)
+        self.last_s, self.more = now, 0
+
+
 class JsonLog:
     def __init__(self, directory: str | Path | None, node: str) -> None:
         self.node = node
         self._file: TextIO | None = None
+        self.dropped = 0  # events a full disk (or another write error) kept out of the file
+        self._full = Throttled(logging.getLogger("cellswarm.logs"))
         self.sink: Callable[[dict[str, Any]], None] | None = None  # e.g. LogShipper.add
         if directory is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
@@ -31,7 +53,12 @@ class JsonLog:
         line = {"ts": round(time.time(), 6), "node": self.node, "request_id": request_id,
                 "event": event, **fields}  # fmt: skip
         if self._file is not None:
-            self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+            try:
+                self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+            except OSError as exc:  # a full disk: the event still ships; the node carries on
+                self.dropped += 1
+                self._full.warn(f"cannot write {self._file.name}: {exc}; events not kept "
+                                f"here ({self.dropped} so far) until there is room")  # fmt: skip
         if self.sink is not None:
             self.sink(line)
 

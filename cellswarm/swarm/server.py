@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cellswarm.engine.sampling import SamplingParams
-from cellswarm.errors import CellswarmError, RequestError
+from cellswarm.errors import CellswarmError, RequestError, StorageFullError
 from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.jobs import Job
 from cellswarm.swarm.log_api import add_log_routes
@@ -47,6 +47,11 @@ def build_app(coord: Coordinator) -> FastAPI:
     @app.exception_handler(CellswarmError)
     async def bad(_: Request, exc: CellswarmError) -> JSONResponse:
         return _error(400, str(exc), type(exc).__name__)
+
+    @app.exception_handler(StorageFullError)
+    async def full(_: Request, exc: StorageFullError) -> JSONResponse:
+        coord.disk_full.warn(str(exc))  # once a minute in the log; every caller is told
+        return _error(507, str(exc), "StorageFullError")
 
     @app.exception_handler(KeyError)
     async def missing(_: Request, exc: KeyError) -> JSONResponse:
