@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -48,6 +50,9 @@ log = logging.getLogger("cellswarm.coordinator")
 
 NONCE_TTL_S = 30.0
 PEER_ID = "coordinator"  # how the coordinator names itself on the data plane
+# The leader's watch (timeouts, placement, wiring, lease expiry): 4 a second reacts well
+# within a heartbeat timeout; 10 a second was a third of an idle coordinator's CPU.
+MONITOR_TICK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,8 @@ class Coordinator:
         self.id = f"{config.host}:{config.port}/{uuid.uuid4().hex[:8]}"
         self.leading, self.lead_until = False, 0.0
         self.pulse = asyncio.Event()  # set and replaced whenever a job makes progress
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's (see monitor)
+        self.loop_thread = 0
         self.last_probe: dict[str, float] = {}
         self.log = JsonLog(config.log_dir, "coordinator")
         self.events = EventStore(db)  # every node's events, ours too (logship.py)
@@ -121,6 +128,11 @@ class Coordinator:
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
         self.beats: dict[str, Beat] = {}  # each node's latest heartbeat here (see heartbeat)
+        # On PostgreSQL another coordinator may lead and judge liveness from the rows; on
+        # SQLite this one is alone (a restart gives every node a grace), so a row is only
+        # written when something changes.
+        shared = self.store.db.dialect != "sqlite"
+        self._refresh_s = config.heartbeat_timeout_s / 3 if shared else math.inf
         self.disk_full = Throttled(log)  # a full disk: one line a minute, not one per write
         # each node's clock behind ours (s) and the estimate's error bound, from heartbeats
         self.node_clock: dict[str, tuple[float, float]] = {}
@@ -256,8 +268,7 @@ class Coordinator:
                 changes.update(message=f"failed its probe: {beat.get('probe_error', '')}")
         changes = {k: v for k, v in changes.items() if getattr(node, k) != v}
         written = self.beats.get(node.node_id)
-        refresh_s = self.config.heartbeat_timeout_s / 3
-        if changes or written is None or now - written.written_s > refresh_s:
+        if changes or written is None or now - written.written_s > self._refresh_s:
             try:
                 node = self.store.update_node(node.node_id, **changes, last_seen_s=now,
                                               rss_bytes=live.rss_bytes,
@@ -494,6 +505,7 @@ class Coordinator:
                                  tls=self.tls)  # fmt: skip
 
     async def monitor(self) -> None:
+        self.loop, self.loop_thread = asyncio.get_running_loop(), threading.get_ident()
         while True:
             try:
                 if self.lead():  # only the leader places, wires and expires
@@ -507,7 +519,7 @@ class Coordinator:
                 self.disk_full.warn(str(exc))
             except Exception:  # keep watching whatever one tick ran into
                 log.exception("monitor tick failed")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(MONITOR_TICK_S)
 
     # -- jobs: submitted by clients, leased by pipeline heads ------------------------------
 
@@ -519,9 +531,16 @@ class Coordinator:
         if new:
             self.log.event("submitted", job.job_id, prompt_tokens=len(payload.get("prompt", [])),
                            key=request_id)  # fmt: skip
+            self._notify()  # a head waiting in a long poll takes it now
         return job
 
     def _notify(self) -> None:
+        """Wake whoever waits for news (progress readers, heads' long polls); from the
+        event loop or, through it, from a worker thread."""
+        loop = self.loop
+        if loop is not None and threading.get_ident() != self.loop_thread:
+            loop.call_soon_threadsafe(self._notify)
+            return
         self.pulse.set()
         self.pulse = asyncio.Event()
 

@@ -151,10 +151,10 @@ def build_app(coord: Coordinator) -> FastAPI:
         wait_s = min(max(float(d.get("wait_s", 0.0)), 0.0), MAX_LEASE_WAIT_S)
         deadline = time.monotonic() + wait_s
         while not (jobs := coord.lease(node, n)) and time.monotonic() < deadline:
-            # a long poll: look again on news (a finished step, a requeue) or every 0.1 s
-            # (another coordinator sharing the database may have queued the job)
+            # a long poll: look again on news (a submission, a finished job, a requeue) or
+            # every 0.5 s (another coordinator sharing the database may have queued one)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(coord.pulse.wait(), 0.1)
+                await asyncio.wait_for(coord.pulse.wait(), 0.5)
         return {"jobs": jobs}
 
     @app.post("/v1/jobs/checkpoint")

@@ -279,7 +279,9 @@ class Worker:
                     await head.tick(wired)
                 except Exception:  # a bad job or a bug: keep leading
                     log.exception("head tick failed")
-            await asyncio.sleep(0.02)
+            # 50 ticks a second while jobs run (checkpoints, resends); an idle head only
+            # restarts its long poll, so 10 a second is plenty
+            await asyncio.sleep(0.02 if head is not None and head.runs else 0.1)
 
     async def apply(self, answer: dict[str, Any]) -> None:
         shard = answer.get("shard")
