@@ -8,6 +8,7 @@ choice turns on the last bits of the final hidden state.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -59,3 +60,81 @@ def write_moe(path: Path, seed: int = 0, noise: float = 1e-7) -> Path:
         tensors[p + "attn_v_b.weight"] = (0.15 * rng.standard_normal(v_b)).astype(np.float32)
     write_gguf(path, c.to_gguf_metadata(), tensors)
     return path
+
+
+# -- the output head split by rows ----------------------------------------------------------
+
+# Where vocab nodes' row ranges of the demo model's 49,152-row head end: LocalPipeline's even
+# thirds, and uneven ones (an old 16 MiB tile edge at 7281, a two-row node, a one-row node).
+HEAD_SPLITS = [[16384, 32768], [1000], [7281, 30000], [16383, 16385], [49151]]
+HEAD_ROWS = (1, 4, 20, 33)  # decode, a small batch (fused + refine), prefills (BLAS)
+
+
+class InProcessVocab:
+    """VocabParts without sockets: PartServers over row ranges of `path` answer `logits` and
+    `rows` frames in this process, each with one BLAS thread (as LocalPipeline's parts run,
+    while this process has all its cores): what a split head computes, wherever it runs."""
+
+    def __init__(self, path: str, bounds: list[int]) -> None:
+        import cellswarm
+        from cellswarm.swarm.parts import PartConfig, PartServer, PartSpec
+
+        self.bounds, self.servers = bounds, []
+        for i, rows in enumerate(itertools.pairwise(bounds)):
+            spec = PartSpec(f"vocab-{i}", 0, vocab_rows=rows)
+            model = cellswarm.load(path, selection=spec.selection(), tokenizer=False)
+            self.servers.append(PartServer(PartConfig(path, spec), model))
+
+    def _ask(self, server: object, frame: object) -> np.ndarray:
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(1, user_api="blas"):
+            out = server.answer(frame).array  # type: ignore[attr-defined]
+        assert out is not None
+        return out
+
+    def matmul(self, x: object) -> np.ndarray:
+        from cellswarm.swarm.frames import Frame
+
+        frame = Frame("logits", {"rows": self.bounds[-1]}, np.asarray(x, np.float32))
+        return np.concatenate([self._ask(s, frame) for s in self.servers], axis=1)
+
+    def take_rows(self, ids: object) -> np.ndarray:
+        from cellswarm.swarm.frames import Frame
+
+        index = np.asarray(ids, np.int64)
+        part = np.searchsorted(self.bounds, index, side="right") - 1
+        pieces = {i: self._ask(s, Frame("rows", {"tensor": "head"}, index[part == i]))
+                  for i, s in enumerate(self.servers) if (part == i).any()}  # fmt: skip
+        out = np.empty((len(index), next(iter(pieces.values())).shape[1]), np.float32)
+        for i, rows in pieces.items():
+            out[part == i] = rows
+        return out
+
+
+def head_mismatches(path: str) -> list[str]:
+    """Where the demo model's head split at HEAD_SPLITS differs from one process's head, for
+    HEAD_ROWS rows of random hidden states: [] when every logit has the same bits."""
+    import cellswarm
+    from cellswarm.models.ops import lm_head
+
+    model = cellswarm.load(path, tokenizer=False)
+    c, rng = model.config, np.random.default_rng(2)
+    bad = []
+    for splits in HEAD_SPLITS:
+        vocab = InProcessVocab(path, [0, *splits, c.vocab_size])
+        for t in HEAD_ROWS:
+            x = rng.standard_normal((t, c.d_model)).astype(np.float32)
+            ref = model.arch.head(x)
+            ours = lm_head(model.weights, x, c.d_model, c.rms_eps, head=vocab)
+            if not np.array_equal(ours, ref):
+                rows = int((ours != ref).any(axis=0).sum())
+                bad.append(f"split at {splits}, {t} rows: {rows} logits differ")
+    return bad
+
+
+if __name__ == "__main__":  # `python -m tests.same_bits_models PATH`, e.g. under other BLAS kernels
+    import json
+    import sys
+
+    print(json.dumps(head_mismatches(sys.argv[1])))

@@ -93,3 +93,49 @@ def test_two_stages_and_two_expert_nodes_give_one_process_tokens(moe: Path) -> N
     with LocalPipeline(str(moe), even_split(MOE.n_layers, 2), expert_nodes=2) as pipe:
         results = pipe.generate(requests)
     assert [r.tokens for r in results] == expected
+
+
+# -- the output head split by rows over vocab nodes ------------------------------------------
+
+
+def _haswell_kernels() -> str | None:
+    """Why OpenBLAS's Haswell kernels cannot be tried here, or None (the failing machine
+    was an AMD EPYC that OpenBLAS ran with them)."""
+    from threadpoolctl import threadpool_info
+
+    if not any(i.get("internal_api") == "openblas" for i in threadpool_info()):
+        return "numpy's BLAS is not OpenBLAS"
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if not all(f" {f}" in flags for f in ("avx2", "fma")):
+        return "this CPU cannot run OpenBLAS's Haswell kernels"
+    return None
+
+
+@pytest.mark.parametrize("coretype", [None, "Haswell"], ids=["this-cpu", "openblas-haswell"])
+def test_vocabulary_split_anywhere_gives_one_process_logits(
+    demo_path: Path, coretype: str | None
+) -> None:
+    """The demo head split at even and uneven rows, its parts with one BLAS thread: the same
+    bits as one process's head for decode, small batches and prefills — also under the
+    Haswell kernels OpenBLAS picks on some AMD EPYCs (another process: the kernels are
+    chosen when OpenBLAS loads)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.same_bits_models import head_mismatches
+
+    if coretype is None:
+        assert head_mismatches(str(demo_path)) == []
+        return
+    why = _haswell_kernels()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, OPENBLAS_CORETYPE=coretype)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.same_bits_models", str(demo_path)], env=env,
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout) == []
