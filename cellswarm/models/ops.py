@@ -100,7 +100,10 @@ def lm_head(
     h = rms_norm(x, w.vector("output_norm.weight", d_model), eps)
     if head is None:
         head = w.matrix("output.weight" if "output.weight" in w else "token_embd.weight")
-    logits = head.matmul(h)
+    if isinstance(head, PackedMatrix):  # the whole head: in the blocks vocab parts use too
+        logits = head.matmul(h, rows_of=(0, head.shape[0]))
+    else:
+        logits = head.matmul(h)
     if h.shape[0] <= kernels.MAX_BATCH and kernels.enabled():
         refine_top(logits, head, h)
     return logits

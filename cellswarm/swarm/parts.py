@@ -196,7 +196,11 @@ class PartServer:
         if frame.type == "experts":
             return Frame("expert_rows", {}, self.expert_rows(int(f["layer"]), a, int(f["k"])))
         if frame.type == "logits":  # unrefined: the caller refines the merged top rows
-            return Frame("logits_out", {}, self.model.weights.matrix(self._head).matmul(a))
+            # computed in the whole head's row blocks, so a logit has the same bits on any
+            # split of the rows (PackedMatrix.matmul's rows_of)
+            total = int(f.get("rows", self.model.config.vocab_size))
+            head = self.model.weights.matrix(self._head)
+            return Frame("logits_out", {}, head.matmul(a, rows_of=(self._row0, total)))
         if frame.type == "rows":  # dequantized rows by global id: embedding, or head rows
             name = "token_embd.weight" if f.get("tensor") == "embed" else self._head
             local = a.astype(np.int64) - self._row0
@@ -380,11 +384,12 @@ class VocabParts:
 
     def matmul(self, x: npt.ArrayLike) -> np.ndarray:
         """(T, d) normed hidden -> (T, vocab) logits, each part's rows, concatenated.
-        Each logit is one row's dot product, computed the same way whichever rows a node
-        holds, so the concatenation is bit-identical to one node's matmul."""
+        Each part computes its rows in the whole head's fixed row blocks, each block by one
+        BLAS call of the same shape on one thread (or row by row in the fused kernels), so
+        the concatenation is bit-identical to one node's head, wherever the rows split."""
         h = np.ascontiguousarray(x, dtype=np.float32)
         for c in self.clients:
-            c.send(Frame("logits", {}, h))
+            c.send(Frame("logits", {"rows": int(self.bounds[-1])}, h))
         return np.concatenate([c.receive("logits_out") for c in self.clients], axis=1)
 
     def take_rows(self, ids: npt.ArrayLike, tensor: str = "head") -> np.ndarray:
