@@ -198,7 +198,13 @@ class PackedMatrix:
         block = max(1, BLOCK_BYTES // (cols * 4))
         blocks = range(first // block, (first + rows - 1) // block + 1)
 
+        errors = np.geterr()  # the caller's, for our threads too (numpy's is per thread)
+
         def run(ks: range) -> None:
+            with np.errstate(**errors):
+                _run(ks)
+
+        def _run(ks: range) -> None:
             for k in ks:
                 g0, g1 = k * block, min((k + 1) * block, total)  # the block's global rows
                 a, b = max(g0, first), min(g1, first + rows)  # the ones held here

@@ -45,7 +45,7 @@ import numpy.typing as npt
 from cellswarm.engine.memory import peak_rss_bytes, weights_by_kind
 from cellswarm.engine.model import Model
 from cellswarm.errors import CellswarmError, ProtocolError, RequestError
-from cellswarm.io.weights import Selection
+from cellswarm.io.weights import Selection, non_finite
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.frames import (
     Frame,
@@ -200,7 +200,11 @@ class PartServer:
             # split of the rows (PackedMatrix.matmul's rows_of)
             total = int(f.get("rows", self.model.config.vocab_size))
             head = self.model.weights.matrix(self._head)
-            return Frame("logits_out", {}, head.matmul(a, rows_of=(self._row0, total)))
+            logits = head.matmul(a, rows_of=(self._row0, total))
+            if not np.isfinite(logits).all():  # one pass, as the stage's own head does
+                raise non_finite(f"vocab rows {self.config.spec.vocab_rows}",
+                                 self.model.weights, [self._head])  # fmt: skip
+            return Frame("logits_out", {}, logits)
         if frame.type == "rows":  # dequantized rows by global id: embedding, or head rows
             name = "token_embd.weight" if f.get("tensor") == "embed" else self._head
             local = a.astype(np.int64) - self._row0
@@ -224,7 +228,11 @@ class PartServer:
         outputs = held_expert_outputs(self.model.weights, layer, h, Routing(ids, weights))
         if not outputs:
             return np.zeros((0, h.shape[1]), np.float32)
-        return np.concatenate([outputs[e] for e in sorted(outputs)])
+        rows = np.concatenate([outputs[e] for e in sorted(outputs)])
+        if not np.isfinite(rows).all():  # one pass per answer: caught on the node that made it
+            names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+            raise non_finite(f"layer {layer}'s routed experts", self.model.weights, names)
+        return rows
 
     def stats(self) -> dict[str, Any]:
         return {
