@@ -4,7 +4,7 @@ value or one of the project's typed errors (cellswarm/errors.py) — no other ex
 no hang: every read has an end of stream behind it and a timeout around it.
 
 Hypothesis runs derandomized (the same examples every run) with explicit example counts, so
-the suite stays a few seconds; raise FUZZ_EXAMPLES to search longer.
+the suite stays a few seconds; raise FUZZ_EXAMPLES (and set FUZZ_RANDOM=1) to search longer.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cellswarm.errors import CellswarmError, ModelFileError, ProtocolError
@@ -40,8 +40,9 @@ from cellswarm.swarm.frames import (
 )
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
-FUZZ = settings(
-    max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+FUZZ = settings(  # FUZZ_RANDOM=1: other examples each run (a search, not a regression test)
+    max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("FUZZ_RANDOM"),
+    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )  # fmt: skip
 MAX_PAYLOAD = 1 << 16  # small limits: the fuzzer reaches them
@@ -205,6 +206,12 @@ json_like = st.recursive(
     ),
     st.binary(max_size=64),
 )
+@example({"type": "x", "dtype": ["f32"], "shape": [1]}, b"")  # found: TypeError, unhashable
+@example({"type": "x", "dtype": "f32", "shape": [0, 2**63]}, b"")  # found: numpy ValueError
+@example({"type": "x", "dtype": "f32", "shape": [2.0]}, b"\0" * 8)  # a float size
+@example({"type": "x", "dtype": "i64", "shape": [True]}, b"\0" * 8)  # a bool size
+@example({"type": "x", "dtype": "f32", "shape": [-1]}, b"\0" * 4)  # numpy's "infer"
+@example({"type": "x", "dtype": "f32", "shape": [3]}, b"\0" * 13)  # not whole values
 def test_any_header_is_a_frame_or_a_protocol_error(header: Any, payload: bytes) -> None:
     """Checksummed frames whose msgpack header is anything: the decoder's own checks of the
     type, dtype and shape are all that stands between the header and numpy."""
