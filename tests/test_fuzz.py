@@ -210,7 +210,8 @@ json_like = st.recursive(
 @example({"type": "x", "dtype": "f32", "shape": [0, 2**63]}, b"")  # found: numpy ValueError
 @example({"type": "x", "dtype": "f32", "shape": [2.0]}, b"\0" * 8)  # a float size
 @example({"type": "x", "dtype": "i64", "shape": [True]}, b"\0" * 8)  # a bool size
-@example({"type": "x", "dtype": "f32", "shape": [-1]}, b"\0" * 4)  # numpy's "infer"
+@example({"type": "x", "dtype": "f32", "shape": [-1, -1]}, b"\0" * 4)  # numpy's "infer"
+@example({"type": "x", "dtype": "f32", "shape": [2**64 - 1, 2**64 - 1]}, b"\0" * 4)
 @example({"type": "x", "dtype": "f32", "shape": [3]}, b"\0" * 13)  # not whole values
 def test_any_header_is_a_frame_or_a_protocol_error(header: Any, payload: bytes) -> None:
     """Checksummed frames whose msgpack header is anything: the decoder's own checks of the
