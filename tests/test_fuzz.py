@@ -312,3 +312,21 @@ def test_the_fuzzed_readers_accept_the_valid_file(small_gguf: bytes, tmp_path: P
         "token_embd.weight", "output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_up.weight"
     }  # fmt: skip
     assert issubclass(ModelFileError, CellswarmError)
+
+
+def test_a_tensor_with_a_zero_dimension_is_refused(tmp_path: Path) -> None:
+    """Found by the fuzzer: dimensions (0, 32, 2**62) make a tensor of 0 bytes, which fits
+    any file, and numpy then cannot shape the bytes (ValueError)."""
+    import gguf
+
+    path = tmp_path / "model.gguf"
+    write_gguf(path, {"general.architecture": "llama"},
+               {"blk.0.ffn_up_exps.weight": np.ones((2, 4, 32), np.float32)})  # fmt: skip
+    t = gguf.GGUFReader(path).tensors[0]
+    at = t.field.offset + 8 + len(t.name) + 4  # name length, name, n_dims: the dims
+    data = bytearray(path.read_bytes())
+    data[at : at + 24] = struct.pack("<3Q", 0, 32, 2**62)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match=r"is corrupt: it says tensor blk\.0\.ffn_up_exps\."
+                       r"weight has dimensions \[0, 32, 4611686018427387904\], one of them 0"):
+        GGUFFile(path).weights()  # fmt: skip
