@@ -259,6 +259,8 @@ class _HeaderWalk:
             if not 1 <= n_dims <= _MAX_DIMS:
                 self.corrupt(f"says tensor {name} has {n_dims} dimensions")
             dims = self.read("Q" * n_dims, what)
+            if 0 in dims:  # a weight is never empty; (2**62, 32, 0) would fit any file
+                self.corrupt(f"says tensor {name} has dimensions {list(dims)}, one of them 0")
             (ttype,) = self.read("I", what)
             if ttype not in gguf.GGML_QUANT_SIZES:
                 supported = ", ".join(f.name for f in FORMATS.values())
