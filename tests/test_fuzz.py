@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from cellswarm.errors import CellswarmError, ModelFileError, ProtocolError
 from cellswarm.io.gguf_file import GGUFFile, parse_header, read_header
 from cellswarm.io.gguf_write import write_gguf
+from cellswarm.io.verify import verify
 from cellswarm.swarm.frames import (
     MAGIC,
     PREFIX,
@@ -254,7 +255,8 @@ def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 
 def _walk(data: bytes, tmp: Path) -> None:
     """Every reader of a header over `data`: the prefix parser, the file parser (full and
-    skimmed), and GGUFFile with every tensor handed out. Only ModelFileError may escape."""
+    skimmed), GGUFFile with every tensor handed out (only ModelFileError may escape), and
+    `cellswarm verify` (a CellswarmError)."""
     with contextlib.suppress(ModelFileError):
         parse_header(data, len(data), "model.gguf")
     path = tmp / "model.gguf"
@@ -267,6 +269,8 @@ def _walk(data: bytes, tmp: Path) -> None:
         f.weights()
     except ModelFileError:
         pass
+    with contextlib.suppress(CellswarmError):  # the config too: a missing tensor, a bad value
+        verify(path)
 
 
 @FUZZ
