@@ -221,14 +221,16 @@ PAD = 10_000_000  # zero bytes after the count: each reads as an empty string's 
         (gguf.GGUFValueType.STRING, PAD // 8 + 1, r"is truncated: metadata key "
          r"'tokenizer\.ggml\.tokens' \(1250001 items\) runs to byte 10000077 but the file "
          r"has only 10000069 bytes"),
-        (gguf.GGUFValueType.STRING, PAD // 4, r"is corrupt: it gives metadata key "
-         r"'tokenizer\.ggml\.tokens' \(2500000 items\) a length of 20000000 bytes"),
+        (gguf.GGUFValueType.STRING, PAD // 4, r"is truncated: metadata key "
+         r"'tokenizer\.ggml\.tokens' \(2500000 items\) runs to byte 20000069"),
+        (gguf.GGUFValueType.STRING, PAD + 100, r"is corrupt: it gives metadata key "
+         r"'tokenizer\.ggml\.tokens' 10000100 items"),  # more than the file's bytes
         (gguf.GGUFValueType.ARRAY, PAD // 12 + 1, r"is truncated: metadata key"),
         (gguf.GGUFValueType.UINT64, PAD // 8 + 1, r"is truncated: metadata key"),
         (13, 5, r"is corrupt: it gives metadata key 'tokenizer\.ggml\.tokens' array item type "
          r"13, which GGUF does not define"),
     ],
-    ids=["strings-cut", "strings-garbage-count", "arrays", "numbers", "unknown-type"],
+    ids=["strings-cut", "strings-cut-short", "garbage-count", "arrays", "numbers", "unknown-type"],
 )  # fmt: skip
 def test_an_array_longer_than_the_file_is_refused_before_it_is_read(
     tmp_path: Path, skim: bool, item_type: int, count: int, message: str

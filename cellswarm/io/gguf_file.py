@@ -307,8 +307,9 @@ class _HeaderWalk:
                 self.corrupt(f"gives {what} array item type {item_type}, which GGUF does not "
                              "define")  # fmt: skip
             least = _SCALAR_SIZES.get(it) or _LEAST_BYTES[it]
-            # the items' least bytes must be in the file before a list of them is made
-            self.reserve(count * least, f"{what} ({count} items)")
+            # the items' least bytes must be in the file before a list of them is made (a
+            # cut, not garbage: the count alone was checked, a cut file may end anywhere)
+            self.reserve(count * least, f"{what} ({count} items)", garbage=False)
             if self.skim:
                 if item_type in _SCALAR_SIZES:
                     self.skip(count * least, what)
@@ -356,11 +357,11 @@ class _HeaderWalk:
             raise IncompleteHeader(end)
         self.pos = end
 
-    def reserve(self, n: int, what: str) -> None:
+    def reserve(self, n: int, what: str, garbage: bool = True) -> None:
         """Refuse unless the file holds `n` more bytes from here (whatever `buf` holds)."""
         end = self.pos + n
         if end > self.size:
-            if n > self.size:  # a length no cut could explain: the length itself is garbage
+            if garbage and n > self.size:  # a length no cut explains: the length is garbage
                 self.corrupt(f"gives {what} a length of {n} bytes")
             raise ModelFileError(
                 f"{self.path} is truncated: {what} runs to byte {end} but the file has only "

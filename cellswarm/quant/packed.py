@@ -173,7 +173,6 @@ class PackedMatrix:
             np.matmul(x2, tile.T, out=out[:, start:stop])
         return out.reshape(*lead, out_features)
 
-
     def _matmul_blocks(self, x2: Floats, first: int, total: int) -> Floats:
         """x2 (n, in) @ W.T for rows [first, first + out) of a `total`-row matrix, computed
         in that matrix's blocks [k * B, (k + 1) * B) of B = BLOCK_BYTES // (in * 4) rows.
