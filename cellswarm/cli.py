@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--api-key-file", help="with --coordinator: send its first key")
     lg.add_argument("--tls", metavar="DIR", help="with --coordinator: mutual TLS (certs folder)")
     lg.set_defaults(func=_cmd_logs)
+    v = sub.add_parser("verify", help="check a GGUF file without loading it: header, tensors, "
+                       "and every block's scales finite (a corrupt download shows here)")
+    v.add_argument("file", help="the .gguf file")
+    v.set_defaults(func=_cmd_verify)
     d = sub.add_parser("demo", help="the demo model on a local swarm, a worker killed mid-way")
     d.add_argument("--max-tokens", type=int, default=48)
     d.set_defaults(
@@ -304,6 +308,13 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     if not Path(args.dir).is_dir():
         raise RequestError(f"log folder {args.dir} does not exist; pass --dir")
     print(format_timeline(timeline(args.dir, args.request_id)))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from cellswarm.io.verify import verify
+
+    print(verify(args.file).line())
     return 0
 
 

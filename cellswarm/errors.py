@@ -5,7 +5,8 @@
     │   ├── UnsupportedArchitectureError
     │   ├── UnsupportedQuantError
     │   ├── MissingTensorError
-    │   └── ShapeMismatchError
+    │   ├── ShapeMismatchError
+    │   └── NonFiniteError    a weight, or the activations it made, NaN or infinite
     ├── TokenizerError        tokenizer missing or disagreeing with the model
     ├── BudgetError           something does not fit in a byte budget (says by how much)
     ├── RequestError          a caller asked for something invalid (bad option, bad value)
@@ -41,6 +42,11 @@ class MissingTensorError(ModelFileError):
 
 class ShapeMismatchError(ModelFileError):
     pass
+
+
+class NonFiniteError(ModelFileError):
+    """A weight's scale or value is NaN or infinite, or activations became so where a layer
+    ran: the message names the layer and tensor; the file is most likely corrupt."""
 
 
 class TokenizerError(CellswarmError):

@@ -26,8 +26,10 @@ from cellswarm.models.deepseek2 import (
     DeepseekConfig,
     Routing,
     apply_experts,
+    expert_outputs,
     hf_tensors_to_gguf,
     route,
+    sum_experts,
 )
 from cellswarm.models.rope import Yarn
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
@@ -310,6 +312,11 @@ def test_experts_split_across_holders_add_up() -> None:
         for ids in [(0, 2), (1, 3)]
     )
     np.testing.assert_allclose(halves, full, rtol=1e-6, atol=1e-6)
+    # kept apart per expert and summed by the owner: one process's additions, bit for bit
+    outputs = {}
+    for ids in [(1, 3), (0, 2)]:
+        outputs |= expert_outputs(x, routing, gate.select(ids), up.select(ids), down.select(ids))
+    assert np.array_equal(sum_experts(x.shape, routing, outputs), full)
     ref = np.zeros_like(x)
     for t in range(5):
         for e, w in zip(routing.expert_ids[t], routing.weights[t], strict=True):

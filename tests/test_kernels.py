@@ -57,6 +57,19 @@ def test_activation_quantization_is_exact() -> None:
     np.testing.assert_array_equal(xs, q.reshape(3, -1, 16).astype(np.int32).sum(-1))
 
 
+@pytest.mark.parametrize("name", QUANT)
+def test_a_nan_or_infinite_activation_makes_nan_outputs(name: str) -> None:
+    """As float math does: the int8 quantization must not turn a NaN into a finite value
+    (fmaxf skips NaNs), or a corrupt weight's NaN would vanish a matmul later."""
+    m = random_packed(name, 8, 256)
+    x = np.random.default_rng(2).standard_normal((3, 256)).astype(np.float32)
+    x[0, 40], x[2, 200] = np.nan, np.inf
+    y = m.matmul(x)
+    assert np.isnan(y[0]).all() and np.isnan(y[2]).all() and np.isfinite(y[1]).all()
+    xq, xd, _ = kernels.quantize_act(x)
+    assert np.isnan(xd[0, 1]) and np.isfinite(np.delete(xd[0], 1)).all() and not xq[0, 32:64].any()
+
+
 @pytest.mark.parametrize("name", QUANT + FLOAT)
 @pytest.mark.parametrize(("rows", "cols", "batch"), [(7, 256, 1), (33, 512, 3), (5, 1024, 16)])
 def test_fused_matmul_equals_codec_path(name: str, rows: int, cols: int, batch: int) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import gguf.quants as gq
@@ -279,6 +281,42 @@ def test_module_tile_bytes_is_the_default(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(packed_module, "TILE_BYTES", 4 * IN_FEATURES * 4)
     packed(format_by_name("Q8_0"), out_features=10).matmul(np.ones((1, IN_FEATURES), np.float32))
     assert seen == [4, 4, 2]  # never more than TILE_BYTES of float32 at once
+
+
+@pytest.mark.parametrize("fmt", ["F32", "Q8_0", "Q6_K"])
+def test_rows_of_a_split_matrix_have_the_same_bits_anywhere(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matmul(rows_of=...) on any slice of rows, with any number of threads, gives the bits
+    of the whole matrix's rows (the output head on vocab parts); blocks of 7 rows here, so
+    slices cut blocks anywhere, and batches beyond the fused kernels' go through BLAS."""
+    from threadpoolctl import threadpool_limits
+
+    import cellswarm.quant.packed as packed_module
+
+    monkeypatch.setattr(packed_module, "BLOCK_BYTES", 7 * IN_FEATURES * 4)
+    m = packed(format_by_name(fmt), out_features=61)
+    rng = np.random.default_rng(5)
+    for n in (1, 17, 40):
+        x = rng.standard_normal((n, IN_FEATURES)).astype(np.float32)
+        whole = m.matmul(x, rows_of=(0, 61))
+        assert_matmul_close(whole, x, m.dequantize())
+        for bounds, threads in [([0, 61], 1), ([0, 30, 61], 2), ([0, 1, 13, 14, 60, 61], 1)]:
+            with threadpool_limits(threads), kernels_threads(threads):
+                parts = [m.rows(a, b).matmul(x, rows_of=(a, 61)) for a, b in pairwise(bounds)]
+            assert np.array_equal(np.concatenate(parts, axis=1), whole), (n, bounds)
+    with pytest.raises(ShapeMismatchError, match=r"rows \[50, 111\) of a 61-row weight"):
+        m.matmul(np.ones((20, IN_FEATURES), np.float32), rows_of=(50, 61))
+
+
+@contextlib.contextmanager
+def kernels_threads(n: int) -> Iterator[None]:
+    before = kernels.threads()
+    kernels.set_threads(n)
+    try:
+        yield
+    finally:
+        kernels.set_threads(before)
 
 
 def test_matmul_leading_dims_and_bad_input() -> None:

@@ -17,7 +17,7 @@ from cellswarm.engine.kv_cache import KVCache, bytes_per_token
 from cellswarm.engine.memory import MemoryReport, memory_report, peak_rss_bytes
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import RequestError
-from cellswarm.io.weights import Selection, WeightStore
+from cellswarm.io.weights import Selection, WeightStore, non_finite
 from cellswarm.models.base import Architecture
 
 if TYPE_CHECKING:
@@ -113,17 +113,57 @@ class Model:
         return bytes_per_token({i: self.arch.cache_spec(i) for i in self.layers})
 
     def forward(self, x: np.ndarray, cache: KVCache, layers: range | None = None) -> np.ndarray:
-        """Hidden states (T, d) through `layers` at cache positions cache.length .. +T."""
+        """Hidden states (T, d) through `layers` at cache positions cache.length .. +T.
+
+        NonFiniteError, naming the layer and the tensor, when activations become NaN or
+        infinite (a corrupt weight): caught where it first shows, not at a sampler later."""
+        # NaN and inf are tested for below, and reported as errors: numpy's warnings about
+        # them would only add lines to a one-line error
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            return self._forward(x, cache, layers)
+
+    def _forward(self, x: np.ndarray, cache: KVCache, layers: range | None) -> np.ndarray:
         positions = np.arange(cache.length, cache.length + x.shape[0])
         layers = layers if layers is not None else self.layers
         fused = getattr(self.arch, "decode_fused", None)  # one C call per layer for one token
         if fused is not None and x.shape[0] == 1:
             out = fused(x, positions, cache, layers)
             if out is not None:
-                return np.asarray(out)
+                out = np.asarray(out)
+                # One test of the stage's output on this path (its layers are C calls with
+                # nothing in between); only on failure do the layers run again one by one,
+                # to find the first that made a NaN or infinity.
+                if not np.isfinite(out).all():
+                    self._find_non_finite(x, positions, cache, layers)
+                return out
         for i in layers:
             x = self.arch.block(i, x, positions, cache.layer(i))
+            # One np.isfinite over the hidden state per layer, microseconds next to the
+            # layer's own numpy work: NaN or inf is caught at the layer that made it.
+            if not np.isfinite(x).all():
+                raise self._non_finite(i)
         return x
+
+    def _find_non_finite(
+        self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
+    ) -> None:
+        """Raise NonFiniteError for the first of `layers` whose output is not finite, running
+        them again one by one from their input `x` (rewriting this step's cache entries)."""
+        for i in layers:
+            x = self.arch.block(i, x, positions, cache.layer(i))
+            if not np.isfinite(x).all():
+                raise self._non_finite(i)
+        raise non_finite(f"layers {layers.start}..{layers.stop - 1}", self.weights, ())
+
+    def _non_finite(self, layer: int) -> Exception:
+        """The error for a layer whose output is not finite: one of its weights is, or the
+        embedding's rows that entered the first layer were."""
+        prefix = f"blk.{layer}."
+        names = [n for n in self.weights if n.startswith(prefix)]
+        first = layer == self.layers.start
+        if first and "token_embd.weight" in self.weights and self.selection.embed:
+            names = ["token_embd.weight", *names]
+        return non_finite(f"layer {layer}", self.weights, names)
 
     def step(self, token_ids: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
         """Token ids (T,) -> logits (T, vocab), appending them to the cache; with last_only,

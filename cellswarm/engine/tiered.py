@@ -10,9 +10,10 @@ Placement (`load_tiered`):
     already resident becomes a pool of expert slots (`ExpertCache`).
 
 The MoE layer reaches the experts through `Deepseek2.remote_experts` (the seam expert nodes
-use): the model's own stacks are `select`ed down to no experts, so `held_experts_sum` adds
-zeros and `TieredExperts.scatter` computes every routed expert, in the same ascending order
-and the same float32 arithmetic as `apply_experts` — the output is bitwise the untiered one.
+use): the model's own stacks are `select`ed down to no experts, so it computes none itself;
+`TieredExperts.scatter` computes every routed expert with the same float32 arithmetic as
+`apply_experts`, and the model adds them in its ascending order — the output is bitwise the
+untiered one.
 
 Replacement policy: LFU over routing counts, with admission. A decode step touches each MoE
 layer once, so expert accesses cycle over the layers: between two uses of one layer's expert
@@ -316,11 +317,14 @@ class TieredExperts:
                 c.evicted += int(evicted)
         return victim, True
 
-    def scatter(self, layer: int, h: np.ndarray, routing: Any) -> Callable[[], np.ndarray]:
+    def scatter(
+        self, layer: int, h: np.ndarray, routing: Any
+    ) -> Callable[[], dict[int, np.ndarray]]:
         """Every routed expert of this layer: cached ones computed at once while the first
         miss is read on the reader thread; each later miss read while the one before it
-        computes (prefetch within the layer). The weighted outputs are then added in
-        ascending expert order, as `apply_experts` does, so the result is the same bits."""
+        computes (prefetch within the layer). Each weighted output is handed back apart;
+        the model adds them in ascending expert order, as `apply_experts` does, so the
+        result is the same bits."""
         from cellswarm.models import ops
 
         counters = [self.total] + ([self.decode] if h.shape[0] == 1 else [])
@@ -358,12 +362,11 @@ class TieredExperts:
             # the next read may reuse only the scratch buffer two misses back: computed by now
             pending = read(misses[i + 1]) if i + 1 < len(misses) else None
             run(e, bufs[e])
-        out = np.zeros_like(h, dtype=np.float32)
-        for e in order:
+        for e in order:  # in place: one multiply, as `apply_experts` rounds it
             tokens, slots = np.nonzero(routing.expert_ids == e)
-            out[tokens] += ys[e] * routing.weights[tokens, slots][:, None]
+            ys[e] *= routing.weights[tokens, slots][:, None]
         self.sample_memory()
-        return lambda: out
+        return lambda: ys
 
     def save_counts(self, path: Path) -> None:
         rows = [[k[0], k[1], c] for k, c in sorted(self.cache.counts.items())]

@@ -123,14 +123,29 @@ def parse_header(prefix: bytes, file_size: int, source: str | Path) -> Header:
     return _walk(source, prefix, file_size)
 
 
+class SkippedArray(NamedTuple):
+    """A metadata array `read_header(skim=True)` checked but did not read into memory."""
+
+    item_type: int
+    n_items: int
+
+
+def read_header(path: str | os.PathLike[str], *, skim: bool = False) -> Header:
+    """A GGUF file's header, checked against the file's size. skim: metadata arrays (a
+    tokenizer's hundreds of thousands of strings) are bounds-checked and stepped over, not
+    allocated; they read as `SkippedArray`s."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelFileError(f"model file {p} does not exist; pass the path of a .gguf file")
+    size = p.stat().st_size
+    with p.open("rb") as f:
+        _check_magic(f.read(4), size, p)
+    with p.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return _walk(p, buf, size, skim)
+
+
 def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
-    if not path.is_file():
-        raise ModelFileError(f"model file {path} does not exist; pass the path of a .gguf file")
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        _check_magic(f.read(4), size, path)
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        header = _walk(path, buf, size)
+    header = read_header(path)
     return header.metadata, header.tensors
 
 
@@ -147,9 +162,9 @@ def _check_magic(magic: bytes, size: int, source: str | Path) -> None:
         )
 
 
-def _walk(source: str | Path, buf: mmap.mmap | bytes, size: int) -> Header:
+def _walk(source: str | Path, buf: mmap.mmap | bytes, size: int, skim: bool = False) -> Header:
     try:
-        return _HeaderWalk(source, buf, size).run()
+        return _HeaderWalk(source, buf, size, skim).run()
     except (UnicodeDecodeError, ValueError, struct.error) as exc:
         raise ModelFileError(
             f"{source} is corrupt ({size} bytes; reading its header failed: {exc}); "
@@ -175,6 +190,9 @@ _SCALAR_FORMATS = {
     gguf.GGUFValueType.INT64: "q",
     gguf.GGUFValueType.FLOAT64: "d",
 }
+# The fewest bytes an array item of these types takes: a string's length, an array's type
+# and count (scalars: _SCALAR_SIZES).
+_LEAST_BYTES = {gguf.GGUFValueType.STRING: 8, gguf.GGUFValueType.ARRAY: 12}
 _SCALAR_SIZES = {
     gguf.GGUFValueType.UINT8: 1,
     gguf.GGUFValueType.INT8: 1,
@@ -194,9 +212,11 @@ class _HeaderWalk:
     """Reads a GGUF header with bounds checks: metadata and tensor entries, and where a file is
     damaged, which metadata key or tensor entry runs past the end or holds a garbage value."""
 
-    def __init__(self, path: str | Path, buf: mmap.mmap | bytes, size: int) -> None:
+    def __init__(
+        self, path: str | Path, buf: mmap.mmap | bytes, size: int, skim: bool = False
+    ) -> None:
         # size: the whole file's; buf may hold fewer bytes (a prefix of the file).
-        self.path, self.buf, self.size = path, buf, size
+        self.path, self.buf, self.size, self.skim = path, buf, size, skim
         self.pos = 4  # after the magic
         self.order = "<"
 
@@ -239,6 +259,8 @@ class _HeaderWalk:
             if not 1 <= n_dims <= _MAX_DIMS:
                 self.corrupt(f"says tensor {name} has {n_dims} dimensions")
             dims = self.read("Q" * n_dims, what)
+            if 0 in dims:  # a weight is never empty; (2**62, 32, 0) would fit any file
+                self.corrupt(f"says tensor {name} has dimensions {list(dims)}, one of them 0")
             (ttype,) = self.read("I", what)
             if ttype not in gguf.GGML_QUANT_SIZES:
                 supported = ", ".join(f.name for f in FORMATS.values())
@@ -279,10 +301,34 @@ class _HeaderWalk:
             item_type, count = self.read("IQ", what)
             if count > self.size:  # every item takes at least a byte
                 self.corrupt(f"gives {what} {count} items")
+            try:
+                it = gguf.GGUFValueType(item_type)
+            except ValueError:
+                self.corrupt(f"gives {what} array item type {item_type}, which GGUF does not "
+                             "define")  # fmt: skip
+            least = _SCALAR_SIZES.get(it) or _LEAST_BYTES[it]
+            # the items' least bytes must be in the file before a list of them is made (a
+            # cut, not garbage: the count alone was checked, a cut file may end anywhere)
+            self.reserve(count * least, f"{what} ({count} items)", garbage=False)
+            if self.skim:
+                if item_type in _SCALAR_SIZES:
+                    self.skip(count * least, what)
+                else:
+                    for _ in range(count):
+                        self.step_over(item_type, what)
+                return SkippedArray(item_type, count)
             if item_type in _SCALAR_SIZES:
                 return self.numbers(gguf.GGUFValueType(item_type), count, what)
             return [self.value(item_type, what) for _ in range(count)]
         self.corrupt(f"gives {what} value type {vtype}, which GGUF does not define")
+
+    def step_over(self, vtype: int, what: str) -> None:
+        """Past one array item, allocating nothing (a string's bytes are not decoded)."""
+        if vtype == gguf.GGUFValueType.STRING:
+            (n,) = self.read("Q", what)
+            self.skip(n, what)
+        else:
+            self.value(vtype, what)  # a nested array: skimmed as well
 
     def numbers(self, vt: gguf.GGUFValueType, count: int, what: str) -> list[Any]:
         start = self.pos
@@ -305,17 +351,22 @@ class _HeaderWalk:
         return struct.unpack_from(self.order + fmt, self.buf, start)
 
     def skip(self, n: int, what: str) -> None:
+        self.reserve(n, what)
+        end = self.pos + n
+        if end > len(self.buf):
+            raise IncompleteHeader(end)
+        self.pos = end
+
+    def reserve(self, n: int, what: str, garbage: bool = True) -> None:
+        """Refuse unless the file holds `n` more bytes from here (whatever `buf` holds)."""
         end = self.pos + n
         if end > self.size:
-            if n > self.size:  # a length no cut could explain: the length itself is garbage
+            if garbage and n > self.size:  # a length no cut explains: the length is garbage
                 self.corrupt(f"gives {what} a length of {n} bytes")
             raise ModelFileError(
                 f"{self.path} is truncated: {what} runs to byte {end} but the file has only "
                 f"{self.size} bytes; re-download or re-convert the file"
             )
-        if end > len(self.buf):
-            raise IncompleteHeader(end)
-        self.pos = end
 
     def corrupt(self, what: str, fix: str = "re-download or re-convert the file") -> NoReturn:
         raise ModelFileError(f"{self.path} is corrupt: it {what}; {fix}")

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cellswarm.errors import MissingTensorError, ShapeMismatchError
-from cellswarm.quant import PackedExperts, PackedMatrix
+from cellswarm.errors import MissingTensorError, NonFiniteError, ShapeMismatchError
+from cellswarm.quant import PackedExperts, PackedMatrix, first_nonfinite_block
 
 Tensor = np.ndarray | PackedMatrix | PackedExperts
 
@@ -195,6 +195,43 @@ def tensor_kind(name: str) -> str:
 
 def tensor_nbytes(t: Tensor) -> int:
     return int(t.nbytes)
+
+
+def nonfinite_at(t: Tensor) -> str | None:
+    """Where a tensor holds a NaN or an infinity ("row 12", "expert 3, row 5", "element 7"),
+    or None. Packed tensors: only their float fields are read (`first_nonfinite_block`); an
+    expert stack: only the experts it holds."""
+    if isinstance(t, np.ndarray):
+        bad = np.flatnonzero(~np.isfinite(t))
+        return f"element {int(bad[0])}" if bad.size else None
+    per_row = t.data.shape[-1] // t.fmt.type_size
+    if isinstance(t, PackedMatrix):
+        block = first_nonfinite_block(t.data, t.fmt)
+        return None if block is None else f"row {block // per_row}"
+    for e in t.held:
+        block = first_nonfinite_block(t.data[e], t.fmt)
+        if block is not None:
+            return f"expert {e}, row {block // per_row}"
+    return None
+
+
+CORRUPT_HINT = "the file may be corrupt: check its sha256 (or run `cellswarm verify FILE`)"
+
+
+def non_finite(where: str, store: Mapping[str, Tensor], names: Iterable[str]) -> NonFiniteError:
+    """The error for NaN or infinite activations that first appeared at `where` (e.g. "layer
+    7"): it names the first of `names` (the tensors that ran there) holding a non-finite
+    value. Reads their scales: call it once something went wrong, never per step."""
+    for name in names:
+        if name in store and (at := nonfinite_at(store[name])) is not None:
+            return NonFiniteError(
+                f"{where} made NaN or infinite activations: tensor {name} holds a NaN or an "
+                f"infinity at {at}; {CORRUPT_HINT}"
+            )
+    return NonFiniteError(
+        f"{where} made NaN or infinite activations, though no weight it read here is "
+        f"non-finite (activations overflowed, or came so from another node); {CORRUPT_HINT}"
+    )
 
 
 def _describe(t: Tensor) -> str:

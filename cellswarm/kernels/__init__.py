@@ -152,6 +152,11 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def threads() -> int:
+    """Threads the kernels and BLAS use (`set_threads`, else the cores this process may use)."""
+    return _threads or default_threads()
+
+
 def set_threads(n: int | None) -> int:
     """Threads for the kernels and for BLAS; None: the cores this process may use."""
     global _threads

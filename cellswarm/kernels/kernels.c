@@ -47,7 +47,10 @@ static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); re
 
 /* ---- activations -------------------------------------------------------------------- */
 
-/* x: (nx, cols) float32 -> xq int8 (nx, cols), xd (nx, cols/32), xs (nx, cols/16). */
+/* x: (nx, cols) float32 -> xq int8 (nx, cols), xd (nx, cols/32), xs (nx, cols/16).
+ * A block holding a NaN or an infinity gets a NaN scale (and zero values), so every output
+ * it touches is NaN, as in float math: fmaxf skips NaNs and (int8_t)NaN is undefined, which
+ * would otherwise turn a corrupt activation into finite garbage downstream. */
 void cs_quantize_act(const float *x, int64_t nx, int64_t cols, int8_t *xq, float *xd,
                      int32_t *xs) {
     const int64_t nb = cols / 32;
@@ -55,9 +58,21 @@ void cs_quantize_act(const float *x, int64_t nx, int64_t cols, int8_t *xq, float
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * cols + b * 32;
             float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
-            const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+            uint32_t special = 0; /* an all-ones exponent: NaN or infinity (an OR: vectorizes) */
+            for (int i = 0; i < 32; i++) {
+                uint32_t u;
+                memcpy(&u, v + i, 4);
+                special |= (u & 0x7F800000u) == 0x7F800000u;
+                amax = fmaxf(amax, fabsf(v[i]));
+            }
             int8_t *q = xq + r * cols + b * 32;
+            if (special) {
+                memset(q, 0, 32);
+                xd[r * nb + b] = NAN;
+                xs[r * 2 * nb + 2 * b] = xs[r * 2 * nb + 2 * b + 1] = 0;
+                continue;
+            }
+            const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
             for (int i = 0; i < 32; i++) q[i] = (int8_t)roundf(v[i] * id);
             int32_t s0 = 0, s1 = 0;
             for (int i = 0; i < 16; i++) { s0 += q[i]; s1 += q[16 + i]; }

@@ -27,7 +27,7 @@ and Kimi K2 (61 layers, kv_lora_rank 512, qk_rope_dim 64) that is 61 * 576 * 4 =
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -445,27 +445,84 @@ def apply_experts(
     """Sum over tokens' routed experts of weight * SwiGLU_expert(x), for the experts given.
 
     x: (T, d) -> (T, d). `experts` defaults to every expert the stacks hold (`gate.held`);
-    routed experts outside that set contribute nothing here, so nodes holding disjoint expert
-    sets can each call this on the same tokens and add up their results. Each expert runs
-    once, on just the tokens routed to it, in ascending expert order.
+    routed experts outside that set contribute nothing here. Each expert runs once, on just
+    the tokens routed to it, in ascending expert order, and is added as it comes: that order
+    of float32 additions is the one every layout reproduces (`sum_experts`).
     """
     out = np.zeros_like(x, dtype=np.float32)  # (T, d)
+    for _, tokens, y in _weighted_outputs(x, routing, gate, up, down, experts):
+        out[tokens] += y
+    return out
+
+
+def expert_outputs(
+    x: np.ndarray,
+    routing: Routing,
+    gate: PackedExperts,
+    up: PackedExperts,
+    down: PackedExperts,
+    experts: Sequence[int] | None = None,
+) -> dict[int, np.ndarray]:
+    """Each held expert's weighted output, kept apart: expert id -> (n_e, d), the rows of the
+    n_e tokens routed to it in token order — what `apply_experts` adds up, before adding, so
+    that nodes holding different experts can hand them to one owner who adds them in the
+    single-process order (float32 addition is not associative)."""
+    return {e: y for e, _, y in _weighted_outputs(x, routing, gate, up, down, experts)}
+
+
+def _weighted_outputs(
+    x: np.ndarray,
+    routing: Routing,
+    gate: PackedExperts,
+    up: PackedExperts,
+    down: PackedExperts,
+    experts: Sequence[int] | None,
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(expert id, its tokens, weight * SwiGLU_expert(x[tokens])) in ascending expert order."""
     wanted = gate.held if experts is None else experts
     for e in sorted(set(int(i) for i in wanted) & set(np.unique(routing.expert_ids).tolist())):
         tokens, slots = np.nonzero(routing.expert_ids == e)  # each token picks e at most once
-        h = x[tokens]  # (n, d)
-        y = ops.swiglu(h, gate.expert(e), up.expert(e), down.expert(e))  # (n, d)
-        out[tokens] += y * routing.weights[tokens, slots][:, None]
+        y = ops.swiglu(x[tokens], gate.expert(e), up.expert(e), down.expert(e))  # (n, d)
+        yield e, tokens, y * routing.weights[tokens, slots][:, None]
+
+
+def sum_experts(
+    shape: tuple[int, ...], routing: Routing, outputs: Mapping[int, np.ndarray]
+) -> np.ndarray:
+    """Per-expert weighted outputs (`expert_outputs`, from any number of holders) summed per
+    token in ascending expert order, from zero: the additions `apply_experts` makes in one
+    process, so the result is the same bits whichever node computed which expert."""
+    out = np.zeros(shape, dtype=np.float32)  # (T, d)
+    for e in sorted(outputs):
+        tokens = np.nonzero(routing.expert_ids == e)[0]
+        y = outputs[e]
+        if y.shape != (len(tokens), shape[1]):
+            raise ShapeMismatchError(
+                f"expert {e}'s output has shape {y.shape}; {len(tokens)} tokens were routed to it"
+            )
+        out[tokens] += y
     return out
 
 
 def held_experts_sum(w: WeightStore, layer: int, x: np.ndarray, routing: Routing) -> np.ndarray:
     """The routed experts of `layer` that the store `w` holds, summed per token with their
-    routing weights: (T, d) -> (T, d), zero rows for tokens routed to none of them. What an
-    expert node computes for the layer's owner (swarm/parts.py)."""
+    routing weights: (T, d) -> (T, d), zero rows for tokens routed to none of them."""
     p = f"blk.{layer}."
     gate = w.experts(p + "ffn_gate_exps.weight")
     return apply_experts(
+        x, routing, gate, w.experts(p + "ffn_up_exps.weight"),
+        w.experts(p + "ffn_down_exps.weight"),
+    )  # fmt: skip
+
+
+def held_expert_outputs(
+    w: WeightStore, layer: int, x: np.ndarray, routing: Routing
+) -> dict[int, np.ndarray]:
+    """`expert_outputs` of the routed experts of `layer` that the store `w` holds: what an
+    expert node computes for the layer's owner (swarm/parts.py)."""
+    p = f"blk.{layer}."
+    gate = w.experts(p + "ffn_gate_exps.weight")
+    return expert_outputs(
         x, routing, gate, w.experts(p + "ffn_up_exps.weight"),
         w.experts(p + "ffn_down_exps.weight"),
     )  # fmt: skip
@@ -475,9 +532,12 @@ class RemoteExperts(Protocol):
     """Routed experts a stage does not hold: its MoE layers send the tokens routed to them
     away before computing their own experts, and add the results after."""
 
-    def scatter(self, layer: int, h: np.ndarray, routing: Routing) -> Callable[[], np.ndarray]:
+    def scatter(
+        self, layer: int, h: np.ndarray, routing: Routing
+    ) -> Callable[[], Mapping[int, np.ndarray]]:
         """Send h (T, d)'s rows routed to experts held elsewhere; the returned call waits
-        for the holders and gives the sum of their weighted outputs (T, d)."""
+        for the holders and gives each such expert's weighted output, as `expert_outputs`
+        does (not their sum: the owner adds everything in the single-process order)."""
         ...
 
 
@@ -488,9 +548,14 @@ class InProcessExperts:
     def __init__(self, stores: Sequence[WeightStore]) -> None:
         self.stores = list(stores)
 
-    def scatter(self, layer: int, h: np.ndarray, routing: Routing) -> Callable[[], np.ndarray]:
-        parts = [held_experts_sum(w, layer, h, routing) for w in self.stores]
-        return lambda: sum(parts, np.zeros_like(h))
+    def scatter(
+        self, layer: int, h: np.ndarray, routing: Routing
+    ) -> Callable[[], Mapping[int, np.ndarray]]:
+        outputs: dict[int, np.ndarray] = {}
+        for w in self.stores:  # the first holder wins if two hold one, as ExpertParts does
+            for e, y in held_expert_outputs(w, layer, h, routing).items():
+                outputs.setdefault(e, y)
+        return lambda: outputs
 
 
 # ----------------------------------------------------------------------------- model
@@ -571,13 +636,17 @@ class Deepseek2:
     def moe(self, layer: int, h: np.ndarray) -> np.ndarray:
         """Routed experts (held here, and `remote_experts`) plus shared experts: (T, d) ->
         (T, d). Remote experts are asked first, so they compute while this node does its own.
-        Their sums are added after the local ones: float32 addition in another order than
-        one process's single pass over all experts: ~3e-7 of the largest logit, not bitwise."""
+        With remote experts, every routed expert's weighted output is kept apart and they are
+        summed at the end in ascending expert order (`sum_experts`): the additions one process
+        makes, so the bits do not depend on which node holds which expert."""
         c, w, p = self.config, self.w, f"blk.{layer}."
         routing = self.routing(layer, h)
         remote = self.remote_experts
         gather = remote.scatter(layer, h, routing) if remote is not None else None
-        out = held_experts_sum(w, layer, h, routing)
+        if gather is None:  # all here: add as they come, no per-expert outputs kept
+            out = held_experts_sum(w, layer, h, routing)
+        else:
+            mine = held_expert_outputs(w, layer, h, routing)
         shared = None
         if c.n_shared_experts:
             shared = ops.swiglu(
@@ -587,7 +656,7 @@ class Deepseek2:
                 w.matrix(p + "ffn_down_shexp.weight"),
             )
         if gather is not None:
-            out = out + gather()
+            out = sum_experts(h.shape, routing, {**gather(), **mine})
         return out if shared is None else out + shared
 
     def routing(self, layer: int, h: np.ndarray) -> Routing:

@@ -97,10 +97,21 @@ def lm_head(
     """(T, d) -> (T, vocab rows held): final RMSNorm, then the output head (or the embedding
     matrix when the model ties them, as llama.cpp does when a file has no output.weight).
     `head` replaces the held matrix, e.g. with rows held by other nodes."""
-    h = rms_norm(x, w.vector("output_norm.weight", d_model), eps)
     if head is None:
         head = w.matrix("output.weight" if "output.weight" in w else "token_embd.weight")
-    logits = head.matmul(h)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # tested below
+        h = rms_norm(x, w.vector("output_norm.weight", d_model), eps)
+        if isinstance(head, PackedMatrix):  # the whole head: in the blocks vocab parts use too
+            logits = head.matmul(h, rows_of=(0, head.shape[0]))
+        else:
+            logits = head.matmul(h)
+    # One pass over the logits (the head read vocab x d weights to make them): a corrupt row
+    # of the head is named here rather than sampled as a NaN.
+    if not np.isfinite(logits).all():
+        from cellswarm.io.weights import non_finite
+
+        names = ["output_norm.weight", "output.weight", "token_embd.weight"]
+        raise non_finite("the output head", w, names)
     if h.shape[0] <= kernels.MAX_BATCH and kernels.enabled():
         refine_top(logits, head, h)
     return logits

@@ -107,6 +107,13 @@ def share(group: UnitGroup, held: int) -> float:
     return min(1.0, group.used * held / group.n_units)
 
 
+def answer_rows(group: UnitGroup, held: int) -> float:
+    """Activation rows a holder of `held` units sends back per token: one partial sum for
+    slices; for routed experts each expert's output apart (~k*held/E of them), since the
+    owner adds them in one process's order (swarm/parts.py)."""
+    return group.used * held / group.n_units if group.kind == "experts" else share(group, held)
+
+
 # -- pipeline ---------------------------------------------------------------------------------
 
 
@@ -160,11 +167,12 @@ def _group_step(
         busy[n] += roofline(node, used * group.unit_bytes, 2 * used * group.unit_params).total_s
     if list(held) == [owner.node]:
         return roofline(node, group.used * group.unit_bytes, 2 * group.used * group.unit_params)
-    # Scatter to the holders, wait for the slowest, gather the weighted partial sums.
+    # Scatter to the holders, wait for the slowest, gather their weighted outputs.
     per_node = max(max(held.values()) * group.used / group.n_units, 1.0)
     step = roofline(node, per_node * group.unit_bytes, 2 * per_node * group.unit_params)
     f = straggler_factor(min(len(held), group.used), opts.straggler_cv)
-    wire = 2 * act * sum(share(group, h) for n, h in held.items() if n != owner.node)
+    wire = act * sum(share(group, h) + answer_rows(group, h)
+                     for n, h in held.items() if n != owner.node)  # fmt: skip
     step = StepTime(step.compute_s * f, step.memory_s * f)
     return step + StepTime(network_s=node.link_rtt_s + wire / node.link_bytes_per_s)
 

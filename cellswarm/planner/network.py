@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cellswarm.planner.cost import holders, share
+from cellswarm.planner.cost import answer_rows, holders, share
 from cellswarm.planner.inventory import ModelInventory
 from cellswarm.planner.placement import Placement
 
@@ -63,7 +63,7 @@ def replica_flows(inv: ModelInventory, placement: Placement, activation_bytes: f
             for node, held in holders(placement, layer, group.kind).items():
                 if node != owners[layer]:
                     flows.append((owners[layer], node, share(group, held) * act))
-                    flows.append((node, owners[layer], share(group, held) * act))
+                    flows.append((node, owners[layer], answer_rows(group, held) * act))
     flows += [(a, b, act) for a, b in itertools.pairwise(path)]
     last = path[-1]
     heads = [s.node for s in placement.slots if s.head_rows and s.node != last]

@@ -98,6 +98,10 @@ class QuantFormat:
     # Whether `quantize_blocks` exists for this format (gguf-py has no K-quant quantizer
     # to be bit-exact with, so those are read-only).
     can_quantize: ClassVar[bool] = False
+    # The block's floating-point fields, (byte offset, "f16" | "bf16" | "f32"): its scales
+    # (and mins), or the value itself for float formats. Every other field is a small
+    # integer, so a block dequantizes to finite numbers exactly when these are finite.
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ()
 
     @property
     def bits_per_weight(self) -> float:
@@ -132,6 +136,7 @@ class QuantFormat:
 
 @dataclass(frozen=True)
 class F32Format(QuantFormat):
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f32"),)
     can_quantize: ClassVar[bool] = True
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
@@ -143,6 +148,7 @@ class F32Format(QuantFormat):
 
 @dataclass(frozen=True)
 class F16Format(QuantFormat):
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
     can_quantize: ClassVar[bool] = True
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
@@ -156,6 +162,7 @@ class F16Format(QuantFormat):
 class BF16Format(QuantFormat):
     """The top half of a float32; encoding rounds to nearest even and keeps NaNs quiet."""
 
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "bf16"),)
     can_quantize: ClassVar[bool] = True
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
@@ -179,6 +186,7 @@ class BF16Format(QuantFormat):
 class Q8_0Format(QuantFormat):
     """Block of 32: f16 scale d, then 32 int8 q; x = q * d."""
 
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
     can_quantize: ClassVar[bool] = True
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
@@ -203,6 +211,7 @@ def _signed_absmax(x: Floats) -> Floats:
 class Q4_0Format(QuantFormat):
     """Block of 32: f16 d, then 16 bytes of nibbles; x = d * (q - 8)."""
 
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
     can_quantize: ClassVar[bool] = True
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
@@ -222,6 +231,7 @@ class Q4_0Format(QuantFormat):
 class Q4_1Format(QuantFormat):
     """Block of 32: f16 d, f16 min m, then 16 bytes of nibbles; x = d * q + m."""
 
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"), (2, "f16"))
     can_quantize: ClassVar[bool] = True
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
@@ -253,6 +263,7 @@ def _q5_split(q: Bytes) -> tuple[Bytes, Bytes]:
 class Q5_0Format(QuantFormat):
     """Block of 32: f16 d, 4 bytes of fifth bits, 16 bytes of nibbles; x = d * (q - 16)."""
 
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
     can_quantize: ClassVar[bool] = True
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
@@ -271,6 +282,7 @@ class Q5_0Format(QuantFormat):
 class Q5_1Format(QuantFormat):
     """Block of 32: f16 d, f16 m, 4 bytes of fifth bits, 16 of nibbles; x = d * q + m."""
 
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"), (2, "f16"))
     can_quantize: ClassVar[bool] = True
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
@@ -321,6 +333,8 @@ class Q2_KFormat(QuantFormat):
     x = (d * scale) * q - dmin * min, per 16-element sub-block.
     """
 
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((80, "f16"), (82, "f16"))
+
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
         n = blocks.shape[0]
         sub, qs = blocks[:, 0:16], blocks[:, 16:80]
@@ -337,6 +351,8 @@ class Q3_KFormat(QuantFormat):
 
     x = (d * (scale - 32)) * (low - 4 * (1 - high)), per 16-element sub-block.
     """
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((108, "f16"),)
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
         n = blocks.shape[0]
@@ -366,6 +382,8 @@ class Q4_KFormat(QuantFormat):
     x = (d * scale) * q - dmin * min, per 32-element sub-block.
     """
 
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"), (2, "f16"))
+
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
         n = blocks.shape[0]
         scale, low = _k_scale_low(blocks)  # (n, 8, 1) each
@@ -379,6 +397,8 @@ class Q5_KFormat(QuantFormat):
 
     x = (d * scale) * q - dmin * min, per 32-element sub-block.
     """
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"), (2, "f16"))
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
         n = blocks.shape[0]
@@ -396,6 +416,8 @@ class Q6_KFormat(QuantFormat):
     x = (d * scale) * (q - 32), per 16-element sub-block. Each 128-element half uses
     64 nibble bytes and 32 high-bit bytes.
     """
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((208, "f16"),)
 
     def dequantize_blocks(self, blocks: Bytes) -> Floats:
         n = blocks.shape[0]
@@ -488,6 +510,33 @@ def dequantize(data: npt.NDArray[Any], fmt: QuantFormat, n_cols: int | None = No
     for start in range(0, blocks.shape[0], step):
         out[start : start + step] = fmt.dequantize_blocks(blocks[start : start + step])
     return out.reshape(*raw.shape[:-1], cols)
+
+
+# Exponent bits of a float16, bfloat16 and float32: all set is an infinity or a NaN.
+_EXPONENT: dict[str, tuple[np.dtype[Any], int]] = {
+    "f16": (np.dtype("<u2"), 0x7C00), "bf16": (np.dtype("<u2"), 0x7F80),
+    "f32": (np.dtype("<u4"), 0x7F800000),
+}  # fmt: skip
+
+
+def first_nonfinite_block(data: npt.NDArray[Any], fmt: QuantFormat) -> int | None:
+    """The index of the first block of `data` (packed rows, any shape) with a NaN or an
+    infinite float field (`fmt.float_fields`: scales, or the values of a float format), or
+    None when every one is finite. Reads only those bytes, a chunk of blocks at a time, and
+    tests their exponent bits: no dequantizing, no float arithmetic."""
+    raw = cast(Bytes, data) if data.dtype == np.uint8 else data.view(np.uint8)
+    blocks = raw.reshape(-1, fmt.type_size)  # (n_blocks, type_size)
+    step = max(1, _CHUNK_ELEMENTS)  # blocks per chunk: a few MiB of copied fields at most
+    for start in range(0, blocks.shape[0], step):
+        chunk = blocks[start : start + step]
+        bad = np.zeros(chunk.shape[0], dtype=bool)
+        for offset, kind in fmt.float_fields:
+            dtype, mask = _EXPONENT[kind]
+            field = np.ascontiguousarray(chunk[:, offset : offset + dtype.itemsize])
+            bad |= (field.view(dtype)[:, 0] & mask) == mask
+        if bad.any():
+            return start + int(np.argmax(bad))
+    return None
 
 
 def quantize(x: npt.ArrayLike, fmt: QuantFormat) -> Bytes:

@@ -7,7 +7,9 @@ at a time, so the float32 working set is at most `TILE_BYTES`, never the whole m
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import numpy as np
@@ -21,6 +23,10 @@ from cellswarm.quant.formats import Bytes, Floats, QuantFormat, dequantize, quan
 # Float32 bytes of one dequantized weight tile in `matmul`: big enough that np.matmul
 # runs at BLAS speed, small enough to stay near cache and far below the model's size.
 TILE_BYTES = 16 << 20
+# Float32 bytes of one block of `matmul(rows_of=...)` (the output head), and how many blocks
+# are in flight at once: together no more float32 than one tile.
+BLOCK_BYTES = 4 << 20
+BLOCK_WORKERS = TILE_BYTES // BLOCK_BYTES
 
 
 def _as_bytes(data: npt.NDArray[Any], ndim: int, fmt: QuantFormat) -> Bytes:
@@ -120,11 +126,20 @@ class PackedMatrix:
             return out
         return dequantize(self.data[index], self.fmt)
 
-    def matmul(self, x: npt.ArrayLike, *, tile_bytes: int | None = None) -> Floats:
+    def matmul(
+        self, x: npt.ArrayLike, *, tile_bytes: int | None = None,
+        rows_of: tuple[int, int] | None = None,
+    ) -> Floats:  # fmt: skip
         """x @ W.T for x of shape (..., in_features) -> (..., out_features), float32.
 
         The weight is decoded `tile_bytes` (default `TILE_BYTES`) of float32 at a time,
         each tile multiplied straight into its columns of a preallocated result.
+
+        rows_of=(first, total): these are rows [first, first + out_features) of a matrix of
+        `total` rows, split over nodes (the output head on vocab parts). Then every row's
+        bits are the same whichever node holds it and however many threads it has: beyond
+        the fused kernels' batch (which compute each row alone), rows go through BLAS in the
+        whole matrix's fixed blocks (`_matmul_blocks`), not in tiles of this slice.
         """
         out_features, in_features = self.shape
         xs = np.asarray(x, dtype=np.float32)
@@ -135,16 +150,19 @@ class PackedMatrix:
             )
         lead = xs.shape[:-1]
         x2 = xs.reshape(-1, in_features)  # (n, in)
+        fused = self._fused if x2.shape[0] <= kernels.MAX_BATCH and kernels.enabled() else None
+        if rows_of is not None and fused is None:
+            return self._matmul_blocks(x2, *rows_of).reshape(*lead, out_features)
         if self.fmt.ggml_type == GGMLQuantizationType.F32:
             # The bytes already are the weight: multiply by a float view, no tiles.
             w = self.data.view(np.float32)  # (out, in)
             return np.matmul(x2, w.T).reshape(*lead, out_features)
 
         out = np.empty((x2.shape[0], out_features), dtype=np.float32)  # (n, out)
-        if x2.shape[0] <= kernels.MAX_BATCH and kernels.enabled() and self._fused is not None:
+        if fused is not None:
             # Decode and small batches: one pass over the packed bytes, no float32 tile.
             x2 = x2 if x2.flags.c_contiguous and x2.flags.writeable else x2.copy()
-            kernels.matmul_args(self._fused[0], in_features, x2, out)
+            kernels.matmul_args(fused[0], in_features, x2, out)
             return out.reshape(*lead, out_features)
         budget = TILE_BYTES if tile_bytes is None else tile_bytes
         step = max(1, budget // max(1, in_features * 4))  # weight rows per tile
@@ -154,6 +172,88 @@ class PackedMatrix:
             # A column slice of a C-order result is still BLAS-addressable: no temp copy.
             np.matmul(x2, tile.T, out=out[:, start:stop])
         return out.reshape(*lead, out_features)
+
+    def _matmul_blocks(self, x2: Floats, first: int, total: int) -> Floats:
+        """x2 (n, in) @ W.T for rows [first, first + out) of a `total`-row matrix, computed
+        in that matrix's blocks [k * B, (k + 1) * B) of B = BLOCK_BYTES // (in * 4) rows.
+
+        BLAS picks its kernel, and its blocking of the sum, by the call's shape and its
+        thread count; a row's bits then depend on where it falls in the call. Here every
+        block goes through one call of the same shape whoever computes it: a node holding
+        part of a block fills the rows it lacks with zeros, and BLAS runs on one thread
+        (blocks are spread over up to BLOCK_WORKERS threads of our own instead). So a row is
+        the same bits on any split of the rows and any number of threads; the unsplit
+        matrix (first 0, total its rows) is the one-process case.
+        """
+        rows, cols = self.shape
+        if not 0 <= first <= first + rows <= total:
+            raise ShapeMismatchError(
+                f"rows [{first}, {first + rows}) of a {rows}-row weight do not fit in a "
+                f"matrix of {total} rows"
+            )
+        out = np.empty((x2.shape[0], rows), dtype=np.float32)  # (n, rows)
+        if rows == 0:
+            return out
+        block = max(1, BLOCK_BYTES // (cols * 4))
+        blocks = range(first // block, (first + rows - 1) // block + 1)
+
+        errors = np.geterr()  # the caller's, for our threads too (numpy's is per thread)
+
+        def run(ks: range) -> None:
+            with np.errstate(**errors):
+                _run(ks)
+
+        def _run(ks: range) -> None:
+            for k in ks:
+                g0, g1 = k * block, min((k + 1) * block, total)  # the block's global rows
+                a, b = max(g0, first), min(g1, first + rows)  # the ones held here
+                held = self._float_rows(a - first, b - first)  # (b - a, in)
+                if (a, b) != (g0, g1):
+                    tile = np.zeros((g1 - g0, cols), dtype=np.float32)
+                    tile[a - g0 : b - g0] = held
+                    held = tile
+                y = np.matmul(x2, held.T)  # (n, g1 - g0): one call of the block's shape
+                out[:, a - first : b - first] = y[:, a - g0 : b - g0]
+
+        workers = min(kernels.threads(), BLOCK_WORKERS, len(blocks))
+        with _one_blas_thread():
+            if workers <= 1:
+                run(blocks)
+            else:
+                pool = _block_pool()
+                for f in [pool.submit(run, blocks[j::workers]) for j in range(workers)]:
+                    f.result()
+        return out
+
+    def _float_rows(self, start: int, stop: int) -> Floats:
+        """Rows [start, stop) as float32 (a view for F32 weights)."""
+        if self.fmt.ggml_type == GGMLQuantizationType.F32:
+            return self.data[start:stop].view(np.float32)
+        return dequantize(self.data[start:stop], self.fmt)
+
+
+_blas: Any = None
+_pool: ThreadPoolExecutor | None = None
+
+
+def _one_blas_thread() -> contextlib.AbstractContextManager[Any]:
+    """BLAS on one thread for a block (threadpoolctl; a no-op without it)."""
+    global _blas
+    if _blas is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+
+            _blas = ThreadpoolController().select(user_api="blas")
+        except ImportError:
+            _blas = False
+    return _blas.limit(limits=1) if _blas else contextlib.nullcontext()
+
+
+def _block_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(BLOCK_WORKERS, thread_name_prefix="blocks")
+    return _pool
 
 
 class PackedExperts:

@@ -109,6 +109,22 @@ def _model(path: str | None) -> str:
     return p
 
 
+def check_model(path: str) -> None:
+    """Refuse a bad model before serving (ModelFileError: one line, exit 2), not at the first
+    worker that loads it: a GGUF file is verified as `cellswarm verify` does (header, tensors,
+    every block's scales; remembered by path, size and mtime), a folder's config is read."""
+    if Path(path).is_dir():
+        from cellswarm.loader import read_config
+
+        read_config(path)
+        return
+    from cellswarm.io.verify import verify_cached
+
+    done = verify_cached(path)
+    if done is not None:
+        print(done.line(), flush=True)
+
+
 def _host_port(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit():
@@ -124,8 +140,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if not shared and not args.db.startswith("sqlite:///"):
         raise RequestError(f"--db {args.db!r}: give sqlite:///PATH or postgresql://...")
     host, port = _host_port(args.listen)
+    model = _model(args.model)
+    check_model(model)
     serve(CoordinatorConfig(
-        model=_model(args.model), db=args.db if shared else args.db.removeprefix("sqlite:///"),
+        model=model, db=args.db if shared else args.db.removeprefix("sqlite:///"),
         host=host, port=port,
         token_file=args.token_file, api_key_file=args.api_key_file, heartbeat_s=args.heartbeat,
         heartbeat_timeout_s=args.heartbeat_timeout, offline_after=args.offline_after,

@@ -11,6 +11,7 @@ anything is read, and the checksum before anything is used.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import ssl
 import struct
@@ -28,6 +29,7 @@ PREFIX = struct.Struct("<4sIQI")  # magic, header bytes, payload bytes, crc32
 MAX_HEADER_BYTES = 1 << 16
 MAX_PAYLOAD_BYTES = 64 << 20  # one frame; an activation batch is far smaller
 DTYPES = {"f32": np.float32, "i64": np.int64}
+MAX_DIMS = 8  # an array's dimensions in a frame (activations are 2-D)
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,29 @@ def _array(header: dict[str, Any], payload: bytes) -> np.ndarray | None:
         if payload:
             raise ProtocolError("frame carries a payload but names no dtype")
         return None
-    if dtype not in DTYPES or not isinstance(shape, list):
-        raise ProtocolError(f"frame names dtype {dtype!r} / shape {shape!r}; expected f32|i64")
-    arr = np.frombuffer(payload, dtype=DTYPES[dtype])
-    if arr.size != int(np.prod(shape)):
-        raise ProtocolError(f"frame payload of {arr.size} values does not fill shape {shape}")
-    return arr.reshape(shape)
+    # Anything may stand here (msgpack decodes lists, maps, floats, huge ints): only a known
+    # dtype name and a list of non-negative int sizes reach numpy.
+    sizes = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+    if not isinstance(dtype, str) or dtype not in DTYPES or not sizes or len(shape) > MAX_DIMS:
+        raise ProtocolError(
+            f"frame names dtype {_short(dtype)} / shape {_short(shape)}; expected f32|i64 and a "
+            f"list of at most {MAX_DIMS} sizes"
+        )
+    width = np.dtype(DTYPES[dtype]).itemsize
+    # an empty array's other sizes are bounded too: (0, 2**62) is no array numpy can make
+    if math.prod(max(n, 1) for n in shape) * width > max(len(payload), MAX_PAYLOAD_BYTES):
+        raise ProtocolError(f"frame names shape {_short(shape)}, larger than any frame holds")
+    if len(payload) != width * math.prod(shape):  # exact ints: no overflow
+        raise ProtocolError(
+            f"frame payload of {len(payload)} bytes does not fill shape {_short(shape)} of {dtype}"
+        )
+    return np.frombuffer(payload, dtype=DTYPES[dtype]).reshape(shape)
+
+
+def _short(value: Any) -> str:
+    """A header value for a one-line message, cut at 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 async def read_frame(

@@ -6,7 +6,12 @@
 A mixture-of-experts layer is mostly experts (DeepSeek-V3: ~11 GB of ~11.2 GB a layer), and
 a token uses 8 of 256; so the layer's owner keeps attention, router and shared experts and
 sends each token's normed hidden state only to the nodes holding the experts it was routed
-to. Each answers the weighted sum over the experts it holds; the owner adds them to its own.
+to. Each answers every held expert's weighted output for the tokens routed to it, apart;
+the owner adds them all, its own too, per token in ascending expert order — the float32
+additions one process makes, so a token's bits do not depend on who holds which expert
+(summed on the holders, they would: addition is not associative). That costs the answer
+one row per (token, expert) pair held there, not one per token: k of them for a token over
+all holders, fewer bytes than one sum per holder once a token's k experts sit on k nodes.
 A vocabulary too big for one node is split by rows: each vocab node holds rows [a, b) of the
 output head (and of the embedding) and answers partial logits, or dequantized rows.
 
@@ -40,7 +45,7 @@ import numpy.typing as npt
 from cellswarm.engine.memory import peak_rss_bytes, weights_by_kind
 from cellswarm.engine.model import Model
 from cellswarm.errors import CellswarmError, ProtocolError, RequestError
-from cellswarm.io.weights import Selection
+from cellswarm.io.weights import Selection, non_finite
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.frames import (
     Frame,
@@ -189,19 +194,45 @@ class PartServer:
             raise ProtocolError(f"a {frame.type!r} request carries no array")
         self.requests += 1
         if frame.type == "experts":
-            from cellswarm.models.deepseek2 import Routing, held_experts_sum
-
-            h, ids, weights = unpack_routes(a, int(f["k"]))
-            routing = Routing(ids, weights)
-            out = held_experts_sum(self.model.weights, int(f["layer"]), h, routing)
-            return Frame("experts_out", {}, out)  # (n, d)
+            return Frame("expert_rows", {}, self.expert_rows(int(f["layer"]), a, int(f["k"])))
         if frame.type == "logits":  # unrefined: the caller refines the merged top rows
-            return Frame("logits_out", {}, self.model.weights.matrix(self._head).matmul(a))
+            # computed in the whole head's row blocks, so a logit has the same bits on any
+            # split of the rows (PackedMatrix.matmul's rows_of)
+            total = int(f.get("rows", self.model.config.vocab_size))
+            head = self.model.weights.matrix(self._head)
+            logits = head.matmul(a, rows_of=(self._row0, total))
+            if not np.isfinite(logits).all():  # one pass, as the stage's own head does
+                raise non_finite(f"vocab rows {self.config.spec.vocab_rows}",
+                                 self.model.weights, [self._head])  # fmt: skip
+            return Frame("logits_out", {}, logits)
         if frame.type == "rows":  # dequantized rows by global id: embedding, or head rows
             name = "token_embd.weight" if f.get("tensor") == "embed" else self._head
             local = a.astype(np.int64) - self._row0
             return Frame("rows_out", {}, self.model.weights.matrix(name).take_rows(local))
         raise ProtocolError(f"a part server does not answer {frame.type!r} frames")
+
+    def expert_rows(self, layer: int, packed: np.ndarray, k: int) -> np.ndarray:
+        """The weighted output of each expert asked for, on the tokens routed to it, stacked
+        in ascending expert order (tokens in order within each): (pairs, d). The caller knows
+        the routes, so it knows where each row goes (`ExpertParts`)."""
+        from cellswarm.models.deepseek2 import Routing, held_expert_outputs
+
+        h, ids, weights = unpack_routes(packed, k)
+        asked = set(np.unique(ids[ids >= 0]).tolist())
+        held = set(self.model.weights.experts(f"blk.{layer}.ffn_up_exps.weight").held)
+        if asked - held:
+            raise ProtocolError(
+                f"asked for experts {sorted(asked - held)[:8]} of layer {layer}, which part "
+                f"{self.config.spec.node_id} does not hold"
+            )
+        outputs = held_expert_outputs(self.model.weights, layer, h, Routing(ids, weights))
+        if not outputs:
+            return np.zeros((0, h.shape[1]), np.float32)
+        rows = np.concatenate([outputs[e] for e in sorted(outputs)])
+        if not np.isfinite(rows).all():  # one pass per answer: caught on the node that made it
+            names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+            raise non_finite(f"layer {layer}'s routed experts", self.model.weights, names)
+        return rows
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -307,23 +338,34 @@ class ExpertParts:
         table = self.holder.get(layer)
         return set() if table is None else set(np.nonzero(table >= 0)[0].tolist())
 
-    def scatter(self, layer: int, h: np.ndarray, routing: Any) -> Callable[[], np.ndarray]:
+    def scatter(
+        self, layer: int, h: np.ndarray, routing: Any
+    ) -> Callable[[], dict[int, np.ndarray]]:
         ids, k = routing.expert_ids, routing.expert_ids.shape[1]  # (T, k)
         table = self.holder.get(layer)
         by_slot = table[ids] if table is not None else np.full_like(ids, -1)  # (T, k): client
-        sent: list[tuple[int, np.ndarray]] = []
+        sent: list[tuple[int, list[int], np.ndarray]] = []  # client, experts asked, counts
         for i in sorted(set(by_slot.ravel().tolist()) - {-1}):
             rows = np.nonzero((by_slot == i).any(axis=1))[0]  # tokens routed to client i
             mine = np.where(by_slot[rows] == i, ids[rows], -1)  # other holders' slots: -1
             packed = pack_routes(h[rows], mine, routing.weights[rows])
             self.clients[i].send(Frame("experts", {"layer": layer, "k": k}, packed))
-            sent.append((i, rows))
+            experts, counts = np.unique(mine[mine >= 0], return_counts=True)
+            sent.append((i, experts.tolist(), counts))
 
-        def gather() -> np.ndarray:
-            out = np.zeros_like(h, dtype=np.float32)  # (T, d)
-            for i, rows in sent:  # in client order: the sum does not depend on timing
-                out[rows] += self.clients[i].receive("experts_out")
-            return out
+        def gather() -> dict[int, np.ndarray]:
+            """Each remote expert's weighted output (n_e, d); the model adds them."""
+            outputs: dict[int, np.ndarray] = {}
+            for i, experts, counts in sent:
+                rows = self.clients[i].receive("expert_rows")
+                if rows.shape != (int(counts.sum()), h.shape[1]):
+                    self.clients[i].close()
+                    raise PartLost(self.clients[i].spec.node_id,
+                                   f"answered {rows.shape} expert rows for {int(counts.sum())} "
+                                   f"routed tokens of width {h.shape[1]}")  # fmt: skip
+                pieces = np.split(rows, np.cumsum(counts)[:-1])
+                outputs.update(zip(experts, pieces, strict=True))
+            return outputs
 
         return gather
 
@@ -350,11 +392,12 @@ class VocabParts:
 
     def matmul(self, x: npt.ArrayLike) -> np.ndarray:
         """(T, d) normed hidden -> (T, vocab) logits, each part's rows, concatenated.
-        Each logit is one row's dot product, computed the same way whichever rows a node
-        holds, so the concatenation is bit-identical to one node's matmul."""
+        Each part computes its rows in the whole head's fixed row blocks, each block by one
+        BLAS call of the same shape on one thread (or row by row in the fused kernels), so
+        the concatenation is bit-identical to one node's head, wherever the rows split."""
         h = np.ascontiguousarray(x, dtype=np.float32)
         for c in self.clients:
-            c.send(Frame("logits", {}, h))
+            c.send(Frame("logits", {"rows": int(self.bounds[-1])}, h))
         return np.concatenate([c.receive("logits_out") for c in self.clients], axis=1)
 
     def take_rows(self, ids: npt.ArrayLike, tensor: str = "head") -> np.ndarray:
