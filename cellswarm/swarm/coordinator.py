@@ -16,8 +16,10 @@ coordinators on PostgreSQL one leader places and wires; every one answers every 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -26,7 +28,7 @@ from typing import Any
 
 from cellswarm.errors import BudgetError, RequestError
 from cellswarm.swarm import rebalance
-from cellswarm.swarm.auth import load_token, new_nonce, verify
+from cellswarm.swarm.auth import digest, load_token, new_nonce, verify
 from cellswarm.swarm.db import open_database
 from cellswarm.swarm.jobs import Job, JobQueue, QueueConfig
 from cellswarm.swarm.local import StageCosts, stage_costs
@@ -189,12 +191,13 @@ class Coordinator:
         if int(caps.get("memory_bytes") or 0) <= 0:
             raise RequestError("capabilities.memory_bytes must be a positive byte count")
         old = self.store.node(node_id)
-        session, now = uuid.uuid4().hex, time.time()
+        session, now = secrets.token_hex(16), time.time()
+        kept = digest(session)  # the database holds its hash: a copy of the file joins nobody
         kept_out = old is not None and old.state in ("offline", "evicted")
         state = old.state if old is not None and kept_out else "spare"
-        node = Node(NodeId(node_id), state, session, caps, host, now, now)
+        node = Node(NodeId(node_id), state, kept, caps, host, now, now)
         if old is not None:  # a re-join: it dropped whatever it served; keep its record
-            node = replace(old, state=state, session=session, capabilities=caps, host=host,
+            node = replace(old, state=state, session=kept, capabilities=caps, host=host,
                            last_seen_s=now, shard=None, data_port=None, ready=None)
         oom = oom_message(old.capabilities if old else {}, caps)
         if oom:
@@ -207,7 +210,7 @@ class Coordinator:
 
     def authenticate(self, node_id: str, session: str) -> Node:
         node = self.store.node(node_id)
-        if node is None or node.session != session:
+        if node is None or not hmac.compare_digest(node.session, digest(session)):
             raise PermissionError(f"node {node_id} has no such session: join again")
         return node
 

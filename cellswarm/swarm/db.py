@@ -9,6 +9,7 @@ deadlock on an upgrade; PostgreSQL: a transaction in which `skip_locked` row loc
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
@@ -62,7 +63,9 @@ class NestedTransactions:
 
 
 class SQLiteDatabase(NestedTransactions):
-    """WAL, synchronous=FULL: an acknowledged write survives a crash or a power cut."""
+    """WAL, synchronous=FULL: an acknowledged write survives a crash or a power cut. The file
+    is its owner's only (0600: it holds job texts and node sessions); SQLite gives its -wal
+    and -shm files the database file's mode."""
 
     dialect = "sqlite"
     skip_locked = ""  # SQLite has one writer at a time: the transaction is the lock
@@ -70,6 +73,8 @@ class SQLiteDatabase(NestedTransactions):
 
     def __init__(self, path: str) -> None:
         self.path = path
+        if path != ":memory:" and not path.startswith("file:"):
+            _private(path)
         self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA journal_mode=WAL")
@@ -106,6 +111,27 @@ class SQLiteDatabase(NestedTransactions):
 
     def close(self) -> None:
         self.conn.close()
+
+
+def _private(path: str) -> None:
+    """Create the database file 0600 before SQLite opens it (O_CREAT with the mode: never a
+    moment with more); one made by an older version, and its -wal/-shm, become 0600 too."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for p in (path, f"{path}-wal", f"{path}-shm"):
+        with contextlib.suppress(OSError):  # absent, or not ours to change
+            if os.stat(p).st_mode & 0o077:
+                os.chmod(p, 0o600)
+
+
+def ensure_column(db: Database, table: str, column: str, decl: str) -> None:
+    """A schema migration: add a column a database made by an older version lacks (a no-op
+    when it is there). PostgreSQL says IF NOT EXISTS; SQLite is asked under its write lock."""
+    if db.dialect == "postgres":
+        db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {decl}")
+        return
+    with db.transaction():
+        if column not in {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
 
 def open_database(url: str) -> Database:

@@ -19,6 +19,7 @@ from typing import Any
 
 from cellswarm.errors import SwarmError
 from cellswarm.swarm import client
+from cellswarm.swarm.auth import write_secret
 from cellswarm.swarm.local import free_port
 
 
@@ -65,8 +66,7 @@ class LocalSwarm:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.token_file = self.state_dir / "cluster.token"
         if not self.token_file.exists():
-            self.token_file.write_text(secrets.token_hex(32))
-            self.token_file.chmod(0o600)
+            write_secret(self.token_file, secrets.token_hex(32))
         self.log_dir = self.state_dir / "logs"
         if self.coordinators > 1 and not (self.db or "").startswith("postgres"):
             raise SwarmError(f"{self.coordinators} coordinators must share a PostgreSQL "
