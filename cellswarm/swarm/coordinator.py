@@ -59,7 +59,8 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8470
     token_file: str | None = None  # without one, any node may join (a warning says so)
-    api_key_file: str | None = None  # keys for the OpenAI API, one a line; without: no auth
+    api_key_file: str | None = None  # client keys, one a line (access.py); without: no auth
+    max_body_bytes: int = 4 * 2**20  # a longer request body is refused unread (413)
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     # A node failing this many steps in a row goes offline. Below MAX_ATTEMPTS on purpose: a
@@ -108,6 +109,7 @@ class Coordinator:
                                                                    b))  # fmt: skip
         self.log.sink = self.log_shipper.add
         self._tokenizer: Any = None
+        self._limits: Any = None
         self._stage_costs: StageCosts | None = None
         self._manifest: Any = None
         self.part_specs = self._part_specs()
@@ -478,10 +480,11 @@ class Coordinator:
     # -- jobs: submitted by clients, leased by pipeline heads ------------------------------
 
     def submit(self, payload: dict[str, Any], request_id: str | None = None,
-               kind: str = "generate") -> Job:  # fmt: skip
+               kind: str = "generate", owner: str | None = None) -> Job:  # fmt: skip
         """An interactive request: a job ahead of batch work. `request_id` is its
-        idempotency key (the same id twice is the same job)."""
-        job, new = self.queue.submit(payload, kind, request_id, priority=1)
+        idempotency key (the same id twice is the same job); `owner` the hash of the API key
+        that submitted it (access.py)."""
+        job, new = self.queue.submit(payload, kind, request_id, priority=1, owner=owner)
         if new:
             self.log.event("submitted", job.job_id, prompt_tokens=len(payload.get("prompt", [])),
                            key=request_id)  # fmt: skip
@@ -614,6 +617,24 @@ class Coordinator:
 
             self._tokenizer = load_tokenizer(self.config.model)
         return self._tokenizer
+
+    @property
+    def limits(self) -> Any:
+        """What a request is checked against at submit (schema.Limits): the model's
+        vocabulary, the ring's context and sequences, the longest token's text."""
+        if self._limits is None:
+            from cellswarm.errors import CellswarmError
+            from cellswarm.loader import read_config
+            from cellswarm.swarm.schema import Limits, longest_token_bytes
+
+            c = self.config
+            try:
+                token_bytes = longest_token_bytes(self.tokenizer)
+            except CellswarmError:  # no tokenizer: only token ids can be sent
+                token_bytes = 0
+            self._limits = Limits(int(read_config(c.model).vocab_size), c.context,
+                                  c.max_sequences, token_bytes)  # fmt: skip
+        return self._limits
 
 
 
