@@ -125,9 +125,16 @@ def _private(path: str) -> None:
 
 def ensure_column(db: Database, table: str, column: str, decl: str) -> None:
     """A schema migration: add a column a database made by an older version lacks (a no-op
-    when it is there). PostgreSQL says IF NOT EXISTS; SQLite is asked under its write lock."""
+    when it is there). PostgreSQL is asked first (an ALTER locks the table even when it has
+    nothing to do: not on every coordinator's start), then ALTERs with IF NOT EXISTS (another
+    coordinator may be adding it too); SQLite is asked under its write lock."""
     if db.dialect == "postgres":
-        db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {decl}")
+        present = db.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
+            "AND table_name = ? AND column_name = ?", (table, column),
+        )  # fmt: skip
+        if not present:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {decl}")
         return
     with db.transaction():
         if column not in {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}:

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from cellswarm.errors import RequestError
 from cellswarm.swarm.auth import verify
 from cellswarm.swarm.logship import OPERATOR
-from cellswarm.swarm.schema import NotFound
+from cellswarm.swarm.schema import NotFound, load_json
 
 if TYPE_CHECKING:
     from cellswarm.swarm.coordinator import Coordinator
@@ -26,7 +26,7 @@ def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> 
 
     @app.post("/v1/logs")
     async def ship(request: Request) -> dict[str, Any]:
-        d = await request.json()
+        d = load_json(await request.body())
         if not isinstance(d, dict) or not isinstance(d.get("events"), list):
             raise RequestError("a log batch is an object with a list of events")
         node = coord.authenticate(str(d["node_id"]), str(d["session"]))

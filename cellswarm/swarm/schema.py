@@ -316,7 +316,7 @@ def invalid(errors: Sequence[Any], where: str = "") -> BadRequest:
         return BadRequest(f"The request body is not valid JSON ({why}); send a JSON object")
     # a value no branch of a union took fails in each: the deepest error says the most
     first = max((e for e in errors if e["loc"][:1] == first["loc"][:1]),
-                key=lambda e: len(e["loc"]))  # fmt: skip
+                key=lambda e: len(e["loc"]), default=first)  # fmt: skip
     loc: list[str] = first["loc"]
     if not loc and not where and first["type"] != "value_error":
         if first["type"] == "missing":
