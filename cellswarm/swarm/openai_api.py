@@ -60,7 +60,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import CellswarmError
-from cellswarm.swarm.access import load_keys
 from cellswarm.swarm.coordinator import Coordinator
 from cellswarm.swarm.schema import (
     ChatMessage,
@@ -88,11 +87,6 @@ class OpenAIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
-
-
-def load_api_keys(path: str | None) -> frozenset[str]:
-    """The hashes of the keys in `path` (access.load_keys has the format); none: no auth."""
-    return load_keys(path).hashes
 
 
 # -- requests --------------------------------------------------------------------------------
