@@ -26,7 +26,7 @@ from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.jobs import Job
 from cellswarm.swarm.log_api import add_log_routes
 from cellswarm.swarm.openai_api import add_openai_routes
-from cellswarm.swarm.schema import BadRequest, NotFound, SubmitRequest, body, invalid
+from cellswarm.swarm.schema import BadRequest, NotFound, SubmitRequest, body, invalid, load_json
 from cellswarm.swarm.store import Node
 
 MAX_WAIT_S = 30.0
@@ -51,8 +51,6 @@ def build_app(coord: Coordinator) -> FastAPI:
 
     async def read(request: Request) -> dict[str, Any]:
         """A node's body (the workers' routes keep their plain-dict protocol)."""
-        from cellswarm.swarm.schema import load_json
-
         data = load_json(await request.body())
         if not isinstance(data, dict):
             raise RequestError("the request body must be a JSON object")
