@@ -21,12 +21,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import CellswarmError, RequestError
+from cellswarm.swarm import schema
 from cellswarm.swarm.access import Caller, Edge, error_response, load_keys
 from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.jobs import Job
 from cellswarm.swarm.log_api import add_log_routes
 from cellswarm.swarm.openai_api import add_openai_routes
-from cellswarm.swarm.schema import BadRequest, NotFound, SubmitRequest, body, invalid, load_json
+from cellswarm.swarm.schema import BadRequest, NotFound, SubmitRequest, invalid, load_json
 from cellswarm.swarm.store import Node
 
 MAX_WAIT_S = 30.0
@@ -49,7 +50,7 @@ def build_app(coord: Coordinator) -> FastAPI:
     add_openai_routes(app, coord)  # openai_api.py
     add_log_routes(app, coord, bool(keys))  # log_api.py: POST /v1/logs, GET /v1/logs/{id}
 
-    async def read(request: Request) -> dict[str, Any]:
+    async def body(request: Request) -> dict[str, Any]:
         """A node's body (the workers' routes keep their plain-dict protocol)."""
         data = load_json(await request.body())
         if not isinstance(data, dict):
@@ -65,7 +66,7 @@ def build_app(coord: Coordinator) -> FastAPI:
 
     @app.post("/v1/join")
     async def join(request: Request) -> dict[str, Any]:
-        d = await read(request)
+        d = await body(request)
         host = request.client.host if request.client else "127.0.0.1"
         session = coord.join(str(d["node_id"]), str(d["nonce"]), str(d.get("proof", "")),
                              dict(d.get("capabilities") or {}), host)  # fmt: skip
@@ -75,12 +76,12 @@ def build_app(coord: Coordinator) -> FastAPI:
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
-        d = await read(request)
+        d = await body(request)
         return coord.heartbeat(node_of(d), d)
 
     @app.post("/v1/fault")
     async def fault(request: Request) -> dict[str, Any]:
-        d = await read(request)
+        d = await body(request)
         epoch = d.get("epoch")
         coord.fault(node_of(d), str(d.get("kind", "forward")), str(d.get("detail", "")),
                     None if epoch is None else int(epoch))  # fmt: skip
@@ -118,7 +119,7 @@ def build_app(coord: Coordinator) -> FastAPI:
 
     @app.post("/v1/requests")
     async def submit(
-        request: Request, req: Annotated[SubmitRequest, body(SubmitRequest)]
+        request: Request, req: Annotated[SubmitRequest, schema.body(SubmitRequest)]
     ) -> dict[str, Any]:
         caller: Caller = request.state.caller
         payload = _payload(coord, req)
@@ -146,7 +147,7 @@ def build_app(coord: Coordinator) -> FastAPI:
 
     @app.post("/v1/jobs/lease")
     async def lease(request: Request) -> dict[str, Any]:
-        d = await read(request)
+        d = await body(request)
         node, n = node_of(d), int(d.get("n", 1))
         wait_s = min(max(float(d.get("wait_s", 0.0)), 0.0), MAX_LEASE_WAIT_S)
         deadline = time.monotonic() + wait_s
@@ -159,19 +160,19 @@ def build_app(coord: Coordinator) -> FastAPI:
 
     @app.post("/v1/jobs/checkpoint")
     async def checkpoint(request: Request) -> dict[str, Any]:
-        d = await read(request)
+        d = await body(request)
         return {"stale": coord.checkpoint(node_of(d), list(d.get("runs", [])))}
 
     @app.post("/v1/jobs/complete")
     async def complete(request: Request) -> dict[str, Any]:
-        d = await read(request)
+        d = await body(request)
         outcome = coord.complete(node_of(d), str(d["job_id"]), int(d["fence"]),
                                  dict(d["result"]))  # fmt: skip
         return {"outcome": outcome}
 
     @app.post("/v1/jobs/fail")
     async def fail(request: Request) -> dict[str, Any]:
-        d = await read(request)
+        d = await body(request)
         outcome = coord.fail(node_of(d), str(d["job_id"]), int(d["fence"]), str(d["reason"]))
         return {"outcome": outcome}
 
