@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -110,6 +111,7 @@ class Coordinator:
         self.log.sink = self.log_shipper.add
         self._tokenizer: Any = None
         self._limits: Any = None
+        self._limits_lock = threading.Lock()  # warm_up's thread and a request may race
         self._stage_costs: StageCosts | None = None
         self._manifest: Any = None
         self.part_specs = self._part_specs()
@@ -622,19 +624,28 @@ class Coordinator:
     def limits(self) -> Any:
         """What a request is checked against at submit (schema.Limits): the model's
         vocabulary, the ring's context and sequences, the longest token's text."""
-        if self._limits is None:
-            from cellswarm.errors import CellswarmError
-            from cellswarm.loader import read_config
-            from cellswarm.swarm.schema import Limits, longest_token_bytes
+        with self._limits_lock:
+            if self._limits is None:
+                from cellswarm.errors import CellswarmError
+                from cellswarm.loader import read_config
+                from cellswarm.swarm.schema import Limits, longest_token_bytes
 
-            c = self.config
-            try:
-                token_bytes = longest_token_bytes(self.tokenizer)
-            except CellswarmError:  # no tokenizer: only token ids can be sent
-                token_bytes = 0
-            self._limits = Limits(int(read_config(c.model).vocab_size), c.context,
-                                  c.max_sequences, token_bytes)  # fmt: skip
-        return self._limits
+                c = self.config
+                try:
+                    token_bytes = longest_token_bytes(self.tokenizer)
+                except CellswarmError:  # no tokenizer: only token ids can be sent
+                    token_bytes = 0
+                self._limits = Limits(int(read_config(c.model).vocab_size), c.context,
+                                      c.max_sequences, token_bytes)  # fmt: skip
+            return self._limits
+
+    def warm_up(self) -> None:
+        """The tokenizer and the limits, loaded beside the event loop at start (a second of
+        work the first request would otherwise hold the loop, and heartbeats, for)."""
+        try:
+            self.limits  # noqa: B018
+        except Exception as exc:  # a bad model file: each request says so
+            log.warning("could not read the model's limits: %s", exc)
 
 
 

@@ -38,8 +38,10 @@ def build_app(coord: Coordinator) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(coord.monitor())
+        warm = asyncio.create_task(asyncio.to_thread(coord.warm_up))
         yield
         task.cancel()
+        warm.cancel()
         coord.log_shipper.close()  # its own events still in the buffer
 
     app = FastAPI(title="cellswarm coordinator", lifespan=lifespan)
