@@ -85,6 +85,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--ids", action="store_true", help="the prompt is comma-separated token ids")
     p.add_argument("--coordinator", help="run on this swarm (its URL) instead of in-process")
     p.add_argument("--tls", metavar="DIR", help="with --coordinator: mutual TLS (certs folder)")
+    p.add_argument("--api-key-file", help="with --coordinator: send its first key")
     t = p.add_argument_group("tiered box (MoE models): weights split between DRAM and a slow tier")
     t.add_argument("--dram-budget", help="anonymous memory for this process in all, e.g. 8G")
     t.add_argument(
@@ -292,15 +293,11 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     from cellswarm.swarm.logs import format_timeline, timeline
 
     if args.coordinator:
+        from cellswarm.swarm.access import first_key
         from cellswarm.swarm.auth import load_token
         from cellswarm.swarm.logship import fetch_timeline
-        from cellswarm.swarm.openai_api import load_api_keys
 
-        key = None
-        if args.api_key_file:
-            load_api_keys(args.api_key_file)  # the same checks (exists, holds a key)
-            lines = Path(args.api_key_file).read_text().splitlines()
-            key = next(s for line in lines if (s := line.strip()) and not s.startswith("#"))
+        key = first_key(args.api_key_file) if args.api_key_file else None
         token = load_token(args.token_file) if args.token_file else None
         events, clocks = fetch_timeline(args.coordinator, args.request_id, token, key, args.tls)
         print(format_timeline(events, clocks))

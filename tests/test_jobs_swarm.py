@@ -20,6 +20,7 @@ import pytest
 
 import cellswarm
 from cellswarm.engine.model import GenerateOptions
+from cellswarm.errors import RequestError
 from cellswarm.swarm import client
 from cellswarm.swarm.up import LocalSwarm
 from tests.waiting import wait_until
@@ -137,13 +138,28 @@ def test_a_poison_job_gets_three_attempts_then_dead_letter(
     with LocalSwarm(str(demo_path), 1, "400M", tmp_path) as swarm:
         swarm.wait_ready()
         batch = submit(swarm, items(12))
-        poison = client.submit(swarm.url, {"prompt": [1, 2, 10**9], "max_tokens": 4})
+        with pytest.raises(RequestError, match="vocabulary"):  # the edge refuses it now ...
+            client.submit(swarm.url, {"prompt": [1, 2, 10**9], "max_tokens": 4})
+        poison = poison_job(swarm)  # ... so it goes into the queue behind the edge's back
         results = drain(swarm, batch)
         check_outputs(results, expected)
         dead = client.wait(swarm.url, poison)
         assert dead["state"] == "dead" and dead["attempts"] == 3
         assert "failed 3 times" in dead["reason"] and "token ids outside" in dead["reason"]
         check_ledger(swarm, 13, dead=1)
+
+
+def poison_job(swarm: LocalSwarm) -> str:
+    """A job no worker can run (a token id past the vocabulary), written straight into the
+    coordinator's queue: what a bug at the edge, or an older coordinator, could leave."""
+    from cellswarm.swarm.db import SQLiteDatabase
+    from cellswarm.swarm.jobs import JobQueue
+
+    db = SQLiteDatabase(str(swarm.state_dir / "coordinator.db"))
+    job, _ = JobQueue(db).submit({"prompt": [1, 2, 10**9], "max_tokens": 4, "sampling": {},
+                                  "stop_ids": [], "text": False}, priority=1)  # fmt: skip
+    db.close()
+    return job.job_id
 
 
 def test_a_stale_holder_s_late_result_is_refused(demo_path: Path, tmp_path: Path) -> None:

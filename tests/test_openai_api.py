@@ -140,7 +140,7 @@ def test_a_stop_string_stops_the_ring_too(
         model=model_id, prompt="1, 2, 3,", max_tokens=200, temperature=0, stop=["5"])
     assert raw.parse().choices[0].text == " 4, "
     rid = raw.headers["x-request-id"]
-    job = client.call(swarm.url, f"/v1/requests/{rid}")
+    job = client.call(swarm.url, f"/v1/requests/{rid}", api_key=KEY)  # its key's job
     assert job["state"] == "cancelled" and job["n_tokens"] < 200
     wait_until(lambda: any(e["event"] == "cancelled" and e["node"].startswith("worker")
                            for e in timeline(swarm.log_dir, rid)))  # fmt: skip
@@ -156,7 +156,9 @@ def test_a_wrong_key_is_refused(swarm: LocalSwarm, model_id: str) -> None:
     r = httpx.get(f"{swarm.url}/v1/models")  # no key at all
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert len(r.headers["x-request-id"]) == 16
-    assert httpx.get(f"{swarm.url}/v1/status").status_code == 200  # not an OpenAI route
+    assert httpx.get(f"{swarm.url}/v1/status").status_code == 401  # every client route
+    assert httpx.get(f"{swarm.url}/v1/status", headers={"Authorization": f"Bearer {KEY}"}
+                     ).status_code == 200  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -168,6 +170,9 @@ def test_a_wrong_key_is_refused(swarm: LocalSwarm, model_id: str) -> None:
         ({"messages": None}, openai.BadRequestError, "messages"),
         ({"messages": []}, openai.BadRequestError, "messages"),
         ({"max_tokens": 100_000}, openai.BadRequestError, "maximum context length"),
+        ({"seed": -1, "temperature": 0.5}, openai.BadRequestError, "seed"),  # issue 13: it
+        ({"seed": 2**64}, openai.BadRequestError, "seed"),  # was queued, and died sampling
+        ({"top_p": 0}, openai.BadRequestError, "top_p"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]},
          openai.BadRequestError, "tool"),
     ],
@@ -201,6 +206,8 @@ def test_bad_completion_parameters_and_bodies(api: openai.OpenAI, swarm: LocalSw
         api.completions.create(model=model_id, prompt=["a", "b"])
     with pytest.raises(openai.BadRequestError, match="token id"):
         api.completions.create(model=model_id, prompt=[1, 10**9])
+    with pytest.raises(openai.BadRequestError, match="seed"):  # refused, not queued to die
+        api.completions.create(model=model_id, prompt="Hi", temperature=0.5, seed=-1)
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     r = httpx.post(f"{swarm.url}/v1/completions", content=b"{not json", headers=headers)
     assert r.status_code == 400

@@ -34,6 +34,10 @@ class SamplingParams:
                 self.repetition_penalty > 0,
                 f"repetition_penalty {self.repetition_penalty} must be > 0",
             ),
+            (
+                self.seed is None or 0 <= self.seed < 2**64,
+                f"seed {self.seed} must be in 0..2^64-1 (or unset)",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -31,6 +31,7 @@ from typing import Any
 from cellswarm.errors import LabError
 from cellswarm.lab import system
 from cellswarm.lab.topology import SUBNET, HostSpec, LabSpec, Topology, build
+from cellswarm.swarm.auth import write_secret
 
 COORDINATOR_PORT = 8470
 OPERATOR_ADDRESS = f"{SUBNET}.255.254"  # the operator's port on the core switch
@@ -154,8 +155,7 @@ class Lab:
             if d.exists():
                 shutil.rmtree(d)
             (d / "logs").mkdir(parents=True)
-            (d / "cluster.token").write_text(token)  # each host gets its own copy
-            (d / "cluster.token").chmod(0o600)
+            write_secret(d / "cluster.token", token)  # each host gets its own copy, 0600
             if kernels is not None:  # the installed software: its compiled kernels
                 shutil.copytree(kernels, d / "cache" / "kernels")
             if self.tls:  # as an operator would: the CA stays with them, a cert per host

@@ -9,6 +9,7 @@ The token comes from a file, never from the command line (where `ps` would show 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -40,3 +41,26 @@ def prove(token: bytes, nonce: str, peer: str) -> str:
 
 def verify(token: bytes, nonce: str, peer: str, proof: str) -> bool:
     return hmac.compare_digest(prove(token, nonce, peer), proof)
+
+
+def digest(secret: str) -> str:
+    """What a database keeps of a secret it must recognise (a node's session): its sha256."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def write_secret(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """A secret file (a token), readable by its owner only from its first byte, replaced
+    atomically: written to a 0600 file beside it, fsynced, renamed over it."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

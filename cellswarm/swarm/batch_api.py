@@ -7,78 +7,112 @@
     POST /v1/batches/{id}/retry-failed   dead jobs -> queued, fresh attempts
 
 A line is `{"id", "prompt" | "messages", "max_tokens", "temperature", "top_p", "top_k",
-"seed", ...}` to generate, or adds `"completions": [...]` (their log-likelihoods given the
-prompt) or `"labels": [...]` (the most likely label: offline classification) to score.
+"min_p", "repetition_penalty", "seed"}` to generate, or adds `"completions": [...]` (their
+log-likelihoods given the prompt) or `"labels": [...]` (the most likely label: offline
+classification) to score — `schema.BatchItem`, every field checked at submit, an unknown one
+refused. Ids must be unique within a batch (a line without one is named by its position).
+A batch, its results, cancel and retry belong to the API key that submitted it (access.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 
 from cellswarm.engine.sampling import SamplingParams
-from cellswarm.errors import CellswarmError, RequestError
+from cellswarm.errors import CellswarmError
+from cellswarm.swarm.access import Caller
 from cellswarm.swarm.jobs import TERMINAL, Job
-
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
-MAX_ITEMS = 100_000
+from cellswarm.swarm.schema import (
+    BadRequest,
+    BatchItem,
+    BatchRequest,
+    NotFound,
+    body,
+    chat_turns,
+    parse,
+)
 
 
 def add_batch_routes(app: FastAPI, coord: Any) -> None:
     @app.post("/v1/batches")
-    async def submit(request: Request) -> dict[str, Any]:
-        d = await request.json()
-        items = d.get("items")
-        if not isinstance(items, list) or not items or len(items) > MAX_ITEMS:
-            raise RequestError(f"items must be a list of 1..{MAX_ITEMS} objects")
-        jobs = [item_job(coord, item, i) for i, item in enumerate(items)]
-        fraction = float(d.get("verify_fraction") or 0.0)
-        if not 0.0 <= fraction <= 1.0:
-            raise RequestError(f"--verify {fraction} must be within 0..1")
-        key = d.get("idempotency_key")
+    async def submit(
+        request: Request, req: Annotated[BatchRequest, body(BatchRequest)]
+    ) -> dict[str, Any]:
+        caller: Caller = request.state.caller
+        refuse_duplicates(req.items)
+        # tokenizing up to --max-body of prompts takes a while: not on the event loop, which
+        # answers the workers' heartbeats
+        jobs = await asyncio.to_thread(
+            lambda: [item_job(coord, item, i) for i, item in enumerate(req.items)])
+        fraction = req.verify_fraction or 0.0
+        key = req.idempotency_key
         batch_id = coord.queue.submit_batch(
-            str(d.get("name") or "batch"), jobs, verify_fraction=fraction,
-            batch_id=_batch_id(key) if key else None,
+            req.name or "batch", jobs, verify_fraction=fraction,
+            batch_id=_batch_id(key, caller.owner) if key else None, owner=caller.owner,
         )  # fmt: skip
         coord.log.event("batch", None, batch=batch_id, jobs=len(jobs), verify=fraction)
         return {"batch_id": batch_id, "total": len(jobs)}
 
     @app.get("/v1/batches/{batch_id}")
-    async def info(batch_id: str) -> dict[str, Any]:
-        return batch_progress(coord, batch_id)
+    async def info(request: Request, batch_id: str) -> dict[str, Any]:
+        return batch_progress(coord, batch_id, request.state.caller)
 
     @app.get("/v1/batches/{batch_id}/results")
-    async def results(batch_id: str) -> dict[str, Any]:
-        _known(coord, batch_id)
+    async def results(request: Request, batch_id: str) -> dict[str, Any]:
+        _known(coord, batch_id, request.state.caller)
         return {"results": [result_row(coord, job) for job in coord.queue.batch(batch_id)]}
 
     @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel(batch_id: str) -> dict[str, Any]:
-        _known(coord, batch_id)
+    async def cancel(request: Request, batch_id: str) -> dict[str, Any]:
+        _known(coord, batch_id, request.state.caller)
         return {"cancelled": coord.queue.cancel(batch_id)}
 
     @app.post("/v1/batches/{batch_id}/retry-failed")
-    async def retry(batch_id: str) -> dict[str, Any]:
-        _known(coord, batch_id)
+    async def retry(request: Request, batch_id: str) -> dict[str, Any]:
+        _known(coord, batch_id, request.state.caller)
         return {"requeued": coord.queue.retry_failed(batch_id)}
 
 
-def _batch_id(key: str) -> str:
-    return hashlib.sha256(str(key).encode()).hexdigest()[:12]
+def _batch_id(key: str, owner: str | None = None) -> str:
+    """A batch's id from its idempotency key — within its API key's batches."""
+    text = str(key) if owner is None else f"{owner}:{key}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _known(coord: Any, batch_id: str) -> dict[str, Any]:
+def _known(coord: Any, batch_id: str, caller: Caller) -> dict[str, Any]:
     info = coord.queue.batch_info(batch_id)
-    if info is None:
-        raise RequestError(f"no batch {batch_id!r}")
-    return dict(info)
+    if info is None or not caller.sees(info.get("owner")):
+        raise NotFound(f"no batch {batch_id!r}", param="batch_id")
+    info = dict(info)
+    info.pop("owner", None)
+    return info
 
 
-def batch_progress(coord: Any, batch_id: str) -> dict[str, Any]:
-    info = _known(coord, batch_id)
+def refuse_duplicates(items: list[Any]) -> None:
+    """Each line's id names its result: two lines with one id are refused, naming them."""
+    first: dict[str, int] = {}
+    clashes: list[tuple[int, int, str]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and item.get("id") is not None:
+            key = str(item["id"])
+            if key in first:
+                clashes.append((first[key], i, key))
+            else:
+                first[key] = i
+    if clashes:
+        a, b, key = clashes[0]
+        more = f" ({len(clashes)} lines repeat an earlier id)" if len(clashes) > 1 else ""
+        raise BadRequest(f"lines {a + 1} and {b + 1} have the same id {key!r}{more}: give "
+                         "every line its own id", param="items")  # fmt: skip
+
+
+def batch_progress(coord: Any, batch_id: str, caller: Caller) -> dict[str, Any]:
+    info = _known(coord, batch_id, caller)
     counts = info["counts"]
     finished = sum(counts[s] for s in TERMINAL)
     elapsed_s = max(time.time() - float(info["created_s"]), 1e-3)
@@ -90,47 +124,48 @@ def batch_progress(coord: Any, batch_id: str) -> dict[str, Any]:
 
 
 def item_job(coord: Any, item: Any, index: int) -> tuple[str, dict[str, Any]]:
-    """One line of a batch file as (kind, payload), or RequestError naming the line."""
+    """One line of a batch file as (kind, payload), or BadRequest naming the line."""
+    where = f"line {index + 1} (id {item_id(item, index)[:60]!r})"
+    if not isinstance(item, dict):
+        raise BadRequest(f"{where}: a line must be a JSON object", param="items")
+    it = parse(BatchItem, item, where)
     try:
-        if not isinstance(item, dict):
-            raise RequestError("a line must be a JSON object")
-        return _item_job(coord, item)
-    except (RequestError, TypeError, ValueError) as exc:
-        raise RequestError(f"line {index + 1} (id {item_id(item, index)!r}): {exc}") from None
+        return _item_job(coord, it, index)
+    except BadRequest as exc:
+        raise BadRequest(f"{where}: {exc.message}", param="items", code=exc.code) from None
+    except (CellswarmError, TypeError, ValueError) as exc:  # e.g. the template refused it
+        raise BadRequest(f"{where}: {exc}", param="items") from None
 
 
 def item_id(item: Any, index: int) -> str:
     return str(item.get("id", index)) if isinstance(item, dict) else str(index)
 
 
-def _item_job(coord: Any, item: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    tok = coord.tokenizer
-    if "messages" in item:
-        text = tok.apply_chat_template(item["messages"], add_generation_prompt=True)
-        prompt = tok.encode(text, add_special=False)
-    elif isinstance(item.get("prompt"), str):
-        prompt = tok.encode(item["prompt"])
+def _item_job(coord: Any, it: BatchItem, index: int) -> tuple[str, dict[str, Any]]:
+    tok, limits = coord.tokenizer, coord.limits
+    if it.messages is not None:
+        text = tok.apply_chat_template(chat_turns(it.messages), add_generation_prompt=True)
+        prompt = limits.encode(lambda t: tok.encode(t, add_special=False), text, "messages")
     else:
-        raise RequestError("needs a 'prompt' string or 'messages'")
-    base = {"id": item_id(item, 0), "prompt": prompt}
-    if "completions" in item or "labels" in item:
-        options = item.get("completions", item.get("labels"))
-        if not isinstance(options, list) or not options or not all(
-            isinstance(o, str) and o for o in options
-        ):
-            raise RequestError("'completions' / 'labels' must be a list of non-empty strings")
+        assert it.prompt is not None  # BatchItem wants one of the two
+        prompt = limits.encode(tok.encode, it.prompt, "prompt")
+    if not prompt:
+        raise BadRequest("the prompt makes no tokens; send more text")
+    base = {"id": str(index if it.id is None else it.id), "prompt": prompt}
+    options = it.completions if it.completions is not None else it.labels
+    if options is not None:
+        field = "completions" if it.completions is not None else "labels"
         completions = [tok.encode(o, add_special=False) for o in options]
+        empty = next((i for i, c in enumerate(completions) if not c), None)
+        if empty is not None:
+            raise BadRequest(f"{field}[{empty}] makes no tokens; give it some text")
+        limits.score(prompt, completions, field)
         return "score", {**base, "completions": completions, "options": options,
-                         "labels": "labels" in item}  # fmt: skip
-    sampling = {k: item[k] for k in SAMPLING_KEYS if k in item and item[k] is not None}
-    try:
-        SamplingParams(**sampling)
-    except (TypeError, ValueError, CellswarmError) as exc:
-        raise RequestError(str(exc)) from None
-    max_tokens = item.get("max_tokens", 64)
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise RequestError(f"max_tokens {max_tokens!r} must be a positive integer")
-    return "generate", {**base, "max_tokens": max_tokens, "sampling": sampling,
+                         "labels": it.labels is not None}  # fmt: skip
+    limits.generate(prompt, it.max_tokens)
+    sampling = it.sampling()
+    SamplingParams(**sampling)  # the engine's own checks, which the ring will run
+    return "generate", {**base, "max_tokens": it.max_tokens, "sampling": sampling,
                         "stop_ids": sorted(tok.stop_ids), "text": True}  # fmt: skip
 
 

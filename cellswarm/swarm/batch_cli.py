@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import RequestError
+from cellswarm.swarm.commands import api_key
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 
@@ -40,22 +41,45 @@ def add_batch_commands(sub: Any) -> None:
     for p in (s, w, r, c, t):
         p.add_argument("--coordinator", default=DEFAULT_URL, help="the coordinator's URL")
         p.add_argument("--tls", metavar="DIR", help="mutual TLS: this node's certs folder")
+        p.add_argument("--api-key-file", help="a coordinator with keys: send this file's first key")
 
 
 def read_items(path: Path) -> list[dict[str, Any]]:
+    """The batch file's objects, one a line (blank lines skipped). A line that is not UTF-8,
+    not JSON or not an object, or that repeats an earlier line's id, is refused naming its
+    line number — every such line, not only the first."""
     if not path.is_file():
         raise RequestError(f"batch file {path} does not exist")
-    items = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    items: list[dict[str, Any]] = []
+    bad: list[str] = []
+    ids: dict[str, int] = {}
+    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad.append(f"line {n}: byte 0x{raw[exc.start]:02x} at column {exc.start + 1} is not "
+                       "UTF-8")  # fmt: skip
+            continue
         if not line.strip():
             continue
         try:
             item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"{path}:{n} is not JSON ({exc.msg}); one object per line") from None
+        except (ValueError, RecursionError) as exc:
+            bad.append(f"line {n} is not JSON ({getattr(exc, 'msg', exc)})")
+            continue
         if not isinstance(item, dict):
-            raise RequestError(f"{path}:{n} is not a JSON object")
+            bad.append(f"line {n} is not a JSON object")
+            continue
+        if item.get("id") is not None:
+            key = str(item["id"])
+            if key in ids:
+                bad.append(f"line {n} repeats the id {key!r} of line {ids[key]}")
+            ids.setdefault(key, n)
         items.append(item)
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise RequestError(f"{path}: {'; '.join(bad[:3])}{more}: one JSON object per line, "
+                           "UTF-8, each with its own id")  # fmt: skip
     if not items:
         raise RequestError(f"{path} has no lines")
     return items
@@ -70,7 +94,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     answer = client.call(args.coordinator, "/v1/batches", {
         "name": args.name or args.file.name, "items": items,
         "verify_fraction": args.verify, "idempotency_key": key,
-    }, tls=args.tls)  # fmt: skip
+    }, tls=args.tls, api_key=api_key(args))  # fmt: skip
     print(answer["batch_id"])
     print(f"{answer['total']} jobs; watch: cellswarm batch watch {answer['batch_id']}",
           file=sys.stderr)  # fmt: skip
@@ -82,13 +106,15 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     from cellswarm.swarm import client
 
-    info = client.call(args.coordinator, f"/v1/batches/{args.job}", tls=args.tls)
+    key = api_key(args)
+    info = client.call(args.coordinator, f"/v1/batches/{args.job}", tls=args.tls, api_key=key)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[detail]}")]  # fmt: skip
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task(info["name"], total=info["total"], detail="")
         while True:
-            info = client.call(args.coordinator, f"/v1/batches/{args.job}", tls=args.tls)
+            info = client.call(args.coordinator, f"/v1/batches/{args.job}", tls=args.tls,
+                               api_key=key)  # fmt: skip
             c = info["counts"]
             eta = "-" if info["eta_s"] is None else f"{info['eta_s']:.0f} s"
             detail = (f"done {c['done']} failed {c['dead']} cancelled {c['cancelled']} | "
@@ -104,7 +130,7 @@ def cmd_results(args: argparse.Namespace) -> int:
     from cellswarm.swarm import client
 
     path = f"/v1/batches/{args.job}/results"
-    rows = client.call(args.coordinator, path, tls=args.tls)["results"]
+    rows = client.call(args.coordinator, path, tls=args.tls, api_key=api_key(args))["results"]
     lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     if args.output:
         args.output.write_text(lines)
@@ -118,5 +144,5 @@ def cmd_results(args: argparse.Namespace) -> int:
 def _post(args: argparse.Namespace, path: str) -> int:
     from cellswarm.swarm import client
 
-    print(json.dumps(client.call(args.coordinator, path, {}, tls=args.tls)))
+    print(json.dumps(client.call(args.coordinator, path, {}, tls=args.tls, api_key=api_key(args))))
     return 0

@@ -1,6 +1,7 @@
 """A small HTTP client for the coordinator (standard library only: workers and CLIs use it).
 
-With `tls` (a node's certificate folder, swarm/tls.py) it speaks mutual TLS to an https URL.
+With `tls` (a node's certificate folder, swarm/tls.py) it speaks mutual TLS to an https URL;
+with `api_key` it sends `Authorization: Bearer KEY` (a coordinator with --api-key-file).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from cellswarm.errors import RequestError, SwarmError
 
 def call(
     url: str, path: str, data: dict[str, Any] | None = None, timeout_s: float = 35.0,
-    tls: str | None = None, headers: dict[str, str] | None = None,
+    tls: str | None = None, headers: dict[str, str] | None = None, api_key: str | None = None,
 ) -> Any:  # fmt: skip
     """GET (data None) or POST JSON; a coordinator's error becomes a RequestError carrying
     its message; an unreachable one a SwarmError naming the URL."""
     body = None if data is None else json.dumps(data).encode()
     head = {"Content-Type": "application/json", **(headers or {})}
+    if api_key is not None:
+        head["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(url.rstrip("/") + path, body, head)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s, context=tls_context(url, tls)) as r:
@@ -50,13 +53,15 @@ def tls_context(url: str, tls: str | None) -> ssl.SSLContext | None:
     return client_context(tls) if tls else None
 
 
-def submit(url: str, request: dict[str, Any], tls: str | None = None) -> str:
-    return str(call(url, "/v1/requests", request, tls=tls)["request_id"])
+def submit(url: str, request: dict[str, Any], tls: str | None = None,
+           api_key: str | None = None) -> str:  # fmt: skip
+    return str(call(url, "/v1/requests", request, tls=tls, api_key=api_key)["request_id"])
 
 
 def wait(
     url: str, request_id: str, on_tokens: Callable[[list[int]], None] | None = None,
     timeout_s: float = 600.0, patience_s: float = 60.0, tls: str | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Long-poll until the request ends; its final state with all its tokens. `on_tokens` gets
     each new batch as it comes. Rides out a coordinator restart (`patience_s` without one)."""
@@ -64,7 +69,8 @@ def wait(
     deadline, last_ok = time.monotonic() + timeout_s, time.monotonic()
     while time.monotonic() < deadline:
         try:
-            r = call(url, f"/v1/requests/{request_id}?after={len(tokens)}&wait_s=10", tls=tls)
+            r = call(url, f"/v1/requests/{request_id}?after={len(tokens)}&wait_s=10", tls=tls,
+                     api_key=api_key)  # fmt: skip
         except SwarmError:
             if time.monotonic() - last_ok > patience_s:
                 raise
@@ -79,13 +85,14 @@ def wait(
     raise SwarmError(f"request {request_id} did not finish within {timeout_s:.0f} s")
 
 
-def wait_wired(url: str, timeout_s: float = 120.0, tls: str | None = None) -> dict[str, Any]:
+def wait_wired(url: str, timeout_s: float = 120.0, tls: str | None = None,
+               api_key: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Until the coordinator reports a wired ring; its status."""
     deadline = time.monotonic() + timeout_s
     status: dict[str, Any] = {}
     while time.monotonic() < deadline:
         try:
-            status = call(url, "/v1/status", timeout_s=5, tls=tls)
+            status = call(url, "/v1/status", timeout_s=5, tls=tls, api_key=api_key)
             if status["wired"]:
                 return status
         except SwarmError:

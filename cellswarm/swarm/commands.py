@@ -25,8 +25,11 @@ def add_commands(sub: Any) -> None:
                    help="sqlite:///PATH, or postgresql://... shared by several coordinators")
     c.add_argument("--token-file", help="cluster token file; workers must prove they hold it")
     c.add_argument("--api-key-file",
-                   help="keys for the OpenAI API (/v1/chat/completions, ...), one per line; "
-                   "clients send 'Authorization: Bearer KEY' (without a file: no auth)")
+                   help="client keys, one per line ('admin KEY' for one that sees every job): "
+                   "every client route then asks for 'Authorization: Bearer KEY', and a job "
+                   "is its key's (without a file: no auth)")
+    c.add_argument("--max-body", default="4M",
+                   help="refuse longer request bodies unread, with a 413 (default 4M)")
     c.add_argument("--log-dir", help="folder for JSON-line event logs")
     c.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     c.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds to 'lost'")
@@ -78,6 +81,7 @@ def add_commands(sub: Any) -> None:
 
     s = sub.add_parser("status", help="every node of a swarm: state, shard, memory, failures")
     s.add_argument("--coordinator", default=DEFAULT_URL, help="the coordinator's URL")
+    s.add_argument("--api-key-file", help="a coordinator with keys: send this file's first key")
     s.set_defaults(func=cmd_status)
     for p in (c, w, s):
         add_tls_option(p)
@@ -145,7 +149,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     serve(CoordinatorConfig(
         model=model, db=args.db if shared else args.db.removeprefix("sqlite:///"),
         host=host, port=port,
-        token_file=args.token_file, api_key_file=args.api_key_file, heartbeat_s=args.heartbeat,
+        token_file=args.token_file, api_key_file=args.api_key_file,
+        max_body_bytes=_max_body(args.max_body), heartbeat_s=args.heartbeat,
         heartbeat_timeout_s=args.heartbeat_timeout, offline_after=args.offline_after,
         stages=args.stages, expert_nodes=args.expert_nodes, vocab_nodes=args.vocab_nodes,
         context=args.context, replicas=args.replicas, lease_s=args.lease,
@@ -154,6 +159,21 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         tls_dir=args.tls,
     ))  # fmt: skip
     return 0
+
+
+def _max_body(text: str) -> int:
+    size = parse_bytes(text)
+    if size < 4096:
+        raise RequestError(f"--max-body {text} is under 4K: the workers' own calls need more")
+    return size
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key a client command sends: the first of --api-key-file, if given."""
+    from cellswarm.swarm.access import first_key
+
+    path = getattr(args, "api_key_file", None)
+    return first_key(path) if path else None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -174,7 +194,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from cellswarm.swarm import client
 
-    print_status(client.call(args.coordinator, "/v1/status", tls=args.tls))
+    print_status(client.call(args.coordinator, "/v1/status", tls=args.tls, api_key=api_key(args)))
     return 0
 
 
@@ -233,9 +253,10 @@ def generate_remote(args: argparse.Namespace) -> int:
                 "min_p": args.min_p, "repetition_penalty": args.repeat_penalty,
                 "seed": args.seed}  # fmt: skip
     t0 = time.perf_counter()
+    key = api_key(args)
     rid = client.submit(args.coordinator, {"prompt": args.prompt, "max_tokens": args.max_tokens,
-                                           "sampling": sampling}, args.tls)  # fmt: skip
-    result = client.wait(args.coordinator, rid, tls=args.tls)
+                                           "sampling": sampling}, args.tls, key)  # fmt: skip
+    result = client.wait(args.coordinator, rid, tls=args.tls, api_key=key)
     print(result.get("text", ""))
     took_s = time.perf_counter() - t0
     print(f"[request {rid} | {result['n_tokens']} tokens ({result['reason']}) in {took_s:.2f} s"

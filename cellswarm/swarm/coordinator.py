@@ -16,9 +16,11 @@ coordinators on PostgreSQL one leader places and wires; every one answers every 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
+import secrets
 import threading
 import time
 import uuid
@@ -28,7 +30,7 @@ from typing import Any
 
 from cellswarm.errors import BudgetError, RequestError, StorageFullError
 from cellswarm.swarm import rebalance
-from cellswarm.swarm.auth import load_token, new_nonce, verify
+from cellswarm.swarm.auth import digest, load_token, new_nonce, verify
 from cellswarm.swarm.db import open_database
 from cellswarm.swarm.jobs import Job, JobQueue, QueueConfig
 from cellswarm.swarm.local import StageCosts, stage_costs
@@ -72,7 +74,8 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8470
     token_file: str | None = None  # without one, any node may join (a warning says so)
-    api_key_file: str | None = None  # keys for the OpenAI API, one a line; without: no auth
+    api_key_file: str | None = None  # client keys, one a line (access.py); without: no auth
+    max_body_bytes: int = 4 * 2**20  # a longer request body is refused unread (413)
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     # A node failing this many steps in a row goes offline. Below MAX_ATTEMPTS on purpose: a
@@ -123,6 +126,8 @@ class Coordinator:
                                                                    b))  # fmt: skip
         self.log.sink = self.log_shipper.add
         self._tokenizer: Any = None
+        self._limits: Any = None
+        self._limits_lock = threading.Lock()  # warm_up's thread and a request may race
         self._stage_costs: StageCosts | None = None
         self._manifest: Any = None
         self.part_specs = self._part_specs()
@@ -213,12 +218,13 @@ class Coordinator:
         if int(caps.get("memory_bytes") or 0) <= 0:
             raise RequestError("capabilities.memory_bytes must be a positive byte count")
         old = self.store.node(node_id)
-        session, now = uuid.uuid4().hex, time.time()
+        session, now = secrets.token_hex(16), time.time()
+        kept = digest(session)  # the database holds its hash: a copy of the file joins nobody
         kept_out = old is not None and old.state in ("offline", "evicted")
         state = old.state if old is not None and kept_out else "spare"
-        node = Node(NodeId(node_id), state, session, caps, host, now, now)
+        node = Node(NodeId(node_id), state, kept, caps, host, now, now)
         if old is not None:  # a re-join: it dropped whatever it served; keep its record
-            node = replace(old, state=state, session=session, capabilities=caps, host=host,
+            node = replace(old, state=state, session=kept, capabilities=caps, host=host,
                            last_seen_s=now, shard=None, data_port=None, ready=None)
         oom = oom_message(old.capabilities if old else {}, caps)
         if oom:
@@ -231,7 +237,7 @@ class Coordinator:
 
     def authenticate(self, node_id: str, session: str) -> Node:
         node = self.store.node(node_id)
-        if node is None or node.session != session:
+        if node is None or not hmac.compare_digest(node.session, digest(session)):
             raise PermissionError(f"node {node_id} has no such session: join again")
         return node
 
@@ -524,10 +530,11 @@ class Coordinator:
     # -- jobs: submitted by clients, leased by pipeline heads ------------------------------
 
     def submit(self, payload: dict[str, Any], request_id: str | None = None,
-               kind: str = "generate") -> Job:  # fmt: skip
+               kind: str = "generate", owner: str | None = None) -> Job:  # fmt: skip
         """An interactive request: a job ahead of batch work. `request_id` is its
-        idempotency key (the same id twice is the same job)."""
-        job, new = self.queue.submit(payload, kind, request_id, priority=1)
+        idempotency key (the same id twice is the same job); `owner` the hash of the API key
+        that submitted it (access.py)."""
+        job, new = self.queue.submit(payload, kind, request_id, priority=1, owner=owner)
         if new:
             self.log.event("submitted", job.job_id, prompt_tokens=len(payload.get("prompt", [])),
                            key=request_id)  # fmt: skip
@@ -667,6 +674,33 @@ class Coordinator:
 
             self._tokenizer = load_tokenizer(self.config.model)
         return self._tokenizer
+
+    @property
+    def limits(self) -> Any:
+        """What a request is checked against at submit (schema.Limits): the model's
+        vocabulary, the ring's context and sequences, the longest token's text."""
+        with self._limits_lock:
+            if self._limits is None:
+                from cellswarm.errors import CellswarmError
+                from cellswarm.loader import read_config
+                from cellswarm.swarm.schema import Limits, longest_token_bytes
+
+                c = self.config
+                try:
+                    token_bytes = longest_token_bytes(self.tokenizer)
+                except CellswarmError:  # no tokenizer: only token ids can be sent
+                    token_bytes = 0
+                self._limits = Limits(int(read_config(c.model).vocab_size), c.context,
+                                      c.max_sequences, token_bytes)  # fmt: skip
+            return self._limits
+
+    def warm_up(self) -> None:
+        """The tokenizer and the limits, loaded beside the event loop at start (a second of
+        work the first request would otherwise hold the loop, and heartbeats, for)."""
+        try:
+            self.limits  # noqa: B018
+        except Exception as exc:  # a bad model file: each request says so
+            log.warning("could not read the model's limits: %s", exc)
 
 
 

@@ -65,7 +65,9 @@ class NestedTransactions:
 
 
 class SQLiteDatabase(NestedTransactions):
-    """WAL, synchronous=FULL: an acknowledged write survives a crash or a power cut."""
+    """WAL, synchronous=FULL: an acknowledged write survives a crash or a power cut. The file
+    is its owner's only (0600: it holds job texts and node sessions); SQLite gives its -wal
+    and -shm files the database file's mode."""
 
     dialect = "sqlite"
     skip_locked = ""  # SQLite has one writer at a time: the transaction is the lock
@@ -73,6 +75,8 @@ class SQLiteDatabase(NestedTransactions):
 
     def __init__(self, path: str) -> None:
         self.path = path
+        if path != ":memory:" and not path.startswith("file:"):
+            _private(path)
         self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA journal_mode=WAL")
@@ -138,6 +142,34 @@ def disk_full(exc: sqlite3.Error, path: str) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize < 1 << 20
+
+
+def _private(path: str) -> None:
+    """Create the database file 0600 before SQLite opens it (O_CREAT with the mode: never a
+    moment with more); one made by an older version, and its -wal/-shm, become 0600 too."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for p in (path, f"{path}-wal", f"{path}-shm"):
+        with contextlib.suppress(OSError):  # absent, or not ours to change
+            if os.stat(p).st_mode & 0o077:
+                os.chmod(p, 0o600)
+
+
+def ensure_column(db: Database, table: str, column: str, decl: str) -> None:
+    """A schema migration: add a column a database made by an older version lacks (a no-op
+    when it is there). PostgreSQL is asked first (an ALTER locks the table even when it has
+    nothing to do: not on every coordinator's start), then ALTERs with IF NOT EXISTS (another
+    coordinator may be adding it too); SQLite is asked under its write lock."""
+    if db.dialect == "postgres":
+        present = db.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
+            "AND table_name = ? AND column_name = ?", (table, column),
+        )  # fmt: skip
+        if not present:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {decl}")
+        return
+    with db.transaction():
+        if column not in {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
 
 def open_database(url: str) -> Database:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, NewType
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.db import Database, Row
+from cellswarm.swarm.db import Database, Row, ensure_column
 
 JobId = NewType("JobId", str)
 
@@ -64,7 +64,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     verify INTEGER NOT NULL DEFAULT 0,
     runs TEXT NOT NULL DEFAULT '[]',    -- verification runs: replica, nodes, tokens
     created_s DOUBLE PRECISION NOT NULL,
-    updated_s DOUBLE PRECISION NOT NULL
+    updated_s DOUBLE PRECISION NOT NULL,
+    owner TEXT                          -- sha256 of the API key that submitted it (access.py)
 );
 CREATE INDEX IF NOT EXISTS jobs_pick ON jobs(state, priority, created_s);
 CREATE INDEX IF NOT EXISTS jobs_batch ON jobs(batch_id, position);
@@ -78,9 +79,12 @@ CREATE TABLE IF NOT EXISTS batches (
     batch_id TEXT PRIMARY KEY,
     name TEXT NOT NULL,
     total INTEGER NOT NULL,
-    created_s DOUBLE PRECISION NOT NULL
+    created_s DOUBLE PRECISION NOT NULL,
+    owner TEXT
 );
 """
+# Columns added since the first schema: a database made before them gets them on open.
+MIGRATIONS = (("jobs", "owner", "TEXT"), ("batches", "owner", "TEXT"))
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class Job:
     error: str = ""
     verify: int = 0
     runs: list[dict[str, Any]] = field(default_factory=list)
+    owner: str | None = None  # the submitting API key's hash; None: submitted without keys
 
     @property
     def terminal(self) -> bool:
@@ -134,24 +139,29 @@ class JobQueue:
     def __init__(self, db: Database, config: QueueConfig = QueueConfig()) -> None:
         self.db, self.config = db, config
         self.db.script(SCHEMA)
+        for table, column, decl in MIGRATIONS:
+            ensure_column(self.db, table, column, decl)
 
     # -- submitting --------------------------------------------------------------------------
 
     def submit(
         self, payload: dict[str, Any], kind: str = "generate", idem_key: str | None = None,
         batch_id: str | None = None, position: int = 0, priority: int = 0, verify: int = 0,
+        owner: str | None = None,
     ) -> tuple[Job, bool]:  # fmt: skip
-        """A queued job, or the one submitted before under the same key; and whether new."""
+        """A queued job, or the one submitted before under the same key; and whether new.
+        `owner`: the hash of the API key submitting it (only that key, or an admin, sees it)."""
         if kind not in ("generate", "score"):
             raise RequestError(f"job kind {kind!r} is not 'generate' or 'score'")
         now = time.time()
         job_id = uuid.uuid4().hex[:16]
         rows = self.db.execute(
             "INSERT INTO jobs(job_id, idem_key, batch_id, position, kind, priority, payload, "
-            "state, verify, created_s, updated_s) VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?) "
+            "state, verify, created_s, updated_s, owner) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?) "
             "ON CONFLICT DO NOTHING RETURNING job_id",
             (job_id, idem_key, batch_id, position, kind, priority, json.dumps(payload),
-             verify, now, now),
+             verify, now, now, owner),
         )  # fmt: skip
         if rows:
             job = self.get(job_id)
@@ -164,7 +174,7 @@ class JobQueue:
 
     def submit_batch(
         self, name: str, items: Sequence[tuple[str, dict[str, Any]]],
-        verify_fraction: float = 0.0, batch_id: str | None = None,
+        verify_fraction: float = 0.0, batch_id: str | None = None, owner: str | None = None,
     ) -> str:  # fmt: skip
         """A batch of (kind, payload) in input order, in one transaction; its id. The same
         `batch_id` twice is the same batch (its jobs' keys are batch id : position). A
@@ -172,15 +182,16 @@ class JobQueue:
         batch_id = batch_id or uuid.uuid4().hex[:12]
         with self.db.transaction():
             created = self.db.execute(
-                "INSERT INTO batches(batch_id, name, total, created_s) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT DO NOTHING RETURNING batch_id",
-                (batch_id, name, len(items), time.time()),
+                "INSERT INTO batches(batch_id, name, total, created_s, owner) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING batch_id",
+                (batch_id, name, len(items), time.time(), owner),
             )
             if not created:
                 return batch_id
             for i, (kind, payload) in enumerate(items):
                 verify = 2 if _chosen(batch_id, i, verify_fraction) else 0
-                self.submit(payload, kind, f"{batch_id}:{i}", batch_id, i, verify=verify)
+                self.submit(payload, kind, f"{batch_id}:{i}", batch_id, i, verify=verify,
+                            owner=owner)
         return batch_id
 
     # -- holding -----------------------------------------------------------------------------
@@ -469,5 +480,5 @@ def _job(row: Row) -> Job:
         lease_expires_s=d["lease_expires_s"], not_before_s=d["not_before_s"],
         tokens=json.loads(d["tokens"]),
         result=None if d["result"] is None else json.loads(d["result"]),
-        error=d["error"], verify=d["verify"], runs=json.loads(d["runs"]),
+        error=d["error"], verify=d["verify"], runs=json.loads(d["runs"]), owner=d.get("owner"),
     )  # fmt: skip

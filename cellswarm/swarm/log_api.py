@@ -4,7 +4,6 @@ operators read one request's timeline across nodes."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -13,21 +12,21 @@ from fastapi import FastAPI, Request
 from cellswarm.errors import RequestError
 from cellswarm.swarm.auth import verify
 from cellswarm.swarm.logship import OPERATOR
+from cellswarm.swarm.schema import NotFound, load_json
 
 if TYPE_CHECKING:
     from cellswarm.swarm.coordinator import Coordinator
 
 
-def add_log_routes(
-    app: FastAPI, coord: Coordinator, api_keys: frozenset[str] = frozenset()
-) -> None:
+def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> None:
     """`POST /v1/logs` (a node's batch, with its session) and `GET /v1/logs/{request_id}`
-    (for operators: an API key, a proof of the cluster token over a fresh nonce, or a node's
-    session; open only when the coordinator has neither a token nor API keys)."""
+    (for operators: an API key — an admin's for any request, another only for its own
+    jobs — a proof of the cluster token over a fresh nonce, or a node's session; open only
+    when the coordinator has neither a token nor API keys). access.Edge has read the key."""
 
     @app.post("/v1/logs")
     async def ship(request: Request) -> dict[str, Any]:
-        d = await request.json()
+        d = load_json(await request.body())
         if not isinstance(d, dict) or not isinstance(d.get("events"), list):
             raise RequestError("a log batch is an object with a list of events")
         node = coord.authenticate(str(d["node_id"]), str(d["session"]))
@@ -39,14 +38,15 @@ def add_log_routes(
                                         d["events"], offset_s, error_s)  # fmt: skip
         return {"acked": len(d["events"]), "added": added}
 
-    def operator(request: Request) -> None:
+    def operator(request: Request, request_id: str) -> None:
         if coord.token is None and not api_keys:
             return
         h = request.headers
-        scheme, _, key = h.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and any(
-            hmac.compare_digest(key.strip().encode(), k.encode()) for k in api_keys
-        ):
+        caller = request.state.caller
+        if api_keys and caller is not None:  # a good API key
+            job = None if caller.admin else coord.queue.get(request_id)
+            if not caller.admin and (job is None or not caller.sees(job.owner)):
+                raise NotFound(f"no request {request_id!r}", param="request_id")
             return
         nonce, _, proof = h.get("x-cellswarm-proof", "").partition(":")
         if coord.token is not None and nonce:
@@ -65,6 +65,6 @@ def add_log_routes(
 
     @app.get("/v1/logs/{request_id}")
     async def timeline(request_id: str, request: Request) -> dict[str, Any]:
-        operator(request)
+        operator(request, request_id)
         events = await asyncio.to_thread(coord.events.timeline, request_id)
         return {"request_id": request_id, "events": events}

@@ -29,8 +29,9 @@ start of a stop string. The job is then cancelled (as it is when a streaming cli
 away): its head's next checkpoint is refused and the head drops the sequence from its ring.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400
-invalid_request_error (bad parameters; malformed JSON; FastAPI's validation errors on these
-routes; a prompt longer than the context: code context_length_exceeded), 401 invalid_api_key,
+invalid_request_error (bad parameters, checked by schema.py's models at submit: a seed
+outside 0..2^64-1, a token id outside the vocabulary, malformed JSON; a prompt longer than the
+context: code context_length_exceeded), 401 invalid_api_key, 413 body_too_large (--max-body),
 404 model_not_found (and unknown paths under these routes), 500 server_error when the swarm
 gave up on the job (its attempts spent), 503 server_error (code no_ring) when the coordinator
 cannot place the model at all (no live workers, budgets too small). A ring that is merely not
@@ -41,35 +42,34 @@ Every response of the coordinator carries `x-request-id`; for a completion it is
 the coordinator and workers log under (`cellswarm logs ID --dir LOGS` shows its timeline),
 also the suffix of the response's id (`chatcmpl-ID`, `cmpl-ID`).
 
-API keys (`--api-key-file`, one key per line, `#` comments): when given, `Authorization:
-Bearer KEY` must name one of them on the routes above (checked before the body is read);
-the workers' routes have their own auth (the cluster token and sessions).
+API keys (`--api-key-file`, access.py): when given, `Authorization: Bearer KEY` must name one
+of them on these routes as on every client route (checked before the body is read); a
+completion's job belongs to its key.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.datastructures import Headers, MutableHeaders
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cellswarm.engine.sampling import SamplingParams
-from cellswarm.errors import CellswarmError, RequestError
+from cellswarm.errors import CellswarmError
 from cellswarm.swarm.coordinator import Coordinator
+from cellswarm.swarm.schema import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    body,
+    chat_turns,
+)
+from cellswarm.swarm.schema import OpenAICommon as _Common
 
-API_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/completions")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_POLL_S = 30.0
 
@@ -89,116 +89,7 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def load_api_keys(path: str | None) -> frozenset[str]:
-    """The keys in `path`, one per line (blank lines and `#` comments skipped); none: no auth."""
-    if path is None:
-        return frozenset()
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise RequestError(f"--api-key-file {path}: {exc.strerror or exc}") from None
-    keys = frozenset(s for line in lines if (s := line.strip()) and not s.startswith("#"))
-    if not keys:
-        raise RequestError(f"--api-key-file {path} holds no keys: one key per line")
-    return keys
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:16]  # as long as a job id
-
-
-def _is_api_path(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in API_PREFIXES)
-
-
-class RequestIdAndKeys:
-    """ASGI middleware: an `x-request-id` header on every response (the job id when a route
-    set `request.state.request_id`, else a fresh id), and the API key check on the OpenAI
-    routes, before anything reads the body."""
-
-    def __init__(self, app: ASGIApp, keys: frozenset[str] = frozenset()) -> None:
-        self.app, self.keys = app, keys
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        state = scope.setdefault("state", {})
-        state["request_id"] = new_request_id()
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["x-request-id"] = str(state["request_id"])
-            await send(message)
-
-        if self.keys and _is_api_path(scope["path"]):
-            denied = self._denied(Headers(scope=scope).get("authorization", ""))
-            if denied is not None:
-                return await denied.response()(scope, receive, send_with_id)
-        await self.app(scope, receive, send_with_id)
-
-    def _denied(self, authorization: str) -> OpenAIError | None:
-        scheme, _, key = authorization.partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            return OpenAIError(401, "You didn't provide an API key: send 'Authorization: Bearer "
-                               "KEY' with a key from the coordinator's --api-key-file",
-                               code="invalid_api_key")  # fmt: skip
-        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.keys):
-            shown = key[:3] + "*" * min(max(len(key) - 7, 0), 20) + key[-4:]
-            return OpenAIError(401, f"Incorrect API key provided: {shown}",
-                               code="invalid_api_key")  # fmt: skip
-        return None
-
-
 # -- requests --------------------------------------------------------------------------------
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # parameters we do not know are ignored
-
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    # extensions (vLLM spells them the same)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, lt=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    return_token_ids: bool = False
-
-
-class CompletionRequest(_Common):
-    prompt: Any
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
-    logprobs: int | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: handed to the template
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = False
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 def _unsupported(req: _Common) -> None:
@@ -236,10 +127,7 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 
 def _sampling(req: _Common) -> dict[str, Any]:
-    fields: dict[str, Any] = {"temperature": 1.0 if req.temperature is None else req.temperature,
-              "top_p": req.top_p, "seed": req.seed, "top_k": req.top_k, "min_p": req.min_p,
-              "repetition_penalty": req.repetition_penalty}  # fmt: skip
-    sampling = {k: v for k, v in fields.items() if v is not None}
+    sampling = {"temperature": 1.0, **req.sampling()}  # OpenAI's default temperature is 1
     try:
         SamplingParams(**sampling)
     except (TypeError, ValueError, CellswarmError) as exc:
@@ -247,7 +135,7 @@ def _sampling(req: _Common) -> dict[str, Any]:
     return sampling
 
 
-def _prompt_ids(prompt: Any, tok: Any) -> list[int]:
+def _prompt_ids(prompt: Any, tok: Any, limits: Any) -> list[int]:
     """A completion prompt: a string, token ids, or a one-element list of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -255,13 +143,14 @@ def _prompt_ids(prompt: Any, tok: Any) -> list[int]:
         raise OpenAIError(400, f"prompt: {len(prompt)} prompts given; send one per request",
                           param="prompt")  # fmt: skip
     if isinstance(prompt, str):
-        ids = list(tok.encode(prompt))
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise OpenAIError(400, f"prompt: is not valid Unicode text (a lone surrogate at "
+                              f"character {exc.start}); send UTF-8 text", param="prompt") from None
+        ids = limits.encode(tok.encode, prompt, "prompt")
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < tok.vocab_size]
-        if bad:
-            raise OpenAIError(400, f"prompt: token id {bad[0]} is not in 0..{tok.vocab_size - 1}",
-                              param="prompt")  # fmt: skip
+        ids = limits.ids(prompt, "prompt")
     else:
         raise OpenAIError(400, "prompt must be a string or a list of token ids", param="prompt")
     if not ids:
@@ -269,21 +158,10 @@ def _prompt_ids(prompt: Any, tok: Any) -> list[int]:
     return ids
 
 
-def _chat_ids(messages: list[ChatMessage], tok: Any) -> list[int]:
-    turns = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            kinds = {str(p.get("type")) for p in content} - {"text"}
-            if kinds:
-                raise OpenAIError(400, f"messages[{i}].content: only text parts are supported, "
-                                  f"not {sorted(kinds)}", param="messages")  # fmt: skip
-            content = "".join(str(p.get("text", "")) for p in content)
-        extra = {k: v for k, v in (m.model_extra or {}).items() if v is not None}
-        role = "system" if m.role == "developer" else m.role
-        turns.append({**extra, "role": role, "content": content or ""})
-    text = tok.apply_chat_template(turns, add_generation_prompt=True)
-    return list(tok.encode(text, add_special=False))  # the template wrote BOS if it wants one
+def _chat_ids(messages: list[ChatMessage], tok: Any, limits: Any) -> list[int]:
+    text = tok.apply_chat_template(chat_turns(messages), add_generation_prompt=True)
+    # the template wrote BOS if it wants one
+    return list(limits.encode(lambda t: tok.encode(t, add_special=False), text, "messages"))
 
 
 # -- following a job -------------------------------------------------------------------------
@@ -366,11 +244,9 @@ async def _follow(coord: Coordinator, job_id: str, stream: TextStream) -> AsyncI
 # -- the routes ------------------------------------------------------------------------------
 
 
-def add_openai_routes(app: FastAPI, coord: Coordinator, api_keys: Iterable[str] = ()) -> None:
-    """OpenAI's routes on the coordinator's app, the request-id middleware (every route), and
-    OpenAI-shaped errors for these routes (other routes keep the app's own)."""
-    keys = frozenset(api_keys)
-    app.add_middleware(RequestIdAndKeys, keys=keys)
+def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
+    """OpenAI's routes on the coordinator's app (server.py puts access.Edge in front and
+    answers their errors in OpenAI's shape)."""
     path = Path(coord.config.model)
     model_id = path.name
     try:
@@ -382,21 +258,6 @@ def add_openai_routes(app: FastAPI, coord: Coordinator, api_keys: Iterable[str] 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> Response:
-        if not _is_api_path(request.url.path):
-            return await request_validation_exception_handler(request, exc)
-        return _validation_error(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        if not _is_api_path(request.url.path):
-            return await http_exception_handler(request, exc)
-        kind = "invalid_request_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                           kind, code=code).response()  # fmt: skip
 
     def check_model(name: str) -> None:
         if name not in (model_id, path.stem):
@@ -411,24 +272,21 @@ def add_openai_routes(app: FastAPI, coord: Coordinator, api_keys: Iterable[str] 
 
     def submit(request: Request, prompt: list[int], max_tokens: int | None, req: _Common,
                route: str) -> tuple[str, int]:  # fmt: skip
-        """The job's id and its max_tokens, after checking the ring can be had at all."""
+        """The job's id and its max_tokens: the request checked against the model first
+        (a bad one is a 400 even when no ring is up), then whether a ring can be had at all."""
         context = coord.config.context
         if max_tokens is None:
-            max_tokens = DEFAULT_COMPLETION_TOKENS if route == "completions" else context - len(
-                prompt)  # fmt: skip
-        if len(prompt) + max(max_tokens, 1) > context:
-            raise OpenAIError(400, f"This model's maximum context length is {context} tokens. "
-                              f"However, you requested {len(prompt) + max_tokens} tokens "
-                              f"({len(prompt)} in the prompt, {max_tokens} in the completion). "
-                              "Please reduce the prompt or the completion length.",
-                              param="messages" if route == "chat" else "prompt",
-                              code="context_length_exceeded")  # fmt: skip
+            max_tokens = DEFAULT_COMPLETION_TOKENS if route == "completions" else max(
+                context - len(prompt), 1)  # fmt: skip
+        coord.limits.generate(prompt, max_tokens, "messages" if route == "chat" else "prompt")
+        sampling = _sampling(req)
+        stop_ids = sorted(tokenizer().stop_ids)
         if coord.problem:
             raise OpenAIError(503, f"the swarm cannot serve the model: {coord.problem}",
                               type="server_error", code="no_ring")  # fmt: skip
-        payload = {"prompt": prompt, "max_tokens": max_tokens, "sampling": _sampling(req),
-                   "stop_ids": sorted(tokenizer().stop_ids), "text": False}  # fmt: skip
-        job = coord.submit(payload)
+        payload = {"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling,
+                   "stop_ids": stop_ids, "text": False}  # fmt: skip
+        job = coord.submit(payload, owner=request.state.caller.owner)
         request.state.request_id = job.job_id
         coord.log.event("openai", job.job_id, route=route, stream=bool(req.stream),
                         prompt_tokens=len(prompt), max_tokens=max_tokens)  # fmt: skip
@@ -519,34 +377,21 @@ def add_openai_routes(app: FastAPI, coord: Coordinator, api_keys: Iterable[str] 
                                  headers={"cache-control": "no-cache"})  # fmt: skip
 
     @app.post("/v1/completions")
-    async def completions(request: Request, req: CompletionRequest) -> Response:
+    async def completions(
+        request: Request, req: Annotated[CompletionRequest, body(CompletionRequest)]
+    ) -> Response:
         check_model(req.model)
-        return await run(request, req, _prompt_ids(req.prompt, tokenizer()), req.max_tokens,
-                         "completions")  # fmt: skip
+        prompt = _prompt_ids(req.prompt, tokenizer(), coord.limits)
+        return await run(request, req, prompt, req.max_tokens, "completions")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, req: ChatRequest) -> Response:
+    async def chat_completions(
+        request: Request, req: Annotated[ChatRequest, body(ChatRequest)]
+    ) -> Response:
         check_model(req.model)
         try:
-            prompt = _chat_ids(req.messages, tokenizer())
+            prompt = _chat_ids(req.messages, tokenizer(), coord.limits)
         except CellswarmError as exc:  # the template refused the conversation
             raise OpenAIError(400, str(exc), param="messages") from None
         return await run(request, req, prompt, req.max_completion_tokens or req.max_tokens,
                          "chat")  # fmt: skip
-
-
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    errors: list[dict[str, Any]] = [dict(e) for e in exc.errors()]
-    first: dict[str, Any] = errors[0] if errors else {"type": "", "loc": (), "msg": "?"}
-    if first["type"] == "json_invalid":
-        why = (first.get("ctx") or {}).get("error", "")
-        return OpenAIError(400, f"The request body is not valid JSON ({why}); send a JSON object")
-    loc = [str(x) for x in first["loc"] if x != "body"]
-    if not loc:
-        if first["type"] == "missing":
-            return OpenAIError(400, "The request body is missing; send a JSON object")
-        return OpenAIError(400, f"The request body must be a JSON object ({first['msg']})")
-    where = loc[0] + "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in loc[1:])
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    value = "" if first["type"] == "missing" else f" (got {first.get('input')!r})"
-    return OpenAIError(400, f"{where}: {first['msg']}{value}{more}", param=loc[0])

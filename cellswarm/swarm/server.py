@@ -1,7 +1,9 @@
 """The coordinator's HTTP face (FastAPI on uvicorn): workers join and heartbeat, clients
 submit requests and read their tokens, `cellswarm status` reads the node table.
 
-Errors leave as JSON `{"error": {"message", "type"}}` with a 4xx status, never a traceback.
+Every request passes `access.Edge` first (API keys, the body cap, the request id); client
+bodies are checked against `schema.py` before anything is queued. Errors leave as JSON
+`{"error": {"message", "type", "param", "code"}}` with a 4xx status, never a traceback.
 """
 
 from __future__ import annotations
@@ -10,17 +12,22 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import CellswarmError, RequestError, StorageFullError
+from cellswarm.swarm import schema
+from cellswarm.swarm.access import Caller, Edge, error_response, load_keys
 from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.jobs import Job
 from cellswarm.swarm.log_api import add_log_routes
-from cellswarm.swarm.openai_api import add_openai_routes, load_api_keys
+from cellswarm.swarm.openai_api import add_openai_routes
+from cellswarm.swarm.schema import BadRequest, NotFound, SubmitRequest, invalid, load_json
 from cellswarm.swarm.store import Node
 
 MAX_WAIT_S = 30.0
@@ -31,37 +38,28 @@ def build_app(coord: Coordinator) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(coord.monitor())
+        warm = asyncio.create_task(asyncio.to_thread(coord.warm_up))
         yield
         task.cancel()
+        warm.cancel()
         coord.log_shipper.close()  # its own events still in the buffer
 
     app = FastAPI(title="cellswarm coordinator", lifespan=lifespan)
-    api_keys = load_api_keys(coord.config.api_key_file)
-    add_openai_routes(app, coord, api_keys)  # openai_api.py
-    add_log_routes(app, coord, api_keys)  # log_api.py: POST /v1/logs, GET /v1/logs/{id}
-
-    @app.exception_handler(PermissionError)
-    async def denied(_: Request, exc: PermissionError) -> JSONResponse:
-        return _error(401, str(exc), "unauthorized")
-
-    @app.exception_handler(CellswarmError)
-    async def bad(_: Request, exc: CellswarmError) -> JSONResponse:
-        return _error(400, str(exc), type(exc).__name__)
+    keys = load_keys(coord.config.api_key_file)
+    app.add_middleware(Edge, keys=keys, max_body=coord.config.max_body_bytes,
+                       routes=app.router.routes)  # fmt: skip
+    add_error_handlers(app)
+    add_openai_routes(app, coord)  # openai_api.py
+    add_log_routes(app, coord, bool(keys))  # log_api.py: POST /v1/logs, GET /v1/logs/{id}
 
     @app.exception_handler(StorageFullError)
     async def full(_: Request, exc: StorageFullError) -> JSONResponse:
         coord.disk_full.warn(str(exc))  # once a minute in the log; every caller is told
         return _error(507, str(exc), "StorageFullError")
 
-    @app.exception_handler(KeyError)
-    async def missing(_: Request, exc: KeyError) -> JSONResponse:
-        return _error(400, f"missing field {exc}", "RequestError")
-
     async def body(request: Request) -> dict[str, Any]:
-        try:
-            data = await request.json()
-        except ValueError as exc:
-            raise RequestError("the request body is not JSON") from exc
+        """A node's body (the workers' routes keep their plain-dict protocol)."""
+        data = load_json(await request.body())
         if not isinstance(data, dict):
             raise RequestError("the request body must be a JSON object")
         return data
@@ -118,20 +116,30 @@ def build_app(coord: Coordinator) -> FastAPI:
         data = await asyncio.to_thread(read_chunk, coord.config.model, m, index)
         return Response(data, media_type="application/octet-stream")
 
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True}
+
     @app.get("/v1/status")
     async def status() -> dict[str, Any]:
         return coord.status()
 
     @app.post("/v1/requests")
-    async def submit(request: Request) -> dict[str, Any]:
-        d = await body(request)
-        payload = _payload(coord, d)
-        job = coord.submit(payload, d.get("request_id"))
+    async def submit(
+        request: Request, req: Annotated[SubmitRequest, schema.body(SubmitRequest)]
+    ) -> dict[str, Any]:
+        caller: Caller = request.state.caller
+        payload = _payload(coord, req)
+        job = coord.submit(payload, scoped_key(caller, req.request_id), owner=caller.owner)
         request.state.request_id = job.job_id  # the x-request-id header
         return {"request_id": job.job_id, "state": job.state}
 
     @app.get("/v1/requests/{request_id}")
-    async def progress(request_id: str, after: int = 0, wait_s: float = 0.0) -> dict[str, Any]:
+    async def progress(
+        request: Request, request_id: str, after: Annotated[int, Query(ge=0)] = 0,
+        wait_s: Annotated[float, Query(ge=0, allow_inf_nan=False)] = 0.0,
+    ) -> dict[str, Any]:  # fmt: skip
+        owned_job(coord, request.state.caller, request_id)
         job = await wait_for_job(coord, request_id, after, wait_s)
         tokens = job.tokens if job.result is None else list(job.result.get("tokens", []))
         out = {
@@ -186,6 +194,59 @@ def build_app(coord: Coordinator) -> FastAPI:
     return app
 
 
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as one line of JSON (OpenAI's shape on its routes): never a traceback."""
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, exc: BadRequest) -> JSONResponse:
+        return error_response(request.url.path, exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_fields(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await bad_request(request, invalid(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(
+            exc.status_code)  # fmt: skip
+        message = str(exc.detail) if exc.status_code == 413 else (
+            f"{request.method} {request.url.path}: {exc.detail}")  # fmt: skip
+        return error_response(request.url.path, exc.status_code, message, code)
+
+    @app.exception_handler(PermissionError)
+    async def denied(request: Request, exc: PermissionError) -> JSONResponse:
+        return error_response(request.url.path, 401, str(exc))
+
+    @app.exception_handler(CellswarmError)
+    async def bad(request: Request, exc: CellswarmError) -> JSONResponse:
+        return _error(400, str(exc), type(exc).__name__)
+
+    @app.exception_handler(KeyError)
+    async def missing(_: Request, exc: KeyError) -> JSONResponse:
+        return _error(400, f"missing field {exc}", "RequestError")
+
+    @app.exception_handler(ValueError)
+    @app.exception_handler(TypeError)
+    async def bad_value(_: Request, exc: Exception) -> JSONResponse:  # a node's malformed field
+        return _error(400, f"a field has the wrong type or value: {exc}", "RequestError")
+
+
+def scoped_key(caller: Caller, key: str | None) -> str | None:
+    """An idempotency key within its API key's jobs: two clients choosing the same
+    request id get two jobs, and neither learns of the other's."""
+    if key is None or caller.owner is None:
+        return key
+    return f"{caller.owner[:32]}/{key}"
+
+
+def owned_job(coord: Coordinator, caller: Caller | None, job_id: str) -> Job:
+    """The job, if the caller may see it; NotFound alike when it does not exist."""
+    job = coord.queue.get(job_id)
+    if job is None or caller is None or not caller.sees(job.owner):
+        raise NotFound(f"no request {job_id!r}", param="request_id")
+    return job
+
+
 async def wait_for_job(coord: Coordinator, job_id: str, after: int, wait_s: float) -> Job:
     """The job once it has more than `after` tokens or is over, or when `wait_s` is up.
     Woken by this coordinator's own progress; polls too, for work another coordinator saw."""
@@ -194,7 +255,7 @@ async def wait_for_job(coord: Coordinator, job_id: str, after: int, wait_s: floa
     while True:
         job = coord.queue.get(job_id)
         if job is None:
-            raise RequestError(f"no request {job_id!r}")
+            raise NotFound(f"no request {job_id!r}")
         tokens = job.result.get("tokens", []) if job.result else job.tokens
         left = deadline - loop.time()
         if job.terminal or len(tokens) > after or left <= 0:
@@ -209,28 +270,24 @@ def _reason(job: Job) -> str:
     return job.error
 
 
-def _payload(coord: Coordinator, d: dict[str, Any]) -> dict[str, Any]:
-    """A request as the ring takes it: prompt token ids, max_tokens, sampling, stop ids."""
-    prompt = d.get("prompt")
-    text = isinstance(prompt, str)
-    if text:
-        prompt = coord.tokenizer.encode(prompt)
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
-        raise RequestError("prompt must be a non-empty string or list of token ids")
-    max_tokens = d.get("max_tokens", 32)
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise RequestError(f"max_tokens {max_tokens!r} must be a positive integer")
-    sampling = d.get("sampling") or {}
-    if not isinstance(sampling, dict):
-        raise RequestError("sampling must be an object of SamplingParams fields")
-    try:
-        SamplingParams(**sampling)
-    except (TypeError, ValueError, CellswarmError) as exc:
-        raise RequestError(f"sampling {sampling}: {exc}") from None
-    stop_ids = list(d.get("stop_ids") or [])
+def _payload(coord: Coordinator, req: SubmitRequest) -> dict[str, Any]:
+    """A request as the ring takes it: prompt token ids, max_tokens, sampling, stop ids —
+    each checked against the model (vocabulary, context) before it is queued."""
+    limits = coord.limits
+    text = isinstance(req.prompt, str)
+    if isinstance(req.prompt, str):
+        prompt = limits.encode(coord.tokenizer.encode, req.prompt, "prompt")
+    else:
+        prompt = limits.ids(req.prompt, "prompt")
+    if not prompt:
+        raise BadRequest("prompt: the text makes no tokens; send more text", param="prompt")
+    limits.generate(prompt, req.max_tokens)
+    sampling = req.sampling.sampling() if req.sampling else {}
+    SamplingParams(**sampling)  # the engine's own checks, which the ring will run
+    stop_ids = limits.ids(req.stop_ids or [], "stop_ids")
     if text and not stop_ids:
         stop_ids = sorted(coord.tokenizer.stop_ids)
-    return {"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling,
+    return {"prompt": prompt, "max_tokens": req.max_tokens, "sampling": sampling,
             "stop_ids": stop_ids, "text": text}  # fmt: skip
 
 

@@ -27,7 +27,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY,
     state TEXT NOT NULL,
-    session TEXT NOT NULL,
+    session TEXT NOT NULL,   -- sha256 of the session the node was given (auth.digest)
     capabilities TEXT NOT NULL,
     shard TEXT,              -- JSON: slot, role, replica, layers or part spec (NULL: a spare)
     host TEXT NOT NULL,

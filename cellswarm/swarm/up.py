@@ -19,6 +19,7 @@ from typing import Any
 
 from cellswarm.errors import SwarmError
 from cellswarm.swarm import client
+from cellswarm.swarm.auth import write_secret
 from cellswarm.swarm.local import free_port
 
 
@@ -65,8 +66,7 @@ class LocalSwarm:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.token_file = self.state_dir / "cluster.token"
         if not self.token_file.exists():
-            self.token_file.write_text(secrets.token_hex(32))
-            self.token_file.chmod(0o600)
+            write_secret(self.token_file, secrets.token_hex(32))
         self.log_dir = self.state_dir / "logs"
         if self.coordinators > 1 and not (self.db or "").startswith("postgres"):
             raise SwarmError(f"{self.coordinators} coordinators must share a PostgreSQL "
@@ -166,7 +166,7 @@ class LocalSwarm:
         self.close()
 
     def wait_ready(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        return client.wait_wired(self.url, timeout_s, tls=self.tls_dir)
+        return client.wait_wired(self.url, timeout_s, tls=self.tls_dir, api_key=self.api_key)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.procs[name]
@@ -182,4 +182,11 @@ class LocalSwarm:
             p.wait()
 
     def status(self) -> dict[str, Any]:
-        return dict(client.call(self.url, "/v1/status", tls=self.tls_dir))
+        return dict(client.call(self.url, "/v1/status", tls=self.tls_dir, api_key=self.api_key))
+
+    @property
+    def api_key(self) -> str | None:
+        """The first key of `api_key_file`, for this object's own calls."""
+        from cellswarm.swarm.access import first_key
+
+        return first_key(self.api_key_file) if self.api_key_file else None
