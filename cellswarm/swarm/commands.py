@@ -72,7 +72,11 @@ def add_commands(sub: Any) -> None:
     w.add_argument("--dram-budget",
                    help="tier the shard's MoE experts: this much DRAM, the rest read from the file")
     w.add_argument("--slow-tier", help="the model file on the slow tier (PMem, SSD): as --model")
+    w.add_argument("--insecure", action="store_true",
+                   help="without --token-file, listen beyond loopback anyway (anyone who can "
+                   "reach the data port can drive this node's stage)")
     w.add_argument("--fail-forward", action="store_true", help=argparse.SUPPRESS)
+    w.add_argument("--fail-token", type=int, help=argparse.SUPPRESS)
     w.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
     w.set_defaults(func=cmd_worker)
 
@@ -147,7 +151,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         threads=args.threads, log_dir=args.log_dir, stop_after_s=args.stop_after,
         listen=args.listen, advertise=args.advertise,
         fail_forward=args.fail_forward, fetch=args.fetch, cache_dir=args.cache_dir,
-        perturb=args.perturb, tls_dir=args.tls,
+        perturb=args.perturb, tls_dir=args.tls, insecure=args.insecure,
+        fail_token=args.fail_token,
         dram_budget_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
     ))  # fmt: skip
     return 0

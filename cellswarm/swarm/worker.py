@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
-from cellswarm.errors import BudgetError, CellswarmError
+from cellswarm.errors import BudgetError, CellswarmError, RequestError
 from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.head import Head
 from cellswarm.swarm.logship import LogShipper
-from cellswarm.swarm.net import ClockOffset, Progress, parse_address, route_source
+from cellswarm.swarm.net import ClockOffset, Progress, is_loopback, parse_address, route_source
 from cellswarm.swarm.parts import PartConfig, PartServer, PartSpec, load_part_model
 from cellswarm.swarm.stage import (
     Stage,
@@ -68,6 +68,10 @@ class WorkerConfig:
     dram_budget_bytes: int | None = None  # tier a MoE shard's experts: DRAM + the model file
     cache_dir: str | None = None  # where fetched shards are kept (default ~/.cache/cellswarm)
     tls_dir: str | None = None  # mutual TLS to the coordinator and on the data plane (tls.py)
+    # Serve the data port beyond loopback without a cluster token: anyone who reaches it
+    # can drive the stage (stage 0: bypass the queue). Refused unless asked for by name.
+    insecure: bool = False
+    fail_token: int | None = None  # fault injection for tests: a prompt token that kills steps
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -126,6 +130,12 @@ class Worker:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loading: asyncio.Task[None] | None = None  # the shard being loaded, if any
         self.bind = parse_address(config.listen or route_source(self.urls[0]), "--listen")
+        if self.token is None and not is_loopback(self.bind.host) and not config.insecure:
+            raise RequestError(
+                f"no --token-file: the data port on {self.bind.host} would let anyone who can "
+                "reach it drive this node's stage (and bypass the job queue); give "
+                "--token-file (the cluster's token), --listen 127.0.0.1, or --insecure"
+            )
         self.advertised = parse_address(config.advertise, "--advertise") if config.advertise \
             else None  # fmt: skip
         self.clock = ClockOffset()  # the coordinator's clock minus ours
@@ -472,6 +482,11 @@ def main(config: WorkerConfig) -> None:
     from cellswarm.swarm.emulate import precise_loop
 
     logging.basicConfig(level=logging.WARNING)
+    worker = Worker(config)  # a bad flag is one line (RequestError) before anything starts
+    if worker.token is None:
+        where = "loopback only" if is_loopback(worker.bind.host) else "--insecure"
+        print(f"warning: no --token-file ({where}): any process that can reach this node's "
+              f"data port on {worker.bind.host} may drive its stage", flush=True)  # fmt: skip
     # an emulated node's waits must be precise to well under its step time (emulate.py)
     with asyncio.Runner(loop_factory=precise_loop if config.profile else None) as runner:
-        runner.run(Worker(config).run())
+        runner.run(worker.run())
