@@ -297,7 +297,7 @@ class Worker:
         self.coordinator_epoch = int(answer.get("epoch", -1))
         self.lease_s = float(answer.get("lease_s", self.lease_s))
         if answer.get("probe"):
-            self.probe = await asyncio.to_thread(self.run_probe)
+            self.probe = await self.probe_beside_nothing()
         if shard is None:
             if self.stage is not None or self.part is not None:
                 await self.stop_serving("the coordinator gave this node no shard")
@@ -418,6 +418,15 @@ class Worker:
             self.head.forget()
         self.stage = self.part = self.server = self.head = None
         self.shard_key = self.data_port = self.ready = None
+
+    async def probe_beside_nothing(self) -> tuple[bool, str]:
+        """The probe runs the stage's model, whose scratch buffers every step shares: it runs
+        where the steps run (this loop, or an emulated stage's compute thread), one after
+        another — never in a thread beside a step, which corrupted the tokens of the
+        sequences an offline node was still finishing."""
+        if self.stage is not None:
+            return await self.stage.compute(self.run_probe)
+        return await asyncio.to_thread(self.run_probe)
 
     def run_probe(self) -> tuple[bool, str]:
         """A health check an offline node must pass to get a shard again: one forward step
