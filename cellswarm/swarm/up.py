@@ -45,6 +45,7 @@ class LocalSwarm:
     threads: int = 1
     worker_memory: dict[int, str] = field(default_factory=dict)  # per-worker overrides
     fail_forward: Sequence[int] = ()  # workers whose every forward pass fails (tests)
+    fail_token: int | None = None  # every worker fails a request's step with this token (tests)
     fetch: bool = False  # workers fetch their shards from the coordinator into state_dir
     dram_budget: str | None = None  # workers tier their shard's experts (engine/tiered.py)
     api_key_file: str | None = None  # the coordinator's --api-key-file (OpenAI API keys)
@@ -140,6 +141,8 @@ class LocalSwarm:
             args += ["--profile", self.profile]
         if i in self.fail_forward:
             args.append("--fail-forward")
+        if self.fail_token is not None:
+            args += ["--fail-token", str(self.fail_token)]
         if i in self.perturb:
             args += ["--perturb", str(self.perturb[i])]
         if self.dram_budget:

@@ -217,12 +217,16 @@ class Worker:
     def _post_session(self, path: str, data: dict[str, Any]) -> dict[str, Any]:
         return self._post(path, {**data, "node_id": self.config.node_id, "session": self.session})
 
-    def report_fault(self, kind: str, detail: str, epoch: int) -> None:
-        """Called by the stage on a failed step (of `epoch`); told to the coordinator at once."""
+    def report_fault(
+        self, kind: str, detail: str, epoch: int, job: str | None = None
+    ) -> asyncio.Future[None] | None:
+        """Called by the stage on a failed step (of `epoch`, of request `job`); told to the
+        coordinator at once. The call in flight, for a stage that must wait for it."""
         data = {"node_id": self.config.node_id, "session": self.session, "kind": kind,
-                "detail": detail, "epoch": epoch}  # fmt: skip
-        if self.loop is not None:
-            self.loop.run_in_executor(None, self._post_quietly, "/v1/fault", data)
+                "detail": detail, "epoch": epoch, "job": job}  # fmt: skip
+        if self.loop is None:
+            return None
+        return self.loop.run_in_executor(None, self._post_quietly, "/v1/fault", data)
 
     def _post_quietly(self, path: str, data: dict[str, Any]) -> None:
         try:
@@ -347,6 +351,7 @@ class Worker:
         self.stage.on_fault = self.report_fault
         self.stage.log.sink = self.shipper.add  # the local file stays; a thread ships
         self.stage.fail_forward = c.fail_forward
+        self.stage.fail_token = c.fail_token
         self.stage.perturb = c.perturb
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
         if config.first:
