@@ -1,7 +1,7 @@
 """Faults charged where they belong, on a real swarm (coordinator and worker processes over
 sockets): a job's own data fails that job, never a node; a query of death is quarantined; the
 data plane reads nothing from a peer before its proof and blames a malformed frame on its
-sender.
+sender; `cellswarm up` outlives a dead worker and takes every child with it when told to stop.
 
 Jobs whose data the HTTP edge may refuse (a seed of -1, a token id beyond int64) are put into
 the coordinator's queue directly: what is tested is that a stage or a head that meets such
@@ -10,6 +10,8 @@ data — from an older coordinator, a batch, a bug at the edge — fails that jo
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.db import open_database
 from cellswarm.swarm.frames import MAGIC, PREFIX, Frame, connect_sync, encode, read_frame_sync
 from cellswarm.swarm.jobs import POISON_AFTER, JobQueue
+from cellswarm.swarm.local import free_port
 from cellswarm.swarm.up import LocalSwarm
 from tests.test_jobs_swarm import (  # noqa: F401  (expected: a fixture)
     PROMPTS,
@@ -297,3 +300,109 @@ def test_a_worker_without_a_token_listens_beyond_loopback_only_when_told() -> No
     p.kill()
     p.wait()
     assert first and first[0].startswith("warning: no --token-file (--insecure)"), first
+
+
+# -- `cellswarm up` ---------------------------------------------------------------------------
+
+
+def children(pid: int) -> dict[int, str]:
+    """Direct children of `pid`: their command lines."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError, ValueError):
+            continue
+    return {k: v.decode() for k, v in out.items()}
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_cellswarm_up_outlives_a_dead_worker_and_sigterm_stops_every_child(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "cellswarm.cli", "up", "--workers", "2", "--memory", "400M",
+           "--model", str(demo_path), "--state-dir", str(tmp_path / "state"),
+           "--port", str(port)]  # fmt: skip
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+
+    def pump() -> None:
+        assert up.stdout is not None
+        for line in up.stdout:
+            lines.append(line.rstrip())
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        wait_until(lambda: any(x.startswith("coordinator: ") for x in lines) or up.poll(), 180)
+        assert up.poll() is None, lines
+        kids = children(up.pid)
+        assert len(kids) == 3, kids  # the coordinator and two workers
+        head = next(n for n in client.call(url, "/v1/status")["nodes"]
+                    if n["state"] == "assigned")  # fmt: skip
+        victim = next(p for p, c in kids.items() if f"--node-id {head['node_id']} " in c)
+        os.kill(victim, signal.SIGKILL)
+        rid = client.submit(url, {"prompt": PROMPTS[0], "max_tokens": 4})
+        assert client.wait(url, rid, timeout_s=180)["state"] == "done"  # on the spare
+        assert up.poll() is None, lines
+        said = f"{head['node_id']} exited (killed by SIGKILL)"
+        wait_until(lambda: any(said in x for x in lines), 10)
+        os.kill(up.pid, signal.SIGTERM)
+        assert up.wait(60) == 128 + signal.SIGTERM
+        assert not [p for p in kids if alive(p)], kids
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for p in children(up.pid):
+            os.kill(p, signal.SIGKILL)
+
+
+def test_cellswarm_up_on_a_port_in_use_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "cellswarm.cli", "up", "--workers", "1",
+                              "--state-dir", str(tmp_path), "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2, out
+    [line] = out.stderr.strip().splitlines()
+    assert f"port {port} on 127.0.0.1 is in use" in line and "--port" in line, line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_cellswarm_up_stops_every_child_on_sigint_and_sighup_even_while_starting(
+    demo_path: Path, tmp_path: Path, sig: int
+) -> None:
+    """The signal comes while the workers are still loading (before the swarm is ready)."""
+    cmd = [sys.executable, "-m", "cellswarm.cli", "up", "--workers", "2", "--memory", "400M",
+           "--model", str(demo_path), "--state-dir", str(tmp_path), "--port",
+           str(free_port())]  # fmt: skip
+    up = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)  # fmt: skip
+    try:
+        wait_until(lambda: len(children(up.pid)) >= 2 or up.poll() is not None, 120)
+        kids = children(up.pid)
+        os.kill(up.pid, sig)
+        assert up.wait(60) == 128 + sig
+        assert up.stderr is not None
+        assert f"{signal.Signals(sig).name}: the swarm is stopped" in up.stderr.read()
+        assert not [p for p in kids if alive(p)], kids
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
