@@ -10,6 +10,7 @@
     ├── TokenizerError        tokenizer missing or disagreeing with the model
     ├── BudgetError           something does not fit in a byte budget (says by how much)
     ├── RequestError          a caller asked for something invalid (bad option, bad value)
+    │   └── JobError              a job's own data makes a stage fail (its attempt, not the node)
     ├── ProtocolError         a peer sent a malformed, oversized or corrupt frame
     │   └── ChunkMismatchError    a fetched chunk of a model file does not match its manifest
     ├── SwarmError            the swarm cannot finish: retries spent, a stage offline
@@ -65,6 +66,11 @@ class StorageFullError(CellswarmError):
     """The coordinator's database cannot grow: its disk is full. Nothing acknowledged is
     lost (the write that failed was not acknowledged); it works again once space returns.
     HTTP: 507."""
+
+
+class JobError(RequestError):
+    """A job's own data cannot be run where it got to (a sampling parameter the engine
+    refuses, say): that job's attempt fails; the node that found out is not to blame."""
 
 
 class ProtocolError(CellswarmError):

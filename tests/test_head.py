@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 from cellswarm.swarm.head import LEASE_WAIT_S, Head
@@ -18,12 +19,16 @@ class FakeStage:
 
     def __init__(self) -> None:
         self.sent: list[str] = []
+        self.cancelled: list[str] = []
 
     async def on_generate(self, frame: Any, emit: Any) -> None:
         self.sent.append(str(frame.fields["req"]))
 
     async def cancel_request(self, req: str) -> None:
-        pass
+        self.cancelled.append(req)
+
+    def activity(self, req: str) -> float | None:
+        return time.monotonic() if req in self.sent and req not in self.cancelled else None
 
 
 class SlowCoordinator:
@@ -61,6 +66,10 @@ def test_one_long_poll_at_a_time_and_checkpoints_do_not_wait_for_it() -> None:
         assert head.leasing is not None
         await head.leasing
         await head.tick(True)
+        for _ in range(500):  # the next poll's thread may start late on a busy machine
+            if coord.paths().count("/v1/jobs/lease") == 2:
+                break
+            await asyncio.sleep(0.01)
         return coord, stage, head
 
     coord, stage, _ = asyncio.run(scenario())
@@ -69,15 +78,117 @@ def test_one_long_poll_at_a_time_and_checkpoints_do_not_wait_for_it() -> None:
     assert coord.paths().count("/v1/jobs/lease") == 2  # room for 3 more: asked again
 
 
-def test_forget_drops_a_pending_poll() -> None:
-    async def scenario() -> Head:
-        coord = SlowCoordinator()
-        head = Head(FakeStage(), coord.post, lease_s=1.0)
+def test_forget_gives_back_what_a_pending_poll_brings() -> None:
+    """A stopped head's poll may still be leased to by the coordinator: what it brings goes
+    back at once (not into the ring, not left leased until it expires)."""
+
+    async def scenario() -> tuple[SlowCoordinator, FakeStage, Head]:
+        coord, stage = SlowCoordinator(), FakeStage()
+        head = Head(stage, coord.post, lease_s=1.0)
         await head.tick(True)
         head.forget()
         coord.release.set()
-        await asyncio.sleep(0.05)
+        assert head.leasing is not None
+        await head.leasing
+        for _ in range(500):
+            if "/v1/jobs/release" in coord.paths():
+                break
+            await asyncio.sleep(0.01)
+        return coord, stage, head
+
+    coord, stage, head = asyncio.run(scenario())
+    assert head.runs == {} and stage.sent == []
+    [(_, body)] = [c for c in coord.calls if c[0] == "/v1/jobs/release"]
+    assert body == {"runs": [{"job_id": "j1", "fence": 7}]}
+
+
+class QuickCoordinator:
+    """Hands out the given jobs on the first lease, nothing after; answers the rest."""
+
+    def __init__(self, jobs: list[dict[str, Any]]) -> None:
+        self.jobs, self.calls = jobs, []  # type: ignore[var-annotated]
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append((path, body))
+        if path == "/v1/jobs/lease":
+            jobs, self.jobs = self.jobs, []
+            return {"jobs": jobs}
+        return {"stale": []}
+
+    def bodies(self, path: str) -> list[dict[str, Any]]:
+        return [b for p, b in self.calls if p == path]
+
+
+def job(job_id: str, prompt: list[int], **payload: Any) -> dict[str, Any]:
+    return {"job_id": job_id, "fence": 3, "kind": "generate", "tokens": [],
+            "payload": {"prompt": prompt, "max_tokens": 4, **payload}}  # fmt: skip
+
+
+def run_head(coord: QuickCoordinator, stage: Any, ticks: int = 5, lease_s: float = 0.3) -> Head:
+    async def scenario() -> Head:
+        head = Head(stage, coord.post, lease_s=lease_s)
+        for _ in range(ticks):
+            await head.tick(True)
+            if head.leasing is not None:
+                await head.leasing
+            await asyncio.sleep(0.01)
         return head
 
-    head = asyncio.run(scenario())
-    assert head.runs == {} and head.leasing is not None and head.leasing.cancelled()
+    return asyncio.run(scenario())
+
+
+def test_a_job_the_head_cannot_start_is_failed_at_once_not_renewed() -> None:
+    """A payload that breaks before the ring (a token id beyond int64, no max_tokens) fails
+    that attempt at once; the good job beside it runs and is renewed."""
+    coord, stage = QuickCoordinator([job("bad", [1, 2**70]), job("good", [1, 2])]), FakeStage()
+    coord.jobs.append({**job("nomax", [1]), "payload": {"prompt": [1]}})
+    head = run_head(coord, stage, ticks=30)
+    failed = {b["job_id"]: b for b in coord.bodies("/v1/jobs/fail")}
+    assert set(failed) == {"bad", "nomax"}
+    assert "OverflowError" in failed["bad"]["reason"] and failed["bad"]["fence"] == 3
+    assert "KeyError" in failed["nomax"]["reason"] and failed["nomax"]["fault"] == "job"
+    assert list(head.runs) == ["good"]
+    renewed = {r["job_id"] for b in coord.bodies("/v1/jobs/checkpoint") for r in b["runs"]}
+    assert renewed == {"good"}
+
+
+def test_an_error_frame_fails_the_job_and_a_dropped_or_stalled_run_is_not_renewed() -> None:
+    from cellswarm.swarm.frames import Frame
+
+    class Stage(FakeStage):
+        async def on_generate(self, frame: Any, emit: Any) -> None:
+            await super().on_generate(frame, emit)
+            req = str(frame.fields["req"])
+            if req == "poison":  # a later stage found its data at fault
+                await emit(Frame("error", {"req": req, "message": "seed -1", "fault": "job"}))
+
+        def activity(self, req: str) -> float | None:
+            if req == "dropped":
+                return None  # stage 0 holds none of its sequences any more
+            if req == "stalled":
+                return time.monotonic() - 10.0  # nothing came back for 10 s
+            return super().activity(req)
+
+    jobs = [job(j, [1, 2]) for j in ("poison", "dropped", "stalled", "good")]
+    coord, stage = QuickCoordinator(jobs), Stage()
+    head = run_head(coord, stage, ticks=40, lease_s=0.3)
+    failed = {b["job_id"]: b for b in coord.bodies("/v1/jobs/fail")}
+    assert failed["poison"]["reason"] == "seed -1" and failed["poison"]["fault"] == "job"
+    assert failed["dropped"]["fault"] == "head" and "dropped" in failed["dropped"]["reason"]
+    assert set(failed) == {"poison", "dropped"}
+    saves = [r["job_id"] for b in coord.bodies("/v1/jobs/checkpoint") for r in b["runs"]]
+    assert saves.count("good") >= 3  # renewed every lease / 3 while its steps come back
+    assert saves.count("stalled") == 1  # its first save; then no renewal without progress
+    assert sorted(head.runs) == ["good", "stalled"]
+
+
+def test_forget_releases_the_jobs_at_once() -> None:
+    coord = QuickCoordinator([job("a", [1]), job("b", [2])])
+    head = run_head(coord, FakeStage(), ticks=2)
+    head.forget()
+    deadline = time.monotonic() + 5
+    while not coord.bodies("/v1/jobs/release") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    [body] = coord.bodies("/v1/jobs/release")
+    assert body == {"runs": [{"job_id": "a", "fence": 3}, {"job_id": "b", "fence": 3}]}
+    assert head.runs == {}

@@ -33,7 +33,14 @@ from hypothesis.stateful import (
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.db import Database, SQLiteDatabase
-from cellswarm.swarm.jobs import MAX_ATTEMPTS, MAX_RUNS, TERMINAL, JobQueue, QueueConfig
+from cellswarm.swarm.jobs import (
+    MAX_ATTEMPTS,
+    MAX_RUNS,
+    POISON_AFTER,
+    TERMINAL,
+    JobQueue,
+    QueueConfig,
+)
 
 T0 = 1_000.0  # the simulated clock's start (not_before_s defaults to 0: any T0 > 0 works)
 CONFIG = QueueConfig(lease_s=10.0, backoff_s=0.5, max_backoff_s=30.0)
@@ -186,6 +193,57 @@ def test_release_spends_no_attempt(queue: JobQueue) -> None:
         assert queue.release(job.job_id, leased.fence, now=T0 + i)
     got = queue.get(job.job_id)
     assert got is not None and (got.state, got.attempts, got.leases) == ("queued", 0, 6)
+
+
+def test_a_job_present_at_poison_after_node_failures_in_a_row_is_quarantined(
+    queue: JobQueue,
+) -> None:
+    """Strikes cost no attempt; progress clears them; the POISON_AFTER-th in a row without
+    progress makes the job dead with the reason. Only leased jobs are struck."""
+    poison, _ = queue.submit({"prompt": [1]})
+    innocent, _ = queue.submit({"prompt": [2]})
+    waiting, _ = queue.submit({"prompt": [3]})
+    [p, i] = queue.lease("h0", "r0", n=2, now=T0)
+    for k in range(1, POISON_AFTER):
+        assert queue.strike_replica("r0", f"w1 lost ({k})", now=T0 + k) == []
+        assert queue.checkpoint(i.job_id, i.fence, [7] * k, now=T0 + k)  # it progresses
+        assert queue.checkpoint(p.job_id, p.fence, [], now=T0 + k)  # renewed, no progress
+    got_i, got_p = queue.get(i.job_id), queue.get(p.job_id)
+    assert got_i is not None and got_p is not None
+    assert (got_p.strikes, got_p.attempts, got_i.strikes) == (POISON_AFTER - 1, 0, 0)
+    assert queue.strike([p.job_id, i.job_id, waiting.job_id], "w2: ValueError") == [p.job_id]
+    dead = queue.get(poison.job_id)
+    assert dead is not None and dead.state == "dead" and dead.attempts == 0
+    assert dead.error.startswith(f"quarantined as poison: present at {POISON_AFTER} node")
+    assert "w2: ValueError" in dead.error
+    assert queue.checkpoint(p.job_id, p.fence, [1], now=T0 + 9) is False  # its holder: stale
+    assert queue.strike_replica("r1", "another ring") == []
+    left = queue.get(innocent.job_id)
+    assert left is not None and (left.state, left.strikes) == ("leased", 1)
+    queued = queue.get(waiting.job_id)
+    assert queued is not None and (queued.state, queued.strikes) == ("queued", 0)
+
+
+def test_a_database_from_before_strikes_opens(tmp_path: Path) -> None:
+    db = SQLiteDatabase(str(tmp_path / "old.db"))
+    db.script("CREATE TABLE jobs (job_id TEXT PRIMARY KEY, idem_key TEXT UNIQUE, batch_id TEXT, "
+              "position INTEGER NOT NULL DEFAULT 0, kind TEXT NOT NULL, priority INTEGER NOT "
+              "NULL DEFAULT 0, payload TEXT NOT NULL, state TEXT NOT NULL, attempts INTEGER NOT "
+              "NULL DEFAULT 0, leases INTEGER NOT NULL DEFAULT 0, fence INTEGER NOT NULL "
+              "DEFAULT 0, lease_owner TEXT, lease_replica TEXT, lease_expires_s DOUBLE "
+              "PRECISION, not_before_s DOUBLE PRECISION NOT NULL DEFAULT 0, tokens TEXT NOT "
+              "NULL DEFAULT '[]', n_tokens INTEGER NOT NULL DEFAULT 0, result TEXT, error TEXT "
+              "NOT NULL DEFAULT '', verify INTEGER NOT NULL DEFAULT 0, runs TEXT NOT NULL "
+              "DEFAULT '[]', created_s DOUBLE PRECISION NOT NULL, updated_s DOUBLE PRECISION "
+              "NOT NULL);")  # fmt: skip
+    db.execute("INSERT INTO jobs(job_id, kind, payload, state, created_s, updated_s) "
+               "VALUES ('old', 'generate', '{}', 'queued', 1, 1)")  # fmt: skip
+    q = JobQueue(db, CONFIG)
+    JobQueue(db, CONFIG)  # twice: the column is added once
+    [job] = q.lease("h0", "r0", now=T0)
+    assert job.job_id == "old" and job.strikes == 0
+    assert q.strike(["old"], "w0 lost") == []
+    db.close()
 
 
 def test_submit_batch_keeps_input_order_and_cancel_and_retry_act_on_the_batch(

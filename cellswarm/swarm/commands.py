@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -75,7 +76,11 @@ def add_commands(sub: Any) -> None:
     w.add_argument("--dram-budget",
                    help="tier the shard's MoE experts: this much DRAM, the rest read from the file")
     w.add_argument("--slow-tier", help="the model file on the slow tier (PMem, SSD): as --model")
+    w.add_argument("--insecure", action="store_true",
+                   help="without --token-file, listen beyond loopback anyway (anyone who can "
+                   "reach the data port can drive this node's stage)")
     w.add_argument("--fail-forward", action="store_true", help=argparse.SUPPRESS)
+    w.add_argument("--fail-token", type=int, help=argparse.SUPPRESS)
     w.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
     w.set_defaults(func=cmd_worker)
 
@@ -185,7 +190,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         threads=args.threads, log_dir=args.log_dir, stop_after_s=args.stop_after,
         listen=args.listen, advertise=args.advertise,
         fail_forward=args.fail_forward, fetch=args.fetch, cache_dir=args.cache_dir,
-        perturb=args.perturb, tls_dir=args.tls,
+        perturb=args.perturb, tls_dir=args.tls, insecure=args.insecure,
+        fail_token=args.fail_token,
         dram_budget_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
     ))  # fmt: skip
     return 0
@@ -230,19 +236,33 @@ def _clock(node: dict[str, Any]) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from cellswarm.swarm.up import LocalSwarm
+    from cellswarm.swarm.up import LocalSwarm, Stopped, ignore_stop_signals, stop_on_signals
 
     swarm = LocalSwarm(model=_model(args.model), workers=args.workers, memory=args.memory,
                        state_dir=Path(args.state_dir), profile=args.profile,
                        stages=args.stages, port=args.port, tls_dir=args.tls)  # fmt: skip
-    with swarm:
-        print_status(swarm.wait_ready())
-        print(f"coordinator: {swarm.url} (token in {swarm.token_file}); Ctrl-C stops the swarm")
-        tls = f" --tls {args.tls}" if args.tls else ""
-        print(f"try: cellswarm generate 'Hello' --coordinator {swarm.url}{tls}")
-        while all(p.poll() is None for p in swarm.procs.values()):
-            time.sleep(0.5)
-    return 1
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        with stop_on_signals():  # from the start: loading takes a while, orphans last
+            try:
+                swarm.start()
+                print_status(swarm.wait_ready())
+                say(f"coordinator: {swarm.url} (token in {swarm.token_file}); Ctrl-C stops "
+                    "the swarm")  # fmt: skip
+                tls = f" --tls {args.tls}" if args.tls else ""
+                say(f"try: cellswarm generate 'Hello' --coordinator {swarm.url}{tls}")
+                return swarm.watch(say)
+            finally:
+                try:
+                    ignore_stop_signals()
+                finally:
+                    swarm.close(grace_s=5.0)  # every child, whatever ended the watch
+    except Stopped as exc:
+        print(f"cellswarm up: {signal.Signals(exc.signum).name}: the swarm is stopped",
+              file=sys.stderr)  # fmt: skip
+        return 128 + exc.signum
 
 
 def generate_remote(args: argparse.Namespace) -> int:

@@ -310,11 +310,16 @@ class Coordinator:
         self.last_probe[node.node_id] = now
         return True
 
-    def fault(self, node: Node, kind: str, detail: str, epoch: int | None = None) -> None:
-        """A stage failed a step ("forward"), or found the next stage gone ("next"). Only
-        a fault in the current epoch counts: the steps in flight when the first one struck
-        fail too, and are one failure, not several."""
-        self.log.event("fault", None, worker=node.node_id, kind=kind, detail=detail, epoch=epoch)
+    def fault(self, node: Node, kind: str, detail: str, epoch: int | None = None,
+              job: str | None = None) -> None:  # fmt: skip
+        """A stage failed a step of `job` ("forward"), found the next stage gone ("next") or
+        a part server ("part"), or got a malformed frame from the node `detail` ("sender":
+        that node's fault, not the receiver's). Only a fault in the current epoch counts:
+        the steps in flight when the first one struck fail too, and are one failure, not
+        several. The job whose step failed gets a strike (jobs.py: poison); a job's own
+        faults never come here — they fail the job (`fail`)."""
+        job = job.partition("#")[0] if job else None  # a scoring job's sequence: the job
+        self.log.event("fault", job, worker=node.node_id, kind=kind, detail=detail, epoch=epoch)
         if epoch is not None and epoch != self.epoch:
             return
         if kind == "next":
@@ -326,6 +331,17 @@ class Coordinator:
             else:
                 self.unwire(f"{node.node_id} lost a part server")
             return
+        if kind == "sender":
+            sender = self.store.node(detail)
+            if sender is not None and sender.state == "assigned":
+                self._charge(sender, f"sent {node.node_id} a malformed frame")
+            return
+        if job:
+            self._strike([job], f"{node.node_id}: {detail}")
+        self._charge(node, detail)
+
+    def _charge(self, node: Node, detail: str) -> None:
+        """A failure that is the node's own: offline after `offline_after` in a row."""
         failures = node.consecutive_failures + 1
         changes: dict[str, Any] = {"failures": node.failures + 1, "consecutive_failures": failures,
                                    "message": detail[:200]}  # fmt: skip
@@ -350,7 +366,23 @@ class Coordinator:
         self.log.event("lost", None, worker=node.node_id, why=why)
         log.warning("node %s lost: %s", node.node_id, why)
         if node.state == "assigned":
+            # whose step it was nobody knows: every job on its ring was present (a strike)
+            replica = str((node.shard or {}).get("replica", 0))
+            self._strike_replica(replica, f"{node.node_id} lost: {why}")
             self.unwire(f"{node.node_id} lost")
+
+    def _strike(self, job_ids: list[str], why: str) -> None:
+        self._quarantined(self.queue.strike(job_ids, why), why)
+
+    def _strike_replica(self, replica: str, why: str) -> None:
+        self._quarantined(self.queue.strike_replica(replica, why), why)
+
+    def _quarantined(self, job_ids: list[str], why: str) -> None:
+        for job_id in job_ids:
+            self.log.event("quarantined", job_id, why=why)
+            log.warning("job %s quarantined as poison (%s)", job_id, why)
+        if job_ids:
+            self._notify()
 
     def unwire(self, why: str) -> None:
         """The layout changed: a new epoch (so not wired); stage frames of the old one are void."""
@@ -596,11 +628,25 @@ class Coordinator:
         self._notify()
         return outcome
 
-    def fail(self, node: Node, job_id: str, fence: int, reason: str) -> str:
+    def fail(self, node: Node, job_id: str, fence: int, reason: str, fault: str = "job") -> str:
+        """A head says this attempt of the job failed: its data failed a stage, the head could
+        not start it, or its ring dropped it (`fault` says which). The attempt is the job's;
+        no node is charged."""
         outcome = self.queue.fail(job_id, fence, reason)
-        self.log.event("failed", job_id, worker=node.node_id, outcome=outcome, reason=reason)
+        self.log.event("failed", job_id, worker=node.node_id, outcome=outcome, reason=reason,
+                       fault=fault)  # fmt: skip
         self._notify()
         return outcome
+
+    def release(self, node: Node, runs: list[dict[str, Any]]) -> int:
+        """A head stopped serving: its jobs go back to the queue unharmed (no attempt)."""
+        released = 0
+        for r in runs:
+            if self.queue.release(str(r["job_id"]), int(r["fence"])):
+                released += 1
+                self.log.event("released", str(r["job_id"]), worker=node.node_id)
+        self._notify()
+        return released
 
     def _record_votes(self, job_id: str) -> None:
         """After a verified job: nodes of runs that agreed with the result get an agreement,

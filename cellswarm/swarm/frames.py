@@ -28,6 +28,9 @@ MAGIC = b"CSF1"
 PREFIX = struct.Struct("<4sIQI")  # magic, header bytes, payload bytes, crc32
 MAX_HEADER_BYTES = 1 << 16
 MAX_PAYLOAD_BYTES = 64 << 20  # one frame; an activation batch is far smaller
+# Before a peer has proved the cluster token, the handshake's frames carry no payload: a
+# stranger gets a header's worth of our memory, not MAX_PAYLOAD_BYTES per connection.
+HANDSHAKE_PAYLOAD_BYTES = 0
 DTYPES = {"f32": np.float32, "i64": np.int64}
 MAX_DIMS = 8  # an array's dimensions in a frame (activations are 2-D)
 
@@ -154,7 +157,7 @@ async def connect(
     if token is not None:
         from cellswarm.swarm.auth import prove
 
-        challenge = await read_frame(reader)
+        challenge = await read_frame(reader, HANDSHAKE_PAYLOAD_BYTES)
         if challenge is None or challenge.type != "challenge":
             why = " (or it refused our TLS certificate)" if tls else ""
             raise ProtocolError(f"{host}:{port} sent no challenge; is it part of this swarm?{why}")
@@ -168,13 +171,14 @@ async def accept(
     peers: frozenset[str],
 ) -> str | None:  # fmt: skip
     """Challenge a connecting peer; its id when the proof holds and it is expected, else None
-    (after telling it why, in one frame)."""
+    (after telling it why, in one frame). Its answer may not announce a payload: nothing
+    beyond a header is read from a peer before it has proved the token."""
     from cellswarm.swarm.auth import new_nonce, verify
 
     nonce = new_nonce()
     await write_frame(writer, Frame("challenge", {"nonce": nonce}))
     try:
-        answer = await asyncio.wait_for(read_frame(reader), timeout=10)
+        answer = await asyncio.wait_for(read_frame(reader, HANDSHAKE_PAYLOAD_BYTES), timeout=10)
     except (TimeoutError, ProtocolError):
         answer = None
     peer = str(answer.fields.get("peer", "")) if answer is not None else ""
@@ -232,7 +236,7 @@ def connect_sync(
     if token is not None:
         from cellswarm.swarm.auth import prove
 
-        challenge = read_frame_sync(sock)
+        challenge = read_frame_sync(sock, HANDSHAKE_PAYLOAD_BYTES)
         if challenge.type != "challenge":
             sock.close()
             raise ProtocolError(f"{host}:{port} sent no challenge; is it part of this swarm?")

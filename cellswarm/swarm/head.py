@@ -5,6 +5,7 @@
     head --generate (replay = tokens so far)--> its own stage 0 --> ... ring ... --> tokens
     head --checkpoint(fence, tokens) every 0.1 s--> coordinator (renews the lease)
     head --complete / fail(fence)--> coordinator: 'done', or 'stale' if it lost the lease
+    head --release(fence)--> coordinator: jobs it stops holding (the worker stopped serving)
 
 Pull, not push: a head takes only what its ring has room for, a coordinator needs to know
 nothing about how busy a ring is, and several coordinators can share one queue. A job whose
@@ -12,12 +13,18 @@ lease the head lost (it was paused past the lease, the job went elsewhere) is dr
 next checkpoint: its late result would be refused anyway (fencing). When the ring is reset
 (a new layout), the head sends its jobs again with the tokens they have, which stage 0
 replays: same lease, same attempt.
+
+A lease is renewed by progress only: a job whose step came back to stage 0 within the lease.
+A job the head cannot start (its payload breaks the frame, stage 0 refuses it) or that its
+ring dropped, and one whose data failed a stage (an `error` frame, fault "job"), is failed
+at once — that attempt is the job's — never held on to while its lease is renewed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +53,7 @@ class Run:
     payload: dict[str, Any]
     tokens: list[int]
     sent_epoch: int = -1  # the ring epoch it was last sent into
+    starting: bool = False  # being sent into the ring right now
     saved: int = -1  # tokens at the last checkpoint
     saved_s: float = 0.0
     scores: dict[int, float] = field(default_factory=dict)
@@ -61,6 +69,7 @@ class Head:
         self.lease_s = lease_s
         self.runs: dict[str, Run] = {}
         self.leasing: asyncio.Task[None] | None = None  # the long poll in flight, if any
+        self.forgotten: list[dict[str, Any]] | None = None  # stopped: the jobs it gave back
 
     @property
     def capacity(self) -> int:
@@ -72,10 +81,13 @@ class Head:
         checkpoint what progressed (or is due for a renewal)."""
         if not wired:
             return
-        epoch = self.stage.epoch
+        resend = [r for r in self.runs.values() if self._stale(r)]
+        if resend:  # still ours? while the ring was down the job may have ended (quarantined
+            await self._checkpoint(resend)  # as poison, cancelled): never replay one that did
         for run in list(self.runs.values()):
-            if run.sent_epoch != epoch:
-                await self._send(run, epoch)
+            if self._stale(run):  # (asked again: a reset may come at any await)
+                await self._send(run)
+        await self._fail_dropped()
         busy = sum(len(r.payload.get("completions", [])) or 1 for r in self.runs.values())
         free = self.capacity - busy
         if free > 0 and (self.leasing is None or self.leasing.done()):
@@ -85,22 +97,44 @@ class Head:
     async def _lease(self, free: int) -> None:
         body = {"n": free, "wait_s": LEASE_WAIT_S}
         answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/lease", body)
+        if self.forgotten is not None:  # it stopped serving while we waited: give all back
+            brought = [{"job_id": str(v["job_id"]), "fence": int(v["fence"])}
+                       for v in (answer or {}).get("jobs", [])]  # fmt: skip
+            self._release([*self.forgotten, *brought])
+            return
         for view in (answer or {}).get("jobs", []):
             run = Run(str(view["job_id"]), int(view["fence"]), str(view["kind"]),
                       dict(view["payload"]), [int(t) for t in view["tokens"]])  # fmt: skip
             self.runs[run.job_id] = run
-            await self._send(run, self.stage.epoch)
+            await self._send(run)
 
-    async def _send(self, run: Run, epoch: int) -> None:
-        run.sent_epoch = epoch
-        if run.kind == "score":
-            return await self._send_scores(run)
-        p = run.payload
-        fields = {"req": run.job_id, "max_tokens": p["max_tokens"],
-                  "sampling": p.get("sampling", {}), "stop_ids": p.get("stop_ids", []),
-                  "replay": list(run.tokens)}  # fmt: skip
-        frame = Frame("generate", fields, np.asarray(p["prompt"], np.int64))
-        await self.stage.on_generate(frame, self._emit)
+    def _stale(self, run: Run) -> bool:
+        """Sent into an older epoch (the ring was reset since) and not being sent now."""
+        return run.sent_epoch != self.stage.epoch and not run.starting
+
+    async def _send(self, run: Run) -> None:
+        """Into stage 0 in its current epoch. A reset while the sends await (a scoring job
+        sends several sequences) voids the lot: what went in after it is cancelled, and the
+        next tick sends the run again — never two live sequences of one job in the ring."""
+        epoch = run.sent_epoch = self.stage.epoch  # stage 0 makes each sequence at once
+        run.starting = True
+        try:
+            if run.kind == "score":
+                await self._send_scores(run)
+            else:
+                p = run.payload
+                fields = {"req": run.job_id, "max_tokens": p["max_tokens"],
+                          "sampling": p.get("sampling", {}), "stop_ids": p.get("stop_ids", []),
+                          "replay": list(run.tokens)}  # fmt: skip
+                frame = Frame("generate", fields, np.asarray(p["prompt"], np.int64))
+                await self.stage.on_generate(frame, self._emit)
+        except Exception as exc:  # its payload, as far as the head can tell: fail it now
+            log.warning("job %s cannot start: %s: %s", run.job_id, type(exc).__name__, exc)
+            await self._fail(run, f"the head could not start it: {type(exc).__name__}: {exc}")
+        finally:
+            run.starting = False
+        if self.stage.epoch != epoch and run.job_id in self.runs:
+            await self.stage.cancel_request(run.job_id)  # sent partly into the new epoch
 
     async def _send_scores(self, run: Run) -> None:
         """Scoring: one sequence per completion, prompt + completion, scored at the end."""
@@ -131,20 +165,48 @@ class Head:
             await self._finish(run, {"tokens": list(run.tokens),
                                      "reason": str(frame.fields["reason"])})  # fmt: skip
         elif frame.type == "error":
-            self.runs.pop(job_id, None)
-            body = {"job_id": job_id, "fence": run.fence, "reason": str(frame.fields["message"])}
-            await asyncio.to_thread(self._post_quietly, "/v1/jobs/fail", body)
+            fault = str(frame.fields.get("fault", "job"))  # stage 0 says whose
+            await self._fail(run, str(frame.fields["message"]), fault)
+
+    async def _fail(self, run: Run, reason: str, fault: str = "job") -> None:
+        """This attempt of the job is over (the coordinator counts it, and dead-letters the
+        third): drop it here, and its sequences still in the ring (a scoring job's)."""
+        if self.runs.pop(run.job_id, None) is None:
+            return  # ended meanwhile
+        await self.stage.cancel_request(run.job_id)
+        body = {"job_id": run.job_id, "fence": run.fence, "reason": reason, "fault": fault}
+        await asyncio.to_thread(self._post_quietly, "/v1/jobs/fail", body)
+
+    async def _fail_dropped(self) -> None:
+        """A job sent into the ring in this epoch that stage 0 holds no sequence of any more,
+        without a result or an error, was dropped: failed at once, not renewed for ever."""
+        epoch = self.stage.epoch
+        for run in list(self.runs.values()):
+            if run.sent_epoch == epoch and not run.starting and (
+                self.stage.activity(run.job_id) is None
+            ):
+                log.warning("job %s: stage 0 dropped it", run.job_id)
+                await self._fail(run, "its ring dropped it without a result", fault="head")
+
+    def _alive(self, run: Run, now: float) -> bool:
+        """A step of the run came back to stage 0 within the lease (a replay's steps count:
+        they are progress that makes no new tokens)."""
+        active = self.stage.activity(run.job_id)
+        return active is not None and now - active < self.lease_s
 
     async def _finish(self, run: Run, result: dict[str, Any]) -> None:
         self.runs.pop(run.job_id, None)
         body = {"job_id": run.job_id, "fence": run.fence, "result": result}
         await asyncio.to_thread(self._post_quietly, "/v1/jobs/complete", body)
 
-    async def _checkpoint(self) -> None:
+    async def _checkpoint(self, due: list[Run] | None = None) -> None:
+        """Save the tokens of the runs that progressed, renew those due (only while their
+        steps come back), and drop the ones whose lease is gone. `due`: these runs, now."""
         now = time.monotonic()
-        due = [r for r in self.runs.values()
-               if (len(r.tokens) != r.saved and now - r.saved_s >= CHECKPOINT_EVERY_S)
-               or now - r.saved_s > self.lease_s / 3]  # fmt: skip
+        if due is None:
+            due = [r for r in self.runs.values()
+                   if (len(r.tokens) != r.saved and now - r.saved_s >= CHECKPOINT_EVERY_S)
+                   or (now - r.saved_s > self.lease_s / 3 and self._alive(r, now))]  # fmt: skip
         if not due:
             return
         body = {"runs": [{"job_id": r.job_id, "fence": r.fence, "tokens": list(r.tokens)}
@@ -169,8 +231,17 @@ class Head:
             return None
 
     def forget(self) -> None:
-        """The worker stopped serving: its leases will expire on the coordinator (a long poll
-        still in flight is dropped with what it brings: those leases expire too)."""
-        if self.leasing is not None:
-            self.leasing.cancel()
+        """The worker stopped serving: its jobs go back to the queue unharmed (no attempt
+        spent: not their fault), if the coordinator answers; else their leases expire. A
+        long poll still in flight is let land first — the coordinator may still lease to it,
+        and a poll dropped with what it brings left those jobs leased to nobody until their
+        leases ran out — and what it brings goes back with the rest."""
+        self.forgotten = [{"job_id": r.job_id, "fence": r.fence} for r in self.runs.values()]
         self.runs.clear()
+        if self.leasing is None or self.leasing.done():
+            self._release(self.forgotten)
+
+    def _release(self, runs: list[dict[str, Any]]) -> None:
+        if runs:  # in a thread: the caller is stopping and must not wait for an answer
+            threading.Thread(target=self._post_quietly, args=("/v1/jobs/release", {"runs": runs}),
+                             daemon=True).start()  # fmt: skip

@@ -4,6 +4,7 @@
                  ^                          |  \\--fail / lease expired--> queued (backoff)
                  |                          |        ... attempt 3 --> dead (reason kept)
                  +----- verify: rerun ------+  cancel --> cancelled
+                                            \\--strike x POISON_AFTER--> dead (quarantined)
 
 Every transition is one transaction guarded by the job's state and, for a holder's calls,
 its fence: each lease increments the job's fence, so a holder that was presumed dead (its
@@ -11,6 +12,13 @@ lease expired and the job went to someone else) finds its checkpoints and its re
 — exactly one result is ever committed (the `commits` ledger records each one). A job has
 exactly one terminal state (done, dead or cancelled) and at most MAX_ATTEMPTS leases that
 failed. Submissions carry an idempotency key: the same key gives the same job.
+
+Faults are charged where they belong. A job whose own data fails a stage fails its attempt
+(`fail`). A node failure costs the jobs in its ring no attempt (they replay), but each job
+present at it gets a strike — the one whose step raised, or every job leased on the ring of
+a node that went silent — and progress (new tokens checkpointed) clears them: a job present
+at POISON_AFTER node failures in a row without progress is the likely cause (a query of
+death) and is quarantined, dead with that reason, before it takes more nodes down.
 
 Verification (`verify` = runs that must agree, 2 with `--verify`): a completed run is kept,
 and the job goes back to the queue for a run on another replica; two runs with the same
@@ -36,6 +44,10 @@ from cellswarm.swarm.db import Database, Row, ensure_column
 JobId = NewType("JobId", str)
 
 MAX_ATTEMPTS = 3
+# Node failures in a row, without progress, that a job may be present at before it is taken
+# for their cause and quarantined. Above the coordinator's offline_after (2): a broken node
+# goes offline before the jobs it broke are blamed; they make progress on its replacement.
+POISON_AFTER = 3
 MAX_RUNS = 5  # verification: give up (dead) when this many runs never had two agree
 TERMINAL = ("done", "dead", "cancelled")
 JOB_STATES = ("queued", "leased", *TERMINAL)
@@ -51,6 +63,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     payload TEXT NOT NULL,
     state TEXT NOT NULL,
     attempts INTEGER NOT NULL DEFAULT 0, -- leases that ended in a failure or an expiry
+    strikes INTEGER NOT NULL DEFAULT 0, -- node failures present at, in a row, no progress
     leases INTEGER NOT NULL DEFAULT 0,
     fence INTEGER NOT NULL DEFAULT 0,
     lease_owner TEXT,
@@ -84,7 +97,8 @@ CREATE TABLE IF NOT EXISTS batches (
 );
 """
 # Columns added since the first schema: a database made before them gets them on open.
-MIGRATIONS = (("jobs", "owner", "TEXT"), ("batches", "owner", "TEXT"))
+MIGRATIONS = (("jobs", "owner", "TEXT"), ("batches", "owner", "TEXT"),
+              ("jobs", "strikes", "INTEGER NOT NULL DEFAULT 0"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,7 @@ class Job:
     position: int = 0
     priority: int = 0
     attempts: int = 0
+    strikes: int = 0
     leases: int = 0
     fence: int = 0
     lease_owner: str | None = None
@@ -236,13 +251,16 @@ class JobQueue:
     def checkpoint(
         self, job_id: str, fence: int, tokens: list[int], now: float | None = None
     ) -> bool:
-        """Record the tokens so far and renew the lease; False: the lease is no longer yours."""
+        """Record the tokens so far and renew the lease (new tokens clear its strikes: it
+        makes progress); False: the lease is no longer yours."""
         now = time.time() if now is None else now
         return self.db.execute_count(
-            "UPDATE jobs SET tokens=?, n_tokens=?, lease_expires_s=?, updated_s=? "
+            "UPDATE jobs SET strikes=CASE WHEN ? > n_tokens THEN 0 ELSE strikes END, tokens=?, "
+            "n_tokens=?, lease_expires_s=?, updated_s=? "
             "WHERE job_id=? AND fence=? AND state='leased'",
-            (json.dumps(tokens), len(tokens), now + self.config.lease_s, now, job_id, fence),
-        ) == 1
+            (len(tokens), json.dumps(tokens), len(tokens), now + self.config.lease_s, now,
+             job_id, fence),
+        ) == 1  # fmt: skip
 
     def complete(
         self, job_id: str, fence: int, result: dict[str, Any], replica: str = "",
@@ -275,6 +293,46 @@ class JobQueue:
             if not rows:  # (or another coordinator is expiring it right now)
                 return "stale"
             return self._failed(_job(rows[0]), reason, now)
+
+    def strike(
+        self, job_ids: Sequence[str], reason: str, now: float | None = None
+    ) -> list[str]:
+        """Leased jobs that were present at a node failure get a strike each; one that
+        reaches POISON_AFTER in a row (no progress between) is quarantined: dead, with the
+        reason. The ids quarantined."""
+        now = time.time() if now is None else now
+        out: list[str] = []
+        with self.db.transaction():
+            for job_id in job_ids:
+                rows = self.db.execute(
+                    "SELECT * FROM jobs WHERE job_id=? AND state='leased'" + self.db.for_update,
+                    (job_id,),
+                )
+                if not rows:
+                    continue
+                job = _job(rows[0])
+                strikes = job.strikes + 1
+                if strikes < POISON_AFTER:
+                    self.db.execute("UPDATE jobs SET strikes=? WHERE job_id=? AND fence=?",
+                                    (strikes, job.job_id, job.fence))  # fmt: skip
+                    continue
+                error = (f"quarantined as poison: present at {strikes} node failures in a row "
+                         f"without progress (last: {reason}); check its input before retrying")
+                if self.db.execute_count(
+                    "UPDATE jobs SET state='dead', strikes=?, error=?, lease_owner=NULL, "
+                    "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND fence=? "
+                    "AND state='leased'", (strikes, error, now, job.job_id, job.fence),
+                ):  # fmt: skip
+                    out.append(job.job_id)
+        return out
+
+    def strike_replica(self, replica: str, reason: str, now: float | None = None) -> list[str]:
+        """A node of `replica` failed and nobody knows whose step it was: every job leased
+        on that replica was present. The ids quarantined."""
+        rows = self.db.execute(
+            "SELECT job_id FROM jobs WHERE state='leased' AND lease_replica=?", (replica,)
+        )
+        return self.strike([str(r["job_id"]) for r in rows], reason, now)
 
     def release(self, job_id: str, fence: int, now: float | None = None) -> bool:
         """A holder gives a job back unharmed (it is stopping): no attempt is spent."""
@@ -330,8 +388,8 @@ class JobQueue:
         """Dead-lettered jobs of a batch go back to the queue with fresh attempts."""
         now = time.time()
         return self.db.execute_count(
-            "UPDATE jobs SET state='queued', attempts=0, error='', not_before_s=0, runs='[]', "
-            "updated_s=? WHERE batch_id=? AND state='dead'",
+            "UPDATE jobs SET state='queued', attempts=0, strikes=0, error='', not_before_s=0, "
+            "runs='[]', updated_s=? WHERE batch_id=? AND state='dead'",
             (now, batch_id),
         )
 
@@ -432,8 +490,8 @@ class JobQueue:
             )
             return "dead"
         self.db.execute(  # back to the queue, for a run on a replica it has not had yet
-            "UPDATE jobs SET state='queued', runs=?, tokens='[]', n_tokens=0, lease_owner=NULL, "
-            "lease_expires_s=NULL, updated_s=? WHERE job_id=?",
+            "UPDATE jobs SET state='queued', runs=?, tokens='[]', n_tokens=0, strikes=0, "
+            "lease_owner=NULL, lease_expires_s=NULL, updated_s=? WHERE job_id=?",
             (json.dumps(runs), now, job.job_id),
         )
         return "verify"
@@ -475,7 +533,8 @@ def _job(row: Row) -> Job:
         job_id=JobId(d["job_id"]), kind=d["kind"], payload=json.loads(d["payload"]),
         state=d["state"], created_s=d["created_s"], updated_s=d["updated_s"],
         idem_key=d["idem_key"], batch_id=d["batch_id"], position=d["position"],
-        priority=d["priority"], attempts=d["attempts"], leases=d["leases"], fence=d["fence"],
+        priority=d["priority"], attempts=d["attempts"], strikes=d["strikes"],
+        leases=d["leases"], fence=d["fence"],
         lease_owner=d["lease_owner"], lease_replica=d["lease_replica"],
         lease_expires_s=d["lease_expires_s"], not_before_s=d["not_before_s"],
         tokens=json.loads(d["tokens"]),

@@ -8,6 +8,7 @@ the address peers must dial differs from the one bound: `--advertise HOST[:PORT]
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import sys
 import time
@@ -39,6 +40,15 @@ def parse_address(text: str, flag: str, default_port: int = 0) -> Address:
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise RequestError(f"{flag} {text!r} is not HOST or HOST:PORT (e.g. 10.0.0.5:9000)")
     return Address(host, int(port))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address is reachable from this host only (127.0.0.0/8, ::1,
+    localhost); a wildcard (0.0.0.0, ::) or an interface's address is not."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def route_source(url: str) -> str:

@@ -90,8 +90,9 @@ def build_app(coord: Coordinator) -> FastAPI:
     async def fault(request: Request) -> dict[str, Any]:
         d = await body(request)
         epoch = d.get("epoch")
+        job = d.get("job")
         coord.fault(node_of(d), str(d.get("kind", "forward")), str(d.get("detail", "")),
-                    None if epoch is None else int(epoch))  # fmt: skip
+                    None if epoch is None else int(epoch), str(job) if job else None)  # fmt: skip
         return {"ok": True}
 
     def session_node(request: Request) -> Node:
@@ -180,8 +181,14 @@ def build_app(coord: Coordinator) -> FastAPI:
     @app.post("/v1/jobs/fail")
     async def fail(request: Request) -> dict[str, Any]:
         d = await body(request)
-        outcome = coord.fail(node_of(d), str(d["job_id"]), int(d["fence"]), str(d["reason"]))
+        outcome = coord.fail(node_of(d), str(d["job_id"]), int(d["fence"]), str(d["reason"]),
+                             str(d.get("fault", "job")))  # fmt: skip
         return {"outcome": outcome}
+
+    @app.post("/v1/jobs/release")
+    async def release(request: Request) -> dict[str, Any]:
+        d = await body(request)
+        return {"released": coord.release(node_of(d), list(d.get("runs", [])))}
 
     from cellswarm.swarm.batch_api import add_batch_routes
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from cellswarm.engine.kv_cache import KVCache
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.engine.model import Model
 from cellswarm.engine.sampling import SamplingParams, sample
-from cellswarm.errors import BudgetError, CellswarmError, ProtocolError, RequestError
+from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.emulate import Emulation, precise_loop
@@ -93,6 +94,16 @@ class StageConfig:
 
 
 Emit = Callable[[Frame], Awaitable[None]]
+# (kind, detail, epoch, request id or None) -> maybe something to await: the report sent
+Fault = Callable[[str, str, int, str | None], Awaitable[Any] | None]
+
+# What each frame a peer sends must carry; one without is the sender's fault (ProtocolError),
+# as is an array of the wrong kind: neither may make this node fail a step.
+NEEDS: dict[str, tuple[str, ...]] = {
+    "generate": ("req", "max_tokens"), "hidden": ("seq", "pos", "ep"),
+    "token": ("seq", "token", "ep"), "scored": ("seq", "logprob", "ep"), "end": ("seq", "ep"),
+    "failed": ("seq", "ep"), "reset": ("epoch",),
+}  # fmt: skip
 
 
 class NextStageLost(ConnectionError):
@@ -116,6 +127,7 @@ class Sequence:
     # Tokens a resumed request already produced: fed back one decode step at a time, exactly
     # as they were first computed, so the cache and the sampler end up as they were.
     replay: list[int] = field(default_factory=list)
+    active_s: float = field(default_factory=time.monotonic)  # its last step came back then
 
 
 class Stage:
@@ -144,10 +156,15 @@ class Stage:
         self.requests: dict[int, str] = {}  # seq -> request id, for the logs
         self.steps, self.busy_s = 0, 0.0
         self.decode_steps, self.decode_s = 0, 0.0
-        # A worker tells its coordinator: ("forward", why) when this node failed a step,
-        # ("next", address) when the next stage stopped answering.
-        self.on_fault: Callable[[str, str, int], None] | None = None
+        # A worker tells its coordinator: ("forward", why, epoch, request) when this node
+        # failed a step of that request, ("next", address, ...) when the next stage stopped
+        # answering, ("sender", peer id, ...) when a peer sent a malformed frame. A job's own
+        # fault (JobError) is no node's: it goes back to stage 0 as that job's error.
+        self.on_fault: Fault | None = None
         self.fail_forward = False  # fault injection for tests: every forward pass raises
+        # fault injection for tests: the first step of a sequence whose prompt holds this
+        # token raises, as a query of death would (a fault the stage cannot tell from its own)
+        self.fail_token: int | None = None
         # fault injection for tests: this fraction of sequences get wrong tokens (bad RAM)
         self.perturb = 0.0
         self.corrupted: set[int] = set()
@@ -190,25 +207,75 @@ class Stage:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         no_delay(writer)
         self.connections.add(writer)
+        peer: str | None = None  # who is on the other end, when a token makes them say
         if self.token is not None:
-            peer = await accept(reader, writer, self.token, frozenset(self.config.peers))
+            # the handshake before any body: a peer that has not proved the token gets no
+            # more than a header's worth of our memory (frames.accept)
+            try:
+                peer = await accept(reader, writer, self.token, frozenset(self.config.peers))
+            except (OSError, ProtocolError):  # it hung up (or reset) mid-handshake
+                peer = None
             if peer is None:
                 self.log.event("denied", None, stage=self.span)
+                self.connections.discard(writer)
                 writer.close()
                 return
         try:
-            while (frame := await read_frame(reader)) is not None:
+            while True:
+                try:
+                    frame = await read_frame(reader)
+                    if frame is not None:
+                        self.check_frame(frame)
+                except ProtocolError as exc:
+                    return await self.bad_frame(peer, exc)
+                if frame is None:
+                    break
                 await self.handle(frame, writer)
-        except Exception as exc:  # a bad peer or a bug: log it, drop this connection, serve on
+        except Exception as exc:  # a bug of ours: log it, drop this connection, serve on
             log.exception("stage %s: connection dropped", self.config.layers)
-            if self.on_fault is not None:
-                if isinstance(exc, NextStageLost):
-                    self.on_fault("next", f"{type(exc).__name__}: {exc}", exc.epoch)
-                else:
-                    self.on_fault("forward", f"{type(exc).__name__}: {exc}", self.epoch)
+            if isinstance(exc, NextStageLost):
+                self.fault("next", f"{type(exc).__name__}: {exc}", exc.epoch)
+            else:
+                self.fault("forward", f"{type(exc).__name__}: {exc}", self.epoch)
         finally:
             self.connections.discard(writer)
             writer.close()
+
+    def fault(
+        self, kind: str, detail: str, epoch: int, req: str | None = None
+    ) -> Awaitable[Any] | None:
+        return None if self.on_fault is None else self.on_fault(kind, detail, epoch, req)
+
+    def check_frame(self, frame: Frame) -> None:
+        """ProtocolError unless the frame carries what its type needs (NEEDS) and an array
+        of the right kind: what a peer sends wrong is the peer's fault, found before a step."""
+        missing = [k for k in NEEDS.get(frame.type, ()) if k not in frame.fields]
+        if missing:
+            raise ProtocolError(f"a {frame.type!r} frame without {', '.join(missing)}")
+        a = frame.array
+        if frame.type == "generate" and (a is None or a.dtype != np.int64 or a.ndim != 1):
+            raise ProtocolError("a 'generate' frame's prompt must be a 1-D array of i64 ids")
+        d = int(self.model.config.d_model)
+        if frame.type == "hidden" and (
+            a is None or a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != d
+        ):
+            shape = None if a is None else (a.dtype.name, list(a.shape))
+            raise ProtocolError(f"a 'hidden' frame's array {shape} is not float32 (T, {d})")
+
+    async def bad_frame(self, peer: str | None, exc: ProtocolError) -> None:
+        """A malformed frame is its sender's fault, never ours: the connection goes (its
+        stream cannot be framed any more) and a node that sent it is named to the
+        coordinator — before we hang up, so the sender's complaint that we went away comes
+        second, of an older epoch, and counts for nothing."""
+        who = peer or "an unauthenticated peer"
+        log.warning("stage %s: malformed frame from %s: %s", self.config.layers, who, exc)
+        self.log.event("bad_frame", None, stage=self.span, peer=peer, why=str(exc)[:200])
+        if peer is None or peer in ("client", "coordinator"):
+            return  # not a node: nobody to charge (and certainly not this node)
+        told = self.fault("sender", peer, self.epoch)
+        if told is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(told, 5.0)
 
     def close_connections(self) -> None:
         """Stop serving: every peer connection, and the link to the next stage."""
@@ -235,8 +302,7 @@ class Stage:
                 await self.write_next(frame)
             except NextStageLost as exc:  # what serve() does when a send fails in a step
                 log.exception("stage %s: next stage lost", self.config.layers)
-                if self.on_fault is not None:
-                    self.on_fault("next", f"{type(exc).__name__}: {exc}", exc.epoch)
+                self.fault("next", f"{type(exc).__name__}: {exc}", exc.epoch)
 
     async def write_next(self, frame: Frame) -> None:
         """Send to the next stage. A frame of an older epoch is dropped (its layout is gone);
@@ -263,7 +329,7 @@ class Stage:
     # -- the protocol ----------------------------------------------------------------------
 
     async def handle(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
-        if frame.type in ("hidden", "token", "end", "scored") and (
+        if frame.type in ("hidden", "token", "end", "scored", "failed") and (
             frame.fields.get("ep") != self.epoch
         ):
             return  # sent before the last reset, by or for a layout that no longer exists
@@ -277,6 +343,8 @@ class Stage:
             await self.on_scored(frame.fields["seq"], float(frame.fields["logprob"]))
         elif frame.type == "end":
             self.release(frame.fields["seq"])
+        elif frame.type == "failed":  # a later stage found the job's data at fault
+            await self.fail_request(frame.fields["seq"], str(frame.fields.get("message", "")))
         elif frame.type == "stats":
             await write_frame(writer, Frame("stats", self.stats()))
         elif frame.type == "reset":  # the layout changed under us: forget every sequence
@@ -330,7 +398,8 @@ class Stage:
         vocab = int(self.model.config.vocab_size)
         if len(prompt) == 0 or int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
             bad = "an empty prompt" if len(prompt) == 0 else f"token ids outside 0..{vocab - 1}"
-            await emit(Frame("error", {"req": f["req"], "message": f"the prompt has {bad}"}))
+            await emit(Frame("error", {"req": f["req"], "message": f"the prompt has {bad}",
+                                       "fault": "job"}))  # fmt: skip
             return
         over = need > c.context or len(self.sequences) >= c.max_sequences
         if c.memory_bytes is not None and over:
@@ -339,7 +408,7 @@ class Stage:
                 f"request needs {need} tokens of context (stage reserves {self.config.context}) "
                 f"with {len(self.sequences)} of {self.config.max_sequences} sequences in flight"
             )
-            await emit(Frame("error", {"req": f["req"], "message": why}))
+            await emit(Frame("error", {"req": f["req"], "message": why, "fault": "job"}))
             return
         self._seq_ids += 1
         seq = self._seq_ids
@@ -379,10 +448,28 @@ class Stage:
             os._exit(1)  # no cleanup, no goodbye: what a power cut looks like to the others
         t0 = time.perf_counter()
         decode = h.shape[0] == 1
+        scoring = first is not None and first.get("score_from") is not None
+        out: Any = None  # the last stage's: a sampled token, or a score
         try:
             if self.fail_forward:
                 raise RuntimeError("injected fault: this node's forward pass always fails")
+            if self.fail_token is not None and first is not None and (
+                self.fail_token in first.get("prompt", ())
+            ):
+                raise RuntimeError("injected fault: this request's first step always fails")
             h = await self.compute(self.model.forward, np.ascontiguousarray(h, np.float32), cache)
+            self.steps += 1
+            # The last stage's step includes the head and the sampler: the emulated step time
+            # counts the head's bytes, so its real time belongs inside the padded window.
+            if self.config.last:
+                out = await (self.compute(self.score, h, first) if scoring and first is not None
+                             else self.compute(self.head_sample, seq, h, first))  # fmt: skip
+        except JobError as exc:  # the job's data, not this node: fail that job, serve on
+            log.warning("stage %s: request %s failed: %s", self.config.layers,
+                        self.requests.get(seq), exc)  # fmt: skip
+            self.log.event("job_error", self.requests.get(seq), stage=self.span,
+                           why=str(exc)[:200])  # fmt: skip
+            return await self.fail_request(seq, str(exc))
         except Exception as exc:
             if self.on_fault is None:
                 raise
@@ -390,18 +477,11 @@ class Stage:
             # them would make the neighbours report this node as gone rather than faulty.
             log.exception("stage %s: step failed", self.config.layers)
             if isinstance(exc, PartLost):  # a part server's fault, not this node's
-                self.on_fault("part", exc.node_id, self.epoch)
-            else:
-                self.on_fault("forward", f"{type(exc).__name__}: {exc}", self.epoch)
+                self.fault("part", exc.node_id, self.epoch)
+            else:  # this node's, as far as it can tell; the request is named (poison)
+                self.fault("forward", f"{type(exc).__name__}: {exc}", self.epoch,
+                           self.requests.get(seq))  # fmt: skip
             return
-        self.steps += 1
-        # The last stage's step includes the head and the sampler: the emulated step time
-        # counts the head's bytes, so its real time belongs inside the padded window.
-        scoring = first is not None and first.get("score_from") is not None
-        out: Any = None  # the last stage's: a sampled token, or a score
-        if self.config.last:
-            out = await (self.compute(self.score, h, first) if scoring and first is not None
-                         else self.compute(self.head_sample, seq, h, first))  # fmt: skip
         if self.emulation is not None:
             await self.emulation.pad(t0, h.shape[0])
         self.busy_s += time.perf_counter() - t0
@@ -467,10 +547,15 @@ class Stage:
 
     def sample(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
         if first is not None:
-            params = SamplingParams(**first["sampling"])
-            self.samplers[seq] = (params, np.random.default_rng(params.seed), list(first["prompt"]))
+            self.samplers[seq] = new_sampler(first["sampling"], first["prompt"])
         params, rng, history = self.samplers[seq]  # present: created with the cache
-        token = sample(logits, params, rng, history)
+        try:
+            token = sample(logits, params, rng, history)
+        except ValueError as exc:  # the draw refused its probabilities: whose fault?
+            if not np.isfinite(logits).all():
+                raise RuntimeError("the head's logits are not finite") from exc  # this node's
+            raise JobError(f"sampling {asdict(params)} cannot draw from this request's "
+                           f"logits ({exc}); use a temperature nearer 1") from None  # fmt: skip
         history.append(token)
         return token
 
@@ -478,6 +563,7 @@ class Stage:
         s = self.sequences.get(seq)
         if s is None:  # dropped by a reset while this token was on the wire
             return
+        s.active_s = time.monotonic()
         replaying = bool(s.replay)
         if replaying:
             token = s.replay.pop(0)  # the client has it already
@@ -503,6 +589,30 @@ class Stage:
         if not self.config.last:
             await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
 
+    async def fail_request(self, seq: int, message: str) -> None:
+        """The job's own data failed a step (here, or at a later stage that said so with a
+        `failed` frame): every stage frees the sequence, and stage 0, which owns it, tells
+        its client (the head: that job's attempt failed). No node is at fault."""
+        if not self.config.first:
+            self._drop(seq)
+            return await self.send_next(Frame("failed", {"seq": seq, "message": message,
+                                                         "ep": self.epoch}))  # fmt: skip
+        s = self.sequences.pop(seq, None)
+        if s is None:  # dropped by a reset or cancelled meanwhile
+            return
+        self.log.event("failed", s.req, stage=self.span, why=message[:200])
+        await s.emit(Frame("error", {"req": s.req, "message": message, "fault": "job"}))
+        self.release(seq)
+        if not self.config.last:  # the stages before the one that failed hold it too
+            await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
+
+    def activity(self, req: str) -> float | None:
+        """When a step of the request (or of a scoring job's `req#i`) last came back to stage
+        0 (monotonic s); None when stage 0 holds none of its sequences."""
+        times = [s.active_s for s in self.sequences.values()
+                 if s.req == req or s.req.startswith(req + "#")]  # fmt: skip
+        return max(times) if times else None
+
     async def cancel_request(self, req: str) -> int:
         """Stage 0 drops a request's sequences (a scoring job's too: `req#i`) and tells the
         ring to free their caches; how many it dropped."""
@@ -519,14 +629,34 @@ class Stage:
     def span(self) -> str:
         return f"{self.config.layers[0]}..{self.config.layers[1] - 1}"
 
-    def release(self, seq: int) -> None:
+    def _drop(self, seq: int) -> None:
         self.corrupted.discard(seq)
         self.requests.pop(seq, None)
         self.caches.pop(seq, None)
         self.samplers.pop(seq, None)
+
+    def release(self, seq: int) -> None:
+        self._drop(seq)
         if not self.config.last and not self.config.first:
             end = Frame("end", {"seq": seq, "ep": self.epoch})
             asyncio.get_running_loop().create_task(self.send_next(end))
+
+
+def new_sampler(
+    sampling: dict[str, Any], prompt: list[int]
+) -> tuple[SamplingParams, np.random.Generator, list[int]]:
+    """A sequence's sampler: its parameters, its seeded generator and the tokens it has seen;
+    JobError (the request's fault, named) when the parameters cannot be used."""
+    try:
+        params = SamplingParams(**sampling)
+    except (TypeError, ValueError, RequestError) as exc:
+        raise JobError(f"sampling {sampling}: {exc}") from None
+    try:
+        rng = np.random.default_rng(params.seed)
+    except (TypeError, ValueError) as exc:
+        raise JobError(f"sampling seed {params.seed!r}: {exc}; a seed is an integer >= 0"
+                       ) from None  # fmt: skip
+    return params, rng, list(prompt)
 
 
 async def _connect(

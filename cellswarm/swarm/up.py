@@ -2,17 +2,23 @@
 
 The same processes a real deployment runs (`cellswarm coordinator`, `cellswarm worker`),
 talking over real sockets; the tests, the demo and bench/swarm.py drive a swarm through it.
+The command (`commands.cmd_up`) runs it under `stop_on_signals`: SIGTERM, SIGINT and SIGHUP
+stop every child, as does the coordinator's death (nothing runs without it); a dead worker
+is the coordinator's business (a spare takes its shard), never a reason to stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +52,7 @@ class LocalSwarm:
     threads: int = 1
     worker_memory: dict[int, str] = field(default_factory=dict)  # per-worker overrides
     fail_forward: Sequence[int] = ()  # workers whose every forward pass fails (tests)
+    fail_token: int | None = None  # every worker fails a request's step with this token (tests)
     fetch: bool = False  # workers fetch their shards from the coordinator into state_dir
     dram_budget: str | None = None  # workers tier their shard's experts (engine/tiered.py)
     api_key_file: str | None = None  # the coordinator's --api-key-file (OpenAI API keys)
@@ -107,6 +114,7 @@ class LocalSwarm:
 
     def start_coordinator(self, k: int = 0) -> None:
         """Coordinator k (named `coordinator`, then `coordinator-1`, ...)."""
+        check_port_free(self.ports[k])
         db = self.db or f"sqlite:///{self.state_dir / 'coordinator.db'}"
         args = ["coordinator", "--model", self.model, "--listen", f"127.0.0.1:{self.ports[k]}",
                 "--db", db,
@@ -140,6 +148,8 @@ class LocalSwarm:
             args += ["--profile", self.profile]
         if i in self.fail_forward:
             args.append("--fail-forward")
+        if self.fail_token is not None:
+            args += ["--fail-token", str(self.fail_token)]
         if i in self.perturb:
             args += ["--perturb", str(self.perturb[i])]
         if self.dram_budget:
@@ -151,7 +161,8 @@ class LocalSwarm:
             args += ["--model", self.model]
         self._spawn(f"worker-{i}", args, "JOINED")
 
-    def __enter__(self) -> LocalSwarm:
+    def start(self) -> None:
+        """The coordinator(s), then every worker; on any failure (or a signal), none."""
         try:
             for k in range(self.coordinators):
                 self.start_coordinator(k)
@@ -160,6 +171,9 @@ class LocalSwarm:
         except BaseException:
             self.close()
             raise
+
+    def __enter__(self) -> LocalSwarm:
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -174,12 +188,36 @@ class LocalSwarm:
         if sig == signal.SIGKILL:
             p.wait()
 
-    def close(self) -> None:
-        for p in self.procs.values():
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stop every process: SIGTERM and up to `grace_s` to exit (the coordinator flushes
+        its log), then SIGKILL."""
+        live = [p for p in self.procs.values() if p.poll() is None]
+        if grace_s > 0:
+            for p in live:
+                p.terminate()
+            deadline = time.monotonic() + grace_s
+            while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for p in live:
             if p.poll() is None:
                 p.kill()
         for p in self.procs.values():
             p.wait()
+
+    def watch(self, say: Callable[[str], None] = print) -> int:
+        """Serve while the coordinator lives (then 1: nothing runs without it). A worker that
+        dies is said once and left to the coordinator, which gives its shard to a spare or
+        places the model again: never a reason to stop the swarm."""
+        said: set[str] = set()
+        while (code := self.procs["coordinator"].poll()) is None:
+            for name, p in self.procs.items():
+                if p.poll() is not None and name not in said:
+                    said.add(name)
+                    say(f"{name} exited ({describe_exit(p.returncode)}); the coordinator "
+                        "moves its shard to a spare or places the model again")  # fmt: skip
+            time.sleep(0.2)
+        say(f"the coordinator exited ({describe_exit(code)}): stopping the swarm")
+        return 1
 
     def status(self) -> dict[str, Any]:
         return dict(client.call(self.url, "/v1/status", tls=self.tls_dir, api_key=self.api_key))
@@ -190,3 +228,57 @@ class LocalSwarm:
         from cellswarm.swarm.access import first_key
 
         return first_key(self.api_key_file) if self.api_key_file else None
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP raise Stopped in the main thread; the first one only: the
+    cleanup that follows must not be cut short by a second."""
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        ignore_stop_signals()
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def ignore_stop_signals() -> None:
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+class Stopped(BaseException):
+    """`cellswarm up` got a signal to stop (a BaseException: no `except Exception` eats it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"status {code}"
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """SwarmError (one line) when something already listens on the port we are to use."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the coordinator binds
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise SwarmError(
+                f"port {port} on {host} is in use ({exc.strerror}): another coordinator or "
+                "`cellswarm up`? Stop it, or pass --port with a free port"
+            ) from None

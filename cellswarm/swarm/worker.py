@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
-from cellswarm.errors import BudgetError, CellswarmError
+from cellswarm.errors import BudgetError, CellswarmError, RequestError
 from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.head import Head
 from cellswarm.swarm.logship import LogShipper
-from cellswarm.swarm.net import ClockOffset, Progress, parse_address, route_source
+from cellswarm.swarm.net import ClockOffset, Progress, is_loopback, parse_address, route_source
 from cellswarm.swarm.parts import PartConfig, PartServer, PartSpec, load_part_model
 from cellswarm.swarm.stage import (
     Stage,
@@ -68,6 +68,10 @@ class WorkerConfig:
     dram_budget_bytes: int | None = None  # tier a MoE shard's experts: DRAM + the model file
     cache_dir: str | None = None  # where fetched shards are kept (default ~/.cache/cellswarm)
     tls_dir: str | None = None  # mutual TLS to the coordinator and on the data plane (tls.py)
+    # Serve the data port beyond loopback without a cluster token: anyone who reaches it
+    # can drive the stage (stage 0: bypass the queue). Refused unless asked for by name.
+    insecure: bool = False
+    fail_token: int | None = None  # fault injection for tests: a prompt token that kills steps
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -126,6 +130,12 @@ class Worker:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loading: asyncio.Task[None] | None = None  # the shard being loaded, if any
         self.bind = parse_address(config.listen or route_source(self.urls[0]), "--listen")
+        if self.token is None and not is_loopback(self.bind.host) and not config.insecure:
+            raise RequestError(
+                f"no --token-file: the data port on {self.bind.host} would let anyone who can "
+                "reach it drive this node's stage (and bypass the job queue); give "
+                "--token-file (the cluster's token), --listen 127.0.0.1, or --insecure"
+            )
         self.advertised = parse_address(config.advertise, "--advertise") if config.advertise \
             else None  # fmt: skip
         self.clock = ClockOffset()  # the coordinator's clock minus ours
@@ -207,12 +217,16 @@ class Worker:
     def _post_session(self, path: str, data: dict[str, Any]) -> dict[str, Any]:
         return self._post(path, {**data, "node_id": self.config.node_id, "session": self.session})
 
-    def report_fault(self, kind: str, detail: str, epoch: int) -> None:
-        """Called by the stage on a failed step (of `epoch`); told to the coordinator at once."""
+    def report_fault(
+        self, kind: str, detail: str, epoch: int, job: str | None = None
+    ) -> asyncio.Future[None] | None:
+        """Called by the stage on a failed step (of `epoch`, of request `job`); told to the
+        coordinator at once. The call in flight, for a stage that must wait for it."""
         data = {"node_id": self.config.node_id, "session": self.session, "kind": kind,
-                "detail": detail, "epoch": epoch}  # fmt: skip
-        if self.loop is not None:
-            self.loop.run_in_executor(None, self._post_quietly, "/v1/fault", data)
+                "detail": detail, "epoch": epoch, "job": job}  # fmt: skip
+        if self.loop is None:
+            return None
+        return self.loop.run_in_executor(None, self._post_quietly, "/v1/fault", data)
 
     def _post_quietly(self, path: str, data: dict[str, Any]) -> None:
         try:
@@ -289,7 +303,7 @@ class Worker:
         self.coordinator_epoch = int(answer.get("epoch", -1))
         self.lease_s = float(answer.get("lease_s", self.lease_s))
         if answer.get("probe"):
-            self.probe = await asyncio.to_thread(self.run_probe)
+            self.probe = await self.probe_beside_nothing()
         if shard is None:
             if self.stage is not None or self.part is not None:
                 await self.stop_serving("the coordinator gave this node no shard")
@@ -339,6 +353,7 @@ class Worker:
         self.stage.on_fault = self.report_fault
         self.stage.log.sink = self.shipper.add  # the local file stays; a thread ships
         self.stage.fail_forward = c.fail_forward
+        self.stage.fail_token = c.fail_token
         self.stage.perturb = c.perturb
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
         if config.first:
@@ -411,6 +426,15 @@ class Worker:
         self.stage = self.part = self.server = self.head = None
         self.shard_key = self.data_port = self.ready = None
 
+    async def probe_beside_nothing(self) -> tuple[bool, str]:
+        """The probe runs the stage's model, whose scratch buffers every step shares: it runs
+        where the steps run (this loop, or an emulated stage's compute thread), one after
+        another — never in a thread beside a step, which corrupted the tokens of the
+        sequences an offline node was still finishing."""
+        if self.stage is not None:
+            return await self.stage.compute(self.run_probe)
+        return await asyncio.to_thread(self.run_probe)
+
     def run_probe(self) -> tuple[bool, str]:
         """A health check an offline node must pass to get a shard again: one forward step
         of its shard (or a small matmul without one), checked to be finite."""
@@ -474,6 +498,11 @@ def main(config: WorkerConfig) -> None:
     from cellswarm.swarm.emulate import precise_loop
 
     logging.basicConfig(level=logging.WARNING)
+    worker = Worker(config)  # a bad flag is one line (RequestError) before anything starts
+    if worker.token is None:
+        where = "loopback only" if is_loopback(worker.bind.host) else "--insecure"
+        print(f"warning: no --token-file ({where}): any process that can reach this node's "
+              f"data port on {worker.bind.host} may drive its stage", flush=True)  # fmt: skip
     # an emulated node's waits must be precise to well under its step time (emulate.py)
     with asyncio.Runner(loop_factory=precise_loop if config.profile else None) as runner:
-        runner.run(Worker(config).run())
+        runner.run(worker.run())
