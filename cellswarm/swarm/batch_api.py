@@ -51,10 +51,11 @@ def add_batch_routes(app: FastAPI, coord: Any) -> None:
             lambda: [item_job(coord, item, i) for i, item in enumerate(req.items)])
         fraction = req.verify_fraction or 0.0
         key = req.idempotency_key
-        batch_id = coord.queue.submit_batch(
-            req.name or "batch", jobs, verify_fraction=fraction,
+        batch_id = await asyncio.to_thread(  # chunked transactions, off the event loop
+            coord.queue.submit_batch, req.name or "batch", jobs, verify_fraction=fraction,
             batch_id=_batch_id(key, caller.owner) if key else None, owner=caller.owner,
         )  # fmt: skip
+        coord.notify()  # heads waiting in a long poll take the first jobs now
         coord.log.event("batch", None, batch=batch_id, jobs=len(jobs), verify=fraction)
         return {"batch_id": batch_id, "total": len(jobs)}
 

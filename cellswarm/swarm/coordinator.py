@@ -382,7 +382,7 @@ class Coordinator:
             self.log.event("quarantined", job_id, why=why)
             log.warning("job %s quarantined as poison (%s)", job_id, why)
         if job_ids:
-            self._notify()
+            self.notify()
 
     def unwire(self, why: str) -> None:
         """The layout changed: a new epoch (so not wired); stage frames of the old one are void."""
@@ -552,7 +552,7 @@ class Coordinator:
                     await self.wire()
                     self.maybe_rebalance()
                     if self.queue.expire():
-                        self._notify()
+                        self.notify()
             except StorageFullError as exc:  # said once a minute, tried again every tick
                 self.disk_full.warn(str(exc))
             except Exception:  # keep watching whatever one tick ran into
@@ -570,15 +570,15 @@ class Coordinator:
         if new:
             self.log.event("submitted", job.job_id, prompt_tokens=len(payload.get("prompt", [])),
                            key=request_id)  # fmt: skip
-            self._notify()  # a head waiting in a long poll takes it now
+            self.notify()  # a head waiting in a long poll takes it now
         return job
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
         """Wake whoever waits for news (progress readers, heads' long polls); from the
         event loop or, through it, from a worker thread."""
         loop = self.loop
         if loop is not None and threading.get_ident() != self.loop_thread:
-            loop.call_soon_threadsafe(self._notify)
+            loop.call_soon_threadsafe(self.notify)
             return
         self.pulse.set()
         self.pulse = asyncio.Event()
@@ -610,7 +610,7 @@ class Coordinator:
                                               [int(t) for t in r["tokens"]])]  # fmt: skip
         for rid in stale:
             self.log.event("stale", rid, worker=node.node_id, call="checkpoint")
-        self._notify()
+        self.notify()
         return stale
 
     def complete(self, node: Node, job_id: str, fence: int, result: dict[str, Any]) -> str:
@@ -625,7 +625,7 @@ class Coordinator:
                 for n in ring(self.store.nodes(), replica):
                     self.store.update_node(n.node_id, served=n.served + 1, consecutive_failures=0)
             self._record_votes(job_id)
-        self._notify()
+        self.notify()
         return outcome
 
     def fail(self, node: Node, job_id: str, fence: int, reason: str, fault: str = "job") -> str:
@@ -635,7 +635,7 @@ class Coordinator:
         outcome = self.queue.fail(job_id, fence, reason)
         self.log.event("failed", job_id, worker=node.node_id, outcome=outcome, reason=reason,
                        fault=fault)  # fmt: skip
-        self._notify()
+        self.notify()
         return outcome
 
     def release(self, node: Node, runs: list[dict[str, Any]]) -> int:
@@ -645,7 +645,7 @@ class Coordinator:
             if self.queue.release(str(r["job_id"]), int(r["fence"])):
                 released += 1
                 self.log.event("released", str(r["job_id"]), worker=node.node_id)
-        self._notify()
+        self.notify()
         return released
 
     def _record_votes(self, job_id: str) -> None:

@@ -97,6 +97,7 @@ CREATE TABLE IF NOT EXISTS batches (
 );
 """
 # Columns added since the first schema: a database made before them gets them on open.
+BATCH_CHUNK = 250  # jobs per transaction when a batch is submitted (submit_batch)
 MIGRATIONS = (("jobs", "owner", "TEXT"), ("batches", "owner", "TEXT"),
               ("jobs", "strikes", "INTEGER NOT NULL DEFAULT 0"))  # fmt: skip
 
@@ -168,17 +169,9 @@ class JobQueue:
         `owner`: the hash of the API key submitting it (only that key, or an admin, sees it)."""
         if kind not in ("generate", "score"):
             raise RequestError(f"job kind {kind!r} is not 'generate' or 'score'")
-        now = time.time()
-        job_id = uuid.uuid4().hex[:16]
-        rows = self.db.execute(
-            "INSERT INTO jobs(job_id, idem_key, batch_id, position, kind, priority, payload, "
-            "state, verify, created_s, updated_s, owner) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?) "
-            "ON CONFLICT DO NOTHING RETURNING job_id",
-            (job_id, idem_key, batch_id, position, kind, priority, json.dumps(payload),
-             verify, now, now, owner),
-        )  # fmt: skip
-        if rows:
+        job_id = self._insert(payload, kind, idem_key, batch_id, position, priority, verify,
+                              owner)  # fmt: skip
+        if job_id is not None:
             job = self.get(job_id)
             assert job is not None
             return job, True
@@ -191,23 +184,50 @@ class JobQueue:
         self, name: str, items: Sequence[tuple[str, dict[str, Any]]],
         verify_fraction: float = 0.0, batch_id: str | None = None, owner: str | None = None,
     ) -> str:  # fmt: skip
-        """A batch of (kind, payload) in input order, in one transaction; its id. The same
-        `batch_id` twice is the same batch (its jobs' keys are batch id : position). A
-        `verify_fraction` of its jobs, chosen by a hash of their position, are run twice."""
+        """A batch of (kind, payload) in input order; its id. The same `batch_id` twice is
+        the same batch (its jobs' keys are batch id : position). A `verify_fraction` of its
+        jobs, chosen by a hash of their position, are run twice.
+
+        The jobs go in chunks of BATCH_CHUNK, a transaction each, so the database's lock is
+        let go between them: a 100,000-line batch makes heartbeats and leases wait for one
+        chunk, not for all of it. Acknowledged only once every chunk is in; a batch sent
+        again after a crash part-way fills in just the positions it lacks (the keys make
+        every insert idempotent)."""
         batch_id = batch_id or uuid.uuid4().hex[:12]
-        with self.db.transaction():
-            created = self.db.execute(
-                "INSERT INTO batches(batch_id, name, total, created_s, owner) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING batch_id",
-                (batch_id, name, len(items), time.time(), owner),
-            )
-            if not created:
-                return batch_id
-            for i, (kind, payload) in enumerate(items):
-                verify = 2 if _chosen(batch_id, i, verify_fraction) else 0
-                self.submit(payload, kind, f"{batch_id}:{i}", batch_id, i, verify=verify,
-                            owner=owner)
+        self.db.execute(
+            "INSERT INTO batches(batch_id, name, total, created_s, owner) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            (batch_id, name, len(items), time.time(), owner),
+        )
+        have = self.db.execute("SELECT COUNT(*) AS n FROM jobs WHERE batch_id=?", (batch_id,))
+        if int(have[0]["n"]) >= len(items):
+            return batch_id
+        for start in range(0, len(items), BATCH_CHUNK):
+            with self.db.transaction():
+                for i in range(start, min(start + BATCH_CHUNK, len(items))):
+                    kind, payload = items[i]
+                    verify = 2 if _chosen(batch_id, i, verify_fraction) else 0
+                    self._insert(payload, kind, f"{batch_id}:{i}", batch_id, i, 0, verify,
+                                 owner)  # fmt: skip
+            time.sleep(0.002)  # the lock is not fair: let a waiting heartbeat take it first
         return batch_id
+
+    def _insert(
+        self, payload: dict[str, Any], kind: str, idem_key: str | None, batch_id: str | None,
+        position: int, priority: int, verify: int, owner: str | None,
+    ) -> JobId | None:  # fmt: skip
+        """A new queued job's id; None when its key was taken (the job exists)."""
+        now = time.time()
+        job_id = uuid.uuid4().hex[:16]
+        rows = self.db.execute(
+            "INSERT INTO jobs(job_id, idem_key, batch_id, position, kind, priority, payload, "
+            "state, verify, created_s, updated_s, owner) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?) "
+            "ON CONFLICT DO NOTHING RETURNING job_id",
+            (job_id, idem_key, batch_id, position, kind, priority, json.dumps(payload),
+             verify, now, now, owner),
+        )  # fmt: skip
+        return JobId(job_id) if rows else None
 
     # -- holding -----------------------------------------------------------------------------
 
