@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cellswarm.errors import ModelFileError, NonFiniteError, ShapeMismatchError
+from cellswarm.errors import ModelFileError, NonFiniteError, RequestError, ShapeMismatchError
 from cellswarm.io.gguf_file import TensorInfo, read_header
 from cellswarm.io.weights import Selection
 from cellswarm.quant import QuantFormat, first_nonfinite_block, format_for
@@ -52,6 +52,11 @@ def verify(path: str | os.PathLike[str], scales: bool = True) -> Verified:
     from cellswarm.models import entry_for_gguf, module_of
 
     p = Path(path)
+    if p.is_dir():
+        raise RequestError(
+            f"{p} is a folder; verify reads .gguf files (a Hugging Face folder's safetensors "
+            "are checked when it loads)"
+        )
     header = read_header(p, skim=True)
     arch = header.metadata.get("general.architecture")
     if not isinstance(arch, str):
