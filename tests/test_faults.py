@@ -362,7 +362,7 @@ def test_cellswarm_up_outlives_a_dead_worker_and_sigterm_stops_every_child(
         wait_until(lambda: any(said in x for x in lines), 10)
         os.kill(up.pid, signal.SIGTERM)
         assert up.wait(60) == 128 + signal.SIGTERM
-        assert not [p for p in kids if alive(p)], kids
+        wait_until(lambda: not [p for p in kids if alive(p)], 10)  # reaped, not just killed
     finally:
         if up.poll() is None:
             up.kill()
@@ -401,7 +401,7 @@ def test_cellswarm_up_stops_every_child_on_sigint_and_sighup_even_while_starting
         assert up.wait(60) == 128 + sig
         assert up.stderr is not None
         assert f"{signal.Signals(sig).name}: the swarm is stopped" in up.stderr.read()
-        assert not [p for p in kids if alive(p)], kids
+        wait_until(lambda: not [p for p in kids if alive(p)], 10)  # reaped, not just killed
     finally:
         if up.poll() is None:
             up.kill()

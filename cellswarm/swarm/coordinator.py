@@ -133,6 +133,7 @@ class Coordinator:
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
         self.beats: dict[str, Beat] = {}  # each node's latest heartbeat here (see heartbeat)
+        self.struck: dict[str, int | None] = {}  # replica -> wired epoch its jobs were struck at
         # On PostgreSQL another coordinator may lead and judge liveness from the rows; on
         # SQLite this one is alone (a restart gives every node a grace), so a row is only
         # written when something changes.
@@ -366,9 +367,14 @@ class Coordinator:
         self.log.event("lost", None, worker=node.node_id, why=why)
         log.warning("node %s lost: %s", node.node_id, why)
         if node.state == "assigned":
-            # whose step it was nobody knows: every job on its ring was present (a strike)
+            # whose step it was nobody knows: every job on its ring was present (a strike) —
+            # once per wiring of the ring: a rack cut off (or a node lost because its
+            # neighbour could not reach it) loses several nodes in one failure, not several
             replica = str((node.shard or {}).get("replica", 0))
-            self._strike_replica(replica, f"{node.node_id} lost: {why}")
+            wired = self.wired_epoch
+            if self.struck.get(replica) != wired:
+                self.struck[replica] = wired
+                self._strike_replica(replica, f"{node.node_id} lost: {why}")
             self.unwire(f"{node.node_id} lost")
 
     def _strike(self, job_ids: list[str], why: str) -> None:
