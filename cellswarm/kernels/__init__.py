@@ -28,7 +28,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCE = Path(__file__).with_name("kernels.c")  # includes the other .c files beside it
 # -fno-math-errno lets gcc call glibc's vector expf (libmvec) in the softmax loop.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11")
 FUSED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14, "Q2_K": 10}
@@ -47,7 +47,9 @@ def cache_dir() -> Path:
 
 def library_path() -> Path:
     """Where the compiled kernels for this source, compiler flags and machine live."""
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256()
+    for source in sorted(SOURCE.parent.glob("*.c")):
+        key.update(source.read_bytes())
     key.update(" ".join(CFLAGS).encode())
     key.update(f"{platform.machine()} {platform.processor()} {sys.platform}".encode())
     key.update(_cpu_signature().encode())
@@ -111,6 +113,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_attend1.restype = None
     lib.cs_llama_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p, p, p]
     lib.cs_llama_decode.restype = None
+    lib.cs_swiglu1.argtypes = [p, p, p, p, i64, p]
+    lib.cs_ds_scratch_floats.argtypes = [p, i64]
+    lib.cs_ds_scratch_qbytes.argtypes = [p]
+    lib.cs_ds_scratch_floats.restype = lib.cs_ds_scratch_qbytes.restype = i64
+    lib.cs_ds_attention.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
+    lib.cs_ds_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
+    lib.cs_ds_route.argtypes = [p, p, p, p, p, p, p]
+    for f in (lib.cs_swiglu1, lib.cs_ds_attention, lib.cs_ds_decode, lib.cs_ds_route):
+        f.restype = None
     lib.cs_stream_read.argtypes = [p, i64]
     lib.cs_stream_read.restype = ctypes.c_uint64
     for f in (lib.cs_quantize_act, lib.cs_matmul_q, lib.cs_matmul_qx, lib.cs_matmul_f,
@@ -190,8 +201,11 @@ def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def weight_args(type_name: str, w: np.ndarray, cols: int) -> tuple[int, int, int, int, int]:
     """What a fused call needs to know about a packed weight, computed once per weight:
-    (kind, format code, data pointer, rows, row bytes); kind 0 = quantized, 1 = float."""
-    rows, row_bytes = w.shape
+    (kind, format code, data pointer, rows, row bytes); kind 0 = quantized, 1 = F16/BF16,
+    2 = F32 (only inside the fused layers: a router or W_UK/W_UV kept in float)."""
+    rows, row_bytes = w.shape[-2:]
+    if type_name == "F32":
+        return 2, 0, int(w.ctypes.data), rows, row_bytes
     kind = 1 if type_name in FLOAT_TYPES else 0
     code = FLOAT_TYPES.get(type_name) or FUSED_TYPES[type_name]
     return kind, code, int(w.ctypes.data), rows, row_bytes
@@ -290,3 +304,75 @@ def llama_decode(
         k_store.ctypes.data, v_store.ctypes.data, k_store.shape[1], f.ctypes.data,
         xq.ctypes.data, xd.ctypes.data, xs.ctypes.data,
     )  # fmt: skip
+
+
+def swiglu1(
+    gate: tuple[int, int, int, int, int], up: tuple[int, int, int, int, int],
+    down: tuple[int, int, int, int, int], x: np.ndarray,
+) -> np.ndarray:  # fmt: skip
+    """down(silu(gate x) * up x) for one row x (d,), in the arithmetic the fused DeepSeek layer
+    uses for an expert (kernels/deepseek.c), so an expert is the same bits wherever it runs."""
+    lib = _lib
+    assert lib is not None
+    xc = np.ascontiguousarray(x, np.float32)
+    out = np.empty(down[3], np.float32)
+    g, u, dn = Mat(*gate), Mat(*up), Mat(*down)
+    lib.cs_swiglu1(ctypes.addressof(g), ctypes.addressof(u), ctypes.addressof(dn), xc.ctypes.data,
+                   xc.shape[-1], out.ctypes.data)  # fmt: skip
+    return out
+
+
+class DsLayer(ctypes.Structure):
+    """Mirrors `ds_layer` in deepseek.c: one DeepSeek layer's weights and shapes."""
+
+    _fields_ = [
+        *[(n, Mat) for n in ("q_a", "q_b", "q", "kv_a", "k_b", "v_b", "o", "gate", "up", "down",
+                             "router", "gate_exps", "up_exps", "down_exps")],
+        *[(n, ctypes.c_int64) for n in ("gate_stride", "up_stride", "down_stride")],
+        *[(n, ctypes.c_void_p) for n in ("held", "attn_norm", "ffn_norm", "q_a_norm",
+                                         "kv_a_norm", "router_bias")],
+        *[(n, ctypes.c_int64) for n in ("d", "n_heads", "q_lora", "kv_lora", "nope", "rope_dim",
+                                        "v_dim", "ffn", "moe_ffn", "n_experts", "n_used",
+                                        "n_groups", "topk_groups", "sigmoid", "norm_topk",
+                                        "moe")],
+        *[(n, ctypes.c_float) for n in ("eps", "latent_eps", "scale", "routed_scale")],
+    ]  # fmt: skip
+
+
+def ds_scratch(layer: DsLayer, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Float and int8 scratch for the fused DeepSeek calls on a cache of `capacity` tokens."""
+    lib = _load()
+    assert lib is not None
+    ref = ctypes.addressof(layer)
+    floats = lib.cs_ds_scratch_floats(ref, capacity)
+    return np.empty(floats, np.float32), np.empty(lib.cs_ds_scratch_qbytes(ref), np.int8)
+
+
+def ds_layer_call(
+    name: str, layer: DsLayer, x: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray,
+    latent: np.ndarray, k_rope: np.ndarray, scratch: tuple[np.ndarray, np.ndarray],
+) -> None:  # fmt: skip
+    """cs_ds_decode ('decode': the whole layer) or cs_ds_attention ('attention'), in place on
+    x (d,), writing the latent cache (cap, L) and RoPE key cache (cap, R) at `pos`."""
+    lib = _lib
+    assert lib is not None
+    fn = lib.cs_ds_decode if name == "decode" else lib.cs_ds_attention
+    f, q = scratch
+    fn(ctypes.addressof(layer), x.ctypes.data, pos, cos.ctypes.data, sin.ctypes.data,
+       latent.ctypes.data, k_rope.ctypes.data, latent.shape[0], f.ctypes.data,
+       q.ctypes.data)  # fmt: skip
+
+
+def ds_route(
+    layer: DsLayer, x: np.ndarray, scratch: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """h = rms(x) and the routing of a MoE layer: (h (d,), expert ids (k,), weights (k,))."""
+    lib = _lib
+    assert lib is not None
+    h = np.empty(layer.d, np.float32)
+    ids = np.zeros(max(1, layer.n_used), np.int64)
+    wts = np.zeros(max(1, layer.n_used), np.float32)
+    f, q = scratch
+    lib.cs_ds_route(ctypes.addressof(layer), x.ctypes.data, h.ctypes.data, ids.ctypes.data,
+                    wts.ctypes.data, f.ctypes.data, q.ctypes.data)  # fmt: skip
+    return h, ids, wts

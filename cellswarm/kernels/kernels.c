@@ -815,3 +815,5 @@ void cs_set_threads(int n) {
 }
 
 int cs_max_batch(void) { return MAX_BATCH; }
+
+#include "deepseek.c"

@@ -33,10 +33,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cellswarm.engine.kv_cache import CacheSpec, LayerCache
+from cellswarm.engine.kv_cache import CacheSpec, KVCache, LayerCache
 from cellswarm.errors import MissingTensorError, ModelFileError, ShapeMismatchError
 from cellswarm.io.weights import WeightStore, global_tensor_shapes
 from cellswarm.models import ops
+from cellswarm.models.deepseek2_fused import FusedDecode
 from cellswarm.models.llama import hf_rope_params
 from cellswarm.models.rope import Rope, Yarn, base_inv_freq
 from cellswarm.quant import PackedExperts, PackedMatrix
@@ -584,6 +585,7 @@ class Deepseek2:
         self._attn_layers = len(held)
         # Routed experts this store lacks, held by other nodes (None: the store has them all)
         self.remote_experts: RemoteExperts | None = None
+        self._fused = FusedDecode(self)
 
     def _check_kv_up_projection(self, p: str) -> None:
         """At load, not at the first forward: one of the two layouts, in the config's shape."""
@@ -633,14 +635,21 @@ class Deepseek2:
             )
         return x + self.moe(layer, h)
 
-    def moe(self, layer: int, h: np.ndarray) -> np.ndarray:
+    def decode_fused(
+        self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
+    ) -> np.ndarray | None:
+        """One token through `layers`, one C call per layer (models/deepseek2_fused.py); None
+        when a weight has no fused kernel (an F32 model runs `block`)."""
+        return self._fused.run(x, positions, cache, layers)
+
+    def moe(self, layer: int, h: np.ndarray, routing: Routing | None = None) -> np.ndarray:
         """Routed experts (held here, and `remote_experts`) plus shared experts: (T, d) ->
         (T, d). Remote experts are asked first, so they compute while this node does its own.
         With remote experts, every routed expert's weighted output is kept apart and they are
         summed at the end in ascending expert order (`sum_experts`): the additions one process
         makes, so the bits do not depend on which node holds which expert."""
         c, w, p = self.config, self.w, f"blk.{layer}."
-        routing = self.routing(layer, h)
+        routing = self.routing(layer, h) if routing is None else routing
         remote = self.remote_experts
         gather = remote.scatter(layer, h, routing) if remote is not None else None
         if gather is None:  # all here: add as they come, no per-expert outputs kept

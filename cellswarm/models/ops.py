@@ -37,6 +37,12 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def swiglu(x: np.ndarray, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix) -> np.ndarray:
     # (T, d) -> (T, ffn) -> (T, d)
+    if x.ndim == 2 and x.shape[0] == 1 and kernels.enabled():
+        g, u, d = gate._fused, up._fused, down._fused
+        if g is not None and u is not None and d is not None:
+            # one row in C, as the fused DeepSeek layer computes an expert: the same bits
+            # whichever node (or cache tier) holds the expert
+            return kernels.swiglu1(g[0], u[0], d[0], x[0])[None]
     return down.matmul(silu(gate.matmul(x)) * up.matmul(x))
 
 

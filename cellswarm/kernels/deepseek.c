@@ -1,0 +1,464 @@
+/* One DeepSeek-V2/V3 / Kimi-K2 layer for one token (models/deepseek2.py), allocation-free.
+ *
+ * Included at the end of kernels.c (it uses that file's row kernels and activation
+ * quantizer). A layer is three phases, each callable alone so that a layer whose routed
+ * experts live elsewhere (expert nodes, the tiered cache) still runs the rest here:
+ *
+ *   cs_ds_attention  x += MLA(rms(x)): q (LoRA or plain), kv_a, RoPE, the latent cache write,
+ *                    absorbed attention over the latent cache, W_UV, the output projection
+ *   cs_ds_route      h = rms(x); the router (sigmoid + bias or softmax, grouped top-k,
+ *                    normalization, routed scaling) -> expert ids and weights
+ *   cs_ds_ffn        x += the selected routed experts (ascending id, each weight * SwiGLU)
+ *                    + the shared experts; or the dense SwiGLU of a first_k_dense layer
+ *
+ * and cs_ds_decode runs all three: one call per layer. Matrix-vector products of a phase
+ * that share an input, or that run side by side (the per-head W_UK and W_UV, every selected
+ * expert's gate and up, then every down), are one parallel loop over all their rows, so a
+ * layer costs ~8 thread fork/joins, not one per matrix. Each output row is computed whole by
+ * one thread with the same row kernel whatever the thread count, so results do not depend on
+ * threads. A routed expert's SwiGLU here is the same arithmetic as cs_swiglu1 (which
+ * ops.swiglu calls for one row), so an expert computed on another node, or by the tiered
+ * engine, is the same bits as one computed here.
+ */
+
+/* An activation vector as a row kernel reads it: float (F16/BF16/F32 weights), or int8 blocks
+ * of 32 with their scales, 16-value sums and float block sums (quantized weights). */
+typedef struct { const float *xf; const int8_t *xq; const float *xd; const int32_t *xs; const float *xsum; } actv;
+
+/* The quantized form of up to `cols` floats, carved from the caller's scratch. */
+typedef struct { int8_t *q; float *d; int32_t *s; float *sum; } qbuf;
+
+static void quant(const float *x, int64_t cols, const qbuf *b) {
+    cs_quantize_act(x, 1, cols, b->q, b->d, b->s);
+    /* as cs_matmul_q computes it, so a row here is the same bits as there */
+    for (int64_t i = 0; i < cols / 32; i++) b->sum[i] = b->d[i] * (float)(b->s[2 * i] + b->s[2 * i + 1]);
+}
+
+static actv at(const qbuf *b, const float *xf, int64_t off) { /* the vector from column `off` */
+    return (actv){xf ? xf + off : NULL, b->q + off, b->d + off / 32, b->s + off / 16, b->sum + off / 32};
+}
+
+static float dot_float(int64_t kind, int64_t fmt, const uint8_t *row, int64_t cols, const float *x) {
+#if defined(HAVE_SIMD_ROWS) && defined(__F16C__)
+    if (cols % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t c = 0; c < cols; c += 8) {
+            __m256 w;
+            if (kind == 2) {
+                w = _mm256_loadu_ps((const float *)row + c);
+            } else {
+                const __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * c));
+                w = fmt == BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                : _mm256_cvtph_ps(h);
+            }
+            acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + c), acc);
+        }
+        return hsum(acc);
+    }
+#endif
+    float acc = 0.0f;
+    for (int64_t c = 0; c < cols; c++) {
+        float w;
+        if (kind == 2) {
+            memcpy(&w, row + 4 * c, 4);
+        } else if (fmt == BF16) {
+            const uint32_t bits = (uint32_t)rd16(row + 2 * c) << 16;
+            memcpy(&w, &bits, 4);
+        } else {
+            w = fp16_to_f32(rd16(row + 2 * c));
+        }
+        acc += w * x[c];
+    }
+    return acc;
+}
+
+/* One output row: W[row] . x */
+static float row_dot(const mat *m, const uint8_t *row, int64_t cols, const actv *a) {
+    if (m->kind != 0) return dot_float(m->kind, m->fmt, row, cols, a->xf);
+#ifdef HAVE_SIMD_ROWS
+    const acts s = {a->xq, a->xd, a->xs, cols, 1, a->xsum};
+    float o;
+    simd_row((int)m->fmt, row, cols, &s, &o);
+    return o;
+#else
+    const int n = block_elems((int)m->fmt);
+    const int64_t nb = cols / n, bb = m->row_bytes / nb;
+    decoded dw;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        decode((int)m->fmt, row + b * bb, &dw);
+        acc += dot_decoded(&dw, n, a->xq + b * n, a->xd + b * n / 32, a->xs + b * n / 16);
+    }
+    return acc;
+#endif
+}
+
+/* Matrix-vector products run side by side: task i is rows [0, rows) of `m`'s layout starting
+ * at `w`, times `a`, into `out`. */
+typedef struct { const mat *m; const uint8_t *w; int64_t rows, cols; actv a; float *out; } task;
+#define MAX_TASKS 512
+
+static int threads_now(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* All rows of all tasks, in chunks handed out dynamically: a thread that lost its core to
+ * another process holds back only the chunk it is on. */
+static void run_tasks(const task *t, int n) {
+    int64_t start[MAX_TASKS + 1];
+    start[0] = 0;
+    for (int i = 0; i < n; i++) start[i + 1] = start[i] + t[i].rows;
+    const int64_t total = start[n], nt = threads_now();
+    int64_t chunk = total / (8 * nt);
+    chunk = chunk < 8 ? 8 : chunk;
+    const int64_t n_chunks = (total + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1) if (n_chunks > 1 && nt > 1)
+    for (int64_t c = 0; c < n_chunks; c++) {
+        const int64_t lo = c * chunk, hi = lo + chunk < total ? lo + chunk : total;
+        int i = 0;
+        while (start[i + 1] <= lo) i++;
+        for (int64_t r = lo; r < hi; r++) {
+            while (start[i + 1] <= r) i++;
+            const task *k = &t[i];
+            const int64_t j = r - start[i];
+            k->out[j] = row_dot(k->m, k->w + j * k->m->row_bytes, k->cols, &k->a);
+        }
+    }
+}
+
+static task whole(const mat *m, int64_t cols, actv a, float *out) {
+    return (task){m, m->w, m->rows, cols, a, out};
+}
+
+/* g = silu(g) * u. One out-of-line function for every SwiGLU, so the same inputs give the
+ * same bits wherever it runs (an inlined copy could be vectorized differently). */
+__attribute__((noinline)) static void silu_mul(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* ---- one SwiGLU for one row: ops.swiglu's fused path ------------------------------------- */
+
+/* out (d) = down(silu(gate x) * up x); f: 2 * ffn floats; q: a qbuf for max(d, ffn) columns. */
+static void swiglu1(const mat *gate, const mat *up, const mat *down, const float *x, int64_t d,
+                    float *out, float *f, const qbuf *q) {
+    const int64_t ffn = gate->rows;
+    float *g = f, *u = f + ffn;
+    if (gate->kind == 0) quant(x, d, q);
+    task t[2] = {whole(gate, d, at(q, x, 0), g), whole(up, d, at(q, x, 0), u)};
+    run_tasks(t, 2);
+    silu_mul(g, u, ffn);
+    if (down->kind == 0) quant(g, ffn, q);
+    task dn = whole(down, ffn, at(q, g, 0), out);
+    run_tasks(&dn, 1);
+}
+
+void cs_swiglu1(const mat *gate, const mat *up, const mat *down, const float *x, int64_t d,
+                float *out) {
+    const int64_t ffn = gate->rows, w = d > ffn ? d : ffn;
+    float *f = (float *)malloc(sizeof(float) * (size_t)(2 * ffn + w / 32));
+    int8_t *q8 = (int8_t *)malloc((size_t)w + sizeof(float) * (size_t)(w / 32) + sizeof(int32_t) * (size_t)(w / 16));
+    const qbuf q = {q8, (float *)(q8 + w), (int32_t *)((float *)(q8 + w) + w / 32), f + 2 * ffn};
+    swiglu1(gate, up, down, x, d, out, f, &q);
+    free(f);
+    free(q8);
+}
+
+/* ---- the layer ----------------------------------------------------------------------------- */
+
+typedef struct {
+    mat q_a, q_b, q, kv_a, k_b, v_b, o;  /* q_a.w NULL: no q LoRA, queries from q */
+    mat gate, up, down;                  /* the dense FFN, or the shared experts (w NULL: none) */
+    mat router;                          /* ffn_gate_inp (E, d) */
+    mat gate_exps, up_exps, down_exps;   /* expert 0's matrix; the others follow at a stride */
+    int64_t gate_stride, up_stride, down_stride; /* bytes from one expert to the next */
+    const uint8_t *held;                 /* E flags: the experts this store holds */
+    const float *attn_norm, *ffn_norm, *q_a_norm, *kv_a_norm, *router_bias;
+    int64_t d, n_heads, q_lora, kv_lora, nope, rope_dim, v_dim, ffn, moe_ffn;
+    int64_t n_experts, n_used, n_groups, topk_groups, sigmoid, norm_topk, moe;
+    float eps, latent_eps, scale, routed_scale;
+} ds_layer;
+
+/* The scratch one call needs, in floats, and the widest vector it quantizes. */
+static int64_t ds_widest(const ds_layer *L) {
+    const int64_t H = L->n_heads, shared = L->gate.w ? L->gate.rows : 0;
+    int64_t w = L->d;
+    const int64_t cand[] = {L->q_lora, H * L->nope, H * L->kv_lora, H * L->v_dim, L->ffn,
+                            L->n_used * L->moe_ffn + shared};
+    for (size_t i = 0; i < sizeof cand / sizeof cand[0]; i++) w = cand[i] > w ? cand[i] : w;
+    return w;
+}
+
+int64_t cs_ds_scratch_floats(const ds_layer *L, int64_t cap) {
+    const int64_t H = L->n_heads, qk = L->nope + L->rope_dim, shared = L->gate.w ? L->gate.rows : 0;
+    const int64_t ffn = L->ffn > L->n_used * L->moe_ffn + shared ? L->ffn : L->n_used * L->moe_ffn + shared;
+    return 2 * L->d + L->q_lora + H * qk + H * L->nope + L->kv_lora + L->rope_dim + 2 * H * L->kv_lora
+           + H * L->v_dim + H * cap + 3 * L->n_experts + 2 * ffn + (L->n_used + 1) * L->d
+           + ds_widest(L) / 32 + 64;
+}
+
+int64_t cs_ds_scratch_qbytes(const ds_layer *L) {
+    const int64_t w = ds_widest(L);
+    return w + 4 * (w / 32) + 4 * (w / 16) + 64;
+}
+
+typedef struct {
+    float *h, *qa, *q, *qn, *kv, *qlat, *ctx, *vo, *probs, *tmp, *logits, *scores, *choice, *g, *u, *y;
+    qbuf q8;
+} ds_scratch;
+
+static ds_scratch carve(const ds_layer *L, int64_t cap, float *f, int8_t *q8) {
+    const int64_t H = L->n_heads, qk = L->nope + L->rope_dim, shared = L->gate.w ? L->gate.rows : 0;
+    const int64_t ffn = L->ffn > L->n_used * L->moe_ffn + shared ? L->ffn : L->n_used * L->moe_ffn + shared;
+    const int64_t w = ds_widest(L);
+    ds_scratch s;
+    s.h = f; f += L->d;
+    s.tmp = f; f += L->d;
+    s.qa = f; f += L->q_lora;
+    s.q = f; f += H * qk;
+    s.qn = f; f += H * L->nope;
+    s.kv = f; f += L->kv_lora + L->rope_dim;
+    s.qlat = f; f += H * L->kv_lora;
+    s.ctx = f; f += H * L->kv_lora;
+    s.vo = f; f += H * L->v_dim;
+    s.probs = f; f += H * cap;
+    s.logits = f; f += L->n_experts;
+    s.scores = f; f += L->n_experts;
+    s.choice = f; f += L->n_experts;
+    s.g = f; f += ffn;
+    s.u = f; f += ffn;
+    s.y = f; f += (L->n_used + 1) * L->d;
+    s.q8.sum = f;
+    s.q8.q = q8;
+    s.q8.d = (float *)(((uintptr_t)(q8 + w) + 15) & ~(uintptr_t)15);
+    s.q8.s = (int32_t *)(s.q8.d + w / 32);
+    return s;
+}
+
+/* softmax(scale * (q_lat . latent_t + q_rope . k_rope_t)) over the cached tokens, then the
+ * probabilities times the latents: one head's attention, entirely in latent space. */
+__attribute__((optimize("fast-math"))) static void mla_head(
+    const float *restrict qlat, const float *restrict qrope, const float *restrict lat,
+    const float *restrict kr, int64_t s_len, int64_t n_lat, int64_t n_rope, float scale,
+    float *restrict p, float *restrict ctx) {
+    float m = -INFINITY;
+    for (int64_t t = 0; t < s_len; t++) {
+        float a = 0.0f, b = 0.0f;
+        for (int64_t i = 0; i < n_lat; i++) a += qlat[i] * lat[t * n_lat + i];
+        for (int64_t i = 0; i < n_rope; i++) b += qrope[i] * kr[t * n_rope + i];
+        p[t] = (a + b) * scale;
+        m = fmaxf(m, p[t]);
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < s_len; t++) { p[t] = exp_neg(p[t] - m); sum += p[t]; }
+    for (int64_t i = 0; i < n_lat; i++) ctx[i] = 0.0f;
+    for (int64_t t = 0; t < s_len; t++) {
+        const float w = p[t] / sum;
+        for (int64_t i = 0; i < n_lat; i++) ctx[i] += w * lat[t * n_lat + i];
+    }
+}
+
+/* x (d) += MLA attention of the token at `pos`; writes its latent and RoPE key to the cache:
+ * lat_store (cap, kv_lora), kr_store (cap, rope_dim). cs/sn: the position's RoPE tables. */
+static void ds_attention(const ds_layer *L, float *x, int64_t pos, const float *cs,
+                         const float *sn, float *lat_store, float *kr_store, ds_scratch *s) {
+    const int64_t d = L->d, H = L->n_heads, N = L->nope, R = L->rope_dim, qk = N + R;
+    const int64_t lat = L->kv_lora, V = L->v_dim;
+    const qbuf *q = &s->q8;
+    rms(x, L->attn_norm, d, L->eps, s->h);
+    quant(s->h, d, q);
+    const actv ah = at(q, s->h, 0);
+    task t[MAX_TASKS];
+    if (L->q_a.w) { /* q_a and kv_a share the normed input: one loop */
+        t[0] = whole(&L->q_a, d, ah, s->qa);
+        t[1] = whole(&L->kv_a, d, ah, s->kv);
+        run_tasks(t, 2);
+        rms(s->qa, L->q_a_norm, L->q_lora, L->latent_eps, s->qa);
+        if (L->q_b.kind == 0) quant(s->qa, L->q_lora, q);
+        t[0] = whole(&L->q_b, L->q_lora, at(q, s->qa, 0), s->q);
+        run_tasks(t, 1);
+    } else {
+        t[0] = whole(&L->q, d, ah, s->q);
+        t[1] = whole(&L->kv_a, d, ah, s->kv);
+        run_tasks(t, 2);
+    }
+    rope(s->q + N, H, qk, R, 0, cs, sn);              /* each head's last R dims */
+    rope(s->kv + lat, 1, R, R, 0, cs, sn);            /* the one key shared by all heads */
+    rms(s->kv, L->kv_a_norm, lat, L->latent_eps, lat_store + pos * lat);
+    memcpy(kr_store + pos * R, s->kv + lat, sizeof(float) * (size_t)R);
+    /* q_lat[h] (lat) = W_UK[h]^T q_nope[h]: k_b holds, per head, lat rows of N columns */
+    for (int64_t h = 0; h < H; h++) memcpy(s->qn + h * N, s->q + h * qk, sizeof(float) * (size_t)N);
+    if (L->k_b.kind == 0) quant(s->qn, H * N, q);
+    for (int64_t h = 0; h < H; h++)
+        t[h] = (task){&L->k_b, L->k_b.w + h * lat * L->k_b.row_bytes, lat, N, at(q, s->qn, h * N), s->qlat + h * lat};
+    run_tasks(t, (int)H);
+    const int64_t s_len = pos + 1;
+#pragma omp parallel for schedule(dynamic, 1) if (H * s_len * lat > 65536)
+    for (int64_t h = 0; h < H; h++)
+        mla_head(s->qlat + h * lat, s->q + h * qk + N, lat_store, kr_store, s_len, lat, R, L->scale,
+                 s->probs + h * s_len, s->ctx + h * lat);
+    /* out[h] (V) = W_UV[h] ctx[h]: v_b holds, per head, V rows of lat columns */
+    if (L->v_b.kind == 0) quant(s->ctx, H * lat, q);
+    for (int64_t h = 0; h < H; h++)
+        t[h] = (task){&L->v_b, L->v_b.w + h * V * L->v_b.row_bytes, V, lat, at(q, s->ctx, h * lat), s->vo + h * V};
+    run_tasks(t, (int)H);
+    if (L->o.kind == 0) quant(s->vo, H * V, q);
+    t[0] = whole(&L->o, H * V, at(q, s->vo, 0), s->tmp);
+    run_tasks(t, 1);
+    for (int64_t i = 0; i < d; i++) x[i] += s->tmp[i];
+}
+
+/* Indices of the k largest of v[0..n) (skipping -inf), largest first, lower index on ties. */
+static void top_k(const float *v, int64_t n, int64_t k, int64_t *ids) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || v[e] > v[best])) best = e;
+        }
+        ids[j] = best;
+    }
+}
+
+/* DeepSeek's grouped top-k, as models/deepseek2.py:route: weights (k) and expert ids (k). */
+static void route1(const ds_layer *L, ds_scratch *s, int64_t *ids, float *wts) {
+    const int64_t E = L->n_experts, k = L->n_used;
+    float *sc = s->scores, *ch = s->choice;
+    if (L->sigmoid) {
+        for (int64_t e = 0; e < E; e++) sc[e] = 1.0f / (1.0f + expf(-s->logits[e]));
+    } else {
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) m = fmaxf(m, s->logits[e]);
+        for (int64_t e = 0; e < E; e++) { sc[e] = expf(s->logits[e] - m); sum += sc[e]; }
+        for (int64_t e = 0; e < E; e++) sc[e] /= sum;
+    }
+    for (int64_t e = 0; e < E; e++) ch[e] = sc[e] + (L->router_bias ? L->router_bias[e] : 0.0f);
+    if (L->n_groups > 1 && L->topk_groups < L->n_groups) {
+        const int64_t G = L->n_groups, per = E / G;
+        float gs[256];
+        int64_t keep[256];
+        for (int64_t g = 0; g < G; g++) {
+            const float *c = ch + g * per;
+            if (L->sigmoid) { /* the sum of the group's two best */
+                float b1 = -INFINITY, b2 = -INFINITY;
+                for (int64_t i = 0; i < per; i++) {
+                    if (c[i] > b1) { b2 = b1; b1 = c[i]; } else if (c[i] > b2) { b2 = c[i]; }
+                }
+                gs[g] = per > 1 ? b1 + b2 : b1;
+            } else {
+                float b = -INFINITY;
+                for (int64_t i = 0; i < per; i++) b = fmaxf(b, c[i]);
+                gs[g] = b;
+            }
+        }
+        top_k(gs, G, L->topk_groups, keep);
+        for (int64_t g = 0; g < G; g++) {
+            int kept = 0;
+            for (int64_t i = 0; i < L->topk_groups; i++) kept |= keep[i] == g;
+            if (!kept) for (int64_t i = 0; i < per; i++) ch[g * per + i] = -INFINITY;
+        }
+    }
+    top_k(ch, E, k, ids);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) { wts[j] = sc[ids[j]]; sum += wts[j]; }
+    for (int64_t j = 0; j < k; j++) {
+        if (L->norm_topk) wts[j] = wts[j] / (sum + 1e-20f);
+        wts[j] = wts[j] * L->routed_scale;
+    }
+}
+
+/* h = rms(x, ffn_norm); for a MoE layer also the routing (ids, weights: n_used each). */
+static void ds_route(const ds_layer *L, const float *x, ds_scratch *s, int64_t *ids, float *wts) {
+    rms(x, L->ffn_norm, L->d, L->eps, s->h);
+    if (!L->moe) return;
+    quant(s->h, L->d, &s->q8);
+    task t = whole(&L->router, L->d, at(&s->q8, s->h, 0), s->logits);
+    run_tasks(&t, 1);
+    route1(L, s, ids, wts);
+}
+
+/* x += the FFN of h (s->h, from ds_route): dense SwiGLU, or routed experts + shared experts.
+ * The experts' gate and up rows run in one loop, then all their down rows in another. */
+static void ds_ffn(const ds_layer *L, float *x, ds_scratch *s, const int64_t *ids,
+                   const float *wts) {
+    const int64_t d = L->d;
+    const qbuf *q = &s->q8;
+    if (!L->moe) {
+        swiglu1(&L->gate, &L->up, &L->down, s->h, d, s->tmp, s->g, q);
+        for (int64_t i = 0; i < d; i++) x[i] += s->tmp[i];
+        return;
+    }
+    /* the selected held experts in ascending id: the order every layout adds them in */
+    int64_t sel[64], n = 0;
+    float w[64];
+    for (int64_t e = 0; e < L->n_experts; e++) {
+        for (int64_t j = 0; j < L->n_used; j++) {
+            if (ids[j] == e && (!L->held || L->held[e])) { sel[n] = e; w[n] = wts[j]; n++; }
+        }
+    }
+    const int64_t F = L->moe_ffn, shared = L->gate.w ? L->gate.rows : 0;
+    mat g_m = L->gate_exps, u_m = L->up_exps, d_m = L->down_exps;
+    quant(s->h, d, q);
+    const actv ah = at(q, s->h, 0);
+    task t[MAX_TASKS];
+    int nt = 0;
+    for (int64_t j = 0; j < n; j++) {
+        t[nt++] = (task){&g_m, g_m.w + sel[j] * L->gate_stride, F, d, ah, s->g + j * F};
+        t[nt++] = (task){&u_m, u_m.w + sel[j] * L->up_stride, F, d, ah, s->u + j * F};
+    }
+    if (shared) {
+        t[nt++] = whole(&L->gate, d, ah, s->g + n * F);
+        t[nt++] = whole(&L->up, d, ah, s->u + n * F);
+    }
+    run_tasks(t, nt);
+    for (int64_t j = 0; j < n; j++) silu_mul(s->g + j * F, s->u + j * F, F);
+    if (shared) silu_mul(s->g + n * F, s->u + n * F, shared);
+    nt = 0;
+    /* each expert's hidden quantized alone, as ops.swiglu quantizes it for one expert */
+    for (int64_t j = 0; j <= n; j++) {
+        const int64_t cols = j < n ? F : shared;
+        const mat *m = j < n ? &d_m : &L->down;
+        if (!cols) continue;
+        if (m->kind == 0) {
+            const qbuf part = {q->q + j * F, q->d + j * F / 32, q->s + j * F / 16, q->sum + j * F / 32};
+            quant(s->g + j * F, cols, &part);
+        }
+        const uint8_t *base = j < n ? d_m.w + sel[j] * L->down_stride : L->down.w;
+        t[nt++] = (task){m, base, d, cols, at(q, s->g, j * F), s->y + j * d};
+    }
+    run_tasks(t, nt);
+    for (int64_t i = 0; i < d; i++) s->tmp[i] = 0.0f;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < d; i++) s->tmp[i] += s->y[j * d + i] * w[j];
+    if (shared)
+        for (int64_t i = 0; i < d; i++) s->tmp[i] += s->y[n * d + i];
+    for (int64_t i = 0; i < d; i++) x[i] += s->tmp[i];
+}
+
+void cs_ds_attention(const ds_layer *L, float *x, int64_t pos, const float *cs, const float *sn,
+                     float *lat_store, float *kr_store, int64_t cap, float *f, int8_t *q8) {
+    ds_scratch s = carve(L, cap, f, q8);
+    ds_attention(L, x, pos, cs, sn, lat_store, kr_store, &s);
+}
+
+/* h (d) out; ids/weights only for a MoE layer. */
+void cs_ds_route(const ds_layer *L, const float *x, float *h, int64_t *ids, float *wts,
+                 float *f, int8_t *q8) {
+    ds_scratch s = carve(L, 0, f, q8);
+    ds_route(L, x, &s, ids, wts);
+    memcpy(h, s.h, sizeof(float) * (size_t)L->d);
+}
+
+void cs_ds_decode(const ds_layer *L, float *x, int64_t pos, const float *cs, const float *sn,
+                  float *lat_store, float *kr_store, int64_t cap, float *f, int8_t *q8) {
+    ds_scratch s = carve(L, cap, f, q8);
+    int64_t ids[64];
+    float wts[64];
+    ds_attention(L, x, pos, cs, sn, lat_store, kr_store, &s);
+    ds_route(L, x, &s, ids, wts);
+    ds_ffn(L, x, &s, ids, wts);
+}

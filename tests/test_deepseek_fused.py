@@ -1,0 +1,124 @@
+"""The fused one-token DeepSeek layer (kernels/deepseek.c) against the layer-by-layer path.
+
+Both paths quantize a matrix's input to int8 blocks where the weight is quantized, so with
+W_UK/W_UV in float32 they differ only in the order of float additions (~1e-6). With W_UK/W_UV
+packed, the fused layer also quantizes their inputs (as llama.cpp does): int8 noise, bounded
+looser. The same-bits tests (test_same_bits.py) cover experts computed elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cellswarm
+from cellswarm import kernels
+from cellswarm.engine.model import Model
+from cellswarm.io.gguf_write import write_gguf
+from cellswarm.models.deepseek2 import DeepseekConfig
+from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="no C compiler: numpy path only")
+
+# V3-shaped: sigmoid gating with a correction bias over groups, q LoRA, a shared expert
+V3 = DeepseekConfig(
+    n_layers=3, d_model=128, n_heads=4, vocab_size=512, context_length=256, rms_eps=1e-6,
+    q_lora_rank=64, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32, ffn_dim=256,
+    moe_ffn_dim=64, n_experts=16, n_experts_used=4, n_shared_experts=1, first_k_dense=1,
+    n_groups=4, topk_groups=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    gating="sigmoid", rope_theta=10000.0,
+)  # fmt: skip
+# V2-Lite-shaped: softmax over one group, no q LoRA, two shared experts
+V2 = dataclasses.replace(
+    V3, gating="softmax", q_lora_rank=0, n_groups=1, topk_groups=1, norm_topk_prob=False,
+    routed_scaling_factor=1.0, n_shared_experts=2,
+)  # fmt: skip
+DENSE = dataclasses.replace(V3, n_experts=0, n_experts_used=0, n_shared_experts=0)
+TOKENS = [5, 17, 99, 3, 250, 7, 1, 2, 400, 9]
+
+
+def write(path: Path, c: DeepseekConfig, quant: str, kv_layout: str, kv_quant: bool) -> Path:
+    """Random weights (1/sqrt(fan-in)), `quant` for matrices, a float32 router, and the key/
+    value up-projection as attn_k_b/attn_v_b ("split") or attn_kv_b, packed or float32."""
+    rng, fmt = np.random.default_rng(0), format_by_name(quant)
+    t: dict[str, np.ndarray | PackedMatrix | PackedExperts] = {}
+
+    def packed(w: np.ndarray) -> PackedMatrix | PackedExperts:
+        return (PackedExperts if w.ndim == 3 else PackedMatrix).from_float(w, fmt)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    for name, shape in c.expected_tensors(range(c.n_layers)).items():
+        if len(shape) == 1:
+            t[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            w = rand(*shape)
+            t[name] = w if "ffn_gate_inp" in name else packed(w)
+    for layer in range(c.n_layers):
+        p = f"blk.{layer}."
+        if c.is_moe(layer):
+            t[p + "exp_probs_b.bias"] = (0.1 * rng.standard_normal(c.n_experts)).astype(np.float32)
+        h, lat, n, v = c.n_heads, c.kv_lora_rank, c.qk_nope_dim, c.v_head_dim
+        if kv_layout == "split":
+            k_b, v_b = rand(h, lat, n), rand(h, v, lat)
+            t[p + "attn_k_b.weight"] = packed(k_b) if kv_quant else k_b
+            t[p + "attn_v_b.weight"] = packed(v_b) if kv_quant else v_b
+        else:
+            kv_b = rand(h * (n + v), lat)
+            t[p + "attn_kv_b.weight"] = packed(kv_b) if kv_quant else kv_b
+    write_gguf(path, c.to_gguf_metadata(), t)
+    return path
+
+
+def decode(model: Model, fused: bool) -> np.ndarray:
+    """Hidden states of TOKENS[3:] decoded one by one after a 3-token prefill: (n, d)."""
+    cache = model.new_cache(64)
+    model.step(np.array(TOKENS[:3]), cache)
+    arch: object = model.arch
+    if not fused:  # the layer-by-layer path: what Model runs when there is no fused one
+        arch.decode_fused = lambda *a: None  # type: ignore[attr-defined]
+    try:
+        out = []
+        for t in TOKENS[3:]:
+            out.append(model.forward(model.arch.embed(np.array([t])), cache)[0])
+            cache.length += 1
+        return np.array(out)
+    finally:
+        if not fused:
+            del arch.decode_fused  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("config", "quant", "kv_layout"),
+    [(V3, "Q8_0", "split"), (V3, "Q4_0", "kv_b"), (V2, "Q8_0", "kv_b"), (V2, "Q4_1", "split"),
+     (DENSE, "Q8_0", "split")],
+    ids=["v3-q8_0-split", "v3-q4_0-kv_b", "v2-q8_0-kv_b", "v2-q4_1-split", "dense"],
+)  # fmt: skip
+def test_fused_layer_matches_layer_by_layer(
+    tmp_path: Path, config: DeepseekConfig, quant: str, kv_layout: str
+) -> None:
+    model = cellswarm.load(write(tmp_path / "m.gguf", config, quant, kv_layout, False))
+    assert model.arch.decode_fused(  # type: ignore[attr-defined]
+        np.zeros((1, config.d_model), np.float32), np.array([0]), model.new_cache(4),
+        model.layers,
+    ) is not None  # fmt: skip
+    fused, ref = decode(model, True), decode(model, False)
+    assert np.abs(fused - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_packed_kv_up_projection_stays_within_int8_noise(tmp_path: Path) -> None:
+    """attn_k_b / attn_v_b packed: their inputs are quantized too (no routing here to flip)."""
+    model = cellswarm.load(write(tmp_path / "m.gguf", DENSE, "Q8_0", "split", True))
+    fused, ref = decode(model, True), decode(model, False)
+    assert np.abs(fused - ref).max() <= 0.03 * np.abs(ref).max()
+
+
+def test_float32_weights_run_layer_by_layer(tmp_path: Path) -> None:
+    model = cellswarm.load(write(tmp_path / "m.gguf", V3, "F32", "split", False))
+    x = np.zeros((1, V3.d_model), np.float32)
+    got = model.arch.decode_fused(x, np.array([0]), model.new_cache(4), model.layers)  # type: ignore[attr-defined]
+    assert got is None
