@@ -2,9 +2,11 @@
 
     python -m bench.engine [--quick] [--threads N]
 
-Decode of one token must stream every weight byte once, so tokens/s can never exceed
+Decode of one token must stream every weight byte it uses once, so tokens/s can never exceed
 streaming-read bandwidth / weight bytes per token: the "of bound" column is decode tokens/s
-over that. Prefill of a 512-token prompt is matrix-matrix work: its column is achieved FLOP/s
+over that. For a mixture of experts the bytes are those a token really reads: attention,
+router, the k selected experts, the shared expert, one embedding row and the head.
+Prefill of a 512-token prompt is matrix-matrix work: its column is achieved FLOP/s
 over this machine's float32 GEMM rate. "outside" is the share of a decode step spent outside
 the fused kernels (Python, numpy glue, attention). Then a worker's cold start to its first
 token (warm and empty kernel cache) and the resident memory the fast path adds.
@@ -48,10 +50,19 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 def decode_bytes_per_token(model: Model) -> int:
-    """Weight bytes one decode step streams: all layer weights and the output head."""
-    w = model.weights
+    """Weight bytes one decode step streams: every layer weight (of a routed expert stack, the
+    k experts a token uses), one embedding row and the output head."""
+    w, c = model.weights, model.config
     head = "output.weight" if "output.weight" in w else "token_embd.weight"
-    return sum(int(t.nbytes) for n, t in w.items() if n.startswith("blk.")) + int(w[head].nbytes)
+    total = int(w[head].nbytes) + int(w["token_embd.weight"].nbytes) // c.vocab_size
+    for name, t in w.items():
+        if not name.startswith("blk."):
+            continue
+        if name.endswith("_exps.weight"):  # (E, rows, row bytes): k of E are read
+            total += int(t.nbytes) * c.n_experts_used // c.n_experts
+        else:
+            total += int(t.nbytes)
+    return total
 
 
 def gemm_flops_per_s(n: int = 2048) -> float:
@@ -72,7 +83,8 @@ def measure(model: Model, prompt_len: int, decode_steps: int) -> tuple[float, fl
     model.step(ids[:8], cache)
     model.step(ids[:1], cache)  # first decode step: lazily prepared kernel arguments
     inside = [0.0]
-    real = {name: getattr(kernels, name) for name in ("matmul_args", "attend1", "llama_decode")}
+    names = ("matmul_args", "attend1", "llama_decode", "ds_layer_call", "swiglu1", "ds_route")
+    real = {name: getattr(kernels, name) for name in names}
 
     def timed(fn):  # type: ignore[no-untyped-def]
         def run(*args):  # type: ignore[no-untyped-def]
@@ -128,13 +140,49 @@ def random_llama(quant: str, d_model: int, n_layers: int, ffn: int, vocab: int) 
     return Model(cfg, Llama(cfg, weights), weights, None, Selection())
 
 
+def random_deepseek(quant: str) -> Model:
+    """A DeepSeek-V3-shaped MoE of ~0.8B: 8 layers (the first dense), 64 routed experts top-6
+    in 8 groups (best 4) plus one shared, sigmoid routing with a bias, MLA with q LoRA and
+    kv_lora 256; W_UK/W_UV as llama.cpp's converter writes them (attn_k_b, attn_v_b)."""
+    from cellswarm.io.weights import Selection, WeightStore
+    from cellswarm.models.deepseek2 import Deepseek2, DeepseekConfig
+
+    c = DeepseekConfig(
+        n_layers=8, d_model=1024, n_heads=16, vocab_size=32000, context_length=4096,
+        rms_eps=1e-6, q_lora_rank=384, kv_lora_rank=256, qk_nope_dim=64, qk_rope_dim=32,
+        v_head_dim=64, ffn_dim=2816, moe_ffn_dim=512, n_experts=64, n_experts_used=6,
+        n_shared_experts=1, first_k_dense=1, n_groups=8, topk_groups=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, gating="sigmoid", rope_theta=10000.0,
+    )  # fmt: skip
+    shapes = dict(c.expected_tensors(range(c.n_layers)))
+    for i in range(c.n_layers):
+        shapes[f"blk.{i}.attn_k_b.weight"] = (c.n_heads, c.kv_lora_rank, c.qk_nope_dim)
+        shapes[f"blk.{i}.attn_v_b.weight"] = (c.n_heads, c.v_head_dim, c.kv_lora_rank)
+        if c.is_moe(i):
+            shapes[f"blk.{i}.exp_probs_b.bias"] = (c.n_experts,)
+    rng = np.random.default_rng(0)
+    store = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            store[name] = np.ones(shape, np.float32)
+            continue
+        w = rng.standard_normal(shape, np.float32) / np.float32(np.sqrt(shape[-1]))
+        # llama.cpp keeps the router in F32; everything else in the format under test
+        store |= pack_tensors({name: w}, "f32" if "ffn_gate_inp" in name else quant)
+    weights = WeightStore(store)
+    return Model(c, Deepseek2(c, weights), weights, None, Selection())
+
+
 def report(name: str, model: Model, bw: float, gemm: float, prompt_len: int, steps: int) -> None:
     prefill, decode, outside = measure(model, prompt_len, steps)
     per_token = decode_bytes_per_token(model)
     bound = bw / per_token
+    c = model.config
+    used = getattr(c, "n_experts_used", 0) / max(1, getattr(c, "n_experts", 0))
     flops = 2 * sum(
-        int(np.prod(t.shape)) for n, t in model.weights.items() if n != "token_embd.weight"
-    )
+        int(np.prod(t.shape)) * (used if n.endswith("_exps.weight") else 1)
+        for n, t in model.weights.items() if n != "token_embd.weight"
+    )  # fmt: skip
     print(
         f"{name:<30} {per_token / 2**20:>8.1f} {decode:>8.2f} {bound:>8.1f} {decode / bound:>6.2f} "
         f"{100 * outside:>6.1f}% {prefill:>8.1f} {prefill * flops / gemm:>6.2f}"
@@ -204,6 +252,11 @@ def main() -> None:
             model = random_llama(quant, d_model=2048, n_layers=16, ffn=8192, vocab=32000)
             n_params = sum(np.prod(t.shape) for t in model.weights.values())
             report(f"random llama {n_params / 1e9:.2f}B {quant.upper()}", model, bw, gemm, 512, 16)
+        for quant in ("q8_0", "q4_0"):
+            model = random_deepseek(quant)
+            n_params = sum(np.prod(t.shape) for t in model.weights.values())
+            name = f"DeepSeek-V3-shaped {n_params / 1e9:.2f}B {quant.upper()}"
+            report(name, model, bw, gemm, 512, 32)
     startup_and_memory()
 
 

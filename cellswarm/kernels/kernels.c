@@ -619,17 +619,36 @@ void cs_matmul_f(int fmt, const uint8_t *w, int64_t rows, int64_t cols, const fl
 
 /* ---- dequantize rows to float32 (prefill tiles for BLAS) ------------------------------ */
 
+/* One row; always inlined into a switch on a constant format, so decode()'s switch folds
+ * away and the float loop vectorizes (dequantizing is prefill's tile cost beside BLAS). */
+static inline __attribute__((always_inline)) void dequant_row(int fmt, const uint8_t *row,
+                                                              int64_t nblocks, int64_t bbytes,
+                                                              float *y) {
+    const int n = block_elems(fmt);
+    decoded dw;
+    for (int64_t b = 0; b < nblocks; b++, y += n) {
+        decode(fmt, row + b * bbytes, &dw);
+        for (int g = 0; g < n / 16; g++) {
+            const float sc = dw.scale[g], mn = dw.min[g];
+            for (int i = 0; i < 16; i++) y[16 * g + i] = sc * dw.q[16 * g + i] - mn;
+        }
+    }
+}
+
 void cs_dequantize(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                    float *out) {
-    const int n = block_elems(fmt);
-    const int64_t nblocks = cols / n, bbytes = row_bytes / nblocks;
+    const int64_t nblocks = cols / block_elems(fmt), bbytes = row_bytes / nblocks;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        decoded dw;
-        for (int64_t b = 0; b < nblocks; b++) {
-            decode(fmt, w + r * row_bytes + b * bbytes, &dw);
-            float *y = out + r * cols + b * n;
-            for (int i = 0; i < n; i++) y[i] = dw.scale[i / 16] * dw.q[i] - dw.min[i / 16];
+        const uint8_t *row = w + r * row_bytes;
+        float *y = out + r * cols;
+        switch (fmt) {
+        case Q8_0: dequant_row(Q8_0, row, nblocks, bbytes, y); break;
+        case Q4_0: dequant_row(Q4_0, row, nblocks, bbytes, y); break;
+        case Q4_1: dequant_row(Q4_1, row, nblocks, bbytes, y); break;
+        case Q4_K: dequant_row(Q4_K, row, nblocks, bbytes, y); break;
+        case Q6_K: dequant_row(Q6_K, row, nblocks, bbytes, y); break;
+        default: dequant_row(Q2_K, row, nblocks, bbytes, y); break;
         }
     }
 }

@@ -35,15 +35,19 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
 
-def swiglu(x: np.ndarray, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix) -> np.ndarray:
-    # (T, d) -> (T, ffn) -> (T, d)
+def swiglu(
+    x: np.ndarray, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix,
+    int8_rows: int = kernels.MAX_BATCH,
+) -> np.ndarray:  # fmt: skip
+    # (T, d) -> (T, ffn) -> (T, d); int8_rows: see PackedMatrix.matmul
     if x.ndim == 2 and x.shape[0] == 1 and kernels.enabled():
         g, u, d = gate._fused, up._fused, down._fused
         if g is not None and u is not None and d is not None:
             # one row in C, as the fused DeepSeek layer computes an expert: the same bits
             # whichever node (or cache tier) holds the expert
             return kernels.swiglu1(g[0], u[0], d[0], x[0])[None]
-    return down.matmul(silu(gate.matmul(x)) * up.matmul(x))
+    hidden = silu(gate.matmul(x, int8_rows=int8_rows)) * up.matmul(x, int8_rows=int8_rows)
+    return down.matmul(hidden, int8_rows=int8_rows)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

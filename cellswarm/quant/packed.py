@@ -128,12 +128,16 @@ class PackedMatrix:
 
     def matmul(
         self, x: npt.ArrayLike, *, tile_bytes: int | None = None,
-        rows_of: tuple[int, int] | None = None,
+        rows_of: tuple[int, int] | None = None, int8_rows: int = kernels.MAX_BATCH,
     ) -> Floats:  # fmt: skip
         """x @ W.T for x of shape (..., in_features) -> (..., out_features), float32.
 
         The weight is decoded `tile_bytes` (default `TILE_BYTES`) of float32 at a time,
         each tile multiplied straight into its columns of a preallocated result.
+
+        int8_rows: up to this many rows of x go through the fused int8 kernels (MAX_BATCH at a
+        time, each chunk re-reading the weight, from cache when it is small: an expert's
+        matrix), more through float32 tiles and BLAS.
 
         rows_of=(first, total): these are rows [first, first + out_features) of a matrix of
         `total` rows, split over nodes (the output head on vocab parts). Then every row's
@@ -150,7 +154,7 @@ class PackedMatrix:
             )
         lead = xs.shape[:-1]
         x2 = xs.reshape(-1, in_features)  # (n, in)
-        fused = self._fused if x2.shape[0] <= kernels.MAX_BATCH and kernels.enabled() else None
+        fused = self._fused if x2.shape[0] <= int8_rows and kernels.enabled() else None
         if rows_of is not None and fused is None:
             return self._matmul_blocks(x2, *rows_of).reshape(*lead, out_features)
         if self.fmt.ggml_type == GGMLQuantizationType.F32:
@@ -162,13 +166,15 @@ class PackedMatrix:
         if fused is not None:
             # Decode and small batches: one pass over the packed bytes, no float32 tile.
             x2 = x2 if x2.flags.c_contiguous and x2.flags.writeable else x2.copy()
-            kernels.matmul_args(fused[0], in_features, x2, out)
+            for a in range(0, x2.shape[0], kernels.MAX_BATCH):
+                b = min(a + kernels.MAX_BATCH, x2.shape[0])
+                kernels.matmul_args(fused[0], in_features, x2[a:b], out[a:b])
             return out.reshape(*lead, out_features)
         budget = TILE_BYTES if tile_bytes is None else tile_bytes
         step = max(1, budget // max(1, in_features * 4))  # weight rows per tile
         for start in range(0, out_features, step):
             stop = min(start + step, out_features)
-            tile = dequantize(self.data[start:stop], self.fmt)  # (stop - start, in)
+            tile = self._dequantize_rows(start, stop)  # (stop - start, in), in C if it can
             # A column slice of a C-order result is still BLAS-addressable: no temp copy.
             np.matmul(x2, tile.T, out=out[:, start:stop])
         return out.reshape(*lead, out_features)
