@@ -122,3 +122,28 @@ def test_float32_weights_run_layer_by_layer(tmp_path: Path) -> None:
     x = np.zeros((1, V3.d_model), np.float32)
     got = model.arch.decode_fused(x, np.array([0]), model.new_cache(4), model.layers)  # type: ignore[attr-defined]
     assert got is None
+
+
+@pytest.mark.parametrize(("config", "kv_layout"), [(V3, "split"), (V2, "kv_b")], ids=["v3", "v2"])
+def test_sequences_in_flight_decode_together_as_alone(
+    tmp_path: Path, config: DeepseekConfig, kv_layout: str
+) -> None:
+    """Four sequences at different positions decoded as one batch (each weight row and each
+    chosen expert read once for all) give what each gives alone, up to summation order."""
+    model = cellswarm.load(write(tmp_path / "m.gguf", config, "Q8_0", kv_layout, False))
+    prompts = [[5, 17, 99], [3, 250, 7, 1], [2, 400], [9, 8, 7, 6, 5]]
+    alone, together = [], []
+    for p in prompts:
+        cache = model.new_cache(32)
+        model.step(np.array(p), cache)
+        alone.append(model.forward(model.arch.embed(np.array([p[-1]])), cache)[0])
+    caches = [model.new_cache(32) for _ in prompts]
+    for p, cache in zip(prompts, caches, strict=True):
+        model.step(np.array(p), cache)
+    x = model.arch.embed(np.array([p[-1] for p in prompts]))
+    assert model.arch.decode_fused_many(  # type: ignore[attr-defined]
+        x, np.array([c.length for c in caches]), caches, model.layers
+    ) is not None  # fmt: skip
+    together = list(model.forward_many(x, caches))
+    ref = np.array(alone)
+    assert np.abs(np.array(together) - ref).max() <= 1e-5 * np.abs(ref).max()

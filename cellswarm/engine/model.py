@@ -165,6 +165,30 @@ class Model:
             names = ["token_embd.weight", *names]
         return non_finite(f"layer {layer}", self.weights, names)
 
+    def forward_many(self, x: np.ndarray, caches: Sequence[KVCache]) -> np.ndarray:
+        """One new token of each of n sequences: hidden states (n, d) -> (n, d) through this
+        model's layers, sequence i at position caches[i].length. Where the architecture can
+        (`decode_fused_many`: DeepSeek), the n tokens share each pass over the weights and each
+        routed expert runs once for the tokens routed to it; else one sequence at a time."""
+        many = getattr(self.arch, "decode_fused_many", None)
+        if many is not None and len(caches) > 1:
+            positions = np.array([c.length for c in caches], dtype=np.int64)
+            with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+                out = many(x, positions, list(caches), self.layers)
+            if out is not None and np.isfinite(out).all():
+                return np.asarray(out)
+            # None, or not finite: one by one, which rewrites this step's cache entries and
+            # names the layer that failed
+        return np.concatenate([self.forward(x[i : i + 1], c) for i, c in enumerate(caches)])
+
+    def step_many(self, token_ids: Sequence[int], caches: Sequence[KVCache]) -> np.ndarray:
+        """One token per sequence -> logits (n, vocab), each cache one token longer."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        h = self.forward_many(self.arch.embed(ids), caches)
+        for c in caches:
+            c.length += 1
+        return self.arch.head(h)
+
     def step(self, token_ids: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
         """Token ids (T,) -> logits (T, vocab), appending them to the cache; with last_only,
         (1, vocab) for the last position (generation needs no more, and the head over a

@@ -114,8 +114,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_llama_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p, p, p]
     lib.cs_llama_decode.restype = None
     lib.cs_swiglu1.argtypes = [p, p, p, p, i64, p]
-    lib.cs_ds_scratch_floats.argtypes = [p, i64]
-    lib.cs_ds_scratch_qbytes.argtypes = [p]
+    lib.cs_ds_scratch_floats.argtypes = [p, i64, i64]
+    lib.cs_ds_scratch_qbytes.argtypes = [p, i64]
+    lib.cs_ds_decode_many.argtypes = [p, i64, p, p, p, p, p, p, i64, p, p]
+    lib.cs_ds_decode_many.restype = None
     lib.cs_ds_scratch_floats.restype = lib.cs_ds_scratch_qbytes.restype = i64
     lib.cs_ds_attention.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
     lib.cs_ds_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
@@ -339,13 +341,32 @@ class DsLayer(ctypes.Structure):
     ]  # fmt: skip
 
 
-def ds_scratch(layer: DsLayer, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """Float and int8 scratch for the fused DeepSeek calls on a cache of `capacity` tokens."""
+def ds_scratch(layer: DsLayer, capacity: int, n: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Float and int8 scratch for the fused DeepSeek calls: n sequences, caches of up to
+    `capacity` tokens."""
     lib = _load()
     assert lib is not None
     ref = ctypes.addressof(layer)
-    floats = lib.cs_ds_scratch_floats(ref, capacity)
-    return np.empty(floats, np.float32), np.empty(lib.cs_ds_scratch_qbytes(ref), np.int8)
+    floats = lib.cs_ds_scratch_floats(ref, capacity, n)
+    return np.empty(floats, np.float32), np.empty(lib.cs_ds_scratch_qbytes(ref, n), np.int8)
+
+
+def ds_decode_many(
+    layer: DsLayer, x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+    latents: list[np.ndarray], k_ropes: list[np.ndarray], scratch: tuple[np.ndarray, np.ndarray],
+) -> None:  # fmt: skip
+    """One layer for one token of each of n sequences, in place on x (n, d): pos (n,) int64,
+    cos/sin (n, R/2), each sequence's latent (cap, L) and RoPE key (cap, R) stores."""
+    lib = _lib
+    assert lib is not None
+    n = x.shape[0]
+    lat = (ctypes.c_void_p * n)(*[a.ctypes.data for a in latents])
+    kr = (ctypes.c_void_p * n)(*[a.ctypes.data for a in k_ropes])
+    cap = max(a.shape[0] for a in latents)
+    f, q = scratch
+    lib.cs_ds_decode_many(ctypes.addressof(layer), n, x.ctypes.data, pos.ctypes.data,
+                          cos.ctypes.data, sin.ctypes.data, lat, kr, cap, f.ctypes.data,
+                          q.ctypes.data)  # fmt: skip
 
 
 def ds_layer_call(

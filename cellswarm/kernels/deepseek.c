@@ -94,8 +94,28 @@ static float row_dot(const mat *m, const uint8_t *row, int64_t cols, const actv 
 }
 
 /* Matrix-vector products run side by side: task i is rows [0, rows) of `m`'s layout starting
- * at `w`, times `a`, into `out`. */
-typedef struct { const mat *m; const uint8_t *w; int64_t rows, cols; actv a; float *out; } task;
+ * at `w`, times `a`, into `out`; with nx > 1, nx activation rows (`cols` apart) share each
+ * weight row, output row k at out + k * ld (0 and 0: one vector). */
+typedef struct {
+    const mat *m; const uint8_t *w; int64_t rows, cols; actv a; float *out; int64_t nx, ld;
+} task;
+
+/* nx dot products of one weight row, as the row kernels compute them for a batch. */
+static void row_dots(const task *k, const uint8_t *row, float *o) {
+    if (k->m->kind != 0) {
+        for (int64_t i = 0; i < k->nx; i++) o[i] = dot_float(k->m->kind, k->m->fmt, row, k->cols, k->a.xf + i * k->cols);
+        return;
+    }
+#ifdef HAVE_SIMD_ROWS
+    const acts s = {k->a.xq, k->a.xd, k->a.xs, k->cols, k->nx, k->a.xsum};
+    simd_row((int)k->m->fmt, row, k->cols, &s, o);
+#else
+    for (int64_t i = 0; i < k->nx; i++) {
+        const actv a = {NULL, k->a.xq + i * k->cols, k->a.xd + i * k->cols / 32, k->a.xs + i * k->cols / 16, NULL};
+        o[i] = row_dot(k->m, row, k->cols, &a);
+    }
+#endif
+}
 #define MAX_TASKS 512
 
 static int threads_now(void) {
@@ -125,7 +145,13 @@ static void run_tasks(const task *t, int n) {
             while (start[i + 1] <= r) i++;
             const task *k = &t[i];
             const int64_t j = r - start[i];
-            k->out[j] = row_dot(k->m, k->w + j * k->m->row_bytes, k->cols, &k->a);
+            if (k->nx <= 1) {
+                k->out[j] = row_dot(k->m, k->w + j * k->m->row_bytes, k->cols, &k->a);
+            } else {
+                float o[MAX_BATCH];
+                row_dots(k, k->w + j * k->m->row_bytes, o);
+                for (int64_t b = 0; b < k->nx; b++) k->out[b * k->ld + j] = o[b];
+            }
         }
     }
 }
@@ -182,26 +208,32 @@ typedef struct {
     float eps, latent_eps, scale, routed_scale;
 } ds_layer;
 
-/* The scratch one call needs, in floats, and the widest vector it quantizes. */
+/* The widest vector one token's call quantizes at once. */
 static int64_t ds_widest(const ds_layer *L) {
     const int64_t H = L->n_heads, shared = L->gate.w ? L->gate.rows : 0;
     int64_t w = L->d;
     const int64_t cand[] = {L->q_lora, H * L->nope, H * L->kv_lora, H * L->v_dim, L->ffn,
-                            L->n_used * L->moe_ffn + shared};
+                            L->n_used * L->moe_ffn + shared, (L->n_used + 1) * L->d};
     for (size_t i = 0; i < sizeof cand / sizeof cand[0]; i++) w = cand[i] > w ? cand[i] : w;
     return w;
 }
 
-int64_t cs_ds_scratch_floats(const ds_layer *L, int64_t cap) {
-    const int64_t H = L->n_heads, qk = L->nope + L->rope_dim, shared = L->gate.w ? L->gate.rows : 0;
-    const int64_t ffn = L->ffn > L->n_used * L->moe_ffn + shared ? L->ffn : L->n_used * L->moe_ffn + shared;
-    return 2 * L->d + L->q_lora + H * qk + H * L->nope + L->kv_lora + L->rope_dim + 2 * H * L->kv_lora
-           + H * L->v_dim + H * cap + 3 * L->n_experts + 2 * ffn + (L->n_used + 1) * L->d
-           + ds_widest(L) / 32 + 64;
+static int64_t ds_ffn_width(const ds_layer *L) {
+    const int64_t shared = L->gate.w ? L->gate.rows : 0, moe = L->n_used * L->moe_ffn + shared;
+    return L->ffn > moe ? L->ffn : moe;
 }
 
-int64_t cs_ds_scratch_qbytes(const ds_layer *L) {
-    const int64_t w = ds_widest(L);
+/* Scratch floats for n tokens (of n sequences) on caches of up to `cap` tokens. */
+int64_t cs_ds_scratch_floats(const ds_layer *L, int64_t cap, int64_t n) {
+    const int64_t H = L->n_heads, qk = L->nope + L->rope_dim;
+    const int64_t per = 2 * L->d + L->q_lora + H * qk + H * L->nope + L->kv_lora + L->rope_dim
+                        + 2 * H * L->kv_lora + H * L->v_dim + H * cap + 3 * L->n_experts
+                        + 2 * ds_ffn_width(L) + (L->n_used + 1) * L->d + ds_widest(L) / 32;
+    return n * per + 64;
+}
+
+int64_t cs_ds_scratch_qbytes(const ds_layer *L, int64_t n) {
+    const int64_t w = n * ds_widest(L);
     return w + 4 * (w / 32) + 4 * (w / 16) + 64;
 }
 
@@ -210,27 +242,26 @@ typedef struct {
     qbuf q8;
 } ds_scratch;
 
-static ds_scratch carve(const ds_layer *L, int64_t cap, float *f, int8_t *q8) {
-    const int64_t H = L->n_heads, qk = L->nope + L->rope_dim, shared = L->gate.w ? L->gate.rows : 0;
-    const int64_t ffn = L->ffn > L->n_used * L->moe_ffn + shared ? L->ffn : L->n_used * L->moe_ffn + shared;
-    const int64_t w = ds_widest(L);
+static ds_scratch carve(const ds_layer *L, int64_t cap, float *f, int8_t *q8, int64_t n) {
+    const int64_t H = L->n_heads, qk = L->nope + L->rope_dim, ffn = ds_ffn_width(L);
+    const int64_t w = n * ds_widest(L);
     ds_scratch s;
-    s.h = f; f += L->d;
-    s.tmp = f; f += L->d;
-    s.qa = f; f += L->q_lora;
-    s.q = f; f += H * qk;
-    s.qn = f; f += H * L->nope;
-    s.kv = f; f += L->kv_lora + L->rope_dim;
-    s.qlat = f; f += H * L->kv_lora;
-    s.ctx = f; f += H * L->kv_lora;
-    s.vo = f; f += H * L->v_dim;
-    s.probs = f; f += H * cap;
-    s.logits = f; f += L->n_experts;
-    s.scores = f; f += L->n_experts;
-    s.choice = f; f += L->n_experts;
-    s.g = f; f += ffn;
-    s.u = f; f += ffn;
-    s.y = f; f += (L->n_used + 1) * L->d;
+    s.h = f; f += n * L->d;
+    s.tmp = f; f += n * L->d;
+    s.qa = f; f += n * L->q_lora;
+    s.q = f; f += n * H * qk;
+    s.qn = f; f += n * H * L->nope;
+    s.kv = f; f += n * (L->kv_lora + L->rope_dim);
+    s.qlat = f; f += n * H * L->kv_lora;
+    s.ctx = f; f += n * H * L->kv_lora;
+    s.vo = f; f += n * H * L->v_dim;
+    s.probs = f; f += n * H * cap;
+    s.logits = f; f += n * L->n_experts;
+    s.scores = f; f += n * L->n_experts;
+    s.choice = f; f += n * L->n_experts;
+    s.g = f; f += n * ffn;
+    s.u = f; f += n * ffn;
+    s.y = f; f += n * (L->n_used + 1) * L->d;
     s.q8.sum = f;
     s.q8.q = q8;
     s.q8.d = (float *)(((uintptr_t)(q8 + w) + 15) & ~(uintptr_t)15);
@@ -441,24 +472,188 @@ static void ds_ffn(const ds_layer *L, float *x, ds_scratch *s, const int64_t *id
 
 void cs_ds_attention(const ds_layer *L, float *x, int64_t pos, const float *cs, const float *sn,
                      float *lat_store, float *kr_store, int64_t cap, float *f, int8_t *q8) {
-    ds_scratch s = carve(L, cap, f, q8);
+    ds_scratch s = carve(L, cap, f, q8, 1);
     ds_attention(L, x, pos, cs, sn, lat_store, kr_store, &s);
 }
 
 /* h (d) out; ids/weights only for a MoE layer. */
 void cs_ds_route(const ds_layer *L, const float *x, float *h, int64_t *ids, float *wts,
                  float *f, int8_t *q8) {
-    ds_scratch s = carve(L, 0, f, q8);
+    ds_scratch s = carve(L, 0, f, q8, 1);
     ds_route(L, x, &s, ids, wts);
     memcpy(h, s.h, sizeof(float) * (size_t)L->d);
 }
 
 void cs_ds_decode(const ds_layer *L, float *x, int64_t pos, const float *cs, const float *sn,
                   float *lat_store, float *kr_store, int64_t cap, float *f, int8_t *q8) {
-    ds_scratch s = carve(L, cap, f, q8);
+    ds_scratch s = carve(L, cap, f, q8, 1);
     int64_t ids[64];
     float wts[64];
     ds_attention(L, x, pos, cs, sn, lat_store, kr_store, &s);
     ds_route(L, x, &s, ids, wts);
     ds_ffn(L, x, &s, ids, wts);
+}
+
+/* ---- n sequences at once: each weight row read once for all of them -------------------------
+ * One token of each of n <= MAX_BATCH sequences (their own caches and positions). Matrices
+ * other than the experts take the n rows as one batch; each routed expert takes the rows of
+ * the tokens routed to it (grouped by expert), so an expert chosen by several sequences is
+ * read once. Attention stays per sequence and head. */
+
+static task batch(const mat *m, const uint8_t *w, int64_t rows, int64_t cols, actv a, float *out,
+                  int64_t nx, int64_t ld) {
+    return (task){m, w, rows, cols, a, out, nx, ld};
+}
+
+static void quant_rows(const float *x, int64_t n, int64_t cols, const qbuf *b, int64_t off) {
+    const qbuf part = {b->q + off, b->d + off / 32, b->s + off / 16, b->sum + off / 32};
+    cs_quantize_act(x, n, cols, part.q, part.d, part.s);
+    for (int64_t i = 0; i < n * cols / 32; i++) part.sum[i] = part.d[i] * (float)(part.s[2 * i] + part.s[2 * i + 1]);
+}
+
+static void ds_attention_many(const ds_layer *L, int64_t n, float *x, const int64_t *pos,
+                              const float *cs, const float *sn, float *const *lat_st,
+                              float *const *kr_st, ds_scratch *s) {
+    const int64_t d = L->d, H = L->n_heads, N = L->nope, R = L->rope_dim, qk = N + R;
+    const int64_t lat = L->kv_lora, V = L->v_dim, half = R / 2;
+    const qbuf *q = &s->q8;
+    for (int64_t i = 0; i < n; i++) rms(x + i * d, L->attn_norm, d, L->eps, s->h + i * d);
+    quant_rows(s->h, n, d, q, 0);
+    const actv ah = at(q, s->h, 0);
+    task t[MAX_TASKS];
+    if (L->q_a.w) {
+        t[0] = batch(&L->q_a, L->q_a.w, L->q_a.rows, d, ah, s->qa, n, L->q_lora);
+        t[1] = batch(&L->kv_a, L->kv_a.w, L->kv_a.rows, d, ah, s->kv, n, lat + R);
+        run_tasks(t, 2);
+        for (int64_t i = 0; i < n; i++)
+            rms(s->qa + i * L->q_lora, L->q_a_norm, L->q_lora, L->latent_eps, s->qa + i * L->q_lora);
+        if (L->q_b.kind == 0) quant_rows(s->qa, n, L->q_lora, q, 0);
+        t[0] = batch(&L->q_b, L->q_b.w, L->q_b.rows, L->q_lora, at(q, s->qa, 0), s->q, n, H * qk);
+        run_tasks(t, 1);
+    } else {
+        t[0] = batch(&L->q, L->q.w, L->q.rows, d, ah, s->q, n, H * qk);
+        t[1] = batch(&L->kv_a, L->kv_a.w, L->kv_a.rows, d, ah, s->kv, n, lat + R);
+        run_tasks(t, 2);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float *qi = s->q + i * H * qk, *kv = s->kv + i * (lat + R);
+        rope(qi + N, H, qk, R, 0, cs + i * half, sn + i * half);
+        rope(kv + lat, 1, R, R, 0, cs + i * half, sn + i * half);
+        rms(kv, L->kv_a_norm, lat, L->latent_eps, lat_st[i] + pos[i] * lat);
+        memcpy(kr_st[i] + pos[i] * R, kv + lat, sizeof(float) * (size_t)R);
+        for (int64_t h = 0; h < H; h++) /* qn: (H, n, N), a head's n rows together */
+            memcpy(s->qn + (h * n + i) * N, qi + h * qk, sizeof(float) * (size_t)N);
+    }
+    if (L->k_b.kind == 0) quant_rows(s->qn, H * n, N, q, 0);
+    for (int64_t h = 0; h < H; h++) /* qlat: (H, n, lat) */
+        t[h] = batch(&L->k_b, L->k_b.w + h * lat * L->k_b.row_bytes, lat, N, at(q, s->qn, h * n * N),
+                     s->qlat + h * n * lat, n, lat);
+    run_tasks(t, (int)H);
+    int64_t cap = 0;
+    for (int64_t i = 0; i < n; i++) cap = pos[i] + 1 > cap ? pos[i] + 1 : cap;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t hi = 0; hi < H * n; hi++) { /* ctx: (H, n, lat) */
+        const int64_t h = hi / n, i = hi % n;
+        mla_head(s->qlat + hi * lat, s->q + i * H * qk + h * qk + N, lat_st[i], kr_st[i], pos[i] + 1,
+                 lat, R, L->scale, s->probs + hi * cap, s->ctx + hi * lat);
+    }
+    if (L->v_b.kind == 0) quant_rows(s->ctx, H * n, lat, q, 0);
+    for (int64_t h = 0; h < H; h++) /* vo: (n, H * V) */
+        t[h] = batch(&L->v_b, L->v_b.w + h * V * L->v_b.row_bytes, V, lat, at(q, s->ctx, h * n * lat),
+                     s->vo + h * V, n, H * V);
+    run_tasks(t, (int)H);
+    if (L->o.kind == 0) quant_rows(s->vo, n, H * V, q, 0);
+    t[0] = batch(&L->o, L->o.w, L->o.rows, H * V, at(q, s->vo, 0), s->tmp, n, d);
+    run_tasks(t, 1);
+    for (int64_t i = 0; i < n * d; i++) x[i] += s->tmp[i];
+}
+
+static void ds_ffn_many(const ds_layer *L, int64_t n, float *x, ds_scratch *s) {
+    const int64_t d = L->d, k = L->n_used, E = L->n_experts, F = L->moe_ffn;
+    const qbuf *q = &s->q8;
+    task t[MAX_TASKS];
+    for (int64_t i = 0; i < n; i++) rms(x + i * d, L->ffn_norm, d, L->eps, s->h + i * d);
+    if (!L->moe) {
+        const int64_t ffn = L->gate.rows;
+        quant_rows(s->h, n, d, q, 0);
+        t[0] = batch(&L->gate, L->gate.w, ffn, d, at(q, s->h, 0), s->g, n, ffn);
+        t[1] = batch(&L->up, L->up.w, ffn, d, at(q, s->h, 0), s->u, n, ffn);
+        run_tasks(t, 2);
+        for (int64_t i = 0; i < n; i++) silu_mul(s->g + i * ffn, s->u + i * ffn, ffn);
+        if (L->down.kind == 0) quant_rows(s->g, n, ffn, q, 0);
+        t[0] = batch(&L->down, L->down.w, d, ffn, at(q, s->g, 0), s->tmp, n, d);
+        run_tasks(t, 1);
+        for (int64_t i = 0; i < n * d; i++) x[i] += s->tmp[i];
+        return;
+    }
+    /* route every token */
+    int64_t ids[MAX_BATCH * 64];
+    float wts[MAX_BATCH * 64];
+    quant_rows(s->h, n, d, q, 0);
+    t[0] = batch(&L->router, L->router.w, E, d, at(q, s->h, 0), s->logits, n, E);
+    run_tasks(t, 1);
+    for (int64_t i = 0; i < n; i++) {
+        ds_scratch one = *s;
+        one.logits = s->logits + i * E;
+        one.scores = s->scores + i * E;
+        one.choice = s->choice + i * E;
+        route1(L, &one, ids + i * k, wts + i * k);
+    }
+    /* group by expert, ascending: rows of (token, weight) in expert order */
+    int64_t row_tok[MAX_BATCH * 64], first[MAX_TASKS], count[MAX_TASKS], sel[MAX_TASKS];
+    float row_w[MAX_BATCH * 64];
+    int64_t rows = 0, ne = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (L->held && !L->held[e]) continue;
+        const int64_t r0 = rows;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < k; j++)
+                if (ids[i * k + j] == e) { row_tok[rows] = i; row_w[rows] = wts[i * k + j]; rows++; }
+        if (rows > r0) { sel[ne] = e; first[ne] = r0; count[ne] = rows - r0; ne++; }
+    }
+    const int64_t S = L->gate.w ? L->gate.rows : 0;
+    float *hg = s->y; /* the gathered rows, then (after gate/up) the experts' outputs */
+    for (int64_t r = 0; r < rows; r++) memcpy(hg + r * d, s->h + row_tok[r] * d, sizeof(float) * (size_t)d);
+    memcpy(hg + rows * d, s->h, sizeof(float) * (size_t)(n * d)); /* the shared expert's */
+    quant_rows(hg, rows + n, d, q, 0);
+    int nt = 0;
+    for (int64_t j = 0; j < ne; j++) {
+        const actv a = at(q, hg, first[j] * d);
+        t[nt++] = batch(&L->gate_exps, L->gate_exps.w + sel[j] * L->gate_stride, F, d, a, s->g + first[j] * F, count[j], F);
+        t[nt++] = batch(&L->up_exps, L->up_exps.w + sel[j] * L->up_stride, F, d, a, s->u + first[j] * F, count[j], F);
+    }
+    float *gs = s->g + rows * F, *us = s->u + rows * F; /* the shared expert's hidden (n, S) */
+    if (S) {
+        t[nt++] = batch(&L->gate, L->gate.w, S, d, at(q, hg, rows * d), gs, n, S);
+        t[nt++] = batch(&L->up, L->up.w, S, d, at(q, hg, rows * d), us, n, S);
+    }
+    run_tasks(t, nt);
+    for (int64_t r = 0; r < rows; r++) silu_mul(s->g + r * F, s->u + r * F, F);
+    for (int64_t i = 0; S && i < n; i++) silu_mul(gs + i * S, us + i * S, S);
+    if (L->down_exps.kind == 0) quant_rows(s->g, rows, F, q, 0);
+    if (S && L->down.kind == 0) quant_rows(gs, n, S, q, rows * F);
+    nt = 0;
+    float *y = s->y, *ys = s->y + rows * d;
+    for (int64_t j = 0; j < ne; j++)
+        t[nt++] = batch(&L->down_exps, L->down_exps.w + sel[j] * L->down_stride, d, F,
+                        at(q, s->g, first[j] * F), y + first[j] * d, count[j], d);
+    if (S) t[nt++] = batch(&L->down, L->down.w, d, S, at(q, s->g, rows * F), ys, n, d);
+    run_tasks(t, nt);
+    for (int64_t i = 0; i < n * d; i++) s->tmp[i] = 0.0f;
+    for (int64_t r = 0; r < rows; r++) { /* per token, in ascending expert order */
+        float *o = s->tmp + row_tok[r] * d;
+        for (int64_t c = 0; c < d; c++) o[c] += y[r * d + c] * row_w[r];
+    }
+    for (int64_t i = 0; S && i < n * d; i++) s->tmp[i] += ys[i];
+    for (int64_t i = 0; i < n * d; i++) x[i] += s->tmp[i];
+}
+
+/* x (n, d): one token of each of n sequences; pos (n); cs/sn (n, R/2); the caches' latent and
+ * RoPE-key stores, one pointer per sequence; scratch for n (cs_ds_scratch_*(L, cap, n)). */
+void cs_ds_decode_many(const ds_layer *L, int64_t n, float *x, const int64_t *pos,
+                       const float *cs, const float *sn, float *const *lat_st,
+                       float *const *kr_st, int64_t cap, float *f, int8_t *q8) {
+    ds_scratch s = carve(L, cap, f, q8, n);
+    ds_attention_many(L, n, x, pos, cs, sn, lat_st, kr_st, &s);
+    ds_ffn_many(L, n, x, &s);
 }

@@ -646,6 +646,13 @@ class Deepseek2:
         when a weight has no fused kernel (an F32 model runs `block`)."""
         return self._fused.run(x, positions, cache, layers)
 
+    def decode_fused_many(
+        self, x: np.ndarray, positions: np.ndarray, caches: list[KVCache], layers: range
+    ) -> np.ndarray | None:
+        """One token of each of n sequences (x (n, d), positions (n,)) through `layers`, the
+        sequences' tokens sharing each pass over the weights; None: run them one by one."""
+        return self._fused.run_many(x, positions, caches, layers)
+
     def moe(self, layer: int, h: np.ndarray, routing: Routing | None = None) -> np.ndarray:
         """Routed experts (held here, and `remote_experts`) plus shared experts: (T, d) ->
         (T, d). Remote experts are asked first, so they compute while this node does its own.

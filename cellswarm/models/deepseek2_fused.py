@@ -63,7 +63,7 @@ class FusedDecode:
     def __init__(self, model: Deepseek2) -> None:
         self.model = model
         self._layers: dict[int, FusedLayer | None] = {}
-        self._scratch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._scratch: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def run(
         self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
@@ -101,14 +101,50 @@ class FusedDecode:
             out = out + m.moe(i, h[None], routing)[0]
         return out[None]
 
-    def scratch(self, capacity: int, layers: range) -> tuple[np.ndarray, np.ndarray]:
-        """One buffer pair for every layer (the widest layer's needs), per cache capacity."""
-        held = self._scratch.get(capacity)
+    def run_many(
+        self, x: np.ndarray, positions: np.ndarray, caches: list[KVCache], layers: range
+    ) -> np.ndarray | None:
+        """One token of each of n sequences: x (n, d) -> (n, d), each weight row read once
+        for all of them, each routed expert once for the tokens routed to it. None when a
+        layer cannot run fused or experts live elsewhere (then each runs alone)."""
+        n = x.shape[0]
+        if not kernels.enabled() or self.model.remote_experts is not None:
+            return None
+        if not 1 <= n <= kernels.MAX_BATCH:
+            return None
+        built = [self.layer(i) for i in layers]
+        if any(b is None for b in built):
+            return None
+        out = np.array(x, dtype=np.float32)  # (n, d)
+        cos, sin = (np.ascontiguousarray(t[:, 0]) for t in self.model.rope._tables(positions))
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        for i, b in zip(layers, built, strict=True):
+            assert b is not None
+            stores = [c.layer(i) for c in caches]
+            latents = [s.storage("latent") for s in stores]
+            k_ropes = [s.storage("k_rope") for s in stores]
+            for p, lat in zip(pos, latents, strict=True):
+                if p >= lat.shape[0]:
+                    raise BudgetError(
+                        f"KV cache holds {lat.shape[0]} tokens; writing token {p + 1} "
+                        "overflows it (raise max tokens or the cache budget)"
+                    )
+            cap = max(lat.shape[0] for lat in latents)
+            scratch = self.scratch(cap, layers, n)
+            kernels.ds_decode_many(b.struct, out, pos, cos, sin, latents, k_ropes, scratch)
+        return out
+
+    def scratch(
+        self, capacity: int, layers: range, n: int = 1
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One buffer pair for every layer (the widest layer's needs), per cache capacity and
+        number of sequences; a new pair only for a larger one."""
+        held = self._scratch.get((capacity, n))
         if held is None:
-            self._scratch.clear()  # a capacity seen before is rare: keep one pair
-            pairs = [kernels.ds_scratch(b.struct, capacity) for b in self._built(layers)]
+            self._scratch.clear()  # keep one pair: the last shape asked for
+            pairs = [kernels.ds_scratch(b.struct, capacity, n) for b in self._built(layers)]
             held = (max((p[0] for p in pairs), key=len), max((p[1] for p in pairs), key=len))
-            self._scratch[capacity] = held
+            self._scratch[(capacity, n)] = held
         return held
 
     def _built(self, layers: range) -> list[FusedLayer]:
