@@ -740,10 +740,10 @@ class Deepseek2:
             kv_b = self.w.matrix(p + "attn_kv_b.weight", (n_heads * (nope + v), lat))
             per_head = kv_b.dequantize().reshape(n_heads, nope + v, lat)
             w_uk, w_uv = per_head[:, :nope], per_head[:, nope:]
-        cached = (
-            np.ascontiguousarray(w_uk, dtype=np.float32),
-            np.ascontiguousarray(w_uv, dtype=np.float32),
-        )
+        # W_UK is kept as (H, L, N) rows, handed out as its (H, N, L) view: the fused decode
+        # layer multiplies by its rows (models/deepseek2_fused.py), so one copy serves both.
+        uk_rows = np.ascontiguousarray(np.asarray(w_uk, np.float32).transpose(0, 2, 1))
+        cached = (uk_rows.transpose(0, 2, 1), np.ascontiguousarray(w_uv, dtype=np.float32))
         self._absorbed[layer] = cached
         return cached
 

@@ -237,8 +237,9 @@ class FusedDecode:
                     keep += [k_b, v_b]
                     # rows per head (the stack may have come flattened to (H * rows, cols))
                     return (ka[0], ka[1], ka[2], lat, ka[4]), (va[0], va[1], va[2], v, va[4])
-        w_uk, w_uv = m.absorbed(layer)  # (H, N, L), (H, V, L)
-        uk_t = np.ascontiguousarray(w_uk.transpose(0, 2, 1))  # (H, L, N)
+        w_uk, w_uv = m.absorbed(layer)  # (H, N, L) as a view of (H, L, N) rows, (H, V, L)
+        uk_t = w_uk.transpose(0, 2, 1)  # (H, L, N), contiguous: no copy
+        assert uk_t.flags.c_contiguous
         keep += [uk_t, w_uv]
         assert uk_t.shape[1:] == (lat, nope) and w_uv.shape[1:] == (v, lat)
         return _float_args(uk_t), _float_args(w_uv)
