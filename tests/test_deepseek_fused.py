@@ -129,7 +129,7 @@ def test_sequences_in_flight_decode_together_as_alone(
     tmp_path: Path, config: DeepseekConfig, kv_layout: str
 ) -> None:
     """Four sequences at different positions decoded as one batch (each weight row and each
-    chosen expert read once for all) give what each gives alone, up to summation order."""
+    chosen expert read once for all) give the same bits each gives alone."""
     model = cellswarm.load(write(tmp_path / "m.gguf", config, "Q8_0", kv_layout, False))
     prompts = [[5, 17, 99], [3, 250, 7, 1], [2, 400], [9, 8, 7, 6, 5]]
     alone, together = [], []
@@ -145,5 +145,4 @@ def test_sequences_in_flight_decode_together_as_alone(
         x, np.array([c.length for c in caches]), caches, model.layers
     ) is not None  # fmt: skip
     together = list(model.forward_many(x, caches))
-    ref = np.array(alone)
-    assert np.abs(np.array(together) - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert np.array_equal(np.array(together), np.array(alone))

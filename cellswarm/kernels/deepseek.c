@@ -95,27 +95,11 @@ static float row_dot(const mat *m, const uint8_t *row, int64_t cols, const actv 
 
 /* Matrix-vector products run side by side: task i is rows [0, rows) of `m`'s layout starting
  * at `w`, times `a`, into `out`; with nx > 1, nx activation rows (`cols` apart) share each
- * weight row, output row k at out + k * ld (0 and 0: one vector). */
+ * read of a weight row, output row k at out + k * ld (nx 0 or 1: one vector). */
 typedef struct {
     const mat *m; const uint8_t *w; int64_t rows, cols; actv a; float *out; int64_t nx, ld;
 } task;
 
-/* nx dot products of one weight row, as the row kernels compute them for a batch. */
-static void row_dots(const task *k, const uint8_t *row, float *o) {
-    if (k->m->kind != 0) {
-        for (int64_t i = 0; i < k->nx; i++) o[i] = dot_float(k->m->kind, k->m->fmt, row, k->cols, k->a.xf + i * k->cols);
-        return;
-    }
-#ifdef HAVE_SIMD_ROWS
-    const acts s = {k->a.xq, k->a.xd, k->a.xs, k->cols, k->nx, k->a.xsum};
-    simd_row((int)k->m->fmt, row, k->cols, &s, o);
-#else
-    for (int64_t i = 0; i < k->nx; i++) {
-        const actv a = {NULL, k->a.xq + i * k->cols, k->a.xd + i * k->cols / 32, k->a.xs + i * k->cols / 16, NULL};
-        o[i] = row_dot(k->m, row, k->cols, &a);
-    }
-#endif
-}
 #define MAX_TASKS 512
 
 static int threads_now(void) {
@@ -145,12 +129,15 @@ static void run_tasks(const task *t, int n) {
             while (start[i + 1] <= r) i++;
             const task *k = &t[i];
             const int64_t j = r - start[i];
-            if (k->nx <= 1) {
-                k->out[j] = row_dot(k->m, k->w + j * k->m->row_bytes, k->cols, &k->a);
-            } else {
-                float o[MAX_BATCH];
-                row_dots(k, k->w + j * k->m->row_bytes, o);
-                for (int64_t b = 0; b < k->nx; b++) k->out[b * k->ld + j] = o[b];
+            const uint8_t *row = k->w + j * k->m->row_bytes;
+            k->out[j] = row_dot(k->m, row, k->cols, &k->a);
+            /* More activation rows: each with the one-row kernel while the weight row is in
+             * L1, so a token's result is the same bits alone or batched with others. */
+            for (int64_t b = 1; b < k->nx; b++) {
+                const int64_t o = b * k->cols;
+                const actv a = {k->a.xf ? k->a.xf + o : NULL, k->a.xq + o, k->a.xd + o / 32,
+                                k->a.xs + o / 16, k->a.xsum ? k->a.xsum + o / 32 : NULL};
+                k->out[b * k->ld + j] = row_dot(k->m, row, k->cols, &a);
             }
         }
     }
@@ -498,7 +485,9 @@ void cs_ds_decode(const ds_layer *L, float *x, int64_t pos, const float *cs, con
  * One token of each of n <= MAX_BATCH sequences (their own caches and positions). Matrices
  * other than the experts take the n rows as one batch; each routed expert takes the rows of
  * the tokens routed to it (grouped by expert), so an expert chosen by several sequences is
- * read once. Attention stays per sequence and head. */
+ * read from memory once. Attention stays per sequence and head. Every row is the one-row
+ * arithmetic in the one-token order, so a sequence's result is the same bits batched or not:
+ * batching may depend on timing, results must not. */
 
 static task batch(const mat *m, const uint8_t *w, int64_t rows, int64_t cols, actv a, float *out,
                   int64_t nx, int64_t ld) {
