@@ -754,16 +754,6 @@ static void rms(const float *x, const float *w, int64_t n, float eps, float *out
     for (int64_t i = 0; i < n; i++) out[i] = (x[i] * inv) * w[i];
 }
 
-/* y (rows) = W x for one token; act8/act_d/act_s hold x quantized (filled when quant != 0) */
-static void mm(const mat *m, const float *x, int64_t cols, const int8_t *xq, const float *xd,
-               const int32_t *xs, float *y) {
-    if (m->kind == 1) {
-        cs_matmul_f((int)m->fmt, m->w, m->rows, cols, x, 1, y);
-    } else {
-        cs_matmul_q((int)m->fmt, m->w, m->rows, m->row_bytes, cols, xq, xd, xs, 1, y);
-    }
-}
-
 static void rope(float *v, int64_t heads, int64_t hd, int64_t dim, int neox, const float *cs,
                  const float *sn) {
     for (int64_t h = 0; h < heads; h++) {
@@ -775,46 +765,6 @@ static void rope(float *v, int64_t heads, int64_t hd, int64_t dim, int neox, con
             r[ib] = b * cs[i] + a * sn[i];
         }
     }
-}
-
-/* scratch floats: 3*d + (n_heads + 2*n_kv)*head_dim + 2*ffn + n_heads*(pos+1);
- * qscratch bytes: max(d, ffn) int8 + floats/ints for scales and sums (see layer_scratch). */
-void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *cs,
-                     const float *sn, float *k_store, float *v_store, int64_t cap, float *f,
-                     int8_t *xq, float *xd, int32_t *xs) {
-    const int64_t d = L->d, hd = L->head_dim, qn = L->n_heads * hd, kn = L->n_kv * hd;
-    float *h = f, *att = h + d, *q = att + qn, *k = q + qn, *v = k + kn, *g = v + kn;
-    float *u = g + L->ffn, *tmp = u + L->ffn, *probs = tmp + d;
-    rms(x, L->attn_norm, d, L->eps, h);
-    cs_quantize_act(h, 1, d, xq, xd, xs);
-    mm(&L->q, h, d, xq, xd, xs, q);
-    mm(&L->k, h, d, xq, xd, xs, k);
-    mm(&L->v, h, d, xq, xd, xs, v);
-    if (L->q_bias) for (int64_t i = 0; i < qn; i++) q[i] += L->q_bias[i];
-    if (L->k_bias) for (int64_t i = 0; i < kn; i++) k[i] += L->k_bias[i];
-    if (L->v_bias) for (int64_t i = 0; i < kn; i++) v[i] += L->v_bias[i];
-    if (L->q_norm) {
-        for (int64_t i = 0; i < L->n_heads; i++) rms(q + i * hd, L->q_norm, hd, L->eps, q + i * hd);
-        for (int64_t i = 0; i < L->n_kv; i++) rms(k + i * hd, L->k_norm, hd, L->eps, k + i * hd);
-    }
-    rope(q, L->n_heads, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
-    rope(k, L->n_kv, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
-    for (int64_t i = 0; i < L->n_kv; i++) { /* head-major cache: (n_kv, cap, hd) */
-        memcpy(k_store + (i * cap + pos) * hd, k + i * hd, sizeof(float) * (size_t)hd);
-        memcpy(v_store + (i * cap + pos) * hd, v + i * hd, sizeof(float) * (size_t)hd);
-    }
-    attend1(q, k_store, v_store, L->n_heads, L->n_kv, cap, pos + 1, hd, L->scale, att, probs);
-    cs_quantize_act(att, 1, qn, xq, xd, xs);
-    mm(&L->o, att, qn, xq, xd, xs, tmp);
-    for (int64_t i = 0; i < d; i++) x[i] += tmp[i];
-    rms(x, L->ffn_norm, d, L->eps, h);
-    cs_quantize_act(h, 1, d, xq, xd, xs);
-    mm(&L->gate, h, d, xq, xd, xs, g);
-    mm(&L->up, h, d, xq, xd, xs, u);
-    for (int64_t i = 0; i < L->ffn; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    cs_quantize_act(g, 1, L->ffn, xq, xd, xs);
-    mm(&L->down, g, L->ffn, xq, xd, xs, tmp);
-    for (int64_t i = 0; i < d; i++) x[i] += tmp[i];
 }
 
 /* Streaming-read bandwidth probe: sum n bytes as 64-bit words over all threads (bench only). */
@@ -836,3 +786,4 @@ void cs_set_threads(int n) {
 int cs_max_batch(void) { return MAX_BATCH; }
 
 #include "deepseek.c"
+#include "llama.c"

@@ -341,7 +341,7 @@ class Llama:
                 capacity,
                 np.empty(floats, np.float32),
                 np.empty(widest, np.int8),
-                np.empty(widest // 32, np.float32),
+                np.empty(2 * (widest // 32), np.float32),  # scales, then block sums
                 np.empty(widest // 16, np.int32),
             )
         return self._scratch[1:]

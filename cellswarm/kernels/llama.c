@@ -1,0 +1,53 @@
+/* One llama-family layer for one token (models/llama.py), allocation-free.
+ *
+ * Included at the end of kernels.c, after deepseek.c, whose task runner it shares: the
+ * products that read the same input run as one parallel loop over all their rows (Q, K and V;
+ * gate and up), so a layer costs four thread fork/joins, not seven. Each row is computed
+ * whole by one thread with the one-row kernel, so the result does not depend on threads.
+ *
+ * scratch floats: 3*d + (n_heads + 2*n_kv)*head_dim + 2*ffn + n_heads*(pos+1);
+ * xq: the widest of d, n_heads*head_dim, ffn bytes; xd: 2 * widest/32 floats (scales, then
+ * block sums); xs: widest/16 ints. */
+void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *cs,
+                     const float *sn, float *k_store, float *v_store, int64_t cap, float *f,
+                     int8_t *xq, float *xd, int32_t *xs) {
+    const int64_t d = L->d, hd = L->head_dim, qn = L->n_heads * hd, kn = L->n_kv * hd;
+    int64_t widest = d > qn ? d : qn;
+    widest = L->ffn > widest ? L->ffn : widest;
+    float *h = f, *att = h + d, *q = att + qn, *k = q + qn, *v = k + kn, *g = v + kn;
+    float *u = g + L->ffn, *tmp = u + L->ffn, *probs = tmp + d;
+    const qbuf qb = {xq, xd, xs, xd + widest / 32};
+    rms(x, L->attn_norm, d, L->eps, h);
+    quant(h, d, &qb);
+    const actv ah = at(&qb, h, 0);
+    task t[3] = {whole(&L->q, d, ah, q), whole(&L->k, d, ah, k), whole(&L->v, d, ah, v)};
+    run_tasks(t, 3);
+    if (L->q_bias) for (int64_t i = 0; i < qn; i++) q[i] += L->q_bias[i];
+    if (L->k_bias) for (int64_t i = 0; i < kn; i++) k[i] += L->k_bias[i];
+    if (L->v_bias) for (int64_t i = 0; i < kn; i++) v[i] += L->v_bias[i];
+    if (L->q_norm) {
+        for (int64_t i = 0; i < L->n_heads; i++) rms(q + i * hd, L->q_norm, hd, L->eps, q + i * hd);
+        for (int64_t i = 0; i < L->n_kv; i++) rms(k + i * hd, L->k_norm, hd, L->eps, k + i * hd);
+    }
+    rope(q, L->n_heads, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
+    rope(k, L->n_kv, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
+    for (int64_t i = 0; i < L->n_kv; i++) { /* head-major cache: (n_kv, cap, hd) */
+        memcpy(k_store + (i * cap + pos) * hd, k + i * hd, sizeof(float) * (size_t)hd);
+        memcpy(v_store + (i * cap + pos) * hd, v + i * hd, sizeof(float) * (size_t)hd);
+    }
+    attend1(q, k_store, v_store, L->n_heads, L->n_kv, cap, pos + 1, hd, L->scale, att, probs);
+    if (L->o.kind == 0) quant(att, qn, &qb);
+    t[0] = whole(&L->o, qn, at(&qb, att, 0), tmp);
+    run_tasks(t, 1);
+    for (int64_t i = 0; i < d; i++) x[i] += tmp[i];
+    rms(x, L->ffn_norm, d, L->eps, h);
+    quant(h, d, &qb);
+    t[0] = whole(&L->gate, d, at(&qb, h, 0), g);
+    t[1] = whole(&L->up, d, at(&qb, h, 0), u);
+    run_tasks(t, 2);
+    silu_mul(g, u, L->ffn);
+    if (L->down.kind == 0) quant(g, L->ffn, &qb);
+    t[0] = whole(&L->down, L->ffn, at(&qb, g, 0), tmp);
+    run_tasks(t, 1);
+    for (int64_t i = 0; i < d; i++) x[i] += tmp[i];
+}
