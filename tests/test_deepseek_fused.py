@@ -146,3 +146,24 @@ def test_sequences_in_flight_decode_together_as_alone(
     ) is not None  # fmt: skip
     together = list(model.forward_many(x, caches))
     assert np.array_equal(np.array(together), np.array(alone))
+
+
+def test_prefill_in_query_blocks_matches_one_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt's causal attention runs in blocks of queries against only the keys
+    they see (ops.query_blocks): the same as one block with the upper triangle masked."""
+    from cellswarm.models import ops
+
+    model = cellswarm.load(write(tmp_path / "m.gguf", V3, "Q8_0", "split", False))
+    ids = np.random.default_rng(1).integers(0, V3.vocab_size, 300)
+    blocked = model.logits(ids)
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 10**6)
+    whole = model.logits(ids)
+    assert np.abs(blocked - whole).max() <= 1e-4 * np.abs(whole).max()
+    q = np.random.default_rng(2).standard_normal((300, 8, 16)).astype(np.float32)
+    k, v = (np.random.default_rng(3).standard_normal((2, 300, 16)).astype(np.float32) for _ in "kv")
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 64)
+    small = ops.attention(q, k, v, 0.25)
+    monkeypatch.setattr(ops, "QUERY_BLOCK", 10**6)
+    assert np.allclose(small, ops.attention(q, k, v, 0.25), atol=1e-5)

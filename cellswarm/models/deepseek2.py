@@ -709,12 +709,23 @@ class Deepseek2:
 
         w_uk, w_uv = self.absorbed(layer)  # (H, N, L), (H, V, L)
         q_lat = q_nope.transpose(1, 0, 2) @ w_uk  # (H, T, L): queries in latent space
-        scores = q_lat @ latents.T + q_rope.transpose(1, 0, 2) @ k_ropes.T  # (H, T, S)
-        probs = ops.softmax(scores * np.float32(self.scale) + ops.causal_mask(t, end))
-        ctx = probs @ latents  # (H, T, L): attention output still in latent space
+        q_rope = q_rope.transpose(1, 0, 2)  # (H, T, R)
+        ctx = np.concatenate([  # (H, T, L): attention output still in latent space
+            self._latent_attention(q_lat[:, a:b], q_rope[:, a:b], latents[:seen], k_ropes[:seen])
+            for a, b, seen in ops.query_blocks(t, end)
+        ], axis=1)  # fmt: skip
         out = ctx @ w_uv.transpose(0, 2, 1)  # (H, T, V)
         out = out.transpose(1, 0, 2).reshape(t, n_heads * c.v_head_dim)  # (T, H * V)
         return w.matrix(p + "attn_output.weight").matmul(out)  # (T, d)
+
+    def _latent_attention(
+        self, q_lat: np.ndarray, q_rope: np.ndarray, latents: np.ndarray, k_ropes: np.ndarray
+    ) -> np.ndarray:
+        """Causal attention of the last T of S positions: q_lat (H, T, L), q_rope (H, T, R),
+        latents (S, L), k_ropes (S, R) -> (H, T, L)."""
+        scores = q_lat @ latents.T + q_rope @ k_ropes.T  # (H, T, S)
+        mask = ops.causal_mask(q_lat.shape[1], latents.shape[0])
+        return ops.softmax(scores * np.float32(self.scale) + mask) @ latents
 
     def absorbed(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """W_UK (H, N, L) and W_UV (H, V, L) of a layer as float32, decoded once and kept.

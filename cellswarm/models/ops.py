@@ -66,12 +66,33 @@ def causal_mask(t: int, s: int) -> np.ndarray:
     return np.where(k_pos > q_pos, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
 
 
+QUERY_BLOCK = 128  # prefill: queries per block, each against only the keys it can see
+
+
+def query_blocks(t: int, s: int) -> list[tuple[int, int, int]]:
+    """(first, last + 1, keys seen) per block of a prefill's T queries at positions S-T..S-1:
+    a causal block sees only keys [0, S - T + last + 1), so the masked upper triangle (half
+    the scores of a long prompt, and half the probabilities times values) is never computed."""
+    return [(a, min(a + QUERY_BLOCK, t), s - t + min(a + QUERY_BLOCK, t))
+            for a in range(0, t, QUERY_BLOCK)]  # fmt: skip
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
     """Causal grouped-query attention over the whole cached sequence.
 
     q: (T, H, D); k: (Hkv, S, D) and v: (Hkv, S, Dv), head-major as the KV cache keeps them
     -> (T, H, Dv). H is a multiple of Hkv.
     """
+    t, s = q.shape[0], k.shape[1]
+    if t > QUERY_BLOCK:
+        return np.concatenate([
+            _attention(q[a:b], k[:, :seen], v[:, :seen], scale)
+            for a, b, seen in query_blocks(t, s)
+        ])  # fmt: skip
+    return _attention(q, k, v, scale)
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
     t, h, d = q.shape
     hkv, s, dv = v.shape
     g = h // hkv
