@@ -87,6 +87,23 @@ def test_fused_matmul_equals_codec_path(name: str, rows: int, cols: int, batch: 
 
 
 @pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_fused_matmul_odd_block_counts(name: str, batch: int) -> None:
+    """Rows whose block count is not a multiple of the kernels' groups (16 blocks of 32, pairs;
+    3 blocks of 256), as in d_model 576 or 608: the tails take the masked paths."""
+    for cols in ((32 * 19, 32 * 18, 32 * 3, 32) if format_by_name(name).block_size == 32
+                 else (256 * 3, 256)):  # fmt: skip
+        w = random_packed(name, 11, cols, seed=cols)
+        x = np.random.default_rng(cols).standard_normal((batch, cols)).astype(np.float32)
+        out = np.empty((batch, 11), np.float32)
+        kernels.matmul(name, np.ascontiguousarray(w.data), cols, x, out)
+        q, d = reference_act(x)
+        xr = (q.reshape(batch, -1, 32) * d[..., None].astype(np.float64)).reshape(batch, cols)
+        ref = xr @ w.dequantize().astype(np.float64).T
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", QUANT)
 def test_dequantize_equals_codec(name: str) -> None:
     w = random_packed(name, 9, 512)
     out = np.empty((9, 512), np.float32)

@@ -50,32 +50,44 @@ static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); re
 /* x: (nx, cols) float32 -> xq int8 (nx, cols), xd (nx, cols/32), xs (nx, cols/16).
  * A block holding a NaN or an infinity gets a NaN scale (and zero values), so every output
  * it touches is NaN, as in float math: fmaxf skips NaNs and (int8_t)NaN is undefined, which
- * would otherwise turn a corrupt activation into finite garbage downstream. */
+ * would otherwise turn a corrupt activation into finite garbage downstream.
+ * Written without libm calls so gcc vectorizes it (roundf and fmaxf were calls per value,
+ * ~20 us for 4096 values: more than a small matvec): the largest |x| is an integer max over
+ * the bits with the sign cleared (the order of non-negative floats), which also says whether
+ * the block holds an all-ones exponent; roundf is truncation plus a step where the dropped
+ * fraction is at least one half (exact: |x * id| <= 127 + a rounding). */
 void cs_quantize_act(const float *x, int64_t nx, int64_t cols, int8_t *xq, float *xd,
                      int32_t *xs) {
     const int64_t nb = cols / 32;
     for (int64_t r = 0; r < nx; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * cols + b * 32;
-            float amax = 0.0f;
-            uint32_t special = 0; /* an all-ones exponent: NaN or infinity (an OR: vectorizes) */
+            uint32_t u[32], top = 0;
+            memcpy(u, v, sizeof u);
             for (int i = 0; i < 32; i++) {
-                uint32_t u;
-                memcpy(&u, v + i, 4);
-                special |= (u & 0x7F800000u) == 0x7F800000u;
-                amax = fmaxf(amax, fabsf(v[i]));
+                const uint32_t m = u[i] & 0x7FFFFFFFu;
+                top = m > top ? m : top;
             }
             int8_t *q = xq + r * cols + b * 32;
-            if (special) {
+            if (top >= 0x7F800000u) { /* NaN or infinity */
                 memset(q, 0, 32);
                 xd[r * nb + b] = NAN;
                 xs[r * 2 * nb + 2 * b] = xs[r * 2 * nb + 2 * b + 1] = 0;
                 continue;
             }
+            float amax;
+            memcpy(&amax, &top, 4);
             const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
-            for (int i = 0; i < 32; i++) q[i] = (int8_t)roundf(v[i] * id);
+            int32_t t[32];
+            for (int i = 0; i < 32; i++) {
+                const float y = v[i] * id;
+                const int32_t k = (int32_t)y; /* toward zero */
+                const float f = y - (float)k;
+                t[i] = k + (f >= 0.5f) - (f <= -0.5f);
+            }
             int32_t s0 = 0, s1 = 0;
-            for (int i = 0; i < 16; i++) { s0 += q[i]; s1 += q[16 + i]; }
+            for (int i = 0; i < 32; i++) q[i] = (int8_t)t[i];
+            for (int i = 0; i < 16; i++) { s0 += t[i]; s1 += t[16 + i]; }
             xd[r * nb + b] = d;
             xs[r * 2 * nb + 2 * b] = s0;
             xs[r * 2 * nb + 2 * b + 1] = s1;
@@ -480,7 +492,285 @@ static void row_q2_k(const uint8_t *row, int64_t nb, const acts *a, float *out) 
     for (int64_t k = 0; k < a->nx; k++) out[k] = hsum(acc[k]) - mins[k];
 }
 
+/* ---- AVX-512 VNNI row kernels: two 32-weight blocks (or 64 weights of a K block) per zmm ----
+ * Why the AVX2 kernels above are slower than memory on Q4/Q6/Q2: per 18-byte Q4_0 block they
+ * spend ~20 instructions, half of them scalar (two f16 conversions, scale products, a
+ * broadcast, a serial float chain for the offset term), so one core decodes ~0.8 G blocks/s,
+ * 14 GB/s of Q4_0 where memory gives 20+. Here, per pair of blocks: two 16-byte broadcasts, an
+ * AND, one dpbusd, a convert, a lane permute of the scales and an FMA; the f16 scales of 16
+ * blocks come in one gather and one conversion, and the offset/min terms become one FMA per
+ * 16 blocks against the activations' block sums.
+ *
+ * Nibbles are not shifted: the high nibbles are multiplied in place (AND 0xF0, values 16*q,
+ * products summed exactly in int32 by dpbusd), and the lanes that hold them are scaled by
+ * 1/16 once per row at the end, exact in float (a power of two). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HAVE_ZMM_ROWS 1
+#define ZINL static inline __attribute__((always_inline))
+
+ZINL __m512i zdot(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
+
+/* lanes 0-7 <- s[i0], lanes 8-15 <- s[i1] (the scales of the two blocks of a pair) */
+ZINL __m512i idx_pair(int i0, int i1) {
+    return _mm512_set_epi32(i1, i1, i1, i1, i1, i1, i1, i1, i0, i0, i0, i0, i0, i0, i0, i0);
+}
+
+/* lanes 4i..4i+3 <- s[g + i]: the scales of four 16-weight groups */
+ZINL __m512i idx_quad(int g) {
+    return _mm512_set_epi32(g + 3, g + 3, g + 3, g + 3, g + 2, g + 2, g + 2, g + 2, g + 1, g + 1,
+                            g + 1, g + 1, g, g, g, g);
+}
+
+/* bytes 0x0F in the 128-bit lanes whose dpbusd lanes the caller scales by 1, 0xF0 where 1/16 */
+ZINL __m512i nib_mask128(void) { /* lanes: lo, hi, lo, hi (16 bytes each) */
+    return _mm512_set_epi64(-0x0F0F0F0F0F0F0F10LL, -0x0F0F0F0F0F0F0F10LL, 0x0F0F0F0F0F0F0F0FLL,
+                            0x0F0F0F0F0F0F0F0FLL, -0x0F0F0F0F0F0F0F10LL, -0x0F0F0F0F0F0F0F10LL,
+                            0x0F0F0F0F0F0F0F0FLL, 0x0F0F0F0F0F0F0F0FLL);
+}
+ZINL __m512 nib_fold128(void) {
+    const float s = 1.0f / 16;
+    return _mm512_set_ps(s, s, s, s, 1, 1, 1, 1, s, s, s, s, 1, 1, 1, 1);
+}
+
+/* 16-bit lanes: 16 copies of lo (bytes 0-31), then 16 of hi (bytes 32-63) */
+ZINL __m512i w16x2(long long lo, long long hi) {
+    const long long r = 0x0001000100010001LL;
+    return _mm512_set_epi64(hi * r, hi * r, hi * r, hi * r, lo * r, lo * r, lo * r, lo * r);
+}
+
+/* f16 field at byte `off` of 16 consecutive blocks `bb` bytes apart (mask: blocks that exist) */
+ZINL __m512i gather16(const uint8_t *p, int bb, __mmask16 m) {
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(bb));
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, (const void *)p, 1);
+}
+/* The same for 16 whole blocks, without a gather (16 loads, ~1 cycle a block on AMD Zen 4):
+ * windows of 128 bytes, each a two-register byte permute (VBMI) picking the 4 bytes at the
+ * start of every block it holds; loads never pass the 16th block. */
+ZINL __m512i fields16(const uint8_t *p, const int bb) {
+    const int per = 124 / bb + 1, end = 16 * bb;
+    const __m512i i16 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i r = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int w = 0; w * per < 16; w++) {
+        const int st = bb * per * w, n_hi = end - st - 64 < 64 ? end - st - 64 : 64;
+        const __m512i lo = _mm512_loadu_si512((const void *)(p + st));
+        const __m512i hi = n_hi == 64 ? _mm512_loadu_si512((const void *)(p + st + 64))
+                           : n_hi > 0 ? _mm512_maskz_loadu_epi8((1ull << n_hi) - 1, p + st + 64)
+                                      : _mm512_setzero_si512();
+        const __m512i idx = _mm512_add_epi32(
+            _mm512_mullo_epi32(_mm512_sub_epi32(_mm512_mullo_epi32(i16, _mm512_set1_epi32(bb)), _mm512_set1_epi32(st)),
+                               _mm512_set1_epi32(0x01010101)), _mm512_set1_epi32(0x03020100));
+        const __mmask16 k = (__mmask16)((((1u << per) - 1) << (per * w)) & 0xFFFF);
+        r = _mm512_mask_mov_epi32(r, k, _mm512_permutex2var_epi8(lo, idx, hi));
+    }
+    return r;
+}
+ZINL __m512 f16_lo(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)); }
+ZINL __m512 f16_hi(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))); }
+
+/* Q8_0 (fmt 8), Q4_0 (2), Q4_1 (3): blocks of 32 weights, 16 blocks per scale gather. */
+ZINL void z32(const uint8_t *row, int64_t nb, const acts *a, float *out, const int fmt,
+              const int64_t nx) {
+    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_1 ? 20 : 18, qo = fmt == Q4_1 ? 4 : 2;
+    const int64_t nbx = a->cols / 32; /* activation blocks per row of x */
+    const __m512i nib = nib_mask128();
+    __m512 acc[MAX_BATCH], acc1[MAX_BATCH], macc[MAX_BATCH], s[MAX_BATCH];
+    for (int64_t k = 0; k < nx; k++) acc[k] = acc1[k] = macc[k] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int64_t n = nb - b0 < 16 ? nb - b0 : 16;
+        const __mmask16 m = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
+        const uint8_t *base = row + bb * b0;
+        const __m512i g = n == 16 ? fields16(base, bb) : gather16(base, bb, m);
+        const __m512 d = f16_lo(g);
+        for (int64_t k = 0; k < nx; k++) {
+            s[k] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(m, a->xd + k * nbx + b0));
+            /* the offset times the block's activation sum: Q8_0 is read as unsigned q + 128
+             * (w = d*(q+128) - 128d), Q4_0 as w = d*q - 8d, Q4_1 as w = d*q + m */
+            const __m512 mn = fmt == Q4_1 ? f16_hi(g)
+                              : _mm512_mul_ps(d, _mm512_set1_ps(fmt == Q8_0 ? -128.0f : -8.0f));
+            macc[k] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(m, a->xsum + k * nbx + b0), macc[k]);
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; p++) {
+            if (2 * p >= n) break;
+            const int two = 2 * p + 1 < n;
+            const uint8_t *p0 = base + bb * 2 * p, *p1 = p0 + bb;
+            __m512i w;
+            if (fmt == Q8_0) { /* signed q -> unsigned q + 128 (a tail block's zeros stay 0) */
+                const __m256i lo = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p0 + 2)),
+                                                    _mm256_set1_epi8(-128));
+                w = two ? _mm512_inserti64x4(_mm512_castsi256_si512(lo),
+                                             _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p1 + 2)), _mm256_set1_epi8(-128)), 1)
+                        : _mm512_zextsi256_si512(lo);
+            } else {
+                w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p0 + qo)));
+                if (two) w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p1 + qo)));
+                else w = _mm512_maskz_mov_epi32(0x00FF, w);
+                w = _mm512_and_si512(w, nib);
+            }
+            const __m512i ix = idx_pair(2 * p, 2 * p + 1);
+            for (int64_t k = 0; k < nx; k++) {
+                const int8_t *xp = a->xq + k * a->cols + 32 * (b0 + 2 * p);
+                const __m512i x = two ? _mm512_loadu_si512((const void *)xp)
+                                      : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xp);
+                const __m512i dot = zdot(w, x);
+                const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(ix, s[k]),
+                                                 p & 1 ? acc1[k] : acc[k]);
+                if (p & 1) acc1[k] = v; else acc[k] = v; /* two chains for the FMA latency */
+            }
+        }
+    }
+    for (int64_t k = 0; k < nx; k++) {
+        acc[k] = _mm512_add_ps(acc[k], acc1[k]);
+        const __m512 v = fmt == Q8_0 ? acc[k] : _mm512_mul_ps(acc[k], nib_fold128());
+        out[k] = _mm512_reduce_add_ps(v) + _mm512_reduce_add_ps(macc[k]);
+    }
+}
+
+/* Q4_K: 144-byte blocks of 256; each 32 bytes of nibbles hold 32 weights (low) + 32 (high). */
+ZINL void zq4k(const uint8_t *row, int64_t nb, const acts *a, float *out, const int64_t nx) {
+    const int64_t nbx = a->cols / 32;
+    const __m512i nib = _mm512_set_epi64(-0x0F0F0F0F0F0F0F10LL, -0x0F0F0F0F0F0F0F10LL,
+                                         -0x0F0F0F0F0F0F0F10LL, -0x0F0F0F0F0F0F0F10LL,
+                                         0x0F0F0F0F0F0F0F0FLL, 0x0F0F0F0F0F0F0F0FLL,
+                                         0x0F0F0F0F0F0F0F0FLL, 0x0F0F0F0F0F0F0F0FLL);
+    __m512 acc[MAX_BATCH], s[MAX_BATCH];
+    __m256 macc[MAX_BATCH];
+    for (int64_t k = 0; k < nx; k++) { acc[k] = _mm512_setzero_ps(); macc[k] = _mm256_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 144 * b;
+        uint32_t u[4];
+        k4_unpack_bytes(blk + 4, u);
+        const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(h2f(blk)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u))));
+        const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2)))));
+        for (int64_t k = 0; k < nx; k++) {
+            s[k] = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(a->xd + k * nbx + 8 * b)));
+            macc[k] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(a->xsum + k * nbx + 8 * b), macc[k]);
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i w = _mm512_and_si512(
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c))), nib);
+            const __m512i ix = idx_pair(2 * c, 2 * c + 1);
+            for (int64_t k = 0; k < nx; k++) {
+                const __m512i x = _mm512_loadu_si512((const void *)(a->xq + k * a->cols + 256 * b + 64 * c));
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zdot(w, x)), _mm512_permutexvar_ps(ix, s[k]), acc[k]);
+            }
+        }
+    }
+    const float f = 1.0f / 16;
+    const __m512 fold = _mm512_set_ps(f, f, f, f, f, f, f, f, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int64_t k = 0; k < nx; k++)
+        out[k] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[k], fold)) - hsum(macc[k]);
+}
+
+/* 8 per-32 activation scales -> 16 per-16 lanes (each twice) */
+ZINL __m512 xd_groups(const float *xd) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                 _mm512_castps256_ps512(_mm256_loadu_ps(xd)));
+}
+
+/* Q6_K: 210-byte blocks; weights as unsigned 0..63, the -32 folded into the per-16 sums. */
+ZINL void zq6k(const uint8_t *row, int64_t nb, const acts *a, float *out, const int64_t nx) {
+    const int64_t nbx = a->cols / 32, ngx = a->cols / 16;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    /* per 16-bit lane: the low 32 bytes (weights 0-31 of a 64) shift by the first count */
+    const __m512i shl = w16x2(4, 2), shr = w16x2(0, 2);
+    __m512 acc[MAX_BATCH], macc[MAX_BATCH], s[MAX_BATCH];
+    for (int64_t k = 0; k < nx; k++) acc[k] = macc[k] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 210 * b;
+        const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 208)),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+        for (int64_t k = 0; k < nx; k++) {
+            s[k] = _mm512_mul_ps(sc, xd_groups(a->xd + k * nbx + 8 * b));
+            const __m512i xs = _mm512_loadu_si512((const void *)(a->xs + k * ngx + 16 * b));
+            macc[k] = _mm512_fmadd_ps(s[k], _mm512_cvtepi32_ps(xs), macc[k]);
+        }
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+            const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * n));
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+            /* weights 0-63 of this half: low nibbles | bits (h >> 0 | h >> 2) & 3, as << 4 */
+            const __m512i wa = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(h, shl), m30));
+            /* weights 64-127: high nibbles | (h >> 4 | h >> 6) & 3, as << 4 */
+            const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                               _mm512_and_si512(_mm512_srlv_epi16(h, shr), m30));
+            const __m512i ia = idx_quad(8 * n), ib = idx_quad(8 * n + 4);
+            for (int64_t k = 0; k < nx; k++) {
+                const int8_t *xp = a->xq + k * a->cols + 256 * b + 128 * n;
+                const __m512i x0 = _mm512_loadu_si512((const void *)xp), x1 = _mm512_loadu_si512((const void *)(xp + 64));
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zdot(wa, x0)), _mm512_permutexvar_ps(ia, s[k]), acc[k]);
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zdot(wb, x1)), _mm512_permutexvar_ps(ib, s[k]), acc[k]);
+            }
+        }
+    }
+    for (int64_t k = 0; k < nx; k++)
+        out[k] = _mm512_reduce_add_ps(acc[k]) - 32.0f * _mm512_reduce_add_ps(macc[k]);
+}
+
+/* Q2_K: 84-byte blocks; 2-bit weights, 4-bit scale and min per 16. */
+ZINL void zq2k(const uint8_t *row, int64_t nb, const acts *a, float *out, const int64_t nx) {
+    const int64_t nbx = a->cols / 32, ngx = a->cols / 16;
+    const __m512i m3 = _mm512_set1_epi8(0x03), m4 = _mm512_set1_epi32(0x0F);
+    __m512 acc[MAX_BATCH], macc[MAX_BATCH], s[MAX_BATCH];
+    for (int64_t k = 0; k < nx; k++) acc[k] = macc[k] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 84 * b;
+        const __m512i sc8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk));
+        const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 80)), _mm512_cvtepi32_ps(_mm512_and_si512(sc8, m4)));
+        const __m512 mn = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(sc8, 4)));
+        for (int64_t k = 0; k < nx; k++) {
+            const __m512 xd = xd_groups(a->xd + k * nbx + 8 * b);
+            s[k] = _mm512_mul_ps(sc, xd);
+            const __m512i xs = _mm512_loadu_si512((const void *)(a->xs + k * ngx + 16 * b));
+            macc[k] = _mm512_fmadd_ps(_mm512_mul_ps(mn, xd), _mm512_cvtepi32_ps(xs), macc[k]);
+        }
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * n)));
+#pragma GCC unroll 2
+            for (int jj = 0; jj < 2; jj++) { /* shifts 2j (low half) and 2j+2 (high half), j = 2jj */
+                const __m512i sh16 = w16x2(4 * jj, 4 * jj + 2);
+                const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(q, sh16), m3);
+                const __m512i ix = idx_quad(8 * n + 4 * jj);
+                for (int64_t k = 0; k < nx; k++) {
+                    const __m512i x = _mm512_loadu_si512((const void *)(a->xq + k * a->cols + 256 * b + 128 * n + 64 * jj));
+                    acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zdot(w, x)), _mm512_permutexvar_ps(ix, s[k]), acc[k]);
+                }
+            }
+        }
+    }
+    for (int64_t k = 0; k < nx; k++)
+        out[k] = _mm512_reduce_add_ps(acc[k]) - _mm512_reduce_add_ps(macc[k]);
+}
+
+/* nx == 1 (decode) gets its own copy with the batch loops gone */
+#define ZROW(name, call1, calln) \
+    static void name(const uint8_t *row, int64_t nb, const acts *a, float *out) { \
+        if (a->nx == 1) call1; else calln; }
+ZROW(zrow_q8_0, z32(row, nb, a, out, Q8_0, 1), z32(row, nb, a, out, Q8_0, a->nx))
+ZROW(zrow_q4_0, z32(row, nb, a, out, Q4_0, 1), z32(row, nb, a, out, Q4_0, a->nx))
+ZROW(zrow_q4_1, z32(row, nb, a, out, Q4_1, 1), z32(row, nb, a, out, Q4_1, a->nx))
+ZROW(zrow_q4_k, zq4k(row, nb, a, out, 1), zq4k(row, nb, a, out, a->nx))
+ZROW(zrow_q6_k, zq6k(row, nb, a, out, 1), zq6k(row, nb, a, out, a->nx))
+ZROW(zrow_q2_k, zq2k(row, nb, a, out, 1), zq2k(row, nb, a, out, a->nx))
+#endif
+
 static void simd_row(int fmt, const uint8_t *row, int64_t cols, const acts *a, float *out) {
+#ifdef HAVE_ZMM_ROWS
+    switch (fmt) {
+    case Q8_0: zrow_q8_0(row, cols / 32, a, out); break;
+    case Q4_0: zrow_q4_0(row, cols / 32, a, out); break;
+    case Q4_1: zrow_q4_1(row, cols / 32, a, out); break;
+    case Q4_K: zrow_q4_k(row, cols / 256, a, out); break;
+    case Q6_K: zrow_q6_k(row, cols / 256, a, out); break;
+    default: zrow_q2_k(row, cols / 256, a, out); break;
+    }
+#else
     switch (fmt) {
     case Q8_0: row_q8_0(row, cols / 32, a, out); break;
     case Q4_0: row_q4(row, cols / 32, a, out, 0); break;
@@ -489,6 +779,7 @@ static void simd_row(int fmt, const uint8_t *row, int64_t cols, const acts *a, f
     case Q6_K: row_q6_k(row, cols / 256, a, out); break;
     default: row_q2_k(row, cols / 256, a, out); break;
     }
+#endif
 }
 #endif
 
