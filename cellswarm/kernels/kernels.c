@@ -255,6 +255,8 @@ static inline __m256i load_nibbles16(const uint8_t *qs) { /* 16 bytes -> 32 valu
 typedef struct {
     const int8_t *xq; const float *xd; const int32_t *xs; int64_t cols; int64_t nx;
     const float *xsum; /* per 32 block: xd * sum(xq), the float sum of the block */
+    const int8_t *xt;  /* xq with every 4 blocks' 4-byte groups interleaved (see z32), or NULL */
+    uint8_t qidx[2][64] __attribute__((aligned(64))); /* byte permutes for z32's quads */
 } acts;
 
 static void row_q8_0_1(const uint8_t *row, int64_t nb, const acts *a, float *out) {
@@ -521,17 +523,6 @@ ZINL __m512i idx_quad(int g) {
                             g + 1, g + 1, g, g, g, g);
 }
 
-/* bytes 0x0F in the 128-bit lanes whose dpbusd lanes the caller scales by 1, 0xF0 where 1/16 */
-ZINL __m512i nib_mask128(void) { /* lanes: lo, hi, lo, hi (16 bytes each) */
-    return _mm512_set_epi64(-0x0F0F0F0F0F0F0F10LL, -0x0F0F0F0F0F0F0F10LL, 0x0F0F0F0F0F0F0F0FLL,
-                            0x0F0F0F0F0F0F0F0FLL, -0x0F0F0F0F0F0F0F10LL, -0x0F0F0F0F0F0F0F10LL,
-                            0x0F0F0F0F0F0F0F0FLL, 0x0F0F0F0F0F0F0F0FLL);
-}
-ZINL __m512 nib_fold128(void) {
-    const float s = 1.0f / 16;
-    return _mm512_set_ps(s, s, s, s, 1, 1, 1, 1, s, s, s, s, 1, 1, 1, 1);
-}
-
 /* 16-bit lanes: 16 copies of lo (bytes 0-31), then 16 of hi (bytes 32-63) */
 ZINL __m512i w16x2(long long lo, long long hi) {
     const long long r = 0x0001000100010001LL;
@@ -569,12 +560,19 @@ ZINL __m512i fields16(const uint8_t *p, const int bb) {
 ZINL __m512 f16_lo(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)); }
 ZINL __m512 f16_hi(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))); }
 
-/* Q8_0 (fmt 8), Q4_0 (2), Q4_1 (3): blocks of 32 weights, 16 blocks per scale gather. */
+/* Q8_0 (fmt 8), Q4_0 (2), Q4_1 (3): blocks of 32 weights, 16 blocks per scale fetch.
+ * Whole groups of 16 blocks go by quads: 4 blocks' weights in one register, 4-byte groups
+ * interleaved by one byte permute (lane l holds block l % 4), the activations laid out the
+ * same way once per call (`xt`), so the low and high halves of the quad accumulate into the
+ * same int32 lanes and one convert + one FMA (scales: lanes 4q..4q+3 broadcast) serve four
+ * blocks. Tails (fewer than 16 blocks) go by pairs, in the natural layout: a zmm holds two
+ * blocks, lanes 0-7 the first, and their scales are permuted into place. */
 ZINL void z32(const uint8_t *row, int64_t nb, const acts *a, float *out, const int fmt,
               const int64_t nx) {
     const int bb = fmt == Q8_0 ? 34 : fmt == Q4_1 ? 20 : 18, qo = fmt == Q4_1 ? 4 : 2;
     const int64_t nbx = a->cols / 32; /* activation blocks per row of x */
-    const __m512i nib = nib_mask128();
+    const long long r4 = 0x0004000400040004LL; /* shift 16-bit lanes of 128-bit lanes 1, 3 by 4 */
+    const __m512i nib_shift = _mm512_set_epi64(r4, r4, 0, 0, r4, r4, 0, 0);
     __m512 acc[MAX_BATCH], acc1[MAX_BATCH], macc[MAX_BATCH], s[MAX_BATCH];
     for (int64_t k = 0; k < nx; k++) acc[k] = acc1[k] = macc[k] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
@@ -590,6 +588,36 @@ ZINL void z32(const uint8_t *row, int64_t nb, const acts *a, float *out, const i
             const __m512 mn = fmt == Q4_1 ? f16_hi(g)
                               : _mm512_mul_ps(d, _mm512_set1_ps(fmt == Q8_0 ? -128.0f : -8.0f));
             macc[k] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(m, a->xsum + k * nbx + b0), macc[k]);
+        }
+        if (n == 16 && a->xt) { /* four quads of blocks, lanes interleaved (see above z32) */
+            const __m512i i0 = _mm512_load_si512((const void *)a->qidx[0]);
+            const __m512i i1 = _mm512_load_si512((const void *)a->qidx[1]);
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {
+                const uint8_t *qb = base + 4 * bb * q;
+                __m512i lo, hi;
+                if (fmt == Q8_0) {
+                    const __m512i f = _mm512_set1_epi8(-128);
+                    lo = _mm512_xor_si512(_mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)qb), i0,
+                                          _mm512_loadu_si512((const void *)(qb + 64))), f);
+                    hi = _mm512_xor_si512(_mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)(qb + 8)), i1,
+                                          _mm512_loadu_si512((const void *)(qb + 72))), f);
+                } else {
+                    const __m512i t = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)qb), i0,
+                        _mm512_loadu_si512((const void *)(qb + (fmt == Q4_1 ? 16 : 8))));
+                    lo = _mm512_and_si512(t, _mm512_set1_epi8(0x0F));
+                    hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), _mm512_set1_epi8(0x0F));
+                }
+                for (int64_t k = 0; k < nx; k++) {
+                    const int8_t *xp = a->xt + k * a->cols + 32 * (b0 + 4 * q);
+                    const __m512i dot = _mm512_dpbusd_epi32(zdot(lo, _mm512_loadu_si512((const void *)xp)), hi,
+                                                            _mm512_loadu_si512((const void *)(xp + 64)));
+                    const __m512 sq = _mm512_shuffle_f32x4(s[k], s[k], 0x55 * q);
+                    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sq, q & 1 ? acc1[k] : acc[k]);
+                    if (q & 1) acc1[k] = v; else acc[k] = v;
+                }
+            }
+            continue;
         }
 #pragma GCC unroll 8
         for (int p = 0; p < 8; p++) {
@@ -607,7 +635,7 @@ ZINL void z32(const uint8_t *row, int64_t nb, const acts *a, float *out, const i
                 w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p0 + qo)));
                 if (two) w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p1 + qo)));
                 else w = _mm512_maskz_mov_epi32(0x00FF, w);
-                w = _mm512_and_si512(w, nib);
+                w = _mm512_and_si512(_mm512_srlv_epi16(w, nib_shift), _mm512_set1_epi8(0x0F));
             }
             const __m512i ix = idx_pair(2 * p, 2 * p + 1);
             for (int64_t k = 0; k < nx; k++) {
@@ -622,9 +650,7 @@ ZINL void z32(const uint8_t *row, int64_t nb, const acts *a, float *out, const i
         }
     }
     for (int64_t k = 0; k < nx; k++) {
-        acc[k] = _mm512_add_ps(acc[k], acc1[k]);
-        const __m512 v = fmt == Q8_0 ? acc[k] : _mm512_mul_ps(acc[k], nib_fold128());
-        out[k] = _mm512_reduce_add_ps(v) + _mm512_reduce_add_ps(macc[k]);
+        out[k] = _mm512_reduce_add_ps(_mm512_add_ps(acc[k], acc1[k])) + _mm512_reduce_add_ps(macc[k]);
     }
 }
 
@@ -758,6 +784,36 @@ ZROW(zrow_q4_1, z32(row, nb, a, out, Q4_1, 1), z32(row, nb, a, out, Q4_1, a->nx)
 ZROW(zrow_q4_k, zq4k(row, nb, a, out, 1), zq4k(row, nb, a, out, a->nx))
 ZROW(zrow_q6_k, zq6k(row, nb, a, out, 1), zq6k(row, nb, a, out, a->nx))
 ZROW(zrow_q2_k, zq2k(row, nb, a, out, 1), zq2k(row, nb, a, out, a->nx))
+
+/* z32's quads: the activations of every 4 blocks as 16 lanes of 4 bytes, lane l = block l % 4,
+ * bytes 4(l/4).. of its first half, then the same for the second half; and the byte permutes
+ * that lay the weights out alike (from two loads: [0, 64) and [w2, w2 + 64) of the quad). */
+static int quad_layout(int fmt, int64_t nx, int64_t cols, const int8_t *xq, int8_t *xt,
+                       uint8_t idx[2][64]) {
+    if ((fmt != Q8_0 && fmt != Q4_0 && fmt != Q4_1) || cols < 512) return 0;
+    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_1 ? 20 : 18, qo = fmt == Q4_1 ? 4 : 2;
+    const int w2 = fmt == Q4_1 ? 16 : 8;
+    for (int m = 0; m < 64; m++) {
+        const int l = m / 4, j = l % 4, i = 4 * (l / 4) + m % 4, o = bb * j + qo + i;
+        if (fmt == Q8_0) { /* windows [0, 128) for weights 0-15, [8, 136) for 16-31 */
+            idx[0][m] = (uint8_t)o;
+            idx[1][m] = (uint8_t)(o + 16 - 8);
+        } else { /* nibble bytes 0-15 of each block: a 4-byte group from the window holding it */
+            idx[0][m] = (uint8_t)(bb * j + qo + 4 * (l / 4) + 3 < 64 ? o : 64 + o - w2);
+            idx[1][m] = 0;
+        }
+    }
+    const __m512i lo = _mm512_set_epi32(27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+    for (int64_t k = 0; k < nx; k++)
+        for (int64_t c = 0; c + 128 <= cols; c += 128) {
+            const int8_t *src = xq + k * cols + c;
+            const __m512i a = _mm512_loadu_si512((const void *)src), b = _mm512_loadu_si512((const void *)(src + 64));
+            _mm512_storeu_si512((void *)(xt + k * cols + c), _mm512_permutex2var_epi32(a, lo, b));
+            _mm512_storeu_si512((void *)(xt + k * cols + c + 64), _mm512_permutex2var_epi32(a, hi, b));
+        }
+    return 1;
+}
 #endif
 
 static void simd_row(int fmt, const uint8_t *row, int64_t cols, const acts *a, float *out) {
@@ -803,12 +859,22 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
     const int n = block_elems(fmt);
     const int64_t nblocks = cols / n, bbytes = row_bytes / nblocks;
 #ifdef HAVE_SIMD_ROWS
-    float xsum[MAX_BATCH * 4096];
-    float *xsum_p = nx * (cols / 32) <= MAX_BATCH * 4096 ? xsum : NULL;
-    float *heap = NULL;
-    if (!xsum_p) xsum_p = heap = (float *)malloc(sizeof(float) * nx * (cols / 32));
-    for (int64_t i = 0; i < nx * (cols / 32); i++) xsum_p[i] = xd[i] * (float)(xs[2 * i] + xs[2 * i + 1]);
-    const acts a = {xq, xd, xs, cols, nx, xsum_p};
+    /* per call: block sums as floats, and (AVX-512) the interleaved activations; on the stack
+     * up to 16 x 4096 values, else one allocation */
+    enum { STACK = MAX_BATCH * 4096 };
+    float xsum[STACK / 32];
+    int8_t xt_stack[STACK] __attribute__((aligned(64)));
+    const int64_t nv = nx * cols;
+    void *heap = nv > STACK ? malloc((size_t)nv + sizeof(float) * (size_t)(nv / 32)) : NULL;
+    int8_t *xt = heap ? (int8_t *)heap : xt_stack;
+    float *xsum_p = heap ? (float *)(xt + nv) : xsum;
+    for (int64_t i = 0; i < nv / 32; i++) xsum_p[i] = xd[i] * (float)(xs[2 * i] + xs[2 * i + 1]);
+    acts a = {xq, xd, xs, cols, nx, xsum_p, NULL, {{0}}};
+#ifdef HAVE_ZMM_ROWS
+    if (quad_layout(fmt, nx, cols, xq, xt, a.qidx)) a.xt = xt;
+#else
+    (void)xt;
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float o[MAX_BATCH];
