@@ -14,6 +14,10 @@
  */
 #include <math.h>
 #include <stdint.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QUANT_ZMM 1 /* cs_quantize_act in 16-lane registers */
+#endif
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -62,12 +66,20 @@ void cs_quantize_act(const float *x, int64_t nx, int64_t cols, int8_t *xq, float
     for (int64_t r = 0; r < nx; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * cols + b * 32;
-            uint32_t u[32], top = 0;
+            uint32_t top = 0;
+#ifdef QUANT_ZMM
+            const __m512i sign = _mm512_set1_epi32(0x7FFFFFFF);
+            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+            top = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(v0), sign),
+                                                           _mm512_and_si512(_mm512_castps_si512(v1), sign)));
+#else
+            uint32_t u[32];
             memcpy(u, v, sizeof u);
             for (int i = 0; i < 32; i++) {
                 const uint32_t m = u[i] & 0x7FFFFFFFu;
                 top = m > top ? m : top;
             }
+#endif
             int8_t *q = xq + r * cols + b * 32;
             if (top >= 0x7F800000u) { /* NaN or infinity */
                 memset(q, 0, 32);
@@ -78,6 +90,23 @@ void cs_quantize_act(const float *x, int64_t nx, int64_t cols, int8_t *xq, float
             float amax;
             memcpy(&amax, &top, 4);
             const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+            xd[r * nb + b] = d;
+#ifdef QUANT_ZMM /* the same arithmetic, 16 lanes at a time */
+            const __m512 vid = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f), mhalf = _mm512_set1_ps(-0.5f);
+            const __m512 y0 = _mm512_mul_ps(v0, vid), y1 = _mm512_mul_ps(v1, vid);
+            __m512i k0 = _mm512_cvttps_epi32(y0), k1 = _mm512_cvttps_epi32(y1);
+            const __m512 f0 = _mm512_sub_ps(y0, _mm512_cvtepi32_ps(k0)), f1 = _mm512_sub_ps(y1, _mm512_cvtepi32_ps(k1));
+            const __m512i one = _mm512_set1_epi32(1);
+            k0 = _mm512_mask_add_epi32(k0, _mm512_cmp_ps_mask(f0, half, _CMP_GE_OQ), k0, one);
+            k0 = _mm512_mask_sub_epi32(k0, _mm512_cmp_ps_mask(f0, mhalf, _CMP_LE_OQ), k0, one);
+            k1 = _mm512_mask_add_epi32(k1, _mm512_cmp_ps_mask(f1, half, _CMP_GE_OQ), k1, one);
+            k1 = _mm512_mask_sub_epi32(k1, _mm512_cmp_ps_mask(f1, mhalf, _CMP_LE_OQ), k1, one);
+            _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(k0));
+            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(k1));
+            xs[r * 2 * nb + 2 * b] = _mm512_reduce_add_epi32(k0);
+            xs[r * 2 * nb + 2 * b + 1] = _mm512_reduce_add_epi32(k1);
+            continue;
+#endif
             int32_t t[32];
             for (int i = 0; i < 32; i++) {
                 const float y = v[i] * id;
@@ -88,7 +117,6 @@ void cs_quantize_act(const float *x, int64_t nx, int64_t cols, int8_t *xq, float
             int32_t s0 = 0, s1 = 0;
             for (int i = 0; i < 32; i++) q[i] = (int8_t)t[i];
             for (int i = 0; i < 16; i++) { s0 += t[i]; s1 += t[16 + i]; }
-            xd[r * nb + b] = d;
             xs[r * 2 * nb + 2 * b] = s0;
             xs[r * 2 * nb + 2 * b + 1] = s1;
         }
@@ -853,11 +881,30 @@ static inline float dot_decoded(const decoded *w, int n, const int8_t *xq, const
     return acc;
 }
 
+/* How a matmul's rows are dealt to threads. Dynamically, in chunks: a thread whose core is
+ * shared with another busy process (or that was woken late) takes fewer chunks instead of
+ * holding every other thread at the end of a static split for its fixed share. A chunk is
+ * 16..256 KB of weights (the shared counter is touched once per chunk, prefetch streams stay
+ * long), about 8 per thread when the matrix allows. Below PAR_MIN_BYTES one thread does it
+ * all: a fork/join costs more than the split saves. */
+#define PAR_MIN_BYTES (96 * 1024)
+static inline int64_t chunk_rows(int64_t rows, int64_t row_bytes) {
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    const int64_t lo = (16384 + row_bytes - 1) / row_bytes, hi = (262144 + row_bytes - 1) / row_bytes;
+    const int64_t c = rows / (8 * (int64_t)threads);
+    return c < lo ? lo : c > hi ? hi : c;
+}
+
 /* out (nx, rows) = x @ W.T for a quantized W (rows, row_bytes); x given as cs_quantize_act. */
 void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                  const int8_t *xq, const float *xd, const int32_t *xs, int64_t nx, float *out) {
     const int n = block_elems(fmt);
     const int64_t nblocks = cols / n, bbytes = row_bytes / nblocks;
+    const int64_t chunk = chunk_rows(rows, row_bytes);
+    const int par = rows * row_bytes >= PAR_MIN_BYTES && rows > chunk;
 #ifdef HAVE_SIMD_ROWS
     /* per call: block sums as floats, and (AVX-512) the interleaved activations; on the stack
      * up to 16 x 4096 values, else one allocation */
@@ -875,7 +922,7 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
 #else
     (void)xt;
 #endif
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
     for (int64_t r = 0; r < rows; r++) {
         float o[MAX_BATCH];
         simd_row(fmt, w + r * row_bytes, cols, &a, o);
@@ -884,7 +931,7 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
     free(heap);
     return;
 #endif
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
     for (int64_t r = 0; r < rows; r++) {
         float acc[MAX_BATCH] = {0};
         decoded dw;
@@ -905,13 +952,18 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
  * (the Python side then needs no activation buffers of its own). */
 void cs_matmul_qx(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                   const float *x, int64_t nx, float *out) {
-    int8_t *xq = (int8_t *)malloc((size_t)(nx * cols) + sizeof(float) * (size_t)(nx * cols / 32) +
-                                  sizeof(int32_t) * (size_t)(nx * cols / 16) + 64);
-    float *xd = (float *)(((uintptr_t)(xq + nx * cols) + 15) & ~(uintptr_t)15);
-    int32_t *xs = (int32_t *)(xd + nx * cols / 32);
+    enum { STACK = MAX_BATCH * 4096 }; /* values: on the stack up to this, else allocated */
+    int8_t q_stack[STACK] __attribute__((aligned(64)));
+    float d_stack[STACK / 32];
+    int32_t s_stack[STACK / 16];
+    const int64_t nv = nx * cols;
+    void *heap = nv > STACK ? malloc((size_t)nv + (sizeof(float) + 2 * sizeof(int32_t)) * (size_t)(nv / 32)) : NULL;
+    int8_t *xq = heap ? (int8_t *)heap : q_stack;
+    float *xd = heap ? (float *)(xq + nv) : d_stack; /* nv is a multiple of 32: aligned */
+    int32_t *xs = heap ? (int32_t *)(xd + nv / 32) : s_stack;
     cs_quantize_act(x, nx, cols, xq, xd, xs);
     cs_matmul_q(fmt, w, rows, row_bytes, cols, xq, xd, xs, nx, out);
-    free(xq);
+    free(heap);
 }
 
 /* ---- float weights (F16, BF16): widen 32 at a time, multiply in float ------------------- */
@@ -930,9 +982,30 @@ static inline void widen32(int fmt, const uint8_t *p, float *o) {
 
 void cs_matmul_f(int fmt, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
                  int64_t nx, float *out) {
+    const int64_t chunk = chunk_rows(rows, 2 * cols);
+    const int par = rows * 2 * cols >= PAR_MIN_BYTES && rows > chunk;
 #if defined(HAVE_SIMD_ROWS) && defined(__F16C__)
+    if (cols % 32 == 0 && nx == 1) { /* four accumulators: one would wait on the FMA latency */
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
+        for (int64_t r = 0; r < rows; r++) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            const uint8_t *row = w + r * cols * 2;
+            for (int64_t c = 0; c < cols; c += 32) {
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * (c + 8 * j)));
+                    const __m256 wf = fmt == BF16
+                        ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                        : _mm256_cvtph_ps(h);
+                    acc[j] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + c + 8 * j), acc[j]);
+                }
+            }
+            out[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        }
+        return;
+    }
     if (cols % 8 == 0) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
         for (int64_t r = 0; r < rows; r++) {
             __m256 acc[MAX_BATCH];
             for (int64_t k = 0; k < nx; k++) acc[k] = _mm256_setzero_ps();
@@ -950,7 +1023,7 @@ void cs_matmul_f(int fmt, const uint8_t *w, int64_t rows, int64_t cols, const fl
         return;
     }
 #endif
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
     for (int64_t r = 0; r < rows; r++) {
         float acc[MAX_BATCH] = {0}, wf[32];
         const uint8_t *row = w + r * cols * 2;
@@ -980,7 +1053,8 @@ void cs_dequantize(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, i
                    float *out) {
     const int n = block_elems(fmt);
     const int64_t nblocks = cols / n, bbytes = row_bytes / nblocks;
-#pragma omp parallel for schedule(static)
+    const int64_t chunk = chunk_rows(rows, row_bytes);
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t r = 0; r < rows; r++) {
         decoded dw;
         for (int64_t b = 0; b < nblocks; b++) {
