@@ -47,6 +47,21 @@ def reference_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(x.shape), d
 
 
+def codec_reference(name: str, w: PackedMatrix, x: np.ndarray) -> np.ndarray:
+    """x @ W.T in float64 from the codec's weights and the kernels' int8 activations (float
+    activations for float weights): what the fused kernels compute, up to summation order."""
+    xr = x.astype(np.float64)
+    if name not in FLOAT:
+        q, d = reference_act(x)
+        xr = (q.reshape(x.shape[0], -1, 32) * d[..., None].astype(np.float64)).reshape(x.shape)
+    return xr @ w.dequantize().astype(np.float64).T
+
+
+def assert_close_to_codec(out: np.ndarray, name: str, w: PackedMatrix, x: np.ndarray) -> None:
+    ref = codec_reference(name, w, x)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_activation_quantization_is_exact() -> None:
     x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32) * 5
     x[1, :32] = 0  # an all-zero block
@@ -77,13 +92,67 @@ def test_fused_matmul_equals_codec_path(name: str, rows: int, cols: int, batch: 
     x = np.random.default_rng(2).standard_normal((batch, cols)).astype(np.float32)
     out = np.empty((batch, rows), np.float32)
     kernels.matmul(name, np.ascontiguousarray(w.data), cols, x, out)
-    if name in FLOAT:
-        xr = x.astype(np.float64)
-    else:
-        q, d = reference_act(x)
-        xr = (q.reshape(batch, -1, 32) * d[..., None].astype(np.float64)).reshape(batch, cols)
-    ref = xr @ w.dequantize().astype(np.float64).T
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert_close_to_codec(out, name, w, x)
+
+
+@pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_fused_matmul_odd_block_counts(name: str, batch: int) -> None:
+    """Rows whose block count is not a multiple of the kernels' groups (16 blocks of 32, pairs;
+    3 blocks of 256), as in d_model 576 or 608: the tails take the masked paths."""
+    for cols in ((32 * 19, 32 * 18, 32 * 3, 32) if format_by_name(name).block_size == 32
+                 else (256 * 3, 256)):  # fmt: skip
+        w = random_packed(name, 11, cols, seed=cols)
+        x = np.random.default_rng(cols).standard_normal((batch, cols)).astype(np.float32)
+        out = np.empty((batch, 11), np.float32)
+        kernels.matmul(name, np.ascontiguousarray(w.data), cols, x, out)
+        assert_close_to_codec(out, name, w, x)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "F16"])
+def test_threads_and_chunks_do_not_change_bits(name: str) -> None:
+    """Big enough to be split over threads (dynamic chunks of rows): every row is computed by
+    one thread alone, so the result is the same bits at 1 and 2 threads."""
+    w = random_packed(name, 1500, 1024)
+    x = np.random.default_rng(6).standard_normal((3, 1024)).astype(np.float32)
+    before = kernels.threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            kernels.set_threads(n)
+            outs.append([w.matmul(x[:1]), w.matmul(x)])
+    finally:
+        kernels.set_threads(before)
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")],
+    ids=["avx2", "portable"],
+)  # fmt: skip
+def test_other_instruction_set_paths_equal_codec_path(flags: tuple[str, ...]) -> None:
+    """This CPU's kernels take the AVX-512 paths; the AVX2 ones (older x86) and the plain C
+    loops (aarch64, ppc64) are built here with those extensions turned off, and checked."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(kernels.build(extra=flags)))
+    kernels._declare(lib)
+    lib.cs_set_threads(1)
+    for name in QUANT + FLOAT:
+        tail = 608 if name in ("Q8_0", "Q4_0", "Q4_1") else 512  # a tail of 3 blocks of 32
+        for rows, cols, batch in ((7, tail, 1), (33, 1024, 3)):
+            w = random_packed(name, rows, cols)
+            x = np.random.default_rng(2).standard_normal((batch, cols)).astype(np.float32)
+            out = np.empty((batch, rows), np.float32)
+            data = np.ascontiguousarray(w.data)
+            kind, code, ptr, _, row_bytes = kernels.weight_args(name, data, cols)
+            if kind:
+                lib.cs_matmul_f(code, ptr, rows, cols, x.ctypes.data, batch, out.ctypes.data)
+            else:
+                args = (code, ptr, rows, row_bytes, cols, x.ctypes.data, batch, out.ctypes.data)
+                lib.cs_matmul_qx(*args)
+            assert_close_to_codec(out, name, w, x)
 
 
 @pytest.mark.parametrize("name", QUANT)

@@ -45,12 +45,18 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def library_path() -> Path:
+def extra_flags() -> tuple[str, ...]:
+    """CELLSWARM_CFLAGS: flags added to the build, e.g. "-mno-avx512f" for the AVX2 kernels on
+    a CPU that has AVX-512 (tests build the other instruction-set paths this way)."""
+    return tuple(os.environ.get("CELLSWARM_CFLAGS", "").split())
+
+
+def library_path(extra: tuple[str, ...] | None = None) -> Path:
     """Where the compiled kernels for this source, compiler flags and machine live."""
     key = hashlib.sha256()
     for source in sorted(SOURCE.parent.glob("*.c")):
         key.update(source.read_bytes())
-    key.update(" ".join(CFLAGS).encode())
+    key.update(" ".join((*CFLAGS, *(extra_flags() if extra is None else extra))).encode())
     key.update(f"{platform.machine()} {platform.processor()} {sys.platform}".encode())
     key.update(_cpu_signature().encode())
     return cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
@@ -67,15 +73,16 @@ def _cpu_signature() -> str:
     return ""
 
 
-def build(path: Path | None = None) -> Path:
+def build(path: Path | None = None, extra: tuple[str, ...] | None = None) -> Path:
     """Compile the kernels (once; later calls find the cached file)."""
-    target = path or library_path()
+    flags = extra_flags() if extra is None else extra
+    target = path or library_path(flags)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [os.environ.get("CC", "gcc"), *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
+    cmd = [os.environ.get("CC", "gcc"), *CFLAGS, *flags, "-o", tmp, str(SOURCE), "-lm"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, target)  # atomic: concurrent builders never see half a file

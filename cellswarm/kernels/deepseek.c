@@ -23,19 +23,28 @@
 
 /* An activation vector as a row kernel reads it: float (F16/BF16/F32 weights), or int8 blocks
  * of 32 with their scales, 16-value sums and float block sums (quantized weights). */
-typedef struct { const float *xf; const int8_t *xq; const float *xd; const int32_t *xs; const float *xsum; } actv;
+typedef struct {
+    const float *xf; const int8_t *xq; const float *xd; const int32_t *xs; const float *xsum;
+    const int8_t *xt; /* the int8 values in the AVX-512 quad layout (quad_acts), or NULL */
+} actv;
 
-/* The quantized form of up to `cols` floats, carved from the caller's scratch. */
-typedef struct { int8_t *q; float *d; int32_t *s; float *sum; } qbuf;
+/* The quantized form of up to `cols` floats, carved from the caller's scratch; t: the same
+ * int8 values laid out for the AVX-512 quads, interleaved in 128-byte groups counted from q
+ * (a vector taken from an offset that is not a multiple of 128 goes without them). */
+typedef struct { int8_t *q; float *d; int32_t *s; float *sum; int8_t *t; } qbuf;
 
 static void quant(const float *x, int64_t cols, const qbuf *b) {
     cs_quantize_act(x, 1, cols, b->q, b->d, b->s);
     /* as cs_matmul_q computes it, so a row here is the same bits as there */
     for (int64_t i = 0; i < cols / 32; i++) b->sum[i] = b->d[i] * (float)(b->s[2 * i] + b->s[2 * i + 1]);
+#ifdef HAVE_ZMM_ROWS
+    if (b->t) quad_acts(1, cols, b->q, b->t);
+#endif
 }
 
 static actv at(const qbuf *b, const float *xf, int64_t off) { /* the vector from column `off` */
-    return (actv){xf ? xf + off : NULL, b->q + off, b->d + off / 32, b->s + off / 16, b->sum + off / 32};
+    return (actv){xf ? xf + off : NULL, b->q + off, b->d + off / 32, b->s + off / 16,
+                  b->sum + off / 32, b->t && off % 128 == 0 ? b->t + off : NULL};
 }
 
 static float dot_float(int64_t kind, int64_t fmt, const uint8_t *row, int64_t cols, const float *x) {
@@ -76,7 +85,11 @@ static float dot_float(int64_t kind, int64_t fmt, const uint8_t *row, int64_t co
 static float row_dot(const mat *m, const uint8_t *row, int64_t cols, const actv *a) {
     if (m->kind != 0) return dot_float(m->kind, m->fmt, row, cols, a->xf);
 #ifdef HAVE_SIMD_ROWS
-    const acts s = {a->xq, a->xd, a->xs, cols, 1, a->xsum};
+    acts s = {a->xq, a->xd, a->xs, cols, 1, a->xsum, NULL, NULL};
+#ifdef HAVE_ZMM_ROWS
+    /* the quads only where every caller of this vector gets them: whole 128-byte groups */
+    if (a->xt && cols % 128 == 0 && quad_idx((int)m->fmt)) { s.xt = a->xt; s.qidx = quad_idx((int)m->fmt); }
+#endif
     float o;
     simd_row((int)m->fmt, row, cols, &s, &o);
     return o;
@@ -136,7 +149,8 @@ static void run_tasks(const task *t, int n) {
             for (int64_t b = 1; b < k->nx; b++) {
                 const int64_t o = b * k->cols;
                 const actv a = {k->a.xf ? k->a.xf + o : NULL, k->a.xq + o, k->a.xd + o / 32,
-                                k->a.xs + o / 16, k->a.xsum ? k->a.xsum + o / 32 : NULL};
+                                k->a.xs + o / 16, k->a.xsum ? k->a.xsum + o / 32 : NULL,
+                                k->a.xt && o % 128 == 0 ? k->a.xt + o : NULL};
                 k->out[b * k->ld + j] = row_dot(k->m, row, k->cols, &a);
             }
         }
@@ -173,8 +187,8 @@ void cs_swiglu1(const mat *gate, const mat *up, const mat *down, const float *x,
                 float *out) {
     const int64_t ffn = gate->rows, w = d > ffn ? d : ffn;
     float *f = (float *)malloc(sizeof(float) * (size_t)(2 * ffn + w / 32));
-    int8_t *q8 = (int8_t *)malloc((size_t)w + sizeof(float) * (size_t)(w / 32) + sizeof(int32_t) * (size_t)(w / 16));
-    const qbuf q = {q8, (float *)(q8 + w), (int32_t *)((float *)(q8 + w) + w / 32), f + 2 * ffn};
+    int8_t *q8 = (int8_t *)malloc((size_t)(2 * w) + sizeof(float) * (size_t)(w / 32) + sizeof(int32_t) * (size_t)(w / 16));
+    const qbuf q = {q8, (float *)(q8 + 2 * w), (int32_t *)((float *)(q8 + 2 * w) + w / 32), f + 2 * ffn, q8 + w};
     swiglu1(gate, up, down, x, d, out, f, &q);
     free(f);
     free(q8);
@@ -207,7 +221,7 @@ static int64_t ds_widest(const ds_layer *L) {
 
 static int64_t ds_ffn_width(const ds_layer *L) {
     const int64_t shared = L->gate.w ? L->gate.rows : 0, moe = L->n_used * L->moe_ffn + shared;
-    return L->ffn > moe ? L->ffn : moe;
+    return (L->ffn > moe ? L->ffn : moe) + 128; /* + the shared expert's alignment */
 }
 
 /* Scratch floats for n tokens (of n sequences) on caches of up to `cap` tokens. */
@@ -221,7 +235,7 @@ int64_t cs_ds_scratch_floats(const ds_layer *L, int64_t cap, int64_t n) {
 
 int64_t cs_ds_scratch_qbytes(const ds_layer *L, int64_t n) {
     const int64_t w = n * ds_widest(L);
-    return w + 4 * (w / 32) + 4 * (w / 16) + 64;
+    return 2 * w + 4 * (w / 32) + 4 * (w / 16) + 128;
 }
 
 typedef struct {
@@ -251,7 +265,8 @@ static ds_scratch carve(const ds_layer *L, int64_t cap, float *f, int8_t *q8, in
     s.y = f; f += n * (L->n_used + 1) * L->d;
     s.q8.sum = f;
     s.q8.q = q8;
-    s.q8.d = (float *)(((uintptr_t)(q8 + w) + 15) & ~(uintptr_t)15);
+    s.q8.t = q8 + w;
+    s.q8.d = (float *)(((uintptr_t)(q8 + 2 * w) + 15) & ~(uintptr_t)15);
     s.q8.s = (int32_t *)(s.q8.d + w / 32);
     return s;
 }
@@ -428,25 +443,27 @@ static void ds_ffn(const ds_layer *L, float *x, ds_scratch *s, const int64_t *id
         t[nt++] = (task){&g_m, g_m.w + sel[j] * L->gate_stride, F, d, ah, s->g + j * F};
         t[nt++] = (task){&u_m, u_m.w + sel[j] * L->up_stride, F, d, ah, s->u + j * F};
     }
+    const int64_t so = (n * F + 127) / 128 * 128; /* the shared expert's: on the quad grid */
     if (shared) {
-        t[nt++] = whole(&L->gate, d, ah, s->g + n * F);
-        t[nt++] = whole(&L->up, d, ah, s->u + n * F);
+        t[nt++] = whole(&L->gate, d, ah, s->g + so);
+        t[nt++] = whole(&L->up, d, ah, s->u + so);
     }
     run_tasks(t, nt);
     for (int64_t j = 0; j < n; j++) silu_mul(s->g + j * F, s->u + j * F, F);
-    if (shared) silu_mul(s->g + n * F, s->u + n * F, shared);
+    if (shared) silu_mul(s->g + so, s->u + so, shared);
     nt = 0;
     /* each expert's hidden quantized alone, as ops.swiglu quantizes it for one expert */
     for (int64_t j = 0; j <= n; j++) {
-        const int64_t cols = j < n ? F : shared;
+        const int64_t cols = j < n ? F : shared, off = j < n ? j * F : so;
         const mat *m = j < n ? &d_m : &L->down;
         if (!cols) continue;
         if (m->kind == 0) {
-            const qbuf part = {q->q + j * F, q->d + j * F / 32, q->s + j * F / 16, q->sum + j * F / 32};
-            quant(s->g + j * F, cols, &part);
+            const qbuf part = {q->q + off, q->d + off / 32, q->s + off / 16, q->sum + off / 32,
+                               q->t ? q->t + off : NULL};
+            quant(s->g + off, cols, &part);
         }
         const uint8_t *base = j < n ? d_m.w + sel[j] * L->down_stride : L->down.w;
-        t[nt++] = (task){m, base, d, cols, at(q, s->g, j * F), s->y + j * d};
+        t[nt++] = (task){m, base, d, cols, at(q, s->g, off), s->y + j * d};
     }
     run_tasks(t, nt);
     for (int64_t i = 0; i < d; i++) s->tmp[i] = 0.0f;
@@ -495,9 +512,12 @@ static task batch(const mat *m, const uint8_t *w, int64_t rows, int64_t cols, ac
 }
 
 static void quant_rows(const float *x, int64_t n, int64_t cols, const qbuf *b, int64_t off) {
-    const qbuf part = {b->q + off, b->d + off / 32, b->s + off / 16, b->sum + off / 32};
+    const qbuf part = {b->q + off, b->d + off / 32, b->s + off / 16, b->sum + off / 32, NULL};
     cs_quantize_act(x, n, cols, part.q, part.d, part.s);
     for (int64_t i = 0; i < n * cols / 32; i++) part.sum[i] = part.d[i] * (float)(part.s[2 * i] + part.s[2 * i + 1]);
+#ifdef HAVE_ZMM_ROWS
+    if (b->t) quad_acts(1, n * cols, part.q, b->t + off); /* one flat vector: the 128 grid */
+#endif
 }
 
 static void ds_attention_many(const ds_layer *L, int64_t n, float *x, const int64_t *pos,
@@ -611,7 +631,8 @@ static void ds_ffn_many(const ds_layer *L, int64_t n, float *x, ds_scratch *s) {
         t[nt++] = batch(&L->gate_exps, L->gate_exps.w + sel[j] * L->gate_stride, F, d, a, s->g + first[j] * F, count[j], F);
         t[nt++] = batch(&L->up_exps, L->up_exps.w + sel[j] * L->up_stride, F, d, a, s->u + first[j] * F, count[j], F);
     }
-    float *gs = s->g + rows * F, *us = s->u + rows * F; /* the shared expert's hidden (n, S) */
+    const int64_t so = (rows * F + 127) / 128 * 128; /* the shared expert's: on the quad grid */
+    float *gs = s->g + so, *us = s->u + so; /* the shared expert's hidden (n, S) */
     if (S) {
         t[nt++] = batch(&L->gate, L->gate.w, S, d, at(q, hg, rows * d), gs, n, S);
         t[nt++] = batch(&L->up, L->up.w, S, d, at(q, hg, rows * d), us, n, S);
@@ -620,13 +641,13 @@ static void ds_ffn_many(const ds_layer *L, int64_t n, float *x, ds_scratch *s) {
     for (int64_t r = 0; r < rows; r++) silu_mul(s->g + r * F, s->u + r * F, F);
     for (int64_t i = 0; S && i < n; i++) silu_mul(gs + i * S, us + i * S, S);
     if (L->down_exps.kind == 0) quant_rows(s->g, rows, F, q, 0);
-    if (S && L->down.kind == 0) quant_rows(gs, n, S, q, rows * F);
+    if (S && L->down.kind == 0) quant_rows(gs, n, S, q, so);
     nt = 0;
     float *y = s->y, *ys = s->y + rows * d;
     for (int64_t j = 0; j < ne; j++)
         t[nt++] = batch(&L->down_exps, L->down_exps.w + sel[j] * L->down_stride, d, F,
                         at(q, s->g, first[j] * F), y + first[j] * d, count[j], d);
-    if (S) t[nt++] = batch(&L->down, L->down.w, d, S, at(q, s->g, rows * F), ys, n, d);
+    if (S) t[nt++] = batch(&L->down, L->down.w, d, S, at(q, s->g, so), ys, n, d);
     run_tasks(t, nt);
     for (int64_t i = 0; i < n * d; i++) s->tmp[i] = 0.0f;
     for (int64_t r = 0; r < rows; r++) { /* per token, in ascending expert order */

@@ -14,6 +14,10 @@
  */
 #include <math.h>
 #include <stdint.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QUANT_ZMM 1 /* cs_quantize_act in 16-lane registers */
+#endif
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -50,33 +54,69 @@ static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); re
 /* x: (nx, cols) float32 -> xq int8 (nx, cols), xd (nx, cols/32), xs (nx, cols/16).
  * A block holding a NaN or an infinity gets a NaN scale (and zero values), so every output
  * it touches is NaN, as in float math: fmaxf skips NaNs and (int8_t)NaN is undefined, which
- * would otherwise turn a corrupt activation into finite garbage downstream. */
+ * would otherwise turn a corrupt activation into finite garbage downstream.
+ * Written without libm calls so gcc vectorizes it (roundf and fmaxf were calls per value,
+ * ~20 us for 4096 values: more than a small matvec): the largest |x| is an integer max over
+ * the bits with the sign cleared (the order of non-negative floats), which also says whether
+ * the block holds an all-ones exponent; roundf is truncation plus a step where the dropped
+ * fraction is at least one half (exact: |x * id| <= 127 + a rounding). */
 void cs_quantize_act(const float *x, int64_t nx, int64_t cols, int8_t *xq, float *xd,
                      int32_t *xs) {
     const int64_t nb = cols / 32;
     for (int64_t r = 0; r < nx; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * cols + b * 32;
-            float amax = 0.0f;
-            uint32_t special = 0; /* an all-ones exponent: NaN or infinity (an OR: vectorizes) */
+            uint32_t top = 0;
+#ifdef QUANT_ZMM
+            const __m512i sign = _mm512_set1_epi32(0x7FFFFFFF);
+            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+            top = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(v0), sign),
+                                                           _mm512_and_si512(_mm512_castps_si512(v1), sign)));
+#else
+            uint32_t u[32];
+            memcpy(u, v, sizeof u);
             for (int i = 0; i < 32; i++) {
-                uint32_t u;
-                memcpy(&u, v + i, 4);
-                special |= (u & 0x7F800000u) == 0x7F800000u;
-                amax = fmaxf(amax, fabsf(v[i]));
+                const uint32_t m = u[i] & 0x7FFFFFFFu;
+                top = m > top ? m : top;
             }
+#endif
             int8_t *q = xq + r * cols + b * 32;
-            if (special) {
+            if (top >= 0x7F800000u) { /* NaN or infinity */
                 memset(q, 0, 32);
                 xd[r * nb + b] = NAN;
                 xs[r * 2 * nb + 2 * b] = xs[r * 2 * nb + 2 * b + 1] = 0;
                 continue;
             }
+            float amax;
+            memcpy(&amax, &top, 4);
             const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
-            for (int i = 0; i < 32; i++) q[i] = (int8_t)roundf(v[i] * id);
-            int32_t s0 = 0, s1 = 0;
-            for (int i = 0; i < 16; i++) { s0 += q[i]; s1 += q[16 + i]; }
             xd[r * nb + b] = d;
+#ifdef QUANT_ZMM /* the same arithmetic, 16 lanes at a time */
+            const __m512 vid = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f), mhalf = _mm512_set1_ps(-0.5f);
+            const __m512 y0 = _mm512_mul_ps(v0, vid), y1 = _mm512_mul_ps(v1, vid);
+            __m512i k0 = _mm512_cvttps_epi32(y0), k1 = _mm512_cvttps_epi32(y1);
+            const __m512 f0 = _mm512_sub_ps(y0, _mm512_cvtepi32_ps(k0)), f1 = _mm512_sub_ps(y1, _mm512_cvtepi32_ps(k1));
+            const __m512i one = _mm512_set1_epi32(1);
+            k0 = _mm512_mask_add_epi32(k0, _mm512_cmp_ps_mask(f0, half, _CMP_GE_OQ), k0, one);
+            k0 = _mm512_mask_sub_epi32(k0, _mm512_cmp_ps_mask(f0, mhalf, _CMP_LE_OQ), k0, one);
+            k1 = _mm512_mask_add_epi32(k1, _mm512_cmp_ps_mask(f1, half, _CMP_GE_OQ), k1, one);
+            k1 = _mm512_mask_sub_epi32(k1, _mm512_cmp_ps_mask(f1, mhalf, _CMP_LE_OQ), k1, one);
+            _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(k0));
+            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(k1));
+            xs[r * 2 * nb + 2 * b] = _mm512_reduce_add_epi32(k0);
+            xs[r * 2 * nb + 2 * b + 1] = _mm512_reduce_add_epi32(k1);
+            continue;
+#endif
+            int32_t t[32];
+            for (int i = 0; i < 32; i++) {
+                const float y = v[i] * id;
+                const int32_t k = (int32_t)y; /* toward zero */
+                const float f = y - (float)k;
+                t[i] = k + (f >= 0.5f) - (f <= -0.5f);
+            }
+            int32_t s0 = 0, s1 = 0;
+            for (int i = 0; i < 32; i++) q[i] = (int8_t)t[i];
+            for (int i = 0; i < 16; i++) { s0 += t[i]; s1 += t[16 + i]; }
             xs[r * 2 * nb + 2 * b] = s0;
             xs[r * 2 * nb + 2 * b + 1] = s1;
         }
@@ -243,6 +283,8 @@ static inline __m256i load_nibbles16(const uint8_t *qs) { /* 16 bytes -> 32 valu
 typedef struct {
     const int8_t *xq; const float *xd; const int32_t *xs; int64_t cols; int64_t nx;
     const float *xsum; /* per 32 block: xd * sum(xq), the float sum of the block */
+    const int8_t *xt;  /* xq with every 4 blocks' 4-byte groups interleaved (see z32), or NULL */
+    const uint8_t (*qidx)[64]; /* byte permutes for z32's quads (quad_idx), with xt */
 } acts;
 
 static void row_q8_0_1(const uint8_t *row, int64_t nb, const acts *a, float *out) {
@@ -480,7 +522,361 @@ static void row_q2_k(const uint8_t *row, int64_t nb, const acts *a, float *out) 
     for (int64_t k = 0; k < a->nx; k++) out[k] = hsum(acc[k]) - mins[k];
 }
 
+/* ---- AVX-512 VNNI row kernels: two 32-weight blocks (or 64 weights of a K block) per zmm ----
+ * Why the AVX2 kernels above are slower than memory on Q4/Q6/Q2: per 18-byte Q4_0 block they
+ * spend ~20 instructions, half of them scalar (two f16 conversions, scale products, a
+ * broadcast, a serial float chain for the offset term), so one core decodes ~0.8 G blocks/s,
+ * 14 GB/s of Q4_0 where memory gives 20+. Here, per pair of blocks: two 16-byte broadcasts, an
+ * AND, one dpbusd, a convert, a lane permute of the scales and an FMA; the f16 scales of 16
+ * blocks come in one gather and one conversion, and the offset/min terms become one FMA per
+ * 16 blocks against the activations' block sums.
+ *
+ * Nibbles are not shifted: the high nibbles are multiplied in place (AND 0xF0, values 16*q,
+ * products summed exactly in int32 by dpbusd), and the lanes that hold them are scaled by
+ * 1/16 once per row at the end, exact in float (a power of two). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HAVE_ZMM_ROWS 1
+#define ZINL static inline __attribute__((always_inline))
+
+ZINL __m512i zdot(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
+
+/* lanes 0-7 <- s[i0], lanes 8-15 <- s[i1] (the scales of the two blocks of a pair) */
+ZINL __m512i idx_pair(int i0, int i1) {
+    return _mm512_set_epi32(i1, i1, i1, i1, i1, i1, i1, i1, i0, i0, i0, i0, i0, i0, i0, i0);
+}
+
+/* lanes 4i..4i+3 <- s[g + i]: the scales of four 16-weight groups */
+ZINL __m512i idx_quad(int g) {
+    return _mm512_set_epi32(g + 3, g + 3, g + 3, g + 3, g + 2, g + 2, g + 2, g + 2, g + 1, g + 1,
+                            g + 1, g + 1, g, g, g, g);
+}
+
+/* 16-bit lanes: 16 copies of lo (bytes 0-31), then 16 of hi (bytes 32-63) */
+ZINL __m512i w16x2(long long lo, long long hi) {
+    const long long r = 0x0001000100010001LL;
+    return _mm512_set_epi64(hi * r, hi * r, hi * r, hi * r, lo * r, lo * r, lo * r, lo * r);
+}
+
+/* f16 field at byte `off` of 16 consecutive blocks `bb` bytes apart (mask: blocks that exist) */
+ZINL __m512i gather16(const uint8_t *p, int bb, __mmask16 m) {
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(bb));
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, (const void *)p, 1);
+}
+/* The same for 16 whole blocks, without a gather (16 loads, ~1 cycle a block on AMD Zen 4):
+ * windows of 128 bytes, each a two-register byte permute (VBMI) picking the 4 bytes at the
+ * start of every block it holds; loads never pass the 16th block. */
+ZINL __m512i fields16(const uint8_t *p, const int bb) {
+    const int per = 124 / bb + 1, end = 16 * bb;
+    const __m512i i16 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i r = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int w = 0; w * per < 16; w++) {
+        const int st = bb * per * w, n_hi = end - st - 64 < 64 ? end - st - 64 : 64;
+        const __m512i lo = _mm512_loadu_si512((const void *)(p + st));
+        const __m512i hi = n_hi == 64 ? _mm512_loadu_si512((const void *)(p + st + 64))
+                           : n_hi > 0 ? _mm512_maskz_loadu_epi8((1ull << n_hi) - 1, p + st + 64)
+                                      : _mm512_setzero_si512();
+        const __m512i idx = _mm512_add_epi32(
+            _mm512_mullo_epi32(_mm512_sub_epi32(_mm512_mullo_epi32(i16, _mm512_set1_epi32(bb)), _mm512_set1_epi32(st)),
+                               _mm512_set1_epi32(0x01010101)), _mm512_set1_epi32(0x03020100));
+        const __mmask16 k = (__mmask16)((((1u << per) - 1) << (per * w)) & 0xFFFF);
+        r = _mm512_mask_mov_epi32(r, k, _mm512_permutex2var_epi8(lo, idx, hi));
+    }
+    return r;
+}
+ZINL __m512 f16_lo(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)); }
+ZINL __m512 f16_hi(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))); }
+
+/* Q8_0 (fmt 8), Q4_0 (2), Q4_1 (3): blocks of 32 weights, 16 blocks per scale fetch.
+ * Whole groups of 16 blocks go by quads: 4 blocks' weights in one register, 4-byte groups
+ * interleaved by one byte permute (lane l holds block l % 4), the activations laid out the
+ * same way once per call (`xt`), so the low and high halves of the quad accumulate into the
+ * same int32 lanes and one convert + one FMA (scales: lanes 4q..4q+3 broadcast) serve four
+ * blocks. Tails (fewer than 16 blocks) go by pairs, in the natural layout: a zmm holds two
+ * blocks, lanes 0-7 the first, and their scales are permuted into place. */
+ZINL void z32(const uint8_t *row, int64_t nb, const acts *a, float *out, const int fmt,
+              const int64_t nx) {
+    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_1 ? 20 : 18, qo = fmt == Q4_1 ? 4 : 2;
+    const int64_t nbx = a->cols / 32; /* activation blocks per row of x */
+    const long long r4 = 0x0004000400040004LL; /* shift 16-bit lanes of 128-bit lanes 1, 3 by 4 */
+    const __m512i nib_shift = _mm512_set_epi64(r4, r4, 0, 0, r4, r4, 0, 0);
+    __m512 acc[MAX_BATCH], acc1[MAX_BATCH], macc[MAX_BATCH], s[MAX_BATCH];
+    for (int64_t k = 0; k < nx; k++) acc[k] = acc1[k] = macc[k] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int64_t n = nb - b0 < 16 ? nb - b0 : 16;
+        const __mmask16 m = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
+        const uint8_t *base = row + bb * b0;
+        const __m512i g = n == 16 ? fields16(base, bb) : gather16(base, bb, m);
+        const __m512 d = f16_lo(g);
+        for (int64_t k = 0; k < nx; k++) {
+            s[k] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(m, a->xd + k * nbx + b0));
+            /* the offset times the block's activation sum: Q8_0 is read as unsigned q + 128
+             * (w = d*(q+128) - 128d), Q4_0 as w = d*q - 8d, Q4_1 as w = d*q + m */
+            const __m512 mn = fmt == Q4_1 ? f16_hi(g)
+                              : _mm512_mul_ps(d, _mm512_set1_ps(fmt == Q8_0 ? -128.0f : -8.0f));
+            macc[k] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(m, a->xsum + k * nbx + b0), macc[k]);
+        }
+        if (n == 16 && a->xt) { /* four quads of blocks, lanes interleaved (see above z32) */
+            const __m512i i0 = _mm512_load_si512((const void *)a->qidx[0]);
+            const __m512i i1 = _mm512_load_si512((const void *)a->qidx[1]);
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {
+                const uint8_t *qb = base + 4 * bb * q;
+                __m512i lo, hi;
+                if (fmt == Q8_0) {
+                    const __m512i f = _mm512_set1_epi8(-128);
+                    lo = _mm512_xor_si512(_mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)qb), i0,
+                                          _mm512_loadu_si512((const void *)(qb + 64))), f);
+                    hi = _mm512_xor_si512(_mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)(qb + 8)), i1,
+                                          _mm512_loadu_si512((const void *)(qb + 72))), f);
+                } else {
+                    const __m512i t = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)qb), i0,
+                        _mm512_loadu_si512((const void *)(qb + (fmt == Q4_1 ? 16 : 8))));
+                    lo = _mm512_and_si512(t, _mm512_set1_epi8(0x0F));
+                    hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), _mm512_set1_epi8(0x0F));
+                }
+                for (int64_t k = 0; k < nx; k++) {
+                    const int8_t *xp = a->xt + k * a->cols + 32 * (b0 + 4 * q);
+                    const __m512i dot = _mm512_dpbusd_epi32(zdot(lo, _mm512_loadu_si512((const void *)xp)), hi,
+                                                            _mm512_loadu_si512((const void *)(xp + 64)));
+                    const __m512 sq = _mm512_shuffle_f32x4(s[k], s[k], 0x55 * q);
+                    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sq, q & 1 ? acc1[k] : acc[k]);
+                    if (q & 1) acc1[k] = v; else acc[k] = v;
+                }
+            }
+            continue;
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; p++) {
+            if (2 * p >= n) break;
+            const int two = 2 * p + 1 < n;
+            const uint8_t *p0 = base + bb * 2 * p, *p1 = p0 + bb;
+            __m512i w;
+            if (fmt == Q8_0) { /* signed q -> unsigned q + 128 (a tail block's zeros stay 0) */
+                const __m256i lo = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p0 + 2)),
+                                                    _mm256_set1_epi8(-128));
+                w = two ? _mm512_inserti64x4(_mm512_castsi256_si512(lo),
+                                             _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p1 + 2)), _mm256_set1_epi8(-128)), 1)
+                        : _mm512_zextsi256_si512(lo);
+            } else {
+                w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p0 + qo)));
+                if (two) w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p1 + qo)));
+                else w = _mm512_maskz_mov_epi32(0x00FF, w);
+                w = _mm512_and_si512(_mm512_srlv_epi16(w, nib_shift), _mm512_set1_epi8(0x0F));
+            }
+            const __m512i ix = idx_pair(2 * p, 2 * p + 1);
+            for (int64_t k = 0; k < nx; k++) {
+                const int8_t *xp = a->xq + k * a->cols + 32 * (b0 + 2 * p);
+                const __m512i x = two ? _mm512_loadu_si512((const void *)xp)
+                                      : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xp);
+                const __m512i dot = zdot(w, x);
+                const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(ix, s[k]),
+                                                 p & 1 ? acc1[k] : acc[k]);
+                if (p & 1) acc1[k] = v; else acc[k] = v; /* two chains for the FMA latency */
+            }
+        }
+    }
+    for (int64_t k = 0; k < nx; k++) {
+        out[k] = _mm512_reduce_add_ps(_mm512_add_ps(acc[k], acc1[k])) + _mm512_reduce_add_ps(macc[k]);
+    }
+}
+
+/* Q4_K: 144-byte blocks of 256; each 32 bytes of nibbles hold 32 weights (low) + 32 (high). */
+ZINL void zq4k(const uint8_t *row, int64_t nb, const acts *a, float *out, const int64_t nx) {
+    const int64_t nbx = a->cols / 32;
+    const __m512i nib = _mm512_set_epi64(-0x0F0F0F0F0F0F0F10LL, -0x0F0F0F0F0F0F0F10LL,
+                                         -0x0F0F0F0F0F0F0F10LL, -0x0F0F0F0F0F0F0F10LL,
+                                         0x0F0F0F0F0F0F0F0FLL, 0x0F0F0F0F0F0F0F0FLL,
+                                         0x0F0F0F0F0F0F0F0FLL, 0x0F0F0F0F0F0F0F0FLL);
+    __m512 acc[MAX_BATCH], s[MAX_BATCH];
+    __m256 macc[MAX_BATCH];
+    for (int64_t k = 0; k < nx; k++) { acc[k] = _mm512_setzero_ps(); macc[k] = _mm256_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 144 * b;
+        uint32_t u[4];
+        k4_unpack_bytes(blk + 4, u);
+        const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(h2f(blk)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u))));
+        const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2)))));
+        for (int64_t k = 0; k < nx; k++) {
+            s[k] = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(a->xd + k * nbx + 8 * b)));
+            macc[k] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(a->xsum + k * nbx + 8 * b), macc[k]);
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i w = _mm512_and_si512(
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c))), nib);
+            const __m512i ix = idx_pair(2 * c, 2 * c + 1);
+            for (int64_t k = 0; k < nx; k++) {
+                const __m512i x = _mm512_loadu_si512((const void *)(a->xq + k * a->cols + 256 * b + 64 * c));
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zdot(w, x)), _mm512_permutexvar_ps(ix, s[k]), acc[k]);
+            }
+        }
+    }
+    const float f = 1.0f / 16;
+    const __m512 fold = _mm512_set_ps(f, f, f, f, f, f, f, f, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int64_t k = 0; k < nx; k++)
+        out[k] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[k], fold)) - hsum(macc[k]);
+}
+
+/* 8 per-32 activation scales -> 16 per-16 lanes (each twice) */
+ZINL __m512 xd_groups(const float *xd) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                 _mm512_castps256_ps512(_mm256_loadu_ps(xd)));
+}
+
+/* Q6_K: 210-byte blocks; weights as unsigned 0..63, the -32 folded into the per-16 sums. */
+ZINL void zq6k(const uint8_t *row, int64_t nb, const acts *a, float *out, const int64_t nx) {
+    const int64_t nbx = a->cols / 32, ngx = a->cols / 16;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    /* per 16-bit lane: the low 32 bytes (weights 0-31 of a 64) shift by the first count */
+    const __m512i shl = w16x2(4, 2), shr = w16x2(0, 2);
+    __m512 acc[MAX_BATCH], macc[MAX_BATCH], s[MAX_BATCH];
+    for (int64_t k = 0; k < nx; k++) acc[k] = macc[k] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 210 * b;
+        const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 208)),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+        for (int64_t k = 0; k < nx; k++) {
+            s[k] = _mm512_mul_ps(sc, xd_groups(a->xd + k * nbx + 8 * b));
+            const __m512i xs = _mm512_loadu_si512((const void *)(a->xs + k * ngx + 16 * b));
+            macc[k] = _mm512_fmadd_ps(s[k], _mm512_cvtepi32_ps(xs), macc[k]);
+        }
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+            const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * n));
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+            /* weights 0-63 of this half: low nibbles | bits (h >> 0 | h >> 2) & 3, as << 4 */
+            const __m512i wa = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(h, shl), m30));
+            /* weights 64-127: high nibbles | (h >> 4 | h >> 6) & 3, as << 4 */
+            const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                               _mm512_and_si512(_mm512_srlv_epi16(h, shr), m30));
+            const __m512i ia = idx_quad(8 * n), ib = idx_quad(8 * n + 4);
+            for (int64_t k = 0; k < nx; k++) {
+                const int8_t *xp = a->xq + k * a->cols + 256 * b + 128 * n;
+                const __m512i x0 = _mm512_loadu_si512((const void *)xp), x1 = _mm512_loadu_si512((const void *)(xp + 64));
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zdot(wa, x0)), _mm512_permutexvar_ps(ia, s[k]), acc[k]);
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zdot(wb, x1)), _mm512_permutexvar_ps(ib, s[k]), acc[k]);
+            }
+        }
+    }
+    for (int64_t k = 0; k < nx; k++)
+        out[k] = _mm512_reduce_add_ps(acc[k]) - 32.0f * _mm512_reduce_add_ps(macc[k]);
+}
+
+/* Q2_K: 84-byte blocks; 2-bit weights, 4-bit scale and min per 16. */
+ZINL void zq2k(const uint8_t *row, int64_t nb, const acts *a, float *out, const int64_t nx) {
+    const int64_t nbx = a->cols / 32, ngx = a->cols / 16;
+    const __m512i m3 = _mm512_set1_epi8(0x03), m4 = _mm512_set1_epi32(0x0F);
+    __m512 acc[MAX_BATCH], macc[MAX_BATCH], s[MAX_BATCH];
+    for (int64_t k = 0; k < nx; k++) acc[k] = macc[k] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 84 * b;
+        const __m512i sc8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk));
+        const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 80)), _mm512_cvtepi32_ps(_mm512_and_si512(sc8, m4)));
+        const __m512 mn = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(sc8, 4)));
+        for (int64_t k = 0; k < nx; k++) {
+            const __m512 xd = xd_groups(a->xd + k * nbx + 8 * b);
+            s[k] = _mm512_mul_ps(sc, xd);
+            const __m512i xs = _mm512_loadu_si512((const void *)(a->xs + k * ngx + 16 * b));
+            macc[k] = _mm512_fmadd_ps(_mm512_mul_ps(mn, xd), _mm512_cvtepi32_ps(xs), macc[k]);
+        }
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * n)));
+#pragma GCC unroll 2
+            for (int jj = 0; jj < 2; jj++) { /* shifts 2j (low half) and 2j+2 (high half), j = 2jj */
+                const __m512i sh16 = w16x2(4 * jj, 4 * jj + 2);
+                const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(q, sh16), m3);
+                const __m512i ix = idx_quad(8 * n + 4 * jj);
+                for (int64_t k = 0; k < nx; k++) {
+                    const __m512i x = _mm512_loadu_si512((const void *)(a->xq + k * a->cols + 256 * b + 128 * n + 64 * jj));
+                    acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zdot(w, x)), _mm512_permutexvar_ps(ix, s[k]), acc[k]);
+                }
+            }
+        }
+    }
+    for (int64_t k = 0; k < nx; k++)
+        out[k] = _mm512_reduce_add_ps(acc[k]) - _mm512_reduce_add_ps(macc[k]);
+}
+
+/* nx == 1 (decode) gets its own copy with the batch loops gone */
+#define ZROW(name, call1, calln) \
+    static void name(const uint8_t *row, int64_t nb, const acts *a, float *out) { \
+        if (a->nx == 1) call1; else calln; }
+ZROW(zrow_q8_0, z32(row, nb, a, out, Q8_0, 1), z32(row, nb, a, out, Q8_0, a->nx))
+ZROW(zrow_q4_0, z32(row, nb, a, out, Q4_0, 1), z32(row, nb, a, out, Q4_0, a->nx))
+ZROW(zrow_q4_1, z32(row, nb, a, out, Q4_1, 1), z32(row, nb, a, out, Q4_1, a->nx))
+ZROW(zrow_q4_k, zq4k(row, nb, a, out, 1), zq4k(row, nb, a, out, a->nx))
+ZROW(zrow_q6_k, zq6k(row, nb, a, out, 1), zq6k(row, nb, a, out, a->nx))
+ZROW(zrow_q2_k, zq2k(row, nb, a, out, 1), zq2k(row, nb, a, out, a->nx))
+
+/* z32's quads: the activations of every 4 blocks as 16 lanes of 4 bytes, lane l = block l % 4,
+ * bytes 4(l/4).. of its first half, then the same for the second half; and the byte permutes
+ * that lay the weights out alike (from two loads: [0, 64) and [w2, w2 + 64) of the quad). */
+static uint8_t QIDX[3][2][64] __attribute__((aligned(64))); /* Q8_0, Q4_0, Q4_1 */
+
+static void quad_idx_fill(int fmt, uint8_t idx[2][64]) {
+    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_1 ? 20 : 18, qo = fmt == Q4_1 ? 4 : 2;
+    const int w2 = fmt == Q4_1 ? 16 : 8;
+    for (int m = 0; m < 64; m++) {
+        const int l = m / 4, j = l % 4, i = 4 * (l / 4) + m % 4, o = bb * j + qo + i;
+        if (fmt == Q8_0) { /* windows [0, 128) for weights 0-15, [8, 136) for 16-31 */
+            idx[0][m] = (uint8_t)o;
+            idx[1][m] = (uint8_t)(o + 16 - 8);
+        } else { /* nibble bytes 0-15 of each block: a 4-byte group from the window holding it */
+            idx[0][m] = (uint8_t)(bb * j + qo + 4 * (l / 4) + 3 < 64 ? o : 64 + o - w2);
+            idx[1][m] = 0;
+        }
+    }
+}
+
+__attribute__((constructor)) static void quad_idx_init(void) {
+    quad_idx_fill(Q8_0, QIDX[0]);
+    quad_idx_fill(Q4_0, QIDX[1]);
+    quad_idx_fill(Q4_1, QIDX[2]);
+}
+
+/* The permutes for a format with quads, or NULL (other formats). */
+static const uint8_t (*quad_idx(int fmt))[64] {
+    return fmt == Q8_0 ? QIDX[0] : fmt == Q4_0 ? QIDX[1] : fmt == Q4_1 ? QIDX[2] : NULL;
+}
+
+/* nx rows of cols activations, each interleaved in whole 128-byte groups from its start */
+static void quad_acts(int64_t nx, int64_t cols, const int8_t *xq, int8_t *xt) {
+    const __m512i lo = _mm512_set_epi32(27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+    for (int64_t k = 0; k < nx; k++)
+        for (int64_t c = 0; c + 128 <= cols; c += 128) {
+            const int8_t *src = xq + k * cols + c;
+            const __m512i a = _mm512_loadu_si512((const void *)src), b = _mm512_loadu_si512((const void *)(src + 64));
+            _mm512_storeu_si512((void *)(xt + k * cols + c), _mm512_permutex2var_epi32(a, lo, b));
+            _mm512_storeu_si512((void *)(xt + k * cols + c + 64), _mm512_permutex2var_epi32(a, hi, b));
+        }
+}
+
+static int quad_layout(int fmt, int64_t nx, int64_t cols, const int8_t *xq, int8_t *xt,
+                       acts *a) {
+    if (!quad_idx(fmt) || cols < 512) return 0;
+    quad_acts(nx, cols, xq, xt);
+    a->qidx = quad_idx(fmt);
+    return 1;
+}
+#endif
+
 static void simd_row(int fmt, const uint8_t *row, int64_t cols, const acts *a, float *out) {
+#ifdef HAVE_ZMM_ROWS
+    switch (fmt) {
+    case Q8_0: zrow_q8_0(row, cols / 32, a, out); break;
+    case Q4_0: zrow_q4_0(row, cols / 32, a, out); break;
+    case Q4_1: zrow_q4_1(row, cols / 32, a, out); break;
+    case Q4_K: zrow_q4_k(row, cols / 256, a, out); break;
+    case Q6_K: zrow_q6_k(row, cols / 256, a, out); break;
+    default: zrow_q2_k(row, cols / 256, a, out); break;
+    }
+#else
     switch (fmt) {
     case Q8_0: row_q8_0(row, cols / 32, a, out); break;
     case Q4_0: row_q4(row, cols / 32, a, out, 0); break;
@@ -489,6 +885,7 @@ static void simd_row(int fmt, const uint8_t *row, int64_t cols, const acts *a, f
     case Q6_K: row_q6_k(row, cols / 256, a, out); break;
     default: row_q2_k(row, cols / 256, a, out); break;
     }
+#endif
 }
 #endif
 
@@ -506,19 +903,48 @@ static inline float dot_decoded(const decoded *w, int n, const int8_t *xq, const
     return acc;
 }
 
+/* How a matmul's rows are dealt to threads. Dynamically, in chunks: a thread whose core is
+ * shared with another busy process (or that was woken late) takes fewer chunks instead of
+ * holding every other thread at the end of a static split for its fixed share. A chunk is
+ * 16..256 KB of weights (the shared counter is touched once per chunk, prefetch streams stay
+ * long), about 8 per thread when the matrix allows. Below PAR_MIN_BYTES one thread does it
+ * all: a fork/join costs more than the split saves. */
+#define PAR_MIN_BYTES (96 * 1024)
+static inline int64_t chunk_rows(int64_t rows, int64_t row_bytes) {
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    const int64_t lo = (16384 + row_bytes - 1) / row_bytes, hi = (262144 + row_bytes - 1) / row_bytes;
+    const int64_t c = rows / (8 * (int64_t)threads);
+    return c < lo ? lo : c > hi ? hi : c;
+}
+
 /* out (nx, rows) = x @ W.T for a quantized W (rows, row_bytes); x given as cs_quantize_act. */
 void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                  const int8_t *xq, const float *xd, const int32_t *xs, int64_t nx, float *out) {
     const int n = block_elems(fmt);
     const int64_t nblocks = cols / n, bbytes = row_bytes / nblocks;
+    const int64_t chunk = chunk_rows(rows, row_bytes);
+    const int par = rows * row_bytes >= PAR_MIN_BYTES && rows > chunk;
 #ifdef HAVE_SIMD_ROWS
-    float xsum[MAX_BATCH * 4096];
-    float *xsum_p = nx * (cols / 32) <= MAX_BATCH * 4096 ? xsum : NULL;
-    float *heap = NULL;
-    if (!xsum_p) xsum_p = heap = (float *)malloc(sizeof(float) * nx * (cols / 32));
-    for (int64_t i = 0; i < nx * (cols / 32); i++) xsum_p[i] = xd[i] * (float)(xs[2 * i] + xs[2 * i + 1]);
-    const acts a = {xq, xd, xs, cols, nx, xsum_p};
-#pragma omp parallel for schedule(static)
+    /* per call: block sums as floats, and (AVX-512) the interleaved activations; on the stack
+     * up to 16 x 4096 values, else one allocation */
+    enum { STACK = MAX_BATCH * 4096 };
+    float xsum[STACK / 32];
+    int8_t xt_stack[STACK] __attribute__((aligned(64)));
+    const int64_t nv = nx * cols;
+    void *heap = nv > STACK ? malloc((size_t)nv + sizeof(float) * (size_t)(nv / 32)) : NULL;
+    int8_t *xt = heap ? (int8_t *)heap : xt_stack;
+    float *xsum_p = heap ? (float *)(xt + nv) : xsum;
+    for (int64_t i = 0; i < nv / 32; i++) xsum_p[i] = xd[i] * (float)(xs[2 * i] + xs[2 * i + 1]);
+    acts a = {xq, xd, xs, cols, nx, xsum_p, NULL, NULL};
+#ifdef HAVE_ZMM_ROWS
+    if (quad_layout(fmt, nx, cols, xq, xt, &a)) a.xt = xt;
+#else
+    (void)xt;
+#endif
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
     for (int64_t r = 0; r < rows; r++) {
         float o[MAX_BATCH];
         simd_row(fmt, w + r * row_bytes, cols, &a, o);
@@ -527,7 +953,7 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
     free(heap);
     return;
 #endif
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
     for (int64_t r = 0; r < rows; r++) {
         float acc[MAX_BATCH] = {0};
         decoded dw;
@@ -548,13 +974,18 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
  * (the Python side then needs no activation buffers of its own). */
 void cs_matmul_qx(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                   const float *x, int64_t nx, float *out) {
-    int8_t *xq = (int8_t *)malloc((size_t)(nx * cols) + sizeof(float) * (size_t)(nx * cols / 32) +
-                                  sizeof(int32_t) * (size_t)(nx * cols / 16) + 64);
-    float *xd = (float *)(((uintptr_t)(xq + nx * cols) + 15) & ~(uintptr_t)15);
-    int32_t *xs = (int32_t *)(xd + nx * cols / 32);
+    enum { STACK = MAX_BATCH * 4096 }; /* values: on the stack up to this, else allocated */
+    int8_t q_stack[STACK] __attribute__((aligned(64)));
+    float d_stack[STACK / 32];
+    int32_t s_stack[STACK / 16];
+    const int64_t nv = nx * cols;
+    void *heap = nv > STACK ? malloc((size_t)nv + (sizeof(float) + 2 * sizeof(int32_t)) * (size_t)(nv / 32)) : NULL;
+    int8_t *xq = heap ? (int8_t *)heap : q_stack;
+    float *xd = heap ? (float *)(xq + nv) : d_stack; /* nv is a multiple of 32: aligned */
+    int32_t *xs = heap ? (int32_t *)(xd + nv / 32) : s_stack;
     cs_quantize_act(x, nx, cols, xq, xd, xs);
     cs_matmul_q(fmt, w, rows, row_bytes, cols, xq, xd, xs, nx, out);
-    free(xq);
+    free(heap);
 }
 
 /* ---- float weights (F16, BF16): widen 32 at a time, multiply in float ------------------- */
@@ -573,9 +1004,30 @@ static inline void widen32(int fmt, const uint8_t *p, float *o) {
 
 void cs_matmul_f(int fmt, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
                  int64_t nx, float *out) {
+    const int64_t chunk = chunk_rows(rows, 2 * cols);
+    const int par = rows * 2 * cols >= PAR_MIN_BYTES && rows > chunk;
 #if defined(HAVE_SIMD_ROWS) && defined(__F16C__)
+    if (cols % 32 == 0 && nx == 1) { /* four accumulators: one would wait on the FMA latency */
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
+        for (int64_t r = 0; r < rows; r++) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            const uint8_t *row = w + r * cols * 2;
+            for (int64_t c = 0; c < cols; c += 32) {
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * (c + 8 * j)));
+                    const __m256 wf = fmt == BF16
+                        ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                        : _mm256_cvtph_ps(h);
+                    acc[j] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + c + 8 * j), acc[j]);
+                }
+            }
+            out[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        }
+        return;
+    }
     if (cols % 8 == 0) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
         for (int64_t r = 0; r < rows; r++) {
             __m256 acc[MAX_BATCH];
             for (int64_t k = 0; k < nx; k++) acc[k] = _mm256_setzero_ps();
@@ -593,7 +1045,7 @@ void cs_matmul_f(int fmt, const uint8_t *w, int64_t rows, int64_t cols, const fl
         return;
     }
 #endif
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
     for (int64_t r = 0; r < rows; r++) {
         float acc[MAX_BATCH] = {0}, wf[32];
         const uint8_t *row = w + r * cols * 2;
@@ -638,7 +1090,8 @@ static inline __attribute__((always_inline)) void dequant_row(int fmt, const uin
 void cs_dequantize(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                    float *out) {
     const int64_t nblocks = cols / block_elems(fmt), bbytes = row_bytes / nblocks;
-#pragma omp parallel for schedule(static)
+    const int64_t chunk = chunk_rows(rows, row_bytes);
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *row = w + r * row_bytes;
         float *y = out + r * cols;

@@ -340,7 +340,7 @@ class Llama:
             self._scratch = (
                 capacity,
                 np.empty(floats, np.float32),
-                np.empty(widest, np.int8),
+                np.empty(2 * widest, np.int8),  # values, then their AVX-512 quad layout
                 np.empty(2 * (widest // 32), np.float32),  # scales, then block sums
                 np.empty(widest // 16, np.int32),
             )
