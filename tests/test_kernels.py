@@ -212,3 +212,14 @@ def test_refined_head_candidates_are_the_float_logits() -> None:
         top = np.argsort(-logits[r])[:8]
         np.testing.assert_allclose(logits[r, top], exact[r, top], rtol=1e-5, atol=1e-4)
         assert np.argmax(logits[r]) == np.argmax(exact[r])
+
+
+@pytest.mark.parametrize(
+    ("cores", "runnable", "expected"),
+    [(2, 1, 2), (2, 2, 1), (2, 9, 1), (8, 3, 6), (4, None, 4), (1, 1, 1)],
+)
+def test_default_threads_leave_busy_cores_alone(
+    cores: int, runnable: int | None, expected: int
+) -> None:
+    """runnable counts this thread: 1 means the machine is otherwise idle."""
+    assert kernels.free_cores(cores, runnable) == expected

@@ -34,6 +34,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fP
 FUSED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14, "Q2_K": 10}
 FLOAT_TYPES = {"F16": 1, "BF16": 30}
 MAX_BATCH = 16  # rows of x per fused call; larger batches go to dequantize + BLAS
+GOMP_SPINCOUNT = 20_000  # spins (~tens of microseconds) before an idle OpenMP thread sleeps
 
 _lib: ctypes.CDLL | None = None
 _backend = os.environ.get("CELLSWARM_KERNELS", "c")
@@ -96,6 +97,13 @@ def _load() -> ctypes.CDLL | None:
     global _lib
     if _lib is not None or _backend != "c":
         return _lib
+    # OpenMP threads that find no work spin before they sleep: libgomp's default, ~300,000
+    # spins, keeps a thread burning a core for ~1 ms after each parallel loop, which is
+    # harmless on an idle machine and ruinous when another process wants that core (a thread
+    # that spins takes the time its partner needs, and the loop waits for the partner). A
+    # short spin covers the microseconds between one layer's loops; longer gaps sleep. Read
+    # by libgomp when it loads, with this library: the user's setting wins.
+    os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, subprocess.SubprocessError) as exc:
@@ -169,7 +177,26 @@ def backend() -> str:
 
 
 def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may use, less those other processes keep busy right now: a
+    thread started on a core that another process holds only waits for it, and holds back
+    every parallel loop it has a share of."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return free_cores(cores or 1, _runnable())
+
+
+def free_cores(cores: int, runnable: int | None) -> int:
+    """cores minus the runnable threads other than this one (at least 1); runnable None: all."""
+    if runnable is None:
+        return cores
+    return max(1, min(cores, cores - (runnable - 1)))
+
+
+def _runnable() -> int | None:
+    """Threads runnable on this machine now (/proc/loadavg's fourth field, this one included)."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def threads() -> int:

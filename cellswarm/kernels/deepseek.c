@@ -125,6 +125,29 @@ static int threads_now(void) {
 
 /* All rows of all tasks, in chunks handed out dynamically: a thread that lost its core to
  * another process holds back only the chunk it is on. */
+static void run_chunk(const task *t, const int64_t *start, int64_t lo, int64_t hi) {
+    int i = 0;
+    while (start[i + 1] <= lo) i++;
+    for (int64_t r = lo; r < hi; r++) {
+        while (start[i + 1] <= r) i++;
+        const task *k = &t[i];
+        const int64_t j = r - start[i];
+        const uint8_t *row = k->w + j * k->m->row_bytes;
+        k->out[j] = row_dot(k->m, row, k->cols, &k->a);
+        /* More activation rows: each with the one-row kernel while the weight row is in
+         * L1, so a token's result is the same bits alone or batched with others. */
+        for (int64_t b = 1; b < k->nx; b++) {
+            const int64_t o = b * k->cols;
+            const actv a = {k->a.xf ? k->a.xf + o : NULL, k->a.xq + o, k->a.xd + o / 32,
+                            k->a.xs + o / 16, k->a.xsum ? k->a.xsum + o / 32 : NULL,
+                            k->a.xt && o % 128 == 0 ? k->a.xt + o : NULL};
+            k->out[b * k->ld + j] = row_dot(k->m, row, k->cols, &a);
+        }
+    }
+}
+
+/* All rows of all tasks, in chunks handed out dynamically: a thread that lost its core to
+ * another process holds back only the chunk it is on (and gov_note sees it). */
 static void run_tasks(const task *t, int n) {
     int64_t start[MAX_TASKS + 1];
     start[0] = 0;
@@ -133,28 +156,22 @@ static void run_tasks(const task *t, int n) {
     int64_t chunk = total / (8 * nt);
     chunk = chunk < 8 ? 8 : chunk;
     const int64_t n_chunks = (total + chunk - 1) / chunk;
-#pragma omp parallel for schedule(dynamic, 1) if (n_chunks > 1 && nt > 1)
-    for (int64_t c = 0; c < n_chunks; c++) {
-        const int64_t lo = c * chunk, hi = lo + chunk < total ? lo + chunk : total;
-        int i = 0;
-        while (start[i + 1] <= lo) i++;
-        for (int64_t r = lo; r < hi; r++) {
-            while (start[i + 1] <= r) i++;
-            const task *k = &t[i];
-            const int64_t j = r - start[i];
-            const uint8_t *row = k->w + j * k->m->row_bytes;
-            k->out[j] = row_dot(k->m, row, k->cols, &k->a);
-            /* More activation rows: each with the one-row kernel while the weight row is in
-             * L1, so a token's result is the same bits alone or batched with others. */
-            for (int64_t b = 1; b < k->nx; b++) {
-                const int64_t o = b * k->cols;
-                const actv a = {k->a.xf ? k->a.xf + o : NULL, k->a.xq + o, k->a.xd + o / 32,
-                                k->a.xs + o / 16, k->a.xsum ? k->a.xsum + o / 32 : NULL,
-                                k->a.xt && o % 128 == 0 ? k->a.xt + o : NULL};
-                k->out[b * k->ld + j] = row_dot(k->m, row, k->cols, &a);
-            }
-        }
+    const int use = n_chunks > 1 && nt > 1 ? gov_threads() : 1;
+    if (use == 1) {
+        run_chunk(t, start, 0, total);
+        return;
     }
+    double done[GOV_MAX_THREADS], t0 = now_s();
+#pragma omp parallel num_threads(use)
+    {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t c = 0; c < n_chunks; c++)
+            run_chunk(t, start, c * chunk, c * chunk + chunk < total ? c * chunk + chunk : total);
+#ifdef _OPENMP
+        done[omp_get_thread_num()] = now_s();
+#endif
+    }
+    gov_note(t0, done, use);
 }
 
 static task whole(const mat *m, int64_t cols, actv a, float *out) {

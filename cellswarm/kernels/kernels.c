@@ -12,6 +12,7 @@
  * constant trip counts so gcc vectorizes them for the host (-O3 -march=native): AVX2/AVX-512
  * on x86-64, NEON on aarch64, VSX on ppc64.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
 #include <math.h>
 #include <stdint.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -46,6 +47,51 @@ static inline float fp16_to_f32(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+
+/* ---- threads when cores are busy ----------------------------------------------------------
+ * A parallel loop ends when its last thread does. When another process holds a core, one of
+ * our threads is preempted for a whole scheduler slice (milliseconds), holding its chunk or
+ * not yet at the loop, and the loop waits for it while the other thread idles: two threads
+ * ran ten times slower than one beside a busy process. So every loop notes how long the first
+ * thread out of work waited for the last; a wait far beyond the loop's own work means a thread
+ * lost its core, and the next GOV_SOLO_LOOPS loops run on one thread (a few dozen tokens),
+ * then two are tried again. On an idle machine the wait is one chunk at most: no change. */
+#include <time.h>
+enum { GOV_SOLO_LOOPS = 4000, GOV_MAX_THREADS = 256 };
+static int gov_solo; /* loops left to run on one thread */
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int gov_threads(void) { /* threads for the next parallel loop */
+#ifdef _OPENMP
+    const int nt = omp_get_max_threads();
+    const int left = __atomic_load_n(&gov_solo, __ATOMIC_RELAXED);
+    if (nt > 1 && left > 0) {
+        __atomic_store_n(&gov_solo, left - 1, __ATOMIC_RELAXED);
+        return 1;
+    }
+    return nt < GOV_MAX_THREADS ? nt : GOV_MAX_THREADS;
+#else
+    return 1;
+#endif
+}
+
+/* after a loop that started at t0: each thread's time out of work in done[0..n) */
+static void gov_note(double t0, const double *done, int n) {
+    double first = done[0], last = done[0];
+    for (int i = 1; i < n; i++) {
+        first = done[i] < first ? done[i] : first;
+        last = done[i] > last ? done[i] : last;
+    }
+    if (last - first > 2e-4 && last - first > 2 * (first - t0))
+        __atomic_store_n(&gov_solo, GOV_SOLO_LOOPS, __ATOMIC_RELAXED);
+}
+
+int cs_solo_loops(void) { return __atomic_load_n(&gov_solo, __ATOMIC_RELAXED); } /* tests */
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
@@ -944,12 +990,21 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
 #else
     (void)xt;
 #endif
-#pragma omp parallel for schedule(dynamic, chunk) if (par)
-    for (int64_t r = 0; r < rows; r++) {
-        float o[MAX_BATCH];
-        simd_row(fmt, w + r * row_bytes, cols, &a, o);
-        for (int64_t k = 0; k < nx; k++) out[k * rows + r] = o[k];
+    const int use = par ? gov_threads() : 1;
+    double done[GOV_MAX_THREADS], t0 = now_s();
+#pragma omp parallel num_threads(use) if (use > 1)
+    {
+#pragma omp for schedule(dynamic, chunk) nowait
+        for (int64_t r = 0; r < rows; r++) {
+            float o[MAX_BATCH];
+            simd_row(fmt, w + r * row_bytes, cols, &a, o);
+            for (int64_t k = 0; k < nx; k++) out[k * rows + r] = o[k];
+        }
+#ifdef _OPENMP
+        done[omp_get_thread_num()] = now_s();
+#endif
     }
+    if (use > 1) gov_note(t0, done, use);
     free(heap);
     return;
 #endif
