@@ -337,6 +337,15 @@ class Stage:
         self.connections.clear()
         self._next = None
 
+    def forget_sequences(self) -> None:
+        """Drop every sequence (a reset, or the stage stops): caches, samplers, and stage
+        0's own records, whose emitters lead back to this stage through its head."""
+        for seq in list(self.tallies):
+            self.log_decode(seq, pop=True)
+        self.caches.clear()
+        self.samplers.clear()
+        self.sequences.clear()
+
     async def send_next(self, frame: Frame) -> None:
         if self.emulation is None:
             return await self.write_next(frame)
@@ -426,11 +435,7 @@ class Stage:
             )
             self.connect_parts()
         self.epoch = epoch
-        for seq in list(self.tallies):
-            self.log_decode(seq, pop=True)
-        self.caches.clear()
-        self.samplers.clear()
-        self.sequences.clear()
+        self.forget_sequences()
         while not self._wire.empty():  # frames of the old epoch still "on the wire"
             self._wire.get_nowait()
         async with self._next_lock:
