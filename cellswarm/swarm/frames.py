@@ -33,6 +33,7 @@ MAX_PAYLOAD_BYTES = 64 << 20  # one frame; an activation batch is far smaller
 HANDSHAKE_PAYLOAD_BYTES = 0
 DTYPES = {"f32": np.float32, "i64": np.int64}
 DTYPE_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+WIDTHS = {k: np.dtype(v).itemsize for k, v in DTYPES.items()}
 MAX_DIMS = 8  # an array's dimensions in a frame (activations are 2-D)
 
 
@@ -103,7 +104,7 @@ def _array(header: dict[str, Any], body: bytes, offset: int) -> np.ndarray | Non
             f"frame names dtype {_short(dtype)} / shape {_short(shape)}; expected f32|i64 and a "
             f"list of at most {MAX_DIMS} sizes"
         )
-    width = np.dtype(DTYPES[dtype]).itemsize
+    width = WIDTHS[dtype]
     # an empty array's other sizes are bounded too: (0, 2**62) is no array numpy can make
     if math.prod(max(n, 1) for n in shape) * width > max(n_payload, MAX_PAYLOAD_BYTES):
         raise ProtocolError(f"frame names shape {_short(shape)}, larger than any frame holds")
@@ -112,7 +113,7 @@ def _array(header: dict[str, Any], body: bytes, offset: int) -> np.ndarray | Non
         raise ProtocolError(
             f"frame payload of {n_payload} bytes does not fill shape {_short(shape)} of {dtype}"
         )
-    return np.frombuffer(body, DTYPES[dtype], count, offset).reshape(shape)
+    return np.ndarray(shape, DTYPES[dtype], body, offset)  # a view of `body`, read-only
 
 
 def _short(value: Any) -> str:
