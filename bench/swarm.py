@@ -16,7 +16,8 @@
 
 What remains between a measurement and the planner's figure:
 * per-hop software overhead: ~0.3 ms on loopback between real stages, ~0.6 ms beside an
-  emulated link (frame encode/decode, asyncio, the delivery timer); the planner charges a
+  emulated link (frame encode/decode, asyncio, the delivery timer; bench/hop.py takes a hop
+  apart, through the coordinator as users run it); the planner charges a
   hop only half an RTT plus the bytes (0.1 ms on rpi4/ps3 gigabit), so one sequence over
   4 stages is ~2 ms per token slower than it predicts;
 * the host's CPU: every stage's real compute, the frames and the client share 2 cores. A

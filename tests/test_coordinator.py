@@ -100,7 +100,9 @@ def test_swarm_output_equals_the_single_process_engine(
         assert {e["node"] for e in events} == {"coordinator", *(f"worker-{i}"
                                                                 for i in range(workers))}
         assert [e["event"] for e in events][:2] == ["submitted", "leased"]
-        assert events[-1]["event"] == "completed"
+        # the end: "completed" — but for the stages after the first, whose "decode" tallies
+        # are logged as they let the request go, which may be after it
+        assert [e["event"] for e in events if e["event"] != "decode"][-1] == "completed"
 
 
 @pytest.mark.parametrize("spare", [True, False], ids=["spare", "re-placed"])

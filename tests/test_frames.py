@@ -13,8 +13,9 @@ from cellswarm.swarm.frames import PREFIX, Frame, decode, encode, read_frame
 
 @pytest.mark.parametrize(
     "array",
-    [None, np.arange(6, dtype=np.int64), np.ones((3, 5), np.float32), np.zeros((0, 4), np.float32)],
-)
+    [None, np.arange(6, dtype=np.int64), np.ones((3, 5), np.float32), np.zeros((0, 4), np.float32),
+     np.arange(15, dtype=np.float32).reshape(3, 5).T, np.arange(12, dtype=np.int64)[::3]],
+)  # fmt: skip
 def test_round_trip(array: np.ndarray | None) -> None:
     raw = encode(Frame("hidden", {"seq": 7, "pos": 3, "first": {"prompt": [1, 2]}}, array))
     f = decode(raw[: PREFIX.size], raw[PREFIX.size :])

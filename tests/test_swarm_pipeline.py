@@ -170,12 +170,52 @@ def test_one_request_traced_across_nodes(demo_path: Path, tmp_path: Path) -> Non
     nodes = {e["node"] for e in events if e["event"] == "step"}
     assert nodes == {"stage-0", "stage-1", "stage-2"}
     kinds = [e["event"] for e in events]
-    assert kinds[0] == "generate" and kinds[-1] == "done" and "reset" in kinds
+    assert kinds[0] == "generate" and "done" in kinds and "reset" in kinds
+    # Stage 0 ends the request, having said what its decode steps cost it (one "decode"
+    # event, not a line per token); the others say so as they let the request go, after its
+    # "done" (or not at all when the pipeline stops first).
+    mine = [e["event"] for e in events if e["node"] == "stage-0"]
+    assert mine[-1] == "done" and mine[-2] == "decode"
     out = subprocess.run(
         [sys.executable, "-m", "cellswarm", "logs", r.request_id, "--dir", str(logs)],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "stage-2" in out and "done" in out
+
+
+def test_decode_steps_are_tallied_not_logged_one_by_one(demo_path: Path, tmp_path: Path) -> None:
+    """A stage logs a request's prefill as a "step", and its decode steps summed in "decode"
+    events (every DECODE_LOG_EVERY steps, cumulative, then when it lets the request go):
+    steps, the span from the first to the last, and where a step's time went."""
+    import json
+    import time
+
+    from cellswarm.swarm.stage import DECODE_LOG_EVERY, HOP_PARTS
+
+    tokens = DECODE_LOG_EVERY + 6
+    with LocalPipeline(str(demo_path), even_split(30, 2), log_dir=str(tmp_path)) as pipe:
+        [r] = pipe.generate([{"prompt": [1, 2, 3], "max_tokens": tokens}])
+        deadline = time.monotonic() + 10  # stage 1 logs its last tally as it lets go
+
+        def events(node: str) -> list[dict[str, object]]:
+            lines = (tmp_path / f"{node}.jsonl").read_text().splitlines()
+            return [e for e in map(json.loads, lines) if e["request_id"] == r.request_id]
+
+        while len([e for e in events("stage-1") if e["event"] == "decode"]) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        totals = [s["hop_s"] for s in pipe.stats()]  # every decode step's, in the stats too
+    assert all(t["compute"] > 0 and set(t) == set(HOP_PARTS) for t in totals)
+    for node in ("stage-0", "stage-1"):
+        mine = events(node)
+        assert [e["tokens"] for e in mine if e["event"] == "step"] == [3]  # the prefill
+        decode = [e for e in mine if e["event"] == "decode"]
+        assert [e["steps"] for e in decode] == [DECODE_LOG_EVERY, tokens - 1]
+        last = decode[-1]
+        assert 0 < last["max_ms"] <= last["span_ms"]
+        assert all(float(last[f"{k}_us"]) >= 0 for k in HOP_PARTS) and last["compute_us"] > 0
+        # a frame goes out of every step, and one came in (stage 0: the token from stage 1)
+        assert last["encode_us"] > 0 and last["read_us"] > 0
 
 
 def test_emulated_stages_are_slowed_to_their_profile_and_still_exact(demo_path: Path) -> None:

@@ -32,6 +32,8 @@ MAX_PAYLOAD_BYTES = 64 << 20  # one frame; an activation batch is far smaller
 # stranger gets a header's worth of our memory, not MAX_PAYLOAD_BYTES per connection.
 HANDSHAKE_PAYLOAD_BYTES = 0
 DTYPES = {"f32": np.float32, "i64": np.int64}
+DTYPE_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+WIDTHS = {k: np.dtype(v).itemsize for k, v in DTYPES.items()}
 MAX_DIMS = 8  # an array's dimensions in a frame (activations are 2-D)
 
 
@@ -43,18 +45,23 @@ class Frame:
 
 
 def encode(frame: Frame, max_payload: int = MAX_PAYLOAD_BYTES) -> bytes:
-    header: dict[str, Any] = {"type": frame.type, **frame.fields}
-    payload = b""
-    if frame.array is not None:
-        dtype = next((k for k, v in DTYPES.items() if frame.array.dtype == v), None)
-        if dtype is None:
-            raise ProtocolError(f"array dtype {frame.array.dtype} cannot be sent; use f32 or i64")
-        header["dtype"], header["shape"] = dtype, list(frame.array.shape)
-        payload = np.ascontiguousarray(frame.array).tobytes()
+    header: dict[str, Any] = {"type": frame.type}
+    header.update(frame.fields)
+    a = frame.array
+    if a is None:
+        head = msgpack.packb(header, use_bin_type=True)
+        _check_sizes(len(head), 0, max_payload)
+        return PREFIX.pack(MAGIC, len(head), 0, zlib.crc32(head)) + head
+    dtype = DTYPE_NAMES.get(a.dtype)
+    if dtype is None:
+        raise ProtocolError(f"array dtype {a.dtype} cannot be sent; use f32 or i64")
+    header["dtype"], header["shape"] = dtype, list(a.shape)
+    # the array's own buffer, not a copy of it: the join below is the one copy a frame costs
+    payload = np.ascontiguousarray(a).data
     head = msgpack.packb(header, use_bin_type=True)
-    _check_sizes(len(head), len(payload), max_payload)
+    _check_sizes(len(head), payload.nbytes, max_payload)
     crc = zlib.crc32(payload, zlib.crc32(head))
-    return PREFIX.pack(MAGIC, len(head), len(payload), crc) + head + payload
+    return b"".join((PREFIX.pack(MAGIC, len(head), payload.nbytes, crc), head, payload))
 
 
 def _check_sizes(header: int, payload: int, max_payload: int) -> None:
@@ -69,22 +76,24 @@ def _check_sizes(header: int, payload: int, max_payload: int) -> None:
 
 def decode(prefix: bytes, body: bytes) -> Frame:
     """prefix: PREFIX.size bytes; body: header + payload as the prefix announced."""
-    _magic, n_head, n_payload, crc = PREFIX.unpack(prefix)
+    _magic, n_head, _n_payload, crc = PREFIX.unpack(prefix)
     if zlib.crc32(body) != crc:
-        raise ProtocolError(f"frame checksum mismatch ({n_head + n_payload:,} bytes); dropped")
+        raise ProtocolError(f"frame checksum mismatch ({len(body):,} bytes); dropped")
     try:
-        header = msgpack.unpackb(body[:n_head], raw=False, strict_map_key=True)
+        header = msgpack.unpackb(memoryview(body)[:n_head], raw=False, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"frame header is not valid msgpack ({exc})") from exc
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise ProtocolError("frame header is not a map with a string 'type'")
-    return Frame(header.pop("type"), header, _array(header, body[n_head:]))
+    return Frame(header.pop("type"), header, _array(header, body, n_head))
 
 
-def _array(header: dict[str, Any], payload: bytes) -> np.ndarray | None:
+def _array(header: dict[str, Any], body: bytes, offset: int) -> np.ndarray | None:
+    """The payload (body[offset:]) as the array the header names, a view of `body`."""
     dtype, shape = header.pop("dtype", None), header.pop("shape", None)
+    n_payload = len(body) - offset
     if dtype is None:
-        if payload:
+        if n_payload:
             raise ProtocolError("frame carries a payload but names no dtype")
         return None
     # Anything may stand here (msgpack decodes lists, maps, floats, huge ints): only a known
@@ -95,15 +104,16 @@ def _array(header: dict[str, Any], payload: bytes) -> np.ndarray | None:
             f"frame names dtype {_short(dtype)} / shape {_short(shape)}; expected f32|i64 and a "
             f"list of at most {MAX_DIMS} sizes"
         )
-    width = np.dtype(DTYPES[dtype]).itemsize
+    width = WIDTHS[dtype]
     # an empty array's other sizes are bounded too: (0, 2**62) is no array numpy can make
-    if math.prod(max(n, 1) for n in shape) * width > max(len(payload), MAX_PAYLOAD_BYTES):
+    if math.prod(max(n, 1) for n in shape) * width > max(n_payload, MAX_PAYLOAD_BYTES):
         raise ProtocolError(f"frame names shape {_short(shape)}, larger than any frame holds")
-    if len(payload) != width * math.prod(shape):  # exact ints: no overflow
+    count = math.prod(shape)  # exact ints: no overflow
+    if n_payload != width * count:
         raise ProtocolError(
-            f"frame payload of {len(payload)} bytes does not fill shape {_short(shape)} of {dtype}"
+            f"frame payload of {n_payload} bytes does not fill shape {_short(shape)} of {dtype}"
         )
-    return np.frombuffer(payload, dtype=DTYPES[dtype]).reshape(shape)
+    return np.ndarray(shape, DTYPES[dtype], body, offset)  # a view of `body`, read-only
 
 
 def _short(value: Any) -> str:
@@ -112,10 +122,11 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-async def read_frame(
+async def read_raw(
     reader: asyncio.StreamReader, max_payload: int = MAX_PAYLOAD_BYTES
-) -> Frame | None:
-    """The next frame, or None at a clean end of stream."""
+) -> tuple[bytes, bytes] | None:
+    """The next frame's prefix and body, not yet decoded (`decode`); None at a clean end of
+    stream. Sizes are checked before a byte of the body is read."""
     try:
         prefix = await reader.readexactly(PREFIX.size)
     except asyncio.IncompleteReadError as exc:
@@ -130,7 +141,15 @@ async def read_frame(
         body = await reader.readexactly(n_head + n_payload)
     except asyncio.IncompleteReadError as exc:
         raise ProtocolError("connection closed inside a frame body") from exc
-    return decode(prefix, body)
+    return prefix, body
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, max_payload: int = MAX_PAYLOAD_BYTES
+) -> Frame | None:
+    """The next frame, or None at a clean end of stream."""
+    raw = await read_raw(reader, max_payload)
+    return None if raw is None else decode(*raw)
 
 
 async def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> None:

@@ -36,7 +36,17 @@ from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolErro
 from cellswarm.io.weights import Selection
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.emulate import Emulation, precise_loop
-from cellswarm.swarm.frames import Frame, accept, connect, no_delay, read_frame, write_frame
+from cellswarm.swarm.frames import (
+    Frame,
+    accept,
+    connect,
+    decode,
+    encode,
+    no_delay,
+    read_frame,
+    read_raw,
+    write_frame,
+)
 from cellswarm.swarm.logs import JsonLog
 from cellswarm.swarm.parts import ExpertParts, PartLost, PartSpec, VocabParts
 from cellswarm.swarm.tls import client_context, server_context
@@ -106,6 +116,39 @@ NEEDS: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 
 
+# A decode step's time at a stage, in parts: its frame read (decoded and checked), handed on
+# to the step (stage 0: the token given to the head, the next step started), the step itself
+# (embedding, layers, head and sampler: what one process does too), the frame out encoded
+# and written (the CPU time of the write: on loopback it delivers to the next stage, whose
+# wakeup may take this process's core at once). What a token's period holds beyond the sum
+# of these over the ring is the wire and the waking (bench/hop.py).
+HOP_PARTS = ("read", "dispatch", "compute", "encode", "send")
+DECODE_LOG_EVERY = 64  # a sequence's decode steps go to the log summed, every this many
+
+
+@dataclass
+class DecodeTally:
+    """One sequence's decode steps at this stage, summed: a "decode" log event every
+    DECODE_LOG_EVERY steps and when the stage lets the sequence go, not a line per token."""
+
+    steps: int = 0
+    logged: int = 0  # steps in the last event
+    first_s: float = 0.0  # perf_counter when its first decode step started ...
+    last_s: float = 0.0  # ... and its latest
+    max_s: float = 0.0  # the longest step (compute)
+    parts: list[float] = field(default_factory=lambda: [0.0] * len(HOP_PARTS))
+
+    def event(self) -> dict[str, Any]:
+        n = self.steps
+        fields: dict[str, Any] = {
+            "steps": n, "span_ms": round(1000 * (self.last_s - self.first_s), 3),
+            "max_ms": round(1000 * self.max_s, 3),
+        }  # fmt: skip
+        for name, total in zip(HOP_PARTS, self.parts, strict=True):
+            fields[f"{name}_us"] = round(1e6 * total / n, 1)
+        return fields
+
+
 class NextStageLost(ConnectionError):
     """The next stage in the ring stopped answering: its fault, not ours."""
 
@@ -156,6 +199,14 @@ class Stage:
         self.requests: dict[int, str] = {}  # seq -> request id, for the logs
         self.steps, self.busy_s = 0, 0.0
         self.decode_steps, self.decode_s = 0, 0.0
+        self.tallies: dict[int, DecodeTally] = {}  # seq -> its decode steps here, summed
+        self.hop_s = [0.0] * len(HOP_PARTS)  # every decode step's parts, summed (stats)
+        # The frame that started the step running now: when it was read and when decoded;
+        # the embedding's time (stage 0, before the step); the last frame out's encode and
+        # write. Set and taken between two awaits that do not suspend (no I/O waits there).
+        self._frame_s: tuple[float, float] | None = None
+        self._embed_s = 0.0
+        self._sent_s = (0.0, 0.0)
         # A worker tells its coordinator: ("forward", why, epoch, request) when this node
         # failed a step of that request, ("next", address, ...) when the next stage stopped
         # answering, ("sender", peer id, ...) when a peer sent a malformed frame. A job's own
@@ -223,13 +274,15 @@ class Stage:
         try:
             while True:
                 try:
-                    frame = await read_frame(reader)
-                    if frame is not None:
-                        self.check_frame(frame)
+                    raw = await read_raw(reader)
+                    if raw is None:
+                        break
+                    got_s = time.perf_counter()
+                    frame = decode(*raw)
+                    self.check_frame(frame)
                 except ProtocolError as exc:
                     return await self.bad_frame(peer, exc)
-                if frame is None:
-                    break
+                self._frame_s = (got_s, time.perf_counter())
                 await self.handle(frame, writer)
         except Exception as exc:  # a bug of ours: log it, drop this connection, serve on
             log.exception("stage %s: connection dropped", self.config.layers)
@@ -284,6 +337,15 @@ class Stage:
         self.connections.clear()
         self._next = None
 
+    def forget_sequences(self) -> None:
+        """Drop every sequence (a reset, or the stage stops): caches, samplers, and stage
+        0's own records, whose emitters lead back to this stage through its head."""
+        for seq in list(self.tallies):
+            self.log_decode(seq, pop=True)
+        self.caches.clear()
+        self.samplers.clear()
+        self.sequences.clear()
+
     async def send_next(self, frame: Frame) -> None:
         if self.emulation is None:
             return await self.write_next(frame)
@@ -319,7 +381,12 @@ class Stage:
                         host, port, self.token, self.config.node_id,
                         still=lambda: self.epoch == epoch, tls=self.tls,
                     )  # fmt: skip
-                await write_frame(self._next, frame)
+                t0 = time.perf_counter()
+                data = encode(frame)
+                t1, cpu = time.perf_counter(), time.thread_time()
+                self._next.write(data)
+                await self._next.drain()
+                self._sent_s = (t1 - t0, time.thread_time() - cpu)
             except (OSError, ConnectionError) as exc:
                 self._next = None
                 if self.epoch != epoch:
@@ -368,9 +435,7 @@ class Stage:
             )
             self.connect_parts()
         self.epoch = epoch
-        self.caches.clear()
-        self.samplers.clear()
-        self.sequences.clear()
+        self.forget_sequences()
         while not self._wire.empty():  # frames of the old epoch still "on the wire"
             self._wire.get_nowait()
         async with self._next_lock:
@@ -389,6 +454,7 @@ class Stage:
             "peak_rss_bytes": peak_rss_bytes(), "steps": self.steps,
             "busy_s": round(self.busy_s, 4), "sequences": len(self.caches),
             "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 4),
+            "hop_s": {k: round(v, 6) for k, v in zip(HOP_PARTS, self.hop_s, strict=True)},
         }  # fmt: skip
 
     async def on_generate(self, frame: Frame, emit: Emit) -> None:
@@ -447,7 +513,9 @@ class Stage:
         ):
             os._exit(1)  # no cleanup, no goodbye: what a power cut looks like to the others
         t0 = time.perf_counter()
-        decode = h.shape[0] == 1
+        one_row = h.shape[0] == 1
+        frame_s, self._frame_s = self._frame_s, None
+        embed_s, self._embed_s = self._embed_s, 0.0
         scoring = first is not None and first.get("score_from") is not None
         out: Any = None  # the last stage's: a sampled token, or a score
         try:
@@ -484,15 +552,61 @@ class Stage:
             return
         if self.emulation is not None:
             await self.emulation.pad(t0, h.shape[0])
-        self.busy_s += time.perf_counter() - t0
-        if decode:
-            self.decode_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.busy_s += t1 - t0
+        if one_row:
+            self.decode_s += t1 - t0
             self.decode_steps += 1
-        ms = round(1000 * (time.perf_counter() - t0), 3)
-        self.log.event(
-            "step", self.requests.get(seq), stage=self.span, pos=pos, tokens=h.shape[0], ms=ms
-        )
         cache.length = pos + h.shape[0]
+        if not one_row or first is not None:  # a prefill (or a replay's): logged as it is
+            ms = round(1000 * (t1 - t0), 3)
+            self.log.event("step", self.requests.get(seq), stage=self.span, pos=pos,
+                           tokens=h.shape[0], ms=ms)  # fmt: skip
+            return await self.step_out(seq, h, pos, first, scoring, out)
+        # A decode step is tallied, not logged (a line per token per stage cost more than
+        # the frames), and after its result went on: the next stage need not wait for it.
+        read_s = dispatch_s = 0.0
+        if frame_s is not None:  # started by a frame (not by this process's own last step)
+            read_s, dispatch_s = frame_s[1] - frame_s[0], t0 - frame_s[1] - embed_s
+        parts = [read_s, dispatch_s, t1 - t0 + embed_s, 0.0, 0.0]
+        if self.config.first and self.config.last:  # nothing goes out; the token may end it
+            self.tally(seq, t0 - embed_s, parts)
+            return await self.step_out(seq, h, pos, first, scoring, out)
+        self._sent_s = (0.0, 0.0)
+        await self.step_out(seq, h, pos, first, scoring, out)
+        parts[3], parts[4] = self._sent_s
+        self.tally(seq, t0 - embed_s, parts)
+
+    def tally(self, seq: int, start_s: float, parts: list[float]) -> None:
+        """Add a decode step to its sequence's tally (and log it every DECODE_LOG_EVERY)."""
+        t = self.tallies.get(seq)
+        if t is None:
+            if seq not in self.caches:  # let go meanwhile (its last token was this step's)
+                return
+            t = self.tallies[seq] = DecodeTally(first_s=start_s)
+        t.steps += 1
+        t.last_s = start_s
+        t.max_s = max(t.max_s, parts[2])
+        for i, x in enumerate(parts):
+            t.parts[i] += x
+            self.hop_s[i] += x
+        if t.steps - t.logged >= DECODE_LOG_EVERY:
+            self.log_decode(seq)
+
+    def log_decode(self, seq: int, pop: bool = False) -> None:
+        """The sequence's decode steps here so far, as one "decode" event (if any since the
+        last); pop: and forget them (the stage lets the sequence go)."""
+        t = self.tallies.pop(seq, None) if pop else self.tallies.get(seq)
+        if t is not None and t.steps > t.logged:
+            t.logged = t.steps
+            self.log.event("decode", self.requests.get(seq), stage=self.span, **t.event())
+
+    async def step_out(
+        self, seq: int, h: np.ndarray, pos: int, first: dict[str, Any] | None, scoring: bool,
+        out: Any,
+    ) -> None:  # fmt: skip
+        """A step's result to where it goes: the hidden state to the next stage; the last
+        stage's token or score around the ring to stage 0 (or to itself, when it is both)."""
         if not self.config.last:
             fields: dict[str, Any] = {"seq": seq, "pos": pos, "ep": self.epoch}
             if first is not None:
@@ -575,13 +689,17 @@ class Stage:
         if len(s.tokens) >= s.max_tokens:
             return await self.finish(seq, "max_tokens")
         pos = len(s.prompt) + len(s.tokens) - 1
-        step = self.run_layers(seq, self.embed(np.asarray([token])), pos, None)
+        t0 = time.perf_counter()
+        h = self.embed(np.asarray([token]))
+        self._embed_s = time.perf_counter() - t0  # the step's, as in one process
+        step = self.run_layers(seq, h, pos, None)
         if self.config.last:  # one stage: schedule rather than recurse token after token
             asyncio.get_running_loop().create_task(step)
         else:
             await step
 
     async def finish(self, seq: int, reason: str) -> None:
+        self.log_decode(seq, pop=True)
         s = self.sequences.pop(seq)
         self.log.event("done", s.req, stage=self.span, reason=reason, tokens=len(s.tokens))
         await s.emit(Frame("done", {"req": s.req, "reason": reason}))
@@ -630,6 +748,7 @@ class Stage:
         return f"{self.config.layers[0]}..{self.config.layers[1] - 1}"
 
     def _drop(self, seq: int) -> None:
+        self.log_decode(seq, pop=True)
         self.corrupted.discard(seq)
         self.requests.pop(seq, None)
         self.caches.pop(seq, None)

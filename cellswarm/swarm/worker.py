@@ -12,6 +12,7 @@ answers. Its peak RSS (VmHWM, Python included) goes out with every heartbeat.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import socket
@@ -319,6 +320,11 @@ class Worker:
         self.loading = asyncio.create_task(self.load(shard))
 
     async def load(self, shard: dict[str, Any]) -> None:
+        # What the last shard left only in reference cycles (asyncio's tasks and protocols of
+        # its connections, tracebacks) goes before this one loads: the budget counts on it,
+        # and a ring that makes little garbage per token may not run the collector for long
+        await asyncio.sleep(0)  # the old connections' tasks end (their transports closed)
+        gc.collect()
         try:
             if shard["role"] == "part":
                 await self.start_part(shard)
@@ -421,6 +427,7 @@ class Worker:
             self.server.close()
         if self.stage is not None:
             self.stage.close_connections()
+            self.stage.forget_sequences()  # its KV caches, and the cycles through its head
         if self.head is not None:
             self.head.forget()
         self.stage = self.part = self.server = self.head = None
