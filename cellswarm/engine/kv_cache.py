@@ -30,6 +30,16 @@ def bytes_per_token(specs: Mapping[int, CacheSpec]) -> int:
     return sum(spec_bytes_per_token(s) for s in specs.values())
 
 
+def check_room(capacity: int, end: int) -> None:
+    """BudgetError unless tokens up to `end` fit a cache of `capacity` (the fused decode
+    layers write the cache in C, so they ask before they call)."""
+    if end > capacity:
+        raise BudgetError(
+            f"KV cache holds {capacity} tokens; writing up to token {end} overflows it "
+            "(raise max tokens or the cache budget)"
+        )
+
+
 class LayerCache:
     """One layer's cached tensors for one sequence.
 
@@ -48,11 +58,7 @@ class LayerCache:
     def write(self, start: int, **values: np.ndarray) -> None:
         for name, v in values.items():
             end = start + v.shape[0]
-            if end > self.capacity:
-                raise BudgetError(
-                    f"KV cache holds {self.capacity} tokens; writing up to token {end} "
-                    "overflows it (raise max tokens or the cache budget)"
-                )
+            check_room(self.capacity, end)
             arr = self._arrays[name]
             if arr.ndim == 3:  # (T, heads, d) into head-major storage
                 arr[:, start:end] = v.transpose(1, 0, 2)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cellswarm import kernels
-from cellswarm.errors import BudgetError
+from cellswarm.engine.kv_cache import check_room
 from cellswarm.quant import PackedExperts, PackedMatrix
 
 if TYPE_CHECKING:
@@ -84,11 +84,7 @@ class FusedDecode:
             assert b is not None
             lc = cache.layer(i)
             latent, k_rope = lc.storage("latent"), lc.storage("k_rope")
-            if pos >= latent.shape[0]:
-                raise BudgetError(
-                    f"KV cache holds {latent.shape[0]} tokens; writing token {pos + 1} "
-                    "overflows it (raise max tokens or the cache budget)"
-                )
+            check_room(latent.shape[0], pos + 1)
             scratch = self.scratch(latent.shape[0], layers)
             if m.remote_experts is None or not c.is_moe(i):
                 kernels.ds_layer_call("decode", b.struct, out, pos, cos, sin, latent, k_rope,
@@ -124,11 +120,7 @@ class FusedDecode:
             latents = [s.storage("latent") for s in stores]
             k_ropes = [s.storage("k_rope") for s in stores]
             for p, lat in zip(pos, latents, strict=True):
-                if p >= lat.shape[0]:
-                    raise BudgetError(
-                        f"KV cache holds {lat.shape[0]} tokens; writing token {p + 1} "
-                        "overflows it (raise max tokens or the cache budget)"
-                    )
+                check_room(lat.shape[0], int(p) + 1)
             cap = max(lat.shape[0] for lat in latents)
             scratch = self.scratch(cap, layers, n)
             kernels.ds_decode_many(b.struct, out, pos, cos, sin, latents, k_ropes, scratch)

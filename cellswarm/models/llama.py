@@ -16,8 +16,8 @@ import gguf
 import numpy as np
 
 from cellswarm import kernels
-from cellswarm.engine.kv_cache import CacheSpec, KVCache, LayerCache
-from cellswarm.errors import BudgetError, ModelFileError
+from cellswarm.engine.kv_cache import CacheSpec, KVCache, LayerCache, check_room
+from cellswarm.errors import ModelFileError
 from cellswarm.io.weights import WeightStore, global_tensor_shapes
 from cellswarm.models import ops
 from cellswarm.models.rope import Rope, base_inv_freq, llama3_factors
@@ -297,11 +297,7 @@ class Llama:
         for i, f in zip(layers, fused, strict=True):
             lc = cache.layer(i)
             k_store, v_store = lc.storage("k"), lc.storage("v")
-            if pos >= k_store.shape[1]:
-                raise BudgetError(
-                    f"KV cache holds {k_store.shape[1]} tokens; writing token {pos + 1} "
-                    "overflows it (raise max tokens or the cache budget)"
-                )
+            check_room(k_store.shape[1], pos + 1)
             scratch = self._decode_scratch(k_store.shape[1])
             kernels.llama_decode(f[0], out, pos, cos, sin, k_store, v_store, scratch)  # type: ignore[index]
         return out[None]
