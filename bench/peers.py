@@ -391,7 +391,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
          ratio(r["cells_prefill"], r["llama_prefill"]))
         for r in rows
     ]  # fmt: skip
-    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(COLUMNS)]
+    widths = [max([len(c), *(len(b[i]) for b in body)]) for i, c in enumerate(COLUMNS)]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(line, widths, strict=True)))
              for line in [COLUMNS, *body]]  # fmt: skip
