@@ -7,7 +7,10 @@ cold start); gcc exists on every platform a node may be (x86-64, aarch64, ppc64)
 well under a megabyte and loads in milliseconds. Without a compiler, the numpy path runs.
 
 Backend: `CELLSWARM_KERNELS=numpy` (or `use("numpy")`) forces the reference numpy path.
-Threads: `set_threads(n)` sets OpenMP (these kernels) and BLAS (numpy) together.
+Threads: `set_threads(n)` sets OpenMP (these kernels) and BLAS (numpy) together; by default
+as many as there are cores free of other work (`default_threads`). OpenMP threads wait for
+work spinning only briefly (`SPIN_COUNT`), so a thread whose core is busy with another
+process sleeps instead of burning the time that other thread needs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +38,19 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fP
 FUSED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14, "Q2_K": 10}
 FLOAT_TYPES = {"F16": 1, "BF16": 30}
 MAX_BATCH = 16  # rows of x per fused call; larger batches go to dequantize + BLAS
-GOMP_SPINCOUNT = 20_000  # spins (~tens of microseconds) before an idle OpenMP thread sleeps
 
 _lib: ctypes.CDLL | None = None
 _backend = os.environ.get("CELLSWARM_KERNELS", "c")
 _threads = 0
+_default_threads = 0  # sampled once (default_threads), again on set_threads(None)
+
+# libgomp's threads spin this many times (a PAUSE each, ~25 ns here) waiting for the next
+# parallel region or at a barrier before they sleep; its default, 300,000 (~7 ms), made
+# --threads 2 beside a busy process 10-20x slower than one thread: the spinning thread holds
+# a core the late one needs. 300 (~7 us) spans most of the gaps between one decode step's
+# matmuls (median ~5 us), so a quiet machine wakes few threads; a busy one loses little.
+SPIN_COUNT = "300"
+SAMPLE_S = 0.1  # how long default_threads watches /proc/stat
 
 
 def cache_dir() -> Path:
@@ -97,13 +109,8 @@ def _load() -> ctypes.CDLL | None:
     global _lib
     if _lib is not None or _backend != "c":
         return _lib
-    # OpenMP threads that find no work spin before they sleep: libgomp's default, ~300,000
-    # spins, keeps a thread burning a core for ~1 ms after each parallel loop, which is
-    # harmless on an idle machine and ruinous when another process wants that core (a thread
-    # that spins takes the time its partner needs, and the loop waits for the partner). A
-    # short spin covers the microseconds between one layer's loops; longer gaps sleep. Read
-    # by libgomp when it loads, with this library: the user's setting wins.
-    os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
+    if not any(k in os.environ for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")):
+        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT  # read once, when libgomp loads (below)
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, subprocess.SubprocessError) as exc:
@@ -112,7 +119,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     _declare(lib)
     _lib = lib
-    lib.cs_set_threads(_threads or default_threads())
+    lib.cs_set_threads(threads())
     return lib
 
 
@@ -176,38 +183,80 @@ def backend() -> str:
     return "c" if _load() is not None else "numpy"
 
 
-def default_threads() -> int:
-    """The cores this process may use, less those other processes keep busy right now: a
-    thread started on a core that another process holds only waits for it, and holds back
-    every parallel loop it has a share of."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return free_cores(cores or 1, _runnable())
+def cpu_times(stat_text: str) -> dict[int, tuple[int, int]]:
+    """/proc/stat's per-CPU lines -> {cpu: (busy, total)} in ticks; idle and iowait are not
+    busy, steal is (a hypervisor's other guests had the core)."""
+    out = {}
+    for line in stat_text.splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            v = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+            idle = v[3] + (v[4] if len(v) > 4 else 0)
+            out[int(name[3:])] = (sum(v) - idle, sum(v))
+    return out
 
 
-def free_cores(cores: int, runnable: int | None) -> int:
-    """cores minus the runnable threads other than this one (at least 1); runnable None: all."""
-    if runnable is None:
-        return cores
-    return max(1, min(cores, cores - (runnable - 1)))
+def free_cores(before: str, after: str, cpus: Sequence[int], own_cores: float = 0.0) -> float:
+    """Cores of `cpus` not used by other processes between two /proc/stat readings; own_cores:
+    what this process used meanwhile (its own threads are not competition)."""
+    a, b = cpu_times(before), cpu_times(after)
+    seen = [c for c in cpus if c in a and c in b]
+    total = sum(b[c][1] - a[c][1] for c in seen)
+    if not seen or total <= 0:
+        return float(len(cpus))
+    busy = sum(b[c][0] - a[c][0] for c in seen) / total * len(seen)  # in cores
+    return len(cpus) - min(float(len(seen)), max(0.0, busy - own_cores))
 
 
-def _runnable() -> int | None:
-    """Threads runnable on this machine now (/proc/loadavg's fourth field, this one included)."""
+def threads_for(free: float, allowed: int) -> int:
+    """A core counts if at least 60% of it is free; at least one thread."""
+    return max(1, min(allowed, int(free + 0.4)))
+
+
+def default_threads(sample_s: float | None = None) -> int:
+    """Threads for the kernels when none are asked for: the cores this process may use (its
+    affinity) that other processes left idle over `sample_s` (SAMPLE_S) seconds of
+    /proc/stat; all of them where /proc/stat cannot be read. One thread per core another
+    process keeps busy is not a loss: sharing that core, a second thread would run at its
+    pace and every parallel step would wait for it."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cpus:
+        return os.cpu_count() or 1
     try:
-        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):
-        return None
+        stat = Path("/proc/stat")
+        before, own0, t0 = stat.read_text(), _own_cpu_s(), time.monotonic()
+        time.sleep(SAMPLE_S if sample_s is None else sample_s)
+        after, own1, t1 = stat.read_text(), _own_cpu_s(), time.monotonic()
+    except OSError:
+        return len(cpus)
+    own = (own1 - own0) / max(t1 - t0, 1e-9)
+    return threads_for(free_cores(before, after, cpus, own), len(cpus))
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _sampled_default() -> int:
+    global _default_threads
+    if not _default_threads:
+        _default_threads = default_threads()
+    return _default_threads
 
 
 def threads() -> int:
-    """Threads the kernels and BLAS use (`set_threads`, else the cores this process may use)."""
-    return _threads or default_threads()
+    """Threads the kernels and BLAS use (`set_threads`, else `default_threads`, sampled once)."""
+    return _threads or _sampled_default()
 
 
 def set_threads(n: int | None) -> int:
-    """Threads for the kernels and for BLAS; None: the cores this process may use."""
-    global _threads
-    _threads = n or default_threads()
+    """Threads for the kernels and for BLAS: n exactly, or None for `default_threads` (sampled
+    anew: the cores free of other work now)."""
+    global _threads, _default_threads
+    if not n:
+        _default_threads = 0
+    _threads = n or _sampled_default()
     if _lib is not None:
         _lib.cs_set_threads(_threads)
     try:

@@ -568,20 +568,29 @@ static void row_q2_k(const uint8_t *row, int64_t nb, const acts *a, float *out) 
     for (int64_t k = 0; k < a->nx; k++) out[k] = hsum(acc[k]) - mins[k];
 }
 
-/* ---- AVX-512 VNNI row kernels: two 32-weight blocks (or 64 weights of a K block) per zmm ----
+/* ---- AVX-512 VNNI row kernels ----------------------------------------------------------
  * Why the AVX2 kernels above are slower than memory on Q4/Q6/Q2: per 18-byte Q4_0 block they
  * spend ~20 instructions, half of them scalar (two f16 conversions, scale products, a
- * broadcast, a serial float chain for the offset term), so one core decodes ~0.8 G blocks/s,
- * 14 GB/s of Q4_0 where memory gives 20+. Here, per pair of blocks: two 16-byte broadcasts, an
- * AND, one dpbusd, a convert, a lane permute of the scales and an FMA; the f16 scales of 16
- * blocks come in one gather and one conversion, and the offset/min terms become one FMA per
- * 16 blocks against the activations' block sums.
- *
- * Nibbles are not shifted: the high nibbles are multiplied in place (AND 0xF0, values 16*q,
- * products summed exactly in int32 by dpbusd), and the lanes that hold them are scaled by
- * 1/16 once per row at the end, exact in float (a power of two). */
+ * broadcast, a serial float chain for the offset term): ~4 cycles a block, 16 GB/s of Q4_0
+ * on one core where Q8_0's 34-byte blocks at the same cost give 36. Here (measured on one
+ * Zen 4 core, rows in L2): Q4_0 ~2.7 cycles a block, Q4_1 ~2.7, Q8_0 ~3.2, Q6_K ~25 and Q2_K
+ * ~26 cycles per 256 weights (were 50 and 90):
+ * - Q4_0/Q4_1/Q8_0 go by quads of blocks (z32): one byte permute (VBMI) lays 4 blocks' weights
+ *   out as lanes of 4 bytes, lane l from block l % 4, matching activations laid out alike once
+ *   per call; both halves of the 4 blocks accumulate in the same int32 lanes, and one convert
+ *   and one FMA serve 4 blocks. Their f16 scales come 16 blocks at a time by byte permutes
+ *   (a gather costs ~1 cycle a block on Zen 4), and the offset / min terms are one FMA per 16
+ *   blocks against the activations' block sums. Q8_0's signed weights are read as unsigned
+ *   q + 128 (dpbusd multiplies unsigned by signed), the 128 folded into that FMA.
+ * - K formats go 64 weights a register; Q6_K's 6-bit weights unsigned, the -32 folded into
+ *   the per-16 activation sums; Q4_K's high nibbles multiplied in place (AND 0xF0, 16q,
+ *   summed exactly in int32) and their lanes scaled by 1/16 once per row (a power of two).
+ * Without VBMI (Cascade Lake) the 32-blocks go by pairs and scales by a gather. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_ZMM_ROWS 1
+#ifdef __AVX512VBMI__
+#define HAVE_ZMM_VBMI 1 /* byte permutes across a register: quads, scales without a gather */
+#endif
 #define ZINL static inline __attribute__((always_inline))
 
 ZINL __m512i zdot(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
@@ -612,6 +621,7 @@ ZINL __m512i gather16(const uint8_t *p, int bb, __mmask16 m) {
 /* The same for 16 whole blocks, without a gather (16 loads, ~1 cycle a block on AMD Zen 4):
  * windows of 128 bytes, each a two-register byte permute (VBMI) picking the 4 bytes at the
  * start of every block it holds; loads never pass the 16th block. */
+#ifdef HAVE_ZMM_VBMI
 ZINL __m512i fields16(const uint8_t *p, const int bb) {
     const int per = 124 / bb + 1, end = 16 * bb;
     const __m512i i16 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -631,6 +641,9 @@ ZINL __m512i fields16(const uint8_t *p, const int bb) {
     }
     return r;
 }
+#else
+#define fields16(p, bb) gather16(p, bb, 0xFFFF)
+#endif
 ZINL __m512 f16_lo(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)); }
 ZINL __m512 f16_hi(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))); }
 
@@ -663,6 +676,7 @@ ZINL void z32(const uint8_t *row, int64_t nb, const acts *a, float *out, const i
                               : _mm512_mul_ps(d, _mm512_set1_ps(fmt == Q8_0 ? -128.0f : -8.0f));
             macc[k] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(m, a->xsum + k * nbx + b0), macc[k]);
         }
+#ifdef HAVE_ZMM_VBMI
         if (n == 16 && a->xt) { /* four quads of blocks, lanes interleaved (see above z32) */
             const __m512i i0 = _mm512_load_si512((const void *)a->qidx[0]);
             const __m512i i1 = _mm512_load_si512((const void *)a->qidx[1]);
@@ -693,6 +707,7 @@ ZINL void z32(const uint8_t *row, int64_t nb, const acts *a, float *out, const i
             }
             continue;
         }
+#endif
 #pragma GCC unroll 8
         for (int p = 0; p < 8; p++) {
             if (2 * p >= n) break;
@@ -887,6 +902,9 @@ __attribute__((constructor)) static void quad_idx_init(void) {
 
 /* The permutes for a format with quads, or NULL (other formats). */
 static const uint8_t (*quad_idx(int fmt))[64] {
+#ifndef HAVE_ZMM_VBMI
+    if (fmt >= 0) return NULL; /* the weights' byte permute needs VBMI */
+#endif
     return fmt == Q8_0 ? QIDX[0] : fmt == Q4_0 ? QIDX[1] : fmt == Q4_1 ? QIDX[2] : NULL;
 }
 
