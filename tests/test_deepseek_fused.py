@@ -1,15 +1,17 @@
 """The fused one-token DeepSeek layer (kernels/deepseek.c) against the layer-by-layer path.
 
-Both paths quantize a matrix's input to int8 blocks where the weight is quantized, so with
-W_UK/W_UV in float32 they differ only in the order of float additions (~1e-6). With W_UK/W_UV
-packed, the fused layer also quantizes their inputs (as llama.cpp does): int8 noise, bounded
-looser. The same-bits tests (test_same_bits.py) cover experts computed elsewhere.
+Both paths quantize a matrix's input to int8 blocks (its few largest values kept in float)
+where the weight is quantized, so with W_UK/W_UV in float32 they differ only in the order of
+float additions (~1e-6). With W_UK/W_UV packed, the fused layer also quantizes their inputs
+(as llama.cpp does): int8 noise, bounded looser. The same-bits tests (test_same_bits.py)
+cover experts computed elsewhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -92,6 +94,27 @@ def decode(model: Model, fused: bool) -> np.ndarray:
             del arch.decode_fused  # type: ignore[attr-defined]
 
 
+def layer_steps(model: Model) -> np.ndarray:
+    """Each layer of each decode step of TOKENS[3:] (after a 3-token prefill), fused and layer
+    by layer from the same input and the same cache: max |fused - ref| / max |ref| of each."""
+    arch: Any = model.arch
+    cache = model.new_cache(64)
+    model.step(np.array(TOKENS[:3]), cache)
+    errors = []
+    for t in TOKENS[3:]:
+        x, pos = arch.embed(np.array([t])), np.array([cache.length])
+        for layer in model.layers:
+            kept = {n: cache.layer(layer).storage(n).copy() for n in arch.cache_spec(layer)}
+            fused = arch.decode_fused(x, pos, cache, range(layer, layer + 1))
+            for n, a in kept.items():  # the reference writes this step's entries itself
+                cache.layer(layer).storage(n)[:] = a
+            ref = arch.block(layer, x, pos, cache.layer(layer))
+            errors.append(np.abs(fused - ref).max() / np.abs(ref).max())
+            x = ref
+        cache.length += 1
+    return np.array(errors)
+
+
 @pytest.mark.parametrize(
     ("config", "quant", "kv_layout"),
     [(V3, "Q8_0", "split"), (V3, "Q4_0", "kv_b"), (V2, "Q8_0", "kv_b"), (V2, "Q4_1", "split"),
@@ -106,8 +129,13 @@ def test_fused_layer_matches_layer_by_layer(
         np.zeros((1, config.d_model), np.float32), np.array([0]), model.new_cache(4),
         model.layers,
     ) is not None  # fmt: skip
-    fused, ref = decode(model, True), decode(model, False)
-    assert np.abs(fused - ref).max() <= 1e-5 * np.abs(ref).max()
+    # Float order alone (~1e-6), unless it moves a value across an int8 rounding boundary: that
+    # value then lands one step apart (measured on ~1% of layer-steps, up to 5e-3 of a layer's
+    # output, then compounding over the layers after it; so each layer-step starts from the
+    # reference's input and cache). A wrong fused layer is off on every step.
+    errors = layer_steps(model)
+    assert (errors <= 1e-5).mean() >= 0.9
+    assert errors.max() <= 1e-2
 
 
 def test_packed_kv_up_projection_stays_within_int8_noise(tmp_path: Path) -> None:
@@ -157,9 +185,12 @@ def test_prefill_in_query_blocks_matches_one_block(
 
     model = cellswarm.load(write(tmp_path / "m.gguf", V3, "Q8_0", "split", False))
     ids = np.random.default_rng(1).integers(0, V3.vocab_size, 300)
-    blocked = model.logits(ids)
-    monkeypatch.setattr(ops, "QUERY_BLOCK", 10**6)
-    whole = model.logits(ids)
+    # float math throughout: an expert's few tokens would go through int8 kernels, where the
+    # blocks' ~1e-6 differences can move a value across a rounding boundary
+    with kernels.using("numpy"):
+        blocked = model.logits(ids)
+        monkeypatch.setattr(ops, "QUERY_BLOCK", 10**6)
+        whole = model.logits(ids)
     assert np.abs(blocked - whole).max() <= 1e-4 * np.abs(whole).max()
     q = np.random.default_rng(2).standard_normal((300, 8, 16)).astype(np.float32)
     k, v = (np.random.default_rng(3).standard_normal((2, 300, 16)).astype(np.float32) for _ in "kv")

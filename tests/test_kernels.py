@@ -47,13 +47,38 @@ def reference_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(x.shape), d
 
 
+def split_outliers(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's outliers as take_outliers picks them (kernels.outlier_rule): up to `count`
+    times the largest value left outside the blocks passed over (the first on ties), taken
+    out if it is more than `dominance` times every other value of its block of 32, else its
+    block passed over. -> (x with them at zero, them alone)."""
+    rest, out = x.astype(np.float32).copy(), np.zeros_like(x, dtype=np.float32)
+    count, dominance = kernels.outlier_rule(x.shape[1])
+    for r in range(x.shape[0]):
+        passed = np.zeros(x.shape[1] // 32, bool)
+        for _ in range(count):
+            mag = np.where(np.repeat(passed, 32), 0, np.abs(rest[r]))
+            j = int(mag.argmax())
+            if mag[j] == 0:
+                break
+            others = np.delete(np.abs(rest[r, j // 32 * 32 : j // 32 * 32 + 32]), j % 32)
+            if not mag[j] > np.float32(dominance) * others.max():
+                passed[j // 32] = True
+                continue
+            out[r, j], rest[r, j] = rest[r, j], 0
+    return rest, out
+
+
 def codec_reference(name: str, w: PackedMatrix, x: np.ndarray) -> np.ndarray:
-    """x @ W.T in float64 from the codec's weights and the kernels' int8 activations (float
-    activations for float weights): what the fused kernels compute, up to summation order."""
+    """x @ W.T in float64 from the codec's weights and the kernels' activations (float for float
+    weights; else each row's few largest values in float and the rest as int8 blocks): what the
+    fused kernels compute, up to summation order."""
     xr = x.astype(np.float64)
     if name not in FLOAT:
-        q, d = reference_act(x)
+        rest, out = split_outliers(x)
+        q, d = reference_act(rest)
         xr = (q.reshape(x.shape[0], -1, 32) * d[..., None].astype(np.float64)).reshape(x.shape)
+        xr += out
     return xr @ w.dequantize().astype(np.float64).T
 
 
@@ -93,6 +118,40 @@ def test_fused_matmul_equals_codec_path(name: str, rows: int, cols: int, batch: 
     out = np.empty((batch, rows), np.float32)
     kernels.matmul(name, np.ascontiguousarray(w.data), cols, x, out)
     assert_close_to_codec(out, name, w, x)
+
+
+def with_outliers(batch: int, cols: int, seed: int) -> np.ndarray:
+    """Activations as a trained model's: in each row three values 20-100x the rest, each in a
+    block of its own, and a block whose largest value (8x) does not dominate it (-6x)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, cols)).astype(np.float32)
+    for r in range(batch):
+        b = rng.choice(cols // 32, 4, replace=False) * 32 + rng.integers(0, 31, 4)
+        x[r, b[:3]] = rng.choice([-1, 1], 3) * rng.uniform(20, 100, 3)
+        x[r, b[3]], x[r, b[3] + 1] = 8.0, -6.0
+    return x
+
+
+@pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_outliers_are_multiplied_in_float(name: str, batch: int) -> None:
+    """A vector's few dominant values leave their int8 blocks and are multiplied in float: the
+    result is the codec path's with them exact (each row its own), and closer to float math
+    than int8 blocks alone."""
+    cols = 1024 if format_by_name(name).block_size == 256 else 608
+    w = random_packed(name, 37, cols, seed=batch)
+    x = with_outliers(batch, cols, seed=batch)
+    _, out = split_outliers(x)
+    assert (np.count_nonzero(out, axis=1) == 3).all()
+    y = w.matmul(x)
+    assert_close_to_codec(y, name, w, x)
+    exact = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+    q, d = reference_act(x)  # int8 blocks alone
+    plain = (q.reshape(batch, -1, 32) * d[..., None].astype(np.float64)).reshape(x.shape)
+    plain_err = np.abs(plain @ w.dequantize().astype(np.float64).T - exact).mean()
+    assert np.abs(y - exact).mean() < 0.5 * plain_err
+    for r in range(batch):  # a row of a batch is the same bits as that row alone
+        np.testing.assert_array_equal(w.matmul(x[r : r + 1])[0], y[r])
 
 
 @pytest.mark.parametrize("name", QUANT)

@@ -131,6 +131,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_matmul_f.argtypes = [i32, p, i64, i64, p, i64, p]
     lib.cs_dequantize.argtypes = [i32, p, i64, i64, i64, p]
     lib.cs_set_threads.argtypes = [i32]
+    lib.cs_outlier_count.argtypes = [i64]
+    lib.cs_set_outliers.argtypes = [i32]
+    lib.cs_set_outliers.restype = None
+    lib.cs_outlier_dominance.restype = ctypes.c_float
     lib.cs_attend1.argtypes = [p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
     lib.cs_attend1.restype = None
     lib.cs_llama_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p, p, p]
@@ -282,6 +286,24 @@ def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xs = np.empty((n, cols // 16), np.int32)
     lib.cs_quantize_act(x.ctypes.data, n, cols, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data)
     return xq, xd, xs
+
+
+def outlier_rule(cols: int) -> tuple[int, float]:
+    """Wherever a quantized matrix multiplies a vector of `cols` activations, its largest values
+    are kept in float, out of the int8 blocks (kernels.c: take_outliers): at most this many,
+    largest first, each while it is more than this many times the largest other value of its
+    block of 32."""
+    lib = _load()
+    assert lib is not None
+    return int(lib.cs_outlier_count(cols)), float(lib.cs_outlier_dominance())
+
+
+def set_outliers(n: int) -> None:
+    """At most this many outliers per vector (0..4, default 4); 0: int8 blocks alone, as
+    llama.cpp quantizes activations (bench/quant_quality.py compares the two)."""
+    lib = _load()
+    assert lib is not None
+    lib.cs_set_outliers(n)
 
 
 def weight_args(type_name: str, w: np.ndarray, cols: int) -> tuple[int, int, int, int, int]:

@@ -26,15 +26,21 @@
 typedef struct {
     const float *xf; const int8_t *xq; const float *xd; const int32_t *xs; const float *xsum;
     const int8_t *xt; /* the int8 values in the AVX-512 quad layout (quad_acts), or NULL */
+    const outliers *ol; const int32_t *vid; /* per block, as qbuf's (NULL: no outliers) */
 } actv;
 
 /* The quantized form of up to `cols` floats, carved from the caller's scratch; t: the same
  * int8 values laid out for the AVX-512 quads, interleaved in 128-byte groups counted from q
- * (a vector taken from an offset that is not a multiple of 128 goes without them). */
-typedef struct { int8_t *q; float *d; int32_t *s; float *sum; int8_t *t; } qbuf;
+ * (a vector taken from an offset that is not a multiple of 128 goes without them); ol and vid,
+ * one per 32-block: a vector's outliers at its first block, and how many blocks back from
+ * each block its vector starts (take_outliers_rows). */
+typedef struct {
+    int8_t *q; float *d; int32_t *s; float *sum; int8_t *t; outliers *ol; int32_t *vid;
+} qbuf;
 
 static void quant(const float *x, int64_t cols, const qbuf *b) {
     cs_quantize_act(x, 1, cols, b->q, b->d, b->s);
+    if (b->ol) take_outliers_rows(x, 1, cols, b->q, b->d, b->s, b->ol, b->vid);
     /* as cs_matmul_q computes it, so a row here is the same bits as there */
     for (int64_t i = 0; i < cols / 32; i++) b->sum[i] = b->d[i] * (float)(b->s[2 * i] + b->s[2 * i + 1]);
 #ifdef HAVE_ZMM_ROWS
@@ -42,9 +48,22 @@ static void quant(const float *x, int64_t cols, const qbuf *b) {
 #endif
 }
 
+/* n vectors of cols, each its own for the outliers, at column off of b */
+static void quant_rows(const float *x, int64_t n, int64_t cols, const qbuf *b, int64_t off) {
+    const qbuf part = {b->q + off, b->d + off / 32, b->s + off / 16, b->sum + off / 32, NULL,
+                       b->ol ? b->ol + off / 32 : NULL, b->vid ? b->vid + off / 32 : NULL};
+    cs_quantize_act(x, n, cols, part.q, part.d, part.s);
+    if (part.ol) take_outliers_rows(x, n, cols, part.q, part.d, part.s, part.ol, part.vid);
+    for (int64_t i = 0; i < n * cols / 32; i++) part.sum[i] = part.d[i] * (float)(part.s[2 * i] + part.s[2 * i + 1]);
+#ifdef HAVE_ZMM_ROWS
+    if (b->t) quad_acts(1, n * cols, part.q, b->t + off); /* one flat vector: the 128 grid */
+#endif
+}
+
 static actv at(const qbuf *b, const float *xf, int64_t off) { /* the vector from column `off` */
     return (actv){xf ? xf + off : NULL, b->q + off, b->d + off / 32, b->s + off / 16,
-                  b->sum + off / 32, b->t && off % 128 == 0 ? b->t + off : NULL};
+                  b->sum + off / 32, b->t && off % 128 == 0 ? b->t + off : NULL,
+                  b->ol ? b->ol + off / 32 : NULL, b->vid ? b->vid + off / 32 : NULL};
 }
 
 static float dot_float(int64_t kind, int64_t fmt, const uint8_t *row, int64_t cols, const float *x) {
@@ -123,16 +142,32 @@ static int threads_now(void) {
 #endif
 }
 
+/* The outliers of a task's activation rows (nx, each `cols` from the view's start) */
+static void plan_task(const task *k, ol_plan *pl) {
+    const int64_t nx = k->nx > 1 ? k->nx : 1;
+    for (int64_t b = 0; b < nx; b++) {
+        const int64_t blk = b * k->cols / 32, back = k->a.vid[blk];
+        plan_add(pl, (int)k->m->fmt, (int)b, k->a.ol + blk - back, 32 * back, k->cols);
+    }
+}
+
 /* All rows of all tasks, in chunks handed out dynamically: a thread that lost its core to
  * another process holds back only the chunk it is on. */
 static void run_chunk(const task *t, const int64_t *start, int64_t lo, int64_t hi) {
-    int i = 0;
+    int i = 0, planned = -1;
+    ol_plan pl;
+    pl.nu = 0;
     while (start[i + 1] <= lo) i++;
     for (int64_t r = lo; r < hi; r++) {
         while (start[i + 1] <= r) i++;
         const task *k = &t[i];
         const int64_t j = r - start[i];
         const uint8_t *row = k->w + j * k->m->row_bytes;
+        if (planned != i) { /* the task's outliers: once per chunk */
+            planned = i;
+            pl.nu = 0;
+            if (k->m->kind == 0 && k->a.ol) plan_task(k, &pl);
+        }
         k->out[j] = row_dot(k->m, row, k->cols, &k->a);
         /* More activation rows: each with the one-row kernel while the weight row is in
          * L1, so a token's result is the same bits alone or batched with others. */
@@ -140,8 +175,14 @@ static void run_chunk(const task *t, const int64_t *start, int64_t lo, int64_t h
             const int64_t o = b * k->cols;
             const actv a = {k->a.xf ? k->a.xf + o : NULL, k->a.xq + o, k->a.xd + o / 32,
                             k->a.xs + o / 16, k->a.xsum ? k->a.xsum + o / 32 : NULL,
-                            k->a.xt && o % 128 == 0 ? k->a.xt + o : NULL};
+                            k->a.xt && o % 128 == 0 ? k->a.xt + o : NULL, NULL, NULL};
             k->out[b * k->ld + j] = row_dot(k->m, row, k->cols, &a);
+        }
+        if (pl.nu) { /* + what the integer dot products left out, as cs_matmul_qx adds it */
+            float add[MAX_BATCH];
+            plan_row((int)k->m->fmt, row, &pl, add);
+            k->out[j] += add[0];
+            for (int64_t b = 1; b < k->nx; b++) k->out[b * k->ld + j] += add[b];
         }
     }
 }
@@ -205,10 +246,13 @@ void cs_swiglu1(const mat *gate, const mat *up, const mat *down, const float *x,
     const int64_t ffn = gate->rows, w = d > ffn ? d : ffn;
     float *f = (float *)malloc(sizeof(float) * (size_t)(2 * ffn + w / 32));
     int8_t *q8 = (int8_t *)malloc((size_t)(2 * w) + sizeof(float) * (size_t)(w / 32) + sizeof(int32_t) * (size_t)(w / 16));
-    const qbuf q = {q8, (float *)(q8 + 2 * w), (int32_t *)((float *)(q8 + 2 * w) + w / 32), f + 2 * ffn, q8 + w};
+    outliers *ol = (outliers *)malloc((sizeof(outliers) + sizeof(int32_t)) * (size_t)(w / 32));
+    float *d8 = (float *)(q8 + 2 * w);
+    const qbuf q = {q8, d8, (int32_t *)(d8 + w / 32), f + 2 * ffn, q8 + w, ol, (int32_t *)(ol + w / 32)};
     swiglu1(gate, up, down, x, d, out, f, &q);
     free(f);
     free(q8);
+    free(ol);
 }
 
 /* ---- the layer ----------------------------------------------------------------------------- */
@@ -252,7 +296,7 @@ int64_t cs_ds_scratch_floats(const ds_layer *L, int64_t cap, int64_t n) {
 
 int64_t cs_ds_scratch_qbytes(const ds_layer *L, int64_t n) {
     const int64_t w = n * ds_widest(L);
-    return 2 * w + 4 * (w / 32) + 4 * (w / 16) + 128;
+    return 2 * w + 4 * (w / 32) + 4 * (w / 16) + (int64_t)(sizeof(outliers) + 4) * (w / 32) + 128;
 }
 
 typedef struct {
@@ -285,6 +329,8 @@ static ds_scratch carve(const ds_layer *L, int64_t cap, float *f, int8_t *q8, in
     s.q8.t = q8 + w;
     s.q8.d = (float *)(((uintptr_t)(q8 + 2 * w) + 15) & ~(uintptr_t)15);
     s.q8.s = (int32_t *)(s.q8.d + w / 32);
+    s.q8.ol = (outliers *)(s.q8.s + w / 16);
+    s.q8.vid = (int32_t *)(s.q8.ol + w / 32);
     return s;
 }
 
@@ -341,7 +387,7 @@ static void ds_attention(const ds_layer *L, float *x, int64_t pos, const float *
     memcpy(kr_store + pos * R, s->kv + lat, sizeof(float) * (size_t)R);
     /* q_lat[h] (lat) = W_UK[h]^T q_nope[h]: k_b holds, per head, lat rows of N columns */
     for (int64_t h = 0; h < H; h++) memcpy(s->qn + h * N, s->q + h * qk, sizeof(float) * (size_t)N);
-    if (L->k_b.kind == 0) quant(s->qn, H * N, q);
+    if (L->k_b.kind == 0) quant_rows(s->qn, H, N, q, 0); /* a vector per head, as below */
     for (int64_t h = 0; h < H; h++)
         t[h] = (task){&L->k_b, L->k_b.w + h * lat * L->k_b.row_bytes, lat, N, at(q, s->qn, h * N), s->qlat + h * lat};
     run_tasks(t, (int)H);
@@ -351,7 +397,7 @@ static void ds_attention(const ds_layer *L, float *x, int64_t pos, const float *
         mla_head(s->qlat + h * lat, s->q + h * qk + N, lat_store, kr_store, s_len, lat, R, L->scale,
                  s->probs + h * s_len, s->ctx + h * lat);
     /* out[h] (V) = W_UV[h] ctx[h]: v_b holds, per head, V rows of lat columns */
-    if (L->v_b.kind == 0) quant(s->ctx, H * lat, q);
+    if (L->v_b.kind == 0) quant_rows(s->ctx, H, lat, q, 0);
     for (int64_t h = 0; h < H; h++)
         t[h] = (task){&L->v_b, L->v_b.w + h * V * L->v_b.row_bytes, V, lat, at(q, s->ctx, h * lat), s->vo + h * V};
     run_tasks(t, (int)H);
@@ -476,7 +522,7 @@ static void ds_ffn(const ds_layer *L, float *x, ds_scratch *s, const int64_t *id
         if (!cols) continue;
         if (m->kind == 0) {
             const qbuf part = {q->q + off, q->d + off / 32, q->s + off / 16, q->sum + off / 32,
-                               q->t ? q->t + off : NULL};
+                               q->t ? q->t + off : NULL, q->ol + off / 32, q->vid + off / 32};
             quant(s->g + off, cols, &part);
         }
         const uint8_t *base = j < n ? d_m.w + sel[j] * L->down_stride : L->down.w;
@@ -526,15 +572,6 @@ void cs_ds_decode(const ds_layer *L, float *x, int64_t pos, const float *cs, con
 static task batch(const mat *m, const uint8_t *w, int64_t rows, int64_t cols, actv a, float *out,
                   int64_t nx, int64_t ld) {
     return (task){m, w, rows, cols, a, out, nx, ld};
-}
-
-static void quant_rows(const float *x, int64_t n, int64_t cols, const qbuf *b, int64_t off) {
-    const qbuf part = {b->q + off, b->d + off / 32, b->s + off / 16, b->sum + off / 32, NULL};
-    cs_quantize_act(x, n, cols, part.q, part.d, part.s);
-    for (int64_t i = 0; i < n * cols / 32; i++) part.sum[i] = part.d[i] * (float)(part.s[2 * i] + part.s[2 * i + 1]);
-#ifdef HAVE_ZMM_ROWS
-    if (b->t) quad_acts(1, n * cols, part.q, b->t + off); /* one flat vector: the 128 grid */
-#endif
 }
 
 static void ds_attention_many(const ds_layer *L, int64_t n, float *x, const int64_t *pos,

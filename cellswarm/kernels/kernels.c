@@ -953,6 +953,195 @@ static void simd_row(int fmt, const uint8_t *row, int64_t cols, const acts *a, f
 }
 #endif
 
+/* ---- outliers: the largest activations multiplied in float ------------------------------
+ * The vectors a trained model multiplies carry a few values 10-100x their RMS (RMSNorm's
+ * outputs above all: the same few "massive activation" channels, token after token). Int8
+ * blocks of 32 with one scale each, as here and in llama.cpp, give such a block a step that
+ * leaves its other 31 values a few levels: on the demo model that block is ~70% of a vector's
+ * rounding error, and the decode path's logits were KL 0.0021 from the float path's (llama.cpp
+ * on the same file and text: 0.0026). So a vector's few dominant values are taken out of their
+ * blocks (each such block is quantized again without them) and multiplied in float by their
+ * weight, decoded alone, once the row's integer dot product is done, while the row is still
+ * in cache:
+ *
+ *     y[r] = int8 dot(W[r], x without its outliers) + sum_i x[j_i] * W[r, j_i]
+ *
+ * Up to four per vector bring that KL to 0.0006 (bench/quant_quality.py), for ~2 ns per
+ * weight row per outlier. A vector is what one token gives one matrix (one head's slice for a
+ * per-head matrix), the same unit on every path (cs_matmul_qx, the fused layers one token or
+ * n at a time), so a result's bits do not depend on the path. */
+#define OUTLIERS 4
+#define DOMINANCE 2.0f
+typedef struct { int32_t n, idx[OUTLIERS]; float val[OUTLIERS]; } outliers;
+
+static int outlier_max = OUTLIERS; /* cs_set_outliers: 0 turns them off (int8 blocks alone) */
+
+/* At most how many a vector of cols gives: OUTLIERS, one per 128 values in a shorter one (a
+ * head's slice: each costs every row about what a block's integer dot product does). */
+int cs_outlier_count(int64_t cols) {
+    const int64_t k = cols / 128 < 1 ? 1 : cols / 128;
+    return k > outlier_max ? outlier_max : (int)k;
+}
+
+void cs_set_outliers(int n) { outlier_max = n < 0 ? 0 : n > OUTLIERS ? OUTLIERS : n; }
+
+float cs_outlier_dominance(void) { return DOMINANCE; }
+
+/* After cs_quantize_act of one vector x (cols) into xq/xd/xs, up to cs_outlier_count times:
+ * the block holding the largest value left (the largest scale not yet passed over); if that
+ * value is more than DOMINANCE times every other value of its block, it goes into o and the
+ * block is quantized again with it at zero; else taking it out would barely shrink the
+ * block's step, and the block is passed over. So a vector without outliers (most of a random
+ * model's) keeps its int8 blocks as they were and costs nothing more. Zero blocks, and NaN
+ * blocks (a NaN scale compares false), are never picked: a NaN stays a NaN. */
+static void take_outliers(const float *x, int64_t cols, int8_t *xq, float *xd, int32_t *xs,
+                          outliers *o) {
+    const int64_t nb = cols / 32;
+    const int count = cs_outlier_count(cols);
+    int64_t passed[OUTLIERS];
+    int n_passed = 0;
+    o->n = 0;
+    for (int k = 0; k < count; k++) {
+        int64_t best = -1;
+        float top = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            int skip = 0;
+            for (int i = 0; i < n_passed; i++) skip |= passed[i] == b;
+            if (xd[b] > top && !skip) { top = xd[b]; best = b; }
+        }
+        if (best < 0) break;
+        float v[32];
+        memcpy(v, x + 32 * best, sizeof v);
+        for (int i = 0; i < o->n; i++) {
+            if (o->idx[i] / 32 == best) v[o->idx[i] % 32] = 0.0f;
+        }
+        int m = 0;
+        for (int i = 1; i < 32; i++) m = fabsf(v[i]) > fabsf(v[m]) ? i : m;
+        float next = 0.0f; /* the largest other value of the block */
+        for (int i = 0; i < 32; i++) next = i != m && fabsf(v[i]) > next ? fabsf(v[i]) : next;
+        if (!(fabsf(v[m]) > DOMINANCE * next)) {
+            passed[n_passed++] = best;
+            continue;
+        }
+        o->idx[o->n] = (int32_t)(32 * best + m);
+        o->val[o->n] = v[m];
+        o->n++;
+        v[m] = 0.0f;
+        cs_quantize_act(v, 1, 32, xq + 32 * best, xd + best, xs + 2 * best);
+    }
+}
+
+/* n vectors of cols each; vid (one per 32-block) says how many blocks back its vector starts,
+ * o (one per 32-block) holds a vector's outliers at its first block. */
+static void take_outliers_rows(const float *x, int64_t n, int64_t cols, int8_t *xq, float *xd,
+                               int32_t *xs, outliers *o, int32_t *vid) {
+    const int64_t nb = cols / 32;
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t b = 0; b < nb; b++) vid[r * nb + b] = (int32_t)b;
+        take_outliers(x + r * cols, cols, xq + r * cols, xd + r * nb, xs + 2 * r * nb, &o[r * nb]);
+    }
+}
+
+static inline float f16_at(const uint8_t *p) {
+#ifdef HAVE_SIMD_ROWS
+    return h2f(p);
+#else
+    return fp16_to_f32(rd16(p));
+#endif
+}
+
+/* Element j of a packed row of 256-blocks (Q4_K, Q6_K, Q2_K): scale * q - min, as decode()
+ * and cs_dequantize give it. */
+static inline float k_weight_at(int fmt, const uint8_t *row, int64_t j) {
+    const uint8_t *b;
+    const int e = (int)(j & 255), g = e >> 4, n = e >> 7, part = (e >> 5) & 3, l = e & 31;
+    if (fmt == Q4_K) {
+        b = row + 144 * (j >> 8);
+        const uint8_t *qs = b + 16 + 32 * (e >> 6);
+        const int q = (e & 32) ? qs[l] >> 4 : qs[l] & 0xF;
+        uint8_t sc, m;
+        k4_scale_min(e >> 5, b + 4, &sc, &m);
+        return f16_at(b) * sc * (float)q - f16_at(b + 2) * m;
+    }
+    if (fmt == Q6_K) {
+        b = row + 210 * (j >> 8);
+        const uint8_t *ql = b + 64 * n + 32 * (part & 1);
+        const int h = (b[128 + 32 * n + l] >> (2 * part)) & 3;
+        const int q = ((part < 2 ? ql[l] & 0xF : ql[l] >> 4) | (h << 4)) - 32;
+        return f16_at(b + 208) * ((const int8_t *)(b + 192))[g] * (float)q - 0.0f;
+    }
+    b = row + 84 * (j >> 8); /* Q2_K */
+    const int q = (b[16 + 32 * n + l] >> (2 * part)) & 3;
+    return f16_at(b + 80) * (b[g] & 0xF) * (float)q - f16_at(b + 82) * (b[g] >> 4);
+}
+
+/* The outliers of nx activation rows (each its vector's columns [off, off + cols)) against
+ * one matrix: the distinct columns, where each one's weight sits in any row, and per activation
+ * row its values and which column each multiplies. Made once per matrix (a task of the fused
+ * layers), read for every weight row: a column several tokens share is decoded once. */
+#define PLAN_MAX (MAX_BATCH * OUTLIERS)
+typedef struct {
+    int nx, nu;
+    int32_t col[PLAN_MAX], boff[PLAN_MAX], qoff[PLAN_MAX], sh[PLAN_MAX];
+    int n[MAX_BATCH];
+    uint8_t use[MAX_BATCH][OUTLIERS];
+    float val[MAX_BATCH][OUTLIERS];
+} ol_plan;
+
+/* activation row k of the plan: the outliers o (NULL: none) of the vector it is columns
+ * [off, off + cols) of */
+static void plan_add(ol_plan *p, int fmt, int k, const outliers *o, int64_t off, int64_t cols) {
+    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_0 ? 18 : 20, hdr = fmt == Q4_1 ? 4 : 2;
+    if (k == 0) p->nu = 0;
+    p->nx = k + 1;
+    p->n[k] = 0;
+    for (int i = 0; o && i < o->n; i++) {
+        const int64_t j = o->idx[i] - off;
+        if (j < 0 || j >= cols) continue;
+        int u = 0;
+        while (u < p->nu && p->col[u] != j) u++;
+        if (u == p->nu) {
+            const int e = (int)(j & 31);
+            p->col[u] = (int32_t)j;
+            p->boff[u] = (int32_t)(bb * (j >> 5));
+            p->qoff[u] = p->boff[u] + hdr + (fmt == Q8_0 ? e : (e & 15));
+            p->sh[u] = fmt != Q8_0 && e >= 16 ? 4 : 0;
+            p->nu++;
+        }
+        p->use[k][p->n[k]] = (uint8_t)u;
+        p->val[k][p->n[k]++] = o->val[i];
+    }
+}
+
+/* The plan's distinct column u in a row: scale * q - min, as cs_dequantize decodes it */
+static inline float plan_weight(int fmt, const uint8_t *row, const ol_plan *p, int u) {
+    const uint8_t *b = row + p->boff[u], *q = row + p->qoff[u];
+    switch (fmt) {
+    case Q8_0: return f16_at(b) * (float)(int8_t)*q;
+    case Q4_0: return f16_at(b) * (float)(((*q >> p->sh[u]) & 0xF) - 8);
+    case Q4_1: return f16_at(b) * (float)((*q >> p->sh[u]) & 0xF) + f16_at(b + 2);
+    default: return k_weight_at(fmt, row, p->col[u]);
+    }
+}
+
+/* s[k] = sum_i x_k[j_i] * W[row, j_i] for the plan's activation rows: what the row's integer
+ * dot products left out. */
+static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float *s) {
+    if (p->nx == 1) { /* one vector (decode): its columns are distinct, u = i */
+        float t = 0.0f;
+        for (int u = 0; u < p->nu; u++) t += p->val[0][u] * plan_weight(fmt, row, p, u);
+        s[0] = t;
+        return;
+    }
+    float w[PLAN_MAX]; /* the same products in the same order: a row's bits as alone */
+    for (int u = 0; u < p->nu; u++) w[u] = plan_weight(fmt, row, p, u);
+    for (int k = 0; k < p->nx; k++) {
+        float t = 0.0f;
+        for (int i = 0; i < p->n[k]; i++) t += p->val[k][i] * w[p->use[k][i]];
+        s[k] = t;
+    }
+}
+
 /* ---- fused matmul ----------------------------------------------------------------------- */
 
 static inline float dot_decoded(const decoded *w, int n, const int8_t *xq, const float *xd,
@@ -984,13 +1173,17 @@ static inline int64_t chunk_rows(int64_t rows, int64_t row_bytes) {
     return c < lo ? lo : c > hi ? hi : c;
 }
 
-/* out (nx, rows) = x @ W.T for a quantized W (rows, row_bytes); x given as cs_quantize_act. */
-void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
-                 const int8_t *xq, const float *xd, const int32_t *xs, int64_t nx, float *out) {
+/* out (nx, rows) = x @ W.T for a quantized W (rows, row_bytes); x given as cs_quantize_act,
+ * and, unless ol is NULL, each row of x's outliers (take_outliers) */
+static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
+                     const int8_t *xq, const float *xd, const int32_t *xs, int64_t nx,
+                     const outliers *ol, float *out) {
     const int n = block_elems(fmt);
     const int64_t nblocks = cols / n, bbytes = row_bytes / nblocks;
     const int64_t chunk = chunk_rows(rows, row_bytes);
     const int par = rows * row_bytes >= PAR_MIN_BYTES && rows > chunk;
+    ol_plan pl;
+    for (int k = 0; k < (int)nx; k++) plan_add(&pl, fmt, k, ol ? &ol[k] : NULL, 0, cols);
 #ifdef HAVE_SIMD_ROWS
     /* per call: block sums as floats, and (AVX-512) the interleaved activations; on the stack
      * up to 16 x 4096 values, else one allocation */
@@ -1016,6 +1209,11 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
         for (int64_t r = 0; r < rows; r++) {
             float o[MAX_BATCH];
             simd_row(fmt, w + r * row_bytes, cols, &a, o);
+            if (pl.nu) {
+                float t[MAX_BATCH];
+                plan_row(fmt, w + r * row_bytes, &pl, t);
+                for (int64_t k = 0; k < nx; k++) o[k] += t[k];
+            }
             for (int64_t k = 0; k < nx; k++) out[k * rows + r] = o[k];
         }
 #ifdef _OPENMP
@@ -1039,12 +1237,23 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
                                       xs + (k * cols + off) / 16);
             }
         }
+        if (pl.nu) {
+            float t[MAX_BATCH];
+            plan_row(fmt, row, &pl, t);
+            for (int64_t k = 0; k < nx; k++) acc[k] += t[k];
+        }
         for (int64_t k = 0; k < nx; k++) out[k * rows + r] = acc[k];
     }
 }
 
+void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
+                 const int8_t *xq, const float *xd, const int32_t *xs, int64_t nx, float *out) {
+    matmul_q(fmt, w, rows, row_bytes, cols, xq, xd, xs, nx, NULL, out);
+}
+
 /* The same, from float activations: quantized here into a scratch buffer, one call per matmul
- * (the Python side then needs no activation buffers of its own). */
+ * (the Python side then needs no activation buffers of its own), each row's outliers taken
+ * out and multiplied in float. */
 void cs_matmul_qx(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                   const float *x, int64_t nx, float *out) {
     enum { STACK = MAX_BATCH * 4096 }; /* values: on the stack up to this, else allocated */
@@ -1056,8 +1265,12 @@ void cs_matmul_qx(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, in
     int8_t *xq = heap ? (int8_t *)heap : q_stack;
     float *xd = heap ? (float *)(xq + nv) : d_stack; /* nv is a multiple of 32: aligned */
     int32_t *xs = heap ? (int32_t *)(xd + nv / 32) : s_stack;
+    outliers ol[MAX_BATCH];
     cs_quantize_act(x, nx, cols, xq, xd, xs);
-    cs_matmul_q(fmt, w, rows, row_bytes, cols, xq, xd, xs, nx, out);
+    for (int64_t k = 0; k < nx; k++)
+        take_outliers(x + k * cols, cols, xq + k * cols, xd + k * (cols / 32),
+                      xs + k * (cols / 16), &ol[k]);
+    matmul_q(fmt, w, rows, row_bytes, cols, xq, xd, xs, nx, ol, out);
     free(heap);
 }
 

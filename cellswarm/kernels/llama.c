@@ -7,7 +7,8 @@
  *
  * scratch floats: 3*d + (n_heads + 2*n_kv)*head_dim + 2*ffn + n_heads*(pos+1);
  * xq: 2 * the widest of d, n_heads*head_dim, ffn bytes (values, then their AVX-512 quad
- * layout); xd: 2 * widest/32 floats (scales, then block sums); xs: widest/16 ints. */
+ * layout); xd: 12 * widest/32 floats (scales, block sums, then the outliers and vector starts
+ * of qbuf); xs: widest/16 ints. */
 void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *cs,
                      const float *sn, float *k_store, float *v_store, int64_t cap, float *f,
                      int8_t *xq, float *xd, int32_t *xs) {
@@ -16,7 +17,8 @@ void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *c
     widest = L->ffn > widest ? L->ffn : widest;
     float *h = f, *att = h + d, *q = att + qn, *k = q + qn, *v = k + kn, *g = v + kn;
     float *u = g + L->ffn, *tmp = u + L->ffn, *probs = tmp + d;
-    const qbuf qb = {xq, xd, xs, xd + widest / 32, xq + widest};
+    outliers *ol = (outliers *)(xd + 2 * (widest / 32));
+    const qbuf qb = {xq, xd, xs, xd + widest / 32, xq + widest, ol, (int32_t *)(ol + widest / 32)};
     rms(x, L->attn_norm, d, L->eps, h);
     quant(h, d, &qb);
     const actv ah = at(&qb, h, 0);

@@ -337,7 +337,8 @@ class Llama:
                 capacity,
                 np.empty(floats, np.float32),
                 np.empty(2 * widest, np.int8),  # values, then their AVX-512 quad layout
-                np.empty(2 * (widest // 32), np.float32),  # scales, then block sums
+                # scales, block sums, then 9 floats of outliers and an int per block (qbuf)
+                np.empty(12 * (widest // 32), np.float32),
                 np.empty(widest // 16, np.int32),
             )
         return self._scratch[1:]
