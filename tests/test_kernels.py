@@ -277,3 +277,19 @@ def test_refined_head_candidates_are_the_float_logits() -> None:
         top = np.argsort(-logits[r])[:8]
         np.testing.assert_allclose(logits[r, top], exact[r, top], rtol=1e-5, atol=1e-4)
         assert np.argmax(logits[r]) == np.argmax(exact[r])
+
+
+@pytest.mark.parametrize(
+    ("size", "k", "rounding"),
+    [(5, 5, None), (40, 32, None), (600, 32, None), (49152, 32, None), (49152, 32, 1),
+     (151936, 64, 0), (49152, 1, None)],
+)  # fmt: skip
+def test_top_k_finds_the_k_largest_whatever_the_ties(size: int, k: int, rounding: int) -> None:
+    from cellswarm.models.ops import top_k
+
+    x = np.random.default_rng(size + k).standard_normal(size).astype(np.float32)
+    if rounding is not None:
+        x = np.round(x, rounding)  # many ties, at the k-th value too
+    got = top_k(x, k)
+    assert len(set(got.tolist())) == k
+    np.testing.assert_array_equal(np.sort(x[got]), np.sort(x)[size - k :])

@@ -53,12 +53,20 @@ static inline float fp16_to_f32(uint16_t h) {
  * our threads is preempted for a whole scheduler slice (milliseconds), holding its chunk or
  * not yet at the loop, and the loop waits for it while the other thread idles: two threads
  * ran ten times slower than one beside a busy process. So every loop notes how long the first
- * thread out of work waited for the last; a wait far beyond the loop's own work means a thread
- * lost its core, and the next GOV_SOLO_LOOPS loops run on one thread (a few dozen tokens),
- * then two are tried again. On an idle machine the wait is one chunk at most: no change. */
+ * thread out of work waited for the last, and a window of loops (GOV_WINDOW_S of them) sums
+ * those waits against the loops' whole time. When more than GOV_LOST of it was waiting, a thread is
+ * losing its core again and again, and loops run on one thread for the next GOV_SOLO_S, then
+ * two are tried again for a window (so a lasting neighbour costs a few percent). One late thread does not decide it: on an idle
+ * virtual machine a vCPU is sometimes held back for a millisecond or two (seen here every
+ * few dozen tokens), and going solo for each of those cost two threads a third of their
+ * speed. */
 #include <time.h>
-enum { GOV_SOLO_LOOPS = 4000, GOV_MAX_THREADS = 256 };
-static int gov_solo; /* loops left to run on one thread */
+enum { GOV_MAX_THREADS = 256 };
+#define GOV_SOLO_S 1.0
+#define GOV_WINDOW_S 0.05 /* long enough that one held-back vCPU is a few percent of it */
+#define GOV_LOST 0.25
+static double gov_solo_until;         /* loops run on one thread until this time */
+static double gov_wait_s, gov_span_s; /* the window's summed waits and whole loop times */
 
 static double now_s(void) {
     struct timespec t;
@@ -69,29 +77,29 @@ static double now_s(void) {
 static int gov_threads(void) { /* threads for the next parallel loop */
 #ifdef _OPENMP
     const int nt = omp_get_max_threads();
-    const int left = __atomic_load_n(&gov_solo, __ATOMIC_RELAXED);
-    if (nt > 1 && left > 0) {
-        __atomic_store_n(&gov_solo, left - 1, __ATOMIC_RELAXED);
-        return 1;
-    }
+    if (nt > 1 && now_s() < gov_solo_until) return 1;
     return nt < GOV_MAX_THREADS ? nt : GOV_MAX_THREADS;
 #else
     return 1;
 #endif
 }
 
-/* after a loop that started at t0: each thread's time out of work in done[0..n) */
+/* after a loop that started at t0: each thread's time out of work in done[0..n). Called by
+ * the thread that ran the loop (loops are not nested), so the window needs no lock. */
 static void gov_note(double t0, const double *done, int n) {
     double first = done[0], last = done[0];
     for (int i = 1; i < n; i++) {
         first = done[i] < first ? done[i] : first;
         last = done[i] > last ? done[i] : last;
     }
-    if (last - first > 2e-4 && last - first > 2 * (first - t0))
-        __atomic_store_n(&gov_solo, GOV_SOLO_LOOPS, __ATOMIC_RELAXED);
+    gov_wait_s += last - first;
+    gov_span_s += last - t0;
+    if (gov_span_s < GOV_WINDOW_S) return;
+    if (gov_wait_s > GOV_LOST * gov_span_s) gov_solo_until = now_s() + GOV_SOLO_S;
+    gov_wait_s = gov_span_s = 0.0;
 }
 
-int cs_solo_loops(void) { return __atomic_load_n(&gov_solo, __ATOMIC_RELAXED); } /* tests */
+int cs_solo(void) { return now_s() < gov_solo_until; } /* benches: on one thread now? */
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 

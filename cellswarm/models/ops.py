@@ -154,5 +154,18 @@ def refine_top(logits: np.ndarray, head: Rows, h: np.ndarray, k: int = HEAD_REFI
     their dequantized rows, so greedy choices match the float path. In place."""
     k = min(k, logits.shape[1])
     for r in range(logits.shape[0]):
-        top = np.argpartition(-logits[r], k - 1)[:k]
+        top = top_k(logits[r], k)
         logits[r, top] = head.take_rows(top) @ h[r]
+
+
+def top_k(x: np.ndarray, k: int, stride: int = 16) -> np.ndarray:
+    """Indices of the k largest of x (1-D), in no order. A partition of the whole vocabulary
+    took ~0.6 ms a token; the k-th largest of every stride-th value is at most the k-th largest
+    of all, so the values at or above it hold the top k, and only those (a few hundred) are
+    partitioned: ~0.05 ms."""
+    if x.size <= k * stride or not np.isfinite(x).all():
+        return np.argpartition(x, x.size - k)[x.size - k :]
+    sample = x[::stride]
+    floor = np.partition(sample, sample.size - k)[sample.size - k]
+    candidates = np.flatnonzero(x >= floor)
+    return candidates[np.argpartition(x[candidates], candidates.size - k)[candidates.size - k :]]
