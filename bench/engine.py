@@ -27,7 +27,8 @@ from cellswarm import kernels
 from cellswarm.engine.model import Model
 from cellswarm.io.hf_dir import pack_tensors
 from cellswarm.loader import load
-from cellswarm.models.llama import Llama, LlamaConfig
+from cellswarm.models.llama import Llama
+from cellswarm.models.llama_config import LlamaConfig
 
 
 def read_bandwidth_bytes_per_s(size_bytes: int = 512 << 20, repeats: int = 5) -> float:

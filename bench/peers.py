@@ -169,7 +169,7 @@ class PeerModel:
 
 def peer_models() -> list[PeerModel]:
     from cellswarm.models.deepseek2 import DeepseekConfig
-    from cellswarm.models.llama import LlamaConfig
+    from cellswarm.models.llama_config import LlamaConfig
     from cellswarm.models.rope import Yarn
 
     def llama(d: int, heads: int, kv: int, ffn: int) -> LlamaConfig:

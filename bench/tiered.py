@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from cellswarm.engine.tiered import dram_bandwidth, predict_tokens_per_s
+from cellswarm.engine.tiered import dram_bandwidth
 from cellswarm.io.gguf_write import write_gguf
 from cellswarm.models.deepseek2 import DeepseekConfig
+from cellswarm.planner.api import predict_tiered_tokens_per_s
 
 # Experts: 13 MoE layers x 64 experts x 3 x 256 x 128 f32 = 327 MB; everything else ~11 MB.
 CONFIG = DeepseekConfig(
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             t = run["tiered"]
             assert run["token_ids"] == ref["token_ids"], "tiered output differs"
             measured = run["stats"]["decode_tokens_per_s"]
-            predicted = predict_tokens_per_s(path, run["tiered"], dram_bw, flops)
+            predicted = predict_tiered_tokens_per_s(path, run["tiered"], dram_bw, flops)
             err = measured / predicted - 1
             print(
                 f"{bw:>9} {t['decode_hit_rate']:6.1%} {t['dram_bytes_per_token'] / 1e6:9.2f}MB "

@@ -188,13 +188,14 @@ def _load_tiered(args: argparse.Namespace) -> Any:
 
 def _tier_stats(tm: Any, args: argparse.Namespace, measured: float) -> dict[str, Any]:
     from cellswarm.engine import tiered
+    from cellswarm.planner.api import predict_tiered_tokens_per_s
 
     stats = tm.stats()
     stats["placement"] = tm.placement.as_dict()
     stats["numa"] = tm.numa_note
     dram_bw = tiered.dram_bandwidth()
     stats["dram_bandwidth"] = dram_bw
-    stats["predicted_tokens_per_s"] = tiered.predict_tokens_per_s(
+    stats["predicted_tokens_per_s"] = predict_tiered_tokens_per_s(
         tm.slow.path, stats, dram_bw, node=args.plan_node
     )
     stats["measured_tokens_per_s"] = measured
@@ -309,7 +310,7 @@ def _cmd_logs(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from cellswarm.io.verify import verify
+    from cellswarm.verify import verify
 
     print(verify(args.file).line())
     return 0

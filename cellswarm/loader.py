@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cellswarm.engine.model import Model
-from cellswarm.errors import ModelFileError, RequestError, TokenizerError
+from cellswarm.errors import RequestError, TokenizerError
 from cellswarm.io import hf_dir
 from cellswarm.io.gguf_file import GGUFFile
 from cellswarm.io.weights import Selection, Tensor, WeightStore, validate
-from cellswarm.models import entry_for_gguf, entry_for_hf, module_of
+from cellswarm.models import (
+    ArchEntry,
+    config_from_gguf,
+    config_from_hf,
+    config_module_of,
+    module_of,
+)
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
 
 if TYPE_CHECKING:
@@ -48,42 +54,38 @@ def read_config(path: str | os.PathLike[str]) -> Any:
     loading a tensor: what a placement needs before deciding who loads what."""
     p = Path(path)
     if p.is_dir():
-        hf_cfg = hf_dir.read_config(p)
-        module = module_of(entry_for_hf(hf_cfg["model_type"]))
-        return _config(p / "config.json", lambda: module.CONFIG.from_hf(hf_cfg))
+        return config_from_hf(p / "config.json", hf_dir.read_config(p))[1]
     f = GGUFFile(p)
-    module = module_of(entry_for_gguf(f.architecture))
-    has_embd = "token_embd.weight" in f.tensor_names()
-    vocab_rows = f.tensor_shape("token_embd.weight")[0] if has_embd else 0
-    return _config(p, lambda: module.CONFIG.from_gguf(f.metadata, vocab_rows))
+    return gguf_config(p, f)[1]
+
+
+def gguf_config(path: Path, f: GGUFFile) -> tuple[ArchEntry, Any]:
+    return config_from_gguf(path, f.metadata, {n: f.tensor_shape(n) for n in f.tensor_names()})
 
 
 def _load_gguf(
     path: Path, quant: str | None, sel: Selection, budget: int | None, with_tok: bool
 ) -> Model:
     f = GGUFFile(path)
-    module = module_of(entry_for_gguf(f.architecture))
-    has_embd = "token_embd.weight" in f.tensor_names()
-    vocab_rows = f.tensor_shape("token_embd.weight")[0] if has_embd else 0
-    config = _config(path, lambda: module.CONFIG.from_gguf(f.metadata, vocab_rows))
+    entry, config = gguf_config(path, f)
     shapes = {name: f.tensor_shape(name) for name in f.tensor_names()}
-    _check_tensors(path, config, sel, shapes)
+    check_tensors(path, config, sel, shapes)
     weights = f.weights(sel)
     if quant is not None:
         weights = _repack(weights, quant)
-    tok = _gguf_tokenizer(f.metadata, config.vocab_size) if with_tok else None
-    return Model(config, module.MODEL(config, weights), weights, tok, sel, budget)
+    tok = gguf_tokenizer(f.metadata, config.vocab_size) if with_tok else None
+    return Model(config, module_of(entry).MODEL(config, weights), weights, tok, sel, budget)
 
 
 def _load_hf(
     folder: Path, quant: str | None, sel: Selection, budget: int | None, with_tok: bool
 ) -> Model:
     hf_cfg = hf_dir.read_config(folder)
-    module = module_of(entry_for_hf(hf_cfg["model_type"]))
-    config = _config(folder / "config.json", lambda: module.CONFIG.from_hf(hf_cfg))
-    tensors = module.hf_tensors_to_gguf(config, hf_dir.read_safetensors(folder))
-    tensors |= getattr(module, "hf_extra_tensors", lambda c, h: {})(config, hf_cfg)
-    _check_tensors(folder, config, sel, tensors)
+    entry, config = config_from_hf(folder / "config.json", hf_cfg)
+    conv = config_module_of(entry)
+    tensors = conv.hf_tensors_to_gguf(config, hf_dir.read_safetensors(folder))
+    tensors |= conv.hf_extra_tensors(config, hf_cfg)
+    check_tensors(folder, config, sel, tensors)
     tensors = {k: v for k, v in tensors.items() if sel.keeps(k)}
     weights = WeightStore(
         {k: sel.narrow(k, t) for k, t in hf_dir.pack_tensors(tensors, quant).items()}
@@ -94,25 +96,10 @@ def _load_hf(
 
         tok = Tokenizer.from_hf_dir(folder)
         check_vocab(tok, config.vocab_size)
-    return Model(config, module.MODEL(config, weights), weights, tok, sel, budget)
+    return Model(config, module_of(entry).MODEL(config, weights), weights, tok, sel, budget)
 
 
-def _config(source: Path, build: Callable[[], Any]) -> Any:
-    """The architecture's config; a missing or ill-typed field is the file's fault, not a bug."""
-    try:
-        return build()
-    except KeyError as exc:
-        raise ModelFileError(
-            f"{source} lacks {exc.args[0]!r}, which the architecture needs; "
-            "re-download or re-convert the model"
-        ) from None
-    except (TypeError, ValueError, ArithmeticError) as exc:
-        raise ModelFileError(
-            f"{source} has a malformed field ({exc}); re-download or re-convert the model"
-        ) from None
-
-
-def _check_tensors(
+def check_tensors(
     source: Path, config: Any, sel: Selection, tensors: Mapping[str, Tensor | tuple[int, ...]]
 ) -> None:
     """Refuse at load, not at the first forward, a file lacking a tensor the selected layers
@@ -149,7 +136,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(meta)
 
 
-def _gguf_tokenizer(meta: dict[str, Any], vocab_size: int) -> Tokenizer | None:
+def gguf_tokenizer(meta: dict[str, Any], vocab_size: int) -> Tokenizer | None:
     """The file's own tokenizer; None when it has none (random test models)."""
     if "tokenizer.ggml.model" not in meta:
         return None

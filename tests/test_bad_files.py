@@ -39,7 +39,7 @@ from cellswarm.errors import (
 )
 from cellswarm.io.gguf_write import write_gguf
 from cellswarm.io.weights import Selection
-from cellswarm.models import llama
+from cellswarm.models import llama_config as llama
 from tests.hf_reference import LLAMA_FAMILY
 
 Q = gguf.GGMLQuantizationType

@@ -33,6 +33,7 @@ def _runs(truth: SimParams) -> list[LocalRun]:
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hop_s, step_s, replace_s", [(0.001, 0.002, 1.0), (0.0, 0.003, 0.5)])
 def test_fit_recovers_known_overheads(hop_s: float, step_s: float, replace_s: float) -> None:
     truth = SimParams(hop_overhead_s=hop_s, step_overhead_s=step_s, replace_overhead_s=replace_s)

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import cellswarm
-from cellswarm.engine.kv_cache import KVCache
 from cellswarm.errors import MissingTensorError
 from cellswarm.io import hf_dir
 from cellswarm.io.gguf_write import write_gguf
@@ -31,6 +30,7 @@ from cellswarm.models.deepseek2 import (
     route,
     sum_experts,
 )
+from cellswarm.models.kv_cache import KVCache
 from cellswarm.models.rope import Yarn
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
 from tests.conftest import max_rel_diff, prefill_then_decode

@@ -16,6 +16,8 @@ from cellswarm.engine.model import GenerateOptions, Model
 from cellswarm.engine.quality import compare
 from tests.conftest import max_rel_diff, prefill_then_decode
 
+pytestmark = pytest.mark.slow  # the demo model against transformers: minutes
+
 PROMPT = "The capital of France is"
 TEXT = Path(__file__).parent / "data" / "sample_text.txt"
 

@@ -17,7 +17,7 @@ from cellswarm.errors import ChunkMismatchError, ModelFileError, ProtocolError, 
 from cellswarm.io.gguf_file import GGUFFile, IncompleteHeader, TensorInfo, parse_header
 from cellswarm.io.gguf_write import write_gguf
 from cellswarm.io.weights import Selection
-from cellswarm.models.llama import LlamaConfig
+from cellswarm.models.llama_config import LlamaConfig
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
 from cellswarm.swarm.fetch import (
     Manifest,

@@ -29,7 +29,6 @@ from hypothesis import strategies as st
 from cellswarm.errors import CellswarmError, ModelFileError, ProtocolError
 from cellswarm.io.gguf_file import GGUFFile, parse_header, read_header
 from cellswarm.io.gguf_write import write_gguf
-from cellswarm.io.verify import verify
 from cellswarm.swarm.frames import (
     MAGIC,
     PREFIX,
@@ -39,6 +38,7 @@ from cellswarm.swarm.frames import (
     read_frame,
     read_frame_sync,
 )
+from cellswarm.verify import verify
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
 FUZZ = settings(  # FUZZ_RANDOM=1: other examples each run (a search, not a regression test)

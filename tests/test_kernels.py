@@ -258,8 +258,13 @@ def test_quantized_model_fast_path_vs_reference_path(tmp_path: Path, arch: str) 
     model = cellswarm.load(folder, quant="q8_0")
     ids = np.random.default_rng(0).integers(0, 128, 24)
     fast = prefill_then_decode(model, ids, 8)  # 8-token prefill, 16 decode steps: fused layers
+    # the decode steps above ran the fused layers: one layer of it by hand, against the
+    # layer-by-layer path (the same int8 kernels, called per matrix)
     h = model.arch.embed(ids[:1])  # (1, d)
-    assert model.arch.decode_fused(h, np.arange(1), model.new_cache(1), range(1)) is not None
+    fused = model.arch.decode_fused(h, np.arange(1), model.new_cache(1), range(1))
+    assert fused is not None and fused.shape == h.shape
+    by_layer = model.arch.block(0, h, np.arange(1), model.new_cache(1).layer(0))
+    np.testing.assert_allclose(fused, by_layer, rtol=0, atol=1e-4 * np.abs(by_layer).max())
     with kernels.using("numpy"):
         slow = prefill_then_decode(model, ids, 8)
     assert max_rel_diff(fast, slow) <= 5e-2

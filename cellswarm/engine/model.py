@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cellswarm.engine.kv_cache import KVCache, bytes_per_token
 from cellswarm.engine.memory import MemoryReport, memory_report, peak_rss_bytes
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import RequestError
 from cellswarm.io.weights import Selection, WeightStore, non_finite
 from cellswarm.models.base import Architecture
+from cellswarm.models.kv_cache import KVCache, bytes_per_token
 
 if TYPE_CHECKING:
     from cellswarm.io.tokenizer import Tokenizer

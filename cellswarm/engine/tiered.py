@@ -58,9 +58,10 @@ import numpy as np
 from cellswarm.engine.memory import proc_status
 from cellswarm.engine.model import PREFILL_CHUNK, Model
 from cellswarm.errors import RequestError
-from cellswarm.io.gguf_file import GGUFFile, TensorInfo, _to_tensor
-from cellswarm.io.weights import Selection, WeightStore, tensor_kind
-from cellswarm.models import entry_for_gguf, module_of
+from cellswarm.io.gguf_file import GGUFFile, TensorInfo, to_tensor
+from cellswarm.io.names import tensor_kind
+from cellswarm.io.weights import Selection, WeightStore
+from cellswarm.models import module_of
 from cellswarm.quant import PackedExperts, PackedMatrix, format_for
 
 PAGE = mmap.PAGESIZE
@@ -494,18 +495,15 @@ def load_tiered(
     anonymous memory in all; see the module docstring. `selection`: a swarm worker's shard
     (its layer range, embedding / head or not), tiered the same way."""
     sel = selection or Selection()
-    from cellswarm.loader import _check_tensors, _config, _gguf_tokenizer
+    from cellswarm.loader import check_tensors, gguf_config, gguf_tokenizer
 
     p = Path(path)
     f = GGUFFile(p)
-    module = module_of(entry_for_gguf(f.architecture))
-    has_embd = "token_embd.weight" in f.tensor_names()
-    vocab_rows = f.tensor_shape("token_embd.weight")[0] if has_embd else 0
-    config = _config(p, lambda: module.CONFIG.from_gguf(f.metadata, vocab_rows))
+    entry, config = gguf_config(p, f)
     if not getattr(config, "n_experts", 0):
         raise RequestError(f"{p} has no routed experts; --dram-budget tiers MoE models only")
     infos = {n: f._reader_tensor(n) for n in f.tensor_names() if sel.keeps(n)}
-    _check_tensors(p, config, sel, {n: i.shape for n, i in infos.items()})
+    check_tensors(p, config, sel, {n: i.shape for n, i in infos.items()})
     runtime = proc_status().get("RssAnon", 0)
     slow = SlowTier(p, slow_bandwidth)
 
@@ -517,21 +515,21 @@ def load_tiered(
         kind = tensor_kind(name)
         view = slow.view[info.offset : info.offset + info.n_bytes]
         if kind == "experts":
-            stack = _to_tensor(info, view)
+            stack = to_tensor(info, view)
             assert isinstance(stack, PackedExperts)
             tensors[name] = stack.select(())  # the stack stays in the file: served by the cache
             expert_total += info.n_bytes
         elif kind == "embedding":
-            tensors[name] = _to_tensor(info, view)  # a token reads one row: stays mapped
+            tensors[name] = to_tensor(info, view)  # a token reads one row: stays mapped
             mapped[kind] = mapped.get(kind, 0) + info.n_bytes
         else:
-            t = _to_tensor(info, np.array(view))  # copied out: anonymous memory
+            t = to_tensor(info, np.array(view))  # copied out: anonymous memory
             tensors[name] = np.array(t) if isinstance(t, np.ndarray) else t
             pinned[kind] = pinned.get(kind, 0) + info.n_bytes
             slow.release(info.offset, info.n_bytes)
     weights = WeightStore(tensors)
-    tok = _gguf_tokenizer(f.metadata, config.vocab_size) if tokenizer else None
-    arch = module.MODEL(config, weights)
+    tok = gguf_tokenizer(f.metadata, config.vocab_size) if tokenizer else None
+    arch = module_of(entry).MODEL(config, weights)
     model = Model(config, arch, weights, tok, sel, None)
     moe_layers = [i for i in model.layers if config.is_moe(i)]
     if not moe_layers:
@@ -637,43 +635,3 @@ def dram_bandwidth(nbytes: int = 32 << 20) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
-
-
-def predict_tokens_per_s(
-    path: str | os.PathLike[str],
-    stats: dict[str, Any],
-    dram_bw: float,
-    flops: float | None = None,
-    node: str = "xeon-optane",
-) -> float:
-    """The planner's tiered decode tokens/s (`plan_tiers`) for this file, with this run's
-    measured tiers: `dram_bw`, the slow tier's achieved read rate, the decode hit rate.
-    `flops`: effective FLOP/s of this host (None: the `node` profile's)."""
-    import dataclasses
-
-    from cellswarm.planner import api
-    from cellswarm.planner.plan import plan
-    from cellswarm.planner.profiles import MemoryTier
-
-    slow_bw = stats["slow_bytes_read"] / stats["slow_read_s"] if stats["slow_read_s"] else 1e12
-    pl = stats["placement"]
-    base = api.plan(os.fspath(path), node=node, dram_bytes=pl["dram_budget"])
-    profile = base.request.node
-    profile = dataclasses.replace(
-        profile,
-        flops=flops if flops is not None else profile.effective_flops,
-        compute_efficiency=1.0,
-        tiers=(
-            MemoryTier("dram", 1 << 40, dram_bw, 1.0, 1e-7),
-            MemoryTier("slow", 1 << 40, slow_bw, 1.0, 1e-6),
-        ),
-    )
-    req = dataclasses.replace(
-        base.request,
-        node=profile,
-        expert_hit_rate=stats["decode_hit_rate"],
-        runtime_overhead_bytes=pl["runtime_bytes"],
-    )
-    result = plan(base.model, req)
-    assert result.tiers is not None
-    return float(result.tiers.tokens_per_s)

@@ -13,7 +13,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import gguf
 import numpy as np
@@ -24,8 +24,11 @@ from cellswarm.errors import (
     ShapeMismatchError,
     UnsupportedQuantError,
 )
-from cellswarm.io.weights import Selection, Tensor, WeightStore
-from cellswarm.quant import FORMATS, PackedExperts, PackedMatrix, format_for
+from cellswarm.quant import FORMATS, format_for
+
+if TYPE_CHECKING:  # the packed weights bring the kernels: loaded when a tensor is made, so
+    # reading a header (the planner, verify) does not
+    from cellswarm.io.weights import Selection, Tensor, WeightStore
 
 
 class GGUFFile:
@@ -65,7 +68,7 @@ class GGUFFile:
         assert self._map is not None
         raw = self._map[info.offset : info.offset + info.n_bytes]
         try:
-            return _to_tensor(info, raw)
+            return to_tensor(info, raw)
         except UnsupportedQuantError as exc:
             raise UnsupportedQuantError(
                 f"{self.path}: tensor {name}: {exc}; re-quantize the model to one of these "
@@ -76,6 +79,8 @@ class GGUFFile:
 
     def weights(self, selection: Selection | None = None) -> WeightStore:
         """The tensors `selection` keeps, as views into the mapping (nothing is read yet)."""
+        from cellswarm.io.weights import Selection, WeightStore
+
         sel = selection or Selection()
         return WeightStore(
             {name: sel.narrow(name, self.tensor(name)) for name in self._tensors if sel.keeps(name)}
@@ -372,7 +377,9 @@ class _HeaderWalk:
         raise ModelFileError(f"{self.path} is corrupt: it {what}; {fix}")
 
 
-def _to_tensor(t: TensorInfo, raw: np.ndarray) -> Tensor:
+def to_tensor(t: TensorInfo, raw: np.ndarray) -> Tensor:
+    from cellswarm.quant.packed import PackedExperts, PackedMatrix
+
     fmt = format_for(gguf.GGMLQuantizationType(t.ggml_type))
     shape = t.shape  # numpy order
     if len(shape) == 1:

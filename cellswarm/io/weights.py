@@ -9,24 +9,18 @@ from, so an architecture file has one naming scheme. A tensor is one of:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from cellswarm.errors import MissingTensorError, NonFiniteError, ShapeMismatchError
+from cellswarm.io.names import layer_of, tensor_kind
 from cellswarm.quant import PackedExperts, PackedMatrix, first_nonfinite_block
 
 Tensor = np.ndarray | PackedMatrix | PackedExperts
 
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 _VOCAB_TENSORS = ("token_embd.weight", "output.weight")
-
-
-def layer_of(name: str) -> int | None:
-    m = _LAYER_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)
@@ -152,45 +146,6 @@ def validate(
                 f"{source}: tensor {name} has shape {actual}, but the model's config implies "
                 f"{tuple(shape)}; the file's metadata does not match its weights — re-convert it"
             )
-
-
-_GLOBAL_KINDS = {
-    "token_embd.weight": "embedding",
-    "output.weight": "output",
-    "output_norm.weight": "norm",
-    "rope_freqs.weight": "rope",
-}
-
-
-def global_tensor_shapes(vocab_size: int, d_model: int) -> dict[str, tuple[int, ...]]:
-    """The tensors outside the layers that every architecture reads (numpy-order shapes);
-    output.weight is listed, a file without one ties the head to the embedding."""
-    return {
-        "token_embd.weight": (vocab_size, d_model),
-        "output_norm.weight": (d_model,),
-        "output.weight": (vocab_size, d_model),
-    }
-
-
-def tensor_kind(name: str) -> str:
-    """What a tensor is for, from its llama.cpp name: the planner and the memory accounting
-    group bytes by this, so both must call this one function."""
-    if name in _GLOBAL_KINDS:
-        return _GLOBAL_KINDS[name]
-    suffix = name.split(".", 2)[2] if layer_of(name) is not None else name
-    if "norm" in suffix:
-        return "norm"
-    if suffix.startswith(("ffn_gate_inp.", "exp_probs_b.")):
-        return "router"
-    if "_exps." in suffix:
-        return "experts"
-    if "_shexp." in suffix:
-        return "shared_experts"
-    if suffix.startswith("attn_"):
-        return "attention"
-    if suffix.startswith("ffn_"):
-        return "ffn"
-    return "other"
 
 
 def tensor_nbytes(t: Tensor) -> int:

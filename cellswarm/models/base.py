@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cellswarm.engine.kv_cache import CacheSpec, LayerCache
 from cellswarm.io.weights import WeightStore
+from cellswarm.models.kv_cache import CacheSpec, LayerCache
 
 
 class ModelConfig(Protocol):

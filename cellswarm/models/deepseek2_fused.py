@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cellswarm import kernels
-from cellswarm.engine.kv_cache import check_room
+from cellswarm.models.kv_cache import check_room
 from cellswarm.quant import PackedExperts, PackedMatrix
 
 if TYPE_CHECKING:
-    from cellswarm.engine.kv_cache import KVCache
     from cellswarm.models.deepseek2 import Deepseek2
+    from cellswarm.models.kv_cache import KVCache
 
 Args = tuple[int, int, int, int, int]  # kernels.weight_args: kind, format, pointer, rows, bytes
 NO_MAT: Args = (0, 0, 0, 0, 0)

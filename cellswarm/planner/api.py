@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
+from typing import Any
 
 from cellswarm.errors import RequestError
 from cellswarm.planner import inventory, presets, profiles
@@ -102,3 +104,39 @@ def largest_context_that_fits(result: PlanResult) -> int:
             return context
         context -= 256
     return 0
+
+
+def predict_tiered_tokens_per_s(
+    path: str | os.PathLike[str],
+    stats: dict[str, Any],
+    dram_bw: float,
+    flops: float | None = None,
+    node: str = "xeon-optane",
+) -> float:
+    """The planner's tiered decode tokens/s (`plan_tiers`) for this file, with this run's
+    measured tiers: `dram_bw`, the slow tier's achieved read rate, the decode hit rate.
+    `flops`: effective FLOP/s of this host (None: the `node` profile's)."""
+    from cellswarm.planner.profiles import MemoryTier
+
+    slow_bw = stats["slow_bytes_read"] / stats["slow_read_s"] if stats["slow_read_s"] else 1e12
+    pl = stats["placement"]
+    base = plan(os.fspath(path), node=node, dram_bytes=pl["dram_budget"])
+    profile = base.request.node
+    profile = dataclasses.replace(
+        profile,
+        flops=flops if flops is not None else profile.effective_flops,
+        compute_efficiency=1.0,
+        tiers=(
+            MemoryTier("dram", 1 << 40, dram_bw, 1.0, 1e-7),
+            MemoryTier("slow", 1 << 40, slow_bw, 1.0, 1e-6),
+        ),
+    )
+    req = dataclasses.replace(
+        base.request,
+        node=profile,
+        expert_hit_rate=stats["decode_hit_rate"],
+        runtime_overhead_bytes=pl["runtime_bytes"],
+    )
+    result = _plan(base.model, req)
+    assert result.tiers is not None
+    return float(result.tiers.tokens_per_s)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.io.weights import layer_of, tensor_kind
+from cellswarm.io.names import layer_of, tensor_kind
 from cellswarm.quant import QuantFormat, format_by_name
 
 Shape = tuple[int, ...]
@@ -232,15 +232,14 @@ class ModelInventory:
 
 def from_gguf(path: Path) -> ModelInventory:
     """Stored sizes straight from a GGUF header (the tensor data is never touched)."""
-    from cellswarm.io.gguf_file import GGUFFile
-    from cellswarm.models import entry_for_gguf, module_of
+    from cellswarm.io.gguf_file import read_header
+    from cellswarm.models import config_from_gguf
 
-    f = GGUFFile(path)
-    module = module_of(entry_for_gguf(f.architecture))
-    vocab_rows = f.tensor_shape("token_embd.weight")[0]
-    config = module.CONFIG.from_gguf(f.metadata, vocab_rows)
-    tensors = tuple(TensorSpec(n, f.tensor_shape(n), f.tensor_nbytes(n)) for n in f.tensor_names())
-    return _engine_inventory(path.name, f.architecture, config, tensors, "as stored")
+    header = read_header(path, skim=True)
+    infos = {t.name: t for t in header.tensors}
+    _, config = config_from_gguf(path, header.metadata, {n: t.shape for n, t in infos.items()})
+    tensors = tuple(TensorSpec(n, t.shape, t.n_bytes) for n, t in infos.items())
+    return _engine_inventory(path.name, str(config.arch), config, tensors, "as stored")
 
 
 def from_hf_config(

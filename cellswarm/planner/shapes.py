@@ -22,32 +22,19 @@ def tensor_shapes(cfg: Mapping[str, Any]) -> tuple[str, Any, dict[str, Shape]]:
     model_type = str(cfg.get("model_type"))
     if model_type in LLAMA_MOE_TYPES:
         return model_type, None, _llama_moe_shapes(cfg)
-    from cellswarm.models import entry_for_hf, module_of
+    from pathlib import Path
 
-    module = module_of(entry_for_hf(model_type))
-    config = module.CONFIG.from_hf(cfg)
+    from cellswarm.models import config_from_hf, config_module_of
+
+    entry, config = config_from_hf(Path("config.json"), cfg)
+    module = config_module_of(entry)
     shapes: dict[str, Shape] = dict(config.expected_tensors(range(config.n_layers)))
     if cfg.get("tie_word_embeddings", False):
         del shapes["output.weight"]
     for name, value in module.hf_extra_tensors(config, cfg).items():
         shapes[name] = tuple(value.shape)
-    if module.__name__.endswith("deepseek2"):
-        shapes |= _deepseek_extras(config)
-    return getattr(config, "arch", "deepseek2"), config, shapes
-
-
-def _deepseek_extras(c: Any) -> dict[str, Shape]:
-    """What DeepseekConfig.expected_tensors leaves out: the key/value up-projection (in the
-    attn_kv_b layout the engine's converter writes) and the router's correction bias."""
-    out: dict[str, Shape] = {}
-    for i in range(c.n_layers):
-        out[f"blk.{i}.attn_kv_b.weight"] = (
-            c.n_heads * (c.qk_nope_dim + c.v_head_dim),
-            c.kv_lora_rank,
-        )
-        if c.is_moe(i) and c.gating == "sigmoid":
-            out[f"blk.{i}.exp_probs_b.bias"] = (c.n_experts,)
-    return out
+    shapes |= module.converter_shapes(config)
+    return str(config.arch), config, shapes
 
 
 def _llama_moe_shapes(cfg: Mapping[str, Any]) -> dict[str, Shape]:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.jobs import MAX_ATTEMPTS, QueueConfig
+from cellswarm.swarm import policy
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*(s|m|h|d|y)?\s*$")
 _DURATION_UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "y": 365 * 86400.0}
@@ -47,11 +47,11 @@ class SimParams:
     # than the host running it, so a step takes at least its shard's bytes at this rate
     # (0: no floor — real nodes).
     host_bytes_per_s: float = 0.0
-    lease_s: float = QueueConfig.lease_s  # the real queue's defaults (swarm/jobs.py)
-    backoff_s: float = QueueConfig.backoff_s
-    max_backoff_s: float = QueueConfig.max_backoff_s
-    max_attempts: int = MAX_ATTEMPTS
-    offline_after: int = 2  # a node that failed this many times is taken out (membership.py)
+    lease_s: float = policy.LEASE_S  # the real swarm's policy (swarm/policy.py)
+    backoff_s: float = policy.BACKOFF_S
+    max_backoff_s: float = policy.MAX_BACKOFF_S
+    max_attempts: int = policy.MAX_ATTEMPTS
+    offline_after: int = policy.OFFLINE_AFTER  # a node that failed this many times is taken out
 
     def __post_init__(self) -> None:
         for name in ("hop_overhead_s", "step_overhead_s", "replace_overhead_s", "backoff_s",
@@ -62,7 +62,7 @@ class SimParams:
             raise RequestError("max_attempts and offline_after must be at least 1")
 
     def backoff(self, attempts: int) -> float:
-        return QueueConfig(self.lease_s, self.backoff_s, self.max_backoff_s).backoff(attempts)
+        return policy.Retry(self.lease_s, self.backoff_s, self.max_backoff_s).backoff(attempts)
 
 
 @dataclass(frozen=True)

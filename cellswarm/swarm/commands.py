@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import RequestError
+from cellswarm.swarm.settings import CoordinatorConfig, add_flags, from_args
 from cellswarm.units import format_bytes, parse_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -24,33 +25,9 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--listen", default="127.0.0.1:8470", help="HOST:PORT (default loopback)")
     c.add_argument("--db", default="sqlite:///cellswarm.db",
                    help="sqlite:///PATH, or postgresql://... shared by several coordinators")
-    c.add_argument("--token-file", help="cluster token file; workers must prove they hold it")
-    c.add_argument("--api-key-file",
-                   help="client keys, one per line ('admin KEY' for one that sees every job): "
-                   "every client route then asks for 'Authorization: Bearer KEY', and a job "
-                   "is its key's (without a file: no auth)")
     c.add_argument("--max-body", default="4M",
                    help="refuse longer request bodies unread, with a 413 (default 4M)")
-    c.add_argument("--log-dir", help="folder for JSON-line event logs")
-    c.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
-    c.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds to 'lost'")
-    c.add_argument("--offline-after", type=int, default=2, help="failures in a row: offline")
-    c.add_argument("--stages", type=int, help="pipeline stages (default: fewest that fit)")
-    c.add_argument("--expert-nodes", type=int, default=0,
-                   help="nodes holding the MoE layers' routed experts, apart from attention")
-    c.add_argument("--vocab-nodes", type=int, default=0,
-                   help="nodes holding the embedding and output head, split by rows")
-    c.add_argument("--replicas", type=int, default=1, help="independent rings sharing the queue")
-    c.add_argument("--lease", type=float, default=10.0, help="seconds a job lease lasts unrenewed")
-    c.add_argument("--evict-after", type=int, default=3,
-                   help="verification: a node outvoted this many times is taken out")
-    c.add_argument("--context", type=int, default=256, help="KV tokens a stage reserves/seq")
-    c.add_argument("--max-sequences", type=int, default=8, help="sequences in flight per stage")
-    c.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
-                   help="move layers off a stage measured much slower than the others "
-                   "(default on; off for measuring one fixed placement)")  # fmt: skip
-    c.add_argument("--leader-ttl", type=float, default=5.0,
-                   help="several coordinators: seconds a leader's term lasts unrenewed")
+    add_flags(c, CoordinatorConfig)  # the rest: one flag per setting (settings.py)
     c.set_defaults(func=cmd_coordinator)
 
     w = sub.add_parser("worker", help="join a coordinator and serve the shard it assigns")
@@ -127,7 +104,7 @@ def check_model(path: str) -> None:
 
         read_config(path)
         return
-    from cellswarm.io.verify import verify_cached
+    from cellswarm.verify import verify_cached
 
     done = verify_cached(path)
     if done is not None:
@@ -142,7 +119,6 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from cellswarm.swarm.coordinator import CoordinatorConfig
     from cellswarm.swarm.server import serve
 
     shared = args.db.startswith(("postgresql://", "postgres://"))
@@ -151,17 +127,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     host, port = _host_port(args.listen)
     model = _model(args.model)
     check_model(model)
-    serve(CoordinatorConfig(
-        model=model, db=args.db if shared else args.db.removeprefix("sqlite:///"),
-        host=host, port=port,
-        token_file=args.token_file, api_key_file=args.api_key_file,
-        max_body_bytes=_max_body(args.max_body), heartbeat_s=args.heartbeat,
-        heartbeat_timeout_s=args.heartbeat_timeout, offline_after=args.offline_after,
-        stages=args.stages, expert_nodes=args.expert_nodes, vocab_nodes=args.vocab_nodes,
-        context=args.context, replicas=args.replicas, lease_s=args.lease,
-        evict_after_disagreements=args.evict_after, max_sequences=args.max_sequences,
-        log_dir=args.log_dir, leader_ttl_s=args.leader_ttl, rebalance=args.rebalance,
-        tls_dir=args.tls,
+    serve(from_args(
+        CoordinatorConfig, args, model=model, host=host, port=port,
+        db=args.db if shared else args.db.removeprefix("sqlite:///"),
+        max_body_bytes=_max_body(args.max_body), tls_dir=args.tls,
     ))  # fmt: skip
     return 0
 

@@ -44,6 +44,7 @@ from cellswarm.swarm.membership import (
     replicas,
     ring,
 )
+from cellswarm.swarm.settings import CoordinatorConfig
 from cellswarm.swarm.stage import reset_stage
 from cellswarm.swarm.store import Node, NodeId, Store
 from cellswarm.swarm.tls import client_context
@@ -65,43 +66,6 @@ class Beat:
     rss_bytes: int
     peak_rss_bytes: int
     written_s: float  # when the database row last got last_seen_s
-
-
-@dataclass(frozen=True)
-class CoordinatorConfig:
-    model: str
-    db: str = "cellswarm.db"  # a SQLite path, or postgresql://... to share with others
-    host: str = "127.0.0.1"  # loopback unless told otherwise
-    port: int = 8470
-    token_file: str | None = None  # without one, any node may join (a warning says so)
-    api_key_file: str | None = None  # client keys, one a line (access.py); without: no auth
-    max_body_bytes: int = 4 * 2**20  # a longer request body is refused unread (413)
-    heartbeat_s: float = 0.5
-    heartbeat_timeout_s: float = 3.0
-    # A node failing this many steps in a row goes offline. Below MAX_ATTEMPTS on purpose: a
-    # broken node is taken out while the requests it broke still have an attempt left.
-    offline_after: int = 2
-    probe_every_s: float = 2.0
-    stages: int | None = None  # default: the fewest that fit the workers' budgets
-    expert_nodes: int = 0  # part servers holding every MoE layer's routed experts
-    vocab_nodes: int = 0  # part servers holding the embedding and head, split by rows
-    context: int = 256  # tokens of KV cache a stage reserves per sequence
-    max_sequences: int = 8  # sequences in flight a stage reserves KV cache for
-    log_dir: str | None = None
-    replicas: int = 1  # independent rings serving the same queue
-    lease_s: float = 10.0  # a head must checkpoint a job within this, or it goes elsewhere
-    evict_after_disagreements: int = 3  # verification: outvoted this often, taken out
-    leader_ttl_s: float = 5.0  # several coordinators on PostgreSQL: a leader's term
-    # move layers off a stage measured much slower than the others (swarm/rebalance.py)
-    rebalance: bool = True
-    tls_dir: str | None = None  # mutual TLS: its HTTPS and its resets to stages (tls.py)
-
-    def __post_init__(self) -> None:
-        if self.heartbeat_timeout_s <= self.heartbeat_s:
-            raise RequestError(
-                f"heartbeat timeout {self.heartbeat_timeout_s} s must exceed the heartbeat "
-                f"interval {self.heartbeat_s} s"
-            )
 
 
 class Coordinator:

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from cellswarm.errors import ChunkMismatchError, ModelFileError, ProtocolError, RequestError
 from cellswarm.io.gguf_file import Header, IncompleteHeader, TensorInfo, parse_header
-from cellswarm.io.weights import Selection, layer_of
+from cellswarm.io.names import layer_of
+from cellswarm.io.weights import Selection
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20  # a few per tensor of a large model; small enough to retry
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")

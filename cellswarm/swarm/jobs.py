@@ -40,14 +40,11 @@ from typing import Any, NewType
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.db import Database, Row, ensure_column
+from cellswarm.swarm.policy import MAX_ATTEMPTS, POISON_AFTER, Retry
 
 JobId = NewType("JobId", str)
 
-MAX_ATTEMPTS = 3
-# Node failures in a row, without progress, that a job may be present at before it is taken
-# for their cause and quarantined. Above the coordinator's offline_after (2): a broken node
-# goes offline before the jobs it broke are blamed; they make progress on its replacement.
-POISON_AFTER = 3
+__all__ = ["MAX_ATTEMPTS", "POISON_AFTER", "JobQueue", "QueueConfig"]  # policy's, re-exported
 MAX_RUNS = 5  # verification: give up (dead) when this many runs never had two agree
 TERMINAL = ("done", "dead", "cancelled")
 JOB_STATES = ("queued", "leased", *TERMINAL)
@@ -141,18 +138,12 @@ class Job:
         }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class QueueConfig:
-    lease_s: float = 10.0  # a holder renews by checkpointing well within this
-    backoff_s: float = 0.5  # after a failed attempt: backoff_s x 2^(attempt-1), capped
-    max_backoff_s: float = 30.0
-
-    def backoff(self, attempts: int) -> float:
-        return float(min(self.max_backoff_s, self.backoff_s * 2 ** max(attempts - 1, 0)))
+QueueConfig = Retry  # the queue's settings are the retry policy (policy.py)
+DEFAULT_CONFIG = QueueConfig()
 
 
 class JobQueue:
-    def __init__(self, db: Database, config: QueueConfig = QueueConfig()) -> None:
+    def __init__(self, db: Database, config: QueueConfig = DEFAULT_CONFIG) -> None:
         self.db, self.config = db, config
         self.db.script(SCHEMA)
         for table, column, decl in MIGRATIONS:

@@ -28,12 +28,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from cellswarm.engine.kv_cache import KVCache
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.engine.model import Model
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
+from cellswarm.models.kv_cache import KVCache
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.emulate import Emulation, precise_loop
 from cellswarm.swarm.frames import (

@@ -27,6 +27,7 @@ from cellswarm.errors import SwarmError
 from cellswarm.swarm import client
 from cellswarm.swarm.auth import write_secret
 from cellswarm.swarm.local import free_port
+from cellswarm.swarm.settings import CoordinatorConfig, to_flags
 
 
 @dataclass
@@ -38,17 +39,17 @@ class LocalSwarm:
     profile: str | None = None
     stages: int | None = None
     expert_nodes: int = 0
-    replicas: int = 1
-    lease_s: float = 10.0
-    evict_after: int = 3
+    replicas: int = CoordinatorConfig.replicas
+    lease_s: float = CoordinatorConfig.lease_s
+    evict_after: int = CoordinatorConfig.evict_after_disagreements
     perturb: dict[int, float] = field(default_factory=dict)  # worker -> wrong-output fraction
     vocab_nodes: int = 0
-    context: int = 256
-    max_sequences: int = 8
-    heartbeat_s: float = 0.25
+    context: int = CoordinatorConfig.context
+    max_sequences: int = CoordinatorConfig.max_sequences
+    heartbeat_s: float = 0.25  # quicker than a deployment's (settings.py): tests wait less
     heartbeat_timeout_s: float = 2.0
     stop_after_s: float = 3.0
-    offline_after: int = 2
+    offline_after: int = CoordinatorConfig.offline_after
     threads: int = 1
     worker_memory: dict[int, str] = field(default_factory=dict)  # per-worker overrides
     fail_forward: Sequence[int] = ()  # workers whose every forward pass fails (tests)
@@ -59,7 +60,7 @@ class LocalSwarm:
     port: int = 0
     coordinators: int = 1  # more than one: they share `db`, which must be PostgreSQL
     db: str | None = None  # default: a SQLite file in state_dir
-    leader_ttl_s: float = 5.0
+    leader_ttl_s: float = CoordinatorConfig.leader_ttl_s
     rebalance: bool = True  # off: the placement stays as first made (measurements)
     # mutual TLS on both planes: a node's certificate folder (`cellswarm certs node`), used by
     # the coordinator, every worker and this object's own calls
@@ -117,26 +118,21 @@ class LocalSwarm:
         check_port_free(self.ports[k])
         db = self.db or f"sqlite:///{self.state_dir / 'coordinator.db'}"
         args = ["coordinator", "--model", self.model, "--listen", f"127.0.0.1:{self.ports[k]}",
-                "--db", db,
-                "--token-file", str(self.token_file),
-                "--log-dir", str(self.node_log_dir("coordinator")),
-                "--heartbeat", str(self.heartbeat_s), "--heartbeat-timeout",
-                str(self.heartbeat_timeout_s), "--context", str(self.context),
-                "--max-sequences", str(self.max_sequences),
-                "--offline-after", str(self.offline_after)]  # fmt: skip
-        if self.stages:
-            args += ["--stages", str(self.stages)]
-        args += ["--expert-nodes", str(self.expert_nodes), "--vocab-nodes", str(self.vocab_nodes),
-                 "--replicas", str(self.replicas), "--lease", str(self.lease_s),
-                 "--evict-after", str(self.evict_after)]  # fmt: skip
-        if self.api_key_file:
-            args += ["--api-key-file", str(self.api_key_file)]
-        if self.coordinators > 1:
-            args += ["--leader-ttl", str(self.leader_ttl_s)]
-        if not self.rebalance:
-            args.append("--no-rebalance")
+                "--db", db, *to_flags(self.coordinator_config())]  # fmt: skip
         args += ["--tls", str(self.tls_dir)] if self.tls_dir else []
         self._spawn(f"coordinator-{k}" if k else "coordinator", args, "READY")
+
+    def coordinator_config(self) -> CoordinatorConfig:
+        """What this swarm's coordinators run with (their flags are derived from it)."""
+        return CoordinatorConfig(
+            model=self.model, token_file=str(self.token_file), api_key_file=self.api_key_file,
+            log_dir=str(self.node_log_dir("coordinator")), heartbeat_s=self.heartbeat_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s, offline_after=self.offline_after,
+            stages=self.stages, expert_nodes=self.expert_nodes, vocab_nodes=self.vocab_nodes,
+            context=self.context, max_sequences=self.max_sequences, replicas=self.replicas,
+            lease_s=self.lease_s, evict_after_disagreements=self.evict_after,
+            leader_ttl_s=self.leader_ttl_s, rebalance=self.rebalance,
+        )
 
     def start_worker(self, i: int) -> None:
         args = ["worker", "--join", ",".join(self.urls),

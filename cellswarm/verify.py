@@ -48,8 +48,8 @@ class Verified:
 def verify(path: str | os.PathLike[str], scales: bool = True) -> Verified:
     """Check a GGUF file as `load` would, then (scales=True) every block's float fields.
     Raises the ModelFileError a load would, or NonFiniteError naming the tensor and row."""
-    from cellswarm.loader import _check_tensors, _config
-    from cellswarm.models import entry_for_gguf, module_of
+    from cellswarm.loader import check_tensors
+    from cellswarm.models import config_from_gguf
 
     p = Path(path)
     if p.is_dir():
@@ -58,15 +58,9 @@ def verify(path: str | os.PathLike[str], scales: bool = True) -> Verified:
             "are checked when it loads)"
         )
     header = read_header(p, skim=True)
-    arch = header.metadata.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ModelFileError(f"{p}: GGUF metadata has no general.architecture")
-    module = module_of(entry_for_gguf(arch))
     infos = {t.name: t for t in header.tensors}
-    embd = infos.get("token_embd.weight")
-    vocab_rows = embd.shape[0] if embd is not None else 0
-    config = _config(p, lambda: module.CONFIG.from_gguf(header.metadata, vocab_rows))
-    _check_tensors(p, config, Selection(), {n: t.shape for n, t in infos.items()})
+    _, config = config_from_gguf(p, header.metadata, {n: t.shape for n, t in infos.items()})
+    check_tensors(p, config, Selection(), {n: t.shape for n, t in infos.items()})
     blocks = 0
     with p.open("rb") as f:
         mapped = np.memmap(f, dtype=np.uint8, mode="r") if header.tensors else None
@@ -79,7 +73,8 @@ def verify(path: str | os.PathLike[str], scales: bool = True) -> Verified:
                 if bad is not None:
                     raise NonFiniteError(f"{p} is corrupt: {_where(t, fmt, bad)}")
             blocks += n
-    return Verified(str(p), arch, len(infos), blocks, sum(t.n_bytes for t in header.tensors))
+    total = sum(t.n_bytes for t in header.tensors)
+    return Verified(str(p), str(config.arch), len(infos), blocks, total)
 
 
 def verify_cached(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
