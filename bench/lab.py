@@ -182,7 +182,8 @@ def plan_rate(run: LocalRun, topology: Topology, heartbeat_s: float) -> tuple[fl
     model (`pipeline_prefill`, `pipeline_decode`, `network_cap`) — no queue, no fitted knob."""
     from cellswarm.planner import network, profiles
     from cellswarm.planner.overhead import control_traffic, software_cost
-    from cellswarm.sim.local import _inventory, local_placement
+    from cellswarm.planner.placement import layer_placement as local_placement
+    from cellswarm.sim.local import _inventory
     from cellswarm.sim.model import ReplicaModel
     from cellswarm.sim.params import SimParams
 

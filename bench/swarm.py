@@ -39,8 +39,9 @@ import numpy as np
 from cellswarm import kernels
 from cellswarm.demo import demo_model_path
 from cellswarm.loader import load
+from cellswarm.planner.placement import even_split
 from cellswarm.swarm.emulate import balanced_split
-from cellswarm.swarm.local import LocalPipeline, even_split
+from cellswarm.swarm.local import LocalPipeline
 
 PROMPT = list(range(100, 108))
 CONTEXT = 512

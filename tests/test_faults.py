@@ -131,7 +131,8 @@ def test_a_local_pipeline_says_whose_fault_a_bad_seed_is(demo_path: Path) -> Non
     """Stage processes without a coordinator: the client gets the job's error, and no stage
     is restarted for it."""
     from cellswarm.errors import RequestError
-    from cellswarm.swarm.local import LocalPipeline, even_split
+    from cellswarm.planner.placement import even_split
+    from cellswarm.swarm.local import LocalPipeline
 
     bad = SamplingParams(temperature=0.5)
     object.__setattr__(bad, "seed", -1)  # past any check a client side may make

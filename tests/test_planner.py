@@ -257,7 +257,7 @@ def test_stored_runtime_overhead_matches_a_fresh_idle_worker() -> None:
 
 
 def _demo_split(demo_path: Path, stages: int) -> tuple[inventory.ModelInventory, object]:
-    from cellswarm.sim.local import local_placement
+    from cellswarm.planner.placement import layer_placement as local_placement
 
     inv = inventory.from_gguf(demo_path)
     bounds = np.linspace(0, inv.n_layers, stages + 1).astype(int)

@@ -1,12 +1,12 @@
-"""Placement by measured step times (swarm/rebalance.py, membership.time_balanced_split):
+"""Placement by measured step times (swarm/rebalance.py, planner/placement.time_balanced_split):
 pure functions, checked with tables."""
 
 from __future__ import annotations
 
 import pytest
 
-from cellswarm.swarm.local import StageCosts
-from cellswarm.swarm.membership import bottleneck, time_balanced_split
+from cellswarm.planner.placement import StageCosts, time_balanced_split
+from cellswarm.swarm.membership import bottleneck
 from cellswarm.swarm.rebalance import RingTimes, plan, ring_times
 from cellswarm.swarm.store import Node, NodeId
 

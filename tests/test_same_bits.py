@@ -16,7 +16,8 @@ import cellswarm
 from cellswarm.engine.model import GenerateOptions, Model
 from cellswarm.io.weights import Selection
 from cellswarm.models.deepseek2 import InProcessExperts
-from cellswarm.swarm.local import LocalPipeline, even_split
+from cellswarm.planner.placement import even_split
+from cellswarm.swarm.local import LocalPipeline
 from cellswarm.swarm.parts import ExpertParts
 from cellswarm.swarm.stage import stage_selection
 from tests.conftest import prefill_then_decode

@@ -16,7 +16,8 @@ from cellswarm.engine.model import GenerateOptions
 from cellswarm.io.weights import Selection
 from cellswarm.models.deepseek2 import InProcessExperts, Routing, held_experts_sum
 from cellswarm.models.ops import lm_head
-from cellswarm.swarm.local import LocalPipeline, even_split, part_specs
+from cellswarm.planner.placement import even_split
+from cellswarm.swarm.local import LocalPipeline, part_specs
 from cellswarm.swarm.parts import ExpertParts, VocabParts, pack_routes, unpack_routes
 from cellswarm.swarm.stage import StageConfig, stage_selection
 

@@ -11,7 +11,8 @@ import pytest
 import cellswarm
 from cellswarm.engine.model import GenerateOptions
 from cellswarm.engine.sampling import SamplingParams
-from cellswarm.swarm.local import LocalPipeline, even_split
+from cellswarm.planner.placement import even_split
+from cellswarm.swarm.local import LocalPipeline
 
 TEXTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,"]
 

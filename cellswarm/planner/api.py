@@ -12,7 +12,7 @@ from cellswarm.planner import inventory, presets, profiles
 from cellswarm.planner.cost import CostOptions
 from cellswarm.planner.inventory import ModelInventory, QuantSpec, TensorSpec
 from cellswarm.planner.overhead import control_traffic, runtime_overhead_bytes, software_cost
-from cellswarm.planner.placement import place_pipeline
+from cellswarm.planner.placement import place
 from cellswarm.planner.plan import PlanRequest, PlanResult
 from cellswarm.planner.plan import plan as _plan
 
@@ -100,7 +100,7 @@ def largest_context_that_fits(result: PlanResult) -> int:
     while context >= 256:
         scratch = inv.scratch_bytes(req.concurrency, context, 0)
         capacity = req.node.memory_bytes - req.runtime_overhead_bytes - scratch
-        if capacity > 0 and place_pipeline(inv, capacity, context * req.concurrency).placeable:
+        if capacity > 0 and place(inv, capacity, context * req.concurrency).placeable:
             return context
         context -= 256
     return 0

@@ -11,10 +11,13 @@ they do not fit one; a layer's attention never is (that would be tensor parallel
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from cellswarm.errors import BudgetError, RequestError
 from cellswarm.planner.inventory import ModelInventory, UnitGroup
 
 Range = tuple[int, int]  # half-open
@@ -196,3 +199,255 @@ def _place_units(b: _Builder, layer: int, group: UnitGroup) -> None:
 def _absorbed_bytes(inv: ModelInventory) -> int:
     fn = getattr(inv.config, "absorbed_bytes_per_layer", None)
     return int(fn()) if fn else 0
+
+
+# ---- the swarm's mode: contiguous layer ranges, what the coordinator builds ---------------
+# The coordinator, `cellswarm plan` and the simulator all place through the functions below:
+# balanced layer ranges by bytes (a first placement, re-placement after a loss) or by measured
+# step time (rebalance), routed experts and vocabulary rows on part servers of their own.
+# The fill mode above (place_pipeline) is for models whose single layers do not fit a node.
+
+
+def even_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, sizes differing by at most one."""
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"{n_stages} stages for {n_layers} layers")
+    bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """What a pipeline stage holds, by layer, in bytes (the planner's byte-exact inventory):
+    `weights[i]` are layer i's weights a stage keeps (read once per decode step), `kv` each
+    layer's KV cache reservation, `fixed` what every stage holds besides (runtime, scratch,
+    shared tensors), `ends` the embedding (first stage) and output head (last stage)."""
+
+    weights: tuple[int, ...]
+    kv: int
+    fixed: int
+    ends: tuple[int, int]
+
+    @property
+    def memory(self) -> list[int]:
+        return [w + self.kv for w in self.weights]
+
+    def held(self, lo: int, hi: int, first: bool, last: bool) -> int:
+        """Bytes a stage holding layers [lo, hi) needs."""
+        return (self.fixed + sum(self.memory[lo:hi]) + (self.ends[0] if first else 0)
+                + (self.ends[1] if last else 0))  # fmt: skip
+
+    def read(self, lo: int, hi: int, last: bool) -> int:
+        """Weight bytes a decode step of a stage reads — its layers, the head on the last
+        (the first reads one embedding row a token: nothing) — what its time goes by."""
+        return sum(self.weights[lo:hi]) + (self.ends[1] if last else 0)
+
+
+def stage_costs_of(
+    inv: ModelInventory, kv_tokens: int, fixed_bytes: int,
+    remote_experts: bool = False, remote_vocab: bool = False,
+) -> StageCosts:  # fmt: skip
+    """What each stage of `inv` holds and reads: `kv_tokens` of KV cache per layer (context x
+    sequences in flight), `fixed_bytes` on every stage besides the tensors outside the layers
+    (runtime and scratch, for the swarm; 0 for a plan, whose capacity has them taken out).
+    With part servers holding the routed experts / the vocabulary rows, stages hold neither."""
+
+    def held(i: int) -> int:
+        return sum(t.nbytes for t in inv.layer_tensors(i)
+                   if not (remote_experts and t.kind == "experts"))  # fmt: skip
+
+    shared = sum(t.nbytes for t in inv.global_tensors() if t.kind not in ("embedding", "output"))
+    return StageCosts(
+        weights=tuple(held(i) for i in range(inv.n_layers)),
+        kv=inv.kv_bytes_per_token_layer * kv_tokens,
+        fixed=fixed_bytes + shared,
+        ends=(0, 0) if remote_vocab else (inv.embedding_bytes(), inv.head_bytes()),
+    )
+
+
+def smallest_capacity(costs: StageCosts, stages: int) -> tuple[int, list[Range]]:
+    """The least bytes per stage with which a split into at most `stages` contiguous layer
+    ranges holds everything, and that split: ranges balance what each stage holds — its
+    layers and their KV cache, the embedding on the first, the head on the last, `fixed` on
+    all (binary search on the capacity; for each, the fewest stages by dynamic programming —
+    a greedy fill from the front is not enough: at a larger capacity it can pack the layers
+    into fewer stages whose last then has no room for the head)."""
+    layer, fixed, ends = costs.memory, costs.fixed, costs.ends
+    lo, hi = 0, fixed + sum(layer) + sum(ends)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _fewest_within(layer, fixed, ends, mid, stages) else (mid + 1, hi)
+    split = _fewest_within(layer, fixed, ends, lo, stages)
+    assert split is not None
+    return lo, split
+
+
+def _fewest_within(
+    layer: Sequence[int], fixed: int, ends: tuple[int, int], cap: int, stages: int
+) -> list[Range] | None:
+    """The split into the fewest contiguous stages, each holding at most `cap`, or None if
+    that takes more than `stages`. best[i]: fewest stages holding layers [0, i)."""
+    n = len(layer)
+    start = [0]
+    for b in layer:
+        start.append(start[-1] + b)
+    best, prev = [0] + [n + 1] * n, [0] * (n + 1)
+    for i in range(1, n + 1):
+        for j in range(i - 1, -1, -1):  # stage [j, i): more layers as j falls
+            held = fixed + start[i] - start[j] + (ends[0] if j == 0 else 0)
+            if held + (ends[1] if i == n else 0) > cap:
+                break
+            if best[j] + 1 < best[i]:
+                best[i], prev[i] = best[j] + 1, j
+    if best[n] > stages:
+        return None
+    out, i = [], n
+    while i > 0:
+        out.append((prev[i], i))
+        i = prev[i]
+    return out[::-1]
+
+
+def balanced_layers(costs: StageCosts, stages: int, capacity_bytes: int, what: str) -> list[Range]:
+    """Contiguous layer ranges for `stages` nodes of `capacity_bytes`, balanced by bytes held
+    (smallest_capacity), every node given a share when there are fewer ranges than nodes;
+    BudgetError, saying by how much, when they cannot hold it. `what` names the model."""
+    need, split = smallest_capacity(costs, stages)
+    if need > capacity_bytes:
+        raise BudgetError(
+            f"{stages} workers need {need:,} bytes each for {what}; --memory is "
+            f"{capacity_bytes:,} ({need - capacity_bytes:,} short): add workers or memory"
+        )
+    while len(split) < min(stages, len(costs.weights)):  # fewer fit: still give all a share
+        k = max(range(len(split)), key=lambda i: split[i][1] - split[i][0])
+        a, b = split[k]
+        if b - a < 2:
+            break
+        split[k : k + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
+    return split
+
+
+def fewest_stages(costs: StageCosts, capacity_bytes: int) -> list[Range] | None:
+    """The fewest contiguous stages of `capacity_bytes` that hold the model (as the
+    coordinator places when told no stage count), balanced; None when none do."""
+    n = len(costs.weights)
+    if n == 0 or smallest_capacity(costs, n)[0] > capacity_bytes:
+        return None
+    lo, hi = 1, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if smallest_capacity(costs, mid)[0] <= capacity_bytes else (mid + 1, hi)
+    return smallest_capacity(costs, lo)[1]
+
+
+def time_balanced_split(
+    n_layers: int,
+    read: Callable[[int, int, bool], float],
+    seconds_per_byte: Sequence[float],
+    fits: Callable[[int, int, int], bool],
+) -> list[tuple[int, int]] | None:
+    """Contiguous layer ranges for the stages of a ring, in ring order, that make the
+    slowest stage as fast as can be: stage k's step takes seconds_per_byte[k] x
+    read(lo, hi, last) (measured speed x bytes its decode step reads), and must fit its
+    node (`fits(k, lo, hi)`). None when no split fits. A slow node ends up with fewer
+    layers, a fast one with more: the pipeline's rate is its slowest stage's.
+
+    Binary search on the step time T: greedily give each stage as many layers as keep it
+    within T (leaving one for each stage after it) — the greedy fill is the best for the
+    stages that follow, so T is feasible exactly when it ends with every layer placed."""
+    stages = len(seconds_per_byte)
+    if stages == 0 or stages > n_layers:
+        return None
+
+    def split_within(t: float) -> list[tuple[int, int]] | None:
+        out, lo = [], 0
+        for k in range(stages):
+            last = k == stages - 1
+            hi = n_layers if last else lo + 1
+            if not last:
+                while (hi < n_layers - (stages - k - 1)
+                       and seconds_per_byte[k] * read(lo, hi + 1, False) <= t
+                       and fits(k, lo, hi + 1)):  # fmt: skip
+                    hi += 1
+            if seconds_per_byte[k] * read(lo, hi, last) > t or not fits(k, lo, hi):
+                return None
+            out.append((lo, hi))
+            lo = hi
+        return out
+
+    top = max(seconds_per_byte) * read(0, n_layers, True)
+    if split_within(top) is None:
+        return None
+    lo_t, hi_t = 0.0, top
+    for _ in range(60):  # to well under a part in 1e15 of the slowest stage's time
+        mid = (lo_t + hi_t) / 2
+        lo_t, hi_t = (lo_t, mid) if split_within(mid) is not None else (mid, hi_t)
+    return split_within(hi_t)
+
+
+def expert_parts(
+    moe_layers: Sequence[int], n_experts: int, expert_nodes: int
+) -> list[dict[int, tuple[int, ...]]]:
+    """Every MoE layer's routed experts dealt round-robin over `expert_nodes` part servers
+    (expert e of each layer on node e mod N, so a token's k experts usually land on k
+    different nodes and work in parallel): per node, layer -> the experts it holds."""
+    return [{i: tuple(range(j, n_experts, expert_nodes)) for i in moe_layers}
+            for j in range(expert_nodes)]  # fmt: skip
+
+
+def vocab_parts(vocab_size: int, vocab_nodes: int) -> list[Range]:
+    """The embedding's and head's rows in `vocab_nodes` contiguous ranges, sizes within one."""
+    return even_split(vocab_size, vocab_nodes) if vocab_nodes else []
+
+
+def layer_placement(
+    inv: ModelInventory, split: Sequence[Range], kv_tokens: int = 0
+) -> Placement:
+    """One stage per half-open layer range [lo, hi) (they must cover 0..n_layers in order),
+    each holding its layers whole with `kv_tokens` of KV cache; the embedding on the first,
+    the head on the last: the Placement of a split the swarm runs."""
+    ranges = [(int(lo), int(hi)) for lo, hi in split]
+    if not ranges or ranges[0][0] != 0 or ranges[-1][1] != inv.n_layers:
+        raise RequestError(
+            f"split {ranges} must start at layer 0 and end at {inv.n_layers} (half-open ranges)"
+        )
+    for (_, a), (b, c) in itertools.pairwise(ranges):
+        if a != b or c <= b:
+            raise RequestError(f"split {ranges}: ranges must be contiguous and non-empty")
+    if ranges[0][1] <= 0:
+        raise RequestError(f"split {ranges}: ranges must be non-empty")
+    slots = []
+    vocab = (0, inv.vocab_size)
+    for i, (lo, hi) in enumerate(ranges):
+        units = tuple(
+            (layer, g.kind, 0, g.n_units) for layer in range(lo, hi) for g in inv.groups(layer)
+        )
+        nbytes = sum(inv.core(layer)[0] for layer in range(lo, hi))
+        nbytes += sum(g.total_bytes for layer in range(lo, hi) for g in inv.groups(layer))
+        first, last = i == 0, i == len(ranges) - 1
+        nbytes += (inv.embedding_bytes() if first else 0) + (inv.head_bytes() if last else 0)
+        slots.append(
+            Slot(
+                node=i,
+                layers=(lo, hi),
+                units=units,
+                embed_rows=vocab if first else None,
+                head_rows=vocab if last else None,
+                weight_bytes=nbytes,
+                kv_bytes=(hi - lo) * inv.kv_bytes_per_token_layer * kv_tokens,
+            )
+        )
+    return Placement(tuple(slots), capacity_bytes=max(s.used_bytes for s in slots))
+
+
+def place(
+    inv: ModelInventory, capacity_bytes: int, kv_tokens: int, separate_experts: bool = False
+) -> Placement:
+    """A plan's placement: the swarm's own (the fewest balanced contiguous stages, as the
+    coordinator places) when whole layers fit a node, else the fill mode that splits a
+    layer's feed-forward units and the vocabulary rows over nodes (place_pipeline)."""
+    if not separate_experts and capacity_bytes > 0:
+        split = fewest_stages(stage_costs_of(inv, kv_tokens, 0), capacity_bytes)
+        if split is not None:
+            return layer_placement(inv, split, kv_tokens)
+    return place_pipeline(inv, capacity_bytes, kv_tokens, separate_experts)

@@ -15,7 +15,7 @@ from cellswarm.errors import RequestError
 from cellswarm.planner import cost, network
 from cellswarm.planner.inventory import ModelInventory
 from cellswarm.planner.network import ControlTraffic
-from cellswarm.planner.placement import Placement, place_pipeline
+from cellswarm.planner.placement import Placement, place
 from cellswarm.planner.tiers import TierPlan, plan_tiers
 
 PARALLEL_MODES = ("pipeline", "tensor", "expert")
@@ -114,7 +114,7 @@ def plan(inv: ModelInventory, req: PlanRequest) -> PlanResult:
     capacity = node.memory_bytes - req.runtime_overhead_bytes - scratch
     if req.parallel == "tensor":
         return _plan_tensor(inv, req, scratch, capacity, kv_tokens)
-    placement = place_pipeline(inv, max(capacity, 0), kv_tokens, req.parallel == "expert")
+    placement = place(inv, max(capacity, 0), kv_tokens, req.parallel == "expert")
     tiers = plan_tiers(inv, req, scratch) if node.tiers else None
     problem = placement.problem if tiers is None else tiers.problem
     if capacity <= 0:

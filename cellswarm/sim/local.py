@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 from cellswarm.errors import RequestError
 from cellswarm.planner import api, cost, profiles
 from cellswarm.planner.inventory import ModelInventory
-from cellswarm.planner.placement import Placement, Slot
+from cellswarm.planner.placement import layer_placement
 from cellswarm.sim.engine import Simulator
 from cellswarm.sim.model import ReplicaModel
 from cellswarm.sim.network import NetModel
@@ -50,41 +49,6 @@ class LocalPrediction:
     replay_s: float
     jobs_done: int
     jobs_dead: int
-
-
-def local_placement(inv: ModelInventory, split: Sequence[tuple[int, int]]) -> Placement:
-    """One stage per half-open layer range [lo, hi); they must cover 0..n_layers in order."""
-    ranges = [(int(lo), int(hi)) for lo, hi in split]
-    if not ranges or ranges[0][0] != 0 or ranges[-1][1] != inv.n_layers:
-        raise RequestError(
-            f"split {ranges} must start at layer 0 and end at {inv.n_layers} (half-open ranges)"
-        )
-    for (_, a), (b, c) in itertools.pairwise(ranges):
-        if a != b or c <= b:
-            raise RequestError(f"split {ranges}: ranges must be contiguous and non-empty")
-    if ranges[0][1] <= 0:
-        raise RequestError(f"split {ranges}: ranges must be non-empty")
-    slots = []
-    vocab = (0, inv.vocab_size)
-    for i, (lo, hi) in enumerate(ranges):
-        units = tuple(
-            (layer, g.kind, 0, g.n_units) for layer in range(lo, hi) for g in inv.groups(layer)
-        )
-        nbytes = sum(inv.core(layer)[0] for layer in range(lo, hi))
-        nbytes += sum(g.total_bytes for layer in range(lo, hi) for g in inv.groups(layer))
-        first, last = i == 0, i == len(ranges) - 1
-        nbytes += (inv.embedding_bytes() if first else 0) + (inv.head_bytes() if last else 0)
-        slots.append(
-            Slot(
-                node=i,
-                layers=(lo, hi),
-                units=units,
-                embed_rows=vocab if first else None,
-                head_rows=vocab if last else None,
-                weight_bytes=nbytes,
-            )
-        )
-    return Placement(tuple(slots), capacity_bytes=max(s.weight_bytes for s in slots))
 
 
 @functools.lru_cache(maxsize=8)
@@ -125,7 +89,7 @@ def predict_local(
     params = params or SimParams()
     path = str(demo_model_path()) if model is None else model
     inv = path if isinstance(path, ModelInventory) else _inventory(str(path))
-    placement = local_placement(inv, split)
+    placement = layer_placement(inv, split)
     if not 0 <= kill_stage < len(placement.slots):
         raise RequestError(f"kill_stage {kill_stage} is not a stage of a {len(split)}-stage ring")
     if kill_at_s is not None and kill_at_s < 0:

@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import BudgetError, RequestError, StorageFullError
+from cellswarm.planner.placement import StageCosts
 from cellswarm.swarm import rebalance
 from cellswarm.swarm.auth import digest, load_token, new_nonce, verify
 from cellswarm.swarm.db import open_database
 from cellswarm.swarm.jobs import Job, JobQueue, QueueConfig
-from cellswarm.swarm.local import StageCosts, stage_costs
+from cellswarm.swarm.local import stage_costs
 from cellswarm.swarm.logs import JsonLog, Throttled
 from cellswarm.swarm.logship import EventStore, LogShipper
 from cellswarm.swarm.membership import (

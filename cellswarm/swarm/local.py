@@ -7,7 +7,6 @@ nodes; this module is what it builds on, and what the tests use: real processes,
 from __future__ import annotations
 
 import asyncio
-import itertools
 import socket
 import subprocess
 import sys
@@ -21,119 +20,46 @@ import numpy as np
 
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import BudgetError, RequestError, SwarmError
+from cellswarm.planner.placement import (
+    StageCosts,
+    balanced_layers,
+    expert_parts,
+    stage_costs_of,
+    vocab_parts,
+)
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
 from cellswarm.swarm.parts import PartConfig, PartSpec
 from cellswarm.swarm.stage import StageConfig, reset_stage
 
 
-def even_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    """Contiguous layer ranges, sizes differing by at most one."""
-    if not 1 <= n_stages <= n_layers:
-        raise ValueError(f"{n_stages} stages for {n_layers} layers")
-    bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
-    return list(itertools.pairwise(bounds))
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """What a pipeline stage holds, by layer, in bytes (the planner's byte-exact inventory):
-    `weights[i]` are layer i's weights a stage keeps (read once per decode step), `kv` each
-    layer's KV cache reservation, `fixed` what every stage holds besides (runtime, scratch,
-    shared tensors), `ends` the embedding (first stage) and output head (last stage)."""
-
-    weights: tuple[int, ...]
-    kv: int
-    fixed: int
-    ends: tuple[int, int]
-
-    @property
-    def memory(self) -> list[int]:
-        return [w + self.kv for w in self.weights]
-
-    def held(self, lo: int, hi: int, first: bool, last: bool) -> int:
-        """Bytes a stage holding layers [lo, hi) needs."""
-        return (self.fixed + sum(self.memory[lo:hi]) + (self.ends[0] if first else 0)
-                + (self.ends[1] if last else 0))  # fmt: skip
-
-    def read(self, lo: int, hi: int, last: bool) -> int:
-        """Weight bytes a decode step of a stage reads — its layers, the head on the last
-        (the first reads one embedding row a token: nothing) — what its time goes by."""
-        return sum(self.weights[lo:hi]) + (self.ends[1] if last else 0)
-
-
 def stage_costs(
     model: str, context: int = 512, max_sequences: int = 8,
     remote_experts: bool = False, remote_vocab: bool = False,
 ) -> StageCosts:  # fmt: skip
+    """A model file's StageCosts as a swarm stage holds it: runtime and scratch on every one."""
     from cellswarm.planner.api import resolve_model
     from cellswarm.planner.overhead import runtime_overhead_bytes
 
     inv = resolve_model(model)
-
-    def held(i: int) -> int:
-        return sum(t.nbytes for t in inv.layer_tensors(i)
-                   if not (remote_experts and t.kind == "experts"))  # fmt: skip
-
-    shared = sum(t.nbytes for t in inv.global_tensors() if t.kind not in ("embedding", "output"))
-    return StageCosts(
-        weights=tuple(held(i) for i in range(inv.n_layers)),
-        kv=inv.kv_bytes_per_token_layer * context * max_sequences,
-        fixed=runtime_overhead_bytes() + inv.scratch_bytes(1, context, 0) + shared,
-        ends=(0, 0) if remote_vocab else (inv.embedding_bytes(), inv.head_bytes()),
-    )
+    fixed = runtime_overhead_bytes() + inv.scratch_bytes(1, context, 0)
+    return stage_costs_of(inv, context * max_sequences, fixed, remote_experts, remote_vocab)
 
 
 def budget_split(
     model: str, stages: int, memory_bytes: int, context: int = 512, max_sequences: int = 8,
     remote_experts: bool = False, remote_vocab: bool = False,
 ) -> list[tuple[int, int]]:  # fmt: skip
-    """Contiguous layer ranges that balance what each stage holds — its layers and their KV
-    cache, the embedding on the first, the head on the last, runtime and scratch on all —
-    sized with the planner's byte-exact inventory; BudgetError if `stages` cannot fit.
-    With part servers holding the routed experts / the vocabulary rows, stages hold neither."""
+    """The coordinator's placement of a model file over `stages` workers of `memory_bytes`
+    (planner/placement.py: balanced_layers); BudgetError if they cannot hold it."""
     costs = stage_costs(model, context, max_sequences, remote_experts, remote_vocab)
-    layer, fixed, ends = costs.memory, costs.fixed, costs.ends
-    n_layers = len(layer)
-
-    def fits(cap: int) -> list[tuple[int, int]] | None:
-        out, lo, used = [], 0, fixed + ends[0]
-        for i, b in enumerate(layer):
-            if used + b > cap and i > lo:
-                out.append((lo, i))
-                lo, used = i, fixed
-            used += b
-        out.append((lo, n_layers))
-        ok = len(out) <= stages and used + ends[1] <= cap and max(layer) + fixed <= cap
-        return out if ok else None
-
-    lo, hi = 0, fixed + sum(layer) + sum(ends)
-    while lo < hi:  # the smallest per-stage capacity that a split into <= stages fits
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-    if lo > memory_bytes:
-        raise BudgetError(
-            f"{stages} workers need {lo:,} bytes each for {Path(model).name}; --memory is "
-            f"{memory_bytes:,} ({lo - memory_bytes:,} short): add workers or memory"
-        )
-    split = fits(lo)
-    assert split is not None
-    while len(split) < min(stages, n_layers):  # fewer fit: still give every node a share
-        k = max(range(len(split)), key=lambda i: split[i][1] - split[i][0])
-        a, b = split[k]
-        if b - a < 2:
-            break
-        split[k : k + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
-    return split
+    return balanced_layers(costs, stages, memory_bytes, Path(model).name)
 
 
 def part_specs(
     model: str, expert_nodes: int, vocab_nodes: int, ports: Sequence[int]
 ) -> list[PartSpec]:
-    """Part servers for a model: every MoE layer's routed experts dealt round-robin over
-    `expert_nodes` (expert e of each layer on node e mod N, so a token's k experts usually
-    land on k different nodes and work in parallel), and the vocabulary in `vocab_nodes`
-    contiguous row ranges of sizes differing by at most one."""
+    """Part servers for a model (planner/placement.py: expert_parts, vocab_parts)."""
     from cellswarm.loader import read_config
 
     config = read_config(model)
@@ -143,12 +69,9 @@ def part_specs(
     if not 0 <= expert_nodes <= max(n_experts, 0):
         raise RequestError(f"{expert_nodes} expert nodes for {n_experts} experts per layer")
     moe = [i for i in range(config.n_layers) if n_experts and config.is_moe(i)]
-    specs = [
-        PartSpec(f"experts-{j}", ports[j],
-                 experts={i: tuple(range(j, n_experts, expert_nodes)) for i in moe})
-        for j in range(expert_nodes)
-    ]  # fmt: skip
-    rows = even_split(int(config.vocab_size), vocab_nodes) if vocab_nodes else []
+    experts = expert_parts(moe, n_experts, expert_nodes)
+    specs = [PartSpec(f"experts-{j}", ports[j], experts=e) for j, e in enumerate(experts)]
+    rows = vocab_parts(int(config.vocab_size), vocab_nodes)
     specs += [
         PartSpec(f"vocab-{j}", ports[expert_nodes + j], vocab_rows=r) for j, r in enumerate(rows)
     ]

@@ -148,51 +148,6 @@ def place(
     return [], {}
 
 
-def time_balanced_split(
-    n_layers: int,
-    read: Callable[[int, int, bool], float],
-    seconds_per_byte: Sequence[float],
-    fits: Callable[[int, int, int], bool],
-) -> list[tuple[int, int]] | None:
-    """Contiguous layer ranges for the stages of a ring, in ring order, that make the
-    slowest stage as fast as can be: stage k's step takes seconds_per_byte[k] x
-    read(lo, hi, last) (measured speed x bytes its decode step reads), and must fit its
-    node (`fits(k, lo, hi)`). None when no split fits. A slow node ends up with fewer
-    layers, a fast one with more: the pipeline's rate is its slowest stage's.
-
-    Binary search on the step time T: greedily give each stage as many layers as keep it
-    within T (leaving one for each stage after it) — the greedy fill is the best for the
-    stages that follow, so T is feasible exactly when it ends with every layer placed."""
-    stages = len(seconds_per_byte)
-    if stages == 0 or stages > n_layers:
-        return None
-
-    def split_within(t: float) -> list[tuple[int, int]] | None:
-        out, lo = [], 0
-        for k in range(stages):
-            last = k == stages - 1
-            hi = n_layers if last else lo + 1
-            if not last:
-                while (hi < n_layers - (stages - k - 1)
-                       and seconds_per_byte[k] * read(lo, hi + 1, False) <= t
-                       and fits(k, lo, hi + 1)):  # fmt: skip
-                    hi += 1
-            if seconds_per_byte[k] * read(lo, hi, last) > t or not fits(k, lo, hi):
-                return None
-            out.append((lo, hi))
-            lo = hi
-        return out
-
-    top = max(seconds_per_byte) * read(0, n_layers, True)
-    if split_within(top) is None:
-        return None
-    lo_t, hi_t = 0.0, top
-    for _ in range(60):  # to well under a part in 1e15 of the slowest stage's time
-        mid = (lo_t + hi_t) / 2
-        lo_t, hi_t = (lo_t, mid) if split_within(mid) is not None else (mid, hi_t)
-    return split_within(hi_t)
-
-
 def bottleneck(steps_s: Sequence[float]) -> tuple[int, float]:
     """The slowest stage of a ring by measured step time, and how many times the median."""
     k = max(range(len(steps_s)), key=lambda i: steps_s[i])

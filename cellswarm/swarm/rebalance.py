@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cellswarm.swarm.local import StageCosts
-from cellswarm.swarm.membership import bottleneck, time_balanced_split
+from cellswarm.planner.placement import StageCosts, time_balanced_split
+from cellswarm.swarm.membership import bottleneck
 from cellswarm.swarm.store import Node
 
 MIN_STEPS = 24  # decode steps each stage must have measured before anything is decided

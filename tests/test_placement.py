@@ -1,0 +1,101 @@
+"""One placement (planner/placement.py) for the planner, the coordinator and the simulator:
+its swarm mode as tables, and the three agreeing on the demo model's layer ranges."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from cellswarm.errors import BudgetError
+from cellswarm.planner import api, inventory
+from cellswarm.planner import plan as plan_mod
+from cellswarm.planner.placement import (
+    StageCosts,
+    balanced_layers,
+    expert_parts,
+    fewest_stages,
+    layer_placement,
+    place,
+    stage_costs_of,
+    vocab_parts,
+)
+from cellswarm.swarm import membership
+from cellswarm.swarm.store import Node, NodeId
+
+# 6 layers of 10 bytes (weights 8 + KV 2), 5 fixed per stage, embedding 7, head 9
+COSTS = StageCosts(weights=(8,) * 6, kv=2, fixed=5, ends=(7, 9))
+
+
+@pytest.mark.parametrize(
+    ("stages", "capacity", "expected"),
+    [(1, 200, [(0, 6)]),                   # 5 + 7 + 60 + 9 = 81 on one
+     (2, 200, [(0, 3), (3, 6)]),           # 42 and 44
+     (3, 200, [(0, 2), (2, 4), (4, 6)]),   # the head's stage holds two layers too: 34
+     (6, 200, [(i, i + 1) for i in range(6)]),
+     (4, 34, [(0, 1), (1, 3), (3, 5), (5, 6)]),  # balanced at the least for 4: 25
+     (7, 200, [(i, i + 1) for i in range(6)])],  # more nodes than layers: one each
+)  # fmt: skip
+def test_balanced_layers(stages: int, capacity: int, expected: list[tuple[int, int]]) -> None:
+    assert balanced_layers(COSTS, stages, capacity, "m") == expected
+
+
+def test_balanced_layers_says_how_much_is_missing() -> None:
+    with pytest.raises(BudgetError, match=r"2 workers need 44 bytes each for m; --memory is 40 "
+                                          r"\(4 short\)"):  # fmt: skip
+        balanced_layers(COSTS, 2, 40, "m")
+
+
+@pytest.mark.parametrize(("capacity", "stages"), [(81, 1), (80, 2), (44, 2), (43, 3), (34, 3),
+                                                  (25, 4), (24, 6), (23, None)])  # fmt: skip
+def test_fewest_stages(capacity: int, stages: int | None) -> None:
+    split = fewest_stages(COSTS, capacity)
+    assert (len(split) if split else None) == stages
+
+
+def test_parts() -> None:
+    assert expert_parts([1, 3], 5, 2) == [{1: (0, 2, 4), 3: (0, 2, 4)}, {1: (1, 3), 3: (1, 3)}]
+    assert vocab_parts(10, 3) == [(0, 3), (3, 7), (7, 10)] and vocab_parts(10, 0) == []
+
+
+def node(i: int, memory: int) -> Node:
+    return Node(NodeId(f"n{i}"), "spare", "s", {"memory_bytes": memory}, "h", float(i), 0.0)
+
+
+def test_the_head_needs_room_on_the_last_stage() -> None:
+    """More room per stage must never need more stages: a greedy fill from the front packed
+    the layers into two stages whose last had no room left for the head, and took 69 MB
+    where three stages of 46 MB hold the demo model."""
+    costs = StageCosts(weights=(10,) * 10, kv=0, fixed=0, ends=(30, 30))
+    assert fewest_stages(costs, 60) == [(0, 3), (3, 9), (9, 10)]  # 60, 60, 40
+    stages = [len(fewest_stages(costs, c) or ()) for c in (40, 50, 59, 60, 70, 80, 130, 160)]
+    assert stages == [4, 4, 4, 3, 3, 2, 2, 1]  # more room, never more stages
+
+
+@pytest.mark.parametrize("memory_mib", [40, 72, 90, 120, 200])
+def test_plan_coordinator_and_simulator_place_the_same_layers(
+    demo_path: Path, memory_mib: int
+) -> None:
+    """`cellswarm plan` on nodes of this memory, the coordinator's membership over as many
+    workers, and the simulator (which runs the plan's placement) give the same ranges."""
+    inv = inventory.from_gguf(demo_path)
+    base = api.plan(inv, node="ps3", count=16, context=256)
+    req = dataclasses.replace(
+        base.request, node=dataclasses.replace(base.request.node, memory_bytes=memory_mib << 20)
+    )
+    planned = plan_mod.plan(inv, req).placement
+    runtime, scratch = req.runtime_overhead_bytes, inv.scratch_bytes(1, 256, 0)
+    costs = stage_costs_of(inv, 256, runtime + scratch)
+
+    def split(count: int, memory: int) -> list[tuple[int, int]]:  # the coordinator's _split
+        return balanced_layers(costs, count, memory, "demo")
+
+    layout, _ = membership.place([node(i, memory_mib << 20) for i in range(16)], split, None)
+    if not layout:  # no stage can hold the tied head: the swarm needs vocab nodes, and the
+        # plan places its rows on a node of their own (the fill mode)
+        assert planned.slots[-1].layers is None and planned.slots[-1].head_rows
+        return
+    assert [tuple(s["layers"]) for s in layout] == [s.layers for s in planned.slots]
+    assert planned == place(inv, memory_mib * 2**20 - runtime - scratch, 256)
+    assert planned == layer_placement(inv, [s.layers for s in planned.slots], 256)  # sim's
