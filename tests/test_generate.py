@@ -87,6 +87,32 @@ def test_max_tokens_and_stop_ids(demo: Model) -> None:
     assert gen2.token_ids == gen.token_ids[:1] and gen2.stats.stop_reason == "stop_token"
 
 
+def test_keywords_and_streaming_as_llama_cpp_python_users_expect(demo: Model) -> None:
+    prompt = "List three colours: red, green"
+    opts = GenerateOptions(12, SamplingParams(temperature=0.7, seed=1), stop=(",",))
+    by_options = demo.generate(prompt, opts)
+    by_keywords = demo.generate(prompt, max_tokens=12, temperature=0.7, seed=1, stop=",")
+    assert (by_keywords.text, by_keywords.token_ids) == (by_options.text, by_options.token_ids)
+    stream = demo.stream(prompt, max_tokens=12, temperature=0.7, seed=1, stop=[","])
+    with pytest.raises(RequestError, match="has not ended"):
+        stream.result  # noqa: B018
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text == by_options.text
+    assert stream.result.token_ids == by_options.token_ids
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"temprature": 0.5}, "unknown generation setting 'temprature'"),
+     ({"options": GenerateOptions(4), "max_tokens": 4}, "not both"),
+     ({"max_tokens": 0}, "max_tokens 0 must be at least 1"),
+     ({"top_p": 0.0}, "top_p 0.0 must be in")],
+)  # fmt: skip
+def test_bad_keywords_are_refused(demo: Model, kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        demo.generate("hello", **kwargs)  # type: ignore[arg-type]
+
+
 def test_kv_budget_refuses_a_sequence_before_it_starts(demo_path: Path) -> None:
     model = cellswarm.load(demo_path, kv_budget_bytes=1 << 20)
     per_token = model.kv_bytes_per_token()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,6 +75,53 @@ class GenerateOptions:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens {self.max_tokens} must be at least 1")
+
+
+SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
+
+
+def options_from(options: GenerateOptions | None, settings: dict[str, Any]) -> GenerateOptions:
+    """GenerateOptions from keywords (max_tokens, stop, stop_ids and SamplingParams' fields:
+    temperature, top_k, top_p, min_p, repetition_penalty, seed), or the options given."""
+    if options is not None and settings:
+        raise RequestError("give generation settings as options= or as keywords, not both")
+    if options is not None:
+        return options
+    known = ("max_tokens", "stop", "stop_ids", *SAMPLING_KEYS)
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise RequestError(f"unknown generation setting {unknown[0]!r}; use {', '.join(known)}")
+    stop = settings.get("stop", ())
+    stop_ids = settings.get("stop_ids")
+    return GenerateOptions(
+        max_tokens=int(settings.get("max_tokens", GenerateOptions.max_tokens)),
+        sampling=SamplingParams(**{k: settings[k] for k in SAMPLING_KEYS if k in settings}),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_ids=None if stop_ids is None else frozenset(stop_ids),
+    )
+
+
+class TextStream:
+    """Pieces of text as they are decoded; `.result` (the Generation) once they end."""
+
+    def __init__(self, generator: _Generator) -> None:
+        self._gen, self._pieces, self._done = generator, generator.run(), False
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._pieces)
+        except StopIteration:
+            self._done = True
+            raise
+
+    @property
+    def result(self) -> Generation:
+        if not self._done:
+            raise RequestError("the stream has not ended: read it to the end first")
+        return self._gen.result()
 
 
 class Model:
@@ -221,14 +268,29 @@ class Model:
         options: GenerateOptions | None = None,
         on_text: Callable[[str], None] | None = None,
         chat: bool = False,
+        **settings: Any,
     ) -> Generation:
-        opts = options or GenerateOptions()
-        ids = self.encode_prompt(prompt, chat)
-        gen = _Generator(self, ids, opts)
-        for piece in gen.run():
+        """Continue `prompt` (text, or token ids): `model.generate("...", max_tokens=64,
+        temperature=0.7, seed=1, stop=["\n\n"])`, or with a GenerateOptions. The result has
+        `.text`, `.token_ids` and `.stats`. `on_text` gets each piece as it is decoded."""
+        stream = self.stream(prompt, options, chat=chat, **settings)
+        for piece in stream:
             if on_text is not None:
                 on_text(piece)
-        return gen.result()
+        return stream.result
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        options: GenerateOptions | None = None,
+        chat: bool = False,
+        **settings: Any,
+    ) -> TextStream:
+        """As generate, piece by piece: `for piece in model.stream("...", max_tokens=64)`.
+        Pieces are whole UTF-8 characters and never part of a stop string; once the loop
+        ends, `.result` is the Generation."""
+        opts = options_from(options, settings)
+        return TextStream(_Generator(self, self.encode_prompt(prompt, chat), opts))
 
     def memory(self, batch: int = 1, context: int | None = None) -> MemoryReport:
         return memory_report(self, batch, context or self.config.context_length)
