@@ -13,8 +13,8 @@ import pytest
 
 import cellswarm
 from cellswarm.engine.model import GenerateOptions
+from cellswarm.engine.text import StopText
 from cellswarm.swarm.logs import timeline
-from cellswarm.swarm.openai_api import TextStream
 from cellswarm.swarm.up import LocalSwarm
 from tests.waiting import wait_until
 
@@ -224,11 +224,11 @@ def test_text_stream_holds_back_half_characters_and_stop_prefixes() -> None:
     def decode(ids: Any) -> str:
         return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
 
-    s = TextStream(decode, ["XY"])
+    s = StopText(decode, ["XY"])
     out = [s.feed([1, 2, 3, 4, 5][:k], last=False) for k in range(1, 6)]
     assert out == ["ab", "", "éc", "", ""]
     assert s.stopped and s.used == 5 and s.shown == "abéc"
-    s = TextStream(decode)
+    s = StopText(decode)
     assert s.feed([1, 2], last=True) == "ab\ufffd"  # the end: nothing more will complete it
 
 

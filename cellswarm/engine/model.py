@@ -15,6 +15,7 @@ import numpy as np
 
 from cellswarm.engine.memory import MemoryReport, memory_report, peak_rss_bytes
 from cellswarm.engine.sampling import SamplingParams, sample
+from cellswarm.engine.text import StopText
 from cellswarm.errors import RequestError
 from cellswarm.io.weights import Selection, WeightStore, non_finite
 from cellswarm.models.base import Architecture
@@ -318,8 +319,8 @@ class _Generator:
         default_stops = tok.stop_ids if tok is not None else frozenset()
         self.stop_ids = opts.stop_ids if opts.stop_ids is not None else default_stops
         self.out_ids: list[int] = []
-        self.text = ""
-        self.emitted = 0
+        self.text = StopText(model.tokenizer.decode if tok is not None else lambda ids: "",
+                             opts.stop)  # fmt: skip
         self.stop_reason = "max_tokens"
         self.times = [0.0, 0.0]
 
@@ -335,36 +336,19 @@ class _Generator:
                 self.stop_reason = "stop_token"
                 break
             self.out_ids.append(token)
-            piece = self._new_text()
+            piece = self.text.feed(self.out_ids, last=False)
             if piece:
                 yield piece
-            if self.stop_reason == "stop_string" or len(self.out_ids) >= self.opts.max_tokens:
+            if self.text.stopped:
+                self.stop_reason = "stop_string"
+                break
+            if len(self.out_ids) >= self.opts.max_tokens:
                 break
             logits = self.model.step(np.asarray([token]), cache)[-1]
         self.times[1] = time.perf_counter() - t0
-        tail = self._flush()
+        tail = self.text.feed(self.out_ids, last=True) if self.out_ids else ""
         if tail:
             yield tail
-
-    def _new_text(self) -> str:
-        """Text newly safe to show: complete UTF-8, not possibly the start of a stop string."""
-        full = self.model.tokenizer.decode(self.out_ids) if self.model._tokenizer else ""
-        for s in self.opts.stop:
-            at = full.find(s)
-            if at >= 0:
-                full, self.stop_reason = full[:at], "stop_string"
-        self.text = full
-        if self.stop_reason == "stop_string":
-            return self._flush()
-        safe = len(full.rstrip("\ufffd"))  # an incomplete multi-byte character decodes to U+FFFD
-        hold = max((len(s) - 1 for s in self.opts.stop), default=0)
-        safe = max(self.emitted, safe - hold)
-        piece, self.emitted = full[self.emitted : safe], safe
-        return piece
-
-    def _flush(self) -> str:
-        piece, self.emitted = self.text[self.emitted :], len(self.text)
-        return piece
 
     def result(self) -> Generation:
         stats = GenerationStats(
@@ -375,4 +359,4 @@ class _Generator:
             peak_rss_bytes=peak_rss_bytes(),
             stop_reason=self.stop_reason,
         )
-        return Generation(self.text, list(self.out_ids), stats)
+        return Generation(self.text.text, list(self.out_ids), stats)

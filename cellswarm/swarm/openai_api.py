@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -59,6 +59,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cellswarm.engine.sampling import SamplingParams
+from cellswarm.engine.text import StopText
 from cellswarm.errors import CellswarmError
 from cellswarm.swarm.coordinator import Coordinator
 from cellswarm.swarm.schema import (
@@ -167,52 +168,7 @@ def _chat_ids(messages: list[ChatMessage], tok: Any, limits: Any) -> list[int]:
 # -- following a job -------------------------------------------------------------------------
 
 
-class TextStream:
-    """A completion's text as its tokens come: each `feed` gets every token so far and gives
-    the new text, never the half of a UTF-8 character (a trailing U+FFFD waits) nor what could
-    be the start of a stop string; the text is cut before the first stop string."""
-
-    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Iterable[str] = ()) -> None:
-        self.decode, self.stops = decode, [s for s in stops if s]
-        self.shown = ""
-        self.stopped = False  # a stop string ended it
-        self.used = 0  # tokens the answer took
-        self.tokens: list[int] = []  # every token so far
-        self.finish: str | None = None  # set by _follow: "stop" or "length"
-
-    def feed(self, tokens: Sequence[int], last: bool) -> str:
-        if self.stopped:
-            return ""
-        text = self.decode(tokens)
-        self.tokens, self.used = list(tokens), len(tokens)
-        cut = min((i for s in self.stops if (i := text.find(s)) >= 0), default=None)
-        if cut is not None:
-            self.stopped = True
-            self.used = self._fewest(tokens)
-            return self._advance(text[:cut])
-        if not last:
-            text = text.rstrip("\ufffd")
-            text = text[: len(text) - self._partial_stop(text)]
-        return self._advance(text)
-
-    def _advance(self, text: str) -> str:
-        if not text.startswith(self.shown):  # more tokens changed earlier text: keep what went
-            return ""
-        delta, self.shown = text[len(self.shown) :], text
-        return delta
-
-    def _partial_stop(self, text: str) -> int:
-        return max((m for s in self.stops for m in range(1, len(s)) if text.endswith(s[:m])),
-                   default=0)  # fmt: skip
-
-    def _fewest(self, tokens: Sequence[int]) -> int:
-        k = len(tokens)
-        while k > 1 and any(s in self.decode(tokens[: k - 1]) for s in self.stops):
-            k -= 1
-        return k
-
-
-async def _follow(coord: Coordinator, job_id: str, stream: TextStream) -> AsyncIterator[str]:
+async def _follow(coord: Coordinator, job_id: str, stream: StopText) -> AsyncIterator[str]:
     """The job's text deltas until it ends or a stop string does; then `stream.finish` is set
     ("stop"/"length"). A job the swarm gave up on raises
     a server_error."""
@@ -315,7 +271,7 @@ def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": model_id}  # fmt: skip
-        stream = TextStream(lambda ids: tok.decode(ids, skip_special=True), stops)
+        stream = StopText(lambda ids: tok.decode(ids, skip_special=True), stops)
         t0 = time.perf_counter()
 
         def choice(text: str | None, finish: str | None, streaming: bool) -> dict[str, Any]:
