@@ -40,9 +40,9 @@ from typing import Any
 from cellswarm import kernels
 from cellswarm.engine.model import GenerateOptions, Model
 from cellswarm.loader import load
-from cellswarm.swarm import client
-from cellswarm.swarm.stage import HOP_PARTS
-from cellswarm.swarm.up import LocalSwarm
+from cellswarm.swarm.api import client
+from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.swarm.ring.stage import HOP_PARTS
 
 PROMPT = list(range(100, 108))
 LLAMA_254M = {"d_model": 1024, "n_layers": 18, "ffn": 2560, "vocab": 32000}

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cellswarm.swarm.up import LocalSwarm
+from cellswarm.swarm.local.up import LocalSwarm
 
 TICKS_S = os.sysconf("SC_CLK_TCK")
 

@@ -1,4 +1,5 @@
-"""Job queue throughput (swarm/jobs.py): how many jobs the coordinator's database turns over.
+"""Job queue throughput (swarm/control/jobs.py): how many jobs the coordinator's database
+turns over.
 
     python -m bench.jobs [--jobs N] [--dir PATH]
 
@@ -23,8 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cellswarm.swarm.db import Database, open_database
-from cellswarm.swarm.jobs import JobQueue
+from cellswarm.swarm.control.db import Database, open_database
+from cellswarm.swarm.control.jobs import JobQueue
 
 BATCH = 100
 
@@ -160,8 +161,8 @@ def swarm_batch(replicas: int, jobs: int) -> str:
     import time
 
     from cellswarm.demo import demo_model_path
-    from cellswarm.swarm import client
-    from cellswarm.swarm.up import LocalSwarm
+    from cellswarm.swarm.api import client
+    from cellswarm.swarm.local.up import LocalSwarm
 
     prompts = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,"]
     items = [{"id": str(i), "prompt": prompts[i % 4], "max_tokens": 16} for i in range(jobs)]

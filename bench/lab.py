@@ -38,8 +38,8 @@ import numpy as np
 
 from cellswarm.lab.lab import Lab
 from cellswarm.lab.topology import LabSpec, Topology
-from cellswarm.swarm import client
-from cellswarm.swarm.measure import PROMPTS, LocalRun, batch_timings
+from cellswarm.swarm.api import client
+from cellswarm.swarm.local.measure import PROMPTS, LocalRun, batch_timings
 
 TOKENS = 16
 IN_FLIGHT = (1, 4, 16)

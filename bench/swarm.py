@@ -8,7 +8,7 @@
    is not oversubscribed by the stages themselves).
 3. Pipelining: S stages with S sequences in flight, against S x one sequence's rate — on
    real stages (which share this machine's 2 cores), then on stages emulating a Raspberry
-   Pi 4 and a PS3 (swarm/emulate.py: compute padded by sleeping, links that send while the
+   Pi 4 and a PS3 (swarm/ring/emulate.py: compute padded by sleeping, links that send while the
    node computes). Emulated stages get the layers that even out their emulated step times
    (`balanced_split`): the demo model's tied 49152-row head weighs ~8 layers, so an even
    split by layer count leaves the last stage the bottleneck (0.60 of S x one at 4 stages
@@ -40,8 +40,8 @@ from cellswarm import kernels
 from cellswarm.demo import demo_model_path
 from cellswarm.loader import load
 from cellswarm.planner.placement import even_split
-from cellswarm.swarm.emulate import balanced_split
-from cellswarm.swarm.local import LocalPipeline
+from cellswarm.swarm.local.pipeline import LocalPipeline
+from cellswarm.swarm.ring.emulate import balanced_split
 
 PROMPT = list(range(100, 108))
 CONTEXT = 512

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the demo model on a local swarm, a worker killed mid-way")
     d.add_argument("--max-tokens", type=int, default=48)
     d.set_defaults(
-        func=lambda a: __import__("cellswarm.swarm.demo", fromlist=["run"]).run(a.max_tokens)
+        func=lambda a: __import__("cellswarm.swarm.local.demo", fromlist=["run"]).run(a.max_tokens)
     )
     return parser
 
@@ -294,9 +294,9 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     from cellswarm.swarm.logs import format_timeline, timeline
 
     if args.coordinator:
-        from cellswarm.swarm.access import first_key
+        from cellswarm.swarm.api.access import first_key
         from cellswarm.swarm.auth import load_token
-        from cellswarm.swarm.logship import fetch_timeline
+        from cellswarm.swarm.control.logship import fetch_timeline
 
         key = first_key(args.api_key_file) if args.api_key_file else None
         token = load_token(args.token_file) if args.token_file else None

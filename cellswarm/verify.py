@@ -81,7 +81,7 @@ def verify_cached(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str
                   ) -> Verified | None:  # fmt: skip
     """`verify`, remembered by path, size and mtime (a coordinator restarting on a file it
     verified reads only its header again); None when the cache answered."""
-    from cellswarm.swarm.fetch import default_cache_dir
+    from cellswarm.swarm.node.fetch import default_cache_dir
 
     p = Path(path).resolve()
     st = p.stat() if p.is_file() else None

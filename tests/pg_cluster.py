@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cellswarm.lab import postgres
-from cellswarm.swarm.local import free_port
+from cellswarm.swarm.local.pipeline import free_port
 
 
 def pg_bin() -> Path | None:

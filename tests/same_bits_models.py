@@ -77,7 +77,7 @@ class InProcessVocab:
 
     def __init__(self, path: str, bounds: list[int]) -> None:
         import cellswarm
-        from cellswarm.swarm.parts import PartConfig, PartServer, PartSpec
+        from cellswarm.swarm.ring.parts import PartConfig, PartServer, PartSpec
 
         self.bounds, self.servers = bounds, []
         for i, rows in enumerate(itertools.pairwise(bounds)):
@@ -94,13 +94,13 @@ class InProcessVocab:
         return out
 
     def matmul(self, x: object) -> np.ndarray:
-        from cellswarm.swarm.frames import Frame
+        from cellswarm.swarm.ring.frames import Frame
 
         frame = Frame("logits", {"rows": self.bounds[-1]}, np.asarray(x, np.float32))
         return np.concatenate([self._ask(s, frame) for s in self.servers], axis=1)
 
     def take_rows(self, ids: object) -> np.ndarray:
-        from cellswarm.swarm.frames import Frame
+        from cellswarm.swarm.ring.frames import Frame
 
         index = np.asarray(ids, np.int64)
         part = np.searchsorted(self.bounds, index, side="right") - 1

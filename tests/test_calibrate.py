@@ -14,7 +14,7 @@ import pytest
 
 from cellswarm.sim.calibrate import fit, predict
 from cellswarm.sim.params import SimParams
-from cellswarm.swarm.measure import LocalRun
+from cellswarm.swarm.local.measure import LocalRun
 
 SPLITS = {4: ((0, 8), (8, 16), (16, 24), (24, 30)),
           8: tuple((k * 4, min(k * 4 + 4, 30)) for k in range(8))}  # fmt: skip

@@ -6,8 +6,8 @@ import sqlite3
 import time
 from pathlib import Path
 
-from cellswarm.swarm import client
-from cellswarm.swarm.up import LocalSwarm
+from cellswarm.swarm.api import client
+from cellswarm.swarm.local.up import LocalSwarm
 
 
 def test_heartbeats_live_in_memory_and_reach_the_database_on_change(

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm import client
+from cellswarm.swarm.api import client
 from cellswarm.swarm.auth import prove
+from cellswarm.swarm.local.up import LocalSwarm
 from cellswarm.swarm.logs import timeline
-from cellswarm.swarm.up import LocalSwarm
 from cellswarm.units import parse_bytes
 from tests.conftest import greedy_reference
 from tests.test_swarm_parts import PROMPTS as PARTS_PROMPTS

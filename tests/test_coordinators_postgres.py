@@ -13,8 +13,8 @@ import pytest
 
 import cellswarm
 from cellswarm.engine.model import GenerateOptions
-from cellswarm.swarm import client
-from cellswarm.swarm.up import LocalSwarm
+from cellswarm.swarm.api import client
+from cellswarm.swarm.local.up import LocalSwarm
 from tests.test_coordinator import TEXTS, wait_for
 
 MAX_TOKENS = 32

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm import client
-from cellswarm.swarm.up import LocalSwarm
+from cellswarm.swarm.api import client
+from cellswarm.swarm.local.up import LocalSwarm
 from tests.conftest import greedy_reference
 
 PROMPT = "The capital of France is"

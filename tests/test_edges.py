@@ -24,9 +24,9 @@ import httpx
 import pytest
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.access import ROUTE_AUTH, first_key, load_keys
+from cellswarm.swarm.api.access import ROUTE_AUTH, first_key, load_keys
 from cellswarm.swarm.auth import prove, write_secret
-from cellswarm.swarm.up import LocalSwarm
+from cellswarm.swarm.local.up import LocalSwarm
 
 ALICE, BOB, ROOT = "sk-alice-0123456789", "sk-bob-0123456789", "sk-root-0123456789"
 VOCAB = 49152  # the demo model's
@@ -279,8 +279,8 @@ def test_every_client_route_needs_a_key(
     """Walk the app's routes (as built in-process, the same code the coordinator runs), so
     a route added later cannot escape: each is a client route (401 without a key), a node
     route (401 without a session), the logs (401 without a key, proof or session) or open."""
-    from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
-    from cellswarm.swarm.server import build_app
+    from cellswarm.swarm.api.server import build_app
+    from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 
     app = build_app(Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db"))))
     routes = [(m, r.path) for r in app.routes for m in sorted(getattr(r, "methods", None) or ())]
@@ -376,7 +376,7 @@ def test_the_database_and_the_token_are_0600(swarm: LocalSwarm, tmp_path: Path) 
     for name in ("coordinator.db", "coordinator.db-wal", "coordinator.db-shm", "cluster.token"):
         assert mode(state / name) == 0o600, name
     # a database an older version made 0644 is made 0600 when opened
-    from cellswarm.swarm.db import SQLiteDatabase
+    from cellswarm.swarm.control.db import SQLiteDatabase
 
     old = tmp_path / "old.db"
     sqlite3.connect(old).execute("CREATE TABLE t (x)").connection.close()
@@ -421,9 +421,9 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_a_database_from_before_owners_is_migrated(db_url: str) -> None:
-    from cellswarm.swarm.access import ANYONE, Caller
-    from cellswarm.swarm.db import open_database
-    from cellswarm.swarm.jobs import SCHEMA, JobQueue
+    from cellswarm.swarm.api.access import ANYONE, Caller
+    from cellswarm.swarm.control.db import open_database
+    from cellswarm.swarm.control.jobs import SCHEMA, JobQueue
 
     old_schema = re.sub(r",\s*\n\s*owner TEXT[^\n]*", "", SCHEMA)
     assert " owner " not in old_schema

@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 
 from cellswarm.engine.sampling import SamplingParams
-from cellswarm.swarm import client
+from cellswarm.swarm.api import client
 from cellswarm.swarm.auth import load_token
-from cellswarm.swarm.db import open_database
-from cellswarm.swarm.frames import MAGIC, PREFIX, Frame, connect_sync, encode, read_frame_sync
-from cellswarm.swarm.jobs import POISON_AFTER, JobQueue
-from cellswarm.swarm.local import free_port
-from cellswarm.swarm.up import LocalSwarm
+from cellswarm.swarm.control.db import open_database
+from cellswarm.swarm.control.jobs import POISON_AFTER, JobQueue
+from cellswarm.swarm.local.pipeline import free_port
+from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.swarm.ring.frames import MAGIC, PREFIX, Frame, connect_sync, encode, read_frame_sync
 from tests.test_jobs_swarm import (  # noqa: F401  (expected: a fixture)
     PROMPTS,
     check_ledger,
@@ -82,8 +82,8 @@ def test_two_stages_in_one_process_fail_the_job_free_it_everywhere_and_blame_the
 
     import numpy as np
 
-    from cellswarm.swarm.frames import connect, write_frame
-    from cellswarm.swarm.stage import Stage, StageConfig, load_stage_model
+    from cellswarm.swarm.ring.frames import connect, write_frame
+    from cellswarm.swarm.ring.stage import Stage, StageConfig, load_stage_model
 
     async def scenario() -> tuple[list[tuple[str, dict[str, Any]]], list[Any], list[Stage]]:
         configs = [StageConfig(str(demo_path), (0, 15), first=True, last=False),
@@ -132,7 +132,7 @@ def test_a_local_pipeline_says_whose_fault_a_bad_seed_is(demo_path: Path) -> Non
     is restarted for it."""
     from cellswarm.errors import RequestError
     from cellswarm.planner.placement import even_split
-    from cellswarm.swarm.local import LocalPipeline
+    from cellswarm.swarm.local.pipeline import LocalPipeline
 
     bad = SamplingParams(temperature=0.5)
     object.__setattr__(bad, "seed", -1)  # past any check a client side may make

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cellswarm.errors import ProtocolError
-from cellswarm.swarm.frames import PREFIX, Frame, decode, encode, read_frame
+from cellswarm.swarm.ring.frames import PREFIX, Frame, decode, encode, read_frame
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from cellswarm.errors import CellswarmError, ModelFileError, ProtocolError
 from cellswarm.io.gguf_file import GGUFFile, parse_header, read_header
 from cellswarm.io.gguf_write import write_gguf
-from cellswarm.swarm.frames import (
+from cellswarm.swarm.ring.frames import (
     MAGIC,
     PREFIX,
     Frame,

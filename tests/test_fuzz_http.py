@@ -13,7 +13,7 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from cellswarm.swarm.up import LocalSwarm  # noqa: E402
+from cellswarm.swarm.local.up import LocalSwarm  # noqa: E402
 
 
 @pytest.fixture(scope="module")

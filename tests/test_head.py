@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from cellswarm.swarm.head import LEASE_WAIT_S, Head
+from cellswarm.swarm.node.head import LEASE_WAIT_S, Head
 
 
 class FakeStage:
@@ -153,7 +153,7 @@ def test_a_job_the_head_cannot_start_is_failed_at_once_not_renewed() -> None:
 
 
 def test_an_error_frame_fails_the_job_and_a_dropped_or_stalled_run_is_not_renewed() -> None:
-    from cellswarm.swarm.frames import Frame
+    from cellswarm.swarm.ring.frames import Frame
 
     class Stage(FakeStage):
         async def on_generate(self, frame: Any, emit: Any) -> None:

@@ -1,5 +1,5 @@
-"""The job queue (swarm/jobs.py): each transition on its own, then a Hypothesis state machine
-that drives the queue beside a model of it in Python, crashing and reopening the database
+"""The job queue (swarm/control/jobs.py): each transition on its own, then a Hypothesis state
+machine that drives the queue beside a model of it in Python, crashing and reopening the database
 between steps, and checks after every step that nothing acknowledged was lost, every job has
 one state, terminal states stay, attempts stay bounded, and each result is committed once.
 
@@ -32,8 +32,8 @@ from hypothesis.stateful import (
 )
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.db import Database, SQLiteDatabase
-from cellswarm.swarm.jobs import (
+from cellswarm.swarm.control.db import Database, SQLiteDatabase
+from cellswarm.swarm.control.jobs import (
     MAX_ATTEMPTS,
     MAX_RUNS,
     POISON_AFTER,

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from cellswarm.swarm.coordinator import elect
-from cellswarm.swarm.db import Database, SQLiteDatabase, open_database
-from cellswarm.swarm.db_postgres import split_script, translate
-from cellswarm.swarm.jobs import MAX_ATTEMPTS, SCHEMA, JobQueue, QueueConfig
-from cellswarm.swarm.store import Node, NodeId, Store
+from cellswarm.swarm.control.coordinator import elect
+from cellswarm.swarm.control.db import Database, SQLiteDatabase, open_database
+from cellswarm.swarm.control.db_postgres import split_script, translate
+from cellswarm.swarm.control.jobs import MAX_ATTEMPTS, SCHEMA, JobQueue, QueueConfig
+from cellswarm.swarm.control.store import Node, NodeId, Store
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

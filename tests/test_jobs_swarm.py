@@ -21,8 +21,8 @@ import pytest
 import cellswarm
 from cellswarm.engine.model import GenerateOptions
 from cellswarm.errors import RequestError, SwarmError
-from cellswarm.swarm import client
-from cellswarm.swarm.up import LocalSwarm
+from cellswarm.swarm.api import client
+from cellswarm.swarm.local.up import LocalSwarm
 from tests.waiting import wait_until
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,",
@@ -155,8 +155,8 @@ def test_a_poison_job_gets_three_attempts_then_dead_letter(
 def poison_job(swarm: LocalSwarm) -> str:
     """A job no worker can run (a token id past the vocabulary), written straight into the
     coordinator's queue: what a bug at the edge, or an older coordinator, could leave."""
-    from cellswarm.swarm.db import SQLiteDatabase
-    from cellswarm.swarm.jobs import JobQueue
+    from cellswarm.swarm.control.db import SQLiteDatabase
+    from cellswarm.swarm.control.jobs import JobQueue
 
     db = SQLiteDatabase(str(swarm.state_dir / "coordinator.db"))
     job, _ = JobQueue(db).submit({"prompt": [1, 2, 10**9], "max_tokens": 4, "sampling": {},

@@ -24,7 +24,7 @@ from cellswarm.lab import system
 from cellswarm.lab.lab import Lab
 from cellswarm.lab.postgres import pg_bin
 from cellswarm.lab.topology import LabSpec
-from cellswarm.swarm import client
+from cellswarm.swarm.api import client
 from tests.waiting import wait_until
 
 WHY_NOT = system.why_not_supported()

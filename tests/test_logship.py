@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from cellswarm.cli import main as cli
-from cellswarm.swarm import client
-from cellswarm.swarm.db import Database, open_database
-from cellswarm.swarm.logship import EventStore, LogShipper
-from cellswarm.swarm.up import LocalSwarm
+from cellswarm.swarm.api import client
+from cellswarm.swarm.control.db import Database, open_database
+from cellswarm.swarm.control.logship import EventStore, LogShipper
+from cellswarm.swarm.local.up import LocalSwarm
 from tests.waiting import wait_until
 
 # -- the shipper, with a fake sender -------------------------------------------------------

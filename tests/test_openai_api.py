@@ -14,8 +14,8 @@ import pytest
 import cellswarm
 from cellswarm.engine.model import GenerateOptions
 from cellswarm.engine.text import StopText
+from cellswarm.swarm.local.up import LocalSwarm
 from cellswarm.swarm.logs import timeline
-from cellswarm.swarm.up import LocalSwarm
 from tests.waiting import wait_until
 
 KEY = "sk-test-0123456789"
@@ -133,7 +133,7 @@ def test_a_stop_string_stops_the_ring_too(
 ) -> None:
     """The answer ends at the stop string, and so does the work: the job is cancelled and
     its head drops the sequence, instead of running on to max_tokens."""
-    from cellswarm.swarm import client
+    from cellswarm.swarm.api import client
     from cellswarm.swarm.logs import timeline
 
     raw = api.completions.with_raw_response.create(
@@ -239,8 +239,8 @@ def test_without_workers_the_api_answers_503_and_without_keys_asks_for_none(
 
     from fastapi.testclient import TestClient
 
-    from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
-    from cellswarm.swarm.server import build_app
+    from cellswarm.swarm.api.server import build_app
+    from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 
     coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
     with TestClient(build_app(coord)) as http:

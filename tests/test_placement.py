@@ -21,8 +21,8 @@ from cellswarm.planner.placement import (
     stage_costs_of,
     vocab_parts,
 )
-from cellswarm.swarm import membership
-from cellswarm.swarm.store import Node, NodeId
+from cellswarm.swarm.control import membership
+from cellswarm.swarm.control.store import Node, NodeId
 
 # 6 layers of 10 bytes (weights 8 + KV 2), 5 fixed per stage, embedding 7, head 9
 COSTS = StageCosts(weights=(8,) * 6, kv=2, fixed=5, ends=(7, 9))

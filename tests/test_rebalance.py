@@ -1,14 +1,14 @@
-"""Placement by measured step times (swarm/rebalance.py, planner/placement.time_balanced_split):
-pure functions, checked with tables."""
+"""Placement by measured step times (swarm/control/rebalance.py,
+planner/placement.time_balanced_split): pure functions, checked with tables."""
 
 from __future__ import annotations
 
 import pytest
 
 from cellswarm.planner.placement import StageCosts, time_balanced_split
-from cellswarm.swarm.membership import bottleneck
-from cellswarm.swarm.rebalance import RingTimes, plan, ring_times
-from cellswarm.swarm.store import Node, NodeId
+from cellswarm.swarm.control.membership import bottleneck
+from cellswarm.swarm.control.rebalance import RingTimes, plan, ring_times
+from cellswarm.swarm.control.store import Node, NodeId
 
 
 def _read(weights: list[int], head: int = 0):  # type: ignore[no-untyped-def]

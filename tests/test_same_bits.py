@@ -17,9 +17,9 @@ from cellswarm.engine.model import GenerateOptions, Model
 from cellswarm.io.weights import Selection
 from cellswarm.models.deepseek2 import InProcessExperts
 from cellswarm.planner.placement import even_split
-from cellswarm.swarm.local import LocalPipeline
-from cellswarm.swarm.parts import ExpertParts
-from cellswarm.swarm.stage import stage_selection
+from cellswarm.swarm.local.pipeline import LocalPipeline
+from cellswarm.swarm.ring.parts import ExpertParts
+from cellswarm.swarm.ring.stage import stage_selection
 from tests.conftest import prefill_then_decode
 from tests.same_bits_models import MOE, write_moe
 

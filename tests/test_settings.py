@@ -1,5 +1,5 @@
-"""The swarm's settings are written once (swarm/settings.py, swarm/policy.py): the flags are
-derived from the config dataclass and give the same config back."""
+"""The swarm's settings are written once (swarm/control/settings.py, swarm/control/policy.py):
+the flags are derived from the config dataclass and give the same config back."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import fields, replace
 
 import pytest
 
-from cellswarm.swarm import policy
-from cellswarm.swarm.settings import CoordinatorConfig, add_flags, from_args, to_flags
+from cellswarm.swarm.control import policy
+from cellswarm.swarm.control.settings import CoordinatorConfig, add_flags, from_args, to_flags
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -45,7 +45,7 @@ def test_every_flag_is_named_once() -> None:
 
 
 def test_the_cli_and_local_swarm_share_the_defaults(tmp_path: object) -> None:
-    from cellswarm.swarm.up import LocalSwarm
+    from cellswarm.swarm.local.up import LocalSwarm
 
     swarm = LocalSwarm("m.gguf", 1, "100M", tmp_path)  # type: ignore[arg-type]
     config = swarm.coordinator_config()

@@ -1,4 +1,4 @@
-"""Routed experts and vocabulary rows on part servers of their own (swarm/parts.py): real
+"""Routed experts and vocabulary rows on part servers of their own (swarm/ring/parts.py): real
 processes, real sockets, against the single-process engine."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from cellswarm.io.weights import Selection
 from cellswarm.models.deepseek2 import InProcessExperts, Routing, held_experts_sum
 from cellswarm.models.ops import lm_head
 from cellswarm.planner.placement import even_split
-from cellswarm.swarm.local import LocalPipeline, part_specs
-from cellswarm.swarm.parts import ExpertParts, VocabParts, pack_routes, unpack_routes
-from cellswarm.swarm.stage import StageConfig, stage_selection
+from cellswarm.swarm.local.pipeline import LocalPipeline, part_specs
+from cellswarm.swarm.ring.parts import ExpertParts, VocabParts, pack_routes, unpack_routes
+from cellswarm.swarm.ring.stage import StageConfig, stage_selection
 
 PROMPTS = [[1, 5, 9, 14, 3], [7, 7, 2], [100, 3, 64, 8, 8, 1, 90]]
 

@@ -12,7 +12,7 @@ import cellswarm
 from cellswarm.engine.model import GenerateOptions
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.planner.placement import even_split
-from cellswarm.swarm.local import LocalPipeline
+from cellswarm.swarm.local.pipeline import LocalPipeline
 
 TEXTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,"]
 
@@ -192,7 +192,7 @@ def test_decode_steps_are_tallied_not_logged_one_by_one(demo_path: Path, tmp_pat
     import json
     import time
 
-    from cellswarm.swarm.stage import DECODE_LOG_EVERY, HOP_PARTS
+    from cellswarm.swarm.ring.stage import DECODE_LOG_EVERY, HOP_PARTS
 
     tokens = DECODE_LOG_EVERY + 6
     with LocalPipeline(str(demo_path), even_split(30, 2), log_dir=str(tmp_path)) as pipe:
@@ -221,7 +221,7 @@ def test_decode_steps_are_tallied_not_logged_one_by_one(demo_path: Path, tmp_pat
 
 
 def test_emulated_stages_are_slowed_to_their_profile_and_still_exact(demo_path: Path) -> None:
-    from cellswarm.swarm.emulate import Emulation
+    from cellswarm.swarm.ring.emulate import Emulation
 
     model = cellswarm.load(demo_path, tokenizer=False)
     rpi4 = Emulation.for_stage(model, "rpi4")
@@ -255,7 +255,7 @@ def test_joining_is_authenticated(demo_path: Path, tmp_path: Path) -> None:
     import numpy as np
 
     from cellswarm.swarm.auth import prove
-    from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
+    from cellswarm.swarm.ring.frames import Frame, connect, read_frame, write_frame
 
     token_file = tmp_path / "token"
     token_file.write_text("a-cluster-secret-of-32-bytes-xyz")
@@ -318,7 +318,7 @@ def test_token_files_are_checked(tmp_path: Path) -> None:
 
 
 def test_budget_split_balances_memory_and_each_stage_accepts_its_share(demo_path: Path) -> None:
-    from cellswarm.swarm.local import budget_split
+    from cellswarm.swarm.local.pipeline import budget_split
 
     splits = budget_split(str(demo_path), 3, 128 << 20, context=256, max_sequences=4)
     assert splits[0][0] == 0 and splits[-1][1] == 30
@@ -360,7 +360,7 @@ def test_a_random_llama_over_up_to_8_stages_equals_one_process(tmp_path: Path, s
 def test_balanced_split_evens_out_emulated_step_times(demo_path: Path) -> None:
     """The demo model's tied head weighs several layers: the last stage gets fewer layers,
     and no stage's emulated step is far from the others'."""
-    from cellswarm.swarm.emulate import balanced_split
+    from cellswarm.swarm.ring.emulate import balanced_split
 
     split = balanced_split(str(demo_path), 4, "rpi4")
     assert split[0][0] == 0 and split[-1][1] == 30

@@ -99,8 +99,8 @@ def test_lfu_admits_only_hotter_experts() -> None:
 def test_swarm_workers_tier_their_shards(model_file: Path, tmp_path: Path) -> None:
     """`cellswarm worker --dram-budget`: two workers each hold half the layers, their
     experts tiered between 100 MiB of DRAM and the file; tokens equal one process's."""
-    from cellswarm.swarm import client
-    from cellswarm.swarm.up import LocalSwarm
+    from cellswarm.swarm.api import client
+    from cellswarm.swarm.local.up import LocalSwarm
 
     model = cellswarm.load(model_file, tokenizer=False)
     prompts = [[1, 5, 9, 14, 3], [7, 7, 2]]

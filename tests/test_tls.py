@@ -19,10 +19,11 @@ import pytest
 
 from cellswarm.cli import main as cli
 from cellswarm.errors import ProtocolError, RequestError, SwarmError
-from cellswarm.swarm import client, frames
+from cellswarm.swarm.api import client
 from cellswarm.swarm.auth import load_token
+from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.swarm.ring import frames
 from cellswarm.swarm.tls import check_url, client_context, server_context
-from cellswarm.swarm.up import LocalSwarm
 from tests.conftest import greedy_reference
 from tests.waiting import wait_until
 

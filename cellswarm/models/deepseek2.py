@@ -201,7 +201,7 @@ def held_expert_outputs(
     w: WeightStore, layer: int, x: np.ndarray, routing: Routing
 ) -> dict[int, np.ndarray]:
     """`expert_outputs` of the routed experts of `layer` that the store `w` holds: what an
-    expert node computes for the layer's owner (swarm/parts.py)."""
+    expert node computes for the layer's owner (swarm/ring/parts.py)."""
     p = f"blk.{layer}."
     gate = w.experts(p + "ffn_gate_exps.weight")
     return expert_outputs(

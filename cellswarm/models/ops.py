@@ -112,7 +112,7 @@ def embed(w: WeightStore, token_ids: np.ndarray) -> np.ndarray:
 
 class Rows(Protocol):
     """What the output head needs of its matrix: a PackedMatrix, or vocabulary rows spread
-    over part servers (swarm/parts.py) that answer the same two calls."""
+    over part servers (swarm/ring/parts.py) that answer the same two calls."""
 
     def matmul(self, x: npt.ArrayLike) -> np.ndarray: ...
 

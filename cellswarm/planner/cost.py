@@ -110,7 +110,7 @@ def share(group: UnitGroup, held: int) -> float:
 def answer_rows(group: UnitGroup, held: int) -> float:
     """Activation rows a holder of `held` units sends back per token: one partial sum for
     slices; for routed experts each expert's output apart (~k*held/E of them), since the
-    owner adds them in one process's order (swarm/parts.py)."""
+    owner adds them in one process's order (swarm/ring/parts.py)."""
     return group.used * held / group.n_units if group.kind == "experts" else share(group, held)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from cellswarm.sim.local import LocalPrediction, predict_local
 from cellswarm.sim.params import SimParams
-from cellswarm.swarm.measure import LocalRun, measure_local
+from cellswarm.swarm.local.measure import LocalRun, measure_local
 
 SIZES = (4, 8, 16)
 TOLERANCE = 0.15

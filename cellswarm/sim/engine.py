@@ -20,7 +20,7 @@ Granularity — a fluid model per replica, events only where a rate changes:
   running totals (the sum of the replicas' current rates, the count of busy/idle/down
   nodes), so the time series costs nothing per replica.
 
-Rules, as the real swarm (swarm/jobs.py, membership.py): a replica's head pulls jobs while
+Rules, as the real swarm (swarm/control/jobs.py, membership.py): a replica's head pulls jobs while
 it has free sequence slots; a lost non-head node is replaced by a spare (the replica is down
 while the spare loads its shard: bytes / link bandwidth) and the head replays each sequence's
 prompt + tokens so far (a prefill of that length) under the same lease; a lost head cannot

@@ -7,7 +7,7 @@ real run of emulated workers and fit `SimParams` (per-hop and per-step overheads
     p.tokens_per_s, p.latency_p50_s
 
 The replica is the one the caller really ran: one stage per layer range, in order; stage 0
-also holds the embedding, the last stage the output head (as `swarm/stage.py` lays a ring
+also holds the embedding, the last stage the output head (as `swarm/ring/stage.py` lays a ring
 out); every layer's feed-forward units stay with its attention. Its timing comes from the
 planner's `cost.pipeline_decode` / `pipeline_prefill` on that placement for the profile's
 node, plus the `params` overheads; the run goes through the same `Simulator` as

@@ -86,7 +86,7 @@ def read_items(path: Path) -> list[dict[str, Any]]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from cellswarm.swarm import client
+    from cellswarm.swarm.api import client
 
     items = read_items(args.file)
     # the same file submitted twice is the same batch: the key is its content
@@ -104,7 +104,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_watch(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from cellswarm.swarm import client
+    from cellswarm.swarm.api import client
 
     key = api_key(args)
     info = client.call(args.coordinator, f"/v1/batches/{args.job}", tls=args.tls, api_key=key)
@@ -127,7 +127,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    from cellswarm.swarm import client
+    from cellswarm.swarm.api import client
 
     path = f"/v1/batches/{args.job}/results"
     rows = client.call(args.coordinator, path, tls=args.tls, api_key=api_key(args))["results"]
@@ -142,7 +142,7 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 
 def _post(args: argparse.Namespace, path: str) -> int:
-    from cellswarm.swarm import client
+    from cellswarm.swarm.api import client
 
     print(json.dumps(client.call(args.coordinator, path, {}, tls=args.tls, api_key=api_key(args))))
     return 0

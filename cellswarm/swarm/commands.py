@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.settings import CoordinatorConfig, add_flags, from_args
+from cellswarm.swarm.control.settings import CoordinatorConfig, add_flags, from_args
 from cellswarm.units import format_bytes, parse_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -119,7 +119,7 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from cellswarm.swarm.server import serve
+    from cellswarm.swarm.api.server import serve
 
     shared = args.db.startswith(("postgresql://", "postgres://"))
     if not shared and not args.db.startswith("sqlite:///"):
@@ -144,14 +144,14 @@ def _max_body(text: str) -> int:
 
 def api_key(args: argparse.Namespace) -> str | None:
     """The key a client command sends: the first of --api-key-file, if given."""
-    from cellswarm.swarm.access import first_key
+    from cellswarm.swarm.api.access import first_key
 
     path = getattr(args, "api_key_file", None)
     return first_key(path) if path else None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from cellswarm.swarm.worker import WorkerConfig, main
+    from cellswarm.swarm.node.worker import WorkerConfig, main
 
     main(WorkerConfig(
         join=args.join, memory_bytes=parse_bytes(args.memory), node_id=args.node_id,
@@ -167,7 +167,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from cellswarm.swarm import client
+    from cellswarm.swarm.api import client
 
     print_status(client.call(args.coordinator, "/v1/status", tls=args.tls, api_key=api_key(args)))
     return 0
@@ -205,7 +205,7 @@ def _clock(node: dict[str, Any]) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from cellswarm.swarm.up import LocalSwarm, Stopped, ignore_stop_signals, stop_on_signals
+    from cellswarm.swarm.local.up import LocalSwarm, Stopped, ignore_stop_signals, stop_on_signals
 
     swarm = LocalSwarm(model=_model(args.model), workers=args.workers, memory=args.memory,
                        state_dir=Path(args.state_dir), profile=args.profile,
@@ -236,7 +236,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def generate_remote(args: argparse.Namespace) -> int:
     """`cellswarm generate --coordinator URL`: the prompt runs on the swarm; tokens stream."""
-    from cellswarm.swarm import client
+    from cellswarm.swarm.api import client
 
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                 "min_p": args.min_p, "repetition_penalty": args.repeat_penalty,

@@ -23,7 +23,7 @@ sockets from inside it: all requests of a step are written first, then the answe
 the holders work in parallel with each other and with the stage's own experts — no threads,
 and nothing of the stage's asyncio ring has to become re-entrant.
 
-Run as `python -m cellswarm.swarm.parts CONFIG_JSON`; prints `READY <port>` when listening.
+Run as `python -m cellswarm.swarm.ring.parts CONFIG_JSON`; prints `READY <port>` when listening.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from cellswarm.engine.model import Model
 from cellswarm.errors import CellswarmError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection, non_finite
 from cellswarm.swarm.auth import load_token
-from cellswarm.swarm.frames import (
+from cellswarm.swarm.ring.frames import (
     Frame,
     accept,
     connect_sync,

@@ -28,9 +28,9 @@ from cellswarm.planner.placement import (
     vocab_parts,
 )
 from cellswarm.swarm.auth import load_token
-from cellswarm.swarm.frames import Frame, connect, read_frame, write_frame
-from cellswarm.swarm.parts import PartConfig, PartSpec
-from cellswarm.swarm.stage import StageConfig, reset_stage
+from cellswarm.swarm.ring.frames import Frame, connect, read_frame, write_frame
+from cellswarm.swarm.ring.parts import PartConfig, PartSpec
+from cellswarm.swarm.ring.stage import StageConfig, reset_stage
 
 
 def stage_costs(
@@ -113,7 +113,7 @@ class LocalPipeline:
     so a dead stage costs a replay, never a request, and greedy output is unchanged.
 
     expert_nodes: move every MoE layer's routed experts to this many part processes
-    (swarm/parts.py); vocab_nodes: split the embedding and output head by rows over this
+    (swarm/ring/parts.py); vocab_nodes: split the embedding and output head by rows over this
     many. Part processes are watched and replaced like stages.
     """
 
@@ -166,11 +166,11 @@ class LocalPipeline:
             self._await_ready(p)
 
     def _spawn(self, cfg: StageConfig) -> subprocess.Popen[str]:
-        cmd = [sys.executable, "-m", "cellswarm.swarm.stage", cfg.to_json()]
+        cmd = [sys.executable, "-m", "cellswarm.swarm.ring.stage", cfg.to_json()]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
     def _spawn_part(self, cfg: PartConfig) -> subprocess.Popen[str]:
-        cmd = [sys.executable, "-m", "cellswarm.swarm.parts", cfg.to_json()]
+        cmd = [sys.executable, "-m", "cellswarm.swarm.ring.parts", cfg.to_json()]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
     def _await_ready(self, p: subprocess.Popen[str]) -> None:

@@ -21,14 +21,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import CellswarmError, RequestError, StorageFullError
-from cellswarm.swarm import schema
-from cellswarm.swarm.access import Caller, Edge, error_response, load_keys
-from cellswarm.swarm.coordinator import Coordinator, CoordinatorConfig
-from cellswarm.swarm.jobs import Job
-from cellswarm.swarm.log_api import add_log_routes
-from cellswarm.swarm.openai_api import add_openai_routes
-from cellswarm.swarm.schema import BadRequest, NotFound, SubmitRequest, invalid, load_json
-from cellswarm.swarm.store import Node
+from cellswarm.swarm.api import schema
+from cellswarm.swarm.api.access import Caller, Edge, error_response, load_keys
+from cellswarm.swarm.api.log_api import add_log_routes
+from cellswarm.swarm.api.openai_api import add_openai_routes
+from cellswarm.swarm.api.schema import BadRequest, NotFound, SubmitRequest, invalid, load_json
+from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
+from cellswarm.swarm.control.jobs import Job
+from cellswarm.swarm.control.store import Node
 
 MAX_WAIT_S = 30.0
 MAX_LEASE_WAIT_S = 1.5  # under the worker's HTTP timeout (worker.HTTP_TIMEOUT_S + wait)
@@ -108,7 +108,7 @@ def build_app(coord: Coordinator) -> FastAPI:
 
     @app.get("/v1/model/chunks/{index}")
     async def chunk(index: int, request: Request) -> Response:
-        from cellswarm.swarm.fetch import read_chunk
+        from cellswarm.swarm.node.fetch import read_chunk
 
         session_node(request)
         m = await asyncio.to_thread(coord.manifest)
@@ -190,7 +190,7 @@ def build_app(coord: Coordinator) -> FastAPI:
         d = await body(request)
         return {"released": coord.release(node_of(d), list(d.get("runs", [])))}
 
-    from cellswarm.swarm.batch_api import add_batch_routes
+    from cellswarm.swarm.api.batch_api import add_batch_routes
 
     add_batch_routes(app, coord)
 

@@ -29,18 +29,18 @@ import numpy as np
 from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
 from cellswarm.errors import BudgetError, CellswarmError, RequestError
 from cellswarm.swarm.auth import load_token, prove
-from cellswarm.swarm.head import Head
-from cellswarm.swarm.logship import LogShipper
-from cellswarm.swarm.net import ClockOffset, Progress, is_loopback, parse_address, route_source
-from cellswarm.swarm.parts import PartConfig, PartServer, PartSpec, load_part_model
-from cellswarm.swarm.stage import (
+from cellswarm.swarm.control.logship import LogShipper
+from cellswarm.swarm.control.store import shard_id
+from cellswarm.swarm.node.head import Head
+from cellswarm.swarm.node.net import ClockOffset, Progress, is_loopback, parse_address, route_source
+from cellswarm.swarm.ring.parts import PartConfig, PartServer, PartSpec, load_part_model
+from cellswarm.swarm.ring.stage import (
     Stage,
     StageConfig,
     load_stage_model,
     shard_need_bytes,
     stage_selection,
 )
-from cellswarm.swarm.store import shard_id
 from cellswarm.swarm.tls import check_url, client_context, server_context, tls_failure
 
 log = logging.getLogger("cellswarm.worker")
@@ -372,7 +372,7 @@ class Worker:
         print(f"SERVING {config.layers[0]}..{config.layers[1] - 1} {self.data_port}", flush=True)
 
     async def start_part(self, shard: dict[str, Any]) -> None:
-        """Serve a part: routed experts of some layers, or vocabulary rows (swarm/parts.py)."""
+        """Serve a part: routed experts of some layers, or vocabulary rows (swarm/ring/parts.py)."""
         c = self.config
         spec = PartSpec.from_dict({**shard["spec"], "node_id": c.node_id, "port": 0})
         model_path = c.model or str(shard["model"])
@@ -399,7 +399,7 @@ class Worker:
     def fetch_selection(self, sel: Any) -> Path:
         """This shard's bytes of the model, from the coordinator: only the chunks holding
         its tensors, each checked against the manifest, cached by content hash on disk."""
-        from cellswarm.swarm.fetch import Manifest, ensure_local
+        from cellswarm.swarm.node.fetch import Manifest, ensure_local
 
         headers = {"X-Cellswarm-Session": f"{self.config.node_id}:{self.session}"}
 
@@ -502,7 +502,7 @@ def size_kv(config: StageConfig) -> StageConfig:
 
 
 def main(config: WorkerConfig) -> None:
-    from cellswarm.swarm.emulate import precise_loop
+    from cellswarm.swarm.ring.emulate import precise_loop
 
     logging.basicConfig(level=logging.WARNING)
     worker = Worker(config)  # a bad flag is one line (RequestError) before anything starts

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, NewType
 
-from cellswarm.swarm.db import Database, open_database
+from cellswarm.swarm.control.db import Database, open_database
 
 NodeId = NewType("NodeId", str)
 

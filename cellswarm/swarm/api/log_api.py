@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 
 from cellswarm.errors import RequestError
+from cellswarm.swarm.api.schema import NotFound, load_json
 from cellswarm.swarm.auth import verify
-from cellswarm.swarm.logship import OPERATOR
-from cellswarm.swarm.schema import NotFound, load_json
+from cellswarm.swarm.control.logship import OPERATOR
 
 if TYPE_CHECKING:
-    from cellswarm.swarm.coordinator import Coordinator
+    from cellswarm.swarm.control.coordinator import Coordinator
 
 
 def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> None:

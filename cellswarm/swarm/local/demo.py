@@ -26,8 +26,8 @@ QUESTION = "Name five famous landmarks in Paris."
 def run(max_tokens: int = 48) -> int:
     from cellswarm.demo import demo_model_path
     from cellswarm.loader import load_tokenizer
-    from cellswarm.swarm import client
-    from cellswarm.swarm.up import LocalSwarm
+    from cellswarm.swarm.api import client
+    from cellswarm.swarm.local.up import LocalSwarm
 
     con = Console()
     path = demo_model_path()
@@ -65,7 +65,7 @@ def run(max_tokens: int = 48) -> int:
 
 def _whole_model_need(path: Any) -> str:
     import cellswarm
-    from cellswarm.swarm.stage import StageConfig, shard_need_bytes
+    from cellswarm.swarm.ring.stage import StageConfig, shard_need_bytes
 
     model: Model = cellswarm.load(path, tokenizer=False)
     cfg = StageConfig(str(path), (0, 30), True, True, context=CONTEXT, max_sequences=SEQUENCES)

@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.policy import LEASE_S, OFFLINE_AFTER
+from cellswarm.swarm.control.policy import LEASE_S, OFFLINE_AFTER
 
 _PARSERS = {"int": int, "float": float, "str": str}
 

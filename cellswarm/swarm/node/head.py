@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from cellswarm.swarm.frames import Frame
+from cellswarm.swarm.ring.frames import Frame
 
 log = logging.getLogger("cellswarm.head")
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cellswarm.planner.placement import StageCosts, time_balanced_split
-from cellswarm.swarm.membership import bottleneck
-from cellswarm.swarm.store import Node
+from cellswarm.swarm.control.membership import bottleneck
+from cellswarm.swarm.control.store import Node
 
 MIN_STEPS = 24  # decode steps each stage must have measured before anything is decided
 STATUS_MIN_STEPS = MIN_STEPS // 2  # ... before status names a bottleneck (the first steps

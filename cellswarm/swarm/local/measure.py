@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cellswarm.swarm import client
-from cellswarm.swarm.up import LocalSwarm
+from cellswarm.swarm.api import client
+from cellswarm.swarm.local.up import LocalSwarm
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,"]
 

@@ -25,9 +25,8 @@ from fastapi import FastAPI, Request
 
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import CellswarmError
-from cellswarm.swarm.access import Caller
-from cellswarm.swarm.jobs import TERMINAL, Job
-from cellswarm.swarm.schema import (
+from cellswarm.swarm.api.access import Caller
+from cellswarm.swarm.api.schema import (
     BadRequest,
     BatchItem,
     BatchRequest,
@@ -36,6 +35,7 @@ from cellswarm.swarm.schema import (
     chat_turns,
     parse,
 )
+from cellswarm.swarm.control.jobs import TERMINAL, Job
 
 
 def add_batch_routes(app: FastAPI, coord: Any) -> None:

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cellswarm.errors import BudgetError
-from cellswarm.swarm.store import Node, NodeId
+from cellswarm.swarm.control.store import Node, NodeId
 
 # A shard: {"slot": i, "n": slots in the layout, "role": "stage" | "part", ...}. A stage
 # shard adds "stage" k, "layers" [lo, hi], "first", "last"; a part shard adds "spec" (what
-# a part server holds: routed experts of some layers, or vocabulary rows; swarm/parts.py).
+# a part server holds: routed experts of some layers, or vocabulary rows; swarm/ring/parts.py).
 Shard = dict[str, Any]
 # (number of stages, per-node memory) -> layer ranges, or BudgetError if they cannot fit
 Splitter = Callable[[int, int], list[tuple[int, int]]]

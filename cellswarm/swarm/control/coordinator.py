@@ -30,14 +30,12 @@ from typing import Any
 
 from cellswarm.errors import BudgetError, RequestError, StorageFullError
 from cellswarm.planner.placement import StageCosts
-from cellswarm.swarm import rebalance
 from cellswarm.swarm.auth import digest, load_token, new_nonce, verify
-from cellswarm.swarm.db import open_database
-from cellswarm.swarm.jobs import Job, JobQueue, QueueConfig
-from cellswarm.swarm.local import stage_costs
-from cellswarm.swarm.logs import JsonLog, Throttled
-from cellswarm.swarm.logship import EventStore, LogShipper
-from cellswarm.swarm.membership import (
+from cellswarm.swarm.control import rebalance
+from cellswarm.swarm.control.db import open_database
+from cellswarm.swarm.control.jobs import Job, JobQueue, QueueConfig
+from cellswarm.swarm.control.logship import EventStore, LogShipper
+from cellswarm.swarm.control.membership import (
     Shard,
     layout_complete,
     part_nodes,
@@ -45,9 +43,11 @@ from cellswarm.swarm.membership import (
     replicas,
     ring,
 )
-from cellswarm.swarm.settings import CoordinatorConfig
-from cellswarm.swarm.stage import reset_stage
-from cellswarm.swarm.store import Node, NodeId, Store
+from cellswarm.swarm.control.settings import CoordinatorConfig
+from cellswarm.swarm.control.store import Node, NodeId, Store
+from cellswarm.swarm.local.pipeline import stage_costs
+from cellswarm.swarm.logs import JsonLog, Throttled
+from cellswarm.swarm.ring.stage import reset_stage
 from cellswarm.swarm.tls import client_context
 
 log = logging.getLogger("cellswarm.coordinator")
@@ -410,7 +410,7 @@ class Coordinator:
         return ""
 
     def _split(self, stages: int, memory_bytes: int) -> list[tuple[int, int]]:
-        from cellswarm.swarm.local import budget_split
+        from cellswarm.swarm.local.pipeline import budget_split
 
         c = self.config
         return budget_split(c.model, stages, memory_bytes, c.context, c.max_sequences,
@@ -459,7 +459,7 @@ class Coordinator:
 
     def _part_specs(self) -> list[dict[str, Any]]:
         """What each part server holds (addresses come at wiring time)."""
-        from cellswarm.swarm.local import part_specs
+        from cellswarm.swarm.local.pipeline import part_specs
 
         c = self.config
         n = c.expert_nodes + c.vocab_nodes
@@ -679,7 +679,7 @@ class Coordinator:
         """The model file's content id and chunk hashes, for workers that fetch their shard
         (hashed once, then cached by path, size and mtime)."""
         if self._manifest is None:
-            from cellswarm.swarm.fetch import build_manifest
+            from cellswarm.swarm.node.fetch import build_manifest
 
             self._manifest = build_manifest(self.config.model)
         return self._manifest
@@ -700,7 +700,7 @@ class Coordinator:
             if self._limits is None:
                 from cellswarm.errors import CellswarmError
                 from cellswarm.loader import read_config
-                from cellswarm.swarm.schema import Limits, longest_token_bytes
+                from cellswarm.swarm.api.schema import Limits, longest_token_bytes
 
                 c = self.config
                 try:

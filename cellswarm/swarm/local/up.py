@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import SwarmError
-from cellswarm.swarm import client
+from cellswarm.swarm.api import client
 from cellswarm.swarm.auth import write_secret
-from cellswarm.swarm.local import free_port
-from cellswarm.swarm.settings import CoordinatorConfig, to_flags
+from cellswarm.swarm.control.settings import CoordinatorConfig, to_flags
+from cellswarm.swarm.local.pipeline import free_port
 
 
 @dataclass
@@ -221,7 +221,7 @@ class LocalSwarm:
     @property
     def api_key(self) -> str | None:
         """The first key of `api_key_file`, for this object's own calls."""
-        from cellswarm.swarm.access import first_key
+        from cellswarm.swarm.api.access import first_key
 
         return first_key(self.api_key_file) if self.api_key_file else None
 

@@ -175,7 +175,7 @@ def ensure_column(db: Database, table: str, column: str, decl: str) -> None:
 def open_database(url: str) -> Database:
     """`sqlite:///PATH`, a bare path, `:memory:`, or `postgresql://...`."""
     if url.startswith(("postgresql://", "postgres://")):
-        from cellswarm.swarm.db_postgres import PostgresDatabase
+        from cellswarm.swarm.control.db_postgres import PostgresDatabase
 
         return PostgresDatabase(url)
     return SQLiteDatabase(url.removeprefix("sqlite:///"))

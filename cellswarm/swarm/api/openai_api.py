@@ -61,15 +61,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.engine.text import StopText
 from cellswarm.errors import CellswarmError
-from cellswarm.swarm.coordinator import Coordinator
-from cellswarm.swarm.schema import (
+from cellswarm.swarm.api.schema import (
     ChatMessage,
     ChatRequest,
     CompletionRequest,
     body,
     chat_turns,
 )
-from cellswarm.swarm.schema import OpenAICommon as _Common
+from cellswarm.swarm.api.schema import OpenAICommon as _Common
+from cellswarm.swarm.control.coordinator import Coordinator
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_POLL_S = 30.0
@@ -172,7 +172,7 @@ async def _follow(coord: Coordinator, job_id: str, stream: StopText) -> AsyncIte
     """The job's text deltas until it ends or a stop string does; then `stream.finish` is set
     ("stop"/"length"). A job the swarm gave up on raises
     a server_error."""
-    from cellswarm.swarm.server import wait_for_job
+    from cellswarm.swarm.api.server import wait_for_job
 
     seen = 0
     while True:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.db import Database
+from cellswarm.swarm.control.db import Database
 
 log = logging.getLogger("cellswarm.logship")
 
@@ -272,7 +272,7 @@ def fetch_timeline(url: str, request_id: str, token: bytes | None = None,
     and each node's clock correction (offset s, error s) once."""
     from urllib.parse import quote
 
-    from cellswarm.swarm import client
+    from cellswarm.swarm.api import client
     from cellswarm.swarm.auth import prove
 
     headers: dict[str, str] = {}

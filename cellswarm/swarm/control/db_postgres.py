@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cellswarm.errors import RequestError, StorageFullError
-from cellswarm.swarm.db import NestedTransactions, Row
+from cellswarm.swarm.control.db import NestedTransactions, Row
 
 
 def translate(sql: str) -> str:

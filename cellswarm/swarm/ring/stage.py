@@ -8,7 +8,7 @@ sampling (seeded, so a sequence's tokens do not depend on the layout). Every sta
 KV cache per sequence for its own layers. Many sequences are in flight at once: while stage
 k computes one, stage k+1 computes another — that is the pipelining.
 
-Run as `python -m cellswarm.swarm.stage CONFIG_JSON`; prints `READY <port>` when listening.
+Run as `python -m cellswarm.swarm.ring.stage CONFIG_JSON`; prints `READY <port>` when listening.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolErro
 from cellswarm.io.weights import Selection
 from cellswarm.models.kv_cache import KVCache
 from cellswarm.swarm.auth import load_token
-from cellswarm.swarm.emulate import Emulation, precise_loop
-from cellswarm.swarm.frames import (
+from cellswarm.swarm.logs import JsonLog
+from cellswarm.swarm.ring.emulate import Emulation, precise_loop
+from cellswarm.swarm.ring.frames import (
     Frame,
     accept,
     connect,
@@ -47,8 +48,7 @@ from cellswarm.swarm.frames import (
     read_raw,
     write_frame,
 )
-from cellswarm.swarm.logs import JsonLog
-from cellswarm.swarm.parts import ExpertParts, PartLost, PartSpec, VocabParts
+from cellswarm.swarm.ring.parts import ExpertParts, PartLost, PartSpec, VocabParts
 from cellswarm.swarm.tls import client_context, server_context
 
 log = logging.getLogger("cellswarm.stage")
@@ -76,7 +76,7 @@ class StageConfig:
     crash_after_steps: int | None = None  # fault injection for tests: die like a SIGKILL
     token_file: str | None = None  # cluster token: every connection must prove it (auth.py)
     peers: tuple[str, ...] = ()  # who may connect: the previous stage and the client
-    # Part servers (swarm/parts.py) holding what this stage does not: routed experts of its
+    # Part servers (swarm/ring/parts.py) holding what this stage does not: routed experts of its
     # layers (it keeps the rest of each MoE layer), or the vocabulary rows of the embedding
     # (first stage) and output head (last stage; it keeps the final norm).
     parts: tuple[PartSpec, ...] = ()

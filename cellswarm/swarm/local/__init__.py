@@ -1,0 +1,1 @@
+"""A swarm on this machine: `cellswarm up`, the demo, measurements, LocalPipeline."""
