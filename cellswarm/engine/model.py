@@ -173,9 +173,8 @@ class Model:
     def _forward(self, x: np.ndarray, cache: KVCache, layers: range | None) -> np.ndarray:
         positions = np.arange(cache.length, cache.length + x.shape[0])
         layers = layers if layers is not None else self.layers
-        fused = getattr(self.arch, "decode_fused", None)  # one C call per layer for one token
-        if fused is not None and x.shape[0] == 1:
-            out = fused(x, positions, cache, layers)
+        if x.shape[0] == 1:  # one token: one C call per layer, where the model can
+            out = self.arch.decode_fused(x, positions, cache, layers)
             if out is not None:
                 out = np.asarray(out)
                 # One test of the stage's output on this path (its layers are C calls with
@@ -218,11 +217,10 @@ class Model:
         model's layers, sequence i at position caches[i].length. Where the architecture can
         (`decode_fused_many`: DeepSeek), the n tokens share each pass over the weights and each
         routed expert runs once for the tokens routed to it; else one sequence at a time."""
-        many = getattr(self.arch, "decode_fused_many", None)
-        if many is not None and len(caches) > 1:
+        if len(caches) > 1:
             positions = np.array([c.length for c in caches], dtype=np.int64)
             with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-                out = many(x, positions, list(caches), self.layers)
+                out = self.arch.decode_fused_many(x, positions, list(caches), self.layers)
             if out is not None and np.isfinite(out).all():
                 return np.asarray(out)
             # None, or not finite: one by one, which rewrites this step's cache entries and

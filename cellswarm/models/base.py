@@ -8,20 +8,27 @@ talk to this interface, so an architecture file holds nothing but its math.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from cellswarm.io.weights import WeightStore
-from cellswarm.models.kv_cache import CacheSpec, LayerCache
+from cellswarm.models.kv_cache import CacheSpec, KVCache, LayerCache
 
 
 class ModelConfig(Protocol):
+    """What the engine, the planner and the swarm read of any family's config (the configs
+    themselves are frozen dataclasses in `*_config.py`)."""
+
     arch: str
     n_layers: int
     d_model: int
     vocab_size: int
     context_length: int
+
+    def kv_bytes_per_token_layer(self, item_bytes: int = 4) -> int: ...
+
+    def expected_tensors(self, layers: Iterable[int]) -> dict[str, tuple[int, ...]]: ...
 
 
 class Architecture(Protocol):
@@ -47,6 +54,28 @@ class Architecture(Protocol):
         """Peak temporary bytes of one forward step over n_tokens new tokens."""
         ...
 
+    def decode_fused(
+        self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
+    ) -> np.ndarray | None:
+        """One token (1, d_model) through `layers` in one C call per layer; None when this
+        model cannot (no kernels, a weight without a fused kernel): the engine then runs
+        `block` layer by layer."""
+        ...
 
-class ArchitectureFactory(Protocol):
-    def __call__(self, config: Any, weights: WeightStore) -> Architecture: ...
+    def decode_fused_many(
+        self, x: np.ndarray, positions: np.ndarray, caches: list[KVCache], layers: range
+    ) -> np.ndarray | None:
+        """One token each of n sequences (n, d_model), their weights read once; None when
+        this model cannot (the engine then decodes them one by one)."""
+        ...
+
+
+@runtime_checkable
+class ExpertArchitecture(Architecture, Protocol):
+    """A mixture of experts (DeepSeek-V3, Kimi): routed experts may live elsewhere — on part
+    servers, in the tiered expert cache — behind `remote_experts`; `absorbed` is a layer's
+    decoded W_UK / W_UV (MLA), which the tiered engine pins."""
+
+    remote_experts: Any  # deepseek2.RemoteExperts | None
+
+    def absorbed(self, layer: int) -> tuple[np.ndarray, np.ndarray]: ...

@@ -109,6 +109,12 @@ class Llama:
             kernels.llama_decode(f[0], out, pos, cos, sin, k_store, v_store, scratch)  # type: ignore[index]
         return out[None]
 
+    def decode_fused_many(
+        self, x: np.ndarray, positions: np.ndarray, caches: list[KVCache], layers: range
+    ) -> np.ndarray | None:
+        """Not for this family yet: the engine decodes the sequences one by one."""
+        return None
+
     def _fused_layer(self, layer: int) -> tuple[Any, ...] | None:
         if layer not in self._fused:
             self._fused[layer] = self._build_fused_layer(layer)

@@ -33,6 +33,7 @@ from cellswarm.engine.model import Model
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
+from cellswarm.models.base import ExpertArchitecture
 from cellswarm.models.kv_cache import KVCache
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.logs import JsonLog
@@ -236,7 +237,8 @@ class Stage:
         self.experts = ExpertParts(c.parts, self.token, c.node_id, tls)
         if self.experts.clients:
             check_expert_cover(self.model, self.experts)
-            self.model.arch.remote_experts = self.experts  # type: ignore[attr-defined]
+            assert isinstance(self.model.arch, ExpertArchitecture)  # check_expert_cover's
+            self.model.arch.remote_experts = self.experts
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         """(T,) ids -> (T, d), from the vocab parts when the rows live there."""
@@ -855,7 +857,7 @@ def check_expert_cover(model: Model, remote: ExpertParts) -> None:
     """Every routed expert of every MoE layer held here or on a part server: one held
     nowhere would silently add nothing for the tokens routed to it."""
     c = model.config
-    if not hasattr(model.arch, "remote_experts"):
+    if not isinstance(model.arch, ExpertArchitecture):
         raise RequestError(f"{c.arch} has no routed experts to place on part servers")
     for layer in model.layers:
         if not c.is_moe(layer):
