@@ -200,43 +200,117 @@ async def _follow(coord: Coordinator, job_id: str, stream: StopText) -> AsyncIte
 # -- the routes ------------------------------------------------------------------------------
 
 
-def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
-    """OpenAI's routes on the coordinator's app (server.py puts access.Edge in front and
-    answers their errors in OpenAI's shape)."""
-    path = Path(coord.config.model)
-    model_id = path.name
-    try:
-        created = int(path.stat().st_mtime)
-    except OSError:
-        created = 0
-    model_card = {"id": model_id, "object": "model", "created": created, "owned_by": "cellswarm"}
+class Answer:
+    """One request's answer as OpenAI shapes it: its id and head, its choices (a message or
+    a delta), the finish and usage once the job ends, and SSE events."""
 
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    def __init__(self, routes: OpenAIRoutes, req: _Common, prompt: list[int], job_id: str,
+                 route: str, stream: StopText) -> None:  # fmt: skip
+        self.routes, self.req, self.prompt, self.job_id = routes, req, prompt, job_id
+        self.route, self.chat, self.stream = route, route == "chat", stream
+        self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{job_id}",
+                     "object": "chat.completion" if self.chat else "text_completion",
+                     "created": int(time.time()), "model": routes.model_id}  # fmt: skip
+        self.t0 = time.perf_counter()
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def check_model(name: str) -> None:
-        if name not in (model_id, path.stem):
-            raise OpenAIError(404, f"The model `{name}` does not exist; this swarm serves "
-                              f"`{model_id}`", param="model", code="model_not_found")  # fmt: skip
+    def choice(self, text: str | None, finish: str | None, streaming: bool) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0}
+        if self.chat:
+            message: dict[str, Any] = {} if text is None else {"content": text}
+            if not streaming:
+                message = {"role": "assistant", "content": text}
+            c["delta" if streaming else "message"] = message
+        else:
+            c["text"] = text or ""
+        c |= {"logprobs": None, "finish_reason": finish}
+        if finish is not None and self.req.return_token_ids:
+            c["token_ids"] = self.stream.tokens[: self.stream.used]
+        return c
 
-    def tokenizer() -> Any:
+    def done(self) -> tuple[str, dict[str, int]]:
+        """The finish reason and usage, logged once the answer ends."""
+        finish, used = str(self.stream.finish), self.stream.used
+        ms = round(1000 * (time.perf_counter() - self.t0), 1)
+        log = self.routes.coord.log
+        log.event("answered", self.job_id, route=self.route, finish_reason=finish,
+                  completion_tokens=used, ms=ms)  # fmt: skip
+        return finish, {"prompt_tokens": len(self.prompt), "completion_tokens": used,
+                        "total_tokens": len(self.prompt) + used}  # fmt: skip
+
+    async def whole(self) -> JSONResponse:
+        coord = self.routes.coord
+        text = "".join([d async for d in _follow(coord, self.job_id, self.stream)])
+        finish, used = self.done()
+        return JSONResponse({**self.head, "choices": [self.choice(text, finish, False)],
+                             "usage": used})  # fmt: skip
+
+    def event(self, choices: list[dict[str, Any]], used: dict[str, int] | None = None) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk: dict[str, Any] = {**self.head, "object": obj, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = used
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    async def events(self) -> AsyncIterator[str]:
+        coord = self.routes.coord
+        if self.chat:
+            yield self.event([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}])  # fmt: skip
         try:
-            return coord.tokenizer
+            async for delta in _follow(coord, self.job_id, self.stream):
+                yield self.event([self.choice(delta, None, True)])
+        except OpenAIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+            return
+        except BaseException:  # the client went away mid-stream: stop the job too
+            if coord.queue.cancel_job(self.job_id, "the client disconnected"):
+                coord.log.event("cancelled", self.job_id, why="client disconnected")
+            raise
+        finish, used = self.done()
+        yield self.event([self.choice(None if self.chat else "", finish, True)])
+        if self.include_usage:
+            yield self.event([], used)
+        yield "data: [DONE]\n\n"
+
+
+class OpenAIRoutes:
+    """What the routes share: the coordinator, the model's card, and submitting a job."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self.path = Path(coord.config.model)
+        self.model_id = self.path.name
+        try:
+            created = int(self.path.stat().st_mtime)
+        except OSError:
+            created = 0
+        self.card = {"id": self.model_id, "object": "model", "created": created,
+                     "owned_by": "cellswarm"}  # fmt: skip
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_id, self.path.stem):
+            raise OpenAIError(404, f"The model `{name}` does not exist; this swarm serves "
+                              f"`{self.model_id}`", param="model",
+                              code="model_not_found")  # fmt: skip
+
+    def tokenizer(self) -> Any:
+        try:
+            return self.coord.tokenizer
         except CellswarmError as exc:
             raise OpenAIError(400, str(exc)) from None
 
-    def submit(request: Request, prompt: list[int], max_tokens: int | None, req: _Common,
-               route: str) -> tuple[str, int]:  # fmt: skip
-        """The job's id and its max_tokens: the request checked against the model first
-        (a bad one is a 400 even when no ring is up), then whether a ring can be had at all."""
-        context = coord.config.context
+    def submit(self, request: Request, prompt: list[int], max_tokens: int | None, req: _Common,
+               route: str) -> str:  # fmt: skip
+        """The job's id: the request checked against the model first (a bad one is a 400
+        even when no ring is up), then whether a ring can be had at all."""
+        coord = self.coord
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_TOKENS if route == "completions" else max(
-                context - len(prompt), 1)  # fmt: skip
+                coord.config.context - len(prompt), 1)  # fmt: skip
         coord.limits.generate(prompt, max_tokens, "messages" if route == "chat" else "prompt")
         sampling = _sampling(req)
-        stop_ids = sorted(tokenizer().stop_ids)
+        stop_ids = sorted(self.tokenizer().stop_ids)
         if coord.problem:
             raise OpenAIError(503, f"the swarm cannot serve the model: {coord.problem}",
                               type="server_error", code="no_ring")  # fmt: skip
@@ -246,108 +320,58 @@ def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
         request.state.request_id = job.job_id
         coord.log.event("openai", job.job_id, route=route, stream=bool(req.stream),
                         prompt_tokens=len(prompt), max_tokens=max_tokens)  # fmt: skip
-        return job.job_id, max_tokens
+        return job.job_id
 
-    def usage(prompt: int, completion: int) -> dict[str, int]:
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}  # fmt: skip
+    async def run(
+        self, request: Request, req: _Common, prompt: list[int], max_tokens: int | None,
+        route: Literal["chat", "completions"],
+    ) -> Response:  # fmt: skip
+        _unsupported(req)
+        stops = _stops(req.stop)
+        tok = self.tokenizer()
+        job_id = self.submit(request, prompt, max_tokens, req, route)
+        text = StopText(lambda ids: tok.decode(ids, skip_special=True), stops)
+        answer = Answer(self, req, prompt, job_id, route, text)
+        if not req.stream:
+            return await answer.whole()
+        return StreamingResponse(answer.events(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})  # fmt: skip
+
+
+def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
+    """OpenAI's routes on the coordinator's app (server.py puts access.Edge in front and
+    answers their errors in OpenAI's shape)."""
+    routes = OpenAIRoutes(coord)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": [routes.card]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
-        check_model(name)
-        return model_card
-
-    async def run(request: Request, req: _Common, prompt: list[int], max_tokens: int | None,
-                  route: Literal["chat", "completions"]) -> Response:  # fmt: skip
-        _unsupported(req)
-        stops = _stops(req.stop)
-        tok = tokenizer()
-        job_id, _ = submit(request, prompt, max_tokens, req, route)
-        chat = route == "chat"
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": model_id}  # fmt: skip
-        stream = StopText(lambda ids: tok.decode(ids, skip_special=True), stops)
-        t0 = time.perf_counter()
-
-        def choice(text: str | None, finish: str | None, streaming: bool) -> dict[str, Any]:
-            c: dict[str, Any] = {"index": 0}
-            if chat:
-                message: dict[str, Any] = {} if text is None else {"content": text}
-                if not streaming:
-                    message = {"role": "assistant", "content": text}
-                c["delta" if streaming else "message"] = message
-            else:
-                c["text"] = text or ""
-            c |= {"logprobs": None, "finish_reason": finish}
-            if finish is not None and req.return_token_ids:
-                c["token_ids"] = stream.tokens[: stream.used]
-            return c
-
-        def done() -> tuple[str, dict[str, int]]:
-            finish = str(stream.finish)
-            coord.log.event("answered", job_id, route=route, finish_reason=finish,
-                            completion_tokens=stream.used,
-                            ms=round(1000 * (time.perf_counter() - t0), 1))  # fmt: skip
-            return finish, usage(len(prompt), stream.used)
-
-        if not req.stream:
-            text = "".join([d async for d in _follow(coord, job_id, stream)])
-            finish, used = done()
-            return JSONResponse({**head, "choices": [choice(text, finish, False)], "usage": used})
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-
-        def event(choices: list[dict[str, Any]], used: dict[str, int] | None = None) -> str:
-            chunk: dict[str, Any] = {**chunk_head, "choices": choices}
-            if include_usage:
-                chunk["usage"] = used
-            return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-
-        async def events() -> AsyncIterator[str]:
-            if chat:
-                yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])  # fmt: skip
-            try:
-                async for delta in _follow(coord, job_id, stream):
-                    yield event([choice(delta, None, True)])
-            except OpenAIError as exc:
-                yield f"data: {json.dumps(exc.body())}\n\n"
-                return
-            except BaseException:  # the client went away mid-stream: stop the job too
-                if coord.queue.cancel_job(job_id, "the client disconnected"):
-                    coord.log.event("cancelled", job_id, why="client disconnected")
-                raise
-            finish, used = done()
-            yield event([choice(None if chat else "", finish, True)])
-            if include_usage:
-                yield event([], used)
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})  # fmt: skip
+        routes.check_model(name)
+        return routes.card
 
     @app.post("/v1/completions")
     async def completions(
         request: Request, req: Annotated[CompletionRequest, body(CompletionRequest)]
     ) -> Response:
-        check_model(req.model)
-        prompt = _prompt_ids(req.prompt, tokenizer(), coord.limits)
-        return await run(request, req, prompt, req.max_tokens, "completions")
+        routes.check_model(req.model)
+        prompt = _prompt_ids(req.prompt, routes.tokenizer(), coord.limits)
+        return await routes.run(request, req, prompt, req.max_tokens, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
         request: Request, req: Annotated[ChatRequest, body(ChatRequest)]
     ) -> Response:
-        check_model(req.model)
+        routes.check_model(req.model)
         try:
-            prompt = _chat_ids(req.messages, tokenizer(), coord.limits)
+            prompt = _chat_ids(req.messages, routes.tokenizer(), coord.limits)
         except CellswarmError as exc:  # the template refused the conversation
             raise OpenAIError(400, str(exc), param="messages") from None
-        return await run(request, req, prompt, req.max_completion_tokens or req.max_tokens,
-                         "chat")  # fmt: skip
+        return await routes.run(request, req, prompt, req.max_completion_tokens or req.max_tokens,
+                                "chat")  # fmt: skip

@@ -34,6 +34,24 @@ MAX_WAIT_S = 30.0
 MAX_LEASE_WAIT_S = 1.5  # under the worker's HTTP timeout (worker.HTTP_TIMEOUT_S + wait)
 
 
+async def node_body(request: Request) -> dict[str, Any]:
+    """A node's body (the workers' routes keep their plain-dict protocol)."""
+    data = load_json(await request.body())
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object")
+    return data
+
+
+def node_of(coord: Coordinator, data: dict[str, Any]) -> Node:
+    return coord.authenticate(str(data["node_id"]), str(data["session"]))
+
+
+def session_node(coord: Coordinator, request: Request) -> Node:
+    who = request.headers.get("x-cellswarm-session", "")
+    node_id, _, session = who.partition(":")
+    return coord.authenticate(node_id, session)
+
+
 def build_app(coord: Coordinator) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,15 +75,17 @@ def build_app(coord: Coordinator) -> FastAPI:
         coord.disk_full.warn(str(exc))  # once a minute in the log; every caller is told
         return _error(507, str(exc), "StorageFullError")
 
-    async def body(request: Request) -> dict[str, Any]:
-        """A node's body (the workers' routes keep their plain-dict protocol)."""
-        data = load_json(await request.body())
-        if not isinstance(data, dict):
-            raise RequestError("the request body must be a JSON object")
-        return data
+    add_node_routes(app, coord)
+    add_request_routes(app, coord)
+    add_head_routes(app, coord)
+    from cellswarm.swarm.api.batch_api import add_batch_routes
 
-    def node_of(data: dict[str, Any]) -> Node:
-        return coord.authenticate(str(data["node_id"]), str(data["session"]))
+    add_batch_routes(app, coord)
+    return app
+
+
+def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
+    """A node's: the challenge, joining, heartbeats, faults, and the model's bytes."""
 
     @app.post("/v1/challenge")
     async def challenge() -> dict[str, Any]:
@@ -73,7 +93,7 @@ def build_app(coord: Coordinator) -> FastAPI:
 
     @app.post("/v1/join")
     async def join(request: Request) -> dict[str, Any]:
-        d = await body(request)
+        d = await node_body(request)
         host = request.client.host if request.client else "127.0.0.1"
         session = coord.join(str(d["node_id"]), str(d["nonce"]), str(d.get("proof", "")),
                              dict(d.get("capabilities") or {}), host)  # fmt: skip
@@ -83,26 +103,21 @@ def build_app(coord: Coordinator) -> FastAPI:
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
-        d = await body(request)
-        return coord.heartbeat(node_of(d), d)
+        d = await node_body(request)
+        return coord.heartbeat(node_of(coord, d), d)
 
     @app.post("/v1/fault")
     async def fault(request: Request) -> dict[str, Any]:
-        d = await body(request)
+        d = await node_body(request)
         epoch = d.get("epoch")
         job = d.get("job")
-        coord.fault(node_of(d), str(d.get("kind", "forward")), str(d.get("detail", "")),
+        coord.fault(node_of(coord, d), str(d.get("kind", "forward")), str(d.get("detail", "")),
                     None if epoch is None else int(epoch), str(job) if job else None)  # fmt: skip
         return {"ok": True}
 
-    def session_node(request: Request) -> Node:
-        who = request.headers.get("x-cellswarm-session", "")
-        node_id, _, session = who.partition(":")
-        return coord.authenticate(node_id, session)
-
     @app.get("/v1/model/manifest")
     async def manifest(request: Request) -> Response:
-        session_node(request)  # the weights go to members only
+        session_node(coord, request)  # the weights go to members only
         m = await asyncio.to_thread(coord.manifest)
         return Response(m.to_json(), media_type="application/json")
 
@@ -110,12 +125,16 @@ def build_app(coord: Coordinator) -> FastAPI:
     async def chunk(index: int, request: Request) -> Response:
         from cellswarm.swarm.node.fetch import read_chunk
 
-        session_node(request)
+        session_node(coord, request)
         m = await asyncio.to_thread(coord.manifest)
         if not 0 <= index < m.n_chunks:
             raise RequestError(f"chunk {index} is not in 0..{m.n_chunks - 1}")
         data = await asyncio.to_thread(read_chunk, coord.config.model, m, index)
         return Response(data, media_type="application/octet-stream")
+
+
+def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
+    """A client's: health, status, submitting a request and following it."""
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -151,12 +170,18 @@ def build_app(coord: Coordinator) -> FastAPI:
             out["text"] = coord.tokenizer.decode(tokens, skip_special=True)
         return out
 
-    # -- pipeline heads: lease, checkpoint, complete, fail --------------------------------
+    @app.get("/v1/ledger")
+    async def ledger() -> dict[str, Any]:
+        return coord.queue.ledger()
+
+
+def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
+    """A pipeline head's: lease, checkpoint, complete, fail, release."""
 
     @app.post("/v1/jobs/lease")
     async def lease(request: Request) -> dict[str, Any]:
-        d = await body(request)
-        node, n = node_of(d), int(d.get("n", 1))
+        d = await node_body(request)
+        node, n = node_of(coord, d), int(d.get("n", 1))
         wait_s = min(max(float(d.get("wait_s", 0.0)), 0.0), MAX_LEASE_WAIT_S)
         deadline = time.monotonic() + wait_s
         while not (jobs := coord.lease(node, n)) and time.monotonic() < deadline:
@@ -168,37 +193,27 @@ def build_app(coord: Coordinator) -> FastAPI:
 
     @app.post("/v1/jobs/checkpoint")
     async def checkpoint(request: Request) -> dict[str, Any]:
-        d = await body(request)
-        return {"stale": coord.checkpoint(node_of(d), list(d.get("runs", [])))}
+        d = await node_body(request)
+        return {"stale": coord.checkpoint(node_of(coord, d), list(d.get("runs", [])))}
 
     @app.post("/v1/jobs/complete")
     async def complete(request: Request) -> dict[str, Any]:
-        d = await body(request)
-        outcome = coord.complete(node_of(d), str(d["job_id"]), int(d["fence"]),
+        d = await node_body(request)
+        outcome = coord.complete(node_of(coord, d), str(d["job_id"]), int(d["fence"]),
                                  dict(d["result"]))  # fmt: skip
         return {"outcome": outcome}
 
     @app.post("/v1/jobs/fail")
     async def fail(request: Request) -> dict[str, Any]:
-        d = await body(request)
-        outcome = coord.fail(node_of(d), str(d["job_id"]), int(d["fence"]), str(d["reason"]),
+        d = await node_body(request)
+        outcome = coord.fail(node_of(coord, d), str(d["job_id"]), int(d["fence"]), str(d["reason"]),
                              str(d.get("fault", "job")))  # fmt: skip
         return {"outcome": outcome}
 
     @app.post("/v1/jobs/release")
     async def release(request: Request) -> dict[str, Any]:
-        d = await body(request)
-        return {"released": coord.release(node_of(d), list(d.get("runs", [])))}
-
-    from cellswarm.swarm.api.batch_api import add_batch_routes
-
-    add_batch_routes(app, coord)
-
-    @app.get("/v1/ledger")
-    async def ledger() -> dict[str, Any]:
-        return coord.queue.ledger()
-
-    return app
+        d = await node_body(request)
+        return {"released": coord.release(node_of(coord, d), list(d.get("runs", [])))}
 
 
 def add_error_handlers(app: FastAPI) -> None:
