@@ -55,7 +55,7 @@ class LocalSwarm:
     fail_forward: Sequence[int] = ()  # workers whose every forward pass fails (tests)
     fail_token: int | None = None  # every worker fails a request's step with this token (tests)
     fetch: bool = False  # workers fetch their shards from the coordinator into state_dir
-    dram_budget: str | None = None  # workers tier their shard's experts (engine/tiered.py)
+    dram_budget: str | None = None  # workers tier their shard's experts (engine/tiered/)
     api_key_file: str | None = None  # the coordinator's --api-key-file (OpenAI API keys)
     port: int = 0
     coordinators: int = 1  # more than one: they share `db`, which must be PostgreSQL

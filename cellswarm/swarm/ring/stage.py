@@ -82,7 +82,7 @@ class StageConfig:
     # (first stage) and output head (last stage; it keeps the final norm).
     parts: tuple[PartSpec, ...] = ()
     # A big box as one stage: routed experts tiered between this much DRAM and the model
-    # file (engine/tiered.py) instead of held whole.
+    # file (engine/tiered/) instead of held whole.
     dram_budget_bytes: int | None = None
     tls_dir: str | None = None  # mutual TLS on every data-plane connection (swarm/tls.py)
 
