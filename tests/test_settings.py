@@ -1,4 +1,4 @@
-"""The swarm's settings are written once (swarm/control/settings.py, swarm/control/policy.py):
+"""The swarm's settings are written once (swarm/settings.py, swarm/control/policy.py):
 the flags are derived from the config dataclass and give the same config back."""
 
 from __future__ import annotations
@@ -9,7 +9,13 @@ from dataclasses import fields, replace
 import pytest
 
 from cellswarm.swarm.control import policy
-from cellswarm.swarm.control.settings import CoordinatorConfig, add_flags, from_args, to_flags
+from cellswarm.swarm.settings import (
+    CoordinatorConfig,
+    WorkerConfig,
+    add_flags,
+    from_args,
+    to_flags,
+)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -52,3 +58,24 @@ def test_the_cli_and_local_swarm_share_the_defaults(tmp_path: object) -> None:
     for name in ("lease_s", "offline_after", "context", "max_sequences", "replicas",
                  "leader_ttl_s", "evict_after_disagreements", "rebalance"):  # fmt: skip
         assert getattr(config, name) == getattr(BASE, name), name
+
+
+@pytest.mark.parametrize(
+    "config",
+    [WorkerConfig(join="http://c:8470", memory_bytes=256 << 20, node_id="n1"),
+     WorkerConfig(join="http://a,http://b", memory_bytes=10**9, node_id="n2", model="/m.gguf",
+                  threads=2, fetch=True, perturb=0.5, dram_budget_bytes=3 << 30,
+                  fail_forward=True, fail_token=7, insecure=True, stop_after_s=1.5)],
+)  # fmt: skip
+def test_worker_flags_give_the_config_back(config: WorkerConfig) -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, WorkerConfig)
+    assert from_args(WorkerConfig, parser.parse_args(to_flags(config))) == config
+
+
+def test_a_worker_needs_join_and_memory() -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, WorkerConfig)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--join", "http://c"])
+    assert parser.parse_args(["--join", "u", "--memory", "256M"]).memory_bytes == 256 << 20

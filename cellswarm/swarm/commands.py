@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.control.settings import CoordinatorConfig, add_flags, from_args
+from cellswarm.swarm.settings import CoordinatorConfig, WorkerConfig, add_flags, from_args
 from cellswarm.units import format_bytes, parse_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -31,34 +31,8 @@ def add_commands(sub: Any) -> None:
     c.set_defaults(func=cmd_coordinator)
 
     w = sub.add_parser("worker", help="join a coordinator and serve the shard it assigns")
-    w.add_argument("--join", required=True,
-                   help="the coordinator's URL, or URL1,URL2,... (fails over in order)")
-    w.add_argument("--memory", required=True, help="hard memory budget, e.g. 256M")
-    w.add_argument("--profile", help="behave like a node of this planner profile (ps3, ...)")
-    w.add_argument("--token-file", help="cluster token file (never pass the token itself)")
-    w.add_argument("--node-id", default="", help="a stable name (default: host + random)")
-    w.add_argument("--model", help="a local copy of the model file (default: fetch the "
-                   "shard's bytes from the coordinator, with progress)")
-    w.add_argument("--listen", help="HOST[:PORT] for the data port (default: this host's "
-                   "address on the route to the coordinator, any free port)")
-    w.add_argument("--advertise", help="HOST[:PORT] peers should dial (NAT, containers; "
-                   "default: the --listen address)")
-    w.add_argument("--threads", type=int, help="compute threads")
-    w.add_argument("--log-dir", help="folder for JSON-line event logs")
-    w.add_argument("--stop-after", type=float, default=5.0,
-                   help="stop serving after this many seconds without the coordinator")  # fmt: skip
-    w.add_argument("--fetch", action="store_true",
-                   help="fetch the shard from the coordinator even with --model")
-    w.add_argument("--cache-dir", help="where fetched shards are kept")
-    w.add_argument("--dram-budget",
-                   help="tier the shard's MoE experts: this much DRAM, the rest read from the file")
+    add_flags(w, WorkerConfig)  # one flag per setting (settings.py)
     w.add_argument("--slow-tier", help="the model file on the slow tier (PMem, SSD): as --model")
-    w.add_argument("--insecure", action="store_true",
-                   help="without --token-file, listen beyond loopback anyway (anyone who can "
-                   "reach the data port can drive this node's stage)")
-    w.add_argument("--fail-forward", action="store_true", help=argparse.SUPPRESS)
-    w.add_argument("--fail-token", type=int, help=argparse.SUPPRESS)
-    w.add_argument("--perturb", type=float, default=0.0, help=argparse.SUPPRESS)
     w.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("status", help="every node of a swarm: state, shard, memory, failures")
@@ -151,18 +125,9 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from cellswarm.swarm.node.worker import WorkerConfig, main
+    from cellswarm.swarm.node.worker import main
 
-    main(WorkerConfig(
-        join=args.join, memory_bytes=parse_bytes(args.memory), node_id=args.node_id,
-        profile=args.profile, token_file=args.token_file, model=args.slow_tier or args.model,
-        threads=args.threads, log_dir=args.log_dir, stop_after_s=args.stop_after,
-        listen=args.listen, advertise=args.advertise,
-        fail_forward=args.fail_forward, fetch=args.fetch, cache_dir=args.cache_dir,
-        perturb=args.perturb, tls_dir=args.tls, insecure=args.insecure,
-        fail_token=args.fail_token,
-        dram_budget_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
-    ))  # fmt: skip
+    main(from_args(WorkerConfig, args, model=args.slow_tier or args.model, tls_dir=args.tls))
     return 0
 
 

@@ -43,11 +43,11 @@ from cellswarm.swarm.control.membership import (
     replicas,
     ring,
 )
-from cellswarm.swarm.control.settings import CoordinatorConfig
 from cellswarm.swarm.control.store import Node, NodeId, Store
 from cellswarm.swarm.local.pipeline import stage_costs
 from cellswarm.swarm.logs import JsonLog, Throttled
 from cellswarm.swarm.ring.stage import reset_stage
+from cellswarm.swarm.settings import CoordinatorConfig
 from cellswarm.swarm.tls import client_context
 
 log = logging.getLogger("cellswarm.coordinator")

@@ -26,8 +26,9 @@ from typing import Any
 from cellswarm.errors import SwarmError
 from cellswarm.swarm.api import client
 from cellswarm.swarm.auth import write_secret
-from cellswarm.swarm.control.settings import CoordinatorConfig, to_flags
 from cellswarm.swarm.local.pipeline import free_port
+from cellswarm.swarm.settings import CoordinatorConfig, WorkerConfig, to_flags
+from cellswarm.units import parse_bytes
 
 
 @dataclass
@@ -48,7 +49,7 @@ class LocalSwarm:
     max_sequences: int = CoordinatorConfig.max_sequences
     heartbeat_s: float = 0.25  # quicker than a deployment's (settings.py): tests wait less
     heartbeat_timeout_s: float = 2.0
-    stop_after_s: float = 3.0
+    stop_after_s: float = 3.0  # quicker than a deployment's (settings.py): tests wait less
     offline_after: int = CoordinatorConfig.offline_after
     threads: int = 1
     worker_memory: dict[int, str] = field(default_factory=dict)  # per-worker overrides
@@ -134,27 +135,25 @@ class LocalSwarm:
             leader_ttl_s=self.leader_ttl_s, rebalance=self.rebalance,
         )
 
+    def worker_config(self, i: int) -> WorkerConfig:
+        """What worker i runs with (its flags are derived from it). Sharing a disk, every
+        worker reads the coordinator's file; with `fetch`, as a host sharing no disk, each
+        fetches only its shard's bytes over HTTP into a cache of its own."""
+        memory = parse_bytes(self.worker_memory.get(i, self.memory))
+        return WorkerConfig(
+            join=",".join(self.urls), memory_bytes=memory, node_id=f"worker-{i}",
+            profile=self.profile, token_file=str(self.token_file),
+            model=None if self.fetch else self.model, threads=self.threads,
+            log_dir=str(self.node_log_dir(i)), stop_after_s=self.stop_after_s,
+            fail_forward=i in self.fail_forward, perturb=self.perturb.get(i, 0.0),
+            dram_budget_bytes=parse_bytes(self.dram_budget) if self.dram_budget else None,
+            cache_dir=str(self.state_dir / f"cache-{i}") if self.fetch else None,
+            fail_token=self.fail_token,
+        )  # fmt: skip
+
     def start_worker(self, i: int) -> None:
-        args = ["worker", "--join", ",".join(self.urls),
-                "--memory", self.worker_memory.get(i, self.memory), "--node-id", f"worker-{i}",
-                "--token-file", str(self.token_file),
-                "--log-dir", str(self.node_log_dir(i)), "--threads", str(self.threads),
-                "--stop-after", str(self.stop_after_s)]  # fmt: skip
-        if self.profile:
-            args += ["--profile", self.profile]
-        if i in self.fail_forward:
-            args.append("--fail-forward")
-        if self.fail_token is not None:
-            args += ["--fail-token", str(self.fail_token)]
-        if i in self.perturb:
-            args += ["--perturb", str(self.perturb[i])]
-        if self.dram_budget:
-            args += ["--dram-budget", self.dram_budget]
+        args = ["worker", *to_flags(self.worker_config(i))]
         args += ["--tls", str(self.tls_dir)] if self.tls_dir else []
-        if self.fetch:  # as a host sharing no disk: only its shard's bytes, over HTTP
-            args += ["--cache-dir", str(self.state_dir / f"cache-{i}")]
-        else:  # one machine: every worker reads the coordinator's file
-            args += ["--model", self.model]
         self._spawn(f"worker-{i}", args, "JOINED")
 
     def start(self) -> None:

@@ -15,12 +15,10 @@ import asyncio
 import gc
 import json
 import logging
-import socket
 import time
 import urllib.error
 import urllib.request
-import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,42 +39,12 @@ from cellswarm.swarm.ring.stage import (
     shard_need_bytes,
     stage_selection,
 )
+from cellswarm.swarm.settings import WorkerConfig
 from cellswarm.swarm.tls import check_url, client_context, server_context, tls_failure
 
 log = logging.getLogger("cellswarm.worker")
 
 HTTP_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    join: str  # the coordinator's URL, or several, comma-separated (failover in order)
-    memory_bytes: int
-    node_id: str = ""
-    profile: str | None = None
-    token_file: str | None = None
-    # A local copy of the model; without one the shard's bytes are fetched from the
-    # coordinator (hosts share no disk), only the chunks the shard needs.
-    model: str | None = None
-    listen: str | None = None  # HOST[:PORT] of the data port (default: route to coordinator)
-    advertise: str | None = None  # HOST[:PORT] peers dial (NAT, containers); default: listen
-    threads: int | None = None
-    log_dir: str | None = None
-    stop_after_s: float = 5.0  # stop serving after this long without the coordinator
-    fail_forward: bool = False  # fault injection for tests: every forward pass fails
-    fetch: bool = False  # fetch the shard even when --model is given
-    perturb: float = 0.0  # fault injection for tests: this fraction of outputs go wrong
-    dram_budget_bytes: int | None = None  # tier a MoE shard's experts: DRAM + the model file
-    cache_dir: str | None = None  # where fetched shards are kept (default ~/.cache/cellswarm)
-    tls_dir: str | None = None  # mutual TLS to the coordinator and on the data plane (tls.py)
-    # Serve the data port beyond loopback without a cluster token: anyone who reaches it
-    # can drive the stage (stage 0: bypass the queue). Refused unless asked for by name.
-    insecure: bool = False
-    fail_token: int | None = None  # fault injection for tests: a prompt token that kills steps
-
-    def __post_init__(self) -> None:
-        if not self.node_id:
-            object.__setattr__(self, "node_id", f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
 
 
 def measure_capabilities(config: WorkerConfig) -> dict[str, Any]:

@@ -1,0 +1,164 @@
+"""A swarm's settings, written once: the config dataclasses, and their command-line flags
+derived from them.
+
+Each field that a command line sets carries its flag and help in the field's metadata
+(`setting`); `add_flags` builds the argparse options from them, `from_args` the config back
+from parsed options, and `to_flags` the options that recreate a config (how `cellswarm up`
+and the tests start a coordinator process). So a default lives in one place: here, or in
+policy.py for the failure policy. Pure: no sockets, no database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import uuid
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from cellswarm.errors import RequestError
+from cellswarm.swarm.control.policy import LEASE_S, OFFLINE_AFTER
+from cellswarm.units import parse_bytes
+
+_PARSERS = {"int": int, "float": float, "str": str}
+
+
+def setting(
+    default: Any, flag: str, help: str, *, size: bool = False, required: bool = False
+) -> Any:
+    """A field a command-line flag sets (its help says the default itself). `size`: bytes,
+    given as "256M" and the like; `required`: the flag must be given (the field has no
+    default); a help of argparse.SUPPRESS hides a test hook."""
+    meta = {"flag": flag, "help": help, "size": size, "required": required}
+    return field(metadata=meta) if required else field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    model: str
+    db: str = "cellswarm.db"  # a SQLite path, or postgresql://... to share with others
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8470
+    token_file: str | None = setting(
+        None, "--token-file", "cluster token file; workers must prove they hold it")
+    api_key_file: str | None = setting(
+        None, "--api-key-file", "client keys, one per line ('admin KEY' for one that sees every "
+        "job): every client route then asks for 'Authorization: Bearer KEY', and a job is its "
+        "key's (without a file: no auth)")
+    max_body_bytes: int = 4 * 2**20  # a longer request body is refused unread (413)
+    heartbeat_s: float = setting(0.5, "--heartbeat", "seconds between heartbeats")
+    heartbeat_timeout_s: float = setting(3.0, "--heartbeat-timeout", "seconds to 'lost'")
+    offline_after: int = setting(OFFLINE_AFTER, "--offline-after", "failures in a row: offline")
+    probe_every_s: float = 2.0
+    stages: int | None = setting(None, "--stages", "pipeline stages (default: fewest that fit)")
+    expert_nodes: int = setting(
+        0, "--expert-nodes", "nodes holding the MoE layers' routed experts, apart from attention")
+    vocab_nodes: int = setting(
+        0, "--vocab-nodes", "nodes holding the embedding and output head, split by rows")
+    context: int = setting(256, "--context", "KV tokens a stage reserves per sequence")
+    max_sequences: int = setting(8, "--max-sequences", "sequences in flight per stage")
+    log_dir: str | None = setting(None, "--log-dir", "folder for JSON-line event logs")
+    replicas: int = setting(1, "--replicas", "independent rings sharing the queue")
+    lease_s: float = setting(LEASE_S, "--lease", "seconds a job lease lasts unrenewed")
+    evict_after_disagreements: int = setting(
+        3, "--evict-after", "verification: a node outvoted this many times is taken out")
+    leader_ttl_s: float = setting(
+        5.0, "--leader-ttl", "several coordinators: seconds a leader's term lasts unrenewed")
+    rebalance: bool = setting(
+        True, "--rebalance", "move layers off a stage measured much slower than the others "
+        "(default on; off for measuring one fixed placement)")
+    tls_dir: str | None = None  # mutual TLS: its HTTPS and its resets to stages (tls.py)
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout_s <= self.heartbeat_s:
+            raise RequestError(
+                f"heartbeat timeout {self.heartbeat_timeout_s} s must exceed the heartbeat "
+                f"interval {self.heartbeat_s} s"
+            )
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    join: str = setting(None, "--join", "the coordinator's URL, or URL1,URL2,... (fails over "
+                        "in order)", required=True)  # fmt: skip
+    memory_bytes: int = setting(None, "--memory", "hard memory budget, e.g. 256M", size=True,
+                                required=True)  # fmt: skip
+    node_id: str = setting("", "--node-id", "a stable name (default: host + random)")
+    profile: str | None = setting(
+        None, "--profile", "behave like a node of this planner profile (ps3, ...)")
+    token_file: str | None = setting(
+        None, "--token-file", "cluster token file (never pass the token itself)")
+    # A local copy of the model; without one the shard's bytes are fetched from the
+    # coordinator (hosts share no disk), only the chunks the shard needs.
+    model: str | None = setting(None, "--model", "a local copy of the model file (default: "
+                                "fetch the shard's bytes from the coordinator, with progress)")
+    listen: str | None = setting(None, "--listen", "HOST[:PORT] for the data port (default: "
+                                 "this host's address on the route to the coordinator, any "
+                                 "free port)")  # fmt: skip
+    advertise: str | None = setting(None, "--advertise", "HOST[:PORT] peers should dial (NAT, "
+                                    "containers; default: the --listen address)")  # fmt: skip
+    threads: int | None = setting(None, "--threads", "compute threads")
+    log_dir: str | None = setting(None, "--log-dir", "folder for JSON-line event logs")
+    stop_after_s: float = setting(
+        5.0, "--stop-after", "stop serving after this many seconds without the coordinator")
+    fail_forward: bool = setting(False, "--fail-forward", argparse.SUPPRESS)  # tests: all fail
+    fetch: bool = setting(
+        False, "--fetch", "fetch the shard from the coordinator even with --model")
+    perturb: float = setting(0.0, "--perturb", argparse.SUPPRESS)  # tests: wrong outputs
+    dram_budget_bytes: int | None = setting(
+        None, "--dram-budget", "tier the shard's MoE experts: this much DRAM, the rest read "
+        "from the file", size=True)
+    cache_dir: str | None = setting(None, "--cache-dir", "where fetched shards are kept")
+    tls_dir: str | None = None  # mutual TLS to the coordinator and on the data plane (tls.py)
+    # Serve the data port beyond loopback without a cluster token: anyone who reaches it
+    # can drive the stage (stage 0: bypass the queue). Refused unless asked for by name.
+    insecure: bool = setting(False, "--insecure", "without --token-file, listen beyond "
+                             "loopback anyway (anyone who can reach the data port can drive "
+                             "this node's stage)")  # fmt: skip
+    fail_token: int | None = setting(None, "--fail-token", argparse.SUPPRESS)  # tests
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            object.__setattr__(self, "node_id", f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+
+
+def _flagged(cls: type) -> list[Any]:
+    return [f for f in fields(cls) if "flag" in f.metadata]
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One option per flagged field of `cls`, typed and defaulted from the field."""
+    for f in _flagged(cls):
+        meta = f.metadata
+        flag, help_text = meta["flag"], meta["help"]
+        if f.type == "bool":
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=help_text)  # fmt: skip
+            continue
+        kind = parse_bytes if meta["size"] else _PARSERS[str(f.type).removesuffix(" | None")]
+        default = None if f.default is MISSING else f.default
+        if default not in (None, "") and help_text != argparse.SUPPRESS:
+            help_text += f" (default {default})"
+        parser.add_argument(flag, dest=f.name, type=kind, default=default,
+                            required=meta["required"], help=help_text,
+                            metavar=flag.removeprefix("--").upper().replace("-", "_"))  # fmt: skip
+
+
+def from_args(cls: type, args: argparse.Namespace, **rest: Any) -> Any:
+    """`cls` from the options add_flags made; the fields given as `rest` win."""
+    return cls(**{**{f.name: getattr(args, f.name) for f in _flagged(cls)}, **rest})
+
+
+def to_flags(config: Any) -> list[str]:
+    """The options that give `config`'s flagged fields to another process's add_flags
+    (a None field is left to its default, which is None)."""
+    out: list[str] = []
+    for f in _flagged(type(config)):
+        value = getattr(config, f.name)
+        if f.type == "bool" and value == f.default:
+            continue  # the other process's default is the same field's
+        if f.type == "bool":
+            out.append(f.metadata["flag"] if value else "--no-" + f.metadata["flag"][2:])
+        elif value is not None:
+            out += [f.metadata["flag"], str(value)]
+    return out
