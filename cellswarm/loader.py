@@ -25,6 +25,7 @@ from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
 
 if TYPE_CHECKING:
     from cellswarm.io.tokenizer import Tokenizer
+    from cellswarm.models import FamilyConfig
 
 
 def load(
@@ -100,7 +101,10 @@ def _load_hf(
 
 
 def check_tensors(
-    source: Path, config: Any, sel: Selection, tensors: Mapping[str, Tensor | tuple[int, ...]]
+    source: Path,
+    config: FamilyConfig,
+    sel: Selection,
+    tensors: Mapping[str, Tensor | tuple[int, ...]],
 ) -> None:
     """Refuse at load, not at the first forward, a file lacking a tensor the selected layers
     need or holding one in another shape than the config implies."""

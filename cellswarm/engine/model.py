@@ -23,6 +23,7 @@ from cellswarm.models.kv_cache import KVCache, bytes_per_token
 
 if TYPE_CHECKING:
     from cellswarm.io.tokenizer import Tokenizer
+    from cellswarm.models import FamilyConfig
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds scratch memory for long prompts
 
@@ -128,7 +129,7 @@ class TextStream:
 class Model:
     def __init__(
         self,
-        config: Any,
+        config: FamilyConfig,
         arch: Architecture,
         weights: WeightStore,
         tokenizer: Tokenizer | None,

@@ -10,9 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cellswarm.errors import ModelFileError, UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    from cellswarm.models.deepseek2_config import DeepseekConfig
+    from cellswarm.models.llama_config import LlamaConfig
+
+    FamilyConfig = LlamaConfig | DeepseekConfig  # every family's config
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,14 @@ talk to this interface, so an architecture file holds nothing but its math.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from cellswarm.models.kv_cache import CacheSpec, KVCache, LayerCache
+
+if TYPE_CHECKING:
+    from cellswarm.models import FamilyConfig
 
 
 class ModelConfig(Protocol):
@@ -32,7 +35,7 @@ class ModelConfig(Protocol):
 
 
 class Architecture(Protocol):
-    config: Any
+    config: FamilyConfig
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         """(T,) int -> (T, d_model) float32."""

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from cellswarm.engine.memory import proc_status
 from cellswarm.engine.tiered.slow import SlowTier
 from cellswarm.io.gguf_file import TensorInfo
 from cellswarm.quant import PackedMatrix, format_for
+
+if TYPE_CHECKING:
+    from cellswarm.models.deepseek2_config import DeepseekConfig
 
 STREAM_BUFFERS = 2  # experts read past the cache: one is read while the other computes
 PROJ = ("gate", "up", "down")
@@ -94,7 +97,7 @@ class TieredExperts:
 
     def __init__(
         self,
-        model_config: Any,
+        model_config: DeepseekConfig,
         slow: SlowTier,
         infos: dict[str, TensorInfo],
         cache: ExpertCache,

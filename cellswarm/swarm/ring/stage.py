@@ -34,6 +34,7 @@ from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
 from cellswarm.models.base import ExpertArchitecture
+from cellswarm.models.deepseek2_config import DeepseekConfig
 from cellswarm.models.kv_cache import KVCache
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.logs import JsonLog
@@ -857,7 +858,7 @@ def check_expert_cover(model: Model, remote: ExpertParts) -> None:
     """Every routed expert of every MoE layer held here or on a part server: one held
     nowhere would silently add nothing for the tokens routed to it."""
     c = model.config
-    if not isinstance(model.arch, ExpertArchitecture):
+    if not isinstance(model.arch, ExpertArchitecture) or not isinstance(c, DeepseekConfig):
         raise RequestError(f"{c.arch} has no routed experts to place on part servers")
     for layer in model.layers:
         if not c.is_moe(layer):
