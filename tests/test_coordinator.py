@@ -26,6 +26,8 @@ from tests.test_swarm_parts import PROMPTS as PARTS_PROMPTS
 from tests.test_swarm_parts import moe  # noqa: F401  (a fixture)
 from tests.waiting import wait_until as wait_for
 
+pytestmark = pytest.mark.slow  # swarms of processes
+
 TEXTS = [
     "The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,",
     "The best way to learn", "In 1969, astronauts", "Water boils at", "My favourite",

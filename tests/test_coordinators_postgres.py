@@ -17,6 +17,8 @@ from cellswarm.swarm.api import client
 from cellswarm.swarm.local.up import LocalSwarm
 from tests.test_coordinator import TEXTS, wait_for
 
+pytestmark = pytest.mark.slow  # PostgreSQL and swarms of processes
+
 MAX_TOKENS = 32
 N_REQUESTS = 30
 

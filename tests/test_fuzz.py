@@ -40,6 +40,8 @@ from cellswarm.swarm.ring.frames import (
 )
 from cellswarm.verify import verify
 
+pytestmark = pytest.mark.slow  # Hypothesis fuzzing: the full lane
+
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
 FUZZ = settings(  # FUZZ_RANDOM=1: other examples each run (a search, not a regression test)
     max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("FUZZ_RANDOM"),

@@ -32,6 +32,7 @@ def test_packed_tensors_round_trip(tmp_path: Path, quant: str) -> None:
     assert np.array_equal(sel.expert(3).dequantize(), experts.expert(3).dequantize())
 
 
+@pytest.mark.slow
 def test_requantized_demo_model_written_to_gguf_loads_identically(
     demo_path: Path, tmp_path: Path
 ) -> None:

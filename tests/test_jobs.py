@@ -654,6 +654,7 @@ def make_machine(backend: Backend) -> type[RuleBasedStateMachine]:
     return QueueMachine
 
 
+@pytest.mark.slow
 def test_queue_state_machine(backend: Backend) -> None:
     run_state_machine_as_test(
         make_machine(backend),

@@ -28,7 +28,10 @@ from cellswarm.swarm.api import client
 from tests.waiting import wait_until
 
 WHY_NOT = system.why_not_supported()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+pytestmark = [
+    pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""),
+    pytest.mark.slow,  # network namespaces and processes
+]
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "Water boils at"]
 MAX_TOKENS = 12

@@ -112,6 +112,7 @@ def _haswell_kernels() -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coretype", [None, "Haswell"], ids=["this-cpu", "openblas-haswell"])
 def test_vocabulary_split_anywhere_gives_one_process_logits(
     demo_path: Path, coretype: str | None
