@@ -170,7 +170,13 @@ def _clock(node: dict[str, Any]) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from cellswarm.swarm.local.up import LocalSwarm, Stopped, ignore_stop_signals, stop_on_signals
+    from cellswarm.swarm.local.up import (
+        LocalSwarm,
+        Stopped,
+        ignore_stop_signals,
+        kill_strays,
+        stop_on_signals,
+    )
 
     swarm = LocalSwarm(model=_model(args.model), workers=args.workers, memory=args.memory,
                        state_dir=Path(args.state_dir), profile=args.profile,
@@ -193,6 +199,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     ignore_stop_signals()
                 finally:
                     swarm.close(grace_s=5.0)  # every child, whatever ended the watch
+                    kill_strays()
     except Stopped as exc:
         print(f"cellswarm up: {signal.Signals(exc.signum).name}: the swarm is stopped",
               file=sys.stderr)  # fmt: skip

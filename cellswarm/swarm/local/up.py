@@ -225,6 +225,26 @@ class LocalSwarm:
         return first_key(self.api_key_file) if self.api_key_file else None
 
 
+def kill_strays() -> None:
+    """In `cellswarm up`'s own process, where every child is the swarm's: kill and reap any
+    child still there after close — one a stop signal interrupted _spawn for, started but not
+    yet recorded — so none is ever orphaned. (Not for a process with other children.)"""
+    for pid in child_pids(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def child_pids(parent: int) -> set[int]:
+    """This machine's processes whose parent is `parent` (from /proc; empty elsewhere)."""
+    out = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                out.add(int(entry.name))
+    return out
+
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
