@@ -144,6 +144,13 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
     async def status() -> dict[str, Any]:
         return coord.status()
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """The swarm in Prometheus' text format (api/metrics.py); a client route."""
+        from cellswarm.swarm.api.metrics import CONTENT_TYPE, render
+
+        return Response(await asyncio.to_thread(render, coord), media_type=CONTENT_TYPE)
+
     @app.post("/v1/requests")
     async def submit(
         request: Request, req: Annotated[SubmitRequest, schema.body(SubmitRequest)]

@@ -450,6 +450,13 @@ class JobQueue:
         return {**states, "duplicates": int(dup[0]["n"]),
                 "done_without_commit": int(done_without[0]["n"])}  # fmt: skip
 
+    def retries(self) -> int:
+        """Leases beyond each job's first: how often a job had to be run again."""
+        rows = self.db.execute(
+            "SELECT COALESCE(SUM(leases - 1), 0) AS n FROM jobs WHERE leases > 1"
+        )
+        return int(rows[0]["n"])
+
     # -- transitions inside a transaction ---------------------------------------------------
 
     def _commit(self, job: Job, result: dict[str, Any], replica: str, now: float) -> None:

@@ -1,0 +1,62 @@
+"""GET /metrics on a live swarm: Prometheus' text format, parsed with prometheus_client's own
+parser, and values that move when work runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from cellswarm.swarm.api import client
+from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.units import parse_bytes
+from tests.waiting import wait_until
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    r = httpx.get(f"{url}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: Samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(samples: Samples, name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def per_node(samples: Samples, name: str) -> dict[str, float]:
+    return {dict(labels)["node"]: v for (n, labels), v in samples.items() if n == name}
+
+
+def test_metrics_parse_and_move_when_work_runs(demo_path: Path, tmp_path: Path) -> None:
+    with LocalSwarm(str(demo_path), 3, "160M", tmp_path, stages=2) as swarm:
+        swarm.wait_ready()
+        before = scrape(swarm.url)
+        assert before[("cellswarm_wired", ())] == 1.0
+        assert before[("cellswarm_nodes", (("state", "assigned"),))] == 2
+        assert before[("cellswarm_nodes", (("state", "spare"),))] == 1
+        budgets = per_node(before, "cellswarm_node_memory_budget_bytes")
+        assert sorted(budgets) == ["worker-0", "worker-1", "worker-2"]
+        assert set(budgets.values()) == {parse_bytes("160M")}
+
+        ids = [client.submit(swarm.url, {"prompt": [1, 2, 3], "max_tokens": 6}) for _ in range(3)]
+        for rid in ids:
+            assert client.wait(swarm.url, rid, timeout_s=120)["state"] == "done"
+        # the stages' counters come with their heartbeats (every 0.25 s here)
+        wait_until(lambda: total(scrape(swarm.url), "cellswarm_node_decode_steps_total") >= 15, 20)
+        after = scrape(swarm.url)
+        assert after[("cellswarm_jobs", (("state", "done"),))] == 3
+        assert after[("cellswarm_jobs", (("state", "queued"),))] == 0
+        assert after[("cellswarm_job_duplicate_commits", ())] == 0
+        steps = "cellswarm_node_steps_total"
+        assert total(after, steps) > total(before, steps)
+        used = per_node(after, "cellswarm_node_memory_used_bytes")
+        peak = per_node(after, "cellswarm_node_memory_peak_bytes")
+        for node, budget in budgets.items():
+            assert 0 < used[node] <= peak[node] <= budget, node
