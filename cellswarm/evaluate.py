@@ -1,0 +1,117 @@
+"""`cellswarm eval`: what a quantization costs, and fixed-prompt regression checks.
+
+    cellswarm eval MODEL --quant q8_0,q4_0,q4_k [--text FILE] [--window 256]
+    cellswarm eval MODEL --prompts FILE --golden FILE [--write] [--max-tokens 24]
+
+The first scores a text with the model's weights unpacked to float32 (the reference) and
+with each re-quantized copy: perplexity, mean KL divergence from the reference and top-1
+agreement, per window of `--window` tokens. The second runs each prompt (one a line) greedily
+and checks the tokens against a golden file (engine/golden.py), or writes it with --write;
+the exit status says whether every prompt matched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cellswarm.engine import golden
+from cellswarm.engine.quality import Quality, log_softmax
+from cellswarm.errors import RequestError
+
+SAMPLE_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "sample_text.txt"
+
+
+def add_eval_command(sub: Any) -> None:
+    p = sub.add_parser("eval", help="quantization cost (perplexity, KL, top-1) and golden "
+                       "fixed-prompt checks")  # fmt: skip
+    p.add_argument("model", help="a .gguf file or a Hugging Face folder")
+    p.add_argument("--quant", help="comma-separated formats to compare with float32, e.g. "
+                   "q8_0,q4_0,q4_k")  # fmt: skip
+    p.add_argument("--text", type=Path, help="text to score (default: a sample shipped here)")
+    p.add_argument("--window", type=int, default=256, help="tokens per scored window")
+    p.add_argument("--prompts", type=Path, help="fixed prompts, one a line")
+    p.add_argument("--golden", type=Path, help="their golden outputs (JSON)")
+    p.add_argument("--write", action="store_true", help="write the golden file instead")
+    p.add_argument("--max-tokens", type=int, default=24, help="greedy tokens per prompt")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    if not args.quant and not args.prompts:
+        raise RequestError("eval needs --quant FORMATS or --prompts FILE --golden FILE")
+    status = 0
+    if args.quant:
+        rows = quant_table(args.model, args.quant.split(","), args.text, args.window)
+        print(json.dumps(rows) if args.json else format_table(rows))
+    if args.prompts:
+        status = golden_command(args)
+    return status
+
+
+def quant_table(model: str, quants: list[str], text: Path | None, window: int) -> list[dict]:
+    """One row per format, the float32 reference first."""
+    import cellswarm
+
+    if window < 2:
+        raise RequestError(f"--window {window} must be at least 2")
+    reference = cellswarm.load(model, quant="f32")
+    ids = reference.tokenizer.encode((text or SAMPLE_TEXT).read_text())
+    windows = [ids[i : i + window] for i in range(0, len(ids) - 1, window)]
+    windows = [w for w in windows if len(w) >= 2]
+    ref = [reference.logits(w)[:-1] for w in windows]
+    targets = np.concatenate([np.asarray(w[1:]) for w in windows])
+    rows = [_row("f32", score(ref, ref, targets))]
+    del reference
+    for q in quants:
+        cand = cellswarm.load(model, quant=q.strip())
+        rows.append(_row(q.strip(), score(ref, [cand.logits(w)[:-1] for w in windows], targets)))
+    return rows
+
+
+def score(ref: list[np.ndarray], cand: list[np.ndarray], targets: np.ndarray) -> Quality:
+    """Perplexity of the candidate; KL(reference || candidate) and top-1 agreement per
+    position, over every window's predicted positions."""
+    r, c = np.concatenate(ref), np.concatenate(cand)
+    ref_lp, cand_lp = log_softmax(r), log_softmax(c)
+    kl = (np.exp(ref_lp) * (ref_lp - cand_lp)).sum(axis=-1)
+    nll = -cand_lp[np.arange(len(targets)), targets]
+    return Quality(float(np.exp(nll.mean())), float(kl.mean()),
+                   float((r.argmax(-1) == c.argmax(-1)).mean()))  # fmt: skip
+
+
+def _row(quant: str, q: Quality) -> dict[str, Any]:
+    return {"quant": quant, "perplexity": round(q.perplexity, 4), "mean_kl": round(q.mean_kl, 6),
+            "top1_agreement": round(q.top1_agreement, 4)}  # fmt: skip
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'weights':<8} {'perplexity':>11} {'mean KL':>10} {'top-1':>8}"]
+    lines += [f"{r['quant']:<8} {r['perplexity']:>11.3f} {r['mean_kl']:>10.5f} "
+              f"{100 * r['top1_agreement']:>7.2f}%" for r in rows]  # fmt: skip
+    return "\n".join(lines)
+
+
+def golden_command(args: argparse.Namespace) -> int:
+    import cellswarm
+
+    if args.golden is None:
+        raise RequestError("--prompts needs --golden FILE (to check, or with --write to write)")
+    prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+    model = cellswarm.load(args.model)
+    if args.write:
+        written = golden.record(model, prompts, args.max_tokens, args.golden)
+        print(f"wrote {len(written)} golden outputs to {args.golden}")
+        return 0
+    checks = golden.check(model, golden.load(args.golden))
+    for c in checks:
+        verdict = "ok  " if c.ok else f"FAIL at token {c.mismatch}"
+        print(f"{verdict} {c.prompt!r}: {c.checked} tokens checked; got {c.got!r}")
+        if not c.ok:
+            print(f"     expected {c.expected!r}")
+    return 0 if all(c.ok for c in checks) else 1
