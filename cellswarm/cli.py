@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cellswarm.evaluate import add_eval_command
 
     add_eval_command(sub)
+    from cellswarm.doctor import add_doctor_command
+
+    add_doctor_command(sub)
     lg = sub.add_parser("logs", help="one request's timeline, merged across every node's log")
     lg.add_argument("request_id")
     lg.add_argument("--dir", default="cellswarm-logs", help="folder of the nodes' .jsonl logs")

@@ -1,0 +1,198 @@
+"""`cellswarm doctor --model FILE`: the seed's troubleshooting order, on this machine.
+
+The seed says: when something breaks, look at the input first (the file, the tokenizer
+matches the model, the format), then the environment (memory, disk, the kernels giving the
+right numbers), then a first real request (it loads, a short prompt gives non-empty, whole
+text, the same input gives the same output twice) — and only last at the tool. Each check
+prints one line, PASS or FAIL, and on a failure the fix; a check whose prerequisite failed
+is SKIPped. The exit status is 0 only when every check passed.
+
+(The swarm-wide form, through a coordinator and on every node, is still to come.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cellswarm.errors import CellswarmError
+
+if TYPE_CHECKING:
+    from cellswarm.engine.model import Model
+
+PROMPT = "The capital of France is"
+MIN_DISK_BYTES = 1 << 30  # the kernel cache, fetched shards and logs want room
+
+
+@dataclass(frozen=True)
+class Result:
+    step: str  # input, environment, request
+    name: str
+    status: str  # PASS, FAIL, SKIP
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        tail = f" — fix: {self.fix}" if self.fix else ""
+        return f"{self.status:<4} {self.step:<11} {self.name:<22} {self.detail}{tail}"
+
+
+class Doctor:
+    """The checks in order; later ones use what earlier ones found (the loaded model)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.model: Model | None = None
+        self.results: list[Result] = []
+
+    def run(self) -> list[Result]:
+        self._check("input", "model file", self.file)
+        self._check("input", "tokenizer", self.tokenizer, needs_model=True)
+        self._check("environment", "memory", self.memory, needs_model=True)
+        self._check("environment", "disk", self.disk)
+        self._check("environment", "kernels", self.kernels)
+        self._check("request", "short prompt", self.short_prompt, needs_model=True)
+        self._check("request", "same output twice", self.repeatable, needs_model=True)
+        return self.results
+
+    def _check(self, step: str, name: str, fn: Callable[[], tuple[bool, str, str]],
+               needs_model: bool = False) -> None:  # fmt: skip
+        if needs_model and self.model is None:
+            self.results.append(Result(step, name, "SKIP", "the model did not load"))
+            return
+        try:
+            ok, detail, fix = fn()
+        except CellswarmError as exc:
+            ok, detail, fix = False, str(exc), "see the message"
+        self.results.append(Result(step, name, "PASS" if ok else "FAIL", detail, fix))
+
+    # -- input ---------------------------------------------------------------------------
+
+    def file(self) -> tuple[bool, str, str]:
+        import cellswarm
+        from cellswarm.verify import verify
+
+        if not self.path.is_dir():
+            done = verify(self.path)
+            detail = f"{done.architecture}, {done.tensors} tensors, every block's scales finite"
+        else:
+            detail = "a Hugging Face folder"
+        self.model = cellswarm.load(self.path)
+        return True, detail, ""
+
+    def tokenizer(self) -> tuple[bool, str, str]:
+        assert self.model is not None
+        tok, rows = self.model.tokenizer, int(self.model.config.vocab_size)
+        ok = tok.vocab_size <= rows
+        detail = f"{tok.vocab_size} tokens for {rows} embedding rows"
+        return ok, detail, "" if ok else "use the tokenizer that came with the model"
+
+    # -- environment ---------------------------------------------------------------------
+
+    def memory(self) -> tuple[bool, str, str]:
+        from cellswarm.units import format_bytes
+
+        assert self.model is not None
+        need = self.model.memory(batch=1, context=min(4096, self.model.config.context_length))
+        free = available_bytes()
+        ok = free is None or need.total_bytes <= free
+        detail = (f"needs {format_bytes(need.total_bytes)} (weights, KV for "
+                  f"{need.context} tokens, scratch); "
+                  f"{'unknown' if free is None else format_bytes(free)} available")  # fmt: skip
+        return ok, detail, "" if ok else "free memory, shorten the context or quantize further"
+
+    def disk(self) -> tuple[bool, str, str]:
+        from cellswarm.kernels import cache_dir
+        from cellswarm.units import format_bytes
+
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(folder).free
+        ok = free >= MIN_DISK_BYTES
+        detail = f"{format_bytes(free)} free at {folder}"
+        fix = f"free space there (at least {format_bytes(MIN_DISK_BYTES)})"
+        return ok, detail, "" if ok else fix
+
+    def kernels(self) -> tuple[bool, str, str]:
+        """A matmul of known inputs in this machine's kernels against the codec path."""
+        from cellswarm import kernels
+        from cellswarm.quant import PackedMatrix, format_by_name
+
+        if not kernels.enabled():
+            return True, "no C compiler: the numpy path (slower, exact)", ""
+        rng = np.random.default_rng(7)
+        w = rng.standard_normal((64, 256)).astype(np.float32)
+        x = rng.standard_normal((1, 256)).astype(np.float32)
+        m = PackedMatrix.from_float(w, format_by_name("Q8_0"))
+        fast = m.matmul(x)
+        exact = x @ m.dequantize().T
+        err = float(np.abs(fast - exact).max() / np.abs(exact).max())
+        ok = err < 2e-2  # int8 activations: ~1e-3 on random data
+        detail = f"Q8_0 matmul within {err:.1e} of the float path ({kernels.backend()})"
+        return ok, detail, "" if ok else (
+            "the kernels give wrong numbers here: rebuild them (delete the kernel cache) or "
+            "run with CELLSWARM_KERNELS=numpy")  # fmt: skip
+
+    # -- a first request -----------------------------------------------------------------
+
+    def short_prompt(self) -> tuple[bool, str, str]:
+        assert self.model is not None
+        out = self.model.generate(PROMPT, max_tokens=16)
+        text = out.text
+        whole = "\ufffd" not in text
+        ok = bool(text.strip()) and whole
+        detail = f"{PROMPT!r} -> {text!r} ({out.stats.decode_tokens_per_s:.1f} tok/s)"
+        if ok:
+            return True, detail, ""
+        if not text.strip():
+            return False, detail, "empty output: check the model and its tokenizer"
+        return False, detail, "garbled output (broken characters): check the tokenizer"
+
+    def repeatable(self) -> tuple[bool, str, str]:
+        assert self.model is not None
+        a = self.model.generate(PROMPT, max_tokens=16).token_ids
+        b = self.model.generate(PROMPT, max_tokens=16).token_ids
+        ok = a == b
+        detail = "greedy tokens equal on two runs" if ok else f"{a} then {b}"
+        return ok, detail, "" if ok else "nondeterministic kernels: report it with this output"
+
+
+def available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def add_doctor_command(sub: Any) -> None:
+    p = sub.add_parser("doctor", help="check a model and this machine in the seed's order: "
+                       "input, environment, a first request")  # fmt: skip
+    p.add_argument("--model", help="the .gguf file or folder (default: the demo model)")
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from cellswarm.demo import demo_model_path
+
+    path = Path(args.model) if args.model else Path(demo_model_path())
+    if not path.exists():
+        print(f"FAIL input       model file             {path} does not exist — fix: give a "
+              ".gguf file or a model folder")  # fmt: skip
+        return 1
+    results = Doctor(path).run()
+    for r in results:
+        print(r.line(), flush=True)
+    failed = [r for r in results if r.status != "PASS"]
+    print(f"{len(results) - len(failed)} of {len(results)} checks passed"
+          + (f"; start with the first failure ({failed[0].name})" if failed else ""))  # fmt: skip
+    return 1 if failed else 0
+
