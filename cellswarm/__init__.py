@@ -8,6 +8,8 @@ model.generate("The capital of France is")     # Generation(text, token_ids, sta
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # pyproject.toml reads it; nodes report it (doctor compares)
+
 import os
 from typing import TYPE_CHECKING, Any
 

@@ -7,7 +7,13 @@ text, the same input gives the same output twice) — and only last at the tool.
 prints one line, PASS or FAIL, and on a failure the fix; a check whose prerequisite failed
 is SKIPped. The exit status is 0 only when every check passed.
 
-(The swarm-wide form, through a coordinator and on every node, is still to come.)
+`cellswarm doctor --coordinator URL` walks the same order for a running swarm: the
+coordinator answers (the symptom: is anything up), the input (the coordinator's tokenizer
+against the model), every node brought up in stages through the coordinator (an echo round
+trip, a matmul of known inputs in the node's kernels, one forward step of its shard against
+the coordinator's own — swarm/control/checkup.py), the environment across nodes (memory and
+disk for each, OOM kills, and every version or CPU flag that differs), then a fixed prompt
+end to end, twice, and its request and response found in the logs.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class Result:
     status: str  # PASS, FAIL, SKIP
     detail: str
     fix: str = ""
+    node: str = ""  # the node a line is about (doctor --coordinator), else ""
 
     def line(self) -> str:
         tail = f" — fix: {self.fix}" if self.fix else ""
@@ -173,26 +180,165 @@ def available_bytes() -> int | None:
     return None
 
 
+class SwarmDoctor:
+    """The checks of a running swarm, through its coordinator (an operator's credentials:
+    an admin's API key or the cluster token)."""
+
+    def __init__(self, url: str, token: bytes | None = None, api_key: str | None = None,
+                 tls: str | None = None, wait_s: float = 20.0) -> None:  # fmt: skip
+        self.url, self.token, self.api_key, self.tls = url.rstrip("/"), token, api_key, tls
+        self.wait_s = wait_s
+        self.results: list[Result] = []
+
+    def run(self) -> list[Result]:
+        if not self._reachable():
+            return self.results
+        self.results += self._rounds()
+        if any(r.status == "FAIL" and r.step == "input" for r in self.results):
+            self.results.append(Result("request", "short prompt", "SKIP", "the input failed"))
+            return self.results
+        self._requests()
+        return self.results
+
+    def _headers(self) -> dict[str, str]:
+        from cellswarm.swarm.api import client
+        from cellswarm.swarm.auth import prove
+        from cellswarm.swarm.control.logship import OPERATOR
+
+        if self.api_key or self.token is None:
+            return {}
+        nonce = str(client.call(self.url, "/v1/challenge", {}, tls=self.tls)["nonce"])
+        return {"X-Cellswarm-Proof": f"{nonce}:{prove(self.token, nonce, OPERATOR)}"}
+
+    def _reachable(self) -> bool:
+        import time
+
+        from cellswarm.swarm.api import client
+
+        t0 = time.perf_counter()
+        try:
+            status = client.call(self.url, "/v1/status", timeout_s=10, tls=self.tls,
+                                 api_key=self.api_key)  # fmt: skip
+        except CellswarmError as exc:
+            self.results.append(Result("symptom", "coordinator", "FAIL", str(exc),
+                                       "start it (`cellswarm up` or `cellswarm coordinator`), "
+                                       "or give its URL"))  # fmt: skip
+            return False
+        ms = (time.perf_counter() - t0) * 1e3
+        states = [n["state"] for n in status.get("nodes", [])]
+        wired = bool(status.get("wired"))
+        detail = (f"answered in {ms:.0f} ms; {len(states)} nodes "
+                  f"({', '.join(f'{states.count(s)} {s}' for s in sorted(set(states)))}); "
+                  f"{'wired' if wired else 'not wired: ' + str(status.get('problem') or '')}")
+        fix = "" if wired else "no ring serves yet: see `cellswarm status` for why"
+        self.results.append(Result("symptom", "coordinator", "PASS" if wired else "FAIL",
+                                   detail, fix))  # fmt: skip
+        return True
+
+    def _rounds(self) -> list[Result]:
+        from cellswarm.swarm.api import client
+
+        try:
+            answer = client.call(self.url, "/v1/doctor", {"wait_s": self.wait_s},
+                                 timeout_s=self.wait_s + 120, tls=self.tls,
+                                 headers=self._headers(), api_key=self.api_key)  # fmt: skip
+        except CellswarmError as exc:
+            return [Result("node", "checks", "FAIL", str(exc),
+                           "give --token-file (the cluster's token) or an admin's --api-key")]
+        return [Result(**r) for r in answer["results"]]
+
+    def _requests(self) -> None:
+        """The seed's first real request: non-empty whole text, the same twice, logged."""
+        from cellswarm.swarm.api import client
+
+        body = {"prompt": PROMPT, "max_tokens": 16}
+        outs = []
+        for _ in range(2):
+            try:
+                rid = client.submit(self.url, body, tls=self.tls, api_key=self.api_key)
+                outs.append((rid, client.wait(self.url, rid, timeout_s=300, tls=self.tls,
+                                              api_key=self.api_key)))  # fmt: skip
+            except CellswarmError as exc:
+                self.results.append(Result("request", "short prompt", "FAIL", str(exc),
+                                           "read the request's log (`cellswarm logs ID`)"))
+                return
+        (rid, first), (_, second) = outs
+        text = str(first.get("text", ""))
+        ok = first["state"] == "done" and bool(text.strip()) and "\ufffd" not in text
+        self.results.append(Result(
+            "request", "short prompt", "PASS" if ok else "FAIL",
+            f"{PROMPT!r} -> {text!r} ({first['state']}, {first.get('attempts', 1)} lease(s))",
+            "" if ok else "empty or garbled text: check the tokenizer, then the nodes above"))
+        same = first["tokens"] == second["tokens"]
+        self.results.append(Result(
+            "request", "same output twice", "PASS" if same else "FAIL",
+            "greedy tokens equal on two runs" if same else
+            f"{first['tokens']} then {second['tokens']}",
+            "" if same else "a node computes wrong or nondeterministic numbers: look at "
+            "the nodes' matmul and forward lines"))  # fmt: skip
+        self.results.append(self._logged(rid))
+
+    def _logged(self, rid: str) -> Result:
+        import time
+
+        from cellswarm.swarm.control.logship import fetch_timeline
+
+        names: set[str] = set()
+        for _ in range(50):  # events reach the coordinator's table within a second or two
+            try:
+                events, _ = fetch_timeline(self.url, rid, token=self.token,
+                                           api_key=self.api_key, tls=self.tls)  # fmt: skip
+            except CellswarmError as exc:
+                return Result("request", "in the logs", "FAIL", str(exc),
+                              "give --token-file or an admin's --api-key to read the logs")
+            names = {str(e["event"]) for e in events}
+            if "submitted" in names and names & {"completed", "done"}:
+                return Result("request", "in the logs", "PASS",
+                              f"{rid}: {len(events)} events from "
+                              f"{len({e['node'] for e in events})} nodes, submitted to done")
+            time.sleep(0.2)
+        return Result("request", "in the logs", "FAIL", f"{rid}: only {sorted(names)} logged",
+                      "a node's log does not reach the coordinator: is its disk full?")
+
+
 def add_doctor_command(sub: Any) -> None:
-    p = sub.add_parser("doctor", help="check a model and this machine in the seed's order: "
-                       "input, environment, a first request")  # fmt: skip
+    p = sub.add_parser("doctor", help="check a model and this machine, or a running swarm, "
+                       "in the seed's order: input, environment, a first request")  # fmt: skip
     p.add_argument("--model", help="the .gguf file or folder (default: the demo model)")
+    p.add_argument("--coordinator", metavar="URL", help="check a running swarm and every "
+                   "node through its coordinator instead")  # fmt: skip
+    p.add_argument("--token-file", help="the cluster's token (an operator's proof)")
+    p.add_argument("--api-key", help="an admin's API key (a coordinator with --api-key-file)")
+    p.add_argument("--tls", help="this operator's certificate folder (`cellswarm certs`)")
+    p.add_argument("--wait", type=float, default=20.0,
+                   help="seconds the nodes have to answer (default 20)")  # fmt: skip
     p.set_defaults(func=cmd_doctor)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from cellswarm.demo import demo_model_path
 
+    if args.coordinator:
+        from cellswarm.swarm.auth import load_token
+
+        token = load_token(args.token_file) if args.token_file else None
+        results = SwarmDoctor(args.coordinator, token, args.api_key, args.tls, args.wait).run()
+        return report(results)
     path = Path(args.model) if args.model else Path(demo_model_path())
     if not path.exists():
         print(f"FAIL input       model file             {path} does not exist — fix: give a "
               ".gguf file or a model folder")  # fmt: skip
         return 1
-    results = Doctor(path).run()
+    return report(Doctor(path).run())
+
+
+def report(results: list[Result]) -> int:
+    """One line per check, a summary, and the exit status (1 on any failure)."""
     for r in results:
         print(r.line(), flush=True)
     failed = [r for r in results if r.status != "PASS"]
+    first = next((r for r in failed if r.status == "FAIL"), failed[0] if failed else None)
     print(f"{len(results) - len(failed)} of {len(results)} checks passed"
-          + (f"; start with the first failure ({failed[0].name})" if failed else ""))  # fmt: skip
+          + (f"; start with the first failure ({first.name})" if first else ""))  # fmt: skip
     return 1 if failed else 0
 

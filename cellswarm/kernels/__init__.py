@@ -75,6 +75,16 @@ def library_path(extra: tuple[str, ...] | None = None) -> Path:
     return cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
 
 
+def build_id() -> str:
+    """The kernels' sources and flags (not the CPU): nodes that differ here run different
+    arithmetic (doctor compares it across nodes)."""
+    key = hashlib.sha256()
+    for source in sorted(SOURCE.parent.glob("*.c")):
+        key.update(source.read_bytes())
+    key.update(" ".join((*CFLAGS, *extra_flags())).encode())
+    return key.hexdigest()[:12]
+
+
 def _cpu_signature() -> str:
     """-march=native code must not run on another CPU that shares this cache directory."""
     try:

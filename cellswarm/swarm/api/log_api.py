@@ -39,32 +39,44 @@ def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> 
         return {"acked": len(d["events"]), "added": added}
 
     def operator(request: Request, request_id: str) -> None:
-        if coord.token is None and not api_keys:
-            return
-        h = request.headers
-        caller = request.state.caller
-        if api_keys and caller is not None:  # a good API key
-            job = None if caller.admin else coord.queue.get(request_id)
-            if not caller.admin and (job is None or not caller.sees(job.owner)):
-                raise NotFound(f"no request {request_id!r}", param="request_id")
-            return
-        nonce, _, proof = h.get("x-cellswarm-proof", "").partition(":")
-        if coord.token is not None and nonce:
-            expiry = coord.nonces.pop(nonce, None)  # single use, as for a join
-            if expiry is not None and expiry > time.monotonic() \
-                    and verify(coord.token, nonce, OPERATOR, proof):  # fmt: skip
-                return
-        node_id, _, session = h.get("x-cellswarm-session", "").partition(":")
-        if node_id:
-            coord.authenticate(node_id, session)
-            return
-        raise PermissionError(
-            "the logs need an API key (Authorization: Bearer KEY), a proof "
-            "of the cluster token (--token-file) or a node's session"
-        )
+        require_operator(coord, request, api_keys, request_id)
 
     @app.get("/v1/logs/{request_id}")
     async def timeline(request_id: str, request: Request) -> dict[str, Any]:
         operator(request, request_id)
         events = await asyncio.to_thread(coord.events.timeline, request_id)
         return {"request_id": request_id, "events": events}
+
+
+def require_operator(coord: Coordinator, request: Request, api_keys: bool,
+                     request_id: str | None = None) -> None:  # fmt: skip
+    """An operator's route: an API key (an admin's; for `request_id`, also its owner's), a
+    proof of the cluster token over a fresh nonce, or a node's session; open only when the
+    coordinator has neither a token nor API keys. PermissionError otherwise."""
+    if coord.token is None and not api_keys:
+        return
+    h = request.headers
+    caller = request.state.caller
+    if api_keys and caller is not None:  # a good API key
+        if caller.admin:
+            return
+        job = coord.queue.get(request_id) if request_id is not None else None
+        if job is None or not caller.sees(job.owner):
+            if request_id is None:
+                raise PermissionError("this route needs an admin's API key")
+            raise NotFound(f"no request {request_id!r}", param="request_id")
+        return
+    nonce, _, proof = h.get("x-cellswarm-proof", "").partition(":")
+    if coord.token is not None and nonce:
+        expiry = coord.nonces.pop(nonce, None)  # single use, as for a join
+        if expiry is not None and expiry > time.monotonic() \
+                and verify(coord.token, nonce, OPERATOR, proof):  # fmt: skip
+            return
+    node_id, _, session = h.get("x-cellswarm-session", "").partition(":")
+    if node_id:
+        coord.authenticate(node_id, session)
+        return
+    raise PermissionError(
+        "this route needs an API key (Authorization: Bearer KEY), a proof "
+        "of the cluster token (--token-file) or a node's session"
+    )

@@ -32,6 +32,7 @@ from cellswarm.errors import BudgetError, RequestError, StorageFullError
 from cellswarm.planner.placement import StageCosts
 from cellswarm.swarm.auth import digest, load_token, new_nonce, verify
 from cellswarm.swarm.control import rebalance
+from cellswarm.swarm.control.checkup import Checkups
 from cellswarm.swarm.control.db import open_database
 from cellswarm.swarm.control.jobs import Job, JobQueue, QueueConfig
 from cellswarm.swarm.control.logship import EventStore, LogShipper
@@ -85,6 +86,7 @@ class Coordinator:
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's (see monitor)
         self.loop_thread = 0
         self.last_probe: dict[str, float] = {}
+        self.checkups = Checkups()  # doctor rounds, carried by heartbeats (checkup.py)
         self.log = JsonLog(config.log_dir, "coordinator")
         self.events = EventStore(db)  # every node's events, ours too (logship.py)
         self.log_shipper = LogShipper(lambda b: self.events.insert(PEER_ID, self.log_shipper.run,
@@ -252,10 +254,12 @@ class Coordinator:
             live = replace(live, written_s=written.written_s)
         self.beats[node.node_id] = live
         self.node_stats[node.node_id] = beat.get("stats")
+        if isinstance(beat.get("check"), dict):
+            self.checkups.take(node.node_id, beat["check"])
         epoch = self.epoch
         return {"shard": self._shard_for(node), "epoch": epoch, "probe": self._probe(node),
                 "wired": self.wired_epoch == epoch, "lease_s": self.config.lease_s,
-                "now_s": time.time()}  # fmt: skip
+                "now_s": time.time(), "check": self.checkups.ask(node.node_id)}  # fmt: skip
 
     def _shard_for(self, node: Node) -> dict[str, Any] | None:
         if node.state != "assigned" or node.shard is None:

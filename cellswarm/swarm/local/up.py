@@ -54,6 +54,7 @@ class LocalSwarm:
     threads: int = 1
     worker_memory: dict[int, str] = field(default_factory=dict)  # per-worker overrides
     fail_forward: Sequence[int] = ()  # workers whose every forward pass fails (tests)
+    worker_env: dict[int, dict[str, str]] = field(default_factory=dict)  # e.g. PYTHONPATH
     fail_token: int | None = None  # every worker fails a request's step with this token (tests)
     fetch: bool = False  # workers fetch their shards from the coordinator into state_dir
     dram_budget: str | None = None  # workers tier their shard's experts (engine/tiered/)
@@ -86,9 +87,10 @@ class LocalSwarm:
         self.urls = [f"{scheme}://127.0.0.1:{p}" for p in self.ports]
         self.url = self.urls[0]
 
-    def _spawn(self, name: str, args: list[str], ready: str) -> subprocess.Popen[str]:
+    def _spawn(self, name: str, args: list[str], ready: str,
+               env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
         cmd = [sys.executable, "-m", "cellswarm.cli", *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=env, start_new_session=True)  # fmt: skip
         self.procs[name] = p
@@ -154,7 +156,7 @@ class LocalSwarm:
     def start_worker(self, i: int) -> None:
         args = ["worker", *to_flags(self.worker_config(i))]
         args += ["--tls", str(self.tls_dir)] if self.tls_dir else []
-        self._spawn(f"worker-{i}", args, "JOINED")
+        self._spawn(f"worker-{i}", args, "JOINED", self.worker_env.get(i))
 
     def start(self) -> None:
         """The coordinator(s), then every worker; on any failure (or a signal), none."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
 from cellswarm.errors import BudgetError, CellswarmError, RequestError
+from cellswarm.kernels import cache_dir as kernels_cache_dir
 from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.control.logship import LogShipper
 from cellswarm.swarm.control.store import shard_id
@@ -95,6 +96,8 @@ class Worker:
         self.data_port: int | None = None
         self.refused = ""
         self.probe: tuple[bool, str] | None = None
+        self.check: dict[str, Any] | None = None  # a doctor round's answer, for the next beat
+        self.echo_s: float | None = None  # the last heartbeat's round trip
         self.caps: dict[str, Any] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loading: asyncio.Task[None] | None = None  # the shard being loaded, if any
@@ -167,7 +170,11 @@ class Worker:
         if self.probe is not None:
             beat["probe_ok"], beat["probe_error"] = self.probe
             self.probe = None
+        if self.check is not None:
+            beat["check"], self.check = self.check, None
+        t0 = time.perf_counter()
         answer = self._post("/v1/heartbeat", beat)
+        self.echo_s = time.perf_counter() - t0
         if answer.get("now_s") is not None:
             self.clock.add(beat["sent_s"], float(answer["now_s"]), time.time())
         return answer
@@ -273,6 +280,8 @@ class Worker:
         self.lease_s = float(answer.get("lease_s", self.lease_s))
         if answer.get("probe"):
             self.probe = await self.probe_beside_nothing()
+        if answer.get("check"):
+            self.check = await self.run_checks(answer["check"])
         if shard is None:
             if self.stage is not None or self.part is not None:
                 await self.stop_serving("the coordinator gave this node no shard")
@@ -409,6 +418,22 @@ class Worker:
         if self.stage is not None:
             return await self.stage.compute(self.run_probe)
         return await asyncio.to_thread(self.run_probe)
+
+    async def run_checks(self, ask: dict[str, Any]) -> dict[str, Any]:
+        """A doctor round (swarm/node/checks.py), run where the steps run, as the probe is."""
+        from cellswarm.swarm.node import checks
+
+        stage, c = self.stage, self.config
+        folders = (c.log_dir, c.cache_dir, str(kernels_cache_dir()))
+
+        def run() -> dict[str, Any]:
+            return checks.run(int(ask["seed"]), stage.model if stage else None, folders,
+                              c.perturb)  # fmt: skip
+
+        out = await stage.compute(run) if stage is not None else await asyncio.to_thread(run)
+        out["env"]["rss_bytes"] = rss_bytes()
+        layers = list(stage.config.layers) if stage is not None else None
+        return {**out, "round": ask.get("round"), "echo_s": self.echo_s, "layers": layers}
 
     def run_probe(self) -> tuple[bool, str]:
         """A health check an offline node must pass to get a shard again: one forward step

@@ -1,0 +1,273 @@
+"""The coordinator's half of `cellswarm doctor --coordinator`: rounds of node checks carried
+by heartbeats, the references they are judged against, and the judgement.
+
+A round asks every live node (spare, assigned, offline) for the checks of
+`swarm/node/checks.py` with a fresh seed; each node's next heartbeat answer carries the ask,
+the one after brings the result (a node that never answers fails its echo). Judging is a
+pure function of the results and the references, in the seed's order: input (the model's
+tokenizer), then per node echo -> matmul -> forward (a node that fails a step is not judged
+on the later ones), then the environment across nodes (each node's memory and disk, and every
+fact that differs between nodes: versions, kernels, CPU flags).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from cellswarm.doctor import MIN_DISK_BYTES, Result
+from cellswarm.swarm.node.checks import digest_error
+from cellswarm.units import format_bytes
+
+MATMUL_TOLERANCE = 2e-2  # int8 activations: ~1e-2 of the largest output on random data
+FORWARD_TOLERANCE = 5e-2  # a shard's step on another node's kernels: ~1e-3; a wrong one: ~1
+ECHO_SLOW_S = 1.0  # a heartbeat round trip beyond this makes leases and liveness fragile
+SAME_EVERYWHERE = ("cellswarm", "python", "numpy", "kernels", "kernel_build", "machine")
+
+
+@dataclass
+class Round:
+    """One doctor run's checks: who was asked, and what each answered."""
+
+    round_id: str
+    seed: int
+    asked: set[str]
+    started_s: float = field(default_factory=time.monotonic)
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.asked <= set(self.results)
+
+
+class Checkups:
+    """The rounds in flight (a few at most: one per doctor running)."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[str, Round] = {}
+
+    def start(self, node_ids: list[str]) -> Round:
+        self._forget_old()
+        r = Round(secrets.token_hex(4), secrets.randbelow(1 << 30), set(node_ids))
+        self.rounds[r.round_id] = r
+        return r
+
+    def ask(self, node_id: str) -> dict[str, Any] | None:
+        """What to put in this node's heartbeat answer: the oldest round it has not answered."""
+        for r in self.rounds.values():
+            if node_id in r.asked and node_id not in r.results:
+                return {"round": r.round_id, "seed": r.seed}
+        return None
+
+    def take(self, node_id: str, result: dict[str, Any]) -> None:
+        r = self.rounds.get(str(result.get("round")))
+        if r is not None and node_id in r.asked:
+            r.results[node_id] = result
+
+    def _forget_old(self, max_age_s: float = 600.0) -> None:
+        now = time.monotonic()
+        self.rounds = {k: r for k, r in self.rounds.items() if now - r.started_s < max_age_s}
+
+
+# -- judging (pure) -------------------------------------------------------------------------
+
+
+def judge_tokenizer(tokens: int | None, rows: int) -> Result:
+    if tokens is None:
+        return Result("input", "tokenizer", "PASS", f"the model carries no tokenizer "
+                      f"({rows} embedding rows): clients send token ids")  # fmt: skip
+    ok = tokens <= rows
+    return Result("input", "tokenizer", "PASS" if ok else "FAIL",
+                  f"{tokens} tokens for {rows} embedding rows",
+                  "" if ok else "give the coordinator the tokenizer that came with the model "
+                  "(ids past the embedding index nothing)")  # fmt: skip
+
+
+def judge_node(node_id: str, state: str, result: dict[str, Any] | None, matmul_ref: np.ndarray,
+               forward_ref: dict[str, Any] | None) -> list[Result]:  # fmt: skip
+    """One node's staged bring-up: echo, then matmul, then forward; a failed step skips the
+    ones after it (they would only repeat it)."""
+    return [replace(r, node=node_id) for r in _bring_up(node_id, state, result, matmul_ref,
+                                                          forward_ref)]  # fmt: skip
+
+
+def _bring_up(node_id: str, state: str, result: dict[str, Any] | None, matmul_ref: np.ndarray,
+              forward_ref: dict[str, Any] | None) -> list[Result]:  # fmt: skip
+    who = f"{node_id} ({state})"
+    if result is None:
+        return [Result("node", f"{node_id} echo", "FAIL", f"{who} did not answer the check",
+                       "look at the node: is its process up and can it reach the "
+                       "coordinator? (`cellswarm status`, its log)")]  # fmt: skip
+    out = [_echo(node_id, who, result)]
+    if result.get("error"):
+        out.append(Result("node", f"{node_id} matmul", "FAIL", f"{who}: {result['error']}",
+                          "read the node's log; run `cellswarm doctor --model` there"))  # fmt: skip
+        return out
+    out.append(_matmul(node_id, who, result, matmul_ref))
+    if out[-1].status != "PASS":
+        out.append(Result("node", f"{node_id} forward", "SKIP", "its matmul failed"))
+        return out
+    out.append(_forward(node_id, who, result, forward_ref))
+    return out
+
+
+def _echo(node_id: str, who: str, result: dict[str, Any]) -> Result:
+    rtt = result.get("echo_s")
+    if rtt is None:
+        return Result("node", f"{node_id} echo", "PASS", f"{who} answered (no round trip yet)")
+    ok = float(rtt) <= ECHO_SLOW_S
+    return Result("node", f"{node_id} echo", "PASS" if ok else "FAIL",
+                  f"{who} heartbeat round trip {float(rtt) * 1e3:.1f} ms",
+                  "" if ok else "a slow link or an overloaded coordinator: leases and "
+                  "liveness need round trips well under a second")  # fmt: skip
+
+
+def _matmul(node_id: str, who: str, result: dict[str, Any], ref: np.ndarray) -> Result:
+    got = np.asarray(result.get("matmul") or [], np.float64)
+    err = float(np.abs(got - ref).max() / max(float(np.abs(ref).max()), 1e-12)) \
+        if got.shape == ref.shape else float("inf")  # fmt: skip
+    ok = err <= MATMUL_TOLERANCE
+    return Result("node", f"{node_id} matmul", "PASS" if ok else "FAIL",
+                  f"{who} Q8_0 matmul within {err:.1e} of the float product "
+                  f"({result.get('env', {}).get('kernels', '?')} kernels)",
+                  "" if ok else "this node's kernels give wrong numbers: delete its kernel "
+                  "cache (~/.cache/cellswarm/kernels) and restart it, or run it with "
+                  "CELLSWARM_KERNELS=numpy; take it out of the swarm until it passes")  # fmt: skip
+
+
+def _forward(node_id: str, who: str, result: dict[str, Any],
+             ref: dict[str, Any] | None) -> Result:  # fmt: skip
+    got = result.get("forward")
+    if got is None or ref is None:
+        return Result("node", f"{node_id} forward", "PASS", f"{who} holds no layers (a spare)")
+    err = digest_error(got, ref)
+    ok = err <= FORWARD_TOLERANCE
+    return Result("node", f"{node_id} forward", "PASS" if ok else "FAIL",
+                  f"{who} layers {_span(result.get('layers'))}: one step within {err:.1e} of the "
+                  "coordinator's", "" if ok else "this node's shard computes something else: "
+                  "is its model file the coordinator's (same checksum)? re-fetch it, then "
+                  "check its kernels")  # fmt: skip
+
+
+def _span(layers: Any) -> str:
+    return f"{layers[0]}..{int(layers[1]) - 1}" if layers else "-"
+
+
+def collapse(results: list[Result], limit: int = 8) -> list[Result]:
+    """With more than `limit` nodes, each node's passing lines of a kind become one line
+    (a swarm of thousands reads as its failures, not as thousands of PASS lines)."""
+    per_kind: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        if r.node:
+            per_kind.setdefault((r.step, r.name.partition(" ")[2]), []).append(r)
+    if len({r.node for r in results if r.node}) <= limit:
+        return results
+    out, said = [], set()
+    for r in results:
+        key = (r.step, r.name.partition(" ")[2])
+        if not r.node or r.status != "PASS":
+            out.append(r)
+        elif key not in said:
+            said.add(key)
+            passed = [x for x in per_kind[key] if x.status == "PASS"]
+            out.append(Result(r.step, f"{len(passed)} nodes {key[1]}", "PASS",
+                              f"e.g. {passed[0].detail}"))  # fmt: skip
+    return out
+
+
+def judge_environment(envs: dict[str, dict[str, Any]], budgets: dict[str, int]) -> list[Result]:
+    """Each node's room (memory for its budget, disk), OOM kills, then what differs."""
+    out: list[Result] = []
+    for node_id, env in sorted(envs.items()):
+        out += [replace(r, node=node_id) for r in _room(node_id, env, budgets.get(node_id))]
+    for key in SAME_EVERYWHERE:
+        out.append(_same(key, {n: str(e.get(key)) for n, e in envs.items()}))
+    flags = {n: ",".join(e.get("cpu_flags") or []) or "-" for n, e in envs.items()}
+    out.append(_same("cpu_flags", flags, fix="nodes with fewer CPU features run slower "
+                     "kernels: place by the measured speed, or group alike nodes"))  # fmt: skip
+    return out
+
+
+def _room(node_id: str, env: dict[str, Any], budget: int | None) -> list[Result]:
+    out = []
+    free = env.get("memory_available_bytes")
+    rss = int(env.get("rss_bytes") or 0)
+    if free is not None and budget:
+        ok = int(free) + rss >= budget
+        out.append(Result("environment", f"{node_id} memory", "PASS" if ok else "FAIL",
+                          f"--memory {format_bytes(budget)}; {format_bytes(int(free))} "
+                          f"available beside its {format_bytes(rss)}",
+                          "" if ok else "the host cannot give the budget: lower --memory or "
+                          "free memory there"))  # fmt: skip
+    disks = env.get("disk_free_bytes") or {}
+    if disks:
+        where, least = min(disks.items(), key=lambda kv: kv[1])
+        ok = least >= MIN_DISK_BYTES
+        out.append(Result("environment", f"{node_id} disk", "PASS" if ok else "FAIL",
+                          f"{format_bytes(least)} free at {where}",
+                          "" if ok else f"free space there (at least "
+                          f"{format_bytes(MIN_DISK_BYTES)}): logs and fetched shards need "
+                          "it"))  # fmt: skip
+    kills = int(env.get("oom_kills_cgroup") or 0)
+    seen = int(env.get("oom_kills") or 0)
+    out.append(Result("environment", f"{node_id} oom kills", "PASS" if kills == 0 else "FAIL",
+                      f"{kills} in its memory cgroup; {seen} in the host's kernel log",
+                      "" if kills == 0 else "the kernel killed processes of this node for "
+                      "memory: give it a budget below its cgroup limit"))  # fmt: skip
+    return out
+
+
+def _same(key: str, values: dict[str, str], fix: str = "") -> Result:
+    counts = Counter(values.values())
+    if len(counts) <= 1:
+        value = next(iter(counts), "-")
+        return Result("environment", f"same {key}", "PASS", f"{value} on every node")
+    usual = counts.most_common(1)[0][0]
+    odd = sorted(n for n, v in values.items() if v != usual)
+    detail = f"{', '.join(f'{n}: {values[n]}' for n in odd)}; the others: {usual}"
+    return Result("environment", f"same {key}", "FAIL", detail, fix or
+                  f"install the same {key} on every node (a node that differs may compute "
+                  "different numbers)")  # fmt: skip
+
+
+# -- one round, judged (the coordinator's thread: it loads the shards' layers) --------------
+
+
+def judge_round(model_path: str, tokenizer_size: int | None, rnd: Round,
+                nodes: list[Any]) -> list[Result]:  # fmt: skip
+    """Every line of a round, in the seed's order: input, nodes, environment."""
+    from cellswarm.loader import read_config
+    from cellswarm.swarm.node.checks import matmul_reference
+
+    rows = int(read_config(model_path).vocab_size)
+    out = [judge_tokenizer(tokenizer_size, rows)]
+    matmul_ref = matmul_reference(rnd.seed)
+    refs: dict[tuple[int, int], dict[str, Any]] = {}
+    for n in sorted(nodes, key=lambda n: n.node_id):
+        result = rnd.results.get(n.node_id)
+        layers = tuple(result["layers"]) if result and result.get("layers") else None
+        if layers is not None and layers not in refs:
+            refs[layers] = forward_reference(model_path, (int(layers[0]), int(layers[1])),
+                                             rnd.seed)  # fmt: skip
+        out += judge_node(n.node_id, n.state, result, matmul_ref,
+                          refs.get(layers) if layers else None)  # fmt: skip
+    envs = {k: r["env"] for k, r in rnd.results.items() if isinstance(r.get("env"), dict)}
+    budgets = {n.node_id: int(n.capabilities.get("memory_bytes") or 0) for n in nodes}
+    return collapse(out + judge_environment(envs, budgets))
+
+
+def forward_reference(model_path: str, layers: tuple[int, int], seed: int) -> dict[str, Any]:
+    """The coordinator's own step of layers lo..hi-1 on the round's input (its copy of the
+    model, these layers only), digested as a node digests its own."""
+    from cellswarm.io.weights import Selection
+    from cellswarm.loader import load
+    from cellswarm.swarm.node.checks import forward_digest
+
+    model = load(model_path, selection=Selection(layers=layers, embed=False, head=False),
+                 tokenizer=False)  # fmt: skip
+    return forward_digest(model, seed)
