@@ -34,9 +34,20 @@ def per_node(samples: Samples, name: str) -> dict[str, float]:
     return {dict(labels)["node"]: v for (n, labels), v in samples.items() if n == name}
 
 
+def worker_urls(url: str) -> dict[str, str]:
+    """Every worker's /metrics base URL by its target, from the coordinator's service
+    discovery (Prometheus' http_sd_configs format)."""
+    groups = httpx.get(f"{url}/v1/metrics/targets", timeout=30).json()
+    assert all(g["labels"]["job"] == "cellswarm-worker" for g in groups)
+    return {t: f"http://{t}" for g in groups for t in g["targets"]}
+
+
 def test_metrics_parse_and_move_when_work_runs(demo_path: Path, tmp_path: Path) -> None:
     with LocalSwarm(str(demo_path), 3, "160M", tmp_path, stages=2) as swarm:
         swarm.wait_ready()
+        wait_until(lambda: len(worker_urls(swarm.url)) == 3, 20)
+        workers = worker_urls(swarm.url)
+        workers_before = {t: scrape(u) for t, u in workers.items()}
         before = scrape(swarm.url)
         assert before[("cellswarm_wired", ())] == 1.0
         assert before[("cellswarm_nodes", (("state", "assigned"),))] == 2
@@ -60,3 +71,23 @@ def test_metrics_parse_and_move_when_work_runs(demo_path: Path, tmp_path: Path) 
         peak = per_node(after, "cellswarm_node_memory_peak_bytes")
         for node, budget in budgets.items():
             assert 0 < used[node] <= peak[node] <= budget, node
+        assert total(after, "cellswarm_node_step_seconds_count") >= 15
+        assert total(after, "cellswarm_node_energy_joules_total") > 0
+
+        # every worker's own /metrics: the same kinds of figures, its step-time histogram
+        served = 0.0
+        for target, url in workers.items():
+            w0, w1 = workers_before[target], scrape(url)
+            budget = w1[("cellswarm_worker_memory_budget_bytes", ())]
+            assert budget == parse_bytes("160M")
+            assert 0 < w1[("cellswarm_worker_memory_used_bytes", ())] <= budget
+            assert w1[("cellswarm_worker_memory_peak_bytes", ())] <= budget
+            energy = [v for (n, _), v in w1.items() if n == "cellswarm_worker_energy_joules_total"]
+            assert energy and energy[0] > 0
+            if w1[("cellswarm_worker_serving", ())]:
+                steps = w1[("cellswarm_worker_step_seconds_count", ())]
+                assert steps > w0.get(("cellswarm_worker_step_seconds_count", ()), 0), target
+                assert w1[("cellswarm_worker_step_seconds_bucket", (("le", "+Inf"),))] == steps
+                assert w1[("cellswarm_worker_step_seconds_sum", ())] > 0
+                served += w1[("cellswarm_worker_tokens_total", ())]
+        assert served >= 15  # decode steps on the two stages: 3 requests x (6 - 1) tokens

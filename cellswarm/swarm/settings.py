@@ -105,6 +105,9 @@ class WorkerConfig:
     fetch: bool = setting(
         False, "--fetch", "fetch the shard from the coordinator even with --model")
     perturb: float = setting(0.0, "--perturb", argparse.SUPPRESS)  # tests: wrong outputs
+    metrics: str = setting("", "--metrics", "[HOST:]PORT for GET /metrics (Prometheus; "
+                           "default: any free port on the data port's host, told to the "
+                           "coordinator's /v1/metrics/targets; 'off': none)")  # fmt: skip
     dram_budget_bytes: int | None = setting(
         None, "--dram-budget", "tier the shard's MoE experts: this much DRAM, the rest read "
         "from the file", size=True)

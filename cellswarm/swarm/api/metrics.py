@@ -12,7 +12,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from cellswarm.swarm.ring.step_times import cumulative
 
 if TYPE_CHECKING:
     from cellswarm.swarm.control.coordinator import Coordinator
@@ -64,6 +71,8 @@ NODE_FAMILIES = (
     ("decode_s", "counter", "cellswarm_node_decode_seconds", "time in decode steps"),
     ("busy_s", "counter", "cellswarm_node_busy_seconds", "time computing"),
     ("sequences", "gauge", "cellswarm_node_sequences", "sequences in flight"),
+    ("energy_j", "counter", "cellswarm_node_energy_joules", "estimated energy (busy time at "
+     "busy power, the rest at idle, from its profile)"),
 )
 
 
@@ -78,9 +87,16 @@ def node_metrics(nodes: list[dict[str, Any]]) -> Iterator[Metric]:
     fams["hop_s"] = CounterMetricFamily(
         "cellswarm_node_hop_seconds", "time per part of a hop (read, dispatch, compute, "
         "encode, send)", labels=["node", "part"])  # fmt: skip
+    steps = HistogramMetricFamily("cellswarm_node_step_seconds",
+                                  "compute time per step of the node's stage", labels=["node"])
     for n in nodes:
         _add_node(fams, n)
+        hist = (n.get("stats") or {}).get("step_s")
+        if hist:
+            buckets, total = cumulative(hist)
+            steps.add_metric([str(n["node_id"])], buckets, total)
     yield from fams.values()
+    yield steps
 
 
 def _add_node(fams: dict[str, GaugeMetricFamily | CounterMetricFamily], n: dict[str, Any]) -> None:
@@ -94,9 +110,10 @@ def _add_node(fams: dict[str, GaugeMetricFamily | CounterMetricFamily], n: dict[
     fams["failures"].add_metric(node, n["failures"])
     fams["served"].add_metric(node, n["served"])
     stats = n.get("stats") or {}
-    for key in ("steps", "decode_steps", "decode_s", "busy_s", "sequences"):
+    for key in ("steps", "decode_steps", "decode_s", "busy_s", "sequences", "energy_j"):
         if key in stats:
             fams[key].add_metric(node, float(stats[key]))
+
     for part, seconds in (stats.get("hop_s") or {}).items():
         fams["hop_s"].add_metric([*node, str(part)], float(seconds))
 

@@ -153,6 +153,11 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
 
         return Response(await asyncio.to_thread(render, coord), media_type=CONTENT_TYPE)
 
+    @app.get("/v1/metrics/targets")
+    async def metrics_targets() -> list[dict[str, Any]]:
+        """Every worker's /metrics, in Prometheus' http_sd_configs format."""
+        return coord.metrics_targets()
+
     @app.post("/v1/requests")
     async def submit(
         request: Request, req: Annotated[SubmitRequest, schema.body(SubmitRequest)]

@@ -99,6 +99,7 @@ class Coordinator:
         self._manifest: Any = None
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
+        self.metrics_ports: dict[str, int] = {}  # where each node serves GET /metrics
         self.beats: dict[str, Beat] = {}  # each node's latest heartbeat here (see heartbeat)
         self.struck: dict[str, int | None] = {}  # replica -> wired epoch its jobs were struck at
         # On PostgreSQL another coordinator may lead and judge liveness from the rows; on
@@ -254,12 +255,25 @@ class Coordinator:
             live = replace(live, written_s=written.written_s)
         self.beats[node.node_id] = live
         self.node_stats[node.node_id] = beat.get("stats")
+        if beat.get("metrics_port"):
+            self.metrics_ports[node.node_id] = int(beat["metrics_port"])
         if isinstance(beat.get("check"), dict):
             self.checkups.take(node.node_id, beat["check"])
         epoch = self.epoch
         return {"shard": self._shard_for(node), "epoch": epoch, "probe": self._probe(node),
                 "wired": self.wired_epoch == epoch, "lease_s": self.config.lease_s,
                 "now_s": time.time(), "check": self.checkups.ask(node.node_id)}  # fmt: skip
+
+    def metrics_targets(self) -> list[dict[str, Any]]:
+        """Prometheus' HTTP service discovery: every node that is not lost, by its state."""
+        groups: dict[str, list[str]] = {}
+        for n in self.store.nodes():
+            port = self.metrics_ports.get(n.node_id)
+            if port and n.state != "lost":
+                host = f"[{n.host}]" if ":" in n.host else n.host
+                groups.setdefault(n.state, []).append(f"{host}:{port}")
+        return [{"targets": sorted(t), "labels": {"job": "cellswarm-worker", "state": s}}
+                for s, t in sorted(groups.items())]  # fmt: skip
 
     def _shard_for(self, node: Node) -> dict[str, Any] | None:
         if node.state != "assigned" or node.shard is None:

@@ -31,6 +31,8 @@ from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.control.logship import LogShipper
 from cellswarm.swarm.control.store import shard_id
 from cellswarm.swarm.node.head import Head
+from cellswarm.swarm.node.metrics import Power
+from cellswarm.swarm.node.metrics import serve as serve_metrics
 from cellswarm.swarm.node.net import ClockOffset, Progress, is_loopback, parse_address, route_source
 from cellswarm.swarm.ring.parts import PartConfig, PartServer, PartSpec, load_part_model
 from cellswarm.swarm.ring.stage import (
@@ -117,6 +119,8 @@ class Worker:
         self.tls_server = server_context(config.tls_dir) if config.tls_dir else None  # we serve
         self.tls_failure = ""  # the last TLS error said, so it is said once
         self.shipper = LogShipper(self._ship_logs)  # its events, to the coordinator's table
+        self.power = Power(config.profile)  # the energy estimate's watts
+        self.metrics_port: int | None = None  # GET /metrics (node/metrics.py), once started
 
     # -- talking to the coordinator --------------------------------------------------------
 
@@ -165,7 +169,7 @@ class Worker:
             "clock_error_s": self.clock.error_s,
             "refused": self.refused or None,
             "max_sequences": self.stage.config.max_sequences if self.stage else None,
-            "stats": self.stage.stats() if self.stage else None,
+            "stats": self.stats(), "metrics_port": self.metrics_port,
         }  # fmt: skip
         if self.probe is not None:
             beat["probe_ok"], beat["probe_error"] = self.probe
@@ -178,6 +182,21 @@ class Worker:
         if answer.get("now_s") is not None:
             self.clock.add(beat["sent_s"], float(answer["now_s"]), time.time())
         return answer
+
+    def stats(self) -> dict[str, Any]:
+        """Its stage's counters (none without one) and its energy so far."""
+        stats = self.stage.stats() if self.stage else {}
+        return {**stats, "energy_j": round(self.power.joules(float(stats.get("busy_s", 0))), 3)}
+
+    def start_metrics(self) -> None:
+        if self.config.metrics == "off":
+            return
+        host, _, port = self.config.metrics.rpartition(":")
+        try:
+            self.metrics_port = serve_metrics(self, host or self.bind.host, int(port or 0))
+        except (OSError, ValueError) as exc:
+            raise RequestError(f"--metrics {self.config.metrics!r}: cannot listen ({exc}); "
+                               "give a free [HOST:]PORT, or 'off'") from None  # fmt: skip
 
     def data_address(self) -> dict[str, Any]:
         """Where peers reach this node's data port: the advertised address, else the bound
@@ -229,6 +248,7 @@ class Worker:
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.caps = measure_capabilities(self.config)
+        self.start_metrics()
         self._leading = asyncio.create_task(self.lead())  # for the process's life
         last_ok = time.monotonic()
         while True:

@@ -51,6 +51,7 @@ from cellswarm.swarm.ring.frames import (
     write_frame,
 )
 from cellswarm.swarm.ring.parts import ExpertParts, PartLost, PartSpec, VocabParts
+from cellswarm.swarm.ring.step_times import StepTimes
 from cellswarm.swarm.tls import client_context, server_context
 
 log = logging.getLogger("cellswarm.stage")
@@ -220,6 +221,7 @@ class Stage:
         self.fail_token: int | None = None
         # fault injection for tests: this fraction of sequences get wrong tokens (bad RAM)
         self.perturb = 0.0
+        self.step_times = StepTimes()  # every step's compute time (stats, /metrics)
         self.corrupted: set[int] = set()
         self._rng = np.random.default_rng()
         self.connections: set[asyncio.StreamWriter] = set()
@@ -458,6 +460,7 @@ class Stage:
             "busy_s": round(self.busy_s, 4), "sequences": len(self.caches),
             "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 4),
             "hop_s": {k: round(v, 6) for k, v in zip(HOP_PARTS, self.hop_s, strict=True)},
+            "step_s": self.step_times.as_dict(),
         }  # fmt: skip
 
     async def on_generate(self, frame: Frame, emit: Emit) -> None:
@@ -557,6 +560,7 @@ class Stage:
             await self.emulation.pad(t0, h.shape[0])
         t1 = time.perf_counter()
         self.busy_s += t1 - t0
+        self.step_times.observe(t1 - t0)
         if one_row:
             self.decode_s += t1 - t0
             self.decode_steps += 1
