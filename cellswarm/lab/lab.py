@@ -249,6 +249,7 @@ class Lab:
                 "--node-id", host, "--token-file", str(d / "cluster.token"),
                 "--log-dir", str(d / "logs"), "--threads", str(self.threads),
                 "--stop-after", str(self.stop_after_s), *self._tls_args(host),
+                *(["--rack", f"rack-{h.rack}"] if h.rack is not None else []),
                 *self.worker_args, *self.host_args.get(host, ())]  # fmt: skip
         self.cellswarm(host, "worker", args)
         if wait:

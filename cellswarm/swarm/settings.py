@@ -84,6 +84,8 @@ class WorkerConfig:
     memory_bytes: int = setting(None, "--memory", "hard memory budget, e.g. 256M", size=True,
                                 required=True)  # fmt: skip
     node_id: str = setting("", "--node-id", "a stable name (default: host + random)")
+    rack: str | None = setting(None, "--rack", "the rack (access switch) it sits in: the "
+                               "dashboard's map groups by it (default: by host)")  # fmt: skip
     profile: str | None = setting(
         None, "--profile", "behave like a node of this planner profile (ps3, ...)")
     token_file: str | None = setting(

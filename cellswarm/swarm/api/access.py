@@ -10,9 +10,10 @@ Routes come in four kinds (`ROUTE_AUTH`; a route not listed there is a client ro
             `Authorization: Bearer KEY`.
     node    the workers' routes (/v1/join, /v1/heartbeat, /v1/jobs/*, /v1/logs, ...): the
             cluster token's HMAC proof at join, the node's session afterwards.
-    own     GET /v1/logs/{id}: an API key, a proof of the cluster token or a node's session,
-            checked by the route (log_api.py).
-    open    /healthz.
+    own     GET /v1/logs/{id} and POST /v1/doctor: an API key, a proof of the cluster token or
+            a node's session, checked by the route (log_api.py).
+    open    /healthz, and the dashboard's page and static files (`/`, `/static/*`: no data;
+            its panels under /dashboard/ are client routes).
 
 Keys (`--api-key-file`): one a line, blank lines and `#` comments skipped; a line `admin KEY`
 makes KEY an admin key. A job or batch belongs to the key that submitted it (the jobs table
@@ -47,7 +48,10 @@ OPENAI_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/completions")
 
 ROUTE_AUTH: dict[tuple[str, str], str] = {
     ("GET", "/healthz"): "open",
+    ("GET", "/"): "open",
+    ("GET", "/static/{name}"): "open",
     ("GET", "/v1/logs/{request_id}"): "own",
+    ("POST", "/v1/doctor"): "own",
     **{(method, path): "node" for method, path in (
         ("POST", "/v1/challenge"), ("POST", "/v1/join"), ("POST", "/v1/heartbeat"),
         ("POST", "/v1/fault"), ("GET", "/v1/model/manifest"), ("GET", "/v1/model/chunks/{index}"),

@@ -23,6 +23,7 @@ from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import CellswarmError, RequestError, StorageFullError
 from cellswarm.swarm.api import schema
 from cellswarm.swarm.api.access import Caller, Edge, error_response, load_keys
+from cellswarm.swarm.api.dashboard import add_dashboard_routes
 from cellswarm.swarm.api.doctor_api import add_doctor_routes
 from cellswarm.swarm.api.log_api import add_log_routes
 from cellswarm.swarm.api.openai_api import add_openai_routes
@@ -71,6 +72,7 @@ def build_app(coord: Coordinator) -> FastAPI:
     add_openai_routes(app, coord)  # openai_api.py
     add_log_routes(app, coord, bool(keys))  # log_api.py: POST /v1/logs, GET /v1/logs/{id}
     add_doctor_routes(app, coord, bool(keys))  # doctor_api.py: POST /v1/doctor
+    add_dashboard_routes(app, coord, bool(keys))  # dashboard/: GET /, /dashboard/*
 
     @app.exception_handler(StorageFullError)
     async def full(_: Request, exc: StorageFullError) -> JSONResponse:

@@ -674,6 +674,7 @@ class Coordinator:
              "peak_rss_bytes": n.peak_rss_bytes, "last_seen_s_ago": round(now - n.last_seen_s, 2),
              "served": n.served, "failures": n.failures, "message": n.message,
              "profile": n.capabilities.get("profile"), "serving": n.serving,
+             "rack": n.capabilities.get("rack"),
              "stats": self.node_stats.get(n.node_id),
              "address": f"{n.host}:{n.data_port}" if n.data_port else n.host,
              "clock_offset_s": self._clock(n.node_id)[0],

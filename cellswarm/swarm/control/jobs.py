@@ -434,6 +434,13 @@ class JobQueue:
         )
         return {**rows[0], "counts": counts, "tokens": int(tokens[0]["n"] or 0)}
 
+    def recent_batches(self, limit: int = 10) -> list[dict[str, Any]]:
+        """The latest batches with their progress (the dashboard)."""
+        rows = self.db.execute("SELECT batch_id FROM batches ORDER BY created_s DESC LIMIT ?",
+                               (int(limit),))  # fmt: skip
+        infos = (self.batch_info(str(r["batch_id"])) for r in rows)
+        return [i for i in infos if i is not None]
+
     def ledger(self) -> dict[str, int]:
         """Jepsen-style counts: every job terminal once, results committed once."""
         states = {s: 0 for s in JOB_STATES}

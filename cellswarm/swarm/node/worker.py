@@ -65,7 +65,7 @@ def measure_capabilities(config: WorkerConfig) -> dict[str, Any]:
     flops = 8 * 2 * 256**3 / (time.perf_counter() - t0)
     caps: dict[str, Any] = {
         "memory_bytes": config.memory_bytes, "profile": config.profile,
-        "bandwidth_bytes_per_s": int(bandwidth), "flops": int(flops),
+        "bandwidth_bytes_per_s": int(bandwidth), "flops": int(flops), "rack": config.rack,
     }  # fmt: skip
     cgroup = cgroup_memory()  # a supervisor restarted us after the kernel's OOM killer?
     if cgroup:
@@ -186,7 +186,9 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """Its stage's counters (none without one) and its energy so far."""
         stats = self.stage.stats() if self.stage else {}
-        return {**stats, "energy_j": round(self.power.joules(float(stats.get("busy_s", 0))), 3)}
+        temp = temperature_c()
+        return {**stats, "energy_j": round(self.power.joules(float(stats.get("busy_s", 0))), 3),
+                **({"temp_c": temp} if temp is not None else {})}
 
     def start_metrics(self) -> None:
         if self.config.metrics == "off":
@@ -475,6 +477,15 @@ class Worker:
             return True, ""
         except Exception as exc:  # whatever breaks, the probe says so
             return False, f"{type(exc).__name__}: {exc}"
+
+
+def temperature_c() -> float | None:
+    """The host's first thermal zone (a Raspberry Pi's SoC, a PS3 under Linux), where the
+    kernel exposes one; None in most VMs and containers."""
+    try:
+        return int(Path("/sys/class/thermal/thermal_zone0/temp").read_text()) / 1000
+    except (OSError, ValueError):
+        return None
 
 
 def check_part_budget(model: Any, memory_bytes: int, spec: PartSpec) -> None:
