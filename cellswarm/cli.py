@@ -316,9 +316,13 @@ def _cmd_logs(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from cellswarm.swarm.node.net import Progress
     from cellswarm.verify import verify
 
-    print(verify(args.file).line())
+    # bytes and ETA on a terminal (a big file reads for minutes); stdout keeps the one line
+    progress = Progress(Path(args.file).name, sys.stderr, verb="VERIFYING") \
+        if sys.stderr.isatty() else None  # fmt: skip
+    print(verify(args.file, progress=progress).line())
     return 0
 
 

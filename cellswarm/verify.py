@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,9 +46,11 @@ class Verified:
         )
 
 
-def verify(path: str | os.PathLike[str], scales: bool = True) -> Verified:
+def verify(path: str | os.PathLike[str], scales: bool = True,
+           progress: Callable[[int, int], None] | None = None) -> Verified:  # fmt: skip
     """Check a GGUF file as `load` would, then (scales=True) every block's float fields.
-    Raises the ModelFileError a load would, or NonFiniteError naming the tensor and row."""
+    Raises the ModelFileError a load would, or NonFiniteError naming the tensor and row.
+    `progress(bytes_read, bytes_total)` after each tensor (a big file reads for minutes)."""
     from cellswarm.loader import check_tensors
     from cellswarm.models import config_from_gguf
 
@@ -61,7 +64,7 @@ def verify(path: str | os.PathLike[str], scales: bool = True) -> Verified:
     infos = {t.name: t for t in header.tensors}
     _, config = config_from_gguf(p, header.metadata, {n: t.shape for n, t in infos.items()})
     check_tensors(p, config, Selection(), {n: t.shape for n, t in infos.items()})
-    blocks = 0
+    blocks, read, total = 0, 0, sum(t.n_bytes for t in header.tensors)
     with p.open("rb") as f:
         mapped = np.memmap(f, dtype=np.uint8, mode="r") if header.tensors else None
         for t in header.tensors:
@@ -72,12 +75,15 @@ def verify(path: str | os.PathLike[str], scales: bool = True) -> Verified:
                 bad = first_nonfinite_block(raw, fmt)
                 if bad is not None:
                     raise NonFiniteError(f"{p} is corrupt: {_where(t, fmt, bad)}")
+                read += t.n_bytes
+                if progress is not None:
+                    progress(read, total)
             blocks += n
-    total = sum(t.n_bytes for t in header.tensors)
     return Verified(str(p), str(config.arch), len(infos), blocks, total)
 
 
-def verify_cached(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
+def verify_cached(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,
+                  progress: Callable[[int, int], None] | None = None,
                   ) -> Verified | None:  # fmt: skip
     """`verify`, remembered by path, size and mtime (a coordinator restarting on a file it
     verified reads only its header again); None when the cache answered."""
@@ -90,7 +96,7 @@ def verify_cached(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str
     if st is not None and mark.is_file():
         verify(p, scales=False)  # the header and tensor table again: cheap, and not cached
         return None
-    result = verify(p)
+    result = verify(p, progress=progress)
     with contextlib.suppress(OSError):  # a cache that cannot be written costs time only
         mark.parent.mkdir(parents=True, exist_ok=True)
         mark.write_text(result.line() + "\n")

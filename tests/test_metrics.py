@@ -44,7 +44,10 @@ def worker_urls(url: str) -> dict[str, str]:
 
 def test_metrics_parse_and_move_when_work_runs(demo_path: Path, tmp_path: Path) -> None:
     with LocalSwarm(str(demo_path), 3, "160M", tmp_path, stages=2) as swarm:
-        swarm.wait_ready()
+        said: list[str] = []  # what `cellswarm up` prints while it waits
+        swarm.wait_ready(on_change=said.append)
+        assert any(line.startswith("node worker-2 joined") for line in said), said
+        assert said[-1].startswith("wired: epoch"), said
         wait_until(lambda: len(worker_urls(swarm.url)) == 3, 20)
         workers = worker_urls(swarm.url)
         workers_before = {t: scrape(u) for t, u in workers.items()}

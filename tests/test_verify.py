@@ -244,3 +244,23 @@ def test_an_array_longer_than_the_file_is_refused_before_it_is_read(
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1 << 20  # no list of items made first
+
+
+def test_verifying_tells_its_progress_in_bytes(good: Path) -> None:
+    import io
+    import itertools
+
+    from cellswarm.swarm.node.net import Progress
+
+    seen: list[tuple[int, int]] = []
+    verify(good, progress=lambda done, total: seen.append((done, total)))
+    total = seen[-1][1]
+    assert seen[-1][0] == total > 0 and all(a[0] < b[0] for a, b in itertools.pairwise(seen))
+    out = io.StringIO()
+    show = Progress("model", out, every_s=3600, verb="VERIFYING")
+    show(1, 4 << 20)  # the first call prints, the next within the hour does not...
+    show(2 << 20, 4 << 20)
+    show(4 << 20, 4 << 20)  # ...and the last always does
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[-1].startswith("VERIFYING model: 4.0 of 4.0 MiB (100%)")
+    assert "ETA" in lines[0]

@@ -110,7 +110,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.stages:
         coordinator_args += ["--stages", str(args.stages)]
     lab = Lab(spec_from_args(args), Path(args.state_dir), args.model, args.prefix,
-              coordinator_args=tuple(coordinator_args), tls=args.tls)  # fmt: skip
+              coordinator_args=tuple(coordinator_args), tls=args.tls,
+              say=lambda line: print(line, flush=True))  # fmt: skip
     stop = {"now": False}
 
     def on_signal(signum: int, frame: Any) -> None:

@@ -55,6 +55,7 @@ class Lab:
     # workers join one after another in host order, so a ring's stages sit on consecutive
     # hosts (rack by rack), as the planner numbers them
     in_order: bool = False
+    say: Callable[[str], None] | None = None  # told as processes come up (`lab up` prints)
     topology: Topology = field(init=False)
     notes: list[str] = field(default_factory=list)  # what could not be applied, and why
     pids: dict[str, list[int]] = field(default_factory=dict)
@@ -172,10 +173,26 @@ class Lab:
         for h in self.topology.hosts:
             if h.role == "coordinator":
                 self.start_coordinator(h.name)
+                self._say(f"coordinator {h.name} up at {h.address}")
         for h in self.topology.workers():
             self.start_worker(h.name, wait=self.in_order)
-        for h in self.topology.workers():
+        workers = self.topology.workers()
+        for k, h in enumerate(workers, 1):
             self.wait_output(h.name, "worker", "JOINED")
+            self._say(f"worker {h.name} joined ({h.address}, rack {h.rack}; "
+                      f"{k} of {len(workers)})")  # fmt: skip
+        if self.say is not None:  # then what the coordinator makes of them, until wired
+            from cellswarm.errors import SwarmError
+            from cellswarm.swarm.api import client
+
+            try:
+                client.wait_wired(self.url, tls=self.operator_tls, on_change=self.say)
+            except SwarmError as exc:  # the lab is up all the same: status says the rest
+                self.say(f"not wired: {exc}")
+
+    def _say(self, line: str) -> None:
+        if self.say is not None:
+            self.say(line)
 
     # -- processes -------------------------------------------------------------------------
 

@@ -78,9 +78,10 @@ def check_model(path: str) -> None:
 
         read_config(path)
         return
+    from cellswarm.swarm.node.net import Progress
     from cellswarm.verify import verify_cached
 
-    done = verify_cached(path)
+    done = verify_cached(path, progress=Progress("model", verb="VERIFYING"))
     if done is not None:
         print(done.line(), flush=True)
 
@@ -187,10 +188,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         with stop_on_signals():  # from the start: loading takes a while, orphans last
             try:
-                swarm.start()
-                print_status(swarm.wait_ready())
+                swarm.start(say)
+                print_status(swarm.wait_ready(on_change=say))
                 say(f"coordinator: {swarm.url} (token in {swarm.token_file}); Ctrl-C stops "
                     "the swarm")  # fmt: skip
+                say(f"dashboard: {swarm.url}/ · metrics: {swarm.url}/metrics · doctor: "
+                    f"cellswarm doctor --coordinator {swarm.url} --token-file "
+                    f"{swarm.token_file}")  # fmt: skip
                 tls = f" --tls {args.tls}" if args.tls else ""
                 say(f"try: cellswarm generate 'Hello' --coordinator {swarm.url}{tls}")
                 return swarm.watch(say)

@@ -86,14 +86,21 @@ def wait(
 
 
 def wait_wired(url: str, timeout_s: float = 120.0, tls: str | None = None,
-               api_key: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """Until the coordinator reports a wired ring; its status."""
+               api_key: str | None = None,
+               on_change: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Until the coordinator reports a wired ring; its status. `on_change` is told each node
+    that joins or changes what it does, one line each (what `up` shows while it waits)."""
     deadline = time.monotonic() + timeout_s
     status: dict[str, Any] = {}
+    seen: dict[str, tuple[str, str]] = {}
     while time.monotonic() < deadline:
         try:
             status = call(url, "/v1/status", timeout_s=5, tls=tls, api_key=api_key)
+            if on_change is not None:
+                _tell_changes(status, seen, on_change)
             if status["wired"]:
+                if on_change is not None:
+                    on_change(f"wired: epoch {status.get('epoch')}, {len(seen)} nodes")
                 return status
         except SwarmError:
             pass
@@ -103,3 +110,18 @@ def wait_wired(url: str, timeout_s: float = 120.0, tls: str | None = None,
     raise SwarmError(
         f"the swarm at {url} was not ready after {timeout_s:.0f} s: {nodes or 'no nodes'}"
     )
+
+
+def _tell_changes(status: dict[str, Any], seen: dict[str, tuple[str, str]],
+                  say: Callable[[str], None]) -> None:  # fmt: skip
+    nodes = status.get("nodes", [])
+    for n in nodes:
+        now = (str(n["state"]), str(n.get("holds") or "-"))
+        before = seen.get(n["node_id"])
+        if before == now:
+            continue
+        seen[n["node_id"]] = now
+        what = "joined" if before is None else now[0]
+        holds = f", {now[1]}" if now[1] != "-" else ""
+        say(f"node {n['node_id']} {what} ({now[0]}{holds}); "
+            f"{sum(x['state'] == 'assigned' for x in nodes)} of {len(nodes)} nodes assigned")

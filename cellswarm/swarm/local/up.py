@@ -158,13 +158,18 @@ class LocalSwarm:
         args += ["--tls", str(self.tls_dir)] if self.tls_dir else []
         self._spawn(f"worker-{i}", args, "JOINED", self.worker_env.get(i))
 
-    def start(self) -> None:
-        """The coordinator(s), then every worker; on any failure (or a signal), none."""
+    def start(self, say: Callable[[str], None] | None = None) -> None:
+        """The coordinator(s), then every worker; on any failure (or a signal), none. `say`
+        is told as each process is up (what `cellswarm up` shows while it waits)."""
         try:
             for k in range(self.coordinators):
                 self.start_coordinator(k)
+                if say is not None:
+                    say(f"coordinator {self.urls[k]} up")
             for i in range(self.workers):
                 self.start_worker(i)
+                if say is not None:
+                    say(f"worker-{i} up ({i + 1} of {self.workers})")
         except BaseException:
             self.close()
             raise
@@ -176,8 +181,10 @@ class LocalSwarm:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def wait_ready(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        return client.wait_wired(self.url, timeout_s, tls=self.tls_dir, api_key=self.api_key)
+    def wait_ready(self, timeout_s: float = 120.0,
+                   on_change: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+        return client.wait_wired(self.url, timeout_s, tls=self.tls_dir, api_key=self.api_key,
+                                 on_change=on_change)  # fmt: skip
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.procs[name]

@@ -90,10 +90,12 @@ class ClockOffset:
 
 
 class Progress:
-    """A fetch's progress on one line: bytes, rate, ETA; printed at most every `every_s`."""
+    """A long read's progress on one line (a shard's fetch, a model's verification): bytes,
+    rate, ETA; printed at most every `every_s`, and once at the end."""
 
-    def __init__(self, what: str, out: TextIO = sys.stdout, every_s: float = 1.0) -> None:
-        self.what, self.out, self.every_s = what, out, every_s
+    def __init__(self, what: str, out: TextIO = sys.stdout, every_s: float = 1.0,
+                 verb: str = "FETCHING") -> None:  # fmt: skip
+        self.what, self.out, self.every_s, self.verb = what, out, every_s, verb
         self.t0 = time.monotonic()
         self.last = 0.0
 
@@ -105,6 +107,6 @@ class Progress:
         rate = done / max(now - self.t0, 1e-6)
         eta = (total - done) / rate if rate > 0 else 0.0
         pct = 100.0 * done / total if total else 100.0
-        print(f"FETCHING {self.what}: {done / 2**20:,.1f} of {total / 2**20:,.1f} MiB "
+        print(f"{self.verb} {self.what}: {done / 2**20:,.1f} of {total / 2**20:,.1f} MiB "
               f"({pct:.0f}%) at {rate / 2**20:,.1f} MiB/s, ETA {eta:.0f} s",
               file=self.out, flush=True)  # fmt: skip
