@@ -1,6 +1,6 @@
 """`cellswarm eval`: what a quantization costs, and fixed-prompt regression checks.
 
-    cellswarm eval MODEL --quant q8_0,q4_0,q4_k [--text FILE] [--window 256]
+    cellswarm eval MODEL --quant q8_0,q4_0,q4_k [--text FILE] [--window 256] [--plot F.png]
     cellswarm eval MODEL --prompts FILE --golden FILE [--write] [--max-tokens 24]
 
 The first scores a text with the model's weights unpacked to float32 (the reference) and
@@ -39,6 +39,7 @@ def add_eval_command(sub: Any) -> None:
     p.add_argument("--write", action="store_true", help="write the golden file instead")
     p.add_argument("--max-tokens", type=int, default=24, help="greedy tokens per prompt")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plot", type=Path, help="with --quant: also draw the table to this PNG")
     p.set_defaults(func=cmd_eval)
 
 
@@ -49,6 +50,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.quant:
         rows = quant_table(args.model, args.quant.split(","), args.text, args.window)
         print(json.dumps(rows) if args.json else format_table(rows))
+        if args.plot:
+            plot_quant(rows, args.plot, Path(args.model).name)
+            print(f"plot: {args.plot}")
     if args.prompts:
         status = golden_command(args)
     return status
@@ -95,6 +99,34 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines += [f"{r['quant']:<8} {r['perplexity']:>11.3f} {r['mean_kl']:>10.5f} "
               f"{100 * r['top1_agreement']:>7.2f}%" for r in rows]  # fmt: skip
     return "\n".join(lines)
+
+
+def plot_quant(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """The table as three bar charts: perplexity, mean KL (log scale) and top-1 agreement
+    of each format against float32."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RequestError("--plot needs matplotlib: pip install 'cellswarm[plot]'") from None
+    names = [r["quant"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    panels = (("perplexity", "perplexity", 1.0), ("mean_kl", "mean KL from float32", 1.0),
+              ("top1_agreement", "top-1 agreement (%)", 100.0))  # fmt: skip
+    for ax, (key, label, scale) in zip(axes, panels, strict=True):
+        values = [r[key] * scale for r in rows]
+        ax.bar(names, values, color=["tab:gray", *["tab:blue"] * (len(rows) - 1)])
+        ax.set_title(label)
+        if key == "mean_kl" and any(v > 0 for v in values):
+            ax.set_yscale("symlog", linthresh=1e-4)
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.4g}", (i, v), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(f"{title}: what each format costs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def golden_command(args: argparse.Namespace) -> int:

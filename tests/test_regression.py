@@ -70,3 +70,14 @@ def test_eval_quant_table_orders_the_formats_by_their_cost(demo_path: Path) -> N
     assert rows["f32"]["mean_kl"] == 0 and rows["f32"]["top1_agreement"] == 1
     assert 0 < rows["q8_0"]["mean_kl"] < rows["q4_0"]["mean_kl"]
     assert rows["q8_0"]["top1_agreement"] > rows["q4_0"]["top1_agreement"]
+
+
+def test_eval_plot_draws_the_table(tmp_path: Path) -> None:
+    from cellswarm.evaluate import plot_quant
+
+    rows = [{"quant": "f32", "perplexity": 14.7, "mean_kl": 0.0, "top1_agreement": 1.0},
+            {"quant": "q8_0", "perplexity": 14.8, "mean_kl": 0.0012, "top1_agreement": 0.985},
+            {"quant": "q4_0", "perplexity": 17.0, "mean_kl": 0.03, "top1_agreement": 0.9}]
+    out = tmp_path / "quant.png"
+    plot_quant(rows, out, "demo")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
