@@ -71,6 +71,8 @@ def env(**kw: Any) -> dict[str, Any]:
         ({"a": env(memory_available_bytes=100 << 20), "b": env()}, {"a memory"}),
         ({"a": env(oom_kills_cgroup=2), "b": env()}, {"a oom kills"}),
         ({"a": env(oom_kills=7), "b": env()}, set()),  # the host's log: said, not blamed
+        ({"a": env(cgroup_limit_bytes=512 << 20), "b": env()}, {"a cgroup"}),  # budget 1 GiB
+        ({"a": env(cgroup_limit_bytes=2 << 30), "b": env()}, set()),
     ],
 )  # fmt: skip
 def test_the_environment_names_what_differs(envs: dict[str, Any], failing: set[str]) -> None:

@@ -210,7 +210,8 @@ def test_joining_needs_a_fresh_proof_of_the_cluster_token(demo_path: Path, tmp_p
             0
         ] == 401
         intruder = node(swarm, "intruder")  # only the one good join is known, and idle
-        assert intruder["layers"] is None
+        assert intruder["served"] == 0 and intruder["failures"] == 0
+        # (the coordinator may give it layers: it joined with the token and claims 1 GiB)
 
 
 def test_bad_requests_get_a_clear_error(demo_path: Path, tmp_path: Path) -> None:

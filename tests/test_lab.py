@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 import cellswarm
@@ -217,6 +218,30 @@ def test_logs_of_a_request_come_from_every_host(lab: Lab) -> None:
     times = [float(r[0]) for r in events()]
     assert len(times) >= 4 and times == sorted(times)
     assert len(stages | {"coordinator"}) >= 4
+
+
+def test_doctor_brings_up_every_host_through_the_coordinator(lab: Lab) -> None:
+    """`cellswarm doctor --coordinator` across real hosts: every node's echo, matmul and
+    forward step (against c0's own copy of its layers) pass, each host's own disk is looked
+    at, and the hosts' racks reach the dashboard's map."""
+    from cellswarm import doctor
+    from cellswarm.swarm.auth import load_token
+
+    client.wait_wired(lab.url, 120)  # the tests before it cut a rack off and put it back
+    token = load_token(lab.host_dir("c0") / "cluster.token")
+    results = doctor.SwarmDoctor(lab.url, token).run()
+    lines = "\n".join(r.line() for r in results)
+    got = {r.name: r for r in results}
+    hosts = [f"h{i}" for i in range(1, 9)]
+    assert not [r for r in results if r.status == "FAIL"], lines
+    for h in hosts:
+        assert got[f"{h} matmul"].status == got[f"{h} forward"].status == "PASS", lines
+    assert sum("one step within" in got[f"{h} forward"].detail for h in hosts) == 3  # 3 stages
+    assert "same cellswarm" in got and got["tokenizer"].status == "PASS"
+    assert str(lab.state_dir / "hosts") in lines  # each host's own folder, not a shared one
+    page = httpx.get(f"{lab.url}/dashboard/nodes", timeout=30).text
+    assert all(f'data-node="{h}"' in page for h in hosts)
+    assert 'data-rack="rack-' in page and "host " not in page
 
 
 def test_lab_cli_status_run_and_refusal(lab: Lab) -> None:

@@ -94,3 +94,25 @@ def test_metrics_parse_and_move_when_work_runs(demo_path: Path, tmp_path: Path) 
                 assert w1[("cellswarm_worker_step_seconds_sum", ())] > 0
                 served += w1[("cellswarm_worker_tokens_total", ())]
         assert served >= 15  # decode steps on the two stages: 3 requests x (6 - 1) tokens
+
+
+def test_the_workers_hand_written_text_format_parses_as_prometheus_reads_it() -> None:
+    """A worker writes its text format by hand (no prometheus_client in a 256 MB node):
+    every kind, a label that needs escaping, a histogram, read back by the real parser."""
+    from cellswarm.swarm.node.metrics import family, histogram
+    from cellswarm.swarm.ring.step_times import StepTimes
+
+    times = StepTimes()
+    for s in (0.0004, 0.003, 0.003, 2.0, 99.0):
+        times.observe(s)
+    text = (family("a_bytes", "gauge", "a gauge\nover two lines", [({}, 5.0)])
+            + family("b", "counter", "a counter", [({"part": 'x"y\\z'}, 2.5)])
+            + histogram("c_seconds", "a histogram", times.as_dict()))  # fmt: skip
+    got = {f.name: f for f in text_string_to_metric_families(text)}
+    assert got["a_bytes"].samples[0].value == 5.0
+    assert got["b"].type == "counter" and got["b"].samples[0].labels == {"part": 'x"y\\z'}
+    samples = {(s.name, s.labels.get("le")): s.value for s in got["c_seconds"].samples}
+    assert samples[("c_seconds_bucket", "0.0005")] == 1
+    assert samples[("c_seconds_bucket", "0.005")] == 3
+    assert samples[("c_seconds_bucket", "+Inf")] == samples[("c_seconds_count", None)] == 5
+    assert abs(samples[("c_seconds_sum", None)] - 101.0064) < 1e-9

@@ -54,6 +54,22 @@ def session_node(coord: Coordinator, request: Request) -> Node:
     return coord.authenticate(node_id, session)
 
 
+DEFAULT_POWER_PROFILE = "laptop"  # whose watts a node without --profile is estimated at
+
+
+def power_of(caps: dict[str, Any]) -> list[Any]:
+    """[busy W, idle W, profile] for a node's energy estimate: its --profile's figures, else a
+    laptop's (the estimate says which)."""
+    from cellswarm.errors import CellswarmError
+    from cellswarm.planner.profiles import get_profile
+
+    try:
+        p = get_profile(str(caps.get("profile") or DEFAULT_POWER_PROFILE))
+    except CellswarmError:
+        p = get_profile(DEFAULT_POWER_PROFILE)
+    return [p.power_busy_w, p.power_idle_w, p.name]
+
+
 def build_app(coord: Coordinator) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -103,7 +119,8 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
                              dict(d.get("capabilities") or {}), host)  # fmt: skip
         c = coord.config
         return {"session": session, "heartbeat_s": c.heartbeat_s,
-                "heartbeat_timeout_s": c.heartbeat_timeout_s}  # fmt: skip
+                "heartbeat_timeout_s": c.heartbeat_timeout_s,
+                "power_w": power_of(d.get("capabilities") or {})}  # fmt: skip
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:

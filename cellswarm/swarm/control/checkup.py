@@ -204,6 +204,12 @@ def _room(node_id: str, env: dict[str, Any], budget: int | None) -> list[Result]
                           f"available beside its {format_bytes(rss)}",
                           "" if ok else "the host cannot give the budget: lower --memory or "
                           "free memory there"))  # fmt: skip
+    limit = env.get("cgroup_limit_bytes")
+    if limit and budget and budget > int(limit):
+        out.append(Result("environment", f"{node_id} cgroup", "FAIL",
+                          f"--memory {format_bytes(budget)} is over its memory cgroup's limit "
+                          f"{format_bytes(int(limit))}", "the kernel would kill it before its "
+                          "budget is reached: give --memory below the cgroup's limit"))  # fmt: skip
     disks = env.get("disk_free_bytes") or {}
     if disks:
         where, least = min(disks.items(), key=lambda kv: kv[1])

@@ -110,6 +110,7 @@ def environment(folders: Iterable[str | Path | None]) -> dict[str, Any]:
     from cellswarm import kernels
     from cellswarm.engine.memory import cgroup_memory
 
+    cgroup = cgroup_memory()
     disks = {}
     for folder in folders:
         if folder is None:
@@ -127,7 +128,8 @@ def environment(folders: Iterable[str | Path | None]) -> dict[str, Any]:
         "kernel_build": kernels.build_id(), "machine": platform.machine(),
         "os": f"{platform.system()} {platform.release()}", "cpu_flags": cpu_flags(),
         "memory_available_bytes": memory_available_bytes(), "disk_free_bytes": disks,
-        "oom_kills_cgroup": cgroup_memory().get("oom_kills", 0),  # this node's own
+        "oom_kills_cgroup": cgroup.get("oom_kills", 0),  # this node's own
+        "cgroup_limit_bytes": cgroup.get("limit_bytes"),
         "oom_kills": kernel_log_oom_kills(),  # anyone's on this host (where readable)
         "pid": os.getpid(),
     }  # fmt: skip

@@ -119,7 +119,7 @@ class Worker:
         self.tls_server = server_context(config.tls_dir) if config.tls_dir else None  # we serve
         self.tls_failure = ""  # the last TLS error said, so it is said once
         self.shipper = LogShipper(self._ship_logs)  # its events, to the coordinator's table
-        self.power = Power(config.profile)  # the energy estimate's watts
+        self.power = Power()  # the energy estimate (its watts come with the join's answer)
         self.metrics_port: int | None = None  # GET /metrics (node/metrics.py), once started
 
     # -- talking to the coordinator --------------------------------------------------------
@@ -159,6 +159,8 @@ class Worker:
                                          "proof": proof, "capabilities": self.caps})  # fmt: skip
         self.session = str(answer["session"])
         self.heartbeat_s = float(answer.get("heartbeat_s", self.heartbeat_s))
+        if answer.get("power_w"):
+            self.power.set(*answer["power_w"])
         print(f"JOINED {self.config.node_id}", flush=True)
 
     def _beat(self) -> dict[str, Any]:
@@ -186,8 +188,8 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """Its stage's counters (none without one) and its energy so far."""
         stats = self.stage.stats() if self.stage else {}
-        temp = temperature_c()
-        return {**stats, "energy_j": round(self.power.joules(float(stats.get("busy_s", 0))), 3),
+        joules, temp = self.power.joules(float(stats.get("busy_s", 0))), temperature_c()
+        return {**stats, **({"energy_j": round(joules, 3)} if joules is not None else {}),
                 **({"temp_c": temp} if temp is not None else {})}
 
     def start_metrics(self) -> None:
