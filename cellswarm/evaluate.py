@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from cellswarm.engine import golden
-from cellswarm.engine.quality import Quality, log_softmax
+from cellswarm.engine.quality import Quality, compare
 from cellswarm.errors import RequestError
 
 SAMPLE_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "sample_text.txt"
@@ -59,34 +59,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def quant_table(model: str, quants: list[str], text: Path | None, window: int) -> list[dict]:
-    """One row per format, the float32 reference first."""
+    """One row per format, the float32 reference first: the text in windows of `window`
+    tokens, each from an empty cache, on the float path (weights dequantized, float
+    activations: what the weights' format costs, not the kernels), scored with
+    engine/quality.compare over every position — bench/quant_quality.py's float-path
+    columns, the same numbers."""
     import cellswarm
+    from cellswarm import kernels
 
     if window < 2:
         raise RequestError(f"--window {window} must be at least 2")
     reference = cellswarm.load(model, quant="f32")
     ids = reference.tokenizer.encode((text or SAMPLE_TEXT).read_text())
-    windows = [ids[i : i + window] for i in range(0, len(ids) - 1, window)]
-    windows = [w for w in windows if len(w) >= 2]
-    ref = [reference.logits(w)[:-1] for w in windows]
-    targets = np.concatenate([np.asarray(w[1:]) for w in windows])
-    rows = [_row("f32", score(ref, ref, targets))]
+    windows = [ids[i : i + window] for i in range(0, len(ids), window)]
+
+    def logits(m: Any) -> np.ndarray:
+        with kernels.using("numpy"):
+            return np.concatenate([m.logits(w) for w in windows])
+
+    ref = logits(reference)
     del reference
+    rows = [_row("f32", compare(ref, ref, np.asarray(ids)))]
     for q in quants:
-        cand = cellswarm.load(model, quant=q.strip())
-        rows.append(_row(q.strip(), score(ref, [cand.logits(w)[:-1] for w in windows], targets)))
+        rows.append(_row(q.strip(), compare(ref, logits(cellswarm.load(model, quant=q.strip())),
+                                            np.asarray(ids))))  # fmt: skip
     return rows
-
-
-def score(ref: list[np.ndarray], cand: list[np.ndarray], targets: np.ndarray) -> Quality:
-    """Perplexity of the candidate; KL(reference || candidate) and top-1 agreement per
-    position, over every window's predicted positions."""
-    r, c = np.concatenate(ref), np.concatenate(cand)
-    ref_lp, cand_lp = log_softmax(r), log_softmax(c)
-    kl = (np.exp(ref_lp) * (ref_lp - cand_lp)).sum(axis=-1)
-    nll = -cand_lp[np.arange(len(targets)), targets]
-    return Quality(float(np.exp(nll.mean())), float(kl.mean()),
-                   float((r.argmax(-1) == c.argmax(-1)).mean()))  # fmt: skip
 
 
 def _row(quant: str, q: Quality) -> dict[str, Any]:
