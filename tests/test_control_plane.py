@@ -51,3 +51,87 @@ def test_a_100000_line_batch_costs_no_node_its_place(demo_path: Path, tmp_path: 
     assert [n["state"] for n in status["nodes"]] == ["assigned", "assigned"], status["nodes"]
     assert status["epoch"] == before["epoch"]
     assert all(n["failures"] == 0 for n in status["nodes"])
+
+
+def test_the_store_keeps_its_rows_in_memory_written_through(tmp_path: Path) -> None:
+    """On SQLite the rows are read from memory; every write reaches the file first, and a
+    transaction that fails drops the copy (the next read sees what the file holds)."""
+    from cellswarm.swarm.control.store import Node, NodeId, Store
+
+    store = Store(tmp_path / "c.db")
+    node = Node(NodeId("a"), "spare", "s", {"memory_bytes": 1}, "h", 1.0, 1.0)
+    store.put_node(node)
+    gen = store.generation
+    store.update_node("a", state="assigned", shard={"slot": 0})
+    assert store.membership_changed(gen) and not store.membership_changed(store.generation)
+    raw = sqlite3.connect(tmp_path / "c.db")
+    assert raw.execute("SELECT state FROM nodes").fetchall() == [("assigned",)]
+    assert store.node("a") is not None and store.node("a").shard == {"slot": 0}  # type: ignore[union-attr]
+    try:
+        with store.transaction():
+            store.update_node("a", state="lost")
+            assert store.node("a").state == "lost"  # type: ignore[union-attr]
+            raise RuntimeError("a later write failed")
+    except RuntimeError:
+        pass
+    assert store.node("a").state == "assigned"  # type: ignore[union-attr]  # rolled back
+    store.set_meta("epoch", "7")
+    assert store.get_meta("epoch") == "7" and store.get_meta("nothing", "d") == "d"
+    assert [n.node_id for n in store.nodes()] == ["a"]
+
+
+def test_placing_many_spares_asks_the_splitter_once_a_stage_count() -> None:
+    """100,000 spares too small for the model: a placement pass is O(nodes), not a split
+    per node count (that was quadratic, and the monitor asks on every change)."""
+    from cellswarm.errors import BudgetError
+    from cellswarm.swarm.control.membership import place
+    from cellswarm.swarm.control.store import Node, NodeId
+
+    nodes = [Node(NodeId(f"n{i:06d}"), "spare", "s", {"memory_bytes": 1 << 20}, "h", float(i),
+                  float(i)) for i in range(100_000)]  # fmt: skip
+    asked: list[tuple[int, int]] = []
+
+    def split(count: int, memory_bytes: int) -> list[tuple[int, int]]:
+        asked.append((count, memory_bytes))
+        raise BudgetError("too small")
+
+    assert place(nodes, split, None, max_stages=30) == ([], {})
+    assert len(asked) == 30 and asked[-1] == (30, 1 << 20)
+
+
+def test_a_bigger_swarm_beats_less_often_and_waits_longer(demo_path: Path, tmp_path: Path) -> None:
+    from cellswarm.swarm.control.coordinator import Beat, Coordinator, CoordinatorConfig
+
+    coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db"),
+                                          heartbeat_s=0.5, heartbeat_timeout_s=3.0,
+                                          max_beats_per_s=1000.0))  # fmt: skip
+    assert (coord.heartbeat_interval_s(), coord.heartbeat_timeout_s()) == (0.5, 3.0)
+    for i in range(10_000):
+        coord.beats[f"n{i}"] = Beat(0.0, 0, 0, 0.0)
+    assert coord.heartbeat_interval_s() == 10.0  # 10,000 nodes at 1,000 beats a second
+    assert coord.heartbeat_timeout_s() == 60.0  # the same 6 intervals
+
+
+def test_a_racks_heartbeats_in_one_request_each_answered_alone(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """POST /v1/heartbeats (a rack's relay): each beat its own session and its own answer; a
+    bad one is refused alone."""
+    from cellswarm.swarm.auth import prove
+
+    with LocalSwarm(str(demo_path), 0, "120M", tmp_path) as swarm:
+        token = swarm.token_file.read_bytes().strip()
+        sessions = {}
+        for node in ("r1", "r2"):
+            nonce = client.call(swarm.url, "/v1/challenge", {})["nonce"]
+            sessions[node] = client.call(swarm.url, "/v1/join", {
+                "node_id": node, "nonce": nonce, "proof": prove(token, nonce, node),
+                "capabilities": {"memory_bytes": 1 << 20}})["session"]  # fmt: skip
+        beats = [{"node_id": "r1", "session": sessions["r1"]},
+                 {"node_id": "r2", "session": "not-its-session"}, 7,
+                 {"node_id": "r2", "session": sessions["r2"], "rss_bytes": 5}]  # fmt: skip
+        answers = client.call(swarm.url, "/v1/heartbeats", {"beats": beats})["answers"]
+        assert [("error" in a) for a in answers] == [False, True, True, False]
+        assert answers[0]["heartbeat_s"] > 0 and "session" in answers[1]["error"]
+        status = {n["node_id"]: n for n in client.call(swarm.url, "/v1/status")["nodes"]}
+        assert status["r2"]["rss_bytes"] == 5

@@ -48,6 +48,9 @@ class CoordinatorConfig:
     max_body_bytes: int = 4 * 2**20  # a longer request body is refused unread (413)
     heartbeat_s: float = setting(0.5, "--heartbeat", "seconds between heartbeats")
     heartbeat_timeout_s: float = setting(3.0, "--heartbeat-timeout", "seconds to 'lost'")
+    max_beats_per_s: float = setting(
+        4000.0, "--max-beats", "heartbeats a second this coordinator takes: a bigger swarm "
+        "beats less often (the interval and the timeout grow together)")  # fmt: skip
     offline_after: int = setting(OFFLINE_AFTER, "--offline-after", "failures in a row: offline")
     probe_every_s: float = 2.0
     stages: int | None = setting(None, "--stages", "pipeline stages (default: fewest that fit)")

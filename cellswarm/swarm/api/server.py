@@ -34,6 +34,7 @@ from cellswarm.swarm.control.store import Node
 
 MAX_WAIT_S = 30.0
 MAX_LEASE_WAIT_S = 1.5  # under the worker's HTTP timeout (worker.HTTP_TIMEOUT_S + wait)
+MAX_BEATS = 4096  # per batch: a rack, or a relay's few racks
 
 
 async def node_body(request: Request) -> dict[str, Any]:
@@ -117,15 +118,35 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
         host = request.client.host if request.client else "127.0.0.1"
         session = coord.join(str(d["node_id"]), str(d["nonce"]), str(d.get("proof", "")),
                              dict(d.get("capabilities") or {}), host)  # fmt: skip
-        c = coord.config
-        return {"session": session, "heartbeat_s": c.heartbeat_s,
-                "heartbeat_timeout_s": c.heartbeat_timeout_s,
+        return {"session": session, "heartbeat_s": coord.heartbeat_interval_s(),
+                "heartbeat_timeout_s": coord.heartbeat_timeout_s(),
                 "power_w": power_of(d.get("capabilities") or {})}  # fmt: skip
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
         d = await node_body(request)
         return coord.heartbeat(node_of(coord, d), d)
+
+    @app.post("/v1/heartbeats")
+    async def heartbeats(request: Request) -> dict[str, Any]:
+        """Many nodes' heartbeats in one request (a rack's relay: one message per rack per
+        interval instead of one per node). Each beat carries its node's own session and
+        gets its own answer, or its own error: one bad beat costs no other node its place."""
+        d = await node_body(request)
+        beats = d.get("beats")
+        if not isinstance(beats, list) or len(beats) > MAX_BEATS:
+            raise RequestError(f"a heartbeat batch is an object with a list of at most "
+                               f"{MAX_BEATS} beats")  # fmt: skip
+        answers: list[dict[str, Any]] = []
+        for beat in beats:
+            try:
+                if not isinstance(beat, dict):
+                    raise RequestError("a beat is an object")
+                answers.append(coord.heartbeat(node_of(coord, beat), beat))
+            except (PermissionError, KeyError, RequestError) as exc:
+                answers.append({"error": str(exc) if not isinstance(exc, KeyError)
+                                else f"a beat needs {exc}"})  # fmt: skip
+        return {"answers": answers}
 
     @app.post("/v1/fault")
     async def fault(request: Request) -> dict[str, Any]:

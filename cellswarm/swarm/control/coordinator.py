@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import BudgetError, RequestError, StorageFullError
-from cellswarm.planner.placement import StageCosts
+from cellswarm.planner.placement import StageCosts, balanced_layers
 from cellswarm.swarm.auth import digest, load_token, new_nonce, verify
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.checkup import Checkups
@@ -96,6 +96,8 @@ class Coordinator:
         self._limits: Any = None
         self._limits_lock = threading.Lock()  # warm_up's thread and a request may race
         self._stage_costs: StageCosts | None = None
+        self._reconciled: tuple[int | None, str | None] = (None, None)  # (generation, layout)
+        self._splits: dict[tuple[int, int], list[tuple[int, int]] | str] = {}  # str: why not
         self._manifest: Any = None
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
@@ -106,7 +108,7 @@ class Coordinator:
         # SQLite this one is alone (a restart gives every node a grace), so a row is only
         # written when something changes.
         shared = self.store.db.dialect != "sqlite"
-        self._refresh_s = config.heartbeat_timeout_s / 3 if shared else math.inf
+        self._shared = shared  # rows refreshed a third of the timeout apart (see heartbeat)
         self.disk_full = Throttled(log)  # a full disk: one line a minute, not one per write
         # each node's clock behind ours (s) and the estimate's error bound, from heartbeats
         self.node_clock: dict[str, tuple[float, float]] = {}
@@ -243,7 +245,8 @@ class Coordinator:
                 changes.update(message=f"failed its probe: {beat.get('probe_error', '')}")
         changes = {k: v for k, v in changes.items() if getattr(node, k) != v}
         written = self.beats.get(node.node_id)
-        if changes or written is None or now - written.written_s > self._refresh_s:
+        refresh_s = self.heartbeat_timeout_s() / 3 if self._shared else math.inf
+        if changes or written is None or now - written.written_s > refresh_s:
             try:
                 node = self.store.update_node(node.node_id, **changes, last_seen_s=now,
                                               rss_bytes=live.rss_bytes,
@@ -262,7 +265,8 @@ class Coordinator:
         epoch = self.epoch
         return {"shard": self._shard_for(node), "epoch": epoch, "probe": self._probe(node),
                 "wired": self.wired_epoch == epoch, "lease_s": self.config.lease_s,
-                "now_s": time.time(), "check": self.checkups.ask(node.node_id)}  # fmt: skip
+                "now_s": time.time(), "check": self.checkups.ask(node.node_id),
+                "heartbeat_s": self.heartbeat_interval_s()}  # fmt: skip
 
     def metrics_targets(self) -> list[dict[str, Any]]:
         """Prometheus' HTTP service discovery: every node that is not lost, by its state."""
@@ -388,18 +392,47 @@ class Coordinator:
         return replace(node, last_seen_s=beat.seen_s, rss_bytes=beat.rss_bytes,
                                    peak_rss_bytes=beat.peak_rss_bytes)  # fmt: skip
 
+    def heartbeat_interval_s(self) -> float:
+        """How often nodes beat: --heartbeat, or slower in a swarm whose beats would pass
+        --max-beats a second (100,000 nodes at 4,000 a second: every 25 s). Told to every
+        node in each answer; a node beats at the interval it was last told."""
+        c = self.config
+        return max(c.heartbeat_s, len(self.beats) / c.max_beats_per_s)
+
+    def heartbeat_timeout_s(self) -> float:
+        """Silence that makes a node lost: --heartbeat-timeout, grown with the interval. A
+        shrinking swarm shortens it while nodes still wait out their last, longer interval:
+        the timeout stays several of those, so none is lost for it."""
+        c = self.config
+        return c.heartbeat_timeout_s * self.heartbeat_interval_s() / c.heartbeat_s
+
     def check_timeouts(self) -> None:
-        now = time.time()
-        for n in map(self.live, self.store.nodes()):
-            quiet_s = now - n.last_seen_s
-            if n.state in ("assigned", "spare") and quiet_s > self.config.heartbeat_timeout_s:
-                self.lose(n, f"no heartbeat for {quiet_s:.1f} s")
+        """Nodes silent past the timeout are lost. From the heartbeats held in memory (the
+        rows' last_seen_s may be old by design): a dict lookup per node, no row copied."""
+        now, timeout = time.time(), self.heartbeat_timeout_s()
+        for n in self.store.nodes():
+            if n.state not in ("assigned", "spare"):
+                continue
+            beat = self.beats.get(n.node_id)
+            quiet_s = now - max(n.last_seen_s, beat.seen_s if beat else 0.0)
+            if quiet_s > timeout:
+                self.lose(self.live(n), f"no heartbeat for {quiet_s:.1f} s")
 
     def reconcile(self) -> None:
-        self.layout = json.loads(self.store.get_meta("layout", "[]"))  # a past leader's, maybe
+        """Place and repair: run when a node's row or the layout changed since the last run
+        (every tick on PostgreSQL, where others write; on SQLite a quiet tick is free — at
+        100,000 spares a placement pass costs a good part of a second)."""
+        layout_text = self.store.get_meta("layout", "[]")  # a past leader's, maybe
+        seen = (self.store.generation, layout_text)
+        if not self.store.membership_changed(self._reconciled[0]) and \
+                seen[1] == self._reconciled[1]:  # fmt: skip
+            return
+        self._reconciled = seen
+        self.layout = json.loads(layout_text)
         nodes = self.store.nodes()
         layout, target = repair(nodes, self.layout, self._split, self.config.stages,
-                                self.part_specs, self.config.replicas)  # fmt: skip
+                                self.part_specs, self.config.replicas,
+                                max_stages=len(self.stage_costs().weights))  # fmt: skip
         if not target:
             self.problem = self._why_unplaced(nodes)
             return
@@ -428,11 +461,20 @@ class Coordinator:
         return ""
 
     def _split(self, stages: int, memory_bytes: int) -> list[tuple[int, int]]:
-        from cellswarm.swarm.local.pipeline import budget_split
-
-        c = self.config
-        return budget_split(c.model, stages, memory_bytes, c.context, c.max_sequences,
-                            remote_experts=c.expert_nodes > 0, remote_vocab=c.vocab_nodes > 0)
+        """The placement's layer ranges (planner/placement.py: balanced_layers), remembered
+        per (stages, budget): the monitor asks every tick, and the model does not change —
+        reading its header for each ask was most of a busy coordinator's time."""
+        key = (stages, memory_bytes)
+        if key not in self._splits:
+            try:
+                self._splits[key] = balanced_layers(self.stage_costs(), stages, memory_bytes,
+                                                    Path(self.config.model).name)  # fmt: skip
+            except BudgetError as exc:
+                self._splits[key] = str(exc)
+        found = self._splits[key]
+        if isinstance(found, str):
+            raise BudgetError(found)
+        return found
 
     def stage_costs(self) -> StageCosts:
         if self._stage_costs is None:

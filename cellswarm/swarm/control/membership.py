@@ -9,6 +9,7 @@ and bumps the epoch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,7 +77,7 @@ def replicas(nodes: Sequence[Node]) -> list[int]:
 
 def repair(
     nodes: Sequence[Node], layout: Sequence[Shard], split: Splitter, stages: int | None,
-    parts: Sequence[dict[str, Any]] = (), replicas: int = 1,
+    parts: Sequence[dict[str, Any]] = (), replicas: int = 1, max_stages: int | None = None,
 ) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
     """The layout and the shard every placeable node should hold (None: a spare). A complete
     layout stays as it is; a hole is filled by a spare with as much memory as the node it
@@ -89,7 +90,8 @@ def repair(
         filled = _fill_holes(live, layout)
         if filled is not None:
             return list(layout), filled
-    return place(live, split, stages, shrink=bool(layout), parts=parts, replicas=replicas)
+    return place(live, split, stages, shrink=bool(layout), parts=parts, replicas=replicas,
+                 max_stages=max_stages)
 
 
 def _fill_holes(
@@ -115,19 +117,22 @@ def _fill_holes(
 
 def place(
     live: Sequence[Node], split: Splitter, stages: int | None, shrink: bool = False,
-    parts: Sequence[dict[str, Any]] = (), replicas: int = 1,
+    parts: Sequence[dict[str, Any]] = (), replicas: int = 1, max_stages: int | None = None,
 ) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
     """A fresh layout over the live nodes: `replicas` rings of `stages` stages (or the fewest
-    that fit) and their part servers, the earliest joined nodes first, the rest spares.
-    ([], {}) when they cannot hold the model. A first placement waits for what was asked;
-    a repair (`shrink`) takes fewer replicas, then fewer stages, rather than stall."""
+    that fit, up to `max_stages`: one a layer) and their part servers, the earliest joined
+    nodes first, the rest spares. ([], {}) when they cannot hold the model. A first placement
+    waits for what was asked; a repair (`shrink`) takes fewer replicas, then fewer stages,
+    rather than stall. O(nodes) per call (a 100,000-node swarm asks on every change): the
+    smallest memory of each prefix of the join order is computed once."""
     if not live:
         return [], {}
     order = sorted(live, key=lambda n: (n.joined_s, n.node_id))
+    smallest = list(itertools.accumulate((n.memory_bytes for n in order), min))
     if stages:  # what was asked; a repair steps down from it rather than jump to the fewest
         counts = [stages, *(range(stages - 1, 0, -1) if shrink else [])]
     else:
-        counts = list(range(1, len(order) + 1))
+        counts = list(range(1, min(len(order), max_stages or len(order)) + 1))
     for r in range(replicas, 0 if shrink else replicas - 1, -1):
         for count in counts:
             need = r * (count + len(parts))
@@ -135,7 +140,7 @@ def place(
                 continue
             chosen = order[:need]
             try:
-                split_ = split(count, min(n.memory_bytes for n in chosen))
+                split_ = split(count, smallest[need - 1])
             except BudgetError:
                 continue
             if len(split_) != count:  # e.g. more nodes than layers: not this many stages

@@ -183,6 +183,8 @@ class Worker:
         self.echo_s = time.perf_counter() - t0
         if answer.get("now_s") is not None:
             self.clock.add(beat["sent_s"], float(answer["now_s"]), time.time())
+        if answer.get("heartbeat_s"):  # a bigger swarm beats less often
+            self.heartbeat_s = float(answer["heartbeat_s"])
         return answer
 
     def stats(self) -> dict[str, Any]:

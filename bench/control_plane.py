@@ -1,0 +1,320 @@
+"""The coordinator's control plane under many simulated nodes: joins, heartbeats, liveness.
+
+    python -m bench.control_plane [--nodes 1000,10000,100000] [--rack 40] [--seconds 20]
+                                  [--direct] [--max-join-s 300] [--json]
+
+Per step: a fresh coordinator process (SQLite, the demo model, the cluster token) on
+loopback, then N simulated nodes speaking its real protocol from this process (asyncio, a
+pool of keep-alive HTTP/1.1 connections written by hand, so the load generator costs little
+next to what it measures):
+
+- join: `/v1/challenge` then `/v1/join` with the HMAC proof, 64 at a time; p50/p99 of the
+  pair. Each node claims 1 MiB (it cannot hold a layer), so every node stays a spare and the
+  step measures membership, not placement or the data plane.
+- heartbeat: for `--seconds`, the nodes beat at the interval the coordinator gives them,
+  grouped by rack: one `POST /v1/heartbeats` per rack of `--rack` nodes per interval, as a
+  rack's relay sends them (`--direct`: one `POST /v1/heartbeat` per node). p50/p99 of a
+  request, and whether any answer was late or refused.
+- false lost: nodes the coordinator calls lost while they beat (every simulated node beats
+  throughout, so any is false), read from /v1/status at the end.
+- the coordinator's CPU (cores: its process's user+system time over the phase's wall time)
+  and RSS, from /proc.
+
+Lease latency (`lease_p99_s`) needs wired rings of simulated stages: not measured here yet
+(null); `python -m bench.jobs` measures the queue's leases. A step that cannot finish its
+joins within `--max-join-s` is reported with the nodes it reached.
+
+One JSON object per step with --json (nodes, join_p50_s, join_p99_s, heartbeat_p50_s,
+heartbeat_p99_s, heartbeat_interval_s, lease_p99_s, false_lost, coordinator_cpu_cores,
+coordinator_rss_bytes, ...), else a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cellswarm.demo import demo_model_path
+from cellswarm.swarm.auth import prove
+
+CONNECTIONS = 64  # keep-alive connections from the simulated nodes (a relay's, a rack's)
+JOIN_CONCURRENCY = 64
+NODE_MEMORY_BYTES = 1 << 20  # holds no layer: every node stays a spare
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection: JSON in, JSON out; opened again when the server
+    closed it (uvicorn closes a connection idle for 5 s)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        for attempt in range(2):
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            try:
+                return await self._post(path, body)
+            except (ConnectionError, IndexError, asyncio.IncompleteReadError):
+                self.writer.close()
+                self.writer = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        assert self.writer is not None
+        data = json.dumps(body, separators=(",", ":")).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: c\r\nContent-Type: application/json"
+                          f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        status_line = await self.reader.readline()
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        payload = await self.reader.readexactly(length)
+        return int(status_line.split()[1]), json.loads(payload) if payload else None
+
+
+class Pool:
+    def __init__(self, host: str, port: int, size: int) -> None:
+        self.host, self.port, self.size = host, port, size
+        self.free: asyncio.Queue[Conn] = asyncio.Queue()
+
+    async def open(self) -> None:
+        for _ in range(self.size):
+            self.free.put_nowait(Conn(self.host, self.port))
+
+    async def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any, float]:
+        conn = await self.free.get()
+        t0 = time.perf_counter()
+        try:
+            status, answer = await conn.post(path, body)
+        finally:
+            self.free.put_nowait(conn)
+        return status, answer, time.perf_counter() - t0
+
+    def close(self) -> None:
+        while not self.free.empty():
+            conn = self.free.get_nowait()
+            if conn.writer is not None:
+                conn.writer.close()
+
+
+class Coordinator:
+    """The real coordinator as its own process; its CPU and memory read from /proc."""
+
+    def __init__(self, state: Path, port: int, heartbeat_s: float, timeout_s: float) -> None:
+        self.token = state / "cluster.token"
+        self.token.write_text(secrets.token_hex(32))
+        cmd = [sys.executable, "-m", "cellswarm.cli", "coordinator", "--model",
+               str(demo_model_path()), "--listen", f"127.0.0.1:{port}", "--db",
+               f"sqlite:///{state / 'c.db'}", "--token-file", str(self.token),
+               "--heartbeat", str(heartbeat_s), "--heartbeat-timeout", str(timeout_s)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)  # fmt: skip
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("READY"):
+                break
+        else:
+            raise SystemExit(f"the coordinator did not start (exit {self.proc.wait()})")
+        self.tail: list[str] = []  # its output, read on (a full pipe would stop it)
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail = [*self.tail[-20:], line.rstrip()]
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def join_all(pool: Pool, token: bytes, n: int, max_s: float) -> tuple[dict[str, str],
+                                                                            list[float], float]:
+    """Node id -> session for the nodes that joined within max_s; each join's seconds."""
+    sessions: dict[str, str] = {}
+    times: list[float] = []
+    deadline = time.monotonic() + max_s
+    ids = iter(range(n))
+
+    async def joiner() -> None:
+        for i in ids:
+            if time.monotonic() > deadline:
+                return
+            node = f"sim-{i:06d}"
+            t0 = time.perf_counter()
+            _, c, _ = await pool.post("/v1/challenge", {})
+            body = {"node_id": node, "nonce": c["nonce"], "proof": prove(token, c["nonce"], node),
+                    "capabilities": {"memory_bytes": NODE_MEMORY_BYTES}}  # fmt: skip
+            status, answer, _ = await pool.post("/v1/join", body)
+            if status == 200:
+                sessions[node] = answer["session"]
+                times.append(time.perf_counter() - t0)
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(joiner() for _ in range(JOIN_CONCURRENCY)))
+    return sessions, times, time.monotonic() - t0
+
+
+async def beat_all(pool: Pool, sessions: dict[str, str], rack: int, direct: bool,
+                   seconds: float, interval_s: float) -> dict[str, Any]:  # fmt: skip
+    """Every node beats for `seconds`, a rack's beats in one request (or one each)."""
+    nodes = list(sessions.items())
+    groups = [nodes[i : i + rack] for i in range(0, len(nodes), rack)]
+    times: list[float] = []
+    refused = 0
+    interval = {"s": interval_s}
+    end = time.monotonic() + seconds
+
+    def beat(node: str, session: str) -> dict[str, Any]:
+        return {"node_id": node, "session": session, "rss_bytes": 30 << 20,
+                "peak_rss_bytes": 30 << 20, "data_port": None, "ready": None,
+                "sent_s": time.time()}  # fmt: skip
+
+    async def relay(group: list[tuple[str, str]], offset: float) -> None:
+        nonlocal refused
+        await asyncio.sleep(offset)  # the racks spread over the interval, as clocks drift
+        while time.monotonic() < end:
+            started = time.monotonic()
+            if direct:
+                for node, session in group:
+                    status, answer, took = await pool.post("/v1/heartbeat", beat(node, session))
+                    times.append(took)
+                    refused += status != 200
+                    if status == 200 and answer.get("heartbeat_s"):
+                        interval["s"] = float(answer["heartbeat_s"])
+            else:
+                status, answer, took = await pool.post(
+                    "/v1/heartbeats", {"beats": [beat(n, s) for n, s in group]})
+                times.append(took)
+                answers = answer.get("answers", []) if status == 200 else []
+                refused += len(group) - sum("error" not in a for a in answers)
+                if answers and answers[0].get("heartbeat_s"):
+                    interval["s"] = float(answers[0]["heartbeat_s"])
+            await asyncio.sleep(max(0.0, interval["s"] - (time.monotonic() - started)))
+
+    await asyncio.gather(*(relay(g, interval_s * k / len(groups)) for k, g in enumerate(groups)))
+    return {"times": times, "refused": refused, "interval_s": interval["s"]}
+
+
+async def step(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="cs-control-") as tmp:
+        port = free_port()
+        coord = Coordinator(Path(tmp), port, args.heartbeat, args.timeout)
+        pool = Pool("127.0.0.1", port, CONNECTIONS)
+        try:
+            await pool.open()
+            token = coord.token.read_bytes().strip()
+            sessions, join_times, join_s = await join_all(pool, token, n, args.max_join_s)
+            await asyncio.sleep(args.heartbeat)  # the joins' own rows settle
+            cpu0, t0 = coord.cpu_s(), time.monotonic()
+            beats = await beat_all(pool, sessions, args.rack, args.direct, args.seconds,
+                                   args.heartbeat)  # fmt: skip
+            cores = (coord.cpu_s() - cpu0) / (time.monotonic() - t0)
+            status = await get_status(port)
+            lost = [x for x in status["nodes"] if x["state"] == "lost"]
+            rss = coord.rss_bytes()
+        finally:
+            pool.close()
+            coord.stop()
+    bt = np.asarray(beats["times"] or [np.nan])
+    jt = np.asarray(join_times or [np.nan])
+    return {
+        "nodes": len(sessions), "asked_nodes": n, "mode": "direct" if args.direct else
+        f"relay/{args.rack}", "join_s": round(join_s, 2),
+        "join_p50_s": _q(jt, 50), "join_p99_s": _q(jt, 99),
+        "heartbeat_interval_s": beats["interval_s"], "heartbeat_requests": len(beats["times"]),
+        "heartbeat_p50_s": _q(bt, 50), "heartbeat_p99_s": _q(bt, 99),
+        "heartbeats_refused": beats["refused"], "lease_p99_s": None,
+        "false_lost": len(lost), "coordinator_cpu_cores": round(cores, 3),
+        "coordinator_rss_bytes": rss,
+    }  # fmt: skip
+
+
+async def get_status(port: int) -> dict[str, Any]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /v1/status HTTP/1.1\r\nHost: c\r\nConnection: close\r\n\r\n")
+    raw = await reader.read()
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():  # not from uvicorn for a JSON body
+        raise SystemExit("unexpected chunked status")
+    return dict(json.loads(body))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _q(a: np.ndarray, q: float) -> float | None:
+    v = float(np.nanpercentile(a, q)) if np.isfinite(a).any() else None
+    return None if v is None else round(v, 5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", default="1000,10000,100000", help="steps, comma-separated")
+    parser.add_argument("--rack", type=int, default=40, help="nodes per relay batch")
+    parser.add_argument("--direct", action="store_true", help="one request per node's beat")
+    parser.add_argument("--seconds", type=float, default=20.0, help="heartbeat phase length")
+    parser.add_argument("--heartbeat", type=float, default=0.5, help="coordinator's --heartbeat")
+    parser.add_argument("--timeout", type=float, default=3.0, help="its --heartbeat-timeout")
+    parser.add_argument("--max-join-s", type=float, default=300.0, help="joins per step, at most")
+    parser.add_argument("--json", action="store_true", help="one JSON object per step")
+    args = parser.parse_args()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if not args.json:
+        print(f"{'nodes':>7} {'mode':>9} {'join s':>7} {'join p99':>9} {'beat every':>10} "
+              f"{'beat p50':>9} {'beat p99':>9} {'refused':>7} {'lost':>5} {'CPU':>6} "
+              f"{'RSS MiB':>8}")  # fmt: skip
+    for n in (int(x) for x in args.nodes.split(",")):
+        r = asyncio.run(step(n, args))
+        if args.json:
+            print(json.dumps(r), flush=True)
+            continue
+        print(f"{r['nodes']:>7} {r['mode']:>9} {r['join_s']:>7.1f} {r['join_p99_s'] or 0:>9.4f} "
+              f"{r['heartbeat_interval_s']:>9.2f}s {r['heartbeat_p50_s'] or 0:>9.4f} "
+              f"{r['heartbeat_p99_s'] or 0:>9.4f} {r['heartbeats_refused']:>7} "
+              f"{r['false_lost']:>5} {r['coordinator_cpu_cores']:>6.2f} "
+              f"{r['coordinator_rss_bytes'] / 2**20:>8.1f}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
