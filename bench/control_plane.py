@@ -215,8 +215,10 @@ async def beat_all(pool: Pool, sessions: dict[str, str], rack: int, direct: bool
                     if status == 200 and answer.get("heartbeat_s"):
                         interval["s"] = float(answer["heartbeat_s"])
             else:
-                status, answer, took = await pool.post(
-                    "/v1/heartbeats", {"beats": [beat(n, s) for n, s in group]})
+                sender, session = group[0]  # the rack's relay: a joined node itself
+                status, answer, took = await pool.post("/v1/heartbeats", {
+                    "node_id": sender, "session": session,
+                    "beats": [beat(n, s) for n, s in group]})  # fmt: skip
                 times.append(took)
                 answers = answer.get("answers", []) if status == 200 else []
                 refused += len(group) - sum("error" not in a for a in answers)

@@ -106,6 +106,8 @@ class Doctor:
         from cellswarm.units import format_bytes
 
         assert self.model is not None
+        from cellswarm.engine.memory import available_bytes
+
         need = self.model.memory(batch=1, context=min(4096, self.model.config.context_length))
         free = available_bytes()
         ok = free is None or need.total_bytes <= free
@@ -168,16 +170,6 @@ class Doctor:
         ok = a == b
         detail = "greedy tokens equal on two runs" if ok else f"{a} then {b}"
         return ok, detail, "" if ok else "nondeterministic kernels: report it with this output"
-
-
-def available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class SwarmDoctor:

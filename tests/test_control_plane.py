@@ -6,6 +6,9 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
+
+from cellswarm.errors import RequestError
 from cellswarm.swarm.api import client
 from cellswarm.swarm.local.up import LocalSwarm
 
@@ -130,7 +133,11 @@ def test_a_racks_heartbeats_in_one_request_each_answered_alone(
         beats = [{"node_id": "r1", "session": sessions["r1"]},
                  {"node_id": "r2", "session": "not-its-session"}, 7,
                  {"node_id": "r2", "session": sessions["r2"], "rss_bytes": 5}]  # fmt: skip
-        answers = client.call(swarm.url, "/v1/heartbeats", {"beats": beats})["answers"]
+        with pytest.raises(RequestError, match="no such session"):  # a stranger sends none
+            client.call(swarm.url, "/v1/heartbeats", {"node_id": "x", "session": "y",
+                                                      "beats": beats})  # fmt: skip
+        answers = client.call(swarm.url, "/v1/heartbeats", {
+            "node_id": "r1", "session": sessions["r1"], "beats": beats})["answers"]  # fmt: skip
         assert [("error" in a) for a in answers] == [False, True, True, False]
         assert answers[0]["heartbeat_s"] > 0 and "session" in answers[1]["error"]
         status = {n["node_id"]: n for n in client.call(swarm.url, "/v1/status")["nodes"]}

@@ -6,6 +6,7 @@ with a file; needs root (mount), skipped with the reason otherwise."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
@@ -23,18 +24,26 @@ from tests.conftest import greedy_reference
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
+@contextlib.contextmanager
+def tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A small tmpfs at `mnt` (made), unmounted after; the test skips without root."""
     if os.geteuid() != 0:
         pytest.skip("needs root: it mounts a small tmpfs to fill on purpose")
-    mnt = tmp_path / "disk"
     mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
                          capture_output=True, text=True)  # fmt: skip
     if out.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    with tmpfs(tmp_path / "disk", "24m") as mnt:
+        yield mnt
 
 
 def fill(disk: Path) -> Path:

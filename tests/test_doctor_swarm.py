@@ -6,7 +6,6 @@ request is tried)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from cellswarm.io.gguf_file import GGUFFile
 from cellswarm.io.gguf_write import write_gguf
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.local.up import LocalSwarm
-from tests.test_disk_full import fill
+from tests.test_disk_full import fill, tmpfs
 
 
 def by_name(results: list[doctor.Result]) -> dict[str, doctor.Result]:
@@ -54,17 +53,9 @@ def test_a_healthy_swarm_passes_every_line_and_the_command_exits_0(
 @pytest.fixture
 def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """worker-0's own log folder on a 4 MiB tmpfs, filled (needs root: mount)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: it mounts a small tmpfs to fill on purpose")
-    mnt = tmp_path / "logs-0"
-    mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)  # fmt: skip
-    if out.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
-    fill(mnt)
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with tmpfs(tmp_path / "logs-0", "4m") as mnt:
+        fill(mnt)
+        yield mnt
 
 
 def other_version(tmp_path: Path) -> Path:

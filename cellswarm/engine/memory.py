@@ -138,3 +138,16 @@ def cgroup_memory() -> dict[str, int]:
     if limit.isdigit() and int(limit) < 1 << 60:
         out["limit_bytes"] = int(limit)
     return out
+
+
+def available_bytes() -> int | None:
+    """MemAvailable: what the kernel could give without swapping (None where unreadable)."""
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

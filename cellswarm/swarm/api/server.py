@@ -130,9 +130,12 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
     @app.post("/v1/heartbeats")
     async def heartbeats(request: Request) -> dict[str, Any]:
         """Many nodes' heartbeats in one request (a rack's relay: one message per rack per
-        interval instead of one per node). Each beat carries its node's own session and
-        gets its own answer, or its own error: one bad beat costs no other node its place."""
+        interval instead of one per node). The sender is a joined node (its own node_id and
+        session, checked first: a stranger gets the 401 every node route gives); each beat
+        carries its node's own session and gets its own answer, or its own error: one bad
+        beat costs no other node its place."""
         d = await node_body(request)
+        node_of(coord, d)
         beats = d.get("beats")
         if not isinstance(beats, list) or len(beats) > MAX_BEATS:
             raise RequestError(f"a heartbeat batch is an object with a list of at most "

@@ -108,7 +108,7 @@ def environment(folders: Iterable[str | Path | None]) -> dict[str, Any]:
 
     import cellswarm
     from cellswarm import kernels
-    from cellswarm.engine.memory import cgroup_memory
+    from cellswarm.engine.memory import available_bytes, cgroup_memory
 
     cgroup = cgroup_memory()
     disks = {}
@@ -127,7 +127,7 @@ def environment(folders: Iterable[str | Path | None]) -> dict[str, Any]:
         "numpy": numpy.__version__, "kernels": kernels.backend(),
         "kernel_build": kernels.build_id(), "machine": platform.machine(),
         "os": f"{platform.system()} {platform.release()}", "cpu_flags": cpu_flags(),
-        "memory_available_bytes": memory_available_bytes(), "disk_free_bytes": disks,
+        "memory_available_bytes": available_bytes(), "disk_free_bytes": disks,
         "oom_kills_cgroup": cgroup.get("oom_kills", 0),  # this node's own
         "cgroup_limit_bytes": cgroup.get("limit_bytes"),
         "oom_kills": kernel_log_oom_kills(),  # anyone's on this host (where readable)
@@ -145,16 +145,6 @@ def cpu_flags() -> list[str]:
             have = set(line.partition(":")[2].split())
             return sorted(f for f in CPU_FLAGS if f in have)
     return []
-
-
-def memory_available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def kernel_log_oom_kills() -> int:
