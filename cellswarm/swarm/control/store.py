@@ -141,10 +141,18 @@ class Store:
         """The in-memory rows (loaded on first use), or None where they are not kept."""
         if not self._cached:
             return None
-        if self._nodes is None:
+        nodes = self._nodes
+        if nodes is None:
+            # Loaded without a lock (a request thread may load while the event loop writes):
+            # installed only if no write came in meanwhile — such a write bumps the
+            # generation before it looks for the copy to update, so a snapshot that may miss
+            # it is used for this read and not kept.
+            gen = self.generation
             rows = self.db.execute("SELECT * FROM nodes ORDER BY joined_s, node_id")
-            self._nodes = {str(r["node_id"]): _node(r) for r in rows}
-        return self._nodes
+            nodes = {str(r["node_id"]): _node(r) for r in rows}
+            if gen == self.generation:
+                self._nodes = nodes
+        return nodes
 
     # -- meta ------------------------------------------------------------------------------
 
