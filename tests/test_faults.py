@@ -420,3 +420,29 @@ def test_cellswarm_up_stops_every_child_on_sigint_and_sighup_even_while_starting
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_an_answer_cut_short_is_a_connection_error_the_worker_retries() -> None:
+    """A coordinator killed between its headers and its body leaves the worker a truncated
+    answer. urllib raises http.client.IncompleteRead for it, which is not an OSError: the
+    worker's loop once let it through and the worker died (a CI run after 20 coordinator
+    kills found both workers gone). It must be a ConnectionError, retried like a refusal."""
+    import urllib.request
+
+    from cellswarm.swarm.node.net import fetch_answer
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_half() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"shard\": nu")  # fmt: skip
+        conn.close()
+
+    threading.Thread(target=answer_half, daemon=True).start()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/heartbeat", b"{}")
+    with pytest.raises(ConnectionError, match="cut short"):
+        fetch_answer(req, 5.0)
+    server.close()

@@ -98,12 +98,17 @@ class LocalSwarm:
         self.output[name] = lines
         got = threading.Event()
 
+        out = self.state_dir / f"{name}.out"  # what it said, kept for a failure's reader
+
         def pump() -> None:  # keep reading, so a chatty process never blocks on its pipe
             assert p.stdout is not None
-            for line in p.stdout:
-                lines.append(line.rstrip())
-                if line.startswith(ready):
-                    got.set()
+            with out.open("a") as kept:
+                for line in p.stdout:
+                    lines.append(line.rstrip())
+                    kept.write(line)
+                    kept.flush()
+                    if line.startswith(ready):
+                        got.set()
             got.set()
 
         threading.Thread(target=pump, daemon=True).start()

@@ -8,15 +8,34 @@ the address peers must dial differs from the one bound: `--advertise HOST[:PORT]
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import socket
+import ssl
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import TextIO
 from urllib.parse import urlsplit
 
 from cellswarm.errors import RequestError
+
+
+def fetch_answer(req: urllib.request.Request, timeout_s: float,
+                 tls: ssl.SSLContext | None = None) -> bytes:  # fmt: skip
+    """The body of the coordinator's answer. An answer cut short — the coordinator killed
+    between its headers and its body — is a ConnectionError like a refused connection, not
+    http.client's IncompleteRead (not an OSError), which once ended a worker's loop and so
+    the worker."""
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s, context=tls) as r:
+            data: bytes = r.read()
+            return data
+    except http.client.HTTPException as exc:
+        if isinstance(exc, OSError):  # RemoteDisconnected: already a ConnectionResetError
+            raise
+        raise ConnectionError(f"{req.full_url}: the answer was cut short ({exc!r})") from exc
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,14 @@ from cellswarm.swarm.control.store import shard_id
 from cellswarm.swarm.node.head import Head
 from cellswarm.swarm.node.metrics import Power
 from cellswarm.swarm.node.metrics import serve as serve_metrics
-from cellswarm.swarm.node.net import ClockOffset, Progress, is_loopback, parse_address, route_source
+from cellswarm.swarm.node.net import (
+    ClockOffset,
+    Progress,
+    fetch_answer,
+    is_loopback,
+    parse_address,
+    route_source,
+)
 from cellswarm.swarm.ring.parts import PartConfig, PartServer, PartSpec, load_part_model
 from cellswarm.swarm.ring.stage import (
     Stage,
@@ -138,8 +145,7 @@ class Worker:
                                          {"Content-Type": "application/json"})  # fmt: skip
             try:
                 timeout_s = HTTP_TIMEOUT_S + float(data.get("wait_s", 0.0))  # a long poll
-                with urllib.request.urlopen(req, timeout=timeout_s, context=self.tls) as r:
-                    out: dict[str, Any] = json.loads(r.read())
+                out: dict[str, Any] = json.loads(fetch_answer(req, timeout_s, self.tls))
             except urllib.error.HTTPError:
                 raise  # it answered: its answer stands
             except OSError as exc:
@@ -265,13 +271,15 @@ class Worker:
             except urllib.error.HTTPError as exc:
                 if exc.code == 401:  # unknown session (a wiped coordinator) or a bad proof
                     self.session = None
-                    log.warning("coordinator refused us: %s", exc.read().decode()[:200])
+                    log.warning("coordinator refused us: %s", said(exc))
             except (OSError, ValueError) as exc:
                 self._say_tls_failure(exc)
                 quiet_s = time.monotonic() - last_ok
                 if quiet_s > self.config.stop_after_s and self.session is not None:
                     await self.stop_serving(f"no coordinator for {quiet_s:.1f} s ({exc})")
                     self.session = None  # join again when it is back
+            except Exception:  # a bug in one beat must not end the node: beat again
+                log.exception("heartbeat failed")
             else:
                 last_ok = time.monotonic()
                 await self.apply(answer)
@@ -407,10 +415,8 @@ class Worker:
         headers = {"X-Cellswarm-Session": f"{self.config.node_id}:{self.session}"}
 
         def get(path: str) -> bytes:
-            req = urllib.request.Request(self.url + path, headers=headers)
-            with urllib.request.urlopen(req, timeout=30, context=self.tls) as r:
-                data: bytes = r.read()
-                return data
+            return fetch_answer(urllib.request.Request(self.url + path, headers=headers), 30,
+                                self.tls)  # fmt: skip
 
         manifest = Manifest.from_json(get("/v1/model/manifest"))
         report = ensure_local(manifest, sel, lambda i: get(f"/v1/model/chunks/{i}"),
@@ -541,3 +547,11 @@ def main(config: WorkerConfig) -> None:
     # an emulated node's waits must be precise to well under its step time (emulate.py)
     with asyncio.Runner(loop_factory=precise_loop if config.profile else None) as runner:
         runner.run(worker.run())
+
+
+def said(exc: urllib.error.HTTPError) -> str:
+    """An error answer's first 200 characters: itself read from a socket, maybe cut short."""
+    try:
+        return exc.read().decode(errors="replace")[:200]
+    except Exception as cut:  # http.client.IncompleteRead is no OSError
+        return f"HTTP {exc.code} ({cut!r})"
