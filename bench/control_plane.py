@@ -8,16 +8,19 @@ loopback, then N simulated nodes speaking its real protocol from this process (a
 pool of keep-alive HTTP/1.1 connections written by hand, so the load generator costs little
 next to what it measures):
 
-- join: `/v1/challenge` then `/v1/join` with the HMAC proof, 64 at a time; p50/p99 of the
-  pair. Each node claims 1 MiB (it cannot hold a layer), so every node stays a spare and the
-  step measures membership, not placement or the data plane.
-- heartbeat: for `--seconds`, the nodes beat at the interval the coordinator gives them,
-  grouped by rack: one `POST /v1/heartbeats` per rack of `--rack` nodes per interval, as a
-  rack's relay sends them (`--direct`: one `POST /v1/heartbeat` per node). p50/p99 of a
-  request, and whether any answer was late or refused.
+- join: per rack, its first node joins alone (`/v1/challenge`, then `/v1/join` with the
+  HMAC proof); as the rack's relay it then asks for the other nodes' nonces in one challenge
+  and sends their proofs in one `POST /v1/joins` (`--direct`: every node joins alone). 64
+  racks at a time; p50/p99 of a node's challenge and join requests. Each node claims 1 MiB
+  (it cannot hold a layer), so every node stays a spare and the step measures membership,
+  not placement or the data plane.
+- heartbeat: a rack beats from the moment it joined, at the interval the coordinator gives:
+  one `POST /v1/heartbeats` per rack of `--rack` nodes per interval, as a rack's relay sends
+  them (`--direct`: one `POST /v1/heartbeat` per node). Measured for `--seconds` once every
+  rack joined: p50/p99 of a request, and any beat refused.
 - false lost: nodes the coordinator calls lost while they beat (every simulated node beats
   throughout, so any is false), read from /v1/status at the end.
-- the coordinator's CPU (cores: its process's user+system time over the phase's wall time)
+- the coordinator's CPU (cores: its process's user+system time over the measured seconds)
   and RSS, from /proc.
 
 Lease latency (`lease_p99_s`) needs wired rings of simulated stages: not measured here yet
@@ -35,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import resource
 import secrets
 import subprocess
@@ -160,74 +164,120 @@ class Coordinator:
             self.proc.kill()
 
 
-async def join_all(pool: Pool, token: bytes, n: int, max_s: float) -> tuple[dict[str, str],
-                                                                            list[float], float]:
-    """Node id -> session for the nodes that joined within max_s; each join's seconds."""
-    sessions: dict[str, str] = {}
-    times: list[float] = []
-    deadline = time.monotonic() + max_s
-    ids = iter(range(n))
+class Racks:
+    """The simulated nodes, a rack at a time: a rack joins (`join`), then beats at the
+    interval the coordinator gives until the step ends (`beat`), as real nodes do — a node
+    that joined and stayed silent would rightly be lost. Latencies are kept only while
+    `measuring` (after every rack joined)."""
 
-    async def joiner() -> None:
-        for i in ids:
-            if time.monotonic() > deadline:
-                return
-            node = f"sim-{i:06d}"
-            t0 = time.perf_counter()
-            _, c, _ = await pool.post("/v1/challenge", {})
-            body = {"node_id": node, "nonce": c["nonce"], "proof": prove(token, c["nonce"], node),
-                    "capabilities": {"memory_bytes": NODE_MEMORY_BYTES}}  # fmt: skip
-            status, answer, _ = await pool.post("/v1/join", body)
-            if status == 200:
-                sessions[node] = answer["session"]
-                times.append(time.perf_counter() - t0)
+    def __init__(self, pool: Pool, token: bytes, n: int, rack: int, direct: bool,
+                 interval_s: float) -> None:  # fmt: skip
+        self.pool, self.token, self.direct = pool, token, direct
+        ids = [f"sim-{i:06d}" for i in range(n)]
+        self.racks = [ids[i : i + rack] for i in range(0, n, rack)]
+        self.sessions: dict[str, str] = {}
+        self.join_times: list[float] = []
+        self.beat_times: list[float] = []
+        self.refused = 0
+        self.interval_s = interval_s
+        self.measuring = False
+        self.stop = False
+        self.caps = {"memory_bytes": NODE_MEMORY_BYTES}
 
-    t0 = time.monotonic()
-    await asyncio.gather(*(joiner() for _ in range(JOIN_CONCURRENCY)))
-    return sessions, times, time.monotonic() - t0
+    async def join_one(self, node: str) -> None:
+        t0 = time.perf_counter()
+        _, c, _ = await self.pool.post("/v1/challenge", {})
+        status, answer, _ = await self.pool.post("/v1/join", {
+            "node_id": node, "nonce": c["nonce"], "proof": prove(self.token, c["nonce"], node),
+            "capabilities": self.caps})  # fmt: skip
+        if status == 200:
+            self.sessions[node] = answer["session"]
+            self.join_times.append(time.perf_counter() - t0)
 
+    async def join(self, nodes: list[str]) -> None:
+        """Its first node joins alone and, as the rack's relay, asks for the others' nonces
+        in one challenge and sends their proofs in one `POST /v1/joins` (direct: each alone)."""
+        if self.direct:
+            for node in nodes:
+                await self.join_one(node)
+            return
+        await self.join_one(nodes[0])
+        relay, rest = nodes[0], nodes[1:]
+        if relay not in self.sessions or not rest:
+            return
+        t0 = time.perf_counter()
+        _, c, _ = await self.pool.post("/v1/challenge", {"count": len(rest)})
+        joins = [{"node_id": x, "nonce": nonce, "proof": prove(self.token, nonce, x),
+                  "capabilities": self.caps} for x, nonce in zip(rest, c["nonces"], strict=True)]
+        status, answer, _ = await self.pool.post("/v1/joins", {
+            "node_id": relay, "session": self.sessions[relay], "joins": joins})  # fmt: skip
+        took = time.perf_counter() - t0
+        for a in answer.get("answers", []) if status == 200 else []:
+            if "session" in a:
+                self.sessions[a["node_id"]] = a["session"]
+                self.join_times.append(took)
 
-async def beat_all(pool: Pool, sessions: dict[str, str], rack: int, direct: bool,
-                   seconds: float, interval_s: float) -> dict[str, Any]:  # fmt: skip
-    """Every node beats for `seconds`, a rack's beats in one request (or one each)."""
-    nodes = list(sessions.items())
-    groups = [nodes[i : i + rack] for i in range(0, len(nodes), rack)]
-    times: list[float] = []
-    refused = 0
-    interval = {"s": interval_s}
-    end = time.monotonic() + seconds
-
-    def beat(node: str, session: str) -> dict[str, Any]:
-        return {"node_id": node, "session": session, "rss_bytes": 30 << 20,
+    def _beat(self, node: str) -> dict[str, Any]:
+        return {"node_id": node, "session": self.sessions[node], "rss_bytes": 30 << 20,
                 "peak_rss_bytes": 30 << 20, "data_port": None, "ready": None,
                 "sent_s": time.time()}  # fmt: skip
 
-    async def relay(group: list[tuple[str, str]], offset: float) -> None:
-        nonlocal refused
-        await asyncio.sleep(offset)  # the racks spread over the interval, as clocks drift
-        while time.monotonic() < end:
+    async def beat(self, nodes: list[str]) -> None:
+        """Beat until the step ends: one request per rack per interval (its relay's), or one
+        per node (direct); the first beat a random part of the interval after joining."""
+        nodes = [x for x in nodes if x in self.sessions]
+        if not nodes:
+            return
+        await asyncio.sleep(random.uniform(0, self.interval_s))  # clocks drift apart
+        while not self.stop:
             started = time.monotonic()
-            if direct:
-                for node, session in group:
-                    status, answer, took = await pool.post("/v1/heartbeat", beat(node, session))
-                    times.append(took)
-                    refused += status != 200
-                    if status == 200 and answer.get("heartbeat_s"):
-                        interval["s"] = float(answer["heartbeat_s"])
+            if self.direct:
+                for node in nodes:
+                    status, answer, took = await self.pool.post("/v1/heartbeat", self._beat(node))
+                    self._took(took, 1 if status != 200 else 0, answer if status == 200 else {})
             else:
-                sender, session = group[0]  # the rack's relay: a joined node itself
-                status, answer, took = await pool.post("/v1/heartbeats", {
-                    "node_id": sender, "session": session,
-                    "beats": [beat(n, s) for n, s in group]})  # fmt: skip
-                times.append(took)
+                relay = nodes[0]
+                status, answer, took = await self.pool.post("/v1/heartbeats", {
+                    "node_id": relay, "session": self.sessions[relay],
+                    "beats": [self._beat(x) for x in nodes]})  # fmt: skip
                 answers = answer.get("answers", []) if status == 200 else []
-                refused += len(group) - sum("error" not in a for a in answers)
-                if answers and answers[0].get("heartbeat_s"):
-                    interval["s"] = float(answers[0]["heartbeat_s"])
-            await asyncio.sleep(max(0.0, interval["s"] - (time.monotonic() - started)))
+                ok = [a for a in answers if "error" not in a]
+                self._took(took, len(nodes) - len(ok), ok[0] if ok else {})
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
-    await asyncio.gather(*(relay(g, interval_s * k / len(groups)) for k, g in enumerate(groups)))
-    return {"times": times, "refused": refused, "interval_s": interval["s"]}
+    def _took(self, took: float, refused: int, answer: dict[str, Any]) -> None:
+        if self.measuring:
+            self.beat_times.append(took)
+            self.refused += refused
+        if answer.get("heartbeat_s"):
+            self.interval_s = float(answer["heartbeat_s"])
+
+    async def run(self, max_join_s: float, settle_s: float, seconds: float,
+                  on_measure: Any) -> float:  # fmt: skip
+        """Join every rack (64 at a time, within max_join_s), beat, and measure for `seconds`
+        once all joined and `settle_s` passed; the joins' wall time."""
+        deadline = time.monotonic() + max_join_s
+        gate = asyncio.Semaphore(JOIN_CONCURRENCY)
+        beating: list[asyncio.Task[None]] = []
+
+        async def rack(nodes: list[str]) -> None:
+            async with gate:
+                if time.monotonic() > deadline:
+                    return
+                await self.join(nodes)
+            beating.append(asyncio.create_task(self.beat(nodes)))
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(rack(r) for r in self.racks))
+        join_s = time.monotonic() - t0
+        await asyncio.sleep(settle_s)
+        self.measuring = True
+        on_measure()
+        await asyncio.sleep(seconds)
+        self.measuring, self.stop = False, True
+        on_measure()
+        await asyncio.gather(*beating)
+        return join_s
 
 
 async def step(n: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -238,27 +288,26 @@ async def step(n: int, args: argparse.Namespace) -> dict[str, Any]:
         try:
             await pool.open()
             token = coord.token.read_bytes().strip()
-            sessions, join_times, join_s = await join_all(pool, token, n, args.max_join_s)
-            await asyncio.sleep(args.heartbeat)  # the joins' own rows settle
-            cpu0, t0 = coord.cpu_s(), time.monotonic()
-            beats = await beat_all(pool, sessions, args.rack, args.direct, args.seconds,
-                                   args.heartbeat)  # fmt: skip
-            cores = (coord.cpu_s() - cpu0) / (time.monotonic() - t0)
+            racks = Racks(pool, token, n, args.rack, args.direct, args.heartbeat)
+            marks: list[tuple[float, float]] = []  # (cpu s, wall s) as measuring starts, ends
+            join_s = await racks.run(args.max_join_s, 2 * args.heartbeat, args.seconds,
+                                     lambda: marks.append((coord.cpu_s(), time.monotonic())))
+            cores = (marks[1][0] - marks[0][0]) / (marks[1][1] - marks[0][1])
             status = await get_status(port)
             lost = [x for x in status["nodes"] if x["state"] == "lost"]
             rss = coord.rss_bytes()
         finally:
             pool.close()
             coord.stop()
-    bt = np.asarray(beats["times"] or [np.nan])
-    jt = np.asarray(join_times or [np.nan])
+    bt = np.asarray(racks.beat_times or [np.nan])
+    jt = np.asarray(racks.join_times or [np.nan])
     return {
-        "nodes": len(sessions), "asked_nodes": n, "mode": "direct" if args.direct else
+        "nodes": len(racks.sessions), "asked_nodes": n, "mode": "direct" if args.direct else
         f"relay/{args.rack}", "join_s": round(join_s, 2),
         "join_p50_s": _q(jt, 50), "join_p99_s": _q(jt, 99),
-        "heartbeat_interval_s": beats["interval_s"], "heartbeat_requests": len(beats["times"]),
+        "heartbeat_interval_s": racks.interval_s, "heartbeat_requests": len(racks.beat_times),
         "heartbeat_p50_s": _q(bt, 50), "heartbeat_p99_s": _q(bt, 99),
-        "heartbeats_refused": beats["refused"], "lease_p99_s": None,
+        "heartbeats_refused": racks.refused, "lease_p99_s": None,
         "false_lost": len(lost), "coordinator_cpu_cores": round(cores, 3),
         "coordinator_rss_bytes": rss,
     }  # fmt: skip

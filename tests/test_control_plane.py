@@ -142,3 +142,46 @@ def test_a_racks_heartbeats_in_one_request_each_answered_alone(
         assert answers[0]["heartbeat_s"] > 0 and "session" in answers[1]["error"]
         status = {n["node_id"]: n for n in client.call(swarm.url, "/v1/status")["nodes"]}
         assert status["r2"]["rss_bytes"] == 5
+
+
+def test_a_racks_joins_in_one_request_each_proved_alone(demo_path: Path, tmp_path: Path) -> None:
+    """A rack's relay asks for its rack's nonces in one challenge and sends their proofs in
+    one POST /v1/joins (one commit): each join its own session or its own error, and each
+    session then beats as its own node's."""
+    from cellswarm.swarm.auth import prove
+
+    with LocalSwarm(str(demo_path), 0, "120M", tmp_path) as swarm:
+        token = swarm.token_file.read_bytes().strip()
+        nonce = client.call(swarm.url, "/v1/challenge", {})["nonce"]
+        relay = client.call(swarm.url, "/v1/join", {
+            "node_id": "relay", "nonce": nonce, "proof": prove(token, nonce, "relay"),
+            "capabilities": {"memory_bytes": 1 << 20}})["session"]  # fmt: skip
+        nonces = client.call(swarm.url, "/v1/challenge", {"count": 4})["nonces"]
+        caps = {"memory_bytes": 1 << 20}
+        joins = [{"node_id": "a", "nonce": nonces[0], "proof": prove(token, nonces[0], "a"),
+                  "capabilities": caps},
+                 {"node_id": "b", "nonce": nonces[1], "proof": "forged", "capabilities": caps},
+                 {"node_id": "c", "nonce": nonces[0], "proof": prove(token, nonces[0], "c"),
+                  "capabilities": caps},  # a nonce is good for one proof
+                 {"nonce": nonces[2]},
+                 {"node_id": "d", "nonce": nonces[3], "proof": prove(token, nonces[3], "d"),
+                  "capabilities": caps, "host": "10.0.0.4"}]  # fmt: skip
+        with pytest.raises(RequestError, match="no such session"):  # a stranger sends none
+            client.call(swarm.url, "/v1/joins", {"node_id": "x", "session": "y", "joins": joins})
+        answers = client.call(swarm.url, "/v1/joins", {
+            "node_id": "relay", "session": relay, "joins": joins})["answers"]  # fmt: skip
+        assert [("session" in a) for a in answers] == [True, False, False, False, True]
+        assert "cluster token" in answers[1]["error"] and "nonce" in answers[2]["error"]
+        assert "node_id" in answers[3]["error"] and answers[4]["heartbeat_s"] > 0
+        beats = [{"node_id": a["node_id"], "session": a["session"]} for a in answers
+                 if "session" in a]  # fmt: skip
+        beaten = client.call(swarm.url, "/v1/heartbeats", {
+            "node_id": "relay", "session": relay, "beats": beats})["answers"]  # fmt: skip
+        assert not any("error" in a for a in beaten)
+        status = {n["node_id"]: n for n in client.call(swarm.url, "/v1/status")["nodes"]}
+        assert sorted(status) == ["a", "d", "relay"]
+        db = sqlite3.connect(tmp_path / "coordinator.db")
+        hosts = dict(db.execute("SELECT node_id, host FROM nodes"))
+        assert hosts["d"] == "10.0.0.4" and hosts["a"] == hosts["relay"]  # the relay's address
+        with pytest.raises(RequestError, match="count must be"):
+            client.call(swarm.url, "/v1/challenge", {"count": 100_000})

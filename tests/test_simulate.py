@@ -207,3 +207,52 @@ def test_predict_local_demo_model() -> None:
     assert killed.latency_p99_s > many.latency_p99_s
     slower = predict_local(split, node="rpi4", params=SimParams(hop_overhead_s=0.01), tokens=64)
     assert slower.step_s == pytest.approx(one.step_s + 3 * 0.01)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "max_beats", "interval_s", "detect_s", "saturated"),
+    [
+        (3, 4000.0, 0.5, 3.0, False),  # a small swarm: the configured heartbeat
+        (10_000, 4000.0, 2.5, 15.0, False),
+        (100_000, 4000.0, 25.0, 150.0, False),  # the seed: beats capped at 4,000/s
+        (100_000, 40_000.0, 2.5, 15.0, True),  # 40,000 beats/s x 45 us: 1.8 cores
+    ],
+)
+def test_the_control_plane_policy_at_each_size(
+    nodes: int, max_beats: float, interval_s: float, detect_s: float, saturated: bool
+) -> None:
+    from cellswarm.sim.control import ControlPlane
+
+    cp = ControlPlane(max_beats_per_s=max_beats)
+    assert (cp.interval_s(nodes), cp.detect_s(nodes)) == (interval_s, detect_s)
+    assert cp.saturated(nodes) is saturated
+    assert cp.jobs_per_s(nodes) == (0.0 if saturated else pytest.approx(
+        (1 - cp.beat_load(nodes)) / cp.job_cpu_s))  # fmt: skip
+
+
+def test_a_saturated_coordinator_runs_nothing_and_says_so() -> None:
+    values = {"model": "kimi-k3", "count": 100_000, "context": 1024, "duration": "10m",
+              "control": {"max_beats_per_s": 40_000}}  # fmt: skip
+    out = simulate(make_scenario(values))
+    assert out["control"]["saturated"] and out["tokens"] == 0 and out["jobs"]["done"] == 0
+    assert out["jobs"]["lost"] == 0  # queued, not lost
+
+
+def test_a_bigger_swarm_notices_failures_later_and_so_serves_less() -> None:
+    """The same failures, noticed after 150 s (100,000 nodes at 4,000 beats/s) or after 3 s
+    (a coordinator taking every node's beat each 0.5 s, with the cores for it)."""
+    base = {"model": "kimi-k3", "count": 100_000, "context": 1024, "duration": "2h",
+            "mtbf": "500h", "seed": 3}  # fmt: skip
+    slow = simulate(make_scenario(base))
+    fast = simulate(make_scenario({**base, "control": {"max_beats_per_s": 200_000,
+                                                       "cores": 20.0}}))  # fmt: skip
+    assert slow["control"]["detect_s"] == 150.0 and fast["control"]["detect_s"] == 3.0
+    assert slow["failures"]["node_failures"] == fast["failures"]["node_failures"] > 0
+    assert slow["tokens"] < fast["tokens"]
+
+
+def test_a_scenario_file_s_unknown_control_key_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text('model = "kimi-k3"\ncount = 100000\ncontext = 1024\n[control]\nbeats = 5\n')
+    with pytest.raises(CellswarmError, match=r"\[control\] keys \['beats'\] are unknown"):
+        make_scenario(read_scenario_file(path))

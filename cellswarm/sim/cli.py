@@ -37,6 +37,10 @@ def add_simulate_command(sub: Any) -> None:
     p.add_argument("--poison-fraction", type=float, help="fraction of jobs failing every try")
     p.add_argument("--topology", help="network overrides: core_bandwidth=100G,access_uplinks=1")
     p.add_argument("--seed", type=int, help="random seed (default 0)")
+    p.add_argument("--max-beats", type=float,
+                   help="the coordinator's --max-beats (heartbeats/s it takes; default 4000)")
+    p.add_argument("--coordinator-cores", type=float,
+                   help="cores the control plane has (default 1: one coordinator process)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", type=Path, help="charts over time to this PNG file")
     p.add_argument("--calibrate", action="store_true",
@@ -64,6 +68,10 @@ def scenario_from_args(args: argparse.Namespace) -> Any:
     values |= {k: v for k, v in cli.items() if v is not None}
     if args.rate is not None:
         values.pop("jobs", None)
+    control = {"max_beats_per_s": args.max_beats, "cores": args.coordinator_cores}
+    if any(v is not None for v in control.values()):
+        values["control"] = {**values.get("control", {}),
+                             **{k: v for k, v in control.items() if v is not None}}  # fmt: skip
     if args.topology:
         values["network"] = {**values.get("network", {}), **dict(parse_topology(args.topology))}
     return make_scenario(values)

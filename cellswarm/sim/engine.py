@@ -169,7 +169,15 @@ class Simulator:
         }  # fmt: skip
         self.tier_series: dict[str, list[float]] = {t: [] for t in TIERS}
         self._last_sample = (0.0, 0.0)
-        self._place_initial(replicas)
+        # the coordinator (sim/control.py): failures are seen detect_s late; leases are served
+        # one at a time, job_s each, on what the heartbeats leave of its cores
+        control = scenario.control
+        self.detect_s = control.detect_s(self.count)
+        self.job_s = control.job_s(self.count)
+        self.control_saturated = control.saturated(self.count)
+        self.lease_free_at = 0.0  # when the coordinator can grant the next lease
+        self.lease_waits: list[float] = []
+        self._place_initial(0 if self.control_saturated else replicas)
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -345,6 +353,15 @@ class Simulator:
         seq = Seq(job, self.now, float(job.tokens))
         rep.seqs.append(seq)
         self._begin_prefill(rep, seq, replay)
+        wait = self._lease_wait()
+        seq.ready_at += wait  # the prefill starts once the coordinator granted the lease
+
+    def _lease_wait(self) -> float:
+        """Seconds until the coordinator grants a lease asked now: one server, FIFO."""
+        grant = max(self.now, self.lease_free_at) + self.job_s
+        self.lease_free_at = grant
+        self.lease_waits.append(grant - self.now)
+        return grant - self.now
 
     def _begin_prefill(self, rep: Replica, seq: Seq, replay: bool) -> None:
         assert rep.timing is not None
@@ -472,7 +489,7 @@ class Simulator:
         rep.nodes[pos] = spare
         self.node_replica[spare], self.node_pos[spare] = r, pos
         self.c.replacements += 1
-        rep.ready_at = max(rep.ready_at, self.now + self.p.replace_overhead_s
+        rep.ready_at = max(rep.ready_at, self.now + self.detect_s + self.p.replace_overhead_s
                            + self.model.load_s(pos))  # fmt: skip
         rep.timing = self._timing(rep)
         self.push(rep.ready_at, "replica_up", (r, rep.gen))
@@ -505,6 +522,8 @@ class Simulator:
 
     def _form_replicas(self) -> None:
         """Enough spares for a whole replica: place one again where one was dissolved."""
+        if self.control_saturated:  # the coordinator cannot keep its nodes: none is placed
+            return
         for rep in self.replicas:
             if rep.state != "gone" or self.n_spares < self.npr:
                 continue

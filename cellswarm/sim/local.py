@@ -29,6 +29,7 @@ from cellswarm.errors import RequestError
 from cellswarm.planner import api, cost, profiles
 from cellswarm.planner.inventory import ModelInventory
 from cellswarm.planner.placement import layer_placement
+from cellswarm.sim.control import ControlPlane
 from cellswarm.sim.engine import Simulator
 from cellswarm.sim.model import ReplicaModel
 from cellswarm.sim.network import NetModel
@@ -55,6 +56,11 @@ class LocalPrediction:
 def _inventory(path: str) -> ModelInventory:
     """Read once per process: a calibration calls predict_local hundreds of times."""
     return api.resolve_model(path)
+
+
+# A local swarm's coordinator (swarm/local/up.py LocalSwarm: beats every 0.25 s, lost after
+# 2 s), so a calibration's kill is noticed as quickly in the prediction as in the run
+LOCAL_CONTROL = ControlPlane(heartbeat_s=0.25, timeout_beats=8.0)
 
 
 def predict_local(
@@ -103,7 +109,7 @@ def predict_local(
     sc = Scenario(
         model=inv.name, node=node, count=len(placement.slots) + 1, context=prompt_tokens + tokens,
         concurrency=in_flight, duration_s=horizon, jobs=jobs, prompt_tokens=prompt_tokens,
-        output_tokens=tokens, params=params, samples=2,
+        output_tokens=tokens, params=params, samples=2, control=LOCAL_CONTROL,
     )  # fmt: skip
     net = network or dataclasses.replace(profiles.load_network(profiles_file),
                                          nodes_per_access_switch=64)  # fmt: skip

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from cellswarm.errors import RequestError
+from cellswarm.sim.control import ControlPlane
 from cellswarm.swarm.control import policy
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*(s|m|h|d|y)?\s*$")
@@ -98,6 +99,7 @@ class Scenario:
     network: tuple[tuple[str, str | float], ...] = ()  # overrides of [defaults.network] keys
     samples: int = 240  # points of the time series
     params: SimParams = field(default_factory=SimParams)
+    control: ControlPlane = field(default_factory=ControlPlane)  # the coordinator's capacity
 
     def __post_init__(self) -> None:
         if self.count < 1:

@@ -73,10 +73,27 @@ def render(out: dict[str, Any], console: Console | None = None) -> None:
         "first saturated tier",
         f"{net['first_saturated_tier']} ({sat}, slowdown x{net['slowdown']:.2f})",
     )
+    _control_rows(t, out["control"])
     t.add_row("energy", f"{_f(energy['kwh'], 1)} kWh ({_f(energy['mwh_per_day'], 1)} MWh/day)")
     t.add_row("joules per token", _f(energy["j_per_token"], 1))
     t.add_row("events", f"{out['events']:,}")
     con.print(t)  # fmt: skip
+
+
+def _control_rows(t: Table, cp: dict[str, Any]) -> None:
+    t.add_row("control plane: beat every / lost after",
+              f"{_dur(cp['heartbeat_interval_s'])} / {_dur(cp['detect_s'])}")
+    t.add_row("control plane load: beats + leases",
+              f"{cp['beat_load']:.1%} + {cp['job_load']:.1%} of {cp['cores']:g} core(s)")
+    wait = cp["lease_wait_s"]
+    t.add_row("lease wait p50 / p99", f"{_dur(wait['p50'])} / {_dur(wait['p99'])}")
+    if cp["saturated"]:
+        verdict = "[red]saturated: beats alone exceed it, every node is lost[/]"
+    elif cp["bottleneck"]:
+        verdict = f"[yellow]the bottleneck ({cp['load']:.0%} busy)[/]"
+    else:
+        verdict = f"not the bottleneck ({cp['load']:.1%} busy)"
+    t.add_row("control plane", verdict)  # fmt: skip
 
 
 def plot(out: dict[str, Any], path: Path) -> None:

@@ -74,6 +74,24 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values), q)) if values else None
 
 
+def control_summary(sim: Simulator) -> dict[str, Any]:
+    """The coordinator as a resource: its policy at this size, its load, the leases' waits,
+    and whether it (rather than the network or the nodes) limits the swarm."""
+    cp, n, sc = sim.sc.control, sim.count, sim.sc
+    leases = len(sim.lease_waits)
+    job_load = leases * cp.job_cpu_s / cp.cores / sc.duration_s
+    load = cp.beat_load(n) + job_load
+    return {
+        "heartbeat_interval_s": cp.interval_s(n), "detect_s": cp.detect_s(n),
+        "beat_load": cp.beat_load(n), "job_load": job_load, "load": load,
+        "jobs_per_s_capacity": 0.0 if sim.control_saturated else cp.jobs_per_s(n),
+        "leases": leases, "lease_wait_s": {"p50": _pct(sim.lease_waits, 50),
+                                           "p99": _pct(sim.lease_waits, 99)},
+        "saturated": sim.control_saturated, "bottleneck": sim.control_saturated or load >= 0.9,
+        "cores": cp.cores,
+    }  # fmt: skip
+
+
 def summarise(sim: Simulator, result: PlanResult) -> dict[str, Any]:
     sc, c = sim.sc, sim.c
     hours = sc.duration_s / 3600
@@ -151,6 +169,7 @@ def summarise(sim: Simulator, result: PlanResult) -> dict[str, Any]:
             "idle_node_hours": sim.idle_node_s / 3600,
             "pue": sim.pue,
         },
+        "control": control_summary(sim),
         "events": c.events,
         "series": {**sim.series, **{f"util_{t}": sim.tier_series[t] for t in TIERS}},
     }  # fmt: skip

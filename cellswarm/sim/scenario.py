@@ -24,6 +24,9 @@ slow_speed = 0.5
 core_bandwidth = "3.2T"
 [params]                    # SimParams fields (calibration)
 hop_overhead_s = 0.0
+[control]                   # ControlPlane fields (sim/control.py): the coordinator's capacity
+max_beats_per_s = 4000.0
+cores = 1.0
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import RequestError
+from cellswarm.sim.control import ControlPlane
 from cellswarm.sim.params import Scenario, SimParams, parse_duration
 
 _TOP = {"model", "quant", "node", "count", "context", "concurrency", "duration", "seed"}
 _WORKLOAD = {"jobs", "rate", "prompt_tokens", "output_tokens", "poison_fraction"}
 _FAILURES = {"mtbf", "mttr", "rack_mtbf", "rack_mttr", "slow_fraction", "slow_speed"}
-_TABLES = {"workload", "failures", "network", "params", "description"}
+_TABLES = {"workload", "failures", "network", "params", "control", "description"}
 
 
 def read_scenario_file(path: Path) -> dict[str, Any]:
@@ -57,7 +61,7 @@ def read_scenario_file(path: Path) -> dict[str, Any]:
         if not isinstance(part, dict):
             raise RequestError(f"{path}: [{table}] is not a table")
         _take(out, part, keys, str(path), f"[{table}] ")
-    for table in ("network", "params"):
+    for table in ("network", "params", "control"):
         part = raw.get(table, {})
         if not isinstance(part, dict):
             raise RequestError(f"{path}: [{table}] is not a table")
@@ -83,9 +87,15 @@ def make_scenario(values: dict[str, Any]) -> Scenario:
     unknown = set(params) - known
     if unknown:
         raise RequestError(f"[params] keys {sorted(unknown)} are unknown; known: {sorted(known)}")
+    control = v.get("control", {})
+    known = {f.name for f in dataclasses.fields(ControlPlane)}
+    if set(control) - known:
+        raise RequestError(f"[control] keys {sorted(set(control) - known)} are unknown; "
+                           f"known: {sorted(known)}")  # fmt: skip
     kw: dict[str, Any] = {
         "model": str(v["model"]),
         "params": SimParams(**params),
+        "control": ControlPlane(**control),
         "network": tuple((str(k), val) for k, val in v.get("network", {}).items()),
     }
     for key in ("node", "quant"):

@@ -17,7 +17,13 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.control.policy import LEASE_S, OFFLINE_AFTER
+from cellswarm.swarm.control.policy import (
+    HEARTBEAT_S,
+    HEARTBEAT_TIMEOUT_S,
+    LEASE_S,
+    MAX_BEATS_PER_S,
+    OFFLINE_AFTER,
+)
 from cellswarm.units import parse_bytes
 
 _PARSERS = {"int": int, "float": float, "str": str}
@@ -46,11 +52,12 @@ class CoordinatorConfig:
         "job): every client route then asks for 'Authorization: Bearer KEY', and a job is its "
         "key's (without a file: no auth)")
     max_body_bytes: int = 4 * 2**20  # a longer request body is refused unread (413)
-    heartbeat_s: float = setting(0.5, "--heartbeat", "seconds between heartbeats")
-    heartbeat_timeout_s: float = setting(3.0, "--heartbeat-timeout", "seconds to 'lost'")
+    heartbeat_s: float = setting(HEARTBEAT_S, "--heartbeat", "seconds between heartbeats")
+    heartbeat_timeout_s: float = setting(HEARTBEAT_TIMEOUT_S, "--heartbeat-timeout",
+                                         "seconds to 'lost'")  # fmt: skip
     max_beats_per_s: float = setting(
-        4000.0, "--max-beats", "heartbeats a second this coordinator takes: a bigger swarm "
-        "beats less often (the interval and the timeout grow together)")  # fmt: skip
+        MAX_BEATS_PER_S, "--max-beats", "heartbeats a second this coordinator takes: a "
+        "bigger swarm beats less often (the interval and the timeout grow together)")  # fmt: skip
     offline_after: int = setting(OFFLINE_AFTER, "--offline-after", "failures in a row: offline")
     probe_every_s: float = 2.0
     stages: int | None = setting(None, "--stages", "pipeline stages (default: fewest that fit)")

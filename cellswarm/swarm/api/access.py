@@ -54,7 +54,7 @@ ROUTE_AUTH: dict[tuple[str, str], str] = {
     ("POST", "/v1/doctor"): "own",
     **{(method, path): "node" for method, path in (
         ("POST", "/v1/challenge"), ("POST", "/v1/join"), ("POST", "/v1/heartbeat"),
-        ("POST", "/v1/heartbeats"),
+        ("POST", "/v1/heartbeats"), ("POST", "/v1/joins"),
         ("POST", "/v1/fault"), ("GET", "/v1/model/manifest"), ("GET", "/v1/model/chunks/{index}"),
         ("POST", "/v1/jobs/lease"), ("POST", "/v1/jobs/checkpoint"),
         ("POST", "/v1/jobs/complete"), ("POST", "/v1/jobs/fail"), ("POST", "/v1/jobs/release"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -61,14 +62,21 @@ DEFAULT_POWER_PROFILE = "laptop"  # whose watts a node without --profile is esti
 def power_of(caps: dict[str, Any]) -> list[Any]:
     """[busy W, idle W, profile] for a node's energy estimate: its --profile's figures, else a
     laptop's (the estimate says which)."""
+    return list(_power(str(caps.get("profile") or DEFAULT_POWER_PROFILE)))
+
+
+@functools.lru_cache(maxsize=256)
+def _power(profile: str) -> tuple[float, float, str]:
+    """Remembered per name: finding a profile parses the profiles' TOML (~3 ms), which was
+    most of a join's cost (joins were ~300 a second)."""
     from cellswarm.errors import CellswarmError
     from cellswarm.planner.profiles import get_profile
 
     try:
-        p = get_profile(str(caps.get("profile") or DEFAULT_POWER_PROFILE))
+        p = get_profile(profile)
     except CellswarmError:
         p = get_profile(DEFAULT_POWER_PROFILE)
-    return [p.power_busy_w, p.power_idle_w, p.name]
+    return (p.power_busy_w, p.power_idle_w, p.name)
 
 
 def build_app(coord: Coordinator) -> FastAPI:
@@ -109,8 +117,15 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
     """A node's: the challenge, joining, heartbeats, faults, and the model's bytes."""
 
     @app.post("/v1/challenge")
-    async def challenge() -> dict[str, Any]:
-        return {"nonce": coord.challenge()}
+    async def challenge(request: Request) -> dict[str, Any]:
+        """A nonce for a join's proof; `{"count": n}`: n of them (a rack's relay)."""
+        d = await node_body(request) if await request.body() else {}
+        count = d.get("count", 1)
+        if not isinstance(count, int) or not 1 <= count <= MAX_BEATS:
+            raise RequestError(f"count must be a whole number from 1 to {MAX_BEATS}, not "
+                               f"{count!r}")  # fmt: skip
+        nonces = coord.challenges(count)
+        return {"nonce": nonces[0], "nonces": nonces}
 
     @app.post("/v1/join")
     async def join(request: Request) -> dict[str, Any]:
@@ -121,6 +136,24 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
         return {"session": session, "heartbeat_s": coord.heartbeat_interval_s(),
                 "heartbeat_timeout_s": coord.heartbeat_timeout_s(),
                 "power_w": power_of(d.get("capabilities") or {})}  # fmt: skip
+
+    @app.post("/v1/joins")
+    async def joins(request: Request) -> dict[str, Any]:
+        """A rack's joins in one request, sent by its relay (a joined node, checked first as
+        for /v1/heartbeats); each join carries its own proof and gets its own answer."""
+        d = await node_body(request)
+        node_of(coord, d)
+        joins = d.get("joins")
+        if not isinstance(joins, list) or len(joins) > MAX_BEATS:
+            raise RequestError(f"a join batch is an object with a list of at most {MAX_BEATS} "
+                               "joins")  # fmt: skip
+        host = request.client.host if request.client else "127.0.0.1"
+        answers = coord.join_many(joins, host)
+        extra = {"heartbeat_s": coord.heartbeat_interval_s(),
+                 "heartbeat_timeout_s": coord.heartbeat_timeout_s()}  # fmt: skip
+        return {"answers": [
+            {**a, **extra, "power_w": power_of(j.get("capabilities") or {})} if "session" in a
+            else a for j, a in zip(joins, answers, strict=True)]}  # fmt: skip
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:

@@ -26,6 +26,12 @@ LEASE_S = 10.0  # a holder renews by checkpointing well within this, or the job 
 BACKOFF_S = 0.5  # after a failed attempt: BACKOFF_S x 2^(attempt-1), capped
 MAX_BACKOFF_S = 30.0
 
+# Liveness: a node beats every max(HEARTBEAT_S, nodes / MAX_BEATS_PER_S) seconds and is lost
+# after HEARTBEAT_TIMEOUT_S / HEARTBEAT_S such intervals of silence (coordinator.py).
+HEARTBEAT_S = 0.5
+HEARTBEAT_TIMEOUT_S = 3.0
+MAX_BEATS_PER_S = 4000.0
+
 
 @dataclass(frozen=True)
 class Retry:
