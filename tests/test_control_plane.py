@@ -64,9 +64,13 @@ def test_the_store_keeps_its_rows_in_memory_written_through(tmp_path: Path) -> N
     store = Store(tmp_path / "c.db")
     node = Node(NodeId("a"), "spare", "s", {"memory_bytes": 1}, "h", 1.0, 1.0)
     store.put_node(node)
-    gen = store.generation
+    gen = store.membership
     store.update_node("a", state="assigned", shard={"slot": 0})
-    assert store.membership_changed(gen) and not store.membership_changed(store.generation)
+    assert store.membership_changed(gen) and not store.membership_changed(store.membership)
+    store.nodes()  # the copy is loaded (without one, any write may be a change)
+    gen = store.membership  # a completion's counter or a beat's memory: no placement input
+    store.update_node("a", served=3, rss_bytes=5, last_seen_s=2.0)
+    assert not store.membership_changed(gen) and store.node("a").served == 3  # type: ignore[union-attr]
     raw = sqlite3.connect(tmp_path / "c.db")
     assert raw.execute("SELECT state FROM nodes").fetchall() == [("assigned",)]
     assert store.node("a") is not None and store.node("a").shard == {"slot": 0}  # type: ignore[union-attr]

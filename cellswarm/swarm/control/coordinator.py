@@ -97,7 +97,8 @@ class Coordinator:
         self._limits: Any = None
         self._limits_lock = threading.Lock()  # warm_up's thread and a request may race
         self._stage_costs: StageCosts | None = None
-        self._reconciled: tuple[int | None, str | None] = (None, None)  # (generation, layout)
+        self._reconciled: tuple[int | None, str | None] = (None, None)  # (membership, layout)
+        self._placed: tuple[int | None, list[str]] = (None, [])  # (membership, node ids)
         self._splits: dict[tuple[int, int], list[tuple[int, int]] | str] = {}  # str: why not
         self._manifest: Any = None
         self.part_specs = self._part_specs()
@@ -373,7 +374,7 @@ class Coordinator:
         self.unwire(f"{node.node_id} failed: {detail}")
 
     def _suspect_next(self, node: Node) -> None:
-        nodes = ring(self.store.nodes(), int((node.shard or {}).get("replica", 0)))
+        nodes = ring(self.placed(), int((node.shard or {}).get("replica", 0)))
         ids = [n.node_id for n in nodes]
         if node.node_id in ids:
             nxt = nodes[(ids.index(node.node_id) + 1) % len(nodes)]
@@ -425,6 +426,18 @@ class Coordinator:
         return replace(node, last_seen_s=beat.seen_s, rss_bytes=beat.rss_bytes,
                                    peak_rss_bytes=beat.peak_rss_bytes)  # fmt: skip
 
+    def placed(self) -> list[Node]:
+        """The nodes holding a shard (assigned: stages, part servers), in join order: a few
+        among maybe 100,000 spares. Leases, completions and wiring read rings from it; kept
+        until membership changes (on SQLite; PostgreSQL reads it every time). Which nodes is
+        kept; each node is read fresh (its counters move without a membership change)."""
+        if self.store.membership_changed(self._placed[0]):
+            nodes = [n for n in self.store.nodes() if n.shard is not None]
+            self._placed = (self.store.membership, [n.node_id for n in nodes])
+            return nodes
+        found = map(self.store.node, self._placed[1])
+        return [n for n in found if n is not None]
+
     def heartbeat_interval_s(self) -> float:
         """How often nodes beat: --heartbeat, or slower in a swarm whose beats would pass
         --max-beats a second (100,000 nodes at 4,000 a second: every 25 s). Told to every
@@ -456,7 +469,7 @@ class Coordinator:
         (every tick on PostgreSQL, where others write; on SQLite a quiet tick is free — at
         100,000 spares a placement pass costs a good part of a second)."""
         layout_text = self.store.get_meta("layout", "[]")  # a past leader's, maybe
-        seen = (self.store.generation, layout_text)
+        seen = (self.store.membership, layout_text)
         if not self.store.membership_changed(self._reconciled[0]) and \
                 seen[1] == self._reconciled[1]:  # fmt: skip
             return
@@ -526,7 +539,7 @@ class Coordinator:
         key = json.dumps(self.layout, sort_keys=True)
         if self.store.get_meta("rebalance_decided") == key:
             return
-        nodes = ring(self.store.nodes(), 0)
+        nodes = ring(self.placed(), 0)
         times = rebalance.ring_times(nodes, self.node_stats, rebalance.MIN_STEPS)
         if times is None:
             return
@@ -564,9 +577,11 @@ class Coordinator:
         who may call them, then (last stage first, so that stage 0 — which starts sending as
         soon as it is reset — only ever sends to reset stages) each stage its epoch, the next
         stage's address and its part servers' addresses."""
-        nodes = self.store.nodes()
+        if self.wired_epoch == self.epoch:
+            return
+        nodes = self.placed()
         live = [n for n in nodes if n.state in ("assigned", "spare")]
-        if self.wired_epoch == self.epoch or not layout_complete(live):
+        if not layout_complete(live):
             return
         if not all(n.serving for n in live if n.state == "assigned"):
             return
@@ -653,13 +668,13 @@ class Coordinator:
         shard = node.shard or {}
         if self.wired_epoch != self.epoch or shard.get("role") != "stage" or shard.get("stage"):
             return []
-        stages = ring(self.store.nodes(), int(shard.get("replica", 0)))
+        stages = ring(self.placed(), int(shard.get("replica", 0)))
         capacity = min(int(s.capabilities.get("max_sequences") or self.config.max_sequences)
                        for s in stages)  # fmt: skip
         room = capacity - self.queue.leased_count(node.node_id)
         if room <= 0:
             return []
-        several = len(replicas(self.store.nodes())) > 1
+        several = len(replicas(self.placed())) > 1
         jobs = self.queue.lease(node.node_id, str(shard.get("replica", 0)), min(n, room),
                                 exclusive=several)  # fmt: skip
         for job in jobs:
@@ -679,14 +694,14 @@ class Coordinator:
 
     def complete(self, node: Node, job_id: str, fence: int, result: dict[str, Any]) -> str:
         replica = int((node.shard or {}).get("replica", 0))
-        members = [n.node_id for n in ring(self.store.nodes(), replica)]
+        members = [n.node_id for n in ring(self.placed(), replica)]
         outcome = self.queue.complete(job_id, fence, result, str(replica), members)
         self.log.event("completed" if outcome != "stale" else "stale", job_id,
                        worker=node.node_id, outcome=outcome,
                        tokens=len(result.get("tokens", [])))  # fmt: skip
         if outcome == "done":
             with self.store.transaction():
-                for n in ring(self.store.nodes(), replica):
+                for n in ring(self.placed(), replica):
                     self.store.update_node(n.node_id, served=n.served + 1, consecutive_failures=0)
             self._record_votes(job_id)
         self.notify()
@@ -757,7 +772,7 @@ class Coordinator:
             for n in map(self.live, self.store.nodes())
         ]  # fmt: skip
         epoch = self.epoch
-        times = [rebalance.ring_times(ring(self.store.nodes(), r), self.node_stats,
+        times = [rebalance.ring_times(ring(self.placed(), r), self.node_stats,
                                       rebalance.STATUS_MIN_STEPS)
                  for r in range(self.config.replicas)]  # fmt: skip
         return {"epoch": epoch, "wired": self.wired_epoch == epoch, "problem": self.problem,

@@ -96,6 +96,9 @@ def shard_id(shard: dict[str, Any]) -> str:
 
 
 _JSON_NODE = ("capabilities", "shard")
+# what placement, wiring and leasing read of a node (membership.py, coordinator.py)
+_PLACEMENT_FIELDS = ("state", "shard", "capabilities", "joined_s", "host", "data_port", "ready",
+                     "session")  # fmt: skip
 
 
 class Store:
@@ -114,12 +117,15 @@ class Store:
         self._cached = self.db.dialect == "sqlite"
         self._nodes: dict[str, Node] | None = None  # the rows, in joined_s order
         self._meta: dict[str, str | None] = {}
-        self.generation = 0  # moves on every write of a node's row (see membership_changed)
+        self.generation = 0  # moves on every write of a node's row
+        self.membership = 0  # moves when what placement reads changed (see membership_changed)
 
     def membership_changed(self, since: int | None) -> bool:
-        """Whether any node's row may differ from when `generation` was `since`: always on
-        PostgreSQL, where other coordinators write too."""
-        return not self._cached or since != self.generation
+        """Whether what placement and wiring read of the nodes (`_PLACEMENT_FIELDS`) may
+        differ from when `membership` was `since`: always on PostgreSQL, where other
+        coordinators write too. A completion's counters or a beat's memory are no change: at
+        100,000 nodes each one would cost a placement pass."""
+        return not self._cached or since != self.membership
 
     def close(self) -> None:
         self.db.close()
@@ -136,6 +142,7 @@ class Store:
     def _forget(self) -> None:
         self._nodes, self._meta = None, {}
         self.generation += 1
+        self.membership += 1
 
     def _rows(self) -> dict[str, Node] | None:
         """The in-memory rows (loaded on first use), or None where they are not kept."""
@@ -211,6 +218,9 @@ class Store:
             raise
         self.generation += 1
         rows = self._rows() if self._nodes is not None else None
+        old = rows.get(node_id) if rows is not None else None
+        if old is None or any(getattr(old, f) != getattr(node, f) for f in _PLACEMENT_FIELDS):
+            self.membership += 1
         if rows is not None:  # a new node goes last, as its joined_s is the latest
             rows[node_id] = node
         return node
