@@ -1,7 +1,8 @@
 """The coordinator's control plane under many simulated nodes: joins, heartbeats, liveness.
 
     python -m bench.control_plane [--nodes 1000,10000,100000] [--rack 40] [--seconds 20]
-                                  [--direct] [--max-join-s 300] [--json]
+                                  [--direct] [--rings 4] [--jobs 20000] [--max-join-s 300]
+                                  [--json]
 
 Per step: a fresh coordinator process (SQLite, the demo model, the cluster token) on
 loopback, then N simulated nodes speaking its real protocol from this process (asyncio, a
@@ -22,14 +23,18 @@ next to what it measures):
   throughout, so any is false), read from /v1/status at the end.
 - the coordinator's CPU (cores: its process's user+system time over the measured seconds)
   and RSS, from /proc.
+- lease: `--rings` rings of 2 simulated stages join first (so placement gives them the
+  model), answer the coordinator's `reset` frames on data ports of their own (the token's
+  handshake), and each ring's head leases (`POST /v1/jobs/lease`, a long poll, 8 at a time)
+  and completes each job at once from `--jobs` queued as a batch before the measurement:
+  p50/p99 of a lease request that brought jobs, and jobs completed a second.
 
-Lease latency (`lease_p99_s`) needs wired rings of simulated stages: not measured here yet
-(null); `python -m bench.jobs` measures the queue's leases. A step that cannot finish its
-joins within `--max-join-s` is reported with the nodes it reached.
+A step that cannot finish its joins within `--max-join-s` is reported with the nodes it
+reached.
 
 One JSON object per step with --json (nodes, join_p50_s, join_p99_s, heartbeat_p50_s,
-heartbeat_p99_s, heartbeat_interval_s, lease_p99_s, false_lost, coordinator_cpu_cores,
-coordinator_rss_bytes, ...), else a table.
+heartbeat_p99_s, heartbeat_interval_s, lease_p50_s, lease_p99_s, leases_per_s, false_lost,
+coordinator_cpu_cores, coordinator_rss_bytes, ...), else a table.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from cellswarm.swarm.auth import prove
 CONNECTIONS = 64  # keep-alive connections from the simulated nodes (a relay's, a rack's)
 JOIN_CONCURRENCY = 64
 NODE_MEMORY_BYTES = 1 << 20  # holds no layer: every node stays a spare
+RING_MEMORY_BYTES = 1 << 30  # a simulated stage claims room for half the demo model
 
 
 class Conn:
@@ -123,13 +129,16 @@ class Pool:
 class Coordinator:
     """The real coordinator as its own process; its CPU and memory read from /proc."""
 
-    def __init__(self, state: Path, port: int, heartbeat_s: float, timeout_s: float) -> None:
+    def __init__(self, state: Path, port: int, heartbeat_s: float, timeout_s: float,
+                 replicas: int) -> None:  # fmt: skip
         self.token = state / "cluster.token"
         self.token.write_text(secrets.token_hex(32))
         cmd = [sys.executable, "-m", "cellswarm.cli", "coordinator", "--model",
                str(demo_model_path()), "--listen", f"127.0.0.1:{port}", "--db",
                f"sqlite:///{state / 'c.db'}", "--token-file", str(self.token),
                "--heartbeat", str(heartbeat_s), "--heartbeat-timeout", str(timeout_s)]
+        if replicas:  # rings of 2 stages for the simulated heads' leases
+            cmd += ["--stages", "2", "--replicas", str(replicas)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)  # fmt: skip
         assert self.proc.stdout is not None
@@ -253,7 +262,7 @@ class Racks:
             self.interval_s = float(answer["heartbeat_s"])
 
     async def run(self, max_join_s: float, settle_s: float, seconds: float,
-                  on_measure: Any) -> float:  # fmt: skip
+                  on_measure: Any, before_measure: Any = None) -> float:  # fmt: skip
         """Join every rack (64 at a time, within max_join_s), beat, and measure for `seconds`
         once all joined and `settle_s` passed; the joins' wall time."""
         deadline = time.monotonic() + max_join_s
@@ -271,6 +280,8 @@ class Racks:
         await asyncio.gather(*(rack(r) for r in self.racks))
         join_s = time.monotonic() - t0
         await asyncio.sleep(settle_s)
+        if before_measure is not None:
+            await before_measure()
         self.measuring = True
         on_measure()
         await asyncio.sleep(seconds)
@@ -280,26 +291,149 @@ class Racks:
         return join_s
 
 
+class Rings:
+    """`replicas` rings of 2 simulated stages, joined before every rack (so placement gives
+    them the model: they claim the memory for it) and speaking the rest of the protocol: each
+    beats on its own, reports its shard loaded, answers the coordinator's `reset` frames on a
+    data port of its own (frames.accept: the token's handshake), and each ring's head leases
+    jobs, long-polling, and completes each at once (a ring that computes in no time, so the
+    figures are the control plane's). Lease latency: a lease request that brought jobs."""
+
+    def __init__(self, pool: Pool, port: int, token: bytes, replicas: int) -> None:
+        self.pool, self.port, self.token = pool, port, token
+        self.ids = [f"ring-{r}-{k}" for r in range(replicas) for k in range(2)]
+        self.sessions: dict[str, str] = {}
+        self.shards: dict[str, dict[str, Any]] = {}
+        self.data_ports: dict[str, int] = {}
+        self.wired = asyncio.Event()
+        self.lease_times: list[float] = []
+        self.completed = 0
+        self.measuring = False
+        self.stop = False
+        self.servers: list[asyncio.Server] = []
+
+    async def start(self) -> None:
+        """Join, beat, serve resets, lead: until the coordinator says the rings are wired."""
+        await self.join()
+        interval = [0.5]
+        self.tasks = [asyncio.create_task(self.beat(n, interval)) for n in self.ids]
+        self.tasks += [asyncio.create_task(self.head(n)) for n in self.ids]
+        try:
+            await asyncio.wait_for(self.wired.wait(), 60)
+        except TimeoutError:
+            raise SystemExit("the simulated rings were not wired within 60 s") from None
+
+    async def join(self) -> None:
+        from cellswarm.swarm.ring.frames import Frame, accept, read_frame, write_frame
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                if await accept(reader, writer, self.token, frozenset({"coordinator"})):
+                    frame = await read_frame(reader)
+                    if frame is not None and frame.type == "reset":
+                        await write_frame(writer, Frame("reset_done", {}))
+            finally:
+                writer.close()
+
+        for node in self.ids:
+            server = await asyncio.start_server(serve, "127.0.0.1", 0)
+            self.servers.append(server)
+            self.data_ports[node] = server.sockets[0].getsockname()[1]
+            _, c, _ = await self.pool.post("/v1/challenge", {})
+            status, answer, _ = await self.pool.post("/v1/join", {
+                "node_id": node, "nonce": c["nonce"],
+                "proof": prove(self.token, c["nonce"], node),
+                "capabilities": {"memory_bytes": RING_MEMORY_BYTES}})  # fmt: skip
+            if status != 200:
+                raise SystemExit(f"ring node {node} could not join: {answer}")
+            self.sessions[node] = answer["session"]
+
+    async def beat(self, node: str, interval: list[float]) -> None:
+        from cellswarm.swarm.control.store import shard_id
+
+        while not self.stop:
+            shard = self.shards.get(node)
+            status, answer, _ = await self.pool.post("/v1/heartbeat", {
+                "node_id": node, "session": self.sessions[node], "rss_bytes": 100 << 20,
+                "peak_rss_bytes": 100 << 20, "data_port": self.data_ports[node],
+                "ready": shard_id(shard) if shard else None, "max_sequences": 8,
+                "sent_s": time.time()})  # fmt: skip
+            if status == 200:
+                if answer.get("shard"):
+                    self.shards[node] = answer["shard"]
+                if answer.get("wired"):
+                    self.wired.set()
+                interval[0] = float(answer.get("heartbeat_s") or interval[0])
+            await asyncio.sleep(interval[0])
+
+    async def head(self, node: str) -> None:
+        """Lease (a long poll), complete each job at once; the leases' latency kept."""
+        while not self.stop:
+            if (self.shards.get(node) or {}).get("stage") != 0:
+                await asyncio.sleep(0.2)
+                continue
+            t0 = time.perf_counter()
+            status, answer, _ = await self.pool.post("/v1/jobs/lease", {
+                "node_id": node, "session": self.sessions[node], "n": 8, "wait_s": 1.0})
+            took = time.perf_counter() - t0
+            jobs = answer.get("jobs", []) if status == 200 else []
+            if jobs and self.measuring:
+                self.lease_times.append(took)
+            for job in jobs:
+                status, _, _ = await self.pool.post("/v1/jobs/complete", {
+                    "node_id": node, "session": self.sessions[node], "job_id": job["job_id"],
+                    "fence": job["fence"], "result": {"tokens": [1], "text": "x",
+                                                       "finish_reason": "length"}})  # fmt: skip
+                self.completed += status == 200 and self.measuring
+
+    async def submit(self, jobs: int) -> None:
+        items = [{"prompt": f"item {i}", "max_tokens": 1} for i in range(jobs)]
+        status, answer, _ = await self.pool.post("/v1/batches", {"name": "bench",
+                                                                  "items": items})  # fmt: skip
+        if status != 200:
+            raise SystemExit(f"the batch was refused: {answer}")
+
+    async def close(self) -> None:
+        self.stop = True
+        for server in self.servers:
+            server.close()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
 async def step(n: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="cs-control-") as tmp:
         port = free_port()
-        coord = Coordinator(Path(tmp), port, args.heartbeat, args.timeout)
+        coord = Coordinator(Path(tmp), port, args.heartbeat, args.timeout, args.rings)
         pool = Pool("127.0.0.1", port, CONNECTIONS)
+        rings = None
         try:
             await pool.open()
             token = coord.token.read_bytes().strip()
+            if args.rings:
+                rings = Rings(pool, port, token, args.rings)
+                await rings.start()
             racks = Racks(pool, token, n, args.rack, args.direct, args.heartbeat)
             marks: list[tuple[float, float]] = []  # (cpu s, wall s) as measuring starts, ends
+
+            def measure() -> None:
+                marks.append((coord.cpu_s(), time.monotonic()))
+                if rings is not None:
+                    rings.measuring = not rings.measuring
+
+            submit = (lambda: rings.submit(args.jobs)) if rings is not None else None
             join_s = await racks.run(args.max_join_s, 2 * args.heartbeat, args.seconds,
-                                     lambda: marks.append((coord.cpu_s(), time.monotonic())))
+                                     measure, submit)  # fmt: skip
             cores = (marks[1][0] - marks[0][0]) / (marks[1][1] - marks[0][1])
             status = await get_status(port)
             lost = [x for x in status["nodes"] if x["state"] == "lost"]
             rss = coord.rss_bytes()
         finally:
+            if rings is not None:
+                await rings.close()
             pool.close()
             coord.stop()
     bt = np.asarray(racks.beat_times or [np.nan])
+    lt = np.asarray((rings.lease_times if rings else []) or [np.nan])
     jt = np.asarray(racks.join_times or [np.nan])
     return {
         "nodes": len(racks.sessions), "asked_nodes": n, "mode": "direct" if args.direct else
@@ -307,7 +441,9 @@ async def step(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "join_p50_s": _q(jt, 50), "join_p99_s": _q(jt, 99),
         "heartbeat_interval_s": racks.interval_s, "heartbeat_requests": len(racks.beat_times),
         "heartbeat_p50_s": _q(bt, 50), "heartbeat_p99_s": _q(bt, 99),
-        "heartbeats_refused": racks.refused, "lease_p99_s": None,
+        "heartbeats_refused": racks.refused, "lease_p50_s": _q(lt, 50),
+        "lease_p99_s": _q(lt, 99),
+        "leases_per_s": round(rings.completed / args.seconds, 1) if rings else None,
         "false_lost": len(lost), "coordinator_cpu_cores": round(cores, 3),
         "coordinator_rss_bytes": rss,
     }  # fmt: skip
@@ -347,14 +483,17 @@ def main() -> None:
     parser.add_argument("--heartbeat", type=float, default=0.5, help="coordinator's --heartbeat")
     parser.add_argument("--timeout", type=float, default=3.0, help="its --heartbeat-timeout")
     parser.add_argument("--max-join-s", type=float, default=300.0, help="joins per step, at most")
+    parser.add_argument("--rings", type=int, default=4,
+                        help="simulated 2-stage rings whose heads lease (0: none)")
+    parser.add_argument("--jobs", type=int, default=20000, help="jobs queued for the heads")
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
     args = parser.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if not args.json:
         print(f"{'nodes':>7} {'mode':>9} {'join s':>7} {'join p99':>9} {'beat every':>10} "
-              f"{'beat p50':>9} {'beat p99':>9} {'refused':>7} {'lost':>5} {'CPU':>6} "
-              f"{'RSS MiB':>8}")  # fmt: skip
+              f"{'beat p50':>9} {'beat p99':>9} {'refused':>7} {'lost':>5} {'lease p99':>9} "
+              f"{'jobs/s':>7} {'CPU':>6} {'RSS MiB':>8}")  # fmt: skip
     for n in (int(x) for x in args.nodes.split(",")):
         r = asyncio.run(step(n, args))
         if args.json:
@@ -363,7 +502,8 @@ def main() -> None:
         print(f"{r['nodes']:>7} {r['mode']:>9} {r['join_s']:>7.1f} {r['join_p99_s'] or 0:>9.4f} "
               f"{r['heartbeat_interval_s']:>9.2f}s {r['heartbeat_p50_s'] or 0:>9.4f} "
               f"{r['heartbeat_p99_s'] or 0:>9.4f} {r['heartbeats_refused']:>7} "
-              f"{r['false_lost']:>5} {r['coordinator_cpu_cores']:>6.2f} "
+              f"{r['false_lost']:>5} {r['lease_p99_s'] or 0:>9.4f} {r['leases_per_s'] or 0:>7.1f} "
+              f"{r['coordinator_cpu_cores']:>6.2f} "
               f"{r['coordinator_rss_bytes'] / 2**20:>8.1f}", flush=True)  # fmt: skip
 
 
