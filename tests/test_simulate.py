@@ -215,7 +215,7 @@ def test_predict_local_demo_model() -> None:
         (3, 4000.0, 0.5, 3.0, False),  # a small swarm: the configured heartbeat
         (10_000, 4000.0, 2.5, 15.0, False),
         (100_000, 4000.0, 25.0, 150.0, False),  # the seed: beats capped at 4,000/s
-        (100_000, 40_000.0, 2.5, 15.0, True),  # 40,000 beats/s x 45 us: 1.8 cores
+        (100_000, 40_000.0, 2.5, 15.0, True),  # 40,000 beats/s x 54 us: 2.2 cores
     ],
 )
 def test_the_control_plane_policy_at_each_size(
