@@ -1,8 +1,8 @@
 """The coordinator's control plane under many simulated nodes: joins, heartbeats, liveness.
 
-    python -m bench.control_plane [--nodes 1000,10000,100000] [--rack 40] [--seconds 20]
-                                  [--direct] [--rings 4] [--jobs 20000] [--max-join-s 300]
-                                  [--json]
+    python -m bench.control_plane [--nodes 1000,10000,100000] [--via http,nats] [--rack 40]
+                                  [--seconds 20] [--direct] [--rings 4] [--jobs 20000]
+                                  [--max-join-s 300] [--json]
 
 Per step: a fresh coordinator process (SQLite, the demo model, the cluster token) on
 loopback, then N simulated nodes speaking its real protocol from this process (asyncio, a
@@ -17,8 +17,11 @@ next to what it measures):
   not placement or the data plane.
 - heartbeat: a rack beats from the moment it joined, at the interval the coordinator gives:
   one `POST /v1/heartbeats` per rack of `--rack` nodes per interval, as a rack's relay sends
-  them (`--direct`: one `POST /v1/heartbeat` per node). Measured for `--seconds` once every
-  rack joined: p50/p99 of a request, and any beat refused.
+  them (`--direct`: one `POST /v1/heartbeat` per node); with `--via nats` the same batch as
+  one NATS request to the coordinators' subject, through a nats-server started for the step
+  (the coordinator runs with `--control`: control/beats.py). `--via http,nats` runs every
+  step both ways. Measured for `--seconds` once every rack joined: p50/p99 of a request,
+  and any beat refused.
 - false lost: nodes the coordinator calls lost while they beat (every simulated node beats
   throughout, so any is false), read from /v1/status at the end.
 - the coordinator's CPU (cores: its process's user+system time over the measured seconds)
@@ -130,13 +133,15 @@ class Coordinator:
     """The real coordinator as its own process; its CPU and memory read from /proc."""
 
     def __init__(self, state: Path, port: int, heartbeat_s: float, timeout_s: float,
-                 replicas: int) -> None:  # fmt: skip
+                 replicas: int, control: str | None) -> None:  # fmt: skip
         self.token = state / "cluster.token"
         self.token.write_text(secrets.token_hex(32))
         cmd = [sys.executable, "-m", "cellswarm.cli", "coordinator", "--model",
                str(demo_model_path()), "--listen", f"127.0.0.1:{port}", "--db",
                f"sqlite:///{state / 'c.db'}", "--token-file", str(self.token),
                "--heartbeat", str(heartbeat_s), "--heartbeat-timeout", str(timeout_s)]
+        if control:  # heartbeats through NATS too
+            cmd += ["--control", control]
         if replicas:  # rings of 2 stages for the simulated heads' leases
             cmd += ["--stages", "2", "--replicas", str(replicas)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -192,6 +197,7 @@ class Racks:
         self.measuring = False
         self.stop = False
         self.caps = {"memory_bytes": NODE_MEMORY_BYTES}
+        self.nc: Any = None  # a NATS connection: the racks beat through it (--via nats)
 
     async def join_one(self, node: str) -> None:
         t0 = time.perf_counter()
@@ -246,13 +252,26 @@ class Racks:
                     self._took(took, 1 if status != 200 else 0, answer if status == 200 else {})
             else:
                 relay = nodes[0]
-                status, answer, took = await self.pool.post("/v1/heartbeats", {
-                    "node_id": relay, "session": self.sessions[relay],
-                    "beats": [self._beat(x) for x in nodes]})  # fmt: skip
+                body = {"node_id": relay, "session": self.sessions[relay],
+                        "beats": [self._beat(x) for x in nodes]}  # fmt: skip
+                if self.nc is not None:  # the rack's beats as one NATS request
+                    status, answer, took = await self._request(body)
+                else:
+                    status, answer, took = await self.pool.post("/v1/heartbeats", body)
                 answers = answer.get("answers", []) if status == 200 else []
                 ok = [a for a in answers if "error" not in a]
                 self._took(took, len(nodes) - len(ok), ok[0] if ok else {})
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def _request(self, body: dict[str, Any]) -> tuple[int, Any, float]:
+        from cellswarm.swarm.control.beats import SUBJECT
+
+        t0 = time.perf_counter()
+        try:
+            msg = await self.nc.request(SUBJECT, json.dumps(body).encode(), timeout=10)
+        except Exception:  # no answer in time, or NATS gone: a refused beat
+            return 0, {}, time.perf_counter() - t0
+        return 200, json.loads(msg.data), time.perf_counter() - t0
 
     def _took(self, took: float, refused: int, answer: dict[str, Any]) -> None:
         if self.measuring:
@@ -400,10 +419,11 @@ class Rings:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def step(n: int, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="cs-control-") as tmp:
+async def step(n: int, args: argparse.Namespace, via: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="cs-control-") as tmp, Transport(via) as nats_url:
         port = free_port()
-        coord = Coordinator(Path(tmp), port, args.heartbeat, args.timeout, args.rings)
+        coord = Coordinator(Path(tmp), port, args.heartbeat, args.timeout, args.rings,
+                            nats_url)  # fmt: skip
         pool = Pool("127.0.0.1", port, CONNECTIONS)
         rings = None
         try:
@@ -413,6 +433,10 @@ async def step(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 rings = Rings(pool, port, token, args.rings)
                 await rings.start()
             racks = Racks(pool, token, n, args.rack, args.direct, args.heartbeat)
+            if nats_url:
+                import nats
+
+                racks.nc = await nats.connect(nats_url)
             marks: list[tuple[float, float]] = []  # (cpu s, wall s) as measuring starts, ends
 
             def measure() -> None:
@@ -430,6 +454,8 @@ async def step(n: int, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             if rings is not None:
                 await rings.close()
+            if racks.nc is not None:
+                await racks.nc.close()
             pool.close()
             coord.stop()
     bt = np.asarray(racks.beat_times or [np.nan])
@@ -437,7 +463,8 @@ async def step(n: int, args: argparse.Namespace) -> dict[str, Any]:
     jt = np.asarray(racks.join_times or [np.nan])
     return {
         "nodes": len(racks.sessions), "asked_nodes": n, "mode": "direct" if args.direct else
-        f"relay/{args.rack}", "join_s": round(join_s, 2),
+        f"{'nats' if via == 'nats' else 'relay'}/{args.rack}", "via": via,
+        "join_s": round(join_s, 2),
         "join_p50_s": _q(jt, 50), "join_p99_s": _q(jt, 99),
         "heartbeat_interval_s": racks.interval_s, "heartbeat_requests": len(racks.beat_times),
         "heartbeat_p50_s": _q(bt, 50), "heartbeat_p99_s": _q(bt, 99),
@@ -447,6 +474,26 @@ async def step(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "false_lost": len(lost), "coordinator_cpu_cores": round(cores, 3),
         "coordinator_rss_bytes": rss,
     }  # fmt: skip
+
+
+class Transport:
+    """`nats`: a nats-server of our own for the step (its URL), else nothing (None)."""
+
+    def __init__(self, via: str) -> None:
+        self.server = None
+        if via == "nats":
+            from cellswarm.lab.nats import NatsServer, why_not
+
+            if why_not():
+                raise SystemExit(f"--via nats: {why_not()}")
+            self.server = NatsServer()
+
+    def __enter__(self) -> str | None:
+        return self.server.__enter__().url if self.server is not None else None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.server is not None:
+            self.server.__exit__(*exc)
 
 
 async def get_status(port: int) -> dict[str, Any]:
@@ -479,6 +526,9 @@ def main() -> None:
     parser.add_argument("--nodes", default="1000,10000,100000", help="steps, comma-separated")
     parser.add_argument("--rack", type=int, default=40, help="nodes per relay batch")
     parser.add_argument("--direct", action="store_true", help="one request per node's beat")
+    parser.add_argument("--via", default="http,nats",
+                        help="the racks' beats over http (POST /v1/heartbeats), nats (a NATS "
+                             "request to the coordinators' subject) or both, each a step")
     parser.add_argument("--seconds", type=float, default=20.0, help="heartbeat phase length")
     parser.add_argument("--heartbeat", type=float, default=0.5, help="coordinator's --heartbeat")
     parser.add_argument("--timeout", type=float, default=3.0, help="its --heartbeat-timeout")
@@ -494,8 +544,8 @@ def main() -> None:
         print(f"{'nodes':>7} {'mode':>9} {'join s':>7} {'join p99':>9} {'beat every':>10} "
               f"{'beat p50':>9} {'beat p99':>9} {'refused':>7} {'lost':>5} {'lease p99':>9} "
               f"{'jobs/s':>7} {'CPU':>6} {'RSS MiB':>8}")  # fmt: skip
-    for n in (int(x) for x in args.nodes.split(",")):
-        r = asyncio.run(step(n, args))
+    for n, via in ((int(x), v) for x in args.nodes.split(",") for v in args.via.split(",")):
+        r = asyncio.run(step(n, args, via))
         if args.json:
             print(json.dumps(r), flush=True)
             continue

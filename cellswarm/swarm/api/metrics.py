@@ -39,6 +39,11 @@ class SwarmCollector:
         yield from swarm_metrics(status)
         yield from node_metrics(status["nodes"])
         yield from queue_metrics(self.coord.queue.ledger(), self.coord.queue.retries())
+        beats = CounterMetricFamily("cellswarm_heartbeats", "heartbeats answered, by how "
+                                    "they came (http, nats)", labels=["via"])  # fmt: skip
+        for via, n in sorted(self.coord.beats_via.items()):
+            beats.add_metric([via], n)
+        yield beats
 
 
 def render(coord: Coordinator) -> bytes:

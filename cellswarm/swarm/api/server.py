@@ -29,13 +29,13 @@ from cellswarm.swarm.api.doctor_api import add_doctor_routes
 from cellswarm.swarm.api.log_api import add_log_routes
 from cellswarm.swarm.api.openai_api import add_openai_routes
 from cellswarm.swarm.api.schema import BadRequest, NotFound, SubmitRequest, invalid, load_json
+from cellswarm.swarm.control.beats import MAX_BEATS, beat_batch
 from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.control.jobs import Job
 from cellswarm.swarm.control.store import Node
 
 MAX_WAIT_S = 30.0
 MAX_LEASE_WAIT_S = 1.5  # under the worker's HTTP timeout (worker.HTTP_TIMEOUT_S + wait)
-MAX_BEATS = 4096  # per batch: a rack, or a relay's few racks
 
 
 async def node_body(request: Request) -> dict[str, Any]:
@@ -84,7 +84,17 @@ def build_app(coord: Coordinator) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(coord.monitor())
         warm = asyncio.create_task(asyncio.to_thread(coord.warm_up))
+        nc = None
+        if coord.config.control:  # beats over NATS too (control/beats.py)
+            from cellswarm.swarm.control.beats import subscribe
+
+            def count(n: int) -> None:
+                coord.beats_via["nats"] += n
+
+            nc = await subscribe(coord, coord.config.control, count)
         yield
+        if nc is not None:
+            await nc.close()
         task.cancel()
         warm.cancel()
         coord.log_shipper.close()  # its own events still in the buffer
@@ -158,31 +168,18 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
         d = await node_body(request)
-        return coord.heartbeat(node_of(coord, d), d)
+        answer = coord.heartbeat(node_of(coord, d), d)
+        coord.beats_via["http"] += 1
+        return answer
 
     @app.post("/v1/heartbeats")
     async def heartbeats(request: Request) -> dict[str, Any]:
         """Many nodes' heartbeats in one request (a rack's relay: one message per rack per
-        interval instead of one per node). The sender is a joined node (its own node_id and
-        session, checked first: a stranger gets the 401 every node route gives); each beat
-        carries its node's own session and gets its own answer, or its own error: one bad
-        beat costs no other node its place."""
+        interval instead of one per node); control/beats.py answers it, as it does on NATS."""
         d = await node_body(request)
-        node_of(coord, d)
-        beats = d.get("beats")
-        if not isinstance(beats, list) or len(beats) > MAX_BEATS:
-            raise RequestError(f"a heartbeat batch is an object with a list of at most "
-                               f"{MAX_BEATS} beats")  # fmt: skip
-        answers: list[dict[str, Any]] = []
-        for beat in beats:
-            try:
-                if not isinstance(beat, dict):
-                    raise RequestError("a beat is an object")
-                answers.append(coord.heartbeat(node_of(coord, beat), beat))
-            except (PermissionError, KeyError, RequestError) as exc:
-                answers.append({"error": str(exc) if not isinstance(exc, KeyError)
-                                else f"a beat needs {exc}"})  # fmt: skip
-        return {"answers": answers}
+        answer = beat_batch(coord, d)
+        coord.beats_via["http"] += len(answer["answers"])
+        return answer
 
     @app.post("/v1/fault")
     async def fault(request: Request) -> dict[str, Any]:

@@ -100,6 +100,7 @@ class Coordinator:
         self._reconciled: tuple[int | None, str | None] = (None, None)  # (membership, layout)
         self._placed: tuple[int | None, list[str]] = (None, [])  # (membership, node ids)
         self._timeouts_checked_s = 0.0  # when check_timeouts last walked the nodes
+        self.beats_via: dict[str, int] = {"http": 0, "nats": 0}  # heartbeats by transport
         self._splits: dict[tuple[int, int], list[tuple[int, int]] | str] = {}  # str: why not
         self._manifest: Any = None
         self.part_specs = self._part_specs()

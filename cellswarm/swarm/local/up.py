@@ -68,6 +68,7 @@ class LocalSwarm:
     # the coordinator, every worker and this object's own calls
     tls_dir: str | None = None
     own_log_dirs: bool = False  # no shared disk: logs-<i> per worker, logs-coordinator
+    control: str | None = None  # nats://HOST:PORT: heartbeats through NATS (control/beats.py)
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)
 
@@ -139,7 +140,7 @@ class LocalSwarm:
             stages=self.stages, expert_nodes=self.expert_nodes, vocab_nodes=self.vocab_nodes,
             context=self.context, max_sequences=self.max_sequences, replicas=self.replicas,
             lease_s=self.lease_s, evict_after_disagreements=self.evict_after,
-            leader_ttl_s=self.leader_ttl_s, rebalance=self.rebalance,
+            leader_ttl_s=self.leader_ttl_s, rebalance=self.rebalance, control=self.control,
         )
 
     def worker_config(self, i: int) -> WorkerConfig:
@@ -155,7 +156,7 @@ class LocalSwarm:
             fail_forward=i in self.fail_forward, perturb=self.perturb.get(i, 0.0),
             dram_budget_bytes=parse_bytes(self.dram_budget) if self.dram_budget else None,
             cache_dir=str(self.state_dir / f"cache-{i}") if self.fetch else None,
-            fail_token=self.fail_token,
+            fail_token=self.fail_token, control=self.control,
         )  # fmt: skip
 
     def start_worker(self, i: int) -> None:

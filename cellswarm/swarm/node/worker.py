@@ -12,6 +12,7 @@ answers. Its peak RSS (VmHWM, Python included) goes out with every heartbeat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -28,6 +29,7 @@ from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
 from cellswarm.errors import BudgetError, CellswarmError, RequestError
 from cellswarm.kernels import cache_dir as kernels_cache_dir
 from cellswarm.swarm.auth import load_token, prove
+from cellswarm.swarm.control.beats import NatsBeats
 from cellswarm.swarm.control.logship import LogShipper
 from cellswarm.swarm.control.store import shard_id
 from cellswarm.swarm.node.head import Head
@@ -128,6 +130,9 @@ class Worker:
         self.shipper = LogShipper(self._ship_logs)  # its events, to the coordinator's table
         self.power = Power()  # the energy estimate (its watts come with the join's answer)
         self.metrics_port: int | None = None  # GET /metrics (node/metrics.py), once started
+        self.nats: NatsBeats | None = None
+        if config.control:  # heartbeats through NATS (control/beats.py)
+            self.nats = NatsBeats(config.control, config.node_id)
 
     # -- talking to the coordinator --------------------------------------------------------
 
@@ -169,7 +174,7 @@ class Worker:
             self.power.set(*answer["power_w"])
         print(f"JOINED {self.config.node_id}", flush=True)
 
-    def _beat(self) -> dict[str, Any]:
+    def _beat_body(self) -> dict[str, Any]:
         beat: dict[str, Any] = {
             "node_id": self.config.node_id, "session": self.session, "rss_bytes": rss_bytes(),
             "peak_rss_bytes": peak_rss_bytes(), **self.data_address(),
@@ -184,9 +189,22 @@ class Worker:
             self.probe = None
         if self.check is not None:
             beat["check"], self.check = self.check, None
+        return beat
+
+    async def _beat(self) -> dict[str, Any]:
+        """One heartbeat and its answer: through NATS with --control (control/beats.py),
+        else — or when NATS does not answer — over HTTP."""
+        beat = self._beat_body()
         t0 = time.perf_counter()
-        answer = self._post("/v1/heartbeat", beat)
+        answer = None
+        if self.nats is not None:
+            answer = await self.nats.beat(beat, max(0.2, self.heartbeat_s))
+        if answer is None:
+            answer = await asyncio.to_thread(self._post, "/v1/heartbeat", beat)
         self.echo_s = time.perf_counter() - t0
+        return self._heard(beat, answer)
+
+    def _heard(self, beat: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
         if answer.get("now_s") is not None:
             self.clock.add(beat["sent_s"], float(answer["now_s"]), time.time())
         if answer.get("heartbeat_s"):  # a bigger swarm beats less often
@@ -267,11 +285,14 @@ class Worker:
             try:
                 if self.session is None:
                     await asyncio.to_thread(self._join)
-                answer = await asyncio.to_thread(self._beat)
+                answer = await self._beat()
             except urllib.error.HTTPError as exc:
                 if exc.code == 401:  # unknown session (a wiped coordinator) or a bad proof
                     self.session = None
                     log.warning("coordinator refused us: %s", said(exc))
+            except PermissionError as exc:  # the same, said over NATS
+                self.session = None
+                log.warning("coordinator refused us: %s", exc)
             except (OSError, ValueError) as exc:
                 self._say_tls_failure(exc)
                 quiet_s = time.monotonic() - last_ok
@@ -347,7 +368,9 @@ class Worker:
             self.refused = str(exc)
             print(f"REFUSED {exc}", flush=True)
             return
-        await asyncio.to_thread(self._beat)  # tell the coordinator at once: it wires the ring
+        # tell the coordinator at once (it wires the ring); if it fails, the next beat will
+        with contextlib.suppress(OSError, ValueError, PermissionError):
+            await self._beat()
 
     async def start_serving(self, shard: dict[str, Any]) -> None:
         c = self.config
