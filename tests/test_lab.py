@@ -23,6 +23,7 @@ import cellswarm
 from cellswarm.engine.model import GenerateOptions
 from cellswarm.lab import system
 from cellswarm.lab.lab import Lab
+from cellswarm.lab.nats import why_not as nats_why_not
 from cellswarm.lab.postgres import pg_bin
 from cellswarm.lab.topology import LabSpec
 from cellswarm.swarm.api import client
@@ -410,6 +411,36 @@ def test_a_slow_host_is_named_and_given_fewer_layers(
             assert client.wait(slow.url, rid, timeout_s=120)["tokens"] == expected[p][:MAX_TOKENS]
     finally:
         slow.down()
+
+
+@pytest.mark.skipif(nats_why_not() != "", reason=nats_why_not() or "")
+def test_hosts_beat_through_nats_on_the_coordinators_host(
+    tmp_path: Path, lab: Lab, expected: dict[str, list[int]]
+) -> None:
+    """`lab up --nats`: a nats-server inside c0 (listening on c0's address only), every
+    process with --control: the workers' heartbeats cross the lab's switches to it and the
+    coordinator answers them from its queue group; the text is one process's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    lab.down()  # one lab at a time
+    spec = LabSpec(hosts=3, racks=1, memory_bytes=128 << 20)
+    with Lab(spec, tmp_path, prefix="cstest", nats=True) as nl:
+        client.wait_wired(nl.url, 180)
+        rid = _generate(nl, PROMPTS[0])
+        tokens = client.wait(nl.url, rid, timeout_s=120)["tokens"]
+        assert tokens == expected[PROMPTS[0]][:MAX_TOKENS]
+
+        def beats() -> dict[str, float]:
+            text = httpx.get(f"{nl.url}/metrics", timeout=30).text
+            return {s.labels["via"]: s.value for f in text_string_to_metric_families(text)
+                    if f.name == "cellswarm_heartbeats" for s in f.samples
+                    if s.name.endswith("_total")}  # fmt: skip
+
+        first = beats()
+        time.sleep(2.0)
+        later = beats()
+        assert later["nats"] - first["nats"] >= 3 * 4  # 3 hosts, 4 beats a second each
+        assert later["http"] == first["http"]
 
 
 @pytest.mark.skipif(pg_bin() is None, reason="no PostgreSQL server binaries (apt-get install "

@@ -38,6 +38,9 @@ def add_lab_command(sub: Any) -> None:
     up.add_argument("--tls", action="store_true",
                     help="mutual TLS on both planes: a cluster CA in the lab's folder, a "
                     "certificate per host (the operator's in STATE/operator)")  # fmt: skip
+    up.add_argument("--nats", action="store_true",
+                    help="a nats-server on the coordinator's host; every process beats "
+                    "through it (--control nats://)")  # fmt: skip
     up.add_argument("--prefix", default="cslab", help="names of namespaces and cgroups")
     up.add_argument("--state-dir", default=DEFAULT_STATE, help="each host's folder, lab.json")
     up.add_argument("--detach", action="store_true",
@@ -110,7 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.stages:
         coordinator_args += ["--stages", str(args.stages)]
     lab = Lab(spec_from_args(args), Path(args.state_dir), args.model, args.prefix,
-              coordinator_args=tuple(coordinator_args), tls=args.tls,
+              coordinator_args=tuple(coordinator_args), tls=args.tls, nats=args.nats,
               say=lambda line: print(line, flush=True))  # fmt: skip
     stop = {"now": False}
 

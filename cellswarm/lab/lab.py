@@ -20,6 +20,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ from cellswarm.lab.topology import SUBNET, HostSpec, LabSpec, Topology, build
 from cellswarm.swarm.auth import write_secret
 
 COORDINATOR_PORT = 8470
+NATS_PORT = 4222  # with `nats`: on the coordinator's host
 OPERATOR_ADDRESS = f"{SUBNET}.255.254"  # the operator's port on the core switch
 
 
@@ -55,6 +57,9 @@ class Lab:
     # workers join one after another in host order, so a ring's stages sit on consecutive
     # hosts (rack by rack), as the planner numbers them
     in_order: bool = False
+    # a nats-server on the (first) coordinator's host: every process beats through it
+    # (--control nats://, swarm/control/beats.py)
+    nats: bool = False
     say: Callable[[str], None] | None = None  # told as processes come up (`lab up` prints)
     topology: Topology = field(init=False)
     notes: list[str] = field(default_factory=list)  # what could not be applied, and why
@@ -170,6 +175,8 @@ class Lab:
     def start_all(self) -> None:
         if self.spec.coordinators > 1:
             self.start_database()
+        if self.nats:
+            self.start_nats()
         for h in self.topology.hosts:
             if h.role == "coordinator":
                 self.start_coordinator(h.name)
@@ -256,7 +263,7 @@ class Lab:
                 "--token-file", str(d / "cluster.token"), "--log-dir", str(d / "logs"),
                 "--heartbeat", str(self.heartbeat_s),
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s),
-                *self._tls_args(host), *self.coordinator_args]  # fmt: skip
+                *self._control_args(), *self._tls_args(host), *self.coordinator_args]  # fmt: skip
         self.cellswarm(host, "coordinator", args)
         self.wait_output(host, "coordinator", "READY")
 
@@ -266,11 +273,46 @@ class Lab:
                 "--node-id", host, "--token-file", str(d / "cluster.token"),
                 "--log-dir", str(d / "logs"), "--threads", str(self.threads),
                 "--stop-after", str(self.stop_after_s), *self._tls_args(host),
+                *self._control_args(),
                 *(["--rack", f"rack-{h.rack}"] if h.rack is not None else []),
                 *self.worker_args, *self.host_args.get(host, ())]  # fmt: skip
         self.cellswarm(host, "worker", args)
         if wait:
             self.wait_output(host, "worker", "JOINED")
+
+    # -- NATS: the heartbeats' transport with `nats` ------------------------------------------
+
+    @property
+    def control_url(self) -> str | None:
+        if not self.nats:
+            return None
+        host = next(h for h in self.topology.hosts if h.role == "coordinator")
+        return f"nats://{host.address}:{NATS_PORT}"
+
+    def _control_args(self) -> list[str]:
+        return ["--control", self.control_url] if self.control_url else []
+
+    def start_nats(self) -> None:
+        """nats-server inside the first coordinator's host, listening on its address."""
+        from cellswarm.lab.nats import nats_server_bin
+
+        binary = nats_server_bin()
+        if binary is None:
+            raise LabError("nats needs nats-server on this machine (Debian: apt-get install "
+                           "nats-server)")  # fmt: skip
+        host = next(h for h in self.topology.hosts if h.role == "coordinator")
+        self.spawn(host.name, "nats", [binary, "-a", host.address, "-p", str(NATS_PORT)])
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection((host.address, NATS_PORT), 0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise LabError(f"nats-server on {host.name} did not listen on "
+                                   f"{host.address}:{NATS_PORT}") from None  # fmt: skip
+                time.sleep(0.1)
+        self._say(f"nats-server up on {host.name} ({host.address}:{NATS_PORT})")
 
     # -- the database host (several coordinators share PostgreSQL) -------------------------
 
@@ -342,7 +384,7 @@ class Lab:
 
     def save(self) -> None:
         data = {"spec": {**asdict(self.spec)}, "prefix": self.prefix, "model": self.model,
-                "tls": self.tls,
+                "tls": self.tls, "nats": self.nats,
                 "pids": self.pids, "notes": self.notes,
                 "cgroups": {k: asdict(v) for k, v in self.cgroups.items()}}  # fmt: skip
         tmp = self.state_dir / "lab.json.tmp"
@@ -359,6 +401,7 @@ class Lab:
         lab = cls(LabSpec(**data["spec"]), Path(state_dir), data["model"], data["prefix"],
                   tls=bool(data.get("tls")))  # fmt: skip
         lab.pids, lab.notes = data["pids"], data["notes"]
+        lab.nats = bool(data.get("nats"))
         lab.cgroups = {k: system.Cgroup(v["kind"], tuple(v["paths"]))
                        for k, v in data["cgroups"].items()}  # fmt: skip
         return lab
