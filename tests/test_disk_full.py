@@ -83,3 +83,16 @@ def test_a_full_disk_is_a_507_costs_no_node_and_loses_nothing(
         ledger = client.call(swarm.url, "/v1/ledger")
         assert ledger["done"] == 2 and ledger["duplicates"] == 0, ledger
         assert ledger["done_without_commit"] == 0, ledger
+
+
+def test_a_process_s_kept_output_stops_on_a_full_disk_not_its_pump() -> None:
+    """LocalSwarm copies each process's output to a file as it pumps the pipe: with the
+    disk full (/dev/full: every write is ENOSPC) the copy stops and the pump goes on — a
+    pump that died would leave the process blocked on a full pipe."""
+    from cellswarm.swarm.local.up import Kept
+
+    kept = Kept(Path("/dev/full"))
+    for _ in range(3):
+        kept.write("a line the disk has no room for\n")  # no exception
+    assert kept.file is None
+    kept.close()

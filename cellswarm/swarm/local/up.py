@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from cellswarm.errors import SwarmError
 from cellswarm.swarm.api import client
@@ -99,17 +99,16 @@ class LocalSwarm:
         self.output[name] = lines
         got = threading.Event()
 
-        out = self.state_dir / f"{name}.out"  # what it said, kept for a failure's reader
+        kept = Kept(self.state_dir / f"{name}.out")  # what it said, for a failure's reader
 
         def pump() -> None:  # keep reading, so a chatty process never blocks on its pipe
             assert p.stdout is not None
-            with out.open("a") as kept:
-                for line in p.stdout:
-                    lines.append(line.rstrip())
-                    kept.write(line)
-                    kept.flush()
-                    if line.startswith(ready):
-                        got.set()
+            for line in p.stdout:
+                lines.append(line.rstrip())
+                kept.write(line)
+                if line.startswith(ready):
+                    got.set()
+            kept.close()
             got.set()
 
         threading.Thread(target=pump, daemon=True).start()
@@ -238,6 +237,32 @@ class LocalSwarm:
         from cellswarm.swarm.api.access import first_key
 
         return first_key(self.api_key_file) if self.api_key_file else None
+
+
+class Kept:
+    """A process's output copied to a file, best effort: a full disk (the disk-full tests
+    put the state folder on a tiny tmpfs) stops the copy, never the pump reading the pipe —
+    a pump that died would leave the process blocked on a full pipe."""
+
+    def __init__(self, path: Path) -> None:
+        self.file: TextIO | None = None
+        with contextlib.suppress(OSError):
+            self.file = path.open("a")
+
+    def write(self, line: str) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(line)
+            self.file.flush()
+        except OSError:
+            self.close()
+
+    def close(self) -> None:
+        file, self.file = self.file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
 
 
 def kill_strays() -> None:
