@@ -79,6 +79,13 @@ def _power(profile: str) -> tuple[float, float, str]:
     return (p.power_busy_w, p.power_idle_w, p.name)
 
 
+def joined(coord: Coordinator, answer: dict[str, Any], join: dict[str, Any]) -> dict[str, Any]:
+    """A join's answer: its session, how often to beat, and its energy estimate's watts."""
+    return {**answer, "heartbeat_s": coord.heartbeat_interval_s(),
+            "heartbeat_timeout_s": coord.heartbeat_timeout_s(),
+            "power_w": power_of(join.get("capabilities") or {})}  # fmt: skip
+
+
 def build_app(coord: Coordinator) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -88,10 +95,7 @@ def build_app(coord: Coordinator) -> FastAPI:
         if coord.config.control:  # beats over NATS too (control/beats.py)
             from cellswarm.swarm.control.beats import subscribe
 
-            def count(n: int) -> None:
-                coord.beats_via["nats"] += n
-
-            nc = await subscribe(coord, coord.config.control, count)
+            nc = await subscribe(coord, coord.config.control)
         yield
         if nc is not None:
             await nc.close()
@@ -143,9 +147,7 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
         host = request.client.host if request.client else "127.0.0.1"
         session = coord.join(str(d["node_id"]), str(d["nonce"]), str(d.get("proof", "")),
                              dict(d.get("capabilities") or {}), host)  # fmt: skip
-        return {"session": session, "heartbeat_s": coord.heartbeat_interval_s(),
-                "heartbeat_timeout_s": coord.heartbeat_timeout_s(),
-                "power_w": power_of(d.get("capabilities") or {})}  # fmt: skip
+        return joined(coord, {"session": session}, d)
 
     @app.post("/v1/joins")
     async def joins(request: Request) -> dict[str, Any]:
@@ -159,11 +161,8 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
                                "joins")  # fmt: skip
         host = request.client.host if request.client else "127.0.0.1"
         answers = coord.join_many(joins, host)
-        extra = {"heartbeat_s": coord.heartbeat_interval_s(),
-                 "heartbeat_timeout_s": coord.heartbeat_timeout_s()}  # fmt: skip
-        return {"answers": [
-            {**a, **extra, "power_w": power_of(j.get("capabilities") or {})} if "session" in a
-            else a for j, a in zip(joins, answers, strict=True)]}  # fmt: skip
+        return {"answers": [joined(coord, a, j) if "session" in a else a
+                            for j, a in zip(joins, answers, strict=True)]}  # fmt: skip
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
@@ -176,10 +175,7 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
     async def heartbeats(request: Request) -> dict[str, Any]:
         """Many nodes' heartbeats in one request (a rack's relay: one message per rack per
         interval instead of one per node); control/beats.py answers it, as it does on NATS."""
-        d = await node_body(request)
-        answer = beat_batch(coord, d)
-        coord.beats_via["http"] += len(answer["answers"])
-        return answer
+        return beat_batch(coord, await node_body(request), "http")
 
     @app.post("/v1/fault")
     async def fault(request: Request) -> dict[str, Any]:

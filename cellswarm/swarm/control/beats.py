@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from cellswarm.errors import RequestError
@@ -31,8 +30,9 @@ QUEUE_GROUP = "coordinators"
 MAX_BEATS = 4096  # a rack's beats in one message, at most
 
 
-def beat_batch(coord: Any, d: dict[str, Any]) -> dict[str, Any]:
-    """The answers to a batch of beats (raises PermissionError for a stranger sender)."""
+def beat_batch(coord: Any, d: dict[str, Any], via: str) -> dict[str, Any]:
+    """The answers to a batch of beats that came `via` http or nats (counted per beat in
+    the coordinator's metrics); raises PermissionError for a stranger sender."""
     coord.authenticate(str(d["node_id"]), str(d["session"]))
     beats = d.get("beats")
     if not isinstance(beats, list) or len(beats) > MAX_BEATS:
@@ -48,6 +48,7 @@ def beat_batch(coord: Any, d: dict[str, Any]) -> dict[str, Any]:
         except (PermissionError, KeyError, RequestError) as exc:
             answers.append({"error": str(exc) if not isinstance(exc, KeyError)
                             else f"a beat needs {exc}"})  # fmt: skip
+    coord.beats_via[via] += len(answers)
     return {"answers": answers}
 
 
@@ -57,9 +58,8 @@ def check_control_url(url: str) -> str:
     return url
 
 
-async def subscribe(coord: Any, url: str, count: Callable[[int], None]) -> Any:
-    """Answer beats arriving on NATS (in the coordinators' queue group); the connection.
-    `count` is told how many beats each message carried (the coordinator's metrics)."""
+async def subscribe(coord: Any, url: str) -> Any:
+    """Answer beats arriving on NATS (in the coordinators' queue group); the connection."""
     import nats
 
     async def handle(msg: Any) -> None:
@@ -67,8 +67,7 @@ async def subscribe(coord: Any, url: str, count: Callable[[int], None]) -> Any:
             d = json.loads(msg.data)
             if not isinstance(d, dict):
                 raise RequestError("a heartbeat batch is a JSON object")
-            reply = beat_batch(coord, d)
-            count(len(d.get("beats") or []))
+            reply = beat_batch(coord, d, "nats")
         except PermissionError as exc:
             reply = {"error": str(exc), "status": 401}
         except (RequestError, KeyError, ValueError) as exc:
