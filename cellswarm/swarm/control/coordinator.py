@@ -473,9 +473,10 @@ class Coordinator:
                 self.lose(self.live(n), f"no heartbeat for {quiet_s:.1f} s")
 
     def reconcile(self) -> None:
-        """Place and repair: run when a node's row or the layout changed since the last run
-        (every tick on PostgreSQL, where others write; on SQLite a quiet tick is free — at
-        100,000 spares a placement pass costs a good part of a second)."""
+        """Place and repair: run when membership (what placement reads of the nodes, see
+        Store.membership_changed) or the layout changed since the last run (every tick on
+        PostgreSQL, where others write; on SQLite a quiet tick is free — at 100,000 spares a
+        placement pass costs a good part of a second)."""
         layout_text = self.store.get_meta("layout", "[]")  # a past leader's, maybe
         seen = (self.store.membership, layout_text)
         if not self.store.membership_changed(self._reconciled[0]) and \
