@@ -42,6 +42,9 @@ MAX_BATCH = 16  # rows of x per fused call; larger batches go to dequantize + BL
 _lib: ctypes.CDLL | None = None
 _backend = os.environ.get("CELLSWARM_KERNELS", "c")
 _threads = 0
+# Weights laid out for this CPU's fastest kernel at load (repack); CELLSWARM_REPACK=0 keeps
+# the file's layout (benches compare the two; the results are the same bits either way).
+_repack = os.environ.get("CELLSWARM_REPACK", "1") != "0"
 _default_threads = 0  # sampled once (default_threads), again on set_threads(None)
 
 # libgomp's threads spin this many times (a PAUSE each, ~25 ns here) waiting for the next
@@ -162,6 +165,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         f.restype = None
     lib.cs_stream_read.argtypes = [p, i64]
     lib.cs_stream_read.restype = ctypes.c_uint64
+    lib.cs_repacked.argtypes = [i32]
+    lib.cs_repack.argtypes = [i32, p, i64, i64, p]
+    lib.cs_repack.restype = None
     for f in (lib.cs_quantize_act, lib.cs_matmul_q, lib.cs_matmul_qx, lib.cs_matmul_f,
               lib.cs_dequantize):  # fmt: skip
         f.restype = None
@@ -373,11 +379,37 @@ def stream_read(a: np.ndarray) -> int:
     return int(lib.cs_stream_read(a.ctypes.data, a.nbytes // 8))
 
 
-def dequantize(type_name: str, w: np.ndarray, cols: int, out: np.ndarray) -> None:
+def dequantize(type_name: str, w: np.ndarray, cols: int, out: np.ndarray, code: int = 0) -> None:
+    """out (rows, cols) = W as float32; `code`: the format code of a repacked W (repack)."""
     lib = _load()
     assert lib is not None
     rows, row_bytes = w.shape
-    lib.cs_dequantize(FUSED_TYPES[type_name], w.ctypes.data, rows, row_bytes, cols, out.ctypes.data)
+    lib.cs_dequantize(code or FUSED_TYPES[type_name], w.ctypes.data, rows, row_bytes, cols,
+                      out.ctypes.data)  # fmt: skip
+
+
+def set_repack(on: bool) -> bool:
+    """Repack weights loaded from now on (True, the default) or not; returns the old value."""
+    global _repack
+    before, _repack = _repack, on
+    return before
+
+
+def repack(type_name: str, w: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """W (rows, row_bytes) laid out for this CPU's fastest kernel, as (format code, bytes of
+    the same shape), or None where there is no such layout (the format, the CPU, fewer than
+    16 rows). The kernels read a repacked weight as the same numbers, to the bit."""
+    lib = _load()
+    code = FUSED_TYPES.get(type_name, -1)
+    if lib is None or not _repack or w.ndim != 2 or w.shape[0] < 16 or code < 0:
+        return None
+    packed_code = int(lib.cs_repacked(code))
+    if packed_code < 0:
+        return None
+    src = np.ascontiguousarray(w)
+    out = np.empty_like(src)
+    lib.cs_repack(code, src.ctypes.data, src.shape[0], src.shape[1], out.ctypes.data)
+    return packed_code, out
 
 
 class Mat(ctypes.Structure):

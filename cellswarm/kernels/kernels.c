@@ -26,6 +26,9 @@
 #endif
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_K = 14, BF16 = 30 };
+/* Q4_0 whose whole groups of 16 rows are repacked at load (cs_repack, "Q4_0 in 16-row
+ * groups" below); the rows after the last whole group stay as they are. Ours, not GGUF's. */
+enum { Q4_0R = 102 };
 #define MAX_BATCH 16
 
 static inline float fp16_to_f32(uint16_t h) {
@@ -876,7 +879,11 @@ ZINL void zq2k(const uint8_t *row, int64_t nb, const acts *a, float *out, const 
     static void name(const uint8_t *row, int64_t nb, const acts *a, float *out) { \
         if (a->nx == 1) call1; else calln; }
 ZROW(zrow_q8_0, z32(row, nb, a, out, Q8_0, 1), z32(row, nb, a, out, Q8_0, a->nx))
+#ifdef HAVE_ZMM_VBMI
+static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out); /* below */
+#else
 ZROW(zrow_q4_0, z32(row, nb, a, out, Q4_0, 1), z32(row, nb, a, out, Q4_0, a->nx))
+#endif
 ZROW(zrow_q4_1, z32(row, nb, a, out, Q4_1, 1), z32(row, nb, a, out, Q4_1, a->nx))
 ZROW(zrow_q4_k, zq4k(row, nb, a, out, 1), zq4k(row, nb, a, out, a->nx))
 ZROW(zrow_q6_k, zq6k(row, nb, a, out, 1), zq6k(row, nb, a, out, a->nx))
@@ -938,6 +945,158 @@ static int quad_layout(int fmt, int64_t nx, int64_t cols, const int8_t *xq, int8
 }
 #endif
 
+/* ---- Q4_0 in 16-row groups -------------------------------------------------------------
+ * Why: a row at a time (z32), a Q4_0 row of a decode-shaped matrix (1024 columns) costs ~48
+ * cycles beyond its blocks (two reductions across lanes, the scale fetch) and every block
+ * its own activation shuffle; the layers ran at ~15 GB/s where one core streams ~30. As
+ * llama.cpp repacks Q4_0 at load, whole groups of 16 rows are laid out so that one register
+ * holds 4 bytes of each of the 16 rows: per 32-block, 16 f16 scales (32 bytes), then 4
+ * chunks of 64 bytes, chunk k lane r = row r's nibble bytes 4k..4k+3. A block of 16 rows is
+ * then 8 dpbusd against broadcast activations, no reduction across lanes at all, and the
+ * group's bytes are one stream (measured on decode-shaped layers: 15 -> 24 GB/s). A group
+ * takes exactly the bytes its 16 rows did, so a row outside whole groups sits where it was.
+ *
+ * One arithmetic for both layouts, so a row is the same bits repacked or not (a sharded run,
+ * an expert computed on another node, a tail row): per block b, the exact integer
+ * n_b = sum (q - 8) x; A[b % 16] = fma((float)n_b, d_b * xd_b, A[b % 16]) in order of b; the
+ * row is the tree A[l] + A[l + 8], then + 4, + 2, + 1 (tree16). The 16-row kernel keeps the
+ * 16 A's as 16 registers (lanes: rows), the one-row kernel as one register (lanes: b % 16). */
+#ifdef HAVE_ZMM_VBMI
+ZINL float tree16(__m512 v) {
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
+}
+/* 16 blocks' 8-per-block int sums xs pairs -> 16 lanes: xs[2b] + xs[2b+1] */
+ZINL __m512i block_sums16(const int32_t *xs, int64_t nn) {
+    const __mmask16 ma = (__mmask16)(nn >= 8 ? 0xFFFF : (1u << (2 * nn)) - 1);
+    const __mmask16 mb = (__mmask16)(nn <= 8 ? 0 : nn == 16 ? 0xFFFF : (1u << (2 * nn - 16)) - 1);
+    const __m512i a = _mm512_maskz_loadu_epi32(ma, xs), b = _mm512_maskz_loadu_epi32(mb, xs + 16);
+    const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, ev, b),
+                            _mm512_permutex2var_epi32(a, _mm512_add_epi32(ev, _mm512_set1_epi32(1)), b));
+}
+/* one block's exact sum q x (q: 0..15), any way will do (integers): for the tails */
+ZINL int32_t q40_block_n(const uint8_t *blk, const int8_t *x) {
+    const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), load_nibbles16(blk + 2),
+                                          _mm256_loadu_si256((const __m256i *)x));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+/* natural layout, one row; xt: the quad layout of xq (whole 128-byte groups), or NULL */
+ZINL float q40_row(const uint8_t *row, int64_t nb, const int8_t *xq, const int8_t *xt,
+                   const float *xd, const int32_t *xs, const uint8_t (*qidx)[64]) {
+    __m512 A = _mm512_setzero_ps();
+    const __m512i i0 = _mm512_load_si512((const void *)qidx[0]);
+    const __m512i m = _mm512_set1_epi8(0x0F);
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int64_t nn = nb - b0 < 16 ? nb - b0 : 16;
+        const __mmask16 mk = (__mmask16)(nn == 16 ? 0xFFFF : (1u << nn) - 1);
+        const uint8_t *base = row + 18 * b0;
+        const __m512i g = nn == 16 ? fields16(base, 18) : gather16(base, 18, mk);
+        const __m512 s = _mm512_mul_ps(f16_lo(g), _mm512_maskz_loadu_ps(mk, xd + b0));
+        __m512i R = _mm512_setzero_si512();
+        const int quads = xt ? (int)(nn / 4) : 0;
+        for (int q = 0; q < quads; q++) {
+            const uint8_t *qb = base + 72 * q;
+            const __m512i t = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)qb), i0,
+                                                       _mm512_loadu_si512((const void *)(qb + 8)));
+            const int8_t *xp = xt + 32 * (b0 + 4 * q);
+            __m512i dot = _mm512_dpbusd_epi32(zdot(_mm512_and_si512(t, m), _mm512_loadu_si512((const void *)xp)),
+                                              _mm512_and_si512(_mm512_srli_epi16(t, 4), m),
+                                              _mm512_loadu_si512((const void *)(xp + 64)));
+            /* lane l holds block 4q + l%4, part l/4: sum the parts (lanes l, l^4, l^8, l^12) */
+            dot = _mm512_add_epi32(dot, _mm512_shuffle_i32x4(dot, dot, 0x4E));
+            dot = _mm512_add_epi32(dot, _mm512_shuffle_i32x4(dot, dot, 0xB1));
+            R = _mm512_mask_mov_epi32(R, (__mmask16)(0xF << (4 * q)), dot);
+        }
+        if (4 * quads < nn) {
+            int32_t t[16];
+            _mm512_storeu_si512((void *)t, R);
+            for (int j = 4 * quads; j < nn; j++) t[j] = q40_block_n(base + 18 * j, xq + 32 * (b0 + j));
+            R = _mm512_loadu_si512((const void *)t);
+        }
+        R = _mm512_sub_epi32(R, _mm512_slli_epi32(block_sums16(xs + 2 * b0, nn), 3)); /* q - 8 */
+        A = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(R), s, A, mk);
+    }
+    return tree16(A);
+}
+/* repacked: 16 rows, per block 288 bytes: 16 f16 scales, 4 chunks of 16 lanes x 4 bytes */
+ZINL void q40_group(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                    const int32_t *xs, float *out) {
+    const __m512i m = _mm512_set1_epi8(0x0F);
+    __m512 A[16];
+    for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            const int64_t b = b0 + j;
+            if (b >= nb) break;
+            const uint8_t *blk = g + 288 * b;
+            const int32_t *x4 = (const int32_t *)(xq + 32 * b);
+            __m512i s0 = _mm512_set1_epi32(-8 * (xs[2 * b] + xs[2 * b + 1])), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m512i q = _mm512_loadu_si512((const void *)(blk + 32 + 64 * k));
+                s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(q, m), _mm512_set1_epi32(x4[k]));
+                s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m), _mm512_set1_epi32(x4[4 + k]));
+            }
+            const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)), _mm512_set1_ps(xd[b]));
+            A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), s, A[j]);
+        }
+    }
+    for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
+    for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
+    for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
+    _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
+}
+
+static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    const int64_t nbx = a->cols / 32;
+    for (int64_t k = 0; k < a->nx; k++)
+        out[k] = q40_row(row, nb, a->xq + k * a->cols, a->xt ? a->xt + k * a->cols : NULL,
+                         a->xd + k * nbx, a->xs + 2 * k * nbx, QIDX[1]);
+}
+
+/* 16 rows of a group times nx activation rows: out[k * ld + lane] */
+static void q40_group_acts(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                           const int32_t *xs, int64_t cols, int64_t nx, float *out, int64_t ld) {
+    for (int64_t k = 0; k < nx; k++)
+        q40_group(g, nb, xq + k * cols, xd + k * (cols / 32), xs + k * (cols / 16), out + k * ld);
+}
+
+/* the weight at column col of lane `lane` of a group: as plan_weight decodes Q4_0 */
+static inline float r16_weight(const uint8_t *g, int lane, int32_t col) {
+    const uint8_t *blk = g + 288 * (col >> 5);
+    const int e = col & 31, i = e & 15;
+    const uint8_t q = blk[32 + 64 * (i >> 2) + 4 * lane + (i & 3)];
+    return h2f(blk + 2 * lane) * (float)(((e >= 16 ? q >> 4 : q) & 0xF) - 8);
+}
+
+int cs_repacked(int fmt) { return fmt == Q4_0 ? Q4_0R : -1; }
+
+/* out = w (rows of Q4_0) with its whole 16-row groups repacked; the same size */
+void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
+    (void)fmt;
+    const int64_t nb = row_bytes / 18, ng = rows / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + 16 * g * row_bytes + 288 * b;
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *src = w + (16 * g + r) * row_bytes + 18 * b;
+                memcpy(o + 2 * r, src, 2);
+                for (int k = 0; k < 4; k++) memcpy(o + 32 + 64 * k + 4 * r, src + 2 + 4 * k, 4);
+            }
+        }
+    memcpy(out + 16 * ng * row_bytes, w + 16 * ng * row_bytes, (size_t)((rows - 16 * ng) * row_bytes));
+}
+#endif
+
 static void simd_row(int fmt, const uint8_t *row, int64_t cols, const acts *a, float *out) {
 #ifdef HAVE_ZMM_ROWS
     switch (fmt) {
@@ -958,6 +1117,13 @@ static void simd_row(int fmt, const uint8_t *row, int64_t cols, const acts *a, f
     default: row_q2_k(row, cols / 256, a, out); break;
     }
 #endif
+}
+#endif
+
+#ifndef HAVE_ZMM_VBMI /* no repacked layout on this CPU */
+int cs_repacked(int fmt) { (void)fmt; return -1; }
+void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
+    (void)fmt; (void)w; (void)rows; (void)row_bytes; (void)out;
 }
 #endif
 
@@ -1099,6 +1265,7 @@ typedef struct {
 /* activation row k of the plan: the outliers o (NULL: none) of the vector it is columns
  * [off, off + cols) of */
 static void plan_add(ol_plan *p, int fmt, int k, const outliers *o, int64_t off, int64_t cols) {
+    fmt = fmt == Q4_0R ? Q4_0 : fmt; /* offsets as in a row left as it is */
     const int bb = fmt == Q8_0 ? 34 : fmt == Q4_0 ? 18 : 20, hdr = fmt == Q4_1 ? 4 : 2;
     if (k == 0) p->nu = 0;
     p->nx = k + 1;
@@ -1132,23 +1299,41 @@ static inline float plan_weight(int fmt, const uint8_t *row, const ol_plan *p, i
     }
 }
 
-/* s[k] = sum_i x_k[j_i] * W[row, j_i] for the plan's activation rows: what the row's integer
- * dot products left out. */
-static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float *s) {
-    if (p->nx == 1) { /* one vector (decode): its columns are distinct, u = i */
-        float t = 0.0f;
-        for (int u = 0; u < p->nu; u++) t += p->val[0][u] * plan_weight(fmt, row, p, u);
-        s[0] = t;
-        return;
-    }
-    float w[PLAN_MAX]; /* the same products in the same order: a row's bits as alone */
-    for (int u = 0; u < p->nu; u++) w[u] = plan_weight(fmt, row, p, u);
+/* s[k] = sum_i x_k[j_i] * w[u_i] for the plan's activation rows, w the decoded weights of
+ * the plan's distinct columns in one row: what the row's integer dot products left out. */
+static inline void plan_sum(const ol_plan *p, const float *w, float *s) {
     for (int k = 0; k < p->nx; k++) {
         float t = 0.0f;
         for (int i = 0; i < p->n[k]; i++) t += p->val[k][i] * w[p->use[k][i]];
         s[k] = t;
     }
 }
+
+static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float *s) {
+    float w[PLAN_MAX];
+    for (int u = 0; u < p->nu; u++) w[u] = plan_weight(fmt, row, p, u);
+    plan_sum(p, w, s);
+}
+
+#ifdef HAVE_ZMM_VBMI
+/* plan_row for lane `lane` of a 16-row group */
+static inline void plan_lane(const uint8_t *g, int lane, const ol_plan *p, float *s) {
+    float w[PLAN_MAX];
+    for (int u = 0; u < p->nu; u++) w[u] = r16_weight(g, lane, p->col[u]);
+    plan_sum(p, w, s);
+}
+
+/* The 16 rows of group g (nx activation rows): out[k * ld + lane], outliers added. */
+static void r16_group(const uint8_t *g, int64_t cols, const int8_t *xq, const float *xd,
+                      const int32_t *xs, int64_t nx, const ol_plan *pl, float *out, int64_t ld) {
+    q40_group_acts(g, cols / 32, xq, xd, xs, cols, nx, out, ld);
+    for (int lane = 0; pl->nu && lane < 16; lane++) {
+        float t[MAX_BATCH];
+        plan_lane(g, lane, pl, t);
+        for (int64_t k = 0; k < nx; k++) out[k * ld + lane] += t[k];
+    }
+}
+#endif
 
 /* ---- fused matmul ----------------------------------------------------------------------- */
 
@@ -1181,6 +1366,40 @@ static inline int64_t chunk_rows(int64_t rows, int64_t row_bytes) {
     return c < lo ? lo : c > hi ? hi : c;
 }
 
+#ifdef HAVE_ZMM_VBMI
+/* matmul_q of a Q4_0R weight: whole groups, then the rows after them one at a time */
+static void matmul_r16(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
+                       const acts *a, const ol_plan *pl, int par, int64_t chunk, float *out) {
+    const int64_t ng = rows / 16, units = ng + rows - 16 * ng, nx = a->nx;
+    const int64_t gchunk = chunk / 16 > 1 ? chunk / 16 : 1;
+    const int use = par ? gov_threads() : 1;
+    double done[GOV_MAX_THREADS], t0 = now_s();
+#pragma omp parallel num_threads(use) if (use > 1)
+    {
+#pragma omp for schedule(dynamic, gchunk) nowait
+        for (int64_t u = 0; u < units; u++) {
+            if (u < ng) {
+                r16_group(w + 16 * u * row_bytes, cols, a->xq, a->xd, a->xs, nx, pl, out + 16 * u, rows);
+                continue;
+            }
+            const int64_t r = 16 * ng + (u - ng);
+            float o[MAX_BATCH];
+            simd_row(Q4_0, w + r * row_bytes, cols, a, o);
+            if (pl->nu) {
+                float t[MAX_BATCH];
+                plan_row(Q4_0, w + r * row_bytes, pl, t);
+                for (int64_t k = 0; k < nx; k++) o[k] += t[k];
+            }
+            for (int64_t k = 0; k < nx; k++) out[k * rows + r] = o[k];
+        }
+#ifdef _OPENMP
+        done[omp_get_thread_num()] = now_s();
+#endif
+    }
+    if (use > 1) gov_note(t0, done, use);
+}
+#endif
+
 /* out (nx, rows) = x @ W.T for a quantized W (rows, row_bytes); x given as cs_quantize_act,
  * and, unless ol is NULL, each row of x's outliers (take_outliers) */
 static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
@@ -1208,6 +1427,13 @@ static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
     if (quad_layout(fmt, nx, cols, xq, xt, &a)) a.xt = xt;
 #else
     (void)xt;
+#endif
+#ifdef HAVE_ZMM_VBMI
+    if (fmt == Q4_0R) {
+        matmul_r16(w, rows, row_bytes, cols, &a, &pl, par, chunk, out);
+        free(heap);
+        return;
+    }
 #endif
     const int use = par ? gov_threads() : 1;
     double done[GOV_MAX_THREADS], t0 = now_s();
@@ -1381,10 +1607,36 @@ static inline __attribute__((always_inline)) void dequant_row(int fmt, const uin
     }
 }
 
+/* Q4_0R: whole groups (their lanes back into rows), then the rows after them */
+static void dequantize_r16(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
+                           float *out) {
+    const int64_t nb = cols / 32, ng = rows / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + 16 * g * row_bytes + 288 * b;
+            for (int r = 0; r < 16; r++) {
+                const float d = f16_at(blk + 2 * r);
+                float *y = out + (16 * g + r) * cols + 32 * b;
+                for (int i = 0; i < 16; i++) {
+                    const uint8_t q = blk[32 + 64 * (i >> 2) + 4 * r + (i & 3)];
+                    y[i] = d * (float)((q & 0xF) - 8) - 0.0f;
+                    y[i + 16] = d * (float)((q >> 4) - 8) - 0.0f;
+                }
+            }
+        }
+    for (int64_t r = 16 * ng; r < rows; r++)
+        dequant_row(Q4_0, w + r * row_bytes, nb, 18, out + r * cols);
+}
+
 void cs_dequantize(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                    float *out) {
     const int64_t nblocks = cols / block_elems(fmt), bbytes = row_bytes / nblocks;
     const int64_t chunk = chunk_rows(rows, row_bytes);
+    if (fmt == Q4_0R) {
+        dequantize_r16(w, rows, row_bytes, cols, out);
+        return;
+    }
 #pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *row = w + r * row_bytes;

@@ -123,7 +123,10 @@ class Llama:
     def _build_fused_layer(self, layer: int) -> tuple[Any, ...] | None:
         c, w, p = self.config, self.w, f"blk.{layer}."
         names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-        mats = [w.matrix(f"{p}{n}.weight")._fused for n in names]
+        matrices = [w.matrix(f"{p}{n}.weight") for n in names]
+        for m in matrices:  # this layer's own: laid out for the fastest kernel, if there is one
+            m.repack()
+        mats = [m._fused for m in matrices]
         if any(m is None for m in mats):
             return None
         vec = {n: w.optional_vector(p + n) for n in (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import ipaddress
+import math
 import socket
 import ssl
 import sys
@@ -116,7 +117,7 @@ class Progress:
                  verb: str = "FETCHING") -> None:  # fmt: skip
         self.what, self.out, self.every_s, self.verb = what, out, every_s, verb
         self.t0 = time.monotonic()
-        self.last = 0.0
+        self.last = -math.inf  # the first call prints (monotonic time may start near 0)
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()

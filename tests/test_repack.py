@@ -1,0 +1,171 @@
+"""Q4_0 weights repacked at load into 16-row groups (kernels.c, "Q4_0 in 16-row groups"):
+the same numbers to the bit as the file's layout, on every path that reads them, and the
+same memory (the file's pages are let go).
+
+On a CPU without the repacked kernel (no AVX-512 VNNI + VBMI) `kernels.repack` says None
+and these tests have nothing to compare: they skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cellswarm
+from cellswarm import kernels
+from cellswarm.io.gguf_write import write_gguf
+from cellswarm.models.llama_config import LlamaConfig
+from cellswarm.quant import PackedMatrix, format_by_name
+from cellswarm.quant.formats import dequantize, quantize
+
+Q4_0 = format_by_name("q4_0")
+
+
+def _repacked_or_skip(w: np.ndarray) -> tuple[int, np.ndarray]:
+    r = kernels.repack("Q4_0", w)
+    if r is None:
+        pytest.skip("no repacked layout on this CPU (or fast kernels are off)")
+    return r
+
+
+def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    kernels.matmul_args((0, code, int(w.ctypes.data), *w.shape), cols, x, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols"),
+    [(1030, 1024), (64, 2816), (37, 512), (48, 96), (16, 4096), (17, 32)],
+)  # fmt: skip
+@pytest.mark.parametrize("nx", [1, 3, 16])
+def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int) -> None:
+    """Whole groups and the rows after them, one token and a batch, with outliers (values
+    multiplied in float) in the activations: every output bit as from the file's layout."""
+    rng = np.random.default_rng(rows * cols + nx)
+    w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q4_0)
+    code, repacked = _repacked_or_skip(w)
+    assert repacked.shape == w.shape and code != kernels.FUSED_TYPES["Q4_0"]
+    x = rng.standard_normal((nx, cols)).astype(np.float32)
+    x[:, 5] = 40.0
+    x[0, cols - 3] = -55.0
+    natural = _matmul(kernels.FUSED_TYPES["Q4_0"], w, cols, x)
+    assert np.array_equal(natural.view(np.uint32), _matmul(code, repacked, cols, x).view(np.uint32))
+    ref = x @ dequantize(w, Q4_0).T
+    assert float(np.abs(natural - ref).max() / np.abs(ref).max()) < 0.02
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (37, 96)])
+def test_a_repacked_weight_dequantizes_to_the_gguf_values(rows: int, cols: int) -> None:
+    rng = np.random.default_rng(rows)
+    w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q4_0)
+    code, repacked = _repacked_or_skip(w)
+    out = np.empty((rows, cols), np.float32)
+    kernels.dequantize("Q4_0", repacked, cols, out, code)
+    assert np.array_equal(out, dequantize(w, Q4_0))
+
+
+def _mapped(tmp_path: Path, w: np.ndarray) -> np.ndarray:
+    """w as a read-only view of a file, as a GGUF's tensors are loaded."""
+    f = tmp_path / "w.bin"
+    w.tofile(f)
+    return np.memmap(f, dtype=np.uint8, mode="r").reshape(w.shape)
+
+
+def test_a_matrix_repacks_only_from_a_mapped_file_and_reads_the_same(tmp_path: Path) -> None:
+    """`PackedMatrix.repack`: memory of its own stays as it is (a copy would double it); a
+    mapped file's matrix is repacked, and its fused matmul, its tiles (a prefill beyond the
+    int8 batch, rows not on group bounds) and its dequantize give what they gave before."""
+    rng = np.random.default_rng(7)
+    cols = 256
+    w = quantize(rng.standard_normal((100, cols)).astype(np.float32), Q4_0)
+    _repacked_or_skip(w)
+    assert PackedMatrix(w, Q4_0).repack() is False
+    m = PackedMatrix(_mapped(tmp_path, w), Q4_0)
+    x1 = rng.standard_normal((2, cols)).astype(np.float32)
+    x2 = rng.standard_normal((40, cols)).astype(np.float32)
+    before = m.matmul(x1), m.matmul(x2, tile_bytes=cols * 4 * 20), m.dequantize()
+    assert m.repack() is True
+    after = m.matmul(x1), m.matmul(x2, tile_bytes=cols * 4 * 20), m.dequantize()
+    for a, b in zip(before, after, strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert np.array_equal(m._dequantize_rows(3, 50), before[2][3:50])
+    assert np.array_equal(m._dequantize_rows(96, 100), before[2][96:100])
+
+
+@contextlib.contextmanager
+def _repack(on: bool) -> Iterator[None]:
+    before = kernels.set_repack(on)
+    try:
+        yield
+    finally:
+        kernels.set_repack(before)
+
+
+def _write_llama(path: Path) -> Path:
+    """A random llama in Q4_0 (rows and columns not all whole groups or quads), its output
+    head near-tied (tests/same_bits_models.py): a token turns on the last bits."""
+    from tests.same_bits_models import near_tied_head
+
+    c = LlamaConfig(
+        arch="llama", n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32,
+        ffn_dim=352, vocab_size=256, context_length=128, rms_eps=1e-5, rope_theta=10000.0,
+        rope_dim=32, rope_layout="norm",
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    tensors: dict[str, np.ndarray | PackedMatrix] = {}
+    for name, shape in c.expected_tensors(range(c.n_layers)).items():
+        if len(shape) == 1:
+            tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif name == "output.weight":
+            tensors[name] = near_tied_head(rng, c.vocab_size, c.d_model, 1e-7)
+        elif name == "token_embd.weight":
+            tensors[name] = rng.standard_normal(shape).astype(np.float32)
+        else:
+            tensors[name] = PackedMatrix.from_float(0.2 * rng.standard_normal(shape), Q4_0)
+    write_gguf(path, c.to_gguf_metadata(), tensors)
+    return path
+
+
+def _mapped_resident_bytes(path: Path) -> int:
+    """This process's resident bytes of its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = line.endswith(str(path))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+def test_a_q4_0_model_decodes_the_same_bits_repacked_and_lets_the_file_go(
+    tmp_path: Path,
+) -> None:
+    """Greedy decode through the fused layers, repacked and not: the same logits to the bit
+    on a model whose tokens turn on the last bits; and the layers' file pages are not
+    resident once repacked (the weight is in memory once, not twice)."""
+    path = _write_llama(tmp_path / "q4_0.gguf")
+    ids = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int64)
+    logits = {}
+    for on in (False, True):
+        with _repack(on):
+            model = cellswarm.load(path)
+            cache = model.new_cache(len(ids))
+            logits[on] = np.concatenate([model.step(ids[i : i + 1], cache) for i in range(8)])
+            if on:
+                layer = model.arch.w.matrix("blk.0.ffn_up.weight")  # type: ignore[attr-defined]
+                if not layer.repack():
+                    pytest.skip("no repacked layout on this CPU")
+                held = _mapped_resident_bytes(path)
+    assert np.array_equal(logits[False].view(np.uint32), logits[True].view(np.uint32))
+    layers = sum(
+        model.arch.w.matrix(f"blk.{i}.{n}.weight").nbytes  # type: ignore[attr-defined]
+        for i in range(2) for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                    "ffn_up", "ffn_down")
+    )  # fmt: skip
+    assert held < path.stat().st_size - layers + 64 * 1024
