@@ -25,8 +25,8 @@ from cellswarm.quant.formats import dequantize, quantize
 Q4_0 = format_by_name("q4_0")
 
 
-def _repacked_or_skip(w: np.ndarray) -> tuple[int, np.ndarray]:
-    r = kernels.repack("Q4_0", w)
+def _repacked_or_skip(w: np.ndarray, fmt: str = "Q4_0") -> tuple[int, np.ndarray]:
+    r = kernels.repack(fmt, w)
     if r is None:
         pytest.skip("no repacked layout on this CPU (or fast kernels are off)")
     return r
@@ -43,30 +43,34 @@ def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
     [(1030, 1024), (64, 2816), (37, 512), (48, 96), (16, 4096), (17, 32)],
 )  # fmt: skip
 @pytest.mark.parametrize("nx", [1, 3, 16])
-def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int) -> None:
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, name: str) -> None:
     """Whole groups and the rows after them, one token and a batch, with outliers (values
     multiplied in float) in the activations: every output bit as from the file's layout."""
     rng = np.random.default_rng(rows * cols + nx)
-    w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q4_0)
-    code, repacked = _repacked_or_skip(w)
-    assert repacked.shape == w.shape and code != kernels.FUSED_TYPES["Q4_0"]
+    fmt = format_by_name(name)
+    w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), fmt)
+    code, repacked = _repacked_or_skip(w, name)
+    assert repacked.shape == w.shape and code != kernels.FUSED_TYPES[name]
     x = rng.standard_normal((nx, cols)).astype(np.float32)
     x[:, 5] = 40.0
     x[0, cols - 3] = -55.0
-    natural = _matmul(kernels.FUSED_TYPES["Q4_0"], w, cols, x)
+    natural = _matmul(kernels.FUSED_TYPES[name], w, cols, x)
     assert np.array_equal(natural.view(np.uint32), _matmul(code, repacked, cols, x).view(np.uint32))
-    ref = x @ dequantize(w, Q4_0).T
+    ref = x @ dequantize(w, fmt).T
     assert float(np.abs(natural - ref).max() / np.abs(ref).max()) < 0.02
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (37, 96)])
-def test_a_repacked_weight_dequantizes_to_the_gguf_values(rows: int, cols: int) -> None:
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+def test_a_repacked_weight_dequantizes_to_the_gguf_values(rows: int, cols: int, name: str) -> None:
     rng = np.random.default_rng(rows)
-    w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q4_0)
-    code, repacked = _repacked_or_skip(w)
+    fmt = format_by_name(name)
+    w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), fmt)
+    code, repacked = _repacked_or_skip(w, name)
     out = np.empty((rows, cols), np.float32)
-    kernels.dequantize("Q4_0", repacked, cols, out, code)
-    assert np.array_equal(out, dequantize(w, Q4_0))
+    kernels.dequantize(name, repacked, cols, out, code)
+    assert np.array_equal(out, dequantize(w, fmt))
 
 
 def _mapped(tmp_path: Path, w: np.ndarray) -> np.ndarray:

@@ -395,10 +395,13 @@ def set_repack(on: bool) -> bool:
     return before
 
 
-def repack(type_name: str, w: np.ndarray) -> tuple[int, np.ndarray] | None:
+def repack(
+    type_name: str, w: np.ndarray, out: np.ndarray | None = None
+) -> tuple[int, np.ndarray] | None:
     """W (rows, row_bytes) laid out for this CPU's fastest kernel, as (format code, bytes of
-    the same shape), or None where there is no such layout (the format, the CPU, fewer than
-    16 rows). The kernels read a repacked weight as the same numbers, to the bit."""
+    the same shape: `out` if given), or None where there is no such layout (the format: Q4_0
+    and Q8_0 have one; the CPU: AVX-512 VNNI + VBMI; fewer than 16 rows; CELLSWARM_REPACK=0).
+    The kernels read a repacked weight as the same numbers, to the bit."""
     lib = _load()
     code = FUSED_TYPES.get(type_name, -1)
     if lib is None or not _repack or w.ndim != 2 or w.shape[0] < 16 or code < 0:
@@ -407,9 +410,10 @@ def repack(type_name: str, w: np.ndarray) -> tuple[int, np.ndarray] | None:
     if packed_code < 0:
         return None
     src = np.ascontiguousarray(w)
-    out = np.empty_like(src)
-    lib.cs_repack(code, src.ctypes.data, src.shape[0], src.shape[1], out.ctypes.data)
-    return packed_code, out
+    dst = np.empty_like(src) if out is None else out
+    assert dst.shape == src.shape and dst.flags.c_contiguous and dst.dtype == np.uint8
+    lib.cs_repack(code, src.ctypes.data, src.shape[0], src.shape[1], dst.ctypes.data)
+    return packed_code, dst
 
 
 class Mat(ctypes.Structure):

@@ -110,7 +110,11 @@ static float row_dot(const mat *m, const uint8_t *row, int64_t cols, const actv 
     if (a->xt && cols % 128 == 0 && quad_idx((int)m->fmt)) { s.xt = a->xt; s.qidx = quad_idx((int)m->fmt); }
 #endif
     float o;
-    simd_row(m->fmt == Q4_0R ? Q4_0 : (int)m->fmt, row, cols, &s, &o); /* Q4_0R: a row after the groups */
+#ifdef HAVE_ZMM_VBMI
+    simd_row(R16_NATURAL((int)m->fmt), row, cols, &s, &o); /* repacked: a row after the groups */
+#else
+    simd_row((int)m->fmt, row, cols, &s, &o);
+#endif
     return o;
 #else
     const int n = block_elems((int)m->fmt);
@@ -169,9 +173,9 @@ static void run_chunk(const task *t, const int64_t *start, int64_t lo, int64_t h
             if (k->m->kind == 0 && k->a.ol) plan_task(k, &pl);
         }
 #ifdef HAVE_ZMM_VBMI
-        if (k->m->fmt == Q4_0R && j < k->rows / 16 * 16) { /* a group: done by its first row's chunk */
+        if (IS_R16(k->m->fmt) && j < k->rows / 16 * 16) { /* a group: done by its first row's chunk */
             if (j % 16 == 0)
-                r16_group(row, k->cols, k->a.xq, k->a.xd, k->a.xs, k->nx > 1 ? k->nx : 1, &pl,
+                r16_group((int)k->m->fmt, row, k->cols, k->a.xq, k->a.xd, k->a.xs, k->nx > 1 ? k->nx : 1, &pl,
                           k->out + j, k->ld);
             continue;
         }
@@ -188,7 +192,11 @@ static void run_chunk(const task *t, const int64_t *start, int64_t lo, int64_t h
         }
         if (pl.nu) { /* + what the integer dot products left out, as cs_matmul_qx adds it */
             float add[MAX_BATCH];
-            plan_row(k->m->fmt == Q4_0R ? Q4_0 : (int)k->m->fmt, row, &pl, add);
+#ifdef HAVE_ZMM_VBMI
+            plan_row(R16_NATURAL((int)k->m->fmt), row, &pl, add);
+#else
+            plan_row((int)k->m->fmt, row, &pl, add);
+#endif
             k->out[j] += add[0];
             for (int64_t b = 1; b < k->nx; b++) k->out[b * k->ld + j] += add[b];
         }

@@ -26,9 +26,6 @@
 #endif
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_K = 14, BF16 = 30 };
-/* Q4_0 whose whole groups of 16 rows are repacked at load (cs_repack, "Q4_0 in 16-row
- * groups" below); the rows after the last whole group stay as they are. Ours, not GGUF's. */
-enum { Q4_0R = 102 };
 #define MAX_BATCH 16
 
 static inline float fp16_to_f32(uint16_t h) {
@@ -878,10 +875,11 @@ ZINL void zq2k(const uint8_t *row, int64_t nb, const acts *a, float *out, const 
 #define ZROW(name, call1, calln) \
     static void name(const uint8_t *row, int64_t nb, const acts *a, float *out) { \
         if (a->nx == 1) call1; else calln; }
-ZROW(zrow_q8_0, z32(row, nb, a, out, Q8_0, 1), z32(row, nb, a, out, Q8_0, a->nx))
-#ifdef HAVE_ZMM_VBMI
-static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out); /* below */
+#ifdef HAVE_ZMM_VBMI /* below, in the arithmetic the 16-row groups share */
+static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out);
+static void zrow_q8_0(const uint8_t *row, int64_t nb, const acts *a, float *out);
 #else
+ZROW(zrow_q8_0, z32(row, nb, a, out, Q8_0, 1), z32(row, nb, a, out, Q8_0, a->nx))
 ZROW(zrow_q4_0, z32(row, nb, a, out, Q4_0, 1), z32(row, nb, a, out, Q4_0, a->nx))
 #endif
 ZROW(zrow_q4_1, z32(row, nb, a, out, Q4_1, 1), z32(row, nb, a, out, Q4_1, a->nx))
@@ -945,23 +943,31 @@ static int quad_layout(int fmt, int64_t nx, int64_t cols, const int8_t *xq, int8
 }
 #endif
 
-/* ---- Q4_0 in 16-row groups -------------------------------------------------------------
- * Why: a row at a time (z32), a Q4_0 row of a decode-shaped matrix (1024 columns) costs ~48
- * cycles beyond its blocks (two reductions across lanes, the scale fetch) and every block
- * its own activation shuffle; the layers ran at ~15 GB/s where one core streams ~30. As
- * llama.cpp repacks Q4_0 at load, whole groups of 16 rows are laid out so that one register
- * holds 4 bytes of each of the 16 rows: per 32-block, 16 f16 scales (32 bytes), then 4
- * chunks of 64 bytes, chunk k lane r = row r's nibble bytes 4k..4k+3. A block of 16 rows is
- * then 8 dpbusd against broadcast activations, no reduction across lanes at all, and the
- * group's bytes are one stream (measured on decode-shaped layers: 15 -> 24 GB/s). A group
- * takes exactly the bytes its 16 rows did, so a row outside whole groups sits where it was.
+/* ---- Q4_0 and Q8_0 in 16-row groups ---------------------------------------------------
+ * Why: a row at a time (z32), a row of a decode-shaped matrix (1024 columns) costs ~48 cycles
+ * beyond its blocks (two reductions across lanes, the scale fetch) and every block its own
+ * activation shuffle; the layers ran at ~15 GB/s where one core streams ~30. As llama.cpp
+ * repacks at load, whole groups of 16 rows are laid out so that one register holds 4 bytes
+ * of each of the 16 rows: per 32-block, the 16 rows' f16 scales (32 bytes), then chunks of
+ * 64 bytes, chunk k lane r = row r's weight bytes 4k..4k+3 (Q4_0: 4 chunks of nibbles,
+ * Q8_0: 8 of int8). A block of 16 rows is then dpbusd against broadcast activations, no
+ * reduction across lanes at all, and the group's bytes are one stream (measured on
+ * decode-shaped Q4_0 layers: 15 -> 24 GB/s). A group takes exactly the bytes its 16 rows did,
+ * so a row outside whole groups sits where it was.
  *
  * One arithmetic for both layouts, so a row is the same bits repacked or not (a sharded run,
  * an expert computed on another node, a tail row): per block b, the exact integer
- * n_b = sum (q - 8) x; A[b % 16] = fma((float)n_b, d_b * xd_b, A[b % 16]) in order of b; the
- * row is the tree A[l] + A[l + 8], then + 4, + 2, + 1 (tree16). The 16-row kernel keeps the
- * 16 A's as 16 registers (lanes: rows), the one-row kernel as one register (lanes: b % 16). */
+ * n_b = sum q x with q the signed weight (Q4_0: nibble - 8; read as unsigned u = q + o and
+ * n_b = sum u x - o sum x, o = 8 or 128, because dpbusd multiplies unsigned by signed);
+ * A[b % 16] = fma((float)n_b, d_b * xd_b, A[b % 16]) in order of b; the row is the tree
+ * A[l] + A[l + 8], then + 4, + 2, + 1 (tree16). The 16-row kernel keeps the 16 A's as 16
+ * registers (lanes: rows), the one-row kernel as one register (lanes: b % 16). */
 #ifdef HAVE_ZMM_VBMI
+enum { Q4_0R = 102, Q8_0R = 108 };
+#define IS_R16(f) ((f) == Q4_0R || (f) == Q8_0R)
+#define R16_NATURAL(f) ((f) == Q4_0R ? Q4_0 : (f) == Q8_0R ? Q8_0 : (f)) /* a row after the groups */
+#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : 288) /* bytes of one block of 16 rows */
+
 ZINL float tree16(__m512 v) {
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -969,7 +975,8 @@ ZINL float tree16(__m512 v) {
     b = _mm_add_ss(b, _mm_movehdup_ps(b));
     return _mm_cvtss_f32(b);
 }
-/* 16 blocks' 8-per-block int sums xs pairs -> 16 lanes: xs[2b] + xs[2b+1] */
+
+/* the activations' int sums of nn <= 16 blocks (from the per-16 sums xs) as 16 lanes */
 ZINL __m512i block_sums16(const int32_t *xs, int64_t nn) {
     const __mmask16 ma = (__mmask16)(nn >= 8 ? 0xFFFF : (1u << (2 * nn)) - 1);
     const __mmask16 mb = (__mmask16)(nn <= 8 ? 0 : nn == 16 ? 0xFFFF : (1u << (2 * nn - 16)) - 1);
@@ -978,38 +985,54 @@ ZINL __m512i block_sums16(const int32_t *xs, int64_t nn) {
     return _mm512_add_epi32(_mm512_permutex2var_epi32(a, ev, b),
                             _mm512_permutex2var_epi32(a, _mm512_add_epi32(ev, _mm512_set1_epi32(1)), b));
 }
-/* one block's exact sum q x (q: 0..15), any way will do (integers): for the tails */
-ZINL int32_t q40_block_n(const uint8_t *blk, const int8_t *x) {
-    const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), load_nibbles16(blk + 2),
-                                          _mm256_loadu_si256((const __m256i *)x));
+
+/* one block's sum u x, u the unsigned weights (q + o), any way will do (integers): tails */
+ZINL int32_t r16_block_u(const int fmt, const uint8_t *blk, const int8_t *x) {
+    const __m256i u = fmt == Q8_0 ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8(-128))
+                                  : load_nibbles16(blk + 2);
+    const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)x));
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
 }
-/* natural layout, one row; xt: the quad layout of xq (whole 128-byte groups), or NULL */
-ZINL float q40_row(const uint8_t *row, int64_t nb, const int8_t *xq, const int8_t *xt,
-                   const float *xd, const int32_t *xs, const uint8_t (*qidx)[64]) {
+
+/* One row in the file's layout (Q4_0 or Q8_0); xt: the quad layout of xq (quad_acts, whole
+ * 128-byte groups), or NULL. The int dot products of 4 blocks at a time as z32's quads (lane
+ * l: block 4q + l % 4, a quarter of it), folded into one lane per block. */
+ZINL float r16_row(const int fmt, const uint8_t *row, int64_t nb, const int8_t *xq,
+                   const int8_t *xt, const float *xd, const int32_t *xs) {
+    const int bb = fmt == Q8_0 ? 34 : 18, oshift = fmt == Q8_0 ? 7 : 3;
+    const uint8_t (*qidx)[64] = fmt == Q8_0 ? QIDX[0] : QIDX[1];
+    const __m512i i0 = _mm512_load_si512((const void *)qidx[0]), i1 = _mm512_load_si512((const void *)qidx[1]);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
     __m512 A = _mm512_setzero_ps();
-    const __m512i i0 = _mm512_load_si512((const void *)qidx[0]);
-    const __m512i m = _mm512_set1_epi8(0x0F);
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         const int64_t nn = nb - b0 < 16 ? nb - b0 : 16;
         const __mmask16 mk = (__mmask16)(nn == 16 ? 0xFFFF : (1u << nn) - 1);
-        const uint8_t *base = row + 18 * b0;
-        const __m512i g = nn == 16 ? fields16(base, 18) : gather16(base, 18, mk);
+        const uint8_t *base = row + bb * b0;
+        const __m512i g = nn == 16 ? fields16(base, bb) : gather16(base, bb, mk);
         const __m512 s = _mm512_mul_ps(f16_lo(g), _mm512_maskz_loadu_ps(mk, xd + b0));
         __m512i R = _mm512_setzero_si512();
         const int quads = xt ? (int)(nn / 4) : 0;
         for (int q = 0; q < quads; q++) {
-            const uint8_t *qb = base + 72 * q;
-            const __m512i t = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)qb), i0,
-                                                       _mm512_loadu_si512((const void *)(qb + 8)));
+            const uint8_t *qb = base + 4 * bb * q;
+            __m512i lo, hi;
+            if (fmt == Q8_0) {
+                lo = _mm512_xor_si512(_mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)qb), i0,
+                                      _mm512_loadu_si512((const void *)(qb + 64))), flip);
+                hi = _mm512_xor_si512(_mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)(qb + 8)), i1,
+                                      _mm512_loadu_si512((const void *)(qb + 72))), flip);
+            } else {
+                const __m512i t = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)qb), i0,
+                                                           _mm512_loadu_si512((const void *)(qb + 8)));
+                lo = _mm512_and_si512(t, m4);
+                hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), m4);
+            }
             const int8_t *xp = xt + 32 * (b0 + 4 * q);
-            __m512i dot = _mm512_dpbusd_epi32(zdot(_mm512_and_si512(t, m), _mm512_loadu_si512((const void *)xp)),
-                                              _mm512_and_si512(_mm512_srli_epi16(t, 4), m),
+            __m512i dot = _mm512_dpbusd_epi32(zdot(lo, _mm512_loadu_si512((const void *)xp)), hi,
                                               _mm512_loadu_si512((const void *)(xp + 64)));
-            /* lane l holds block 4q + l%4, part l/4: sum the parts (lanes l, l^4, l^8, l^12) */
+            /* lane l holds block 4q + l % 4, part l / 4: sum the parts (lanes l, l^4, l^8, l^12) */
             dot = _mm512_add_epi32(dot, _mm512_shuffle_i32x4(dot, dot, 0x4E));
             dot = _mm512_add_epi32(dot, _mm512_shuffle_i32x4(dot, dot, 0xB1));
             R = _mm512_mask_mov_epi32(R, (__mmask16)(0xF << (4 * q)), dot);
@@ -1017,18 +1040,20 @@ ZINL float q40_row(const uint8_t *row, int64_t nb, const int8_t *xq, const int8_
         if (4 * quads < nn) {
             int32_t t[16];
             _mm512_storeu_si512((void *)t, R);
-            for (int j = 4 * quads; j < nn; j++) t[j] = q40_block_n(base + 18 * j, xq + 32 * (b0 + j));
+            for (int j = 4 * quads; j < nn; j++) t[j] = r16_block_u(fmt, base + bb * j, xq + 32 * (b0 + j));
             R = _mm512_loadu_si512((const void *)t);
         }
-        R = _mm512_sub_epi32(R, _mm512_slli_epi32(block_sums16(xs + 2 * b0, nn), 3)); /* q - 8 */
+        R = _mm512_sub_epi32(R, _mm512_slli_epi32(block_sums16(xs + 2 * b0, nn), oshift)); /* u -> q */
         A = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(R), s, A, mk);
     }
     return tree16(A);
 }
-/* repacked: 16 rows, per block 288 bytes: 16 f16 scales, 4 chunks of 16 lanes x 4 bytes */
-ZINL void q40_group(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
-                    const int32_t *xs, float *out) {
-    const __m512i m = _mm512_set1_epi8(0x0F);
+
+/* 16 repacked rows (group g, nb blocks) times one activation row: out[0..16) */
+ZINL void r16_group1(const int fmt, const uint8_t *g, int64_t nb, const int8_t *xq,
+                     const float *xd, const int32_t *xs, float *out) {
+    const int gb = R16_BLOCK(fmt), chunks = fmt == Q8_0 ? 8 : 4, off = fmt == Q8_0 ? 128 : 8;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
     __m512 A[16];
     for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
@@ -1036,16 +1061,24 @@ ZINL void q40_group(const uint8_t *g, int64_t nb, const int8_t *xq, const float 
         for (int j = 0; j < 16; j++) {
             const int64_t b = b0 + j;
             if (b >= nb) break;
-            const uint8_t *blk = g + 288 * b;
+            const uint8_t *blk = g + gb * b;
             const int32_t *x4 = (const int32_t *)(xq + 32 * b);
-            __m512i s0 = _mm512_set1_epi32(-8 * (xs[2 * b] + xs[2 * b + 1])), s1 = _mm512_setzero_si512();
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
+            __m512i s0 = _mm512_set1_epi32(-off * (xs[2 * b] + xs[2 * b + 1])), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int k = 0; k < chunks; k++) {
                 const __m512i q = _mm512_loadu_si512((const void *)(blk + 32 + 64 * k));
-                s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(q, m), _mm512_set1_epi32(x4[k]));
-                s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m), _mm512_set1_epi32(x4[4 + k]));
+                if (fmt == Q8_0) {
+                    const __m512i u = _mm512_xor_si512(q, flip);
+                    if (k & 1) s1 = _mm512_dpbusd_epi32(s1, u, _mm512_set1_epi32(x4[k]));
+                    else s0 = _mm512_dpbusd_epi32(s0, u, _mm512_set1_epi32(x4[k]));
+                } else {
+                    s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(q, m4), _mm512_set1_epi32(x4[k]));
+                    s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
+                                             _mm512_set1_epi32(x4[4 + k]));
+                }
             }
-            const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)), _mm512_set1_ps(xd[b]));
+            const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)),
+                                           _mm512_set1_ps(xd[b]));
             A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), s, A[j]);
         }
     }
@@ -1055,42 +1088,55 @@ ZINL void q40_group(const uint8_t *g, int64_t nb, const int8_t *xq, const float 
     _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
 }
 
-static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+static void zrow_r16(const int fmt, const uint8_t *row, int64_t nb, const acts *a, float *out) {
     const int64_t nbx = a->cols / 32;
     for (int64_t k = 0; k < a->nx; k++)
-        out[k] = q40_row(row, nb, a->xq + k * a->cols, a->xt ? a->xt + k * a->cols : NULL,
-                         a->xd + k * nbx, a->xs + 2 * k * nbx, QIDX[1]);
+        out[k] = r16_row(fmt, row, nb, a->xq + k * a->cols, a->xt ? a->xt + k * a->cols : NULL,
+                         a->xd + k * nbx, a->xs + 2 * k * nbx);
+}
+static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    zrow_r16(Q4_0, row, nb, a, out);
+}
+static void zrow_q8_0(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    zrow_r16(Q8_0, row, nb, a, out);
 }
 
-/* 16 rows of a group times nx activation rows: out[k * ld + lane] */
-static void q40_group_acts(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
-                           const int32_t *xs, int64_t cols, int64_t nx, float *out, int64_t ld) {
-    for (int64_t k = 0; k < nx; k++)
-        q40_group(g, nb, xq + k * cols, xd + k * (cols / 32), xs + k * (cols / 16), out + k * ld);
+/* 16 rows of a group (format Q4_0 or Q8_0, as in the file) times nx activation rows:
+ * out[k * ld + lane] */
+static void r16_group_acts(int fmt, const uint8_t *g, int64_t nb, const int8_t *xq,
+                           const float *xd, const int32_t *xs, int64_t cols, int64_t nx,
+                           float *out, int64_t ld) {
+    for (int64_t k = 0; k < nx; k++) {
+        if (fmt == Q8_0) r16_group1(Q8_0, g, nb, xq + k * cols, xd + k * (cols / 32), xs + k * (cols / 16), out + k * ld);
+        else r16_group1(Q4_0, g, nb, xq + k * cols, xd + k * (cols / 32), xs + k * (cols / 16), out + k * ld);
+    }
 }
 
-/* the weight at column col of lane `lane` of a group: as plan_weight decodes Q4_0 */
-static inline float r16_weight(const uint8_t *g, int lane, int32_t col) {
-    const uint8_t *blk = g + 288 * (col >> 5);
-    const int e = col & 31, i = e & 15;
+/* the weight at column col of lane `lane` of a group: as plan_weight decodes it */
+static inline float r16_weight(int fmt, const uint8_t *g, int lane, int32_t col) {
+    const uint8_t *blk = g + R16_BLOCK(fmt) * (col >> 5);
+    const int e = col & 31;
+    const float d = h2f(blk + 2 * lane);
+    if (fmt == Q8_0) return d * (float)(int8_t)blk[32 + 64 * (e >> 2) + 4 * lane + (e & 3)];
+    const int i = e & 15;
     const uint8_t q = blk[32 + 64 * (i >> 2) + 4 * lane + (i & 3)];
-    return h2f(blk + 2 * lane) * (float)(((e >= 16 ? q >> 4 : q) & 0xF) - 8);
+    return d * (float)(((e >= 16 ? q >> 4 : q) & 0xF) - 8);
 }
 
-int cs_repacked(int fmt) { return fmt == Q4_0 ? Q4_0R : -1; }
+int cs_repacked(int fmt) { return fmt == Q4_0 ? Q4_0R : fmt == Q8_0 ? Q8_0R : -1; }
 
-/* out = w (rows of Q4_0) with its whole 16-row groups repacked; the same size */
+/* out = w (rows of Q4_0 or Q8_0) with its whole 16-row groups repacked; the same size */
 void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
-    (void)fmt;
-    const int64_t nb = row_bytes / 18, ng = rows / 16;
+    const int bb = fmt == Q8_0 ? 34 : 18, gb = R16_BLOCK(fmt), chunks = (bb - 2) / 4;
+    const int64_t nb = row_bytes / bb, ng = rows / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < ng; g++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = out + 16 * g * row_bytes + 288 * b;
+            uint8_t *o = out + 16 * g * row_bytes + gb * b;
             for (int r = 0; r < 16; r++) {
-                const uint8_t *src = w + (16 * g + r) * row_bytes + 18 * b;
+                const uint8_t *src = w + (16 * g + r) * row_bytes + bb * b;
                 memcpy(o + 2 * r, src, 2);
-                for (int k = 0; k < 4; k++) memcpy(o + 32 + 64 * k + 4 * r, src + 2 + 4 * k, 4);
+                for (int k = 0; k < chunks; k++) memcpy(o + 32 + 64 * k + 4 * r, src + 2 + 4 * k, 4);
             }
         }
     memcpy(out + 16 * ng * row_bytes, w + 16 * ng * row_bytes, (size_t)((rows - 16 * ng) * row_bytes));
@@ -1265,7 +1311,9 @@ typedef struct {
 /* activation row k of the plan: the outliers o (NULL: none) of the vector it is columns
  * [off, off + cols) of */
 static void plan_add(ol_plan *p, int fmt, int k, const outliers *o, int64_t off, int64_t cols) {
-    fmt = fmt == Q4_0R ? Q4_0 : fmt; /* offsets as in a row left as it is */
+#ifdef HAVE_ZMM_VBMI
+    fmt = R16_NATURAL(fmt); /* offsets as in a row left as it is */
+#endif
     const int bb = fmt == Q8_0 ? 34 : fmt == Q4_0 ? 18 : 20, hdr = fmt == Q4_1 ? 4 : 2;
     if (k == 0) p->nu = 0;
     p->nx = k + 1;
@@ -1317,19 +1365,21 @@ static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float
 
 #ifdef HAVE_ZMM_VBMI
 /* plan_row for lane `lane` of a 16-row group */
-static inline void plan_lane(const uint8_t *g, int lane, const ol_plan *p, float *s) {
+static inline void plan_lane(int fmt, const uint8_t *g, int lane, const ol_plan *p, float *s) {
     float w[PLAN_MAX];
-    for (int u = 0; u < p->nu; u++) w[u] = r16_weight(g, lane, p->col[u]);
+    for (int u = 0; u < p->nu; u++) w[u] = r16_weight(fmt, g, lane, p->col[u]);
     plan_sum(p, w, s);
 }
 
-/* The 16 rows of group g (nx activation rows): out[k * ld + lane], outliers added. */
-static void r16_group(const uint8_t *g, int64_t cols, const int8_t *xq, const float *xd,
+/* The 16 rows of group g of a repacked weight (format rfmt) times nx activation rows:
+ * out[k * ld + lane], outliers added. */
+static void r16_group(int rfmt, const uint8_t *g, int64_t cols, const int8_t *xq, const float *xd,
                       const int32_t *xs, int64_t nx, const ol_plan *pl, float *out, int64_t ld) {
-    q40_group_acts(g, cols / 32, xq, xd, xs, cols, nx, out, ld);
+    const int fmt = R16_NATURAL(rfmt);
+    r16_group_acts(fmt, g, cols / 32, xq, xd, xs, cols, nx, out, ld);
     for (int lane = 0; pl->nu && lane < 16; lane++) {
         float t[MAX_BATCH];
-        plan_lane(g, lane, pl, t);
+        plan_lane(fmt, g, lane, pl, t);
         for (int64_t k = 0; k < nx; k++) out[k * ld + lane] += t[k];
     }
 }
@@ -1367,8 +1417,8 @@ static inline int64_t chunk_rows(int64_t rows, int64_t row_bytes) {
 }
 
 #ifdef HAVE_ZMM_VBMI
-/* matmul_q of a Q4_0R weight: whole groups, then the rows after them one at a time */
-static void matmul_r16(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
+/* matmul_q of a repacked weight: whole groups, then the rows after them one at a time */
+static void matmul_r16(int rfmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                        const acts *a, const ol_plan *pl, int par, int64_t chunk, float *out) {
     const int64_t ng = rows / 16, units = ng + rows - 16 * ng, nx = a->nx;
     const int64_t gchunk = chunk / 16 > 1 ? chunk / 16 : 1;
@@ -1379,15 +1429,15 @@ static void matmul_r16(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_
 #pragma omp for schedule(dynamic, gchunk) nowait
         for (int64_t u = 0; u < units; u++) {
             if (u < ng) {
-                r16_group(w + 16 * u * row_bytes, cols, a->xq, a->xd, a->xs, nx, pl, out + 16 * u, rows);
+                r16_group(rfmt, w + 16 * u * row_bytes, cols, a->xq, a->xd, a->xs, nx, pl, out + 16 * u, rows);
                 continue;
             }
             const int64_t r = 16 * ng + (u - ng);
             float o[MAX_BATCH];
-            simd_row(Q4_0, w + r * row_bytes, cols, a, o);
+            simd_row(R16_NATURAL(rfmt), w + r * row_bytes, cols, a, o);
             if (pl->nu) {
                 float t[MAX_BATCH];
-                plan_row(Q4_0, w + r * row_bytes, pl, t);
+                plan_row(R16_NATURAL(rfmt), w + r * row_bytes, pl, t);
                 for (int64_t k = 0; k < nx; k++) o[k] += t[k];
             }
             for (int64_t k = 0; k < nx; k++) out[k * rows + r] = o[k];
@@ -1429,8 +1479,8 @@ static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
     (void)xt;
 #endif
 #ifdef HAVE_ZMM_VBMI
-    if (fmt == Q4_0R) {
-        matmul_r16(w, rows, row_bytes, cols, &a, &pl, par, chunk, out);
+    if (IS_R16(fmt)) {
+        matmul_r16(fmt, w, rows, row_bytes, cols, &a, &pl, par, chunk, out);
         free(heap);
         return;
     }
@@ -1607,36 +1657,41 @@ static inline __attribute__((always_inline)) void dequant_row(int fmt, const uin
     }
 }
 
-/* Q4_0R: whole groups (their lanes back into rows), then the rows after them */
-static void dequantize_r16(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
-                           float *out) {
+#ifdef HAVE_ZMM_VBMI
+/* a repacked weight: whole groups (their lanes back into rows), then the rows after them */
+static void dequantize_r16(int rfmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
+                           int64_t cols, float *out) {
+    const int fmt = R16_NATURAL(rfmt);
     const int64_t nb = cols / 32, ng = rows / 16;
+    const int bb = fmt == Q8_0 ? 34 : 18, gb = R16_BLOCK(fmt), chunks = (bb - 2) / 4;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < ng; g++)
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + 16 * g * row_bytes + 288 * b;
-            for (int r = 0; r < 16; r++) {
-                const float d = f16_at(blk + 2 * r);
+            const uint8_t *blk = w + 16 * g * row_bytes + gb * b;
+            for (int r = 0; r < 16; r++) { /* the row's block as in the file, then as dequant_row */
+                uint8_t one[34];
+                memcpy(one, blk + 2 * r, 2);
+                for (int k = 0; k < chunks && k < 8; k++) memcpy(one + 2 + 4 * k, blk + 32 + 64 * k + 4 * r, 4);
                 float *y = out + (16 * g + r) * cols + 32 * b;
-                for (int i = 0; i < 16; i++) {
-                    const uint8_t q = blk[32 + 64 * (i >> 2) + 4 * r + (i & 3)];
-                    y[i] = d * (float)((q & 0xF) - 8) - 0.0f;
-                    y[i + 16] = d * (float)((q >> 4) - 8) - 0.0f;
-                }
+                if (fmt == Q8_0) dequant_row(Q8_0, one, 1, 34, y);
+                else dequant_row(Q4_0, one, 1, 18, y);
             }
         }
     for (int64_t r = 16 * ng; r < rows; r++)
-        dequant_row(Q4_0, w + r * row_bytes, nb, 18, out + r * cols);
+        dequant_row(fmt, w + r * row_bytes, nb, bb, out + r * cols);
 }
+#endif
 
 void cs_dequantize(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                    float *out) {
     const int64_t nblocks = cols / block_elems(fmt), bbytes = row_bytes / nblocks;
     const int64_t chunk = chunk_rows(rows, row_bytes);
-    if (fmt == Q4_0R) {
-        dequantize_r16(w, rows, row_bytes, cols, out);
+#ifdef HAVE_ZMM_VBMI
+    if (IS_R16(fmt)) {
+        dequantize_r16(fmt, w, rows, row_bytes, cols, out);
         return;
     }
+#endif
 #pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *row = w + r * row_bytes;

@@ -35,14 +35,20 @@ NO_MAT: Args = (0, 0, 0, 0, 0)
 _PACKED = {**kernels.FUSED_TYPES, **kernels.FLOAT_TYPES}
 
 
-def _args(t: PackedMatrix | PackedExperts, float32_ok: bool = False) -> Args | None:
+def _args(
+    t: PackedMatrix | PackedExperts, float32_ok: bool = False, repack: bool = True
+) -> Args | None:
     """weight_args of a packed tensor (a stack: its first member, rows and row bytes), or None
-    when no fused kernel reads its format."""
+    when no fused kernel reads its format. With `repack`, the tensor is first laid out for the
+    fastest kernel where there is one (PackedMatrix.repack: the same bits, the same memory)."""
     name = t.fmt.name
     if name not in _PACKED and not (float32_ok and name == "F32"):
         return None
     if not kernels.can_fuse("Q8_0") or not t.data.flags.c_contiguous:
         return None
+    if repack and t.repack():
+        code, data = t._repacked  # type: ignore[misc]
+        return 0, code, int(data.ctypes.data), *data.shape[-2:]
     return kernels.weight_args(name, t.data, t.shape[-1])
 
 
@@ -181,7 +187,8 @@ class FusedDecode:
             keep.append(r)
             for k in exps:
                 stack = w.experts(f"{p}ffn_{k}_exps.weight")
-                a = _args(stack)
+                # not where a cache serves the experts from slow memory (the tiered engine)
+                a = _args(stack, repack=m.remote_experts is None)
                 if a is None:
                     return None
                 exps[k], strides[k] = a, stack.data.strides[0]

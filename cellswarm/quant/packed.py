@@ -47,6 +47,12 @@ def _file_pages(data: npt.NDArray[Any]) -> tuple[int, int] | None:
     return -(-start // page) * page, (start + int(data.nbytes)) // page * page
 
 
+def _drop(pages: tuple[int, int]) -> None:
+    lo, hi = pages
+    if hi > lo:
+        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
+
+
 _libc_handle: ctypes.CDLL | None = None
 
 
@@ -104,9 +110,7 @@ class PackedMatrix:
             if repacked is not None:
                 self._repacked = repacked
                 self._fused_args = False  # rebuilt on the new bytes
-                lo, hi = pages
-                if hi > lo:
-                    _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
+                _drop(pages)
         return self._repacked is not None
 
     @classmethod
@@ -340,13 +344,14 @@ class PackedExperts:
     `held` names the experts kept and `nbytes` counts only those.
     """
 
-    __slots__ = ("_held", "data", "fmt")
+    __slots__ = ("_held", "_repacked", "data", "fmt")
 
     def __init__(
         self, data: npt.NDArray[Any], fmt: QuantFormat, held: Iterable[int] | None = None
     ) -> None:
         self.data: Bytes = _as_bytes(data, 3, fmt)
         self.fmt = fmt
+        self._repacked: tuple[int, Bytes] | None = None  # (format code, the stack): repack()
         n = self.data.shape[0]
         self._held = tuple(range(n)) if held is None else tuple(sorted({int(e) for e in held}))
         if self._held and not 0 <= self._held[0] <= self._held[-1] < n:
@@ -384,13 +389,39 @@ class PackedExperts:
         missing = [e for e in chosen if e not in self._held]
         if missing:
             raise IndexError(f"experts {missing} are not held; held: {list(self._held)}")
-        return PackedExperts(self.data, self.fmt, chosen)
+        out = PackedExperts(self.data, self.fmt, chosen)
+        out._repacked = self._repacked
+        return out
 
     def expert(self, e: int) -> PackedMatrix:
-        """Expert `e`'s weight (out_features, in_features) as a view."""
+        """Expert `e`'s weight (out_features, in_features) as a view (of the repacked bytes
+        too, once repacked)."""
         if e not in self._held:
             raise IndexError(f"expert {e} is not held; held: {list(self._held)}")
-        return PackedMatrix(self.data[e], self.fmt)
+        m = PackedMatrix(self.data[e], self.fmt)
+        if self._repacked is not None:
+            m._repacked = (self._repacked[0], self._repacked[1][e])
+        return m
+
+    def repack(self) -> bool:
+        """PackedMatrix.repack for the held experts: a stack of the same shape whose other
+        experts are never written (so never resident), the held ones laid out for the fastest
+        kernel, their file pages let go. Not for a stack in slow memory that a cache serves
+        from (the tiered engine): that would bring every held expert into DRAM."""
+        pages = _file_pages(self.data)
+        fast = kernels.enabled() and kernels.can_fuse(self.fmt.name)
+        if self._repacked is not None or not pages or not fast or not self._held:
+            return self._repacked is not None
+        stack = np.empty(self.data.shape, np.uint8)  # pages appear where written
+        code = 0
+        for e in self._held:
+            r = kernels.repack(self.fmt.name, self.data[e], stack[e])
+            if r is None:
+                return False
+            code = r[0]
+            _drop(cast(tuple[int, int], _file_pages(self.data[e])))
+        self._repacked = (code, stack)
+        return True
 
     def dequantize(self) -> Floats:
         """Every expert as float32 (n_expert, out_features, in_features), e.g. to repack."""
