@@ -32,6 +32,17 @@ def _repacked_or_skip(w: np.ndarray, fmt: str = "Q4_0") -> tuple[int, np.ndarray
     return r
 
 
+def _weights(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random packed rows; Q4_K (which cellswarm reads but does not write) as random blocks
+    with small f16 scales."""
+    if name != "Q4_K":
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), format_by_name(name))
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, (rows, cols // 256, 2)).astype(np.float16)
+    blocks[..., :4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
+    return blocks.reshape(rows, -1)
+
+
 def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     kernels.matmul_args((0, code, int(w.ctypes.data), *w.shape), cols, x, out)
@@ -43,13 +54,15 @@ def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
     [(1030, 1024), (64, 2816), (37, 512), (48, 96), (16, 4096), (17, 32)],
 )  # fmt: skip
 @pytest.mark.parametrize("nx", [1, 3, 16])
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K"])
 def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, name: str) -> None:
     """Whole groups and the rows after them, one token and a batch, with outliers (values
     multiplied in float) in the activations: every output bit as from the file's layout."""
+    if cols % format_by_name(name).block_size:
+        pytest.skip(f"{name} rows are whole blocks of {format_by_name(name).block_size}")
     rng = np.random.default_rng(rows * cols + nx)
     fmt = format_by_name(name)
-    w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), fmt)
+    w = _weights(name, rows, cols, rng)
     code, repacked = _repacked_or_skip(w, name)
     assert repacked.shape == w.shape and code != kernels.FUSED_TYPES[name]
     x = rng.standard_normal((nx, cols)).astype(np.float32)
@@ -61,12 +74,12 @@ def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, na
     assert float(np.abs(natural - ref).max() / np.abs(ref).max()) < 0.02
 
 
-@pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (37, 96)])
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (37, 768)])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K"])
 def test_a_repacked_weight_dequantizes_to_the_gguf_values(rows: int, cols: int, name: str) -> None:
     rng = np.random.default_rng(rows)
     fmt = format_by_name(name)
-    w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), fmt)
+    w = _weights(name, rows, cols, rng)
     code, repacked = _repacked_or_skip(w, name)
     out = np.empty((rows, cols), np.float32)
     kernels.dequantize(name, repacked, cols, out, code)

@@ -175,8 +175,8 @@ static void run_chunk(const task *t, const int64_t *start, int64_t lo, int64_t h
 #ifdef HAVE_ZMM_VBMI
         if (IS_R16(k->m->fmt) && j < k->rows / 16 * 16) { /* a group: done by its first row's chunk */
             if (j % 16 == 0)
-                r16_group((int)k->m->fmt, row, k->cols, k->a.xq, k->a.xd, k->a.xs, k->nx > 1 ? k->nx : 1, &pl,
-                          k->out + j, k->ld);
+                r16_group((int)k->m->fmt, row, k->cols, k->a.xq, k->a.xd, k->a.xs, k->a.xsum,
+                          k->nx > 1 ? k->nx : 1, &pl, k->out + j, k->ld);
             continue;
         }
 #endif

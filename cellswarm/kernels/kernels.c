@@ -878,12 +878,13 @@ ZINL void zq2k(const uint8_t *row, int64_t nb, const acts *a, float *out, const 
 #ifdef HAVE_ZMM_VBMI /* below, in the arithmetic the 16-row groups share */
 static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out);
 static void zrow_q8_0(const uint8_t *row, int64_t nb, const acts *a, float *out);
+static void zrow_q4_k(const uint8_t *row, int64_t nb, const acts *a, float *out);
 #else
+ZROW(zrow_q4_k, zq4k(row, nb, a, out, 1), zq4k(row, nb, a, out, a->nx))
 ZROW(zrow_q8_0, z32(row, nb, a, out, Q8_0, 1), z32(row, nb, a, out, Q8_0, a->nx))
 ZROW(zrow_q4_0, z32(row, nb, a, out, Q4_0, 1), z32(row, nb, a, out, Q4_0, a->nx))
 #endif
 ZROW(zrow_q4_1, z32(row, nb, a, out, Q4_1, 1), z32(row, nb, a, out, Q4_1, a->nx))
-ZROW(zrow_q4_k, zq4k(row, nb, a, out, 1), zq4k(row, nb, a, out, a->nx))
 ZROW(zrow_q6_k, zq6k(row, nb, a, out, 1), zq6k(row, nb, a, out, a->nx))
 ZROW(zrow_q2_k, zq2k(row, nb, a, out, 1), zq2k(row, nb, a, out, a->nx))
 
@@ -963,10 +964,10 @@ static int quad_layout(int fmt, int64_t nx, int64_t cols, const int8_t *xq, int8
  * A[l] + A[l + 8], then + 4, + 2, + 1 (tree16). The 16-row kernel keeps the 16 A's as 16
  * registers (lanes: rows), the one-row kernel as one register (lanes: b % 16). */
 #ifdef HAVE_ZMM_VBMI
-enum { Q4_0R = 102, Q8_0R = 108 };
-#define IS_R16(f) ((f) == Q4_0R || (f) == Q8_0R)
-#define R16_NATURAL(f) ((f) == Q4_0R ? Q4_0 : (f) == Q8_0R ? Q8_0 : (f)) /* a row after the groups */
-#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : 288) /* bytes of one block of 16 rows */
+enum { Q4_0R = 102, Q8_0R = 108, Q4_KR = 112 };
+#define IS_R16(f) ((f) == Q4_0R || (f) == Q8_0R || (f) == Q4_KR)
+#define R16_NATURAL(f) ((f) == Q4_0R ? Q4_0 : (f) == Q8_0R ? Q8_0 : (f) == Q4_KR ? Q4_K : (f))
+#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : (f) == Q4_K ? 2304 : 288) /* bytes: a block of 16 rows */
 
 ZINL float tree16(__m512 v) {
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -1088,6 +1089,121 @@ ZINL void r16_group1(const int fmt, const uint8_t *g, int64_t nb, const int8_t *
     _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
 }
 
+
+/* Q4_K in the same scheme, per sub-block t of 32 weights (t = 8 b + j: block b, scale j):
+ * n_t = sum q x exact (q 0..15), then A[t % 16] = fma((float)n_t, (d_b * sc_j) * xd_t,
+ * A[t % 16]) and A[t % 16] = fnmadd(dmin_b * m_j, xsum_t, A[t % 16]); the same tree.
+ * A group's block (2304 bytes): 16 d, 16 dmin (f16), 3 chunks of the 12 scale bytes, 32
+ * chunks of the 128 nibble bytes (chunk k lane r = row r's bytes 4k..4k+3). */
+
+/* The 16 lanes' 6-bit scales (m = 0) or mins (m = 1) of sub-block j, from the 3 chunks of a
+ * group's scale bytes (k4_scale_min, lanes: rows) */
+ZINL __m512i k4_lanes(const __m512i *S, int j, int m) {
+    const __m512i b63 = _mm512_set1_epi32(63), b15 = _mm512_set1_epi32(15), b3 = _mm512_set1_epi32(3);
+    if (j < 4) return _mm512_and_si512(_mm512_srli_epi32(S[m], 8 * j), b63);
+    const __m512i hi = _mm512_srli_epi32(S[2], 8 * (j - 4));
+    const __m512i top = _mm512_and_si512(_mm512_srli_epi32(S[m], 8 * (j - 4) + 6), b3);
+    const __m512i low = m ? _mm512_and_si512(_mm512_srli_epi32(hi, 4), b15) : _mm512_and_si512(hi, b15);
+    return _mm512_or_si512(low, _mm512_slli_epi32(top, 4));
+}
+
+/* 16 repacked Q4_K rows (nb blocks of 256) times one activation row: out[0..16) */
+ZINL void r16_group1_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                         const float *xsum, float *out) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 A[16];
+    for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 2) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const int64_t b = b0 + h;
+            if (b >= nb) break;
+            const uint8_t *blk = g + 2304 * b;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+            const __m512i S[3] = {_mm512_loadu_si512((const void *)(blk + 64)), _mm512_loadu_si512((const void *)(blk + 128)),
+                                  _mm512_loadu_si512((const void *)(blk + 192))};
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const int32_t *x0 = (const int32_t *)(xq + 256 * b + 64 * c), *x1 = x0 + 8;
+                __m512i n0 = _mm512_setzero_si512(), n1 = _mm512_setzero_si512();
+                __m512i n0b = _mm512_setzero_si512(), n1b = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k += 2) {
+                    const __m512i q = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k)));
+                    const __m512i r = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k + 1)));
+                    n0 = _mm512_dpbusd_epi32(n0, _mm512_and_si512(q, m4), _mm512_set1_epi32(x0[k]));
+                    n1 = _mm512_dpbusd_epi32(n1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), _mm512_set1_epi32(x1[k]));
+                    n0b = _mm512_dpbusd_epi32(n0b, _mm512_and_si512(r, m4), _mm512_set1_epi32(x0[k + 1]));
+                    n1b = _mm512_dpbusd_epi32(n1b, _mm512_and_si512(_mm512_srli_epi16(r, 4), m4), _mm512_set1_epi32(x1[k + 1]));
+                }
+                const __m512i n[2] = {_mm512_add_epi32(n0, n0b), _mm512_add_epi32(n1, n1b)};
+#pragma GCC unroll 2
+                for (int e = 0; e < 2; e++) {
+                    const int j = 2 * c + e, t = 8 * h + j; /* t: b's sub-block j, mod 16 */
+                    const int64_t sub = 8 * b + j;
+                    const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(k4_lanes(S, j, 0)));
+                    const __m512 mm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(k4_lanes(S, j, 1)));
+                    A[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(n[e]), _mm512_mul_ps(a, _mm512_set1_ps(xd[sub])), A[t]);
+                    A[t] = _mm512_fnmadd_ps(mm, _mm512_set1_ps(xsum[sub]), A[t]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
+    for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
+    for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
+    _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
+}
+
+/* even (lanes 2i) and odd lanes of the 32 lanes a ++ b, added: 8 groups of n -> n / 2 each */
+ZINL __m512i fold_pairs(__m512i a, __m512i b) {
+    const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, ev, b),
+                            _mm512_permutex2var_epi32(a, _mm512_add_epi32(ev, _mm512_set1_epi32(1)), b));
+}
+
+/* One Q4_K row in the file's layout: two blocks (16 sub-blocks) a register. */
+ZINL float r16_row_q4k(const uint8_t *row, int64_t nb, const int8_t *xq, const float *xd,
+                       const float *xsum) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m512 A = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 2) {
+        const int two = b0 + 1 < nb;
+        const __mmask16 mk = two ? 0xFFFF : 0x00FF;
+        __m512i V[8];
+        __m256 a2[2], m2[2];
+        for (int h = 0; h < 2; h++) {
+            if (h && !two) {
+                for (int c = 0; c < 4; c++) V[4 + c] = _mm512_setzero_si512();
+                a2[1] = m2[1] = _mm256_setzero_ps();
+                break;
+            }
+            const uint8_t *blk = row + 144 * (b0 + h);
+            uint32_t u[4];
+            k4_unpack_bytes(blk + 4, u);
+            a2[h] = _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u))));
+            m2[h] = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2)))));
+            for (int c = 0; c < 4; c++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, m4)),
+                                                     _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), 1);
+                V[4 * h + c] = zdot(w, _mm512_loadu_si512((const void *)(xq + 256 * (b0 + h) + 64 * c)));
+            }
+        }
+        /* V[i]: lanes 0-7 sub-block 2i's eighths, 8-15 sub-block 2i + 1's: fold to one lane each */
+        const __m512i W0 = fold_pairs(V[0], V[1]), W1 = fold_pairs(V[2], V[3]);
+        const __m512i W2 = fold_pairs(V[4], V[5]), W3 = fold_pairs(V[6], V[7]);
+        const __m512i R = fold_pairs(fold_pairs(W0, W1), fold_pairs(W2, W3));
+        const __m512 a = _mm512_insertf32x8(_mm512_castps256_ps512(a2[0]), a2[1], 1);
+        const __m512 mm = _mm512_insertf32x8(_mm512_castps256_ps512(m2[0]), m2[1], 1);
+        const __m512 s = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(mk, xd + 8 * b0));
+        A = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(R), s, A, mk);
+        A = _mm512_mask3_fnmadd_ps(mm, _mm512_maskz_loadu_ps(mk, xsum + 8 * b0), A, mk);
+    }
+    return tree16(A);
+}
+
 static void zrow_r16(const int fmt, const uint8_t *row, int64_t nb, const acts *a, float *out) {
     const int64_t nbx = a->cols / 32;
     for (int64_t k = 0; k < a->nx; k++)
@@ -1100,20 +1216,38 @@ static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out)
 static void zrow_q8_0(const uint8_t *row, int64_t nb, const acts *a, float *out) {
     zrow_r16(Q8_0, row, nb, a, out);
 }
+static void zrow_q4_k(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    const int64_t nbx = a->cols / 32;
+    for (int64_t k = 0; k < a->nx; k++)
+        out[k] = r16_row_q4k(row, nb, a->xq + k * a->cols, a->xd + k * nbx, a->xsum + k * nbx);
+}
 
-/* 16 rows of a group (format Q4_0 or Q8_0, as in the file) times nx activation rows:
- * out[k * ld + lane] */
-static void r16_group_acts(int fmt, const uint8_t *g, int64_t nb, const int8_t *xq,
-                           const float *xd, const int32_t *xs, int64_t cols, int64_t nx,
+/* 16 rows of a group (its format as in the file) times nx activation rows: out[k * ld + lane] */
+static void r16_group_acts(int fmt, const uint8_t *g, const int8_t *xq, const float *xd,
+                           const int32_t *xs, const float *xsum, int64_t cols, int64_t nx,
                            float *out, int64_t ld) {
+    const int64_t nbx = cols / 32;
     for (int64_t k = 0; k < nx; k++) {
-        if (fmt == Q8_0) r16_group1(Q8_0, g, nb, xq + k * cols, xd + k * (cols / 32), xs + k * (cols / 16), out + k * ld);
-        else r16_group1(Q4_0, g, nb, xq + k * cols, xd + k * (cols / 32), xs + k * (cols / 16), out + k * ld);
+        const int8_t *q = xq + k * cols;
+        const float *d = xd + k * nbx;
+        if (fmt == Q8_0) r16_group1(Q8_0, g, nbx, q, d, xs + 2 * k * nbx, out + k * ld);
+        else if (fmt == Q4_0) r16_group1(Q4_0, g, nbx, q, d, xs + 2 * k * nbx, out + k * ld);
+        else r16_group1_q4k(g, cols / 256, q, d, xsum + k * nbx, out + k * ld);
     }
 }
 
 /* the weight at column col of lane `lane` of a group: as plan_weight decodes it */
 static inline float r16_weight(int fmt, const uint8_t *g, int lane, int32_t col) {
+    if (fmt == Q4_K) { /* as k_weight_at */
+        const uint8_t *blk = g + 2304 * (col >> 8);
+        const int e = col & 255, l = e & 31, at = 32 * (e >> 6) + l;
+        uint8_t sc[12], scale, m;
+        for (int k = 0; k < 3; k++) memcpy(sc + 4 * k, blk + 64 + 64 * k + 4 * lane, 4);
+        k4_scale_min(e >> 5, sc, &scale, &m);
+        const uint8_t byte = blk[256 + 64 * (at >> 2) + 4 * lane + (at & 3)];
+        const int q = (e & 32) ? byte >> 4 : byte & 0xF;
+        return h2f(blk + 2 * lane) * scale * (float)q - h2f(blk + 32 + 2 * lane) * m;
+    }
     const uint8_t *blk = g + R16_BLOCK(fmt) * (col >> 5);
     const int e = col & 31;
     const float d = h2f(blk + 2 * lane);
@@ -1123,22 +1257,34 @@ static inline float r16_weight(int fmt, const uint8_t *g, int lane, int32_t col)
     return d * (float)(((e >= 16 ? q >> 4 : q) & 0xF) - 8);
 }
 
-int cs_repacked(int fmt) { return fmt == Q4_0 ? Q4_0R : fmt == Q8_0 ? Q8_0R : -1; }
+int cs_repacked(int fmt) { return fmt == Q4_0 ? Q4_0R : fmt == Q8_0 ? Q8_0R : fmt == Q4_K ? Q4_KR : -1; }
 
-/* out = w (rows of Q4_0 or Q8_0) with its whole 16-row groups repacked; the same size */
+/* one block of row r of a group, from the file's layout (src) into the group's (o), or back */
+static inline void r16_lane(int fmt, uint8_t *o, int r, uint8_t *src, int back) {
+    const int head = fmt == Q4_K ? 4 : 2, bb = fmt == Q8_0 ? 34 : fmt == Q4_K ? 144 : 18;
+    const int words = (bb - head) / 4, body = fmt == Q4_K ? 64 : 32; /* Q4_K: + dmin */
+    uint8_t *f[2] = {o + 2 * r, src};
+    memcpy(f[back], f[!back], 2);
+    if (fmt == Q4_K) {
+        uint8_t *g2[2] = {o + 32 + 2 * r, src + 2};
+        memcpy(g2[back], g2[!back], 2);
+    }
+    for (int k = 0; k < words; k++) {
+        uint8_t *p[2] = {o + body + 64 * k + 4 * r, src + head + 4 * k};
+        memcpy(p[back], p[!back], 4);
+    }
+}
+
+/* out = w (rows of Q4_0, Q8_0 or Q4_K) with its whole 16-row groups repacked; the same size */
 void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
-    const int bb = fmt == Q8_0 ? 34 : 18, gb = R16_BLOCK(fmt), chunks = (bb - 2) / 4;
+    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_K ? 144 : 18, gb = R16_BLOCK(fmt);
     const int64_t nb = row_bytes / bb, ng = rows / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < ng; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = out + 16 * g * row_bytes + gb * b;
-            for (int r = 0; r < 16; r++) {
-                const uint8_t *src = w + (16 * g + r) * row_bytes + bb * b;
-                memcpy(o + 2 * r, src, 2);
-                for (int k = 0; k < chunks; k++) memcpy(o + 32 + 64 * k + 4 * r, src + 2 + 4 * k, 4);
-            }
-        }
+        for (int64_t b = 0; b < nb; b++)
+            for (int r = 0; r < 16; r++)
+                r16_lane(fmt, out + 16 * g * row_bytes + gb * b, r,
+                         (uint8_t *)(w + (16 * g + r) * row_bytes + bb * b), 0);
     memcpy(out + 16 * ng * row_bytes, w + 16 * ng * row_bytes, (size_t)((rows - 16 * ng) * row_bytes));
 }
 #endif
@@ -1374,9 +1520,10 @@ static inline void plan_lane(int fmt, const uint8_t *g, int lane, const ol_plan 
 /* The 16 rows of group g of a repacked weight (format rfmt) times nx activation rows:
  * out[k * ld + lane], outliers added. */
 static void r16_group(int rfmt, const uint8_t *g, int64_t cols, const int8_t *xq, const float *xd,
-                      const int32_t *xs, int64_t nx, const ol_plan *pl, float *out, int64_t ld) {
+                      const int32_t *xs, const float *xsum, int64_t nx, const ol_plan *pl,
+                      float *out, int64_t ld) {
     const int fmt = R16_NATURAL(rfmt);
-    r16_group_acts(fmt, g, cols / 32, xq, xd, xs, cols, nx, out, ld);
+    r16_group_acts(fmt, g, xq, xd, xs, xsum, cols, nx, out, ld);
     for (int lane = 0; pl->nu && lane < 16; lane++) {
         float t[MAX_BATCH];
         plan_lane(fmt, g, lane, pl, t);
@@ -1429,7 +1576,8 @@ static void matmul_r16(int rfmt, const uint8_t *w, int64_t rows, int64_t row_byt
 #pragma omp for schedule(dynamic, gchunk) nowait
         for (int64_t u = 0; u < units; u++) {
             if (u < ng) {
-                r16_group(rfmt, w + 16 * u * row_bytes, cols, a->xq, a->xd, a->xs, nx, pl, out + 16 * u, rows);
+                r16_group(rfmt, w + 16 * u * row_bytes, cols, a->xq, a->xd, a->xs, a->xsum, nx, pl,
+                          out + 16 * u, rows);
                 continue;
             }
             const int64_t r = 16 * ng + (u - ng);
@@ -1661,22 +1809,20 @@ static inline __attribute__((always_inline)) void dequant_row(int fmt, const uin
 /* a repacked weight: whole groups (their lanes back into rows), then the rows after them */
 static void dequantize_r16(int rfmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
                            int64_t cols, float *out) {
-    const int fmt = R16_NATURAL(rfmt);
-    const int64_t nb = cols / 32, ng = rows / 16;
-    const int bb = fmt == Q8_0 ? 34 : 18, gb = R16_BLOCK(fmt), chunks = (bb - 2) / 4;
+    const int fmt = R16_NATURAL(rfmt), n = block_elems(fmt);
+    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_K ? 144 : 18, gb = R16_BLOCK(fmt);
+    const int64_t nb = cols / n, ng = rows / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < ng; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + 16 * g * row_bytes + gb * b;
+        for (int64_t b = 0; b < nb; b++)
             for (int r = 0; r < 16; r++) { /* the row's block as in the file, then as dequant_row */
-                uint8_t one[34];
-                memcpy(one, blk + 2 * r, 2);
-                for (int k = 0; k < chunks && k < 8; k++) memcpy(one + 2 + 4 * k, blk + 32 + 64 * k + 4 * r, 4);
-                float *y = out + (16 * g + r) * cols + 32 * b;
+                uint8_t one[144];
+                r16_lane(fmt, (uint8_t *)(w + 16 * g * row_bytes + gb * b), r, one, 1);
+                float *y = out + (16 * g + r) * cols + n * b;
                 if (fmt == Q8_0) dequant_row(Q8_0, one, 1, 34, y);
-                else dequant_row(Q4_0, one, 1, 18, y);
+                else if (fmt == Q4_0) dequant_row(Q4_0, one, 1, 18, y);
+                else dequant_row(Q4_K, one, 1, 144, y);
             }
-        }
     for (int64_t r = 16 * ng; r < rows; r++)
         dequant_row(fmt, w + r * row_bytes, nb, bb, out + r * cols);
 }
