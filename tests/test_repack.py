@@ -95,8 +95,10 @@ def _mapped(tmp_path: Path, w: np.ndarray) -> np.ndarray:
 
 def test_a_matrix_repacks_only_from_a_mapped_file_and_reads_the_same(tmp_path: Path) -> None:
     """`PackedMatrix.repack`: memory of its own stays as it is (a copy would double it); a
-    mapped file's matrix is repacked, and its fused matmul, its tiles (a prefill beyond the
-    int8 batch, rows not on group bounds) and its dequantize give what they gave before."""
+    mapped file's matrix is repacked, and its fused matmul and its dequantize (rows not on
+    group bounds too) give what they gave before. A batch beyond the int8 kernels' 16 rows (a
+    prefill) then goes through them too, 16 rows at a time: the same bits as those rows
+    through the int8 kernels of the file's layout, not BLAS's."""
     rng = np.random.default_rng(7)
     cols = 256
     w = quantize(rng.standard_normal((100, cols)).astype(np.float32), Q4_0)
@@ -105,9 +107,9 @@ def test_a_matrix_repacks_only_from_a_mapped_file_and_reads_the_same(tmp_path: P
     m = PackedMatrix(_mapped(tmp_path, w), Q4_0)
     x1 = rng.standard_normal((2, cols)).astype(np.float32)
     x2 = rng.standard_normal((40, cols)).astype(np.float32)
-    before = m.matmul(x1), m.matmul(x2, tile_bytes=cols * 4 * 20), m.dequantize()
+    before = m.matmul(x1), m.matmul(x2, int8_rows=40), m.dequantize()
     assert m.repack() is True
-    after = m.matmul(x1), m.matmul(x2, tile_bytes=cols * 4 * 20), m.dequantize()
+    after = m.matmul(x1), m.matmul(x2), m.dequantize()
     for a, b in zip(before, after, strict=True):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert np.array_equal(m._dequantize_rows(3, 50), before[2][3:50])

@@ -1222,11 +1222,135 @@ static void zrow_q4_k(const uint8_t *row, int64_t nb, const acts *a, float *out)
         out[k] = r16_row_q4k(row, nb, a->xq + k * a->cols, a->xd + k * nbx, a->xsum + k * nbx);
 }
 
+
+/* The same for nx <= MAX_BATCH activation rows at once (a batch, a prefill's tile): each
+ * block's weights are unpacked once into registers and multiplied with every row's
+ * activations, each row's 16 accumulators kept in `acc` (L1). Per row the same operations
+ * in the same order as r16_group1: the same bits. */
+ZINL void r16_group_tile(const int fmt, const uint8_t *g, int64_t nb, const int8_t *xq,
+                         const float *xd, const int32_t *xs, int64_t cols, int64_t nx,
+                         float *out, int64_t ld) {
+    const int gb = R16_BLOCK(fmt), off = fmt == Q8_0 ? 128 : 8;
+    const int64_t nbx = cols / 32;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
+    __m512 acc[MAX_BATCH][16];
+    for (int64_t k = 0; k < nx; k++)
+        for (int j = 0; j < 16; j++) acc[k][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + gb * b;
+        __m512i w[8];
+        if (fmt == Q8_0) {
+            for (int k = 0; k < 8; k++) w[k] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 32 + 64 * k)), flip);
+        } else {
+            for (int k = 0; k < 4; k++) {
+                const __m512i q = _mm512_loadu_si512((const void *)(blk + 32 + 64 * k));
+                w[k] = _mm512_and_si512(q, m4);
+                w[4 + k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const int j = (int)(b % 16);
+        for (int64_t t = 0; t < nx; t++) {
+            const int32_t *x4 = (const int32_t *)(xq + t * cols + 32 * b);
+            const int32_t *st = xs + 2 * (t * nbx + b);
+            __m512i s0 = _mm512_set1_epi32(-off * (st[0] + st[1])), s1 = _mm512_setzero_si512();
+            if (fmt == Q8_0) {
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) {
+                    if (k & 1) s1 = _mm512_dpbusd_epi32(s1, w[k], _mm512_set1_epi32(x4[k]));
+                    else s0 = _mm512_dpbusd_epi32(s0, w[k], _mm512_set1_epi32(x4[k]));
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    s0 = _mm512_dpbusd_epi32(s0, w[k], _mm512_set1_epi32(x4[k]));
+                    s1 = _mm512_dpbusd_epi32(s1, w[4 + k], _mm512_set1_epi32(x4[4 + k]));
+                }
+            }
+            const __m512 sc = _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nbx + b]));
+            acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), sc, acc[t][j]);
+        }
+    }
+    for (int64_t t = 0; t < nx; t++) {
+        __m512 *A = acc[t];
+        for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
+        for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
+        for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
+        _mm512_storeu_ps(out + t * ld, _mm512_add_ps(A[0], A[1]));
+    }
+}
+
+
+/* r16_group1_q4k for nx <= MAX_BATCH rows at once (as r16_group_tile): each pair of
+ * sub-blocks' weights unpacked once, the same operations per row in the same order. */
+ZINL void r16_group_tile_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                             const float *xsum, int64_t cols, int64_t nx, float *out, int64_t ld) {
+    const int64_t nbx = cols / 32;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[MAX_BATCH][16];
+    for (int64_t k = 0; k < nx; k++)
+        for (int j = 0; j < 16; j++) acc[k][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 2304 * b;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        const __m512i S[3] = {_mm512_loadu_si512((const void *)(blk + 64)), _mm512_loadu_si512((const void *)(blk + 128)),
+                              _mm512_loadu_si512((const void *)(blk + 192))};
+        for (int c = 0; c < 4; c++) {
+            __m512i lo[8], hi[8];
+            for (int k = 0; k < 8; k++) {
+                const __m512i q = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k)));
+                lo[k] = _mm512_and_si512(q, m4);
+                hi[k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            }
+            const int j0 = 2 * c, t0 = (int)(8 * (b % 2)) + j0;
+            const __m512 a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(k4_lanes(S, j0, 0)));
+            const __m512 a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(k4_lanes(S, j0 + 1, 0)));
+            const __m512 mm0 = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(k4_lanes(S, j0, 1)));
+            const __m512 mm1 = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(k4_lanes(S, j0 + 1, 1)));
+            const int64_t sub = 8 * b + j0;
+            for (int64_t t = 0; t < nx; t++) {
+                const int32_t *x0 = (const int32_t *)(xq + t * cols + 256 * b + 64 * c), *x1 = x0 + 8;
+                __m512i n0 = _mm512_setzero_si512(), n1 = _mm512_setzero_si512();
+                __m512i n0b = _mm512_setzero_si512(), n1b = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k += 2) {
+                    n0 = _mm512_dpbusd_epi32(n0, lo[k], _mm512_set1_epi32(x0[k]));
+                    n1 = _mm512_dpbusd_epi32(n1, hi[k], _mm512_set1_epi32(x1[k]));
+                    n0b = _mm512_dpbusd_epi32(n0b, lo[k + 1], _mm512_set1_epi32(x0[k + 1]));
+                    n1b = _mm512_dpbusd_epi32(n1b, hi[k + 1], _mm512_set1_epi32(x1[k + 1]));
+                }
+                const float *dx = xd + t * nbx, *sx = xsum + t * nbx;
+                __m512 A0 = acc[t][t0], A1 = acc[t][t0 + 1];
+                A0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(n0, n0b)), _mm512_mul_ps(a0, _mm512_set1_ps(dx[sub])), A0);
+                A0 = _mm512_fnmadd_ps(mm0, _mm512_set1_ps(sx[sub]), A0);
+                A1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(n1, n1b)), _mm512_mul_ps(a1, _mm512_set1_ps(dx[sub + 1])), A1);
+                A1 = _mm512_fnmadd_ps(mm1, _mm512_set1_ps(sx[sub + 1]), A1);
+                acc[t][t0] = A0;
+                acc[t][t0 + 1] = A1;
+            }
+        }
+    }
+    for (int64_t t = 0; t < nx; t++) {
+        __m512 *A = acc[t];
+        for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
+        for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
+        for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
+        _mm512_storeu_ps(out + t * ld, _mm512_add_ps(A[0], A[1]));
+    }
+}
+
 /* 16 rows of a group (its format as in the file) times nx activation rows: out[k * ld + lane] */
 static void r16_group_acts(int fmt, const uint8_t *g, const int8_t *xq, const float *xd,
                            const int32_t *xs, const float *xsum, int64_t cols, int64_t nx,
                            float *out, int64_t ld) {
     const int64_t nbx = cols / 32;
+    if (nx > 1) { /* several rows: each block's weights unpacked once */
+        if (fmt == Q8_0) r16_group_tile(Q8_0, g, nbx, xq, xd, xs, cols, nx, out, ld);
+        else if (fmt == Q4_0) r16_group_tile(Q4_0, g, nbx, xq, xd, xs, cols, nx, out, ld);
+        else r16_group_tile_q4k(g, cols / 256, xq, xd, xsum, cols, nx, out, ld);
+        return;
+    }
     for (int64_t k = 0; k < nx; k++) {
         const int8_t *q = xq + k * cols;
         const float *d = xd + k * nbx;

@@ -225,7 +225,9 @@ class PackedMatrix:
             )
         lead = xs.shape[:-1]
         x2 = xs.reshape(-1, in_features)  # (n, in)
-        fused = self._fused if x2.shape[0] <= int8_rows and kernels.enabled() else None
+        # a repacked weight's int8 kernels beat dequantizing it for BLAS at any batch (prefill)
+        int8 = x2.shape[0] <= int8_rows or self._repacked is not None
+        fused = self._fused if int8 and kernels.enabled() else None
         if rows_of is not None and fused is None:
             return self._matmul_blocks(x2, *rows_of).reshape(*lead, out_features)
         if self.fmt.ggml_type == GGMLQuantizationType.F32:
