@@ -7,6 +7,8 @@ cold start); gcc exists on every platform a node may be (x86-64, aarch64, ppc64)
 well under a megabyte and loads in milliseconds. Without a compiler, the numpy path runs.
 
 Backend: `CELLSWARM_KERNELS=numpy` (or `use("numpy")`) forces the reference numpy path.
+Repack: `repack` lays a weight out in 16-row groups for this CPU's fastest kernel (the same
+numbers to the bit, see kernels.c); `CELLSWARM_REPACK=0` keeps every weight as in the file.
 Threads: `set_threads(n)` sets OpenMP (these kernels) and BLAS (numpy) together; by default
 as many as there are cores free of other work (`default_threads`). OpenMP threads wait for
 work spinning only briefly (`SPIN_COUNT`), so a thread whose core is busy with another
