@@ -881,14 +881,13 @@ ZINL void zq2k(const uint8_t *row, int64_t nb, const acts *a, float *out, const 
 static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out);
 static void zrow_q8_0(const uint8_t *row, int64_t nb, const acts *a, float *out);
 static void zrow_q4_k(const uint8_t *row, int64_t nb, const acts *a, float *out);
-static void zrow_q6_k(const uint8_t *row, int64_t nb, const acts *a, float *out);
 #else
-ZROW(zrow_q6_k, zq6k(row, nb, a, out, 1), zq6k(row, nb, a, out, a->nx))
 ZROW(zrow_q4_k, zq4k(row, nb, a, out, 1), zq4k(row, nb, a, out, a->nx))
 ZROW(zrow_q8_0, z32(row, nb, a, out, Q8_0, 1), z32(row, nb, a, out, Q8_0, a->nx))
 ZROW(zrow_q4_0, z32(row, nb, a, out, Q4_0, 1), z32(row, nb, a, out, Q4_0, a->nx))
 #endif
 ZROW(zrow_q4_1, z32(row, nb, a, out, Q4_1, 1), z32(row, nb, a, out, Q4_1, a->nx))
+ZROW(zrow_q6_k, zq6k(row, nb, a, out, 1), zq6k(row, nb, a, out, a->nx))
 ZROW(zrow_q2_k, zq2k(row, nb, a, out, 1), zq2k(row, nb, a, out, a->nx))
 
 /* z32's quads: the activations of every 4 blocks as 16 lanes of 4 bytes, lane l = block l % 4,
@@ -967,11 +966,10 @@ static int quad_layout(int fmt, int64_t nx, int64_t cols, const int8_t *xq, int8
  * A[l] + A[l + 8], then + 4, + 2, + 1 (tree16). The 16-row kernel keeps the 16 A's as 16
  * registers (lanes: rows), the one-row kernel as one register (lanes: b % 16). */
 #ifdef HAVE_ZMM_VBMI
-enum { Q4_0R = 102, Q8_0R = 108, Q4_KR = 112, Q6_KR = 114 }; /* ours: + 100 */
-#define IS_R16(f) ((f) == Q4_0R || (f) == Q8_0R || (f) == Q4_KR || (f) == Q6_KR)
-#define R16_NATURAL(f) (IS_R16(f) ? (f) - 100 : (f)) /* a row after the groups */
-#define R16_BB(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : 18) /* a block */
-#define R16_BLOCK(f) (16 * R16_BB(f)) /* bytes: a block of 16 rows */
+enum { Q4_0R = 102, Q8_0R = 108, Q4_KR = 112 };
+#define IS_R16(f) ((f) == Q4_0R || (f) == Q8_0R || (f) == Q4_KR)
+#define R16_NATURAL(f) ((f) == Q4_0R ? Q4_0 : (f) == Q8_0R ? Q8_0 : (f) == Q4_KR ? Q4_K : (f))
+#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : (f) == Q4_K ? 2304 : 288) /* bytes: a block of 16 rows */
 
 ZINL float tree16(__m512 v) {
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -1208,89 +1206,6 @@ ZINL float r16_row_q4k(const uint8_t *row, int64_t nb, const int8_t *xq, const f
     return tree16(A);
 }
 
-
-/* Q6_K in the same scheme, per group t of 16 weights (t = 16 b + g: block b, scale g): n_t =
- * sum (q - 32) x exact, A[g] = fma((float)n_t, (d_b * sc_g) * xd_(t/2), A[g]); the same tree.
- * A group's block (3360 bytes): 16 d (f16), then as 4-byte lanes the 16 scale bytes (4
- * chunks), the 128 low-bit bytes ql (32 chunks) and the 64 high-bit bytes qh (16 chunks).
- * In a block, weight 128 n + 32 p + l (half n, part p, l < 32) is the low (p < 2) or high
- * nibble of ql[64 n + 32 (p & 1) + l] with bits 2p.. of qh[32 n + l] above it, minus 32. */
-#define Q6_SC 32
-#define Q6_QL 288
-#define Q6_QH 2336
-
-/* 16 repacked Q6_K rows (nb blocks of 256) times one activation row: out[0..16) */
-ZINL void r16_group1_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
-                         const int32_t *xs, float *out) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
-    __m512 A[16];
-    for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + 3360 * b;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-#pragma GCC unroll 2
-        for (int n = 0; n < 2; n++) {
-#pragma GCC unroll 4
-            for (int p = 0; p < 4; p++) {
-                __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-#pragma GCC unroll 8
-                for (int k = 0; k < 8; k++) { /* l = 4k..4k+3 */
-                    const __m512i ql = _mm512_loadu_si512((const void *)(blk + Q6_QL + 64 * (16 * n + 8 * (p & 1) + k)));
-                    const __m512i qh = _mm512_loadu_si512((const void *)(blk + Q6_QH + 64 * (8 * n + k)));
-                    const __m512i lo = p < 2 ? _mm512_and_si512(ql, m4) : _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4);
-                    const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * p), m3);
-                    const __m512i u = _mm512_or_si512(lo, _mm512_slli_epi16(hb, 4));
-                    const int32_t x4 = *(const int32_t *)(xq + 256 * b + 128 * n + 32 * p + 4 * k);
-                    acc[k >> 2] = _mm512_dpbusd_epi32(acc[k >> 2], u, _mm512_set1_epi32(x4));
-                }
-#pragma GCC unroll 2
-                for (int e = 0; e < 2; e++) {
-                    const int j = 8 * n + 2 * p + e; /* the scale of these 16 weights */
-                    const int64_t t = 16 * b + j;
-                    const __m512i scl = _mm512_srai_epi32(_mm512_slli_epi32(_mm512_srli_epi32(
-                        _mm512_loadu_si512((const void *)(blk + Q6_SC + 64 * (j >> 2))), 8 * (j & 3)), 24), 24);
-                    const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scl));
-                    const __m512i nt = _mm512_sub_epi32(acc[e], _mm512_set1_epi32(32 * xs[t]));
-                    A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(nt), _mm512_mul_ps(a, _mm512_set1_ps(xd[t >> 1])), A[j]);
-                }
-            }
-        }
-    }
-    for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
-    for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
-    for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
-    _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
-}
-
-/* One Q6_K row in the file's layout: one block (16 groups of 16) a register. */
-ZINL float r16_row_q6k(const uint8_t *row, int64_t nb, const int8_t *xq, const float *xd,
-                       const int32_t *xs) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    const __m512i shl = w16x2(4, 2), shr = w16x2(0, 2);
-    __m512 A = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + 210 * b;
-        __m512i V[4];
-        for (int n = 0; n < 2; n++) { /* as zq6k: weights 0-63 and 64-127 of half n */
-            const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * n));
-            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
-            const __m512i wa = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(h, shl), m30));
-            const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                               _mm512_and_si512(_mm512_srlv_epi16(h, shr), m30));
-            const int8_t *xp = xq + 256 * b + 128 * n;
-            V[2 * n] = zdot(wa, _mm512_loadu_si512((const void *)xp));
-            V[2 * n + 1] = zdot(wb, _mm512_loadu_si512((const void *)(xp + 64)));
-        }
-        /* V[i]: 4 groups of 16 weights, 4 lanes each: fold to one lane a group */
-        const __m512i R = fold_pairs(fold_pairs(V[0], V[1]), fold_pairs(V[2], V[3]));
-        const __m512i nt = _mm512_sub_epi32(R, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(xs + 16 * b)), 5));
-        const __m512 a = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 208)),
-                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
-        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(nt), _mm512_mul_ps(a, xd_groups(xd + 8 * b)), A);
-    }
-    return tree16(A);
-}
-
 static void zrow_r16(const int fmt, const uint8_t *row, int64_t nb, const acts *a, float *out) {
     const int64_t nbx = a->cols / 32;
     for (int64_t k = 0; k < a->nx; k++)
@@ -1302,11 +1217,6 @@ static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out)
 }
 static void zrow_q8_0(const uint8_t *row, int64_t nb, const acts *a, float *out) {
     zrow_r16(Q8_0, row, nb, a, out);
-}
-static void zrow_q6_k(const uint8_t *row, int64_t nb, const acts *a, float *out) {
-    const int64_t nbx = a->cols / 32;
-    for (int64_t k = 0; k < a->nx; k++)
-        out[k] = r16_row_q6k(row, nb, a->xq + k * a->cols, a->xd + k * nbx, a->xs + 2 * k * nbx);
 }
 static void zrow_q4_k(const uint8_t *row, int64_t nb, const acts *a, float *out) {
     const int64_t nbx = a->cols / 32;
@@ -1440,34 +1350,20 @@ static void r16_group_acts(int fmt, const uint8_t *g, const int8_t *xq, const fl
     if (nx > 1) { /* several rows: each block's weights unpacked once */
         if (fmt == Q8_0) r16_group_tile(Q8_0, g, nbx, xq, xd, xs, cols, nx, out, ld);
         else if (fmt == Q4_0) r16_group_tile(Q4_0, g, nbx, xq, xd, xs, cols, nx, out, ld);
-        else if (fmt == Q4_K) r16_group_tile_q4k(g, cols / 256, xq, xd, xsum, cols, nx, out, ld);
-        else goto one_at_a_time;
+        else r16_group_tile_q4k(g, cols / 256, xq, xd, xsum, cols, nx, out, ld);
         return;
     }
-one_at_a_time:
     for (int64_t k = 0; k < nx; k++) {
         const int8_t *q = xq + k * cols;
         const float *d = xd + k * nbx;
         if (fmt == Q8_0) r16_group1(Q8_0, g, nbx, q, d, xs + 2 * k * nbx, out + k * ld);
         else if (fmt == Q4_0) r16_group1(Q4_0, g, nbx, q, d, xs + 2 * k * nbx, out + k * ld);
-        else if (fmt == Q4_K) r16_group1_q4k(g, cols / 256, q, d, xsum + k * nbx, out + k * ld);
-        else r16_group1_q6k(g, cols / 256, q, d, xs + 2 * k * nbx, out + k * ld);
+        else r16_group1_q4k(g, cols / 256, q, d, xsum + k * nbx, out + k * ld);
     }
 }
 
 /* the weight at column col of lane `lane` of a group: as plan_weight decodes it */
 static inline float r16_weight(int fmt, const uint8_t *g, int lane, int32_t col) {
-    if (fmt == Q6_K) { /* as k_weight_at */
-        const uint8_t *blk = g + 3360 * (col >> 8);
-        const int e = col & 255, n = e >> 7, p = (e >> 5) & 3, l = e & 31;
-        const int at = 64 * n + 32 * (p & 1) + l, ath = 32 * n + l;
-        const uint8_t ql = blk[Q6_QL + 64 * (at >> 2) + 4 * lane + (at & 3)];
-        const uint8_t qh = blk[Q6_QH + 64 * (ath >> 2) + 4 * lane + (ath & 3)];
-        const int q = ((p < 2 ? ql & 0xF : ql >> 4) | (((qh >> (2 * p)) & 3) << 4)) - 32;
-        const int sg = e >> 4;
-        const int8_t sc = (int8_t)blk[Q6_SC + 64 * (sg >> 2) + 4 * lane + (sg & 3)];
-        return h2f(blk + 2 * lane) * sc * (float)q - 0.0f;
-    }
     if (fmt == Q4_K) { /* as k_weight_at */
         const uint8_t *blk = g + 2304 * (col >> 8);
         const int e = col & 255, l = e & 31, at = 32 * (e >> 6) + l;
@@ -1487,32 +1383,27 @@ static inline float r16_weight(int fmt, const uint8_t *g, int lane, int32_t col)
     return d * (float)(((e >= 16 ? q >> 4 : q) & 0xF) - 8);
 }
 
-int cs_repacked(int fmt) { return fmt == Q4_0 || fmt == Q8_0 || fmt == Q4_K || fmt == Q6_K ? fmt + 100 : -1; }
+int cs_repacked(int fmt) { return fmt == Q4_0 ? Q4_0R : fmt == Q8_0 ? Q8_0R : fmt == Q4_K ? Q4_KR : -1; }
 
 /* one block of row r of a group, from the file's layout (src) into the group's (o), or back */
 static inline void r16_lane(int fmt, uint8_t *o, int r, uint8_t *src, int back) {
-    /* per format: f16 fields (offset in the block, in the group's block), then runs of
-     * 4-byte words (offset in the block, in the group's block, words) */
-    static const int16_t F16[4][2][2] = {{{0, 0}, {-1}}, {{0, 0}, {-1}}, {{0, 0}, {2, 32}}, {{208, 0}, {-1}}};
-    static const int16_t RUN[4][3][3] = {{{2, 32, 4}, {-1}}, {{2, 32, 8}, {-1}},
-                                         {{4, 64, 3}, {16, 256, 32}, {-1}},
-                                         {{192, Q6_SC, 4}, {0, Q6_QL, 32}, {128, Q6_QH, 16}}};
-    const int f = fmt == Q4_0 ? 0 : fmt == Q8_0 ? 1 : fmt == Q4_K ? 2 : 3;
-    for (int i = 0; i < 2 && F16[f][i][0] >= 0; i++) {
-        uint8_t *p[2] = {o + F16[f][i][1] + 2 * r, src + F16[f][i][0]};
-        memcpy(p[back], p[!back], 2);
+    const int head = fmt == Q4_K ? 4 : 2, bb = fmt == Q8_0 ? 34 : fmt == Q4_K ? 144 : 18;
+    const int words = (bb - head) / 4, body = fmt == Q4_K ? 64 : 32; /* Q4_K: + dmin */
+    uint8_t *f[2] = {o + 2 * r, src};
+    memcpy(f[back], f[!back], 2);
+    if (fmt == Q4_K) {
+        uint8_t *g2[2] = {o + 32 + 2 * r, src + 2};
+        memcpy(g2[back], g2[!back], 2);
     }
-    for (int i = 0; i < 3 && RUN[f][i][0] >= 0; i++)
-        for (int k = 0; k < RUN[f][i][2]; k++) {
-            uint8_t *p[2] = {o + RUN[f][i][1] + 64 * k + 4 * r, src + RUN[f][i][0] + 4 * k};
-            memcpy(p[back], p[!back], 4);
-        }
+    for (int k = 0; k < words; k++) {
+        uint8_t *p[2] = {o + body + 64 * k + 4 * r, src + head + 4 * k};
+        memcpy(p[back], p[!back], 4);
+    }
 }
 
-/* out = w (rows of Q4_0, Q8_0, Q4_K or Q6_K) with its whole 16-row groups repacked; the same
- * size */
+/* out = w (rows of Q4_0, Q8_0 or Q4_K) with its whole 16-row groups repacked; the same size */
 void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
-    const int bb = R16_BB(fmt), gb = R16_BLOCK(fmt);
+    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_K ? 144 : 18, gb = R16_BLOCK(fmt);
     const int64_t nb = row_bytes / bb, ng = rows / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < ng; g++)
@@ -2045,19 +1936,18 @@ static inline __attribute__((always_inline)) void dequant_row(int fmt, const uin
 static void dequantize_r16(int rfmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
                            int64_t cols, float *out) {
     const int fmt = R16_NATURAL(rfmt), n = block_elems(fmt);
-    const int bb = R16_BB(fmt), gb = R16_BLOCK(fmt);
+    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_K ? 144 : 18, gb = R16_BLOCK(fmt);
     const int64_t nb = cols / n, ng = rows / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < ng; g++)
         for (int64_t b = 0; b < nb; b++)
             for (int r = 0; r < 16; r++) { /* the row's block as in the file, then as dequant_row */
-                uint8_t one[210];
+                uint8_t one[144];
                 r16_lane(fmt, (uint8_t *)(w + 16 * g * row_bytes + gb * b), r, one, 1);
                 float *y = out + (16 * g + r) * cols + n * b;
                 if (fmt == Q8_0) dequant_row(Q8_0, one, 1, 34, y);
                 else if (fmt == Q4_0) dequant_row(Q4_0, one, 1, 18, y);
-                else if (fmt == Q4_K) dequant_row(Q4_K, one, 1, 144, y);
-                else dequant_row(Q6_K, one, 1, 210, y);
+                else dequant_row(Q4_K, one, 1, 144, y);
             }
     for (int64_t r = 16 * ng; r < rows; r++)
         dequant_row(fmt, w + r * row_bytes, nb, bb, out + r * cols);
