@@ -8,8 +8,8 @@
  *     y = sum_g  xd[g/2] * (scale_g * sum(wq * xq over g) - min_g * sum(xq over g))
  *
  * Every weight byte is read once per call, whatever the batch (1..16 rows of x share each
- * decoded block). Rows of W are split over OpenMP threads. Q4_0, Q8_0, Q4_K and Q6_K weights
- * may also come repacked in groups of 16 rows (cs_repack, "in 16-row groups" below), read in
+ * decoded block). Rows of W are split over OpenMP threads. Q4_0, Q8_0 and Q4_K weights may
+ * also come repacked in groups of 16 rows (cs_repack, "in 16-row groups" below), read in
  * the same arithmetic as the file's layout: the same bits. Written as plain C loops with
  * constant trip counts so gcc vectorizes them for the host (-O3 -march=native): AVX2/AVX-512
  * on x86-64, NEON on aarch64, VSX on ppc64.
