@@ -402,6 +402,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 # ------------------------------------------------------------------------------ cellswarm
 
 WORKER = """
+import cellswarm  # first, as the CLI does: its settings for numpy's threads (cellswarm/__init__)
 import json, sys
 from bench.peers import cellswarm_speed
 print(json.dumps(cellswarm_speed(*json.loads(sys.argv[1]))))

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 DECODE = """
+import cellswarm  # first, as the CLI does (its settings for numpy's threads)
 import time, numpy as np
 from cellswarm import kernels
 from cellswarm.demo import demo_model_path

@@ -13,6 +13,13 @@ __version__ = "0.1.0"  # pyproject.toml reads it; nodes report it (doctor compar
 import os
 from typing import TYPE_CHECKING, Any
 
+# OpenBLAS's threads spin for 2^28 cycles (~0.1 s) after each call before they sleep, holding
+# a core that the fused kernels' OpenMP threads need right after (a prefill's attention runs
+# in BLAS, then its int8 matmuls: on 2 cores, 2 threads were no faster than 1). 2^14 cycles
+# (~6 us) mirrors kernels.SPIN_COUNT. OpenBLAS reads it once, when numpy loads it: so here,
+# before anything of ours imports numpy (a program that imported numpy first keeps its own).
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "14")
+
 from cellswarm.errors import (
     BudgetError,
     CellswarmError,

@@ -52,9 +52,11 @@ _default_threads = 0  # sampled once (default_threads), again on set_threads(Non
 # libgomp's threads spin this many times (a PAUSE each, ~25 ns here) waiting for the next
 # parallel region or at a barrier before they sleep; its default, 300,000 (~7 ms), made
 # --threads 2 beside a busy process 10-20x slower than one thread: the spinning thread holds
-# a core the late one needs. 300 (~7 us) spans most of the gaps between one decode step's
-# matmuls (median ~5 us), so a quiet machine wakes few threads; a busy one loses little.
-SPIN_COUNT = "300"
+# a core the late one needs. Too few, and every region pays a sleeping thread's wake-up
+# (tens of us on a VM), which the repacked kernels' shorter regions feel. Measured with
+# bench/threads.py (2 threads / 1 thread, quiet and beside a hog): 300 gave 1.28 and 0.93,
+# 2,000 (~50 us) 1.37-1.58 and 1.02-1.08, 5,000 1.34 and 1.01, 30,000 1.51 and 0.71.
+SPIN_COUNT = "2000"
 SAMPLE_S = 0.1  # how long default_threads watches /proc/stat
 
 
@@ -339,7 +341,8 @@ def weight_args(type_name: str, w: np.ndarray, cols: int) -> tuple[int, int, int
 def matmul_args(
     args: tuple[int, int, int, int, int], cols: int, x: np.ndarray, out: np.ndarray
 ) -> None:
-    """out (n, rows) = x (n, cols) @ W.T, x float32 C-contiguous, n <= MAX_BATCH."""
+    """out (n, rows) = x (n, cols) @ W.T, x float32 C-contiguous, n <= MAX_BATCH (any n for a
+    repacked weight)."""
     lib = _lib
     assert lib is not None
     kind, code, ptr, rows, row_bytes = args

@@ -1690,10 +1690,13 @@ static inline int64_t chunk_rows(int64_t rows, int64_t row_bytes) {
 }
 
 #ifdef HAVE_ZMM_VBMI
-/* matmul_q of a repacked weight: whole groups, then the rows after them one at a time */
+/* matmul_q of a repacked weight: whole groups, then the rows after them one at a time. The
+ * activations come in `tiles` of up to MAX_BATCH rows (a[i], pl[i]: rows 16i.. of x and of
+ * out): each group is read once for all of them, from cache after the first. */
 static void matmul_r16(int rfmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
-                       const acts *a, const ol_plan *pl, int par, int64_t chunk, float *out) {
-    const int64_t ng = rows / 16, units = ng + rows - 16 * ng, nx = a->nx;
+                       const acts *a, const ol_plan *pl, int64_t tiles, int par, int64_t chunk,
+                       float *out) {
+    const int64_t ng = rows / 16, units = ng + rows - 16 * ng;
     const int64_t gchunk = chunk / 16 > 1 ? chunk / 16 : 1;
     const int use = par ? gov_threads() : 1;
     double done[GOV_MAX_THREADS], t0 = now_s();
@@ -1701,26 +1704,63 @@ static void matmul_r16(int rfmt, const uint8_t *w, int64_t rows, int64_t row_byt
     {
 #pragma omp for schedule(dynamic, gchunk) nowait
         for (int64_t u = 0; u < units; u++) {
-            if (u < ng) {
-                r16_group(rfmt, w + 16 * u * row_bytes, cols, a->xq, a->xd, a->xs, a->xsum, nx, pl,
-                          out + 16 * u, rows);
-                continue;
+            for (int64_t i = 0; i < tiles; i++) {
+                const acts *ai = &a[i];
+                const int64_t nx = ai->nx;
+                float *oi = out + MAX_BATCH * i * rows;
+                if (u < ng) {
+                    r16_group(rfmt, w + 16 * u * row_bytes, cols, ai->xq, ai->xd, ai->xs, ai->xsum, nx,
+                              &pl[i], oi + 16 * u, rows);
+                    continue;
+                }
+                const int64_t r = 16 * ng + (u - ng);
+                float o[MAX_BATCH];
+                simd_row(R16_NATURAL(rfmt), w + r * row_bytes, cols, ai, o);
+                if (pl[i].nu) {
+                    float t[MAX_BATCH];
+                    plan_row(R16_NATURAL(rfmt), w + r * row_bytes, &pl[i], t);
+                    for (int64_t k = 0; k < nx; k++) o[k] += t[k];
+                }
+                for (int64_t k = 0; k < nx; k++) oi[k * rows + r] = o[k];
             }
-            const int64_t r = 16 * ng + (u - ng);
-            float o[MAX_BATCH];
-            simd_row(R16_NATURAL(rfmt), w + r * row_bytes, cols, a, o);
-            if (pl->nu) {
-                float t[MAX_BATCH];
-                plan_row(R16_NATURAL(rfmt), w + r * row_bytes, pl, t);
-                for (int64_t k = 0; k < nx; k++) o[k] += t[k];
-            }
-            for (int64_t k = 0; k < nx; k++) out[k * rows + r] = o[k];
         }
 #ifdef _OPENMP
         done[omp_get_thread_num()] = now_s();
 #endif
     }
     if (use > 1) gov_note(t0, done, use);
+}
+
+/* cs_matmul_qx of a repacked weight for any number of activation rows (a prefill): one call,
+ * so one parallel loop whose threads share the whole product (calls of 16 rows were each
+ * too short for a second thread's wake-up), each group read from memory once. Per row the
+ * same arithmetic as 16 or 1 at a time: the same bits. */
+static void matmul_r16_many(int rfmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
+                            int64_t cols, const float *x, int64_t nx, float *out) {
+    const int64_t nv = nx * cols, nbx = cols / 32, tiles = (nx + MAX_BATCH - 1) / MAX_BATCH;
+    int8_t *xq = (int8_t *)malloc((size_t)nv);
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(2 * (nv / 32)));
+    float *xsum = xd + nv / 32;
+    int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(nv / 16));
+    outliers *ol = (outliers *)malloc(sizeof(outliers) * (size_t)nx);
+    acts *a = (acts *)malloc(sizeof(acts) * (size_t)tiles);
+    ol_plan *pl = (ol_plan *)malloc(sizeof(ol_plan) * (size_t)tiles);
+    cs_quantize_act(x, nx, cols, xq, xd, xs);
+    for (int64_t k = 0; k < nx; k++)
+        take_outliers(x + k * cols, cols, xq + k * cols, xd + k * nbx, xs + 2 * k * nbx, &ol[k]);
+    for (int64_t i = 0; i < nv / 32; i++) xsum[i] = xd[i] * (float)(xs[2 * i] + xs[2 * i + 1]);
+    for (int64_t i = 0; i < tiles; i++) {
+        const int64_t r0 = MAX_BATCH * i, n = nx - r0 < MAX_BATCH ? nx - r0 : MAX_BATCH;
+        a[i] = (acts){xq + r0 * cols, xd + r0 * nbx, xs + 2 * r0 * nbx, cols, n, xsum + r0 * nbx, NULL, NULL};
+        for (int k = 0; k < (int)n; k++) plan_add(&pl[i], rfmt, k, &ol[r0 + k], 0, cols);
+    }
+    matmul_r16(rfmt, w, rows, row_bytes, cols, a, pl, tiles, 1, chunk_rows(rows, row_bytes), out);
+    free(xq);
+    free(xd);
+    free(xs);
+    free(ol);
+    free(a);
+    free(pl);
 }
 #endif
 
@@ -1754,7 +1794,7 @@ static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
 #endif
 #ifdef HAVE_ZMM_VBMI
     if (IS_R16(fmt)) {
-        matmul_r16(fmt, w, rows, row_bytes, cols, &a, &pl, par, chunk, out);
+        matmul_r16(fmt, w, rows, row_bytes, cols, &a, &pl, 1, par, chunk, out);
         free(heap);
         return;
     }
@@ -1811,7 +1851,7 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
 
 /* The same, from float activations: quantized here into a scratch buffer, one call per matmul
  * (the Python side then needs no activation buffers of its own), each row's outliers taken
- * out and multiplied in float. */
+ * out and multiplied in float. nx <= MAX_BATCH, or any nx for a repacked weight. */
 void cs_matmul_qx(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                   const float *x, int64_t nx, float *out) {
     enum { STACK = MAX_BATCH * 4096 }; /* values: on the stack up to this, else allocated */
@@ -1819,6 +1859,12 @@ void cs_matmul_qx(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, in
     float d_stack[STACK / 32];
     int32_t s_stack[STACK / 16];
     const int64_t nv = nx * cols;
+#ifdef HAVE_ZMM_VBMI
+    if (nx > MAX_BATCH && IS_R16(fmt)) {
+        matmul_r16_many(fmt, w, rows, row_bytes, cols, x, nx, out);
+        return;
+    }
+#endif
     void *heap = nv > STACK ? malloc((size_t)nv + (sizeof(float) + 2 * sizeof(int32_t)) * (size_t)(nv / 32)) : NULL;
     int8_t *xq = heap ? (int8_t *)heap : q_stack;
     float *xd = heap ? (float *)(xq + nv) : d_stack; /* nv is a multiple of 32: aligned */

@@ -239,8 +239,11 @@ class PackedMatrix:
         if fused is not None:
             # Decode and small batches: one pass over the packed bytes, no float32 tile.
             x2 = x2 if x2.flags.c_contiguous and x2.flags.writeable else x2.copy()
-            for a in range(0, x2.shape[0], kernels.MAX_BATCH):
-                b = min(a + kernels.MAX_BATCH, x2.shape[0])
+            # a repacked weight takes any batch in one call (one parallel loop, each group
+            # read once); others 16 rows at a time
+            step = x2.shape[0] if self._repacked is not None else kernels.MAX_BATCH
+            for a in range(0, x2.shape[0], step):
+                b = min(a + step, x2.shape[0])
                 kernels.matmul_args(fused[0], in_features, x2[a:b], out[a:b])
             return out.reshape(*lead, out_features)
         budget = TILE_BYTES if tile_bytes is None else tile_bytes
