@@ -94,12 +94,13 @@ class PackedMatrix:
         self._repacked: tuple[int, Bytes] | None = None  # (format code, bytes): repack()
 
     def repack(self) -> bool:
-        """Lay the bytes out for this CPU's fastest kernel (kernels.repack: Q4_0 in groups of
-        16 rows on AVX-512 VNNI), which reads them as the same numbers to the bit, and let go
-        of the file's pages they came from: the weight then takes the same memory as before,
-        in memory of its own instead of the page cache's, not twice. The fused paths, tiles
-        and dequantize read the new layout from then on; `data` stays the GGUF bytes (a view
-        of the file: reading it again maps pages again). False where there is no faster
+        """Lay the bytes out for this CPU's fastest kernel (kernels.repack: Q4_0, Q8_0 and Q4_K
+        in groups of 16 rows, on AVX-512 VNNI + VBMI), which reads them as the same numbers to
+        the bit, and let go of the file's pages they came from: the weight then takes the same
+        memory as before, in memory of its own instead of the page cache's, not twice. The
+        fused paths (any batch) and dequantize read the new layout from then on; `data` stays
+        the GGUF bytes (a view of the file: reading it again maps pages again; the numpy path
+        does, CELLSWARM_KERNELS=numpy being the reference). False where there is no faster
         layout, and for a weight not read from a mapped file (memory of its own: a second copy
         would double it). Called by the fused layers for the matrices they own, not for a
         matrix others slice or look rows up in (the embedding, the output head)."""
@@ -248,8 +249,6 @@ class PackedMatrix:
             return out.reshape(*lead, out_features)
         budget = TILE_BYTES if tile_bytes is None else tile_bytes
         step = max(1, budget // max(1, in_features * 4))  # weight rows per tile
-        if self._repacked is not None:  # whole groups per tile (_dequantize_repacked)
-            step = max(GROUP_ROWS, step // GROUP_ROWS * GROUP_ROWS)
         for start in range(0, out_features, step):
             stop = min(start + step, out_features)
             tile = self._dequantize_rows(start, stop)  # (stop - start, in), in C if it can
