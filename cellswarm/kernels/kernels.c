@@ -1689,6 +1689,21 @@ static inline int64_t chunk_rows(int64_t rows, int64_t row_bytes) {
     return c < lo ? lo : c > hi ? hi : c;
 }
 
+#ifdef HAVE_SIMD_ROWS
+/* one row of W in the file's layout times a's rows, the outliers added: out[k * ld] */
+static inline void one_row(int fmt, const uint8_t *row, int64_t cols, const acts *a,
+                           const ol_plan *pl, float *out, int64_t ld) {
+    float o[MAX_BATCH];
+    simd_row(fmt, row, cols, a, o);
+    if (pl->nu) {
+        float t[MAX_BATCH];
+        plan_row(fmt, row, pl, t);
+        for (int64_t k = 0; k < a->nx; k++) o[k] += t[k];
+    }
+    for (int64_t k = 0; k < a->nx; k++) out[k * ld] = o[k];
+}
+#endif
+
 #ifdef HAVE_ZMM_VBMI
 /* matmul_q of a repacked weight: whole groups, then the rows after them one at a time. The
  * activations come in `tiles` of up to MAX_BATCH rows (a[i], pl[i]: rows 16i.. of x and of
@@ -1714,14 +1729,7 @@ static void matmul_r16(int rfmt, const uint8_t *w, int64_t rows, int64_t row_byt
                     continue;
                 }
                 const int64_t r = 16 * ng + (u - ng);
-                float o[MAX_BATCH];
-                simd_row(R16_NATURAL(rfmt), w + r * row_bytes, cols, ai, o);
-                if (pl[i].nu) {
-                    float t[MAX_BATCH];
-                    plan_row(R16_NATURAL(rfmt), w + r * row_bytes, &pl[i], t);
-                    for (int64_t k = 0; k < nx; k++) o[k] += t[k];
-                }
-                for (int64_t k = 0; k < nx; k++) oi[k * rows + r] = o[k];
+                one_row(R16_NATURAL(rfmt), w + r * row_bytes, cols, ai, &pl[i], oi + r, rows);
             }
         }
 #ifdef _OPENMP
@@ -1804,16 +1812,7 @@ static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
 #pragma omp parallel num_threads(use) if (use > 1)
     {
 #pragma omp for schedule(dynamic, chunk) nowait
-        for (int64_t r = 0; r < rows; r++) {
-            float o[MAX_BATCH];
-            simd_row(fmt, w + r * row_bytes, cols, &a, o);
-            if (pl.nu) {
-                float t[MAX_BATCH];
-                plan_row(fmt, w + r * row_bytes, &pl, t);
-                for (int64_t k = 0; k < nx; k++) o[k] += t[k];
-            }
-            for (int64_t k = 0; k < nx; k++) out[k * rows + r] = o[k];
-        }
+        for (int64_t r = 0; r < rows; r++) one_row(fmt, w + r * row_bytes, cols, &a, &pl, out + r, rows);
 #ifdef _OPENMP
         done[omp_get_thread_num()] = now_s();
 #endif
