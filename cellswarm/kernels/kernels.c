@@ -979,6 +979,14 @@ ZINL float tree16(__m512 v) {
     return _mm_cvtss_f32(b);
 }
 
+/* 16 rows' accumulators (lanes: rows), folded as tree16 folds one row's: out[0..16) */
+ZINL void tree16_rows(__m512 *A, float *out) {
+    for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
+    for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
+    for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
+    _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
+}
+
 /* the activations' int sums of nn <= 16 blocks (from the per-16 sums xs) as 16 lanes */
 ZINL __m512i block_sums16(const int32_t *xs, int64_t nn) {
     const __mmask16 ma = (__mmask16)(nn >= 8 ? 0xFFFF : (1u << (2 * nn)) - 1);
@@ -1085,10 +1093,7 @@ ZINL void r16_group1(const int fmt, const uint8_t *g, int64_t nb, const int8_t *
             A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), s, A[j]);
         }
     }
-    for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
-    for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
-    for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
-    _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
+    tree16_rows(A, out);
 }
 
 
@@ -1152,10 +1157,7 @@ ZINL void r16_group1_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const f
             }
         }
     }
-    for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
-    for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
-    for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
-    _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
+    tree16_rows(A, out);
 }
 
 /* even (lanes 2i) and odd lanes of the 32 lanes a ++ b, added: 8 groups of n -> n / 2 each */
@@ -1274,11 +1276,7 @@ ZINL void r16_group_tile(const int fmt, const uint8_t *g, int64_t nb, const int8
         }
     }
     for (int64_t t = 0; t < nx; t++) {
-        __m512 *A = acc[t];
-        for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
-        for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
-        for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
-        _mm512_storeu_ps(out + t * ld, _mm512_add_ps(A[0], A[1]));
+        tree16_rows(acc[t], out + t * ld);
     }
 }
 
@@ -1334,11 +1332,7 @@ ZINL void r16_group_tile_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, con
         }
     }
     for (int64_t t = 0; t < nx; t++) {
-        __m512 *A = acc[t];
-        for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
-        for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
-        for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
-        _mm512_storeu_ps(out + t * ld, _mm512_add_ps(A[0], A[1]));
+        tree16_rows(acc[t], out + t * ld);
     }
 }
 
