@@ -61,18 +61,9 @@ def model_path(name: str) -> str:
 
 def random_llama_file() -> Path:
     """The 254M random llama as a GGUF (written once; ~270 MB)."""
-    path = Path.home() / ".cache" / "cellswarm" / "bench" / "random-llama-254m-q8_0.gguf"
-    if path.exists():
-        return path
-    from bench.engine import random_llama
-    from cellswarm.io.gguf_write import write_gguf
+    from bench.engine import model_file, random_llama
 
-    model = random_llama("q8_0", **LLAMA_254M)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_suffix(".part")
-    write_gguf(part, model.config.to_gguf_metadata(), dict(model.weights.items()))
-    part.rename(path)
-    return path
+    return model_file("random-llama-254m-q8_0", lambda: random_llama("q8_0", **LLAMA_254M))
 
 
 def single_run(model: Model, tokens: int) -> tuple[float, float]:
