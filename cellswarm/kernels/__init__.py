@@ -404,8 +404,9 @@ def repack(
     type_name: str, w: np.ndarray, out: np.ndarray | None = None
 ) -> tuple[int, np.ndarray] | None:
     """W (rows, row_bytes) laid out for this CPU's fastest kernel, as (format code, bytes of
-    the same shape: `out` if given), or None where there is no such layout (the format: Q4_0
-    and Q8_0 have one; the CPU: AVX-512 VNNI + VBMI; fewer than 16 rows; CELLSWARM_REPACK=0).
+    the same shape: `out` if given), or None where there is no such layout (the format: Q4_0,
+    Q8_0 and Q4_K have one; the CPU: AVX-512 VNNI + VBMI; fewer than 16 rows;
+    CELLSWARM_REPACK=0).
     The kernels read a repacked weight as the same numbers, to the bit."""
     lib = _load()
     code = FUSED_TYPES.get(type_name, -1)

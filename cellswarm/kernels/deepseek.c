@@ -110,11 +110,7 @@ static float row_dot(const mat *m, const uint8_t *row, int64_t cols, const actv 
     if (a->xt && cols % 128 == 0 && quad_idx((int)m->fmt)) { s.xt = a->xt; s.qidx = quad_idx((int)m->fmt); }
 #endif
     float o;
-#ifdef HAVE_ZMM_VBMI
     simd_row(R16_NATURAL((int)m->fmt), row, cols, &s, &o); /* repacked: a row after the groups */
-#else
-    simd_row((int)m->fmt, row, cols, &s, &o);
-#endif
     return o;
 #else
     const int n = block_elems((int)m->fmt);
@@ -192,11 +188,7 @@ static void run_chunk(const task *t, const int64_t *start, int64_t lo, int64_t h
         }
         if (pl.nu) { /* + what the integer dot products left out, as cs_matmul_qx adds it */
             float add[MAX_BATCH];
-#ifdef HAVE_ZMM_VBMI
             plan_row(R16_NATURAL((int)k->m->fmt), row, &pl, add);
-#else
-            plan_row((int)k->m->fmt, row, &pl, add);
-#endif
             k->out[j] += add[0];
             for (int64_t b = 1; b < k->nx; b++) k->out[b * k->ld + j] += add[b];
         }

@@ -28,6 +28,11 @@
 #endif
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_K = 14, BF16 = 30 };
+/* The same formats repacked in 16-row groups (cs_repack: only on CPUs that have the kernels
+ * for them; elsewhere never made), and the format of a row after a weight's last group. */
+enum { Q4_0R = 102, Q8_0R = 108, Q4_KR = 112 };
+#define IS_R16(f) ((f) == Q4_0R || (f) == Q8_0R || (f) == Q4_KR)
+#define R16_NATURAL(f) ((f) == Q4_0R ? Q4_0 : (f) == Q8_0R ? Q8_0 : (f) == Q4_KR ? Q4_K : (f))
 #define MAX_BATCH 16
 
 static inline float fp16_to_f32(uint16_t h) {
@@ -966,9 +971,6 @@ static int quad_layout(int fmt, int64_t nx, int64_t cols, const int8_t *xq, int8
  * A[l] + A[l + 8], then + 4, + 2, + 1 (tree16). The 16-row kernel keeps the 16 A's as 16
  * registers (lanes: rows), the one-row kernel as one register (lanes: b % 16). */
 #ifdef HAVE_ZMM_VBMI
-enum { Q4_0R = 102, Q8_0R = 108, Q4_KR = 112 };
-#define IS_R16(f) ((f) == Q4_0R || (f) == Q8_0R || (f) == Q4_KR)
-#define R16_NATURAL(f) ((f) == Q4_0R ? Q4_0 : (f) == Q8_0R ? Q8_0 : (f) == Q4_KR ? Q4_K : (f))
 #define R16_BLOCK(f) ((f) == Q8_0 ? 544 : (f) == Q4_K ? 2304 : 288) /* bytes: a block of 16 rows */
 
 ZINL float tree16(__m512 v) {
@@ -1577,9 +1579,7 @@ typedef struct {
 /* activation row k of the plan: the outliers o (NULL: none) of the vector it is columns
  * [off, off + cols) of */
 static void plan_add(ol_plan *p, int fmt, int k, const outliers *o, int64_t off, int64_t cols) {
-#ifdef HAVE_ZMM_VBMI
     fmt = R16_NATURAL(fmt); /* offsets as in a row left as it is */
-#endif
     const int bb = fmt == Q8_0 ? 34 : fmt == Q4_0 ? 18 : 20, hdr = fmt == Q4_1 ? 4 : 2;
     if (k == 0) p->nu = 0;
     p->nx = k + 1;
