@@ -7,7 +7,7 @@ import pytest
 
 from cellswarm.planner.placement import StageCosts, time_balanced_split
 from cellswarm.swarm.control.membership import bottleneck
-from cellswarm.swarm.control.rebalance import RingTimes, plan, ring_times
+from cellswarm.swarm.control.rebalance import RingTimes, named_long_enough, plan, ring_times
 from cellswarm.swarm.control.store import Node, NodeId
 
 
@@ -84,3 +84,19 @@ def test_nothing_moves_when_the_gain_is_small_or_memory_forbids() -> None:
     assert plan(RingTimes(tuple(small), (0.002, 0.011)), COSTS) is None  # step's fixed cost
     tight = [_node("n0", (0, 6), memory=60), _node("n1", (6, 12), memory=60)]
     assert plan(RingTimes(tuple(tight), (0.002, 0.02)), COSTS) is None  # cannot take more
+
+
+@pytest.mark.parametrize(
+    ("first_named_s", "now_s", "beat_s", "ready"),
+    [
+        (None, 100.0, 0.5, False),  # status never named a bottleneck under this layout
+        (100.0, 100.0, 0.5, False),  # named at this very tick (a late beat jumped past 24)
+        (100.0, 100.9, 0.5, False),  # named for less than two beats
+        (100.0, 101.0, 0.5, True),
+        (100.0, 140.0, 25.0, False),  # a big swarm's beats are 25 s apart: two of them
+    ],
+)
+def test_layers_move_only_after_status_named_the_bottleneck(
+    first_named_s: float | None, now_s: float, beat_s: float, ready: bool
+) -> None:
+    assert named_long_enough(first_named_s, now_s, beat_s) is ready

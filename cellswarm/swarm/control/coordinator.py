@@ -105,6 +105,8 @@ class Coordinator:
         self._manifest: Any = None
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
+        self.named_since: tuple[str, float] | None = None  # (layout, monotonic s) status
+        # first named its bottleneck: rebalance waits until it has been named a while
         self.metrics_ports: dict[str, int] = {}  # where each node serves GET /metrics
         self.beats: dict[str, Beat] = {}  # each node's latest heartbeat here (see heartbeat)
         self.struck: dict[str, int | None] = {}  # replica -> wired epoch its jobs were struck at
@@ -549,8 +551,13 @@ class Coordinator:
         if self.store.get_meta("rebalance_decided") == key:
             return
         nodes = ring(self.placed(), 0)
+        if rebalance.ring_times(nodes, self.node_stats, rebalance.STATUS_MIN_STEPS) is None:
+            return
+        if self.named_since is None or self.named_since[0] != key:
+            self.named_since = (key, time.monotonic())
         times = rebalance.ring_times(nodes, self.node_stats, rebalance.MIN_STEPS)
-        if times is None:
+        if times is None or not rebalance.named_long_enough(
+                self.named_since[1], time.monotonic(), self.heartbeat_interval_s()):  # fmt: skip
             return
         split = rebalance.plan(times, self.stage_costs())
         if split is None:

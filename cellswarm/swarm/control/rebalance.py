@@ -23,6 +23,9 @@ from cellswarm.swarm.control.store import Node
 MIN_STEPS = 24  # decode steps each stage must have measured before anything is decided
 STATUS_MIN_STEPS = MIN_STEPS // 2  # ... before status names a bottleneck (the first steps
 # carry page faults and warm-up: a stage's first step is no measure of it)
+NAMED_BEATS = 2  # ... and status must have named the bottleneck for this many heartbeat
+# intervals: an operator sees why layers move before they do, even when a slow node's late
+# beat carries it from too few steps to name straight past MIN_STEPS
 GAIN = 0.75  # rebalance only when the slowest stage gets at least this much faster ...
 SLOW = 2.0  # ... and some node this many times slower per byte read and per step than the
 # median:
@@ -53,6 +56,12 @@ def ring_times(ring: Sequence[Node], stats: dict[str, Any], min_steps: int = 1) 
             return None
         steps.append(float(s["decode_s"]) / int(s["decode_steps"]))
     return RingTimes(tuple(ring), tuple(steps)) if ring else None
+
+
+def named_long_enough(first_named_s: float | None, now_s: float, beat_s: float) -> bool:
+    """Whether status has named this layout's bottleneck (since `first_named_s`, monotonic)
+    for NAMED_BEATS heartbeat intervals."""
+    return first_named_s is not None and now_s - first_named_s >= NAMED_BEATS * beat_s
 
 
 def plan(times: RingTimes, costs: StageCosts, gain: float = GAIN) -> list[tuple[int, int]] | None:
