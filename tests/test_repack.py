@@ -9,6 +9,7 @@ and these tests have nothing to compare: they skip.
 from __future__ import annotations
 
 import contextlib
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,9 +126,10 @@ def _repack(on: bool) -> Iterator[None]:
         kernels.set_repack(before)
 
 
-def _write_llama(path: Path) -> Path:
+def _write_llama(path: Path, head: str = "F32") -> Path:
     """A random llama in Q4_0 (rows and columns not all whole groups or quads), its output
-    head near-tied (tests/same_bits_models.py): a token turns on the last bits."""
+    head near-tied (tests/same_bits_models.py): a token turns on the last bits; the head in
+    `head` (F32, or a packed format)."""
     from tests.same_bits_models import near_tied_head
 
     c = LlamaConfig(
@@ -140,8 +142,11 @@ def _write_llama(path: Path) -> Path:
     for name, shape in c.expected_tensors(range(c.n_layers)).items():
         if len(shape) == 1:
             tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        elif name == "output.weight":
+        elif name == "output.weight" and head == "F32":
             tensors[name] = near_tied_head(rng, c.vocab_size, c.d_model, 1e-7)
+        elif name == "output.weight":
+            w = rng.standard_normal(shape)
+            tensors[name] = PackedMatrix.from_float(w, format_by_name(head))
         elif name == "token_embd.weight":
             tensors[name] = rng.standard_normal(shape).astype(np.float32)
         else:
@@ -188,3 +193,42 @@ def test_a_q4_0_model_decodes_the_same_bits_repacked_and_lets_the_file_go(
                                     "ffn_up", "ffn_down")
     )  # fmt: skip
     assert held < path.stat().st_size - layers + 64 * 1024
+
+
+@pytest.mark.parametrize("head", ["Q4_0", "Q8_0"])
+def test_an_output_head_of_its_own_is_repacked_and_its_rows_read_from_the_copy(
+    tmp_path: Path, head: str
+) -> None:
+    """output.weight (not tied to the embedding) is repacked on first use (ops.head_matrix):
+    the same logits to the bit, the float-refined best rows (take_rows) read from the copy, so
+    after decoding none of the head's file pages are resident."""
+    path = _write_llama(tmp_path / f"head-{head}.gguf", head)
+    ids = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int64)
+    logits, rows = {}, {}
+    for on in (False, True):
+        with _repack(on):
+            model = cellswarm.load(path)
+            cache = model.new_cache(len(ids))
+            logits[on] = np.concatenate([model.step(ids[i : i + 1], cache) for i in range(8)])
+            out = model.arch.w.matrix("output.weight")  # type: ignore[attr-defined]
+            rows[on] = out.take_rows(np.array([0, 15, 16, 200, 255, 3]))
+            if on:
+                if out._repacked is None:
+                    pytest.skip("no repacked layout on this CPU")
+                present = _present_pages(out.data)
+    assert np.array_equal(logits[False].view(np.uint32), logits[True].view(np.uint32))
+    assert np.array_equal(rows[False], rows[True])
+    assert present == 0
+
+
+def _present_pages(a: np.ndarray) -> int:
+    """How many of the whole pages under `a` this process has mapped in (/proc/self/pagemap's
+    present bit): a view of a file whose pages were let go has none, whatever the page cache
+    holds."""
+    page = mmap.PAGESIZE
+    lo, hi = -(-a.ctypes.data // page), (a.ctypes.data + a.nbytes) // page
+    assert hi > lo, "no whole page under the array"
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(8 * lo)
+        entries = np.frombuffer(f.read(8 * (hi - lo)), np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())

@@ -147,6 +147,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_matmul_qx.argtypes = [i32, p, i64, i64, i64, p, i64, p]
     lib.cs_matmul_f.argtypes = [i32, p, i64, i64, p, i64, p]
     lib.cs_dequantize.argtypes = [i32, p, i64, i64, i64, p]
+    lib.cs_dequantize_rows.argtypes = [i32, p, i64, i64, i64, p, i64, p]
+    lib.cs_dequantize_rows.restype = None
     lib.cs_set_threads.argtypes = [i32]
     lib.cs_outlier_count.argtypes = [i64]
     lib.cs_set_outliers.argtypes = [i32]
@@ -391,6 +393,19 @@ def dequantize(type_name: str, w: np.ndarray, cols: int, out: np.ndarray, code: 
     rows, row_bytes = w.shape
     lib.cs_dequantize(code or FUSED_TYPES[type_name], w.ctypes.data, rows, row_bytes, cols,
                       out.ctypes.data)  # fmt: skip
+
+
+def dequantize_rows(code: int, w: np.ndarray, cols: int, ids: np.ndarray, out: np.ndarray) -> None:
+    """out (n, cols) = rows `ids` (n,) of W (rows, row_bytes) as float32; `code`: W's format
+    code, a repacked one (repack) included: a row is read from its group, not the file."""
+    lib = _load()
+    assert lib is not None
+    rows, row_bytes = w.shape
+    index = np.ascontiguousarray(ids, np.int64)
+    assert w.flags.c_contiguous and out.shape == (len(index), cols) and out.flags.c_contiguous
+    assert ((index >= 0) & (index < rows)).all(), "row ids outside the weight"
+    lib.cs_dequantize_rows(code, w.ctypes.data, rows, row_bytes, cols, index.ctypes.data,
+                           len(index), out.ctypes.data)  # fmt: skip
 
 
 def set_repack(on: bool) -> bool:

@@ -1970,52 +1970,48 @@ static inline __attribute__((always_inline)) void dequant_row(int fmt, const uin
     }
 }
 
+/* Row r of a weight (rows, row_bytes) as floats: from its group's lanes when repacked */
+static void dequant_one(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
+                        int64_t r, float *y) {
+    const int nat = R16_NATURAL(fmt), n = block_elems(nat);
+    const int64_t nb = cols / n, bb = row_bytes / nb;
 #ifdef HAVE_ZMM_VBMI
-/* a repacked weight: whole groups (their lanes back into rows), then the rows after them */
-static void dequantize_r16(int rfmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
-                           int64_t cols, float *out) {
-    const int fmt = R16_NATURAL(rfmt), n = block_elems(fmt);
-    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_K ? 144 : 18, gb = R16_BLOCK(fmt);
-    const int64_t nb = cols / n, ng = rows / 16;
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < ng; g++)
-        for (int64_t b = 0; b < nb; b++)
-            for (int r = 0; r < 16; r++) { /* the row's block as in the file, then as dequant_row */
-                uint8_t one[144];
-                r16_lane(fmt, (uint8_t *)(w + 16 * g * row_bytes + gb * b), r, one, 1);
-                float *y = out + (16 * g + r) * cols + n * b;
-                if (fmt == Q8_0) dequant_row(Q8_0, one, 1, 34, y);
-                else if (fmt == Q4_0) dequant_row(Q4_0, one, 1, 18, y);
-                else dequant_row(Q4_K, one, 1, 144, y);
-            }
-    for (int64_t r = 16 * ng; r < rows; r++)
-        dequant_row(fmt, w + r * row_bytes, nb, bb, out + r * cols);
-}
+    if (IS_R16(fmt) && r < rows / 16 * 16) { /* the row's blocks as in the file, then as dequant_row */
+        const uint8_t *g = w + r / 16 * 16 * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t one[144];
+            r16_lane(nat, (uint8_t *)(g + R16_BLOCK(nat) * b), (int)(r % 16), one, 1);
+            if (nat == Q8_0) dequant_row(Q8_0, one, 1, 34, y + n * b);
+            else if (nat == Q4_0) dequant_row(Q4_0, one, 1, 18, y + n * b);
+            else dequant_row(Q4_K, one, 1, 144, y + n * b);
+        }
+        return;
+    }
+#else
+    (void)rows;
 #endif
+    const uint8_t *row = w + r * row_bytes;
+    switch (nat) {
+    case Q8_0: dequant_row(Q8_0, row, nb, bb, y); break;
+    case Q4_0: dequant_row(Q4_0, row, nb, bb, y); break;
+    case Q4_1: dequant_row(Q4_1, row, nb, bb, y); break;
+    case Q4_K: dequant_row(Q4_K, row, nb, bb, y); break;
+    case Q6_K: dequant_row(Q6_K, row, nb, bb, y); break;
+    default: dequant_row(Q2_K, row, nb, bb, y); break;
+    }
+}
+
+/* out (n, cols) = rows ids[0..n) of w as floats (an embedding lookup, the head's best rows) */
+void cs_dequantize_rows(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
+                        const int64_t *ids, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) dequant_one(fmt, w, rows, row_bytes, cols, ids[i], out + i * cols);
+}
 
 void cs_dequantize(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                    float *out) {
-    const int64_t nblocks = cols / block_elems(fmt), bbytes = row_bytes / nblocks;
-    const int64_t chunk = chunk_rows(rows, row_bytes);
-#ifdef HAVE_ZMM_VBMI
-    if (IS_R16(fmt)) {
-        dequantize_r16(fmt, w, rows, row_bytes, cols, out);
-        return;
-    }
-#endif
+    const int64_t chunk = IS_R16(fmt) ? 16 : chunk_rows(rows, row_bytes);
 #pragma omp parallel for schedule(dynamic, chunk)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = w + r * row_bytes;
-        float *y = out + r * cols;
-        switch (fmt) {
-        case Q8_0: dequant_row(Q8_0, row, nblocks, bbytes, y); break;
-        case Q4_0: dequant_row(Q4_0, row, nblocks, bbytes, y); break;
-        case Q4_1: dequant_row(Q4_1, row, nblocks, bbytes, y); break;
-        case Q4_K: dequant_row(Q4_K, row, nblocks, bbytes, y); break;
-        case Q6_K: dequant_row(Q6_K, row, nblocks, bbytes, y); break;
-        default: dequant_row(Q2_K, row, nblocks, bbytes, y); break;
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) dequant_one(fmt, w, rows, row_bytes, cols, r, out + r * cols);
 }
 
 /* exp(x) for x <= 0 as 2^(x log2 e): integer part into the exponent bits, fractional part by

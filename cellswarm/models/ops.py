@@ -122,6 +122,17 @@ class Rows(Protocol):
 HEAD_REFINE = 32  # candidates whose logits are recomputed in float after a fused head
 
 
+def head_matrix(w: WeightStore, name: str) -> PackedMatrix:
+    """The output head's rows held here. A head of its own (output.weight) is laid out for the
+    fastest kernel on first use (PackedMatrix.repack: same bits, same memory), its best rows
+    then read back from that copy; an embedding tied to it stays as the file has it, since
+    token lookups read its rows from the mapped file."""
+    m = w.matrix(name)
+    if name == "output.weight":
+        m.repack()
+    return m
+
+
 def lm_head(
     w: WeightStore, x: np.ndarray, d_model: int, eps: float, head: Rows | None = None
 ) -> np.ndarray:
@@ -129,7 +140,7 @@ def lm_head(
     matrix when the model ties them, as llama.cpp does when a file has no output.weight).
     `head` replaces the held matrix, e.g. with rows held by other nodes."""
     if head is None:
-        head = w.matrix("output.weight" if "output.weight" in w else "token_embd.weight")
+        head = head_matrix(w, "output.weight" if "output.weight" in w else "token_embd.weight")
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # tested below
         h = rms_norm(x, w.vector("output_norm.weight", d_model), eps)
         if isinstance(head, PackedMatrix):  # the whole head: in the blocks vocab parts use too

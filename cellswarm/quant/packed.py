@@ -102,11 +102,14 @@ class PackedMatrix:
         the GGUF bytes (a view of the file: reading it again maps pages again; the numpy path
         does, CELLSWARM_KERNELS=numpy being the reference). False where there is no faster
         layout, and for a weight not read from a mapped file (memory of its own: a second copy
-        would double it). Called by the fused layers for the matrices they own, not for a
-        matrix others slice or look rows up in (the embedding, the output head)."""
+        would double it). Called by the fused layers for the matrices they own, and for an
+        output head of its own (ops.head_matrix: its best rows are read back by take_rows,
+        from this copy); not for the embedding, whose token lookups read the file's rows."""
+        if self._repacked is not None:
+            return True
         pages = _file_pages(self.data)
         fast = kernels.enabled() and kernels.can_fuse(self.fmt.name)
-        if self._repacked is None and pages and fast:
+        if pages and fast:
             repacked = kernels.repack(self.fmt.name, self._contiguous())
             if repacked is not None:
                 self._repacked = repacked
@@ -188,6 +191,11 @@ class PackedMatrix:
         This is an embedding lookup; only the selected rows are decoded.
         """
         index = np.asarray(ids, dtype=np.intp)
+        if self._repacked is not None and kernels.enabled():  # not the file's pages: let go
+            code, data = self._repacked
+            out = np.empty((index.size, self.shape[1]), np.float32)
+            kernels.dequantize_rows(code, data, self.shape[1], index.reshape(-1), out)
+            return out.reshape(*index.shape, self.shape[1])
         if (
             index.ndim == 1
             and self.fmt.name in kernels.FUSED_TYPES

@@ -46,6 +46,7 @@ from cellswarm.engine.memory import peak_rss_bytes, weights_by_kind
 from cellswarm.engine.model import Model
 from cellswarm.errors import CellswarmError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection, non_finite
+from cellswarm.models.ops import head_matrix
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.ring.frames import (
     Frame,
@@ -199,7 +200,7 @@ class PartServer:
             # computed in the whole head's row blocks, so a logit has the same bits on any
             # split of the rows (PackedMatrix.matmul's rows_of)
             total = int(f.get("rows", self.model.config.vocab_size))
-            head = self.model.weights.matrix(self._head)
+            head = head_matrix(self.model.weights, self._head)
             logits = head.matmul(a, rows_of=(self._row0, total))
             if not np.isfinite(logits).all():  # one pass, as the stage's own head does
                 raise non_finite(f"vocab rows {self.config.spec.vocab_rows}",
@@ -208,7 +209,7 @@ class PartServer:
         if frame.type == "rows":  # dequantized rows by global id: embedding, or head rows
             name = "token_embd.weight" if f.get("tensor") == "embed" else self._head
             local = a.astype(np.int64) - self._row0
-            return Frame("rows_out", {}, self.model.weights.matrix(name).take_rows(local))
+            return Frame("rows_out", {}, head_matrix(self.model.weights, name).take_rows(local))
         raise ProtocolError(f"a part server does not answer {frame.type!r} frames")
 
     def expert_rows(self, layer: int, packed: np.ndarray, k: int) -> np.ndarray:
