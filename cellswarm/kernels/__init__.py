@@ -156,8 +156,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_outlier_dominance.restype = ctypes.c_float
     lib.cs_attend1.argtypes = [p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
     lib.cs_attend1.restype = None
-    lib.cs_llama_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p, p, p]
-    lib.cs_llama_decode.restype = None
+    lib.cs_llama_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, p, p, p, p]
+    lib.cs_llama_decode_layers.restype = None
     lib.cs_swiglu1.argtypes = [p, p, p, p, i64, p]
     lib.cs_ds_scratch_floats.argtypes = [p, i64, i64]
     lib.cs_ds_scratch_qbytes.argtypes = [p, i64]
@@ -465,18 +465,26 @@ def ptr(a: np.ndarray | None) -> int | None:
     return None if a is None else int(a.ctypes.data)
 
 
-def llama_decode(
-    layer: LlamaLayer, x: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray,
-    k_store: np.ndarray, v_store: np.ndarray, scratch: tuple[np.ndarray, ...],
+def pointers(arrays: Sequence[np.ndarray | ctypes.Structure]) -> ctypes.Array[ctypes.c_void_p]:
+    """A C array of the addresses of `arrays` (numpy arrays, or ctypes structures)."""
+    return (ctypes.c_void_p * len(arrays))(*(
+        a.ctypes.data if isinstance(a, np.ndarray) else ctypes.addressof(a) for a in arrays
+    ))  # fmt: skip
+
+
+def llama_decode_layers(
+    layers: ctypes.Array[ctypes.c_void_p], x: np.ndarray, pos: int, cos: np.ndarray,
+    sin: np.ndarray, k_stores: ctypes.Array[ctypes.c_void_p],
+    v_stores: ctypes.Array[ctypes.c_void_p], capacity: int, scratch: tuple[np.ndarray, ...],
 ) -> None:  # fmt: skip
-    """One layer for one token, in place on x (d,), writing the cache at `pos`."""
+    """llama_decode through every layer of `layers` (pointers to LlamaLayer) in one call;
+    k_stores / v_stores: each layer's cache storage (pointers), all of `capacity` tokens."""
     lib = _lib
     assert lib is not None
     f, xq, xd, xs = scratch
-    lib.cs_llama_decode(
-        ctypes.addressof(layer), x.ctypes.data, pos, cos.ctypes.data, sin.ctypes.data,
-        k_store.ctypes.data, v_store.ctypes.data, k_store.shape[1], f.ctypes.data,
-        xq.ctypes.data, xd.ctypes.data, xs.ctypes.data,
+    lib.cs_llama_decode_layers(
+        layers, len(layers), x.ctypes.data, pos, cos.ctypes.data, sin.ctypes.data, k_stores,
+        v_stores, capacity, f.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data,
     )  # fmt: skip
 
 

@@ -53,3 +53,14 @@ void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *c
     run_tasks(t, 1);
     for (int64_t i = 0; i < d; i++) x[i] += tmp[i];
 }
+
+/* Layers L[0..n) in turn, one call for a stage's whole stack (the Python around each layer's
+ * call cost ~10-20 us: pointers fetched, the cache looked up); k_stores[i] / v_stores[i]:
+ * layer i's cache, all of capacity cap. */
+void cs_llama_decode_layers(const llama_layer *const *L, int64_t n, float *x, int64_t pos,
+                            const float *cs, const float *sn, float *const *k_stores,
+                            float *const *v_stores, int64_t cap, float *f, int8_t *xq, float *xd,
+                            int32_t *xs) {
+    for (int64_t i = 0; i < n; i++)
+        cs_llama_decode(L[i], x, pos, cs, sn, k_stores[i], v_stores[i], cap, f, xq, xd, xs);
+}

@@ -9,6 +9,7 @@ happen: a sequence that cannot fit fails with a `BudgetError` before its first t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +96,9 @@ class KVCache:
         self.capacity = capacity
         self.length = 0
         self.layers = {i: LayerCache(spec, capacity) for i, spec in specs.items()}
+        # what the code that runs a model computes once per cache, e.g. C arrays of its
+        # storage's addresses (storage never moves: the capacity is fixed)
+        self.memo: dict[Any, Any] = {}
 
     def layer(self, i: int) -> LayerCache:
         return self.layers[i]

@@ -39,6 +39,7 @@ class Llama:
         self.rope = Rope(config.rope_dim, inv_freq, config.rope_layout)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self._fused: dict[int, tuple[Any, ...] | None] = {}
+        self._stacks: dict[tuple[int, int], Any] = {}  # layer ranges: fused layers' pointers
         self._scratch: tuple[Any, ...] | None = None
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
@@ -89,25 +90,38 @@ class Llama:
     def decode_fused(
         self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
     ) -> np.ndarray | None:
-        """One token through `layers` with one C call per layer and no allocation per layer
-        (kernels.c: cs_llama_decode). None when a weight has no fused kernel (e.g. F32)."""
+        """One token through `layers` in one C call, with no allocation per layer (llama.c:
+        cs_llama_decode_layers). None when a weight has no fused kernel (e.g. F32)."""
         if not kernels.enabled():
             return None
-        fused = [self._fused_layer(i) for i in layers]
-        if any(f is None for f in fused):
+        stack = self._fused_stack(layers)
+        if stack is None:
             return None
         if x.shape != (1, self.config.d_model):
             raise ValueError(f"decode_fused takes hidden states (1, d_model), got {x.shape}")
         out = np.array(x[0], dtype=np.float32)  # (d,): the residual stream, updated in place
         cos, sin = (np.ascontiguousarray(t[0, 0]) for t in self.rope._tables(positions))
         pos = int(positions[0])
-        for i, f in zip(layers, fused, strict=True):
-            lc = cache.layer(i)
-            k_store, v_store = lc.storage("k"), lc.storage("v")
-            check_room(k_store.shape[1], pos + 1)
-            scratch = self._decode_scratch(k_store.shape[1])
-            kernels.llama_decode(f[0], out, pos, cos, sin, k_store, v_store, scratch)  # type: ignore[index]
+        check_room(cache.capacity, pos + 1)
+        key = ("llama", layers.start, layers.stop)
+        if key not in cache.memo:  # each layer's k and v storage, as C pointers
+            cache.memo[key] = tuple(
+                kernels.pointers([cache.layer(i).storage(n) for i in layers]) for n in "kv"
+            )  # fmt: skip
+        k_stores, v_stores = cache.memo[key]
+        scratch = self._decode_scratch(cache.capacity)
+        kernels.llama_decode_layers(stack, out, pos, cos, sin, k_stores, v_stores,
+                                    cache.capacity, scratch)  # fmt: skip
         return out[None]
+
+    def _fused_stack(self, layers: range) -> Any:
+        """The fused layers `layers` as a C array of pointers, or None if one has no kernel."""
+        key = (layers.start, layers.stop)
+        if key not in self._stacks:
+            fused = [self._fused_layer(i) for i in layers]
+            ok = all(f is not None for f in fused)
+            self._stacks[key] = kernels.pointers([f[0] for f in fused]) if ok else None  # type: ignore[index]
+        return self._stacks[key]
 
     def decode_fused_many(
         self, x: np.ndarray, positions: np.ndarray, caches: list[KVCache], layers: range
