@@ -158,6 +158,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_attend1.restype = None
     lib.cs_llama_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, p, p, p, p]
     lib.cs_llama_decode_layers.restype = None
+    lib.cs_ds_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, p, p]
+    lib.cs_ds_decode_layers.restype = None
     lib.cs_swiglu1.argtypes = [p, p, p, p, i64, p]
     lib.cs_ds_scratch_floats.argtypes = [p, i64, i64]
     lib.cs_ds_scratch_qbytes.argtypes = [p, i64]
@@ -562,6 +564,22 @@ def ds_layer_call(
     fn(ctypes.addressof(layer), x.ctypes.data, pos, cos.ctypes.data, sin.ctypes.data,
        latent.ctypes.data, k_rope.ctypes.data, latent.shape[0], f.ctypes.data,
        q.ctypes.data)  # fmt: skip
+
+
+def ds_decode_layers(
+    layers: ctypes.Array[ctypes.c_void_p], x: np.ndarray, pos: int, cos: np.ndarray,
+    sin: np.ndarray, latents: ctypes.Array[ctypes.c_void_p],
+    k_ropes: ctypes.Array[ctypes.c_void_p], capacity: int,
+    scratch: tuple[np.ndarray, np.ndarray],
+) -> None:  # fmt: skip
+    """cs_ds_decode through every layer of `layers` (pointers to DsLayer) in one call, in
+    place on x (d,); latents / k_ropes: each layer's caches (pointers), of `capacity` tokens."""
+    lib = _lib
+    assert lib is not None
+    f, q = scratch
+    lib.cs_ds_decode_layers(layers, len(layers), x.ctypes.data, pos, cos.ctypes.data,
+                            sin.ctypes.data, latents, k_ropes, capacity, f.ctypes.data,
+                            q.ctypes.data)  # fmt: skip
 
 
 def ds_route(

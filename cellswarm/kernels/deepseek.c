@@ -569,6 +569,14 @@ void cs_ds_decode(const ds_layer *L, float *x, int64_t pos, const float *cs, con
     ds_ffn(L, x, &s, ids, wts);
 }
 
+/* Layers L[0..n) in turn, one call for a stage's stack (as cs_llama_decode_layers): lat[i] and
+ * kr[i] are layer i's latent and RoPE key caches, all of capacity cap. */
+void cs_ds_decode_layers(const ds_layer *const *L, int64_t n, float *x, int64_t pos,
+                         const float *cs, const float *sn, float *const *lat, float *const *kr,
+                         int64_t cap, float *f, int8_t *q8) {
+    for (int64_t i = 0; i < n; i++) cs_ds_decode(L[i], x, pos, cs, sn, lat[i], kr[i], cap, f, q8);
+}
+
 /* ---- n sequences at once: each weight row read once for all of them -------------------------
  * One token of each of n <= MAX_BATCH sequences (their own caches and positions). Matrices
  * other than the experts take the n rows as one batch; each routed expert takes the rows of

@@ -16,7 +16,7 @@ float32 copies `Deepseek2.absorbed` keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -86,6 +86,8 @@ class FusedDecode:
         out = np.array(x[0], dtype=np.float32)  # (d,): the residual stream, updated in place
         cos, sin = (np.ascontiguousarray(t[0, 0]) for t in m.rope._tables(positions))
         pos = int(positions[0])
+        if m.remote_experts is None:  # every layer whole in C: one call for the stack
+            return self._run_stack(out, pos, cos, sin, cache, layers)[None]
         for i, b in zip(layers, built, strict=True):
             assert b is not None
             lc = cache.layer(i)
@@ -102,6 +104,24 @@ class FusedDecode:
             routing = _routing(ids, weights)
             out = out + m.moe(i, h[None], routing)[0]
         return out[None]
+
+    def _run_stack(
+        self, out: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray, cache: KVCache,
+        layers: range,
+    ) -> np.ndarray:  # fmt: skip
+        check_room(cache.capacity, pos + 1)
+        key = ("deepseek2", layers.start, layers.stop)
+        if key not in cache.memo:  # the layers, and each one's caches, as C pointers
+            built = [cast(FusedLayer, self.layer(i)).struct for i in layers]
+            cache.memo[key] = (kernels.pointers(built), *(
+                kernels.pointers([cache.layer(i).storage(n) for i in layers])
+                for n in ("latent", "k_rope")
+            ))  # fmt: skip
+        structs, latents, k_ropes = cache.memo[key]
+        scratch = self.scratch(cache.capacity, layers)
+        kernels.ds_decode_layers(structs, out, pos, cos, sin, latents, k_ropes, cache.capacity,
+                                 scratch)  # fmt: skip
+        return out
 
     def run_many(
         self, x: np.ndarray, positions: np.ndarray, caches: list[KVCache], layers: range
