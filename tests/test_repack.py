@@ -232,3 +232,40 @@ def _present_pages(a: np.ndarray) -> int:
         f.seek(8 * lo)
         entries = np.frombuffer(f.read(8 * (hi - lo)), np.uint64)
     return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+@pytest.mark.parametrize(
+    ("rows", "row_bytes", "chunk_bytes", "expected"),
+    [
+        (100, 256, 1 << 20, [(0, 100)]),  # one chunk
+        (100, 256, 32 * 256, [(0, 32), (32, 64), (64, 100)]),  # the 4-row tail joins 64..96
+        (96, 256, 32 * 256, [(0, 32), (32, 64), (64, 96)]),
+        (120, 256, 40 * 256, [(0, 32), (32, 64), (64, 96), (96, 120)]),  # whole groups only
+        (50, 4096, 100, [(0, 16), (16, 32), (32, 50)]),  # at least a group a chunk
+    ],
+)  # fmt: skip
+def test_repack_chunks(
+    monkeypatch: pytest.MonkeyPatch, rows: int, row_bytes: int, chunk_bytes: int,
+    expected: list[tuple[int, int]],
+) -> None:  # fmt: skip
+    from cellswarm.quant import packed
+
+    monkeypatch.setattr(packed, "REPACK_CHUNK_BYTES", chunk_bytes)
+    assert packed._repack_chunks(rows, row_bytes) == expected
+
+
+def test_a_matrix_repacked_in_chunks_is_the_whole_repack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repacked a few groups at a time (its file pages let go after each): the same bytes
+    as one repack of the whole matrix, the rows after the last group included."""
+    from cellswarm.quant import packed
+
+    rng = np.random.default_rng(9)
+    w = quantize(rng.standard_normal((1030, 256)).astype(np.float32), Q4_0)
+    code, whole = _repacked_or_skip(w)
+    monkeypatch.setattr(packed, "REPACK_CHUNK_BYTES", 5 * 16 * w.shape[1])
+    assert len(packed._repack_chunks(*w.shape)) > 10
+    m = PackedMatrix(_mapped(tmp_path, w), Q4_0)
+    assert m.repack() and m._repacked is not None
+    assert m._repacked[0] == code and np.array_equal(m._repacked[1], whole)

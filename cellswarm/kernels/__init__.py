@@ -425,18 +425,27 @@ def repack(
     Q8_0 and Q4_K have one; the CPU: AVX-512 VNNI + VBMI; fewer than 16 rows;
     CELLSWARM_REPACK=0).
     The kernels read a repacked weight as the same numbers, to the bit."""
-    lib = _load()
-    code = FUSED_TYPES.get(type_name, -1)
-    if lib is None or not _repack or w.ndim != 2 or w.shape[0] < 16 or code < 0:
-        return None
-    packed_code = int(lib.cs_repacked(code))
-    if packed_code < 0:
+    packed_code = repacked_code(type_name, w.shape[0]) if w.ndim == 2 else None
+    if packed_code is None:
         return None
     src = np.ascontiguousarray(w)
     dst = np.empty_like(src) if out is None else out
     assert dst.shape == src.shape and dst.flags.c_contiguous and dst.dtype == np.uint8
-    lib.cs_repack(code, src.ctypes.data, src.shape[0], src.shape[1], dst.ctypes.data)
+    lib = _load()
+    assert lib is not None
+    lib.cs_repack(FUSED_TYPES[type_name], src.ctypes.data, src.shape[0], src.shape[1],
+                  dst.ctypes.data)  # fmt: skip
     return packed_code, dst
+
+
+def repacked_code(type_name: str, rows: int) -> int | None:
+    """The format code a weight of `rows` rows gets from repack, or None where it gets none."""
+    lib = _load()
+    code = FUSED_TYPES.get(type_name, -1)
+    if lib is None or not _repack or rows < 16 or code < 0:
+        return None
+    packed_code = int(lib.cs_repacked(code))
+    return packed_code if packed_code >= 0 else None
 
 
 class Mat(ctypes.Structure):

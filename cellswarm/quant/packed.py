@@ -30,6 +30,7 @@ TILE_BYTES = 16 << 20
 BLOCK_BYTES = 4 << 20
 BLOCK_WORKERS = TILE_BYTES // BLOCK_BYTES
 GROUP_ROWS = 16  # rows in one group of a repacked weight (kernels.repack)
+REPACK_CHUNK_BYTES = 4 << 20  # repacked this much at a time, its file pages then let go
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
@@ -51,6 +52,16 @@ def _drop(pages: tuple[int, int]) -> None:
     lo, hi = pages
     if hi > lo:
         _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
+
+
+def _repack_chunks(rows: int, row_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges of ~REPACK_CHUNK_BYTES, whole 16-row groups, every one at least a group: the
+    rows after the last whole group go with the chunk before them."""
+    step = max(GROUP_ROWS, REPACK_CHUNK_BYTES // max(row_bytes, 1) // GROUP_ROWS * GROUP_ROWS)
+    cuts = list(range(0, rows, step))
+    if len(cuts) > 1 and rows - cuts[-1] < GROUP_ROWS:
+        cuts.pop()
+    return list(zip(cuts, [*cuts[1:], rows], strict=True))
 
 
 _libc_handle: ctypes.CDLL | None = None
@@ -109,13 +120,21 @@ class PackedMatrix:
             return True
         pages = _file_pages(self.data)
         fast = kernels.enabled() and kernels.can_fuse(self.fmt.name)
-        if pages and fast:
-            repacked = kernels.repack(self.fmt.name, self._contiguous())
-            if repacked is not None:
-                self._repacked = repacked
-                self._fused_args = False  # rebuilt on the new bytes
-                _drop(pages)
-        return self._repacked is not None
+        code = kernels.repacked_code(self.fmt.name, self.shape[0]) if fast else None
+        if not pages or code is None:
+            return False
+        src = self._contiguous()
+        dst = np.empty_like(src)  # pages appear as they are written
+        for a, b in _repack_chunks(self.shape[0], self.data.shape[1]):
+            # a chunk at a time, its file pages let go at once: while a big matrix (a head of
+            # 600 MB) is copied, it is not resident twice, only one chunk of it
+            kernels.repack(self.fmt.name, src[a:b], dst[a:b])
+            if (chunk := _file_pages(self.data[a:b])) is not None:
+                _drop(chunk)
+        _drop(pages)  # and the pages the chunks shared at their edges
+        self._repacked = (code, dst)
+        self._fused_args = False  # rebuilt on the new bytes
+        return True
 
     @classmethod
     def from_float(cls, w: npt.ArrayLike, fmt: QuantFormat) -> PackedMatrix:
