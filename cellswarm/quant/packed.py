@@ -439,17 +439,16 @@ class PackedExperts:
         experts are never written (so never resident), the held ones laid out for the fastest
         kernel, their file pages let go. Not for a stack in slow memory that a cache serves
         from (the tiered engine): that would bring every held expert into DRAM."""
+        if self._repacked is not None:
+            return True
         pages = _file_pages(self.data)
         fast = kernels.enabled() and kernels.can_fuse(self.fmt.name)
-        if self._repacked is not None or not pages or not fast or not self._held:
-            return self._repacked is not None
+        code = kernels.repacked_code(self.fmt.name, self.data.shape[1]) if fast else None
+        if not pages or code is None or not self._held:
+            return False
         stack = np.empty(self.data.shape, np.uint8)  # pages appear where written
-        code = 0
-        for e in self._held:
-            r = kernels.repack(self.fmt.name, self.data[e], stack[e])
-            if r is None:
-                return False
-            code = r[0]
+        for e in self._held:  # decided up front: never some experts repacked and some not
+            kernels.repack(self.fmt.name, self.data[e], stack[e])
             _drop(cast(tuple[int, int], _file_pages(self.data[e])))
         self._repacked = (code, stack)
         return True
