@@ -1,4 +1,5 @@
-"""Q4_0 weights repacked at load into 16-row groups (kernels.c, "Q4_0 in 16-row groups"):
+"""Weights repacked at load into 16-row groups (kernels.c, "Q4_0 and Q8_0 in 16-row groups";
+Q4_K and Q6_K in the same scheme):
 the same numbers to the bit as the file's layout, on every path that reads them, and the
 same memory (the file's pages are let go).
 
@@ -24,6 +25,7 @@ from cellswarm.quant import PackedMatrix, format_by_name
 from cellswarm.quant.formats import dequantize, quantize
 
 Q4_0 = format_by_name("q4_0")
+K_BLOCK = {"Q4_K": (144, 0, 2), "Q6_K": (210, 208, 1)}  # bytes, where the f16s are, how many
 
 
 def _repacked_or_skip(w: np.ndarray, fmt: str = "Q4_0") -> tuple[int, np.ndarray]:
@@ -34,13 +36,14 @@ def _repacked_or_skip(w: np.ndarray, fmt: str = "Q4_0") -> tuple[int, np.ndarray
 
 
 def _weights(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random packed rows; Q4_K (which cellswarm reads but does not write) as random blocks
-    with small f16 scales."""
-    if name != "Q4_K":
+    """Random packed rows; K formats (which cellswarm reads but does not write) as random
+    blocks with small f16 scales: Q4_K's d and dmin first, Q6_K's d last."""
+    if name not in K_BLOCK:
         return quantize(rng.standard_normal((rows, cols)).astype(np.float32), format_by_name(name))
-    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-    scales = rng.uniform(1e-3, 1e-2, (rows, cols // 256, 2)).astype(np.float16)
-    blocks[..., :4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
+    size, at, n = K_BLOCK[name]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, (rows, cols // 256, n)).astype(np.float16)
+    blocks[..., at : at + 2 * n] = scales.view(np.uint8).reshape(rows, cols // 256, 2 * n)
     return blocks.reshape(rows, -1)
 
 
@@ -55,7 +58,7 @@ def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
     [(1030, 1024), (64, 2816), (37, 512), (48, 96), (16, 4096), (17, 32)],
 )  # fmt: skip
 @pytest.mark.parametrize("nx", [1, 3, 16])
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, name: str) -> None:
     """Whole groups and the rows after them, one token and a batch, with outliers (values
     multiplied in float) in the activations: every output bit as from the file's layout."""
@@ -76,7 +79,7 @@ def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, na
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (37, 768)])
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_repacked_weight_dequantizes_to_the_gguf_values(rows: int, cols: int, name: str) -> None:
     rng = np.random.default_rng(rows)
     fmt = format_by_name(name)

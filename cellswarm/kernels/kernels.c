@@ -8,8 +8,8 @@
  *     y = sum_g  xd[g/2] * (scale_g * sum(wq * xq over g) - min_g * sum(xq over g))
  *
  * Every weight byte is read once per call, whatever the batch (1..16 rows of x share each
- * decoded block). Rows of W are split over OpenMP threads. Q4_0, Q8_0 and Q4_K weights may
- * also come repacked in groups of 16 rows (cs_repack, "in 16-row groups" below), read in
+ * decoded block). Rows of W are split over OpenMP threads. Q4_0, Q8_0, Q4_K and Q6_K weights
+ * may also come repacked in groups of 16 rows (cs_repack, "in 16-row groups" below), read in
  * the same arithmetic as the file's layout: the same bits. Written as plain C loops with
  * constant trip counts so gcc vectorizes them for the host (-O3 -march=native): AVX2/AVX-512
  * on x86-64, NEON on aarch64, VSX on ppc64.
@@ -30,9 +30,10 @@
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_K = 14, BF16 = 30 };
 /* The same formats repacked in 16-row groups (cs_repack: only on CPUs that have the kernels
  * for them; elsewhere never made), and the format of a row after a weight's last group. */
-enum { Q4_0R = 102, Q8_0R = 108, Q4_KR = 112 };
-#define IS_R16(f) ((f) == Q4_0R || (f) == Q8_0R || (f) == Q4_KR)
-#define R16_NATURAL(f) ((f) == Q4_0R ? Q4_0 : (f) == Q8_0R ? Q8_0 : (f) == Q4_KR ? Q4_K : (f))
+enum { Q4_0R = 102, Q8_0R = 108, Q4_KR = 112, Q6_KR = 114 };
+#define IS_R16(f) ((f) == Q4_0R || (f) == Q8_0R || (f) == Q4_KR || (f) == Q6_KR)
+#define R16_NATURAL(f) \
+    ((f) == Q4_0R ? Q4_0 : (f) == Q8_0R ? Q8_0 : (f) == Q4_KR ? Q4_K : (f) == Q6_KR ? Q6_K : (f))
 #define MAX_BATCH 16
 
 static inline float fp16_to_f32(uint16_t h) {
@@ -886,13 +887,14 @@ ZINL void zq2k(const uint8_t *row, int64_t nb, const acts *a, float *out, const 
 static void zrow_q4_0(const uint8_t *row, int64_t nb, const acts *a, float *out);
 static void zrow_q8_0(const uint8_t *row, int64_t nb, const acts *a, float *out);
 static void zrow_q4_k(const uint8_t *row, int64_t nb, const acts *a, float *out);
+static void zrow_q6_k(const uint8_t *row, int64_t nb, const acts *a, float *out);
 #else
 ZROW(zrow_q4_k, zq4k(row, nb, a, out, 1), zq4k(row, nb, a, out, a->nx))
 ZROW(zrow_q8_0, z32(row, nb, a, out, Q8_0, 1), z32(row, nb, a, out, Q8_0, a->nx))
 ZROW(zrow_q4_0, z32(row, nb, a, out, Q4_0, 1), z32(row, nb, a, out, Q4_0, a->nx))
+ZROW(zrow_q6_k, zq6k(row, nb, a, out, 1), zq6k(row, nb, a, out, a->nx))
 #endif
 ZROW(zrow_q4_1, z32(row, nb, a, out, Q4_1, 1), z32(row, nb, a, out, Q4_1, a->nx))
-ZROW(zrow_q6_k, zq6k(row, nb, a, out, 1), zq6k(row, nb, a, out, a->nx))
 ZROW(zrow_q2_k, zq2k(row, nb, a, out, 1), zq2k(row, nb, a, out, a->nx))
 
 /* z32's quads: the activations of every 4 blocks as 16 lanes of 4 bytes, lane l = block l % 4,
@@ -971,7 +973,8 @@ static int quad_layout(int fmt, int64_t nx, int64_t cols, const int8_t *xq, int8
  * A[l] + A[l + 8], then + 4, + 2, + 1 (tree16). The 16-row kernel keeps the 16 A's as 16
  * registers (lanes: rows), the one-row kernel as one register (lanes: b % 16). */
 #ifdef HAVE_ZMM_VBMI
-#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : (f) == Q4_K ? 2304 : 288) /* bytes: a block of 16 rows */
+#define R16_BYTES(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : 18) /* one row's block */
+#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : (f) == Q4_K ? 2304 : (f) == Q6_K ? 3360 : 288) /* bytes: 16 rows' block */
 
 ZINL float tree16(__m512 v) {
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -1210,6 +1213,111 @@ ZINL float r16_row_q4k(const uint8_t *row, int64_t nb, const int8_t *xq, const f
     return tree16(A);
 }
 
+/* Q6_K in the same scheme, per group g of 16 weights (a block's 16 scales): n_g = sum u x -
+ * 32 sum x exact (u the unsigned 6-bit weight 0..63: dpbusd multiplies unsigned by signed; the
+ * sum from the per-16 sums xs), then A[g] = fma((float)n_g, (d_b * sc_g) * xd_g, A[g]), the
+ * same tree. A block has 16 groups, so a row's 16 lanes are its groups and every block adds
+ * to each once. A group's block (3360 bytes): 16 d (f16), then 52 chunks of 64 bytes, each
+ * one word (4 bytes) of the 208 before d, lane r = row r's: the 4 words of int8 scales, then
+ * in the order the kernel reads them (a stream: read out of order, a 41 MB head went at 7
+ * GB/s) for each half n and c = 0..7 the low nibbles' words 16n + c and 16n + 8 + c and the
+ * high bit pairs' word 8n + c (q6_chunk). Why: a row at a time (zq6k) spent ~50 instructions
+ * a block on reductions across lanes and scale shuffles, and Q6_K decoded at ~14 GB/s. */
+
+/* where word k (bytes 4k..4k+3) of a Q6_K block sits in its group's block: chunk q6_chunk(k) */
+static inline int q6_chunk(int k) {
+    if (k >= 48) return k - 48;             /* scales */
+    if (k >= 32) return 4 + 3 * (k - 32) + 2; /* qh: half (k - 32) / 8, c = (k - 32) % 8 */
+    return 4 + 3 * (8 * (k / 16) + k % 8) + (k % 16) / 8; /* ql */
+}
+#define Q6_AT(blk, chunk) ((const void *)((blk) + 32 + 64 * (chunk)))
+
+/* the 16 lanes' (rows') int8 scale g of their block, from the group's 4 chunks of scales */
+ZINL __m512 k6_scale_lanes(const uint8_t *blk, int g) {
+    const __m512i S = _mm512_loadu_si512(Q6_AT(blk, g / 4));
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(S, 24 - 8 * (g % 4)), 24));
+}
+
+/* 16 repacked Q6_K rows (nb blocks of 256) times nx activation rows: out[t * ld + lane].
+ * Each chunk's weights are unpacked once for all nx rows; per row the same operations in the
+ * same order whatever nx is (the same bits alone or in a batch). */
+ZINL void r16_group_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                        const int32_t *xs, int64_t cols, const int64_t nx, float *out, int64_t ld) {
+    const int64_t nbx = cols / 32, ngx = cols / 16;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[MAX_BATCH][16];
+    for (int64_t t = 0; t < nx; t++)
+        for (int j = 0; j < 16; j++) acc[t][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 3360 * b;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+#pragma GCC unroll 2
+            for (int cq = 0; cq < 2; cq++) { /* c = 4cq..4cq+3: weights 4c.. of each 32: group 2m + cq */
+                __m512i u[4][4];
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const int c = 4 * cq + i;
+                    const int at = 4 + 3 * (8 * n + c); /* q6_chunk of ql 16n + c, then on */
+                    const __m512i l0 = _mm512_loadu_si512(Q6_AT(blk, at));
+                    const __m512i l1 = _mm512_loadu_si512(Q6_AT(blk, at + 1));
+                    const __m512i h = _mm512_loadu_si512(Q6_AT(blk, at + 2));
+                    u[0][i] = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+                    u[1][i] = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+                    u[2][i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_and_si512(h, m30));
+                    u[3][i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
+                                              _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+                }
+#pragma GCC unroll 4
+                for (int m = 0; m < 4; m++) {
+                    const int gi = 8 * n + 2 * m + cq; /* the group, and A's lane */
+                    const __m512 sg = _mm512_mul_ps(d, k6_scale_lanes(blk, gi));
+                    for (int64_t t = 0; t < nx; t++) {
+                        const int32_t *x4 = (const int32_t *)(xq + t * cols + 256 * b + 128 * n + 32 * m + 16 * cq);
+                        __m512i s = _mm512_set1_epi32(-32 * xs[t * ngx + 16 * b + gi]);
+#pragma GCC unroll 4
+                        for (int i = 0; i < 4; i++) s = _mm512_dpbusd_epi32(s, u[m][i], _mm512_set1_epi32(x4[i]));
+                        const __m512 sc = _mm512_mul_ps(sg, _mm512_set1_ps(xd[t * nbx + 8 * b + gi / 2]));
+                        acc[t][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[t][gi]);
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t t = 0; t < nx; t++) tree16_rows(acc[t], out + t * ld);
+}
+
+/* One Q6_K row in the file's layout: a block's 16 groups in the 16 lanes. */
+ZINL float r16_row_q6k(const uint8_t *row, int64_t nb, const int8_t *xq, const float *xd,
+                       const int32_t *xs) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl = w16x2(4, 2), shr = w16x2(0, 2);
+    __m512 A = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 210 * b;
+        __m512i V[4];
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) { /* as zq6k: weights 0-63 and 64-127 of this half */
+            const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * n));
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+            const __m512i wa = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(h, shl), m30));
+            const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                               _mm512_and_si512(_mm512_srlv_epi16(h, shr), m30));
+            const int8_t *xp = xq + 256 * b + 128 * n;
+            V[2 * n] = zdot(wa, _mm512_loadu_si512((const void *)xp));
+            V[2 * n + 1] = zdot(wb, _mm512_loadu_si512((const void *)(xp + 64)));
+        }
+        /* V[i]: 4 groups of 4 lanes each: fold to one lane per group, groups 0..15 in order */
+        const __m512i G = fold_pairs(fold_pairs(V[0], V[1]), fold_pairs(V[2], V[3]));
+        const __m512i R = _mm512_sub_epi32(G, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(xs + 16 * b)), 5));
+        const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 208)),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(R), _mm512_mul_ps(sc, xd_groups(xd + 8 * b)), A);
+    }
+    return tree16(A);
+}
+
 static void zrow_r16(const int fmt, const uint8_t *row, int64_t nb, const acts *a, float *out) {
     const int64_t nbx = a->cols / 32;
     for (int64_t k = 0; k < a->nx; k++)
@@ -1226,6 +1334,11 @@ static void zrow_q4_k(const uint8_t *row, int64_t nb, const acts *a, float *out)
     const int64_t nbx = a->cols / 32;
     for (int64_t k = 0; k < a->nx; k++)
         out[k] = r16_row_q4k(row, nb, a->xq + k * a->cols, a->xd + k * nbx, a->xsum + k * nbx);
+}
+static void zrow_q6_k(const uint8_t *row, int64_t nb, const acts *a, float *out) {
+    const int64_t nbx = a->cols / 32;
+    for (int64_t k = 0; k < a->nx; k++)
+        out[k] = r16_row_q6k(row, nb, a->xq + k * a->cols, a->xd + k * nbx, a->xs + 2 * k * nbx);
 }
 
 
@@ -1343,6 +1456,11 @@ static void r16_group_acts(int fmt, const uint8_t *g, const int8_t *xq, const fl
                            const int32_t *xs, const float *xsum, int64_t cols, int64_t nx,
                            float *out, int64_t ld) {
     const int64_t nbx = cols / 32;
+    if (fmt == Q6_K) { /* one function; nx 1 its own copy */
+        if (nx == 1) r16_group_q6k(g, cols / 256, xq, xd, xs, cols, 1, out, ld);
+        else r16_group_q6k(g, cols / 256, xq, xd, xs, cols, nx, out, ld);
+        return;
+    }
     if (nx > 1) { /* several rows: each block's weights unpacked once */
         if (fmt == Q8_0) r16_group_tile(Q8_0, g, nbx, xq, xd, xs, cols, nx, out, ld);
         else if (fmt == Q4_0) r16_group_tile(Q4_0, g, nbx, xq, xd, xs, cols, nx, out, ld);
@@ -1360,6 +1478,16 @@ static void r16_group_acts(int fmt, const uint8_t *g, const int8_t *xq, const fl
 
 /* the weight at column col of lane `lane` of a group: as plan_weight decodes it */
 static inline float r16_weight(int fmt, const uint8_t *g, int lane, int32_t col) {
+    if (fmt == Q6_K) { /* as k_weight_at; byte i of the row's block at chunk i / 4 */
+        const uint8_t *blk = g + 3360 * (col >> 8), *c = blk + 32 + 4 * lane;
+        const int e = col & 255, gi = e >> 4, n = e >> 7, part = (e >> 5) & 3, l = e & 31;
+        const int lo = 64 * n + 32 * (part & 1) + l, hi = 128 + 32 * n + l, sb = 192 + gi;
+        const uint8_t qlb = c[64 * q6_chunk(lo >> 2) + (lo & 3)];
+        const int h = (c[64 * q6_chunk(hi >> 2) + (hi & 3)] >> (2 * part)) & 3;
+        const int q = ((part < 2 ? qlb & 0xF : qlb >> 4) | (h << 4)) - 32;
+        const int8_t sc = (int8_t)c[64 * q6_chunk(sb >> 2) + (sb & 3)];
+        return h2f(blk + 2 * lane) * sc * (float)q - 0.0f;
+    }
     if (fmt == Q4_K) { /* as k_weight_at */
         const uint8_t *blk = g + 2304 * (col >> 8);
         const int e = col & 255, l = e & 31, at = 32 * (e >> 6) + l;
@@ -1379,27 +1507,30 @@ static inline float r16_weight(int fmt, const uint8_t *g, int lane, int32_t col)
     return d * (float)(((e >= 16 ? q >> 4 : q) & 0xF) - 8);
 }
 
-int cs_repacked(int fmt) { return fmt == Q4_0 ? Q4_0R : fmt == Q8_0 ? Q8_0R : fmt == Q4_K ? Q4_KR : -1; }
+int cs_repacked(int fmt) {
+    return fmt == Q4_0 ? Q4_0R : fmt == Q8_0 ? Q8_0R : fmt == Q4_K ? Q4_KR : fmt == Q6_K ? Q6_KR : -1;
+}
 
 /* one block of row r of a group, from the file's layout (src) into the group's (o), or back */
 static inline void r16_lane(int fmt, uint8_t *o, int r, uint8_t *src, int back) {
-    const int head = fmt == Q4_K ? 4 : 2, bb = fmt == Q8_0 ? 34 : fmt == Q4_K ? 144 : 18;
+    const int head = fmt == Q4_K ? 4 : 2, bb = R16_BYTES(fmt);
     const int words = (bb - head) / 4, body = fmt == Q4_K ? 64 : 32; /* Q4_K: + dmin */
-    uint8_t *f[2] = {o + 2 * r, src};
+    const int first = fmt == Q6_K ? 0 : head; /* Q6_K: d after the 208 bytes of words */
+    uint8_t *f[2] = {o + 2 * r, fmt == Q6_K ? src + 208 : src};
     memcpy(f[back], f[!back], 2);
     if (fmt == Q4_K) {
         uint8_t *g2[2] = {o + 32 + 2 * r, src + 2};
         memcpy(g2[back], g2[!back], 2);
     }
     for (int k = 0; k < words; k++) {
-        uint8_t *p[2] = {o + body + 64 * k + 4 * r, src + head + 4 * k};
+        uint8_t *p[2] = {o + body + 64 * (fmt == Q6_K ? q6_chunk(k) : k) + 4 * r, src + first + 4 * k};
         memcpy(p[back], p[!back], 4);
     }
 }
 
-/* out = w (rows of Q4_0, Q8_0 or Q4_K) with its whole 16-row groups repacked; the same size */
+/* out = w (rows of Q4_0, Q8_0, Q4_K or Q6_K) with its whole 16-row groups repacked; the same size */
 void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
-    const int bb = fmt == Q8_0 ? 34 : fmt == Q4_K ? 144 : 18, gb = R16_BLOCK(fmt);
+    const int bb = R16_BYTES(fmt), gb = R16_BLOCK(fmt);
     const int64_t nb = row_bytes / bb, ng = rows / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < ng; g++)
@@ -1979,11 +2110,12 @@ static void dequant_one(int fmt, const uint8_t *w, int64_t rows, int64_t row_byt
     if (IS_R16(fmt) && r < rows / 16 * 16) { /* the row's blocks as in the file, then as dequant_row */
         const uint8_t *g = w + r / 16 * 16 * row_bytes;
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t one[144];
+            uint8_t one[210];
             r16_lane(nat, (uint8_t *)(g + R16_BLOCK(nat) * b), (int)(r % 16), one, 1);
             if (nat == Q8_0) dequant_row(Q8_0, one, 1, 34, y + n * b);
             else if (nat == Q4_0) dequant_row(Q4_0, one, 1, 18, y + n * b);
-            else dequant_row(Q4_K, one, 1, 144, y + n * b);
+            else if (nat == Q4_K) dequant_row(Q4_K, one, 1, 144, y + n * b);
+            else dequant_row(Q6_K, one, 1, 210, y + n * b);
         }
         return;
     }

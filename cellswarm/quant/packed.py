@@ -105,17 +105,18 @@ class PackedMatrix:
         self._repacked: tuple[int, Bytes] | None = None  # (format code, bytes): repack()
 
     def repack(self) -> bool:
-        """Lay the bytes out for this CPU's fastest kernel (kernels.repack: Q4_0, Q8_0 and Q4_K
-        in groups of 16 rows, on AVX-512 VNNI + VBMI), which reads them as the same numbers to
-        the bit, and let go of the file's pages they came from: the weight then takes the same
-        memory as before, in memory of its own instead of the page cache's, not twice. The
-        fused paths (any batch) and dequantize read the new layout from then on; `data` stays
-        the GGUF bytes (a view of the file: reading it again maps pages again; the numpy path
-        does, CELLSWARM_KERNELS=numpy being the reference). False where there is no faster
-        layout, and for a weight not read from a mapped file (memory of its own: a second copy
-        would double it). Called by the fused layers for the matrices they own, and for an
-        output head of its own (ops.head_matrix: its best rows are read back by take_rows,
-        from this copy); not for the embedding, whose token lookups read the file's rows."""
+        """Lay the bytes out for this CPU's fastest kernel (kernels.repack: Q4_0, Q8_0, Q4_K
+        and Q6_K in groups of 16 rows, on AVX-512 VNNI + VBMI), which reads them as the same
+        numbers to the bit, and let go of the file's pages they came from: the weight then
+        takes the same memory as before, in memory of its own instead of the page cache's,
+        not twice. The fused paths (any batch) and dequantize read the new layout from then
+        on; `data` stays the GGUF bytes (a view of the file: reading it again maps pages
+        again; the numpy path does, CELLSWARM_KERNELS=numpy being the reference). False
+        where there is no faster layout, and for a weight not read from a mapped file
+        (memory of its own: a second copy would double it). Called by the fused layers for
+        the matrices they own, and for an output head of its own (ops.head_matrix: its best
+        rows are read back by take_rows, from this copy); not for the embedding, whose token
+        lookups read the file's rows."""
         if self._repacked is not None:
             return True
         pages = _file_pages(self.data)
