@@ -1,6 +1,6 @@
 """cellswarm against llama.cpp: the same GGUF files, the same threads, in the same run.
 
-    python -m bench.peers [--only SUBSTRING] [--threads 1,2] [--quick] [--json]
+    python -m bench.peers [--only SUBSTRING] [--threads 1,2] [--rounds R] [--quick] [--json]
                           [--check] [--perplexity]
 
 The first run installs llama.cpp into the cache folder (`$CELLSWARM_CACHE/peers`, by default
@@ -40,6 +40,12 @@ as `cellswarm generate` runs it, with `kernels.set_threads`, mean of 3), and the
 cellswarm / llama.cpp (1.00 = as fast; above 1, cellswarm is faster). The two engines run
 one after the other per row (which goes first alternates), so a busy neighbour on the
 machine slows both: the load average is printed before and after.
+
+--rounds R (default 1) runs each row's pair R times, alternating which engine goes first:
+on a shared virtual machine one engine's figure can move by 20% between two runs a minute
+apart, and a ratio made of two runs minutes apart measures the neighbours as much as the
+engines. Then each engine's tokens/s is the median of its R runs, and the ratio is the
+median of the R ratios of runs made side by side, with their range in brackets.
 
 --perplexity runs llama-perplexity (`-c 128`: chunks of 128 tokens, the second half of each
 scored) on tests/data/sample_text.txt with the demo model (a trained model, where the number
@@ -368,17 +374,36 @@ def agreeing_tokens(pieces: Sequence[str], text: str) -> int:
     return n
 
 
+def combine_rounds(rounds: Sequence[tuple[Mapping[str, float], Mapping[str, float]]]) -> dict:
+    """[(llama.cpp's {"decode", "prefill"}, cellswarm's), ...], one pair per round (a failed run
+    lacks its keys) -> the row's medians: {llama_decode, cells_decode, llama_prefill,
+    cells_prefill} (None when no round has it), and {decode_ratios, prefill_ratios}: each
+    round's ratio cellswarm / llama.cpp, from the two runs made side by side."""
+    row: dict[str, Any] = {}
+    for key in ("decode", "prefill"):
+        theirs = [t[key] for t, _ in rounds if key in t]
+        ours = [o[key] for _, o in rounds if key in o]
+        row[f"llama_{key}"] = float(np.median(theirs)) if theirs else None
+        row[f"cells_{key}"] = float(np.median(ours)) if ours else None
+        row[f"{key}_ratios"] = [o[key] / t[key] for t, o in rounds if key in t and key in o]
+    return row
+
+
 COLUMNS = ("model", "quant", "threads", "llama.cpp decode", "cellswarm decode", "ratio",
            "llama.cpp prefill", "cellswarm prefill", "ratio")  # fmt: skip
 
 
-def ratio(ours: float | None, theirs: float | None) -> str:
+def ratio(ours: float | None, theirs: float | None, rounds: Sequence[float] = ()) -> str:
+    """The ratio cell: ours / theirs; with several rounds' ratios, their median [min-max]."""
+    if len(rounds) > 1:
+        return f"{np.median(rounds):.2f} [{min(rounds):.2f}-{max(rounds):.2f}]"
     return f"{ours / theirs:.2f}" if ours and theirs else "-"
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Rows of {model, quant, threads, llama_decode, cells_decode, llama_prefill,
-    cells_prefill} (tokens/s, None when a run failed) -> the printed table."""
+    cells_prefill} (tokens/s, None when a run failed; with --rounds, the medians and the
+    rounds' decode_ratios and prefill_ratios) -> the printed table."""
 
     def num(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
@@ -386,9 +411,9 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     body = [
         (r["model"], r["quant"].upper(), str(r["threads"]),
          num(r["llama_decode"]), num(r["cells_decode"]),
-         ratio(r["cells_decode"], r["llama_decode"]),
+         ratio(r["cells_decode"], r["llama_decode"], r.get("decode_ratios", ())),
          num(r["llama_prefill"]), num(r["cells_prefill"]),
-         ratio(r["cells_prefill"], r["llama_prefill"]))
+         ratio(r["cells_prefill"], r["llama_prefill"], r.get("prefill_ratios", ())))
         for r in rows
     ]  # fmt: skip
     widths = [max([len(c), *(len(b[i]) for b in body)]) for i, c in enumerate(COLUMNS)]
@@ -560,6 +585,9 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="first quant of each model, pp128, tg32, 1 rep"
     )
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run each row's two engines this many times, side by side "
+                             "(default 1); print medians and the ratios' range")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--check", action="store_true", help="install, write, check; no timing")
     parser.add_argument("--perplexity", action="store_true", help="llama-perplexity too")
@@ -586,28 +614,32 @@ def main() -> None:
         return
     load_before = os.getloadavg()
     results = []
-    for i, (m, q, t) in enumerate(rows):
+    turn = 0
+    for m, q, t in rows:
         path = paths[(m.name, q)]
-        if i % 2 == 0:  # alternate which engine goes first
-            theirs = run_llama_bench(llama, path, t, prompt_len, steps, reps)
-            ours = run_cellswarm(path, t, prompt_len, steps, reps)
-        else:
-            ours = run_cellswarm(path, t, prompt_len, steps, reps)
-            theirs = run_llama_bench(llama, path, t, prompt_len, steps, reps)
-        row = {"model": m.name, "quant": q, "threads": t,
-               "llama_decode": theirs.get("decode"), "cells_decode": ours.get("decode"),
-               "llama_prefill": theirs.get("prefill"),
-               "cells_prefill": ours.get("prefill")}  # fmt: skip
+        pairs = []
+        for _ in range(max(1, args.rounds)):
+            if turn % 2 == 0:  # alternate which engine goes first
+                theirs = run_llama_bench(llama, path, t, prompt_len, steps, reps)
+                ours = run_cellswarm(path, t, prompt_len, steps, reps)
+            else:
+                ours = run_cellswarm(path, t, prompt_len, steps, reps)
+                theirs = run_llama_bench(llama, path, t, prompt_len, steps, reps)
+            turn += 1
+            pairs.append((theirs, ours))
+        row = {"model": m.name, "quant": q, "threads": t, **combine_rounds(pairs)}
         results.append(row)
         log(format_table([row]).splitlines()[-1])
     load_after = os.getloadavg()
     if args.json:
         print(json.dumps({"llama_cpp": llama.info, "prompt": prompt_len, "decode": steps,
-                          "reps": reps, "load_before": load_before, "load_after": load_after,
-                          "checks": checks, "rows": results}, indent=1))  # fmt: skip
+                          "reps": reps, "rounds": args.rounds, "load_before": load_before,
+                          "load_after": load_after, "checks": checks, "rows": results},
+                         indent=1))  # fmt: skip
     else:
-        print(f"\n{llama.label} vs cellswarm; tokens/s, mean of {reps}; decode {steps} tokens, "
-              f"prefill {prompt_len}; ratio = cellswarm / llama.cpp")  # fmt: skip
+        rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
+        print(f"\n{llama.label} vs cellswarm; tokens/s, mean of {reps}{rounds}; decode {steps} "
+              f"tokens, prefill {prompt_len}; ratio = cellswarm / llama.cpp")  # fmt: skip
         print(format_table(results))
         print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f} "
               f"on {os.cpu_count()} cores")  # fmt: skip

@@ -55,6 +55,25 @@ def test_format_table() -> None:
     assert len({len(line) for line in lines}) == 1  # aligned
 
 
+def test_rounds_give_medians_and_the_side_by_side_ratios() -> None:
+    """--rounds: each engine's median, and the median of ratios of runs made together (not
+    the ratio of medians), their range printed; a failed run leaves its round out."""
+    rounds = [
+        ({"decode": 100.0, "prefill": 400.0}, {"decode": 90.0, "prefill": 300.0}),
+        ({"decode": 80.0, "prefill": 420.0}, {"decode": 88.0}),
+        ({"decode": 120.0, "prefill": 380.0}, {"decode": 126.0, "prefill": 342.0}),
+    ]
+    row = peers.combine_rounds(rounds)
+    assert row["llama_decode"] == 100.0 and row["cells_decode"] == 90.0
+    assert row["decode_ratios"] == pytest.approx([0.9, 1.1, 1.05])
+    assert row["llama_prefill"] == 400.0 and row["cells_prefill"] == 321.0
+    assert row["prefill_ratios"] == pytest.approx([0.75, 0.9])
+    table = peers.format_table([{"model": "m", "quant": "q4_0", "threads": 2, **row}])
+    line = table.splitlines()[2]
+    assert "1.05 [0.90-1.10]" in line and "0.82 [0.75-0.90]" in line
+    assert peers.combine_rounds([({}, {})])["cells_decode"] is None
+
+
 def test_storage_type_follows_llama_quantize() -> None:
     assert peers.storage_type("blk.0.attn_norm.weight", (1024,), "q4_k") == "f32"
     assert peers.storage_type("blk.1.ffn_gate_inp.weight", (64, 1024), "q8_0") == "f32"
