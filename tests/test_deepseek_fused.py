@@ -22,6 +22,7 @@ from cellswarm.engine.model import Model
 from cellswarm.io.gguf_write import write_gguf
 from cellswarm.models.deepseek2 import DeepseekConfig
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
+from cellswarm.quant.packed import exact_q8_0
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="no C compiler: numpy path only")
 
@@ -42,14 +43,19 @@ DENSE = dataclasses.replace(V3, n_experts=0, n_experts_used=0, n_shared_experts=
 TOKENS = [5, 17, 99, 3, 250, 7, 1, 2, 400, 9]
 
 
-def write(path: Path, c: DeepseekConfig, quant: str, kv_layout: str, kv_quant: bool) -> Path:
+def write(
+    path: Path, c: DeepseekConfig, quant: str, kv_layout: str, kv_quant: bool,
+    kv_format: str | None = None,
+) -> Path:  # fmt: skip
     """Random weights (1/sqrt(fan-in)), `quant` for matrices, a float32 router, and the key/
-    value up-projection as attn_k_b/attn_v_b ("split") or attn_kv_b, packed or float32."""
+    value up-projection as attn_k_b/attn_v_b ("split") or attn_kv_b, packed (in `kv_format`,
+    default `quant`) or float32."""
     rng, fmt = np.random.default_rng(0), format_by_name(quant)
     t: dict[str, np.ndarray | PackedMatrix | PackedExperts] = {}
 
-    def packed(w: np.ndarray) -> PackedMatrix | PackedExperts:
-        return (PackedExperts if w.ndim == 3 else PackedMatrix).from_float(w, fmt)
+    def packed(w: np.ndarray, as_: str | None = None) -> PackedMatrix | PackedExperts:
+        f = format_by_name(as_) if as_ else fmt
+        return (PackedExperts if w.ndim == 3 else PackedMatrix).from_float(w, f)
 
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
@@ -67,8 +73,8 @@ def write(path: Path, c: DeepseekConfig, quant: str, kv_layout: str, kv_quant: b
         h, lat, n, v = c.n_heads, c.kv_lora_rank, c.qk_nope_dim, c.v_head_dim
         if kv_layout == "split":
             k_b, v_b = rand(h, lat, n), rand(h, v, lat)
-            t[p + "attn_k_b.weight"] = packed(k_b) if kv_quant else k_b
-            t[p + "attn_v_b.weight"] = packed(v_b) if kv_quant else v_b
+            t[p + "attn_k_b.weight"] = packed(k_b, kv_format) if kv_quant else k_b
+            t[p + "attn_v_b.weight"] = packed(v_b, kv_format) if kv_quant else v_b
         else:
             kv_b = rand(h * (n + v), lat)
             t[p + "attn_kv_b.weight"] = packed(kv_b) if kv_quant else kv_b
@@ -143,6 +149,23 @@ def test_packed_kv_up_projection_stays_within_int8_noise(tmp_path: Path) -> None
     model = cellswarm.load(write(tmp_path / "m.gguf", DENSE, "Q8_0", "split", True))
     fused, ref = decode(model, True), decode(model, False)
     assert np.abs(fused - ref).max() <= 0.03 * np.abs(ref).max()
+
+
+def test_a_q5_0_kv_up_projection_runs_fused_as_the_same_values_in_q8_0(tmp_path: Path) -> None:
+    """llama-quantize's Q5_0 fallback for attn_k_b / attn_v_b (64-column rows in a K-quant
+    file) runs in the fused layer as Q8_0 (packed.exact_q8_0: the same values), not as a
+    float32 copy of 5.8x the bytes: the same hidden states as a file written in Q8_0 with
+    those values, and the fused layer's k_b / v_b are Q8_0 matrices."""
+    q5 = cellswarm.load(write(tmp_path / "q5.gguf", DENSE, "Q8_0", "split", True, "Q5_0"))
+    fused, ref = decode(q5, True), decode(q5, False)
+    assert np.abs(fused - ref).max() <= 0.03 * np.abs(ref).max()
+    layer: Any = q5.arch._fused.layer(0)  # type: ignore[attr-defined]
+    for m in (layer.struct.k_b, layer.struct.v_b):
+        assert (m.kind, m.fmt) == (0, kernels.FUSED_TYPES["Q8_0"])
+    p = "blk.0."
+    k_b = q5.weights[p + "attn_k_b.weight"]
+    assert k_b.fmt.name == "Q5_0"  # the model's own tensor is untouched
+    assert np.array_equal(exact_q8_0(k_b).dequantize(), k_b.dequantize())
 
 
 def test_float32_weights_run_layer_by_layer(tmp_path: Path) -> None:

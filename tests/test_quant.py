@@ -421,3 +421,23 @@ def test_experts_from_float() -> None:
     np.testing.assert_array_equal(experts.expert(1).data, quantize(w[1], fmt))
     with pytest.raises(ShapeMismatchError, match=r"must be 3-D"):
         PackedExperts(np.zeros((2, 18), np.uint8), fmt)
+
+
+def test_q5_0_becomes_q8_0_with_the_same_values_to_the_bit() -> None:
+    """formats.q5_0_as_q8_0 (a K-quant file's Q5_0 fallback, read by the fused kernels as
+    Q8_0): every value gguf decodes from the Q5_0 bytes, from the Q8_0 ones; rows and stacks
+    keep their shape; every 5-bit value, both signs of d, and subnormal d included."""
+    from cellswarm.quant.formats import q5_0_as_q8_0
+
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, (3, 4, 7 * 22), dtype=np.uint8)  # (stack, rows, 7 blocks)
+    d = rng.uniform(-2, 2, (3, 4, 7)).astype(np.float16)
+    d[0, 0, :3] = [np.float16(6e-8), np.float16(-0.0), np.float16(65504)]
+    b = blocks.reshape(3, 4, 7, 22)
+    b[..., :2] = d.view(np.uint8).reshape(3, 4, 7, 2)
+    b[0, 0, 0, 2:] = [0xFF] * 4 + [0x10 * i + (15 - i) for i in range(16)]  # q = 0..31 all seen
+    q8 = q5_0_as_q8_0(blocks)
+    assert q8.shape == (3, 4, 7 * 34) and q8.dtype == np.uint8
+    want = gq.dequantize(blocks, GGMLQuantizationType.Q5_0)
+    got = gq.dequantize(q8, GGMLQuantizationType.Q8_0)
+    assert np.array_equal(want.view(np.uint32), got.view(np.uint32))

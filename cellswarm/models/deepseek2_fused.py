@@ -23,6 +23,7 @@ import numpy as np
 from cellswarm import kernels
 from cellswarm.models.kv_cache import check_room
 from cellswarm.quant import PackedExperts, PackedMatrix
+from cellswarm.quant.packed import exact_q8_0
 
 if TYPE_CHECKING:
     from cellswarm.models.deepseek2 import Deepseek2
@@ -243,7 +244,8 @@ class FusedDecode:
 
     def _kv_up(self, layer: int, keep: list[Any]) -> tuple[Args, Args] | None:
         """W_UK^T per head (H, L, N) and W_UV (H, V, L) as matrices: packed from attn_k_b /
-        attn_v_b, else float32 from the model's decoded copies."""
+        attn_v_b (Q5_0 as the same values in Q8_0), else float32 from the model's decoded
+        copies."""
         m, c, p = self.model, self.model.config, f"blk.{layer}."
         lat, nope, v = c.kv_lora_rank, c.qk_nope_dim, c.v_head_dim
         if p + "attn_k_b.weight" in m.w:
@@ -251,6 +253,7 @@ class FusedDecode:
             if isinstance(k_b, PackedMatrix | PackedExperts) and isinstance(
                 v_b, PackedMatrix | PackedExperts
             ):
+                k_b, v_b = exact_q8_0(k_b), exact_q8_0(v_b)  # a K-quant file's Q5_0 fallback
                 ka, va = _args(k_b, float32_ok=True), _args(v_b, float32_ok=True)
                 if ka is not None and va is not None:
                     keep += [k_b, v_b]

@@ -278,6 +278,17 @@ class Q5_0Format(QuantFormat):
         return np.concatenate([_to_f16_bytes(d), high, low], axis=1)
 
 
+def q5_0_as_q8_0(blocks: Bytes) -> Bytes:
+    """Q5_0 rows (..., n * 22 bytes) as Q8_0 rows (..., n * 34) holding the same values to the
+    bit: Q5_0 is d * (q - 16) with q - 16 in -16..15, Q8_0 is d * q8 with q8 an int8, and the
+    f16 d carries over. For a fused kernel, which reads Q8_0 and not Q5_0."""
+    rows = blocks.shape[:-1]
+    b = np.ascontiguousarray(blocks).reshape(-1, 22)
+    q = _q5(b[:, 2:6], b[:, 6:]).astype(np.int8) - np.int8(16)  # (n, 32)
+    out = np.concatenate([b[:, :2], q.view(np.uint8)], axis=1)
+    return out.reshape(*rows, -1)
+
+
 @dataclass(frozen=True)
 class Q5_1Format(QuantFormat):
     """Block of 32: f16 d, f16 m, 4 bytes of fifth bits, 16 of nibbles; x = d * q + m."""
