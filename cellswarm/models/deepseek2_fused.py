@@ -23,7 +23,8 @@ import numpy as np
 from cellswarm import kernels
 from cellswarm.models.kv_cache import check_room
 from cellswarm.quant import PackedExperts, PackedMatrix
-from cellswarm.quant.packed import exact_q8_0
+from cellswarm.quant.formats import q5_0_as_q8_0
+from cellswarm.quant.packed import release_file_pages
 
 if TYPE_CHECKING:
     from cellswarm.models.deepseek2 import Deepseek2
@@ -51,6 +52,30 @@ def _args(
         code, data = t._repacked  # type: ignore[misc]
         return 0, code, int(data.ctypes.data), *data.shape[-2:]
     return kernels.weight_args(name, t.data, t.shape[-1])
+
+
+def _q5_0_args(t: PackedMatrix | PackedExperts, keep: list[Any]) -> Args | None:
+    """weight_args of a Q5_0 tensor (a stack: its first member) as Q8_0, which holds its
+    values to the bit (formats.q5_0_as_q8_0) and which the kernels read (they do not read
+    Q5_0), laid out for the fastest kernel where there is one: llama-quantize falls back to
+    Q5_0 where a K-quant's 256-blocks do not fit a row (attn_k_b's 64 columns), and read as a
+    float32 copy that matrix took 5.8x the file's bytes at every token, in Q8_0 rows one at a
+    time (64 columns: two blocks a row, the reductions across lanes dominating) ~1.2x the
+    repacked time of the whole layer. The copy (34/22 of the file's bytes) goes in `keep`;
+    the file's pages under the Q5_0 bytes are let go."""
+    if not kernels.can_fuse("Q8_0"):
+        return None
+    q8 = q5_0_as_q8_0(t.data)
+    release_file_pages(t.data)
+    stack = q8.reshape(-1, *q8.shape[-2:])
+    code = kernels.repacked_code("Q8_0", stack.shape[1])
+    if code is not None:  # each member (a head) in groups of its own rows, as a repacked stack
+        for member in stack:
+            kernels.repack("Q8_0", member.copy(), member)
+    keep.append(q8)
+    if code is None:
+        return kernels.weight_args("Q8_0", q8, t.shape[-1])
+    return 0, code, int(q8.ctypes.data), *stack.shape[1:]
 
 
 def _float_args(a: np.ndarray) -> Args:
@@ -253,8 +278,8 @@ class FusedDecode:
             if isinstance(k_b, PackedMatrix | PackedExperts) and isinstance(
                 v_b, PackedMatrix | PackedExperts
             ):
-                k_b, v_b = exact_q8_0(k_b), exact_q8_0(v_b)  # a K-quant file's Q5_0 fallback
-                ka, va = _args(k_b, float32_ok=True), _args(v_b, float32_ok=True)
+                ka, va = (_q5_0_args(t, keep) if t.fmt.name == "Q5_0"
+                          else _args(t, float32_ok=True) for t in (k_b, v_b))  # fmt: skip
                 if ka is not None and va is not None:
                     keep += [k_b, v_b]
                     # rows per head (the stack may have come flattened to (H * rows, cols))

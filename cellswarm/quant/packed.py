@@ -20,15 +20,7 @@ from gguf import GGMLQuantizationType
 
 from cellswarm import kernels
 from cellswarm.errors import ShapeMismatchError
-from cellswarm.quant.formats import (
-    Bytes,
-    Floats,
-    QuantFormat,
-    dequantize,
-    format_by_name,
-    q5_0_as_q8_0,
-    quantize,
-)
+from cellswarm.quant.formats import Bytes, Floats, QuantFormat, dequantize, quantize
 
 # Float32 bytes of one dequantized weight tile in `matmul`: big enough that np.matmul
 # runs at BLAS speed, small enough to stay near cache and far below the model's size.
@@ -467,19 +459,9 @@ class PackedExperts:
         return dequantize(self.data, self.fmt)
 
 
-def exact_q8_0(t: PackedMatrix | PackedExperts) -> PackedMatrix | PackedExperts:
-    """A Q5_0 tensor as Q8_0, the same values to the bit (formats.q5_0_as_q8_0), for a fused
-    kernel, which reads Q8_0 and not Q5_0; any other tensor as it is. llama-quantize falls back
-    to Q5_0 where a K-quant's 256-blocks do not fit a row (a DeepSeek layer's attn_k_b, 64
-    columns): read in float32 instead, that matrix took 5.8x the file's bytes at every token.
-    The copy is memory of its own (34/22 of the file's bytes); the file's pages under the Q5_0
-    bytes are let go, as a repack lets go of its source."""
-    if t.fmt.name != "Q5_0":
-        return t
-    q8 = q5_0_as_q8_0(t.data)
-    if (pages := _file_pages(t.data)) is not None:
+def release_file_pages(data: npt.NDArray[Any]) -> None:
+    """Let go of the whole file pages under `data` when it is a read-only view of a mapped
+    file (they leave this process's resident set; reading them again maps them back), as a
+    repack does once it has its copy; nothing for memory of its own."""
+    if (pages := _file_pages(data)) is not None:
         _drop(pages)
-    fmt = format_by_name("Q8_0")
-    if isinstance(t, PackedExperts):
-        return PackedExperts(q8, fmt, t.held)
-    return PackedMatrix(q8, fmt)
