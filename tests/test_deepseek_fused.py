@@ -9,9 +9,7 @@ cover experts computed elsewhere.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,15 +79,6 @@ def write(
             t[p + "attn_kv_b.weight"] = packed(kv_b) if kv_quant else kv_b
     write_gguf(path, c.to_gguf_metadata(), t)
     return path
-
-
-@contextlib.contextmanager
-def _repack(on: bool) -> Iterator[None]:
-    before = kernels.set_repack(on)
-    try:
-        yield
-    finally:
-        kernels.set_repack(before)
 
 
 def decode(model: Model, fused: bool) -> np.ndarray:
@@ -174,7 +163,7 @@ def test_a_q5_0_kv_up_projection_runs_fused_as_the_same_values_in_q8_0(tmp_path:
     for m in (layer.struct.k_b, layer.struct.v_b):
         assert m.kind == 0 and m.fmt in (q8, kernels.repacked_code("Q8_0", 64) or q8)
     assert q5.weights["blk.0.attn_k_b.weight"].fmt.name == "Q5_0"  # the model's own: as read
-    with _repack(False):  # the file's layout: the same bits
+    with kernels.repacking(False):  # the file's layout: the same bits
         natural = cellswarm.load(tmp_path / "q5.gguf")
         assert np.array_equal(decode(natural, True).view(np.uint32), fused.view(np.uint32))
 

@@ -9,9 +9,7 @@ and these tests have nothing to compare: they skip.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -120,15 +118,6 @@ def test_a_matrix_repacks_only_from_a_mapped_file_and_reads_the_same(tmp_path: P
     assert np.array_equal(m._dequantize_rows(96, 100), before[2][96:100])
 
 
-@contextlib.contextmanager
-def _repack(on: bool) -> Iterator[None]:
-    before = kernels.set_repack(on)
-    try:
-        yield
-    finally:
-        kernels.set_repack(before)
-
-
 def _write_llama(path: Path, head: str = "F32") -> Path:
     """A random llama in Q4_0 (rows and columns not all whole groups or quads), its output
     head near-tied (tests/same_bits_models.py): a token turns on the last bits; the head in
@@ -180,7 +169,7 @@ def test_a_q4_0_model_decodes_the_same_bits_repacked_and_lets_the_file_go(
     ids = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int64)
     logits = {}
     for on in (False, True):
-        with _repack(on):
+        with kernels.repacking(on):
             model = cellswarm.load(path)
             cache = model.new_cache(len(ids))
             logits[on] = np.concatenate([model.step(ids[i : i + 1], cache) for i in range(8)])
@@ -209,7 +198,7 @@ def test_an_output_head_of_its_own_is_repacked_and_its_rows_read_from_the_copy(
     ids = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int64)
     logits, rows = {}, {}
     for on in (False, True):
-        with _repack(on):
+        with kernels.repacking(on):
             model = cellswarm.load(path)
             cache = model.new_cache(len(ids))
             logits[on] = np.concatenate([model.step(ids[i : i + 1], cache) for i in range(8)])

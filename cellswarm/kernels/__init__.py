@@ -417,6 +417,16 @@ def set_repack(on: bool) -> bool:
     return before
 
 
+@contextlib.contextmanager
+def repacking(on: bool) -> Iterator[None]:
+    """Load weights in a block repacked or not (set_repack), then restore the setting."""
+    before = set_repack(on)
+    try:
+        yield
+    finally:
+        set_repack(before)
+
+
 def repack(
     type_name: str, w: np.ndarray, out: np.ndarray | None = None
 ) -> tuple[int, np.ndarray] | None:
