@@ -55,14 +55,13 @@ def _args(
 
 
 def _q5_0_args(t: PackedMatrix | PackedExperts, keep: list[Any]) -> Args | None:
-    """weight_args of a Q5_0 tensor (a stack: its first member) as Q8_0, which holds its
-    values to the bit (formats.q5_0_as_q8_0) and which the kernels read (they do not read
-    Q5_0), laid out for the fastest kernel where there is one: llama-quantize falls back to
-    Q5_0 where a K-quant's 256-blocks do not fit a row (attn_k_b's 64 columns), and read as a
-    float32 copy that matrix took 5.8x the file's bytes at every token, in Q8_0 rows one at a
-    time (64 columns: two blocks a row, the reductions across lanes dominating) ~1.2x the
-    repacked time of the whole layer. The copy (34/22 of the file's bytes) goes in `keep`;
-    the file's pages under the Q5_0 bytes are let go."""
+    """weight_args of a Q5_0 tensor (a stack: its first member) as Q8_0, repacked where this
+    CPU has the layout. llama-quantize falls back to Q5_0 where a K-quant's 256-blocks do not
+    fit a row (attn_k_b's 64 columns), and no kernel reads Q5_0; Q8_0 holds its values to the
+    bit (formats.q5_0_as_q8_0). Read instead as the float32 copy (5.8x the file's bytes a
+    token) or as Q8_0 rows one at a time (two blocks a row: the reductions across lanes
+    dominate), the 0.8B Q4_K MoE decoded ~10% slower. The copy (34/22 of the file's bytes)
+    goes in `keep`; the file's pages under the Q5_0 bytes are let go."""
     if not kernels.can_fuse("Q8_0"):
         return None
     q8 = q5_0_as_q8_0(t.data)
@@ -71,7 +70,7 @@ def _q5_0_args(t: PackedMatrix | PackedExperts, keep: list[Any]) -> Args | None:
     code = kernels.repacked_code("Q8_0", stack.shape[1])
     if code is not None:  # each member (a head) in groups of its own rows, as a repacked stack
         for member in stack:
-            kernels.repack("Q8_0", member.copy(), member)
+            kernels.repack("Q8_0", member.copy(), member)  # from a copy: not in place
     keep.append(q8)
     if code is None:
         return kernels.weight_args("Q8_0", q8, t.shape[-1])
