@@ -54,6 +54,14 @@ def _drop(pages: tuple[int, int]) -> None:
         _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
 
 
+def release_file_pages(data: npt.NDArray[Any]) -> None:
+    """Let go of the whole file pages under `data` when it is a read-only view of a mapped
+    file (they leave this process's resident set; reading them again maps them back), as a
+    repack does once it has its copy; nothing for memory of its own."""
+    if (pages := _file_pages(data)) is not None:
+        _drop(pages)
+
+
 def _repack_chunks(rows: int, row_bytes: int) -> list[tuple[int, int]]:
     """Row ranges of ~REPACK_CHUNK_BYTES, whole 16-row groups, every one at least a group: the
     rows after the last whole group go with the chunk before them."""
@@ -130,8 +138,7 @@ class PackedMatrix:
             # a chunk at a time, its file pages let go at once: while a big matrix (a head of
             # 600 MB) is copied, it is not resident twice, only one chunk of it
             kernels.repack(self.fmt.name, src[a:b], dst[a:b])
-            if (chunk := _file_pages(self.data[a:b])) is not None:
-                _drop(chunk)
+            release_file_pages(self.data[a:b])
         _drop(pages)  # and the pages the chunks shared at their edges
         self._repacked = (code, dst)
         self._fused_args = False  # rebuilt on the new bytes
@@ -450,18 +457,10 @@ class PackedExperts:
         stack = np.empty(self.data.shape, np.uint8)  # pages appear where written
         for e in self._held:  # decided up front: never some experts repacked and some not
             kernels.repack(self.fmt.name, self.data[e], stack[e])
-            _drop(cast(tuple[int, int], _file_pages(self.data[e])))
+            release_file_pages(self.data[e])
         self._repacked = (code, stack)
         return True
 
     def dequantize(self) -> Floats:
         """Every expert as float32 (n_expert, out_features, in_features), e.g. to repack."""
         return dequantize(self.data, self.fmt)
-
-
-def release_file_pages(data: npt.NDArray[Any]) -> None:
-    """Let go of the whole file pages under `data` when it is a read-only view of a mapped
-    file (they leave this process's resident set; reading them again maps them back), as a
-    repack does once it has its copy; nothing for memory of its own."""
-    if (pages := _file_pages(data)) is not None:
-        _drop(pages)
