@@ -15,6 +15,7 @@ import numpy as np
 
 from cellswarm.io.gguf_write import write_gguf
 from cellswarm.models.deepseek2 import DeepseekConfig
+from cellswarm.models.llama_config import LlamaConfig
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
 
 Q8_0 = format_by_name("q8_0")
@@ -58,6 +59,28 @@ def write_moe(path: Path, seed: int = 0, noise: float = 1e-7) -> Path:
         v_b = (c.n_heads, c.v_head_dim, c.kv_lora_rank)
         tensors[p + "attn_k_b.weight"] = (0.15 * rng.standard_normal(k_b)).astype(np.float32)
         tensors[p + "attn_v_b.weight"] = (0.15 * rng.standard_normal(v_b)).astype(np.float32)
+    write_gguf(path, c.to_gguf_metadata(), tensors)
+    return path
+
+
+DENSE = LlamaConfig(
+    arch="llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
+    vocab_size=256, context_length=256, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16,
+    rope_layout="norm",
+)  # fmt: skip
+
+
+def write_dense(path: Path, quant: str, seed: int = 0) -> Path:
+    """`DENSE` (llama) with random weights in `quant` and the near-tied head in float32."""
+    c, rng, fmt = DENSE, np.random.default_rng(seed), format_by_name(quant)
+    tensors: dict[str, np.ndarray | PackedMatrix] = {}
+    for name, shape in c.expected_tensors(range(c.n_layers)).items():
+        if len(shape) == 1:
+            tensors[name] = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+        elif name == "output.weight":
+            tensors[name] = near_tied_head(rng, c.vocab_size, c.d_model, 1e-7)
+        else:
+            tensors[name] = PackedMatrix.from_float(0.15 * rng.standard_normal(shape), fmt)
     write_gguf(path, c.to_gguf_metadata(), tensors)
     return path
 

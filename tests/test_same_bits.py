@@ -21,7 +21,7 @@ from cellswarm.swarm.local.pipeline import LocalPipeline
 from cellswarm.swarm.ring.parts import ExpertParts
 from cellswarm.swarm.ring.stage import stage_selection
 from tests.conftest import prefill_then_decode
-from tests.same_bits_models import MOE, write_moe
+from tests.same_bits_models import MOE, write_dense, write_moe
 
 PROMPTS = [[1, 5, 9, 14, 3], [7, 7, 2], [100, 3, 64, 8, 8, 1, 90]]
 MOE_LAYERS = [i for i in range(MOE.n_layers) if MOE.is_moe(i)]
@@ -39,6 +39,25 @@ def _holding(path: Path, experts: tuple[int, ...], **kw: object) -> Model:
 
 def _node(path: Path, experts: tuple[int, ...]) -> Model:
     return _holding(path, experts, kinds=frozenset({"experts"}), embed=False, head=False)
+
+
+@pytest.mark.parametrize("model", ["moe", "dense-q8_0", "dense-q4_0"])
+def test_a_prompt_gives_the_same_bits_whatever_ran_before_it(
+    model: str, moe: Path, tmp_path: Path
+) -> None:
+    """A repacked weight's prefill goes through the int8 kernels, a weight in the file's
+    layout through BLAS beyond 16 tokens; the layers are laid out before their first step of
+    any kind (Architecture.prepare), so a long prompt's logits do not depend on whether the
+    process decoded before it. (They did: the fused layers repacked at the first decode.)"""
+    path = moe if model == "moe" else write_dense(tmp_path / "m.gguf", model.split("-")[1])
+    prompt = np.arange(3, 43)  # beyond the int8 kernels' 16 rows
+    m = cellswarm.load(path, tokenizer=False)
+    first = m.step(prompt, m.new_cache(64))
+    cache = m.new_cache(64)
+    m.step(prompt[:3], cache)
+    m.step(prompt[3:4], cache)  # a decode step
+    again = m.step(prompt, m.new_cache(64))
+    assert np.array_equal(first.view(np.uint32), again.view(np.uint32))
 
 
 def test_the_model_is_near_tied(moe: Path) -> None:

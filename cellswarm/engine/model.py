@@ -174,6 +174,7 @@ class Model:
     def _forward(self, x: np.ndarray, cache: KVCache, layers: range | None) -> np.ndarray:
         positions = np.arange(cache.length, cache.length + x.shape[0])
         layers = layers if layers is not None else self.layers
+        self.arch.prepare(layers)
         if x.shape[0] == 1:  # one token: one C call per layer, where the model can
             out = self.arch.decode_fused(x, positions, cache, layers)
             if out is not None:

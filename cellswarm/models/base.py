@@ -57,6 +57,13 @@ class Architecture(Protocol):
         """Peak temporary bytes of one forward step over n_tokens new tokens."""
         ...
 
+    def prepare(self, layers: range) -> None:
+        """Lay `layers`' weights out for the fused kernels (their repacked layout), once, before
+        their first step of any kind. Why: a repacked weight's prefill goes through the int8
+        kernels and an unrepacked one's through BLAS, so without this a prompt's logits would
+        depend on whether a decode had come before it in the process."""
+        ...
+
     def decode_fused(
         self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
     ) -> np.ndarray | None:

@@ -316,6 +316,9 @@ class Deepseek2:
             )
         return x + self.moe(layer, h)
 
+    def prepare(self, layers: range) -> None:
+        self._fused.prepare(layers)
+
     def decode_fused(
         self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
     ) -> np.ndarray | None:

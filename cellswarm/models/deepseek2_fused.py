@@ -96,6 +96,12 @@ class FusedDecode:
         self._layers: dict[int, FusedLayer | None] = {}
         self._scratch: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
+    def prepare(self, layers: range) -> None:
+        """Build `layers` (which repacks their matrices) before their first step of any kind."""
+        if kernels.enabled():
+            for i in layers:
+                self.layer(i)
+
     def run(
         self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
     ) -> np.ndarray | None:

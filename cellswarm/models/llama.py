@@ -87,6 +87,10 @@ class Llama:
             out = ops.attention(q, cache.read("k", end), cache.read("v", end), self.scale)
         return w.matrix(p + "attn_output.weight").matmul(out.reshape(t, -1))  # (T, d)
 
+    def prepare(self, layers: range) -> None:
+        if kernels.enabled():
+            self._fused_stack(layers)  # builds each layer, which repacks its matrices
+
     def decode_fused(
         self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
     ) -> np.ndarray | None:
