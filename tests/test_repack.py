@@ -68,8 +68,11 @@ def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, na
     code, repacked = _repacked_or_skip(w, name)
     assert repacked.shape == w.shape and code != kernels.FUSED_TYPES[name]
     x = rng.standard_normal((nx, cols)).astype(np.float32)
-    x[:, 5] = 40.0
+    x[:, 5] = 40.0  # a column the rows share
     x[0, cols - 3] = -55.0
+    for k in range(1, nx):  # and columns of their own, at every place in a block
+        spikes = rng.choice(cols, size=3, replace=False)
+        x[k, spikes] = rng.choice([-1.0, 1.0], 3) * rng.uniform(40.0, 60.0, 3)
     natural = _matmul(kernels.FUSED_TYPES[name], w, cols, x)
     assert np.array_equal(natural.view(np.uint32), _matmul(code, repacked, cols, x).view(np.uint32))
     ref = x @ dequantize(w, fmt).T

@@ -1476,35 +1476,71 @@ static void r16_group_acts(int fmt, const uint8_t *g, const int8_t *xq, const fl
     }
 }
 
-/* the weight at column col of lane `lane` of a group: as plan_weight decodes it */
-static inline float r16_weight(int fmt, const uint8_t *g, int lane, int32_t col) {
-    if (fmt == Q6_K) { /* as k_weight_at; byte i of the row's block at chunk i / 4 */
-        const uint8_t *blk = g + 3360 * (col >> 8), *c = blk + 32 + 4 * lane;
+/* Byte k (0..3) of each of the 16 lanes' words in a 64-byte chunk (lane r's word at 4r). */
+ZINL __m512i r16_bytes(const uint8_t *chunk, int k) {
+    return _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512((const void *)chunk), 8 * k),
+                            _mm512_set1_epi32(0xFF));
+}
+
+/* byte i of each lane's block (of a 256-weight format: Q6_K, the words after its d; Q4_K,
+ * after its d and dmin), whose word i / 4 sits in chunk `chunk(i / 4)` */
+#define R16_BYTE(body, chunk, i) r16_bytes((body) + 64 * (chunk), (i) & 3)
+
+/* The 16 lanes' weights at column col of a group (lane r: row r), as plan_weight decodes
+ * each: the same operations in the same order, a lane at a time. Why: an outlier's column is
+ * decoded for every row; one lane at a time cost a 512-row prefill more than its integer
+ * dot products. */
+ZINL __m512 r16_weights(int fmt, const uint8_t *g, int32_t col) {
+    if (fmt == Q6_K) { /* as k_weight_at */
+        const uint8_t *blk = g + 3360 * (col >> 8), *body = blk + 32;
         const int e = col & 255, gi = e >> 4, n = e >> 7, part = (e >> 5) & 3, l = e & 31;
         const int lo = 64 * n + 32 * (part & 1) + l, hi = 128 + 32 * n + l, sb = 192 + gi;
-        const uint8_t qlb = c[64 * q6_chunk(lo >> 2) + (lo & 3)];
-        const int h = (c[64 * q6_chunk(hi >> 2) + (hi & 3)] >> (2 * part)) & 3;
-        const int q = ((part < 2 ? qlb & 0xF : qlb >> 4) | (h << 4)) - 32;
-        const int8_t sc = (int8_t)c[64 * q6_chunk(sb >> 2) + (sb & 3)];
-        return h2f(blk + 2 * lane) * sc * (float)q - 0.0f;
+        const __m512i qlb = R16_BYTE(body, q6_chunk(lo >> 2), lo);
+        const __m512i h = _mm512_and_si512(_mm512_srli_epi32(R16_BYTE(body, q6_chunk(hi >> 2), hi),
+                                                             2 * part), _mm512_set1_epi32(3));
+        const __m512i low = part < 2 ? _mm512_and_si512(qlb, _mm512_set1_epi32(0xF))
+                                     : _mm512_srli_epi32(qlb, 4);
+        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(h, 4)),
+                                           _mm512_set1_epi32(32));
+        const __m512i sc = _mm512_srai_epi32(
+            _mm512_slli_epi32(R16_BYTE(body, q6_chunk(sb >> 2), sb), 24), 24); /* int8 */
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 w = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), _mm512_cvtepi32_ps(q));
+        return _mm512_sub_ps(w, _mm512_setzero_ps());
     }
-    if (fmt == Q4_K) { /* as k_weight_at */
-        const uint8_t *blk = g + 2304 * (col >> 8);
-        const int e = col & 255, l = e & 31, at = 32 * (e >> 6) + l;
-        uint8_t sc[12], scale, m;
-        for (int k = 0; k < 3; k++) memcpy(sc + 4 * k, blk + 64 + 64 * k + 4 * lane, 4);
-        k4_scale_min(e >> 5, sc, &scale, &m);
-        const uint8_t byte = blk[256 + 64 * (at >> 2) + 4 * lane + (at & 3)];
-        const int q = (e & 32) ? byte >> 4 : byte & 0xF;
-        return h2f(blk + 2 * lane) * scale * (float)q - h2f(blk + 32 + 2 * lane) * m;
+    if (fmt == Q4_K) { /* as k_weight_at: the scales' 12 bytes are 3 words, chunks 0..2 */
+        const uint8_t *blk = g + 2304 * (col >> 8), *sc12 = blk + 64;
+        const int e = col & 255, at = 32 * (e >> 6) + (e & 31), j = e >> 5;
+        __m512i sc, m;
+        const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(0xF);
+        if (j < 4) {
+            sc = _mm512_and_si512(R16_BYTE(sc12, j >> 2, j), m63);
+            m = _mm512_and_si512(R16_BYTE(sc12, (j + 4) >> 2, j + 4), m63);
+        } else {
+            const __m512i s4 = R16_BYTE(sc12, (j + 4) >> 2, j + 4);
+            const __m512i hi_sc = _mm512_slli_epi32(_mm512_srli_epi32(R16_BYTE(sc12, (j - 4) >> 2, j - 4), 6), 4);
+            const __m512i hi_m = _mm512_slli_epi32(_mm512_srli_epi32(R16_BYTE(sc12, j >> 2, j), 6), 4);
+            sc = _mm512_or_si512(_mm512_and_si512(s4, m15), hi_sc);
+            m = _mm512_or_si512(_mm512_srli_epi32(s4, 4), hi_m);
+        }
+        const __m512i byte = R16_BYTE(blk + 256, at >> 2, at);
+        const __m512i q = (e & 32) ? _mm512_srli_epi32(byte, 4) : _mm512_and_si512(byte, m15);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        const __m512 w = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), _mm512_cvtepi32_ps(q));
+        return _mm512_sub_ps(w, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)));
     }
     const uint8_t *blk = g + R16_BLOCK(fmt) * (col >> 5);
     const int e = col & 31;
-    const float d = h2f(blk + 2 * lane);
-    if (fmt == Q8_0) return d * (float)(int8_t)blk[32 + 64 * (e >> 2) + 4 * lane + (e & 3)];
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    if (fmt == Q8_0) {
+        const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(r16_bytes(blk + 32 + 64 * (e >> 2), e & 3), 24), 24);
+        return _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+    }
     const int i = e & 15;
-    const uint8_t q = blk[32 + 64 * (i >> 2) + 4 * lane + (i & 3)];
-    return d * (float)(((e >= 16 ? q >> 4 : q) & 0xF) - 8);
+    const __m512i q = r16_bytes(blk + 32 + 64 * (i >> 2), i & 3);
+    const __m512i v = _mm512_and_si512(e >= 16 ? _mm512_srli_epi32(q, 4) : q, _mm512_set1_epi32(0xF));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(8))));
 }
 
 int cs_repacked(int fmt) {
@@ -1761,13 +1797,6 @@ static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float
 }
 
 #ifdef HAVE_ZMM_VBMI
-/* plan_row for lane `lane` of a 16-row group */
-static inline void plan_lane(int fmt, const uint8_t *g, int lane, const ol_plan *p, float *s) {
-    float w[PLAN_MAX];
-    for (int u = 0; u < p->nu; u++) w[u] = r16_weight(fmt, g, lane, p->col[u]);
-    plan_sum(p, w, s);
-}
-
 /* The 16 rows of group g of a repacked weight (format rfmt) times nx activation rows:
  * out[k * ld + lane], outliers added. */
 static void r16_group(int rfmt, const uint8_t *g, int64_t cols, const int8_t *xq, const float *xd,
@@ -1775,10 +1804,14 @@ static void r16_group(int rfmt, const uint8_t *g, int64_t cols, const int8_t *xq
                       float *out, int64_t ld) {
     const int fmt = R16_NATURAL(rfmt);
     r16_group_acts(fmt, g, xq, xd, xs, xsum, cols, nx, out, ld);
-    for (int lane = 0; pl->nu && lane < 16; lane++) {
-        float t[MAX_BATCH];
-        plan_lane(fmt, g, lane, pl, t);
-        for (int64_t k = 0; k < nx; k++) out[k * ld + lane] += t[k];
+    if (!pl->nu) return;
+    __m512 w[PLAN_MAX]; /* plan_row's, for the 16 rows at once: the same bits in each lane */
+    for (int u = 0; u < pl->nu; u++) w[u] = r16_weights(fmt, g, pl->col[u]);
+    for (int64_t k = 0; k < nx; k++) {
+        __m512 t = _mm512_setzero_ps();
+        for (int i = 0; i < pl->n[k]; i++)
+            t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(pl->val[k][i]), w[pl->use[k][i]]));
+        _mm512_storeu_ps(out + k * ld, _mm512_add_ps(_mm512_loadu_ps(out + k * ld), t));
     }
 }
 #endif
