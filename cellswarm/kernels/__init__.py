@@ -161,6 +161,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_ds_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, p, p]
     lib.cs_ds_decode_layers.restype = None
     lib.cs_swiglu1.argtypes = [p, p, p, p, i64, p]
+    lib.cs_silu_mul_rows.argtypes = [p, p, i64, i64]
+    lib.cs_silu_mul_rows.restype = None
     lib.cs_ds_scratch_floats.argtypes = [p, i64, i64]
     lib.cs_ds_scratch_qbytes.argtypes = [p, i64]
     lib.cs_ds_decode_many.argtypes = [p, i64, p, p, p, p, p, p, i64, p, p]
@@ -507,6 +509,20 @@ def llama_decode_layers(
         layers, len(layers), x.ctypes.data, pos, cos.ctypes.data, sin.ctypes.data, k_stores,
         v_stores, capacity, f.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data,
     )  # fmt: skip
+
+
+def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u for two (rows, width) arrays (in place in g when it is a writeable float32
+    C array): each value as the fused layers compute it (deepseek.c silu_mul), the rows
+    shared among the threads."""
+    lib = _lib
+    assert lib is not None
+    if g.shape != u.shape or g.ndim != 2:
+        raise ValueError(f"silu_mul takes two (rows, width) arrays, got {g.shape} and {u.shape}")
+    g = np.require(g, np.float32, ["C", "W"])
+    u = np.ascontiguousarray(u, np.float32)
+    lib.cs_silu_mul_rows(g.ctypes.data, u.ctypes.data, g.shape[0], g.shape[1])
+    return g
 
 
 def swiglu1(

@@ -46,8 +46,11 @@ def swiglu(
             # one row in C, as the fused DeepSeek layer computes an expert: the same bits
             # whichever node (or cache tier) holds the expert
             return kernels.swiglu1(g[0], u[0], d[0], x[0])[None]
-    hidden = silu(gate.matmul(x, int8_rows=int8_rows)) * up.matmul(x, int8_rows=int8_rows)
-    return down.matmul(hidden, int8_rows=int8_rows)
+    gx, ux = gate.matmul(x, int8_rows=int8_rows), up.matmul(x, int8_rows=int8_rows)
+    if kernels.enabled() and gx.size:  # the fused layers' silu, rows over the threads
+        hidden = kernels.silu_mul(gx.reshape(-1, gx.shape[-1]), ux.reshape(-1, ux.shape[-1]))
+        return down.matmul(hidden.reshape(gx.shape), int8_rows=int8_rows)
+    return down.matmul(silu(gx) * ux, int8_rows=int8_rows)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
