@@ -162,6 +162,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_ds_decode_layers.restype = None
     lib.cs_swiglu1.argtypes = [p, p, p, p, i64, p]
     lib.cs_silu_mul_rows.argtypes = [p, p, i64, i64]
+    lib.cs_softmax_causal.argtypes = [p, i64, i64, i64, ctypes.c_float]
+    lib.cs_softmax_causal.restype = None
     lib.cs_silu_mul_rows.restype = None
     lib.cs_ds_scratch_floats.argtypes = [p, i64, i64]
     lib.cs_ds_scratch_qbytes.argtypes = [p, i64]
@@ -381,6 +383,21 @@ def attend1(
     lib.cs_attend1(qc.ctypes.data, k_store.ctypes.data, v_store.ctypes.data, n_heads, n_kv, cap,
                    s_len, d, scale, out.ctypes.data)  # fmt: skip
     return out
+
+
+def softmax_causal(scores: np.ndarray, t: int, scale: float) -> np.ndarray:
+    """Attention probabilities in place: scores (rows, S) float32 C-contiguous, the raw q.k of
+    t queries at positions S - t .. S - 1 (row r is query r % t) -> softmax(scale * scores)
+    over the keys each query sees, zero beyond (kernels.c cs_softmax_causal)."""
+    lib = _lib
+    assert lib is not None
+    if scores.ndim != 2 or scores.dtype != np.float32 or not scores.flags.c_contiguous:
+        raise ValueError(f"softmax_causal takes float32 (rows, S) C arrays, got {scores.shape}")
+    rows, s = scores.shape
+    if not 1 <= t <= s or rows % t:
+        raise ValueError(f"softmax_causal: {rows} rows of {s} keys do not hold queries of {t}")
+    lib.cs_softmax_causal(scores.ctypes.data, rows, t, s, scale)
+    return scores
 
 
 def stream_read(a: np.ndarray) -> int:

@@ -15,6 +15,7 @@
  * on x86-64, NEON on aarch64, VSX on ppc64.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -2180,8 +2181,11 @@ void cs_dequantize(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, i
 }
 
 /* exp(x) for x <= 0 as 2^(x log2 e): integer part into the exponent bits, fractional part by
- * its Taylor series to degree 7 (relative error < 2e-7). Unlike libm's expf, gcc vectorizes it. */
-static inline float exp_neg(float x) {
+ * its Taylor series to degree 7 (relative error < 2e-7). Unlike libm's expf, gcc vectorizes it:
+ * fast-math here as in its callers (all fast-math), since gcc inlines a function only into
+ * callers of the same math flags; without it each value was a call, and floorf and fmaxf
+ * would not vectorize anyway (they need no-trapping and finite math). */
+__attribute__((optimize("fast-math"))) static inline float exp_neg(float x) {
     const float t = fmaxf(x, -87.0f) * 1.44269504088896341f;
     const float fi = floorf(t), f = t - fi;
     float p = 1.5252734e-5f;
@@ -2196,6 +2200,40 @@ static inline float exp_neg(float x) {
     float scale;
     memcpy(&scale, &bits, 4);
     return p * scale;
+}
+
+/* ---- a prefill's attention probabilities -------------------------------------------------
+ * x (rows, s): the raw scores q.k of a block of t queries at positions s - t .. s - 1 (row r
+ * is query r % t: rows are (heads, t) flattened) -> in place, softmax(scale * x) over the keys
+ * each query sees (the first s - t + r % t + 1), zero beyond. Why: numpy's scale, mask, max,
+ * subtract, exp, sum and divide were seven passes on one core. The arithmetic is attend1's
+ * (fast-math: its exp, a reduction in any order); a row holding a NaN or an infinity comes
+ * out all NaN, as numpy's does, so a corrupt weight's NaN still reaches the layer's check. */
+static int all_finite(const float *p, int64_t n) { /* strict IEEE: NaN compares false */
+    int bad = 0;
+    for (int64_t j = 0; j < n; j++) bad |= !(fabsf(p[j]) <= FLT_MAX);
+    return !bad;
+}
+
+__attribute__((optimize("fast-math"))) static void softmax_seen(float *restrict p, int64_t seen,
+                                                                float scale) {
+    float m = -FLT_MAX, sum = 0.0f;
+    for (int64_t j = 0; j < seen; j++) { p[j] *= scale; m = fmaxf(m, p[j]); }
+    for (int64_t j = 0; j < seen; j++) { p[j] = exp_neg(p[j] - m); sum += p[j]; }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < seen; j++) p[j] *= inv;
+}
+
+void cs_softmax_causal(float *x, int64_t rows, int64_t t, int64_t s, float scale) {
+    const int use = rows * s >= 65536 ? gov_threads() : 1;
+#pragma omp parallel for num_threads(use) if (use > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *p = x + r * s;
+        const int64_t seen = s - t + r % t + 1;
+        if (all_finite(p, seen)) softmax_seen(p, seen, scale);
+        else for (int64_t j = 0; j < seen; j++) p[j] = NAN;
+        for (int64_t j = seen; j < s; j++) p[j] = 0.0f;
+    }
 }
 
 /* ---- attention for one new token --------------------------------------------------------

@@ -100,10 +100,14 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.
     hkv, s, dv = v.shape
     g = h // hkv
     qg = q.reshape(t, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * t, d)  # (Hkv, g*T, D)
-    scores = (qg @ k.transpose(0, 2, 1)) * np.float32(scale)  # (Hkv, g*T, S)
-    if t > 1:  # one new token sees every cached one: no mask needed
-        scores = scores.reshape(hkv, g, t, s) + causal_mask(t, s)
-    probs = softmax(scores.reshape(hkv, g * t, s))
+    scores = qg @ k.transpose(0, 2, 1)  # (Hkv, g*T, S): rows are (kv head, group, query)
+    if kernels.enabled():  # scale, mask and softmax in one pass, rows over the threads
+        probs = kernels.softmax_causal(scores.reshape(-1, s), t, scale).reshape(scores.shape)
+    else:
+        scores = scores * np.float32(scale)
+        if t > 1:  # one new token sees every cached one: no mask needed
+            scores = scores.reshape(hkv, g, t, s) + causal_mask(t, s)
+        probs = softmax(scores.reshape(hkv, g * t, s))
     out = probs @ v  # (Hkv, g*T, Dv)
     return out.reshape(hkv, g, t, dv).transpose(2, 0, 1, 3).reshape(t, h, dv)
 
