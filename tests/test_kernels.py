@@ -298,3 +298,33 @@ def test_top_k_finds_the_k_largest_whatever_the_ties(size: int, k: int, rounding
     got = top_k(x, k)
     assert len(set(got.tolist())) == k
     np.testing.assert_array_equal(np.sort(x[got]), np.sort(x)[size - k :])
+
+
+@pytest.mark.parametrize(("t", "s"), [(1, 7), (5, 5), (128, 300), (3, 40)])
+def test_prefill_attention_softmax_matches_numpy(t: int, s: int) -> None:
+    """ops.attention's softmax in C (scale, causal mask, softmax in one pass) against the numpy
+    path: t queries at the last t of s positions, grouped query heads."""
+    from unittest import mock
+
+    from cellswarm.models import ops
+
+    rng = np.random.default_rng(t * s)
+    q = rng.standard_normal((t, 8, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((2, s, 64)).astype(np.float32) for _ in range(2))
+    fast = ops.attention(q, k, v, 0.125)
+    with mock.patch.object(kernels, "enabled", lambda: False):
+        ref = ops.attention(q, k, v, 0.125)
+    assert np.abs(fast - ref).max() < 1e-5 * np.abs(ref).max()
+
+
+def test_prefill_attention_softmax_keeps_a_nan() -> None:
+    """A NaN in a query makes its heads' outputs NaN, as numpy's softmax does (exp_neg clamps
+    its input, so the C softmax tests each row first): the layer's check then names it."""
+    from cellswarm.models import ops
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((4, 8, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 10, 64)).astype(np.float32) for _ in range(2))
+    q[2, 3, 5] = np.nan
+    out = ops.attention(q, k, v, 0.125)
+    assert np.isnan(out[2, 3]).all() and np.isfinite(np.delete(out.reshape(32, 64), 19, 0)).all()
