@@ -163,6 +163,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_swiglu1.argtypes = [p, p, p, p, i64, p]
     lib.cs_silu_mul_rows.argtypes = [p, p, i64, i64]
     lib.cs_softmax_causal.argtypes = [p, i64, i64, i64, ctypes.c_float]
+    lib.cs_rope_rows.argtypes = [p, i64, i64, i64, i64, i32, p, p]
+    lib.cs_rope_rows.restype = None
     lib.cs_softmax_causal.restype = None
     lib.cs_silu_mul_rows.restype = None
     lib.cs_ds_scratch_floats.argtypes = [p, i64, i64]
@@ -398,6 +400,21 @@ def softmax_causal(scores: np.ndarray, t: int, scale: float) -> np.ndarray:
         raise ValueError(f"softmax_causal: {rows} rows of {s} keys do not hold queries of {t}")
     lib.cs_softmax_causal(scores.ctypes.data, rows, t, s, scale)
     return scores
+
+
+def rope(x: np.ndarray, dim: int, neox: bool, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate the first `dim` of each head of x (T, heads, D) float32 C-contiguous, in place:
+    cos and sin (T, dim/2) float32 C-contiguous; the fused layers' rope (the same bits)."""
+    lib = _lib
+    assert lib is not None
+    t, heads, d = x.shape
+    if cos.shape != (t, dim // 2) or sin.shape != cos.shape or dim > d:
+        raise ValueError(f"rope: x {x.shape}, dim {dim}, tables {cos.shape} and {sin.shape}")
+    for a in (x, cos, sin):
+        if a.dtype != np.float32 or not a.flags.c_contiguous:
+            raise ValueError("rope takes float32 C-contiguous arrays")
+    lib.cs_rope_rows(x.ctypes.data, t, heads, d, dim, int(neox), cos.ctypes.data, sin.ctypes.data)
+    return x
 
 
 def stream_read(a: np.ndarray) -> int:

@@ -1912,10 +1912,16 @@ static void matmul_r16_many(int rfmt, const uint8_t *w, int64_t rows, int64_t ro
     outliers *ol = (outliers *)malloc(sizeof(outliers) * (size_t)nx);
     acts *a = (acts *)malloc(sizeof(acts) * (size_t)tiles);
     ol_plan *pl = (ol_plan *)malloc(sizeof(ol_plan) * (size_t)tiles);
-    cs_quantize_act(x, nx, cols, xq, xd, xs);
-    for (int64_t k = 0; k < nx; k++)
+    /* each row's int8 blocks and outliers on its own (the same bits however rows are dealt):
+     * on one thread this was ~1.5 ms of a 512-row call, every matmul of a prefill */
+    const int use = nv >= 65536 ? gov_threads() : 1;
+#pragma omp parallel for num_threads(use) if (use > 1) schedule(static)
+    for (int64_t k = 0; k < nx; k++) {
+        cs_quantize_act(x + k * cols, 1, cols, xq + k * cols, xd + k * nbx, xs + 2 * k * nbx);
         take_outliers(x + k * cols, cols, xq + k * cols, xd + k * nbx, xs + 2 * k * nbx, &ol[k]);
-    for (int64_t i = 0; i < nv / 32; i++) xsum[i] = xd[i] * (float)(xs[2 * i] + xs[2 * i + 1]);
+        for (int64_t i = k * nbx; i < (k + 1) * nbx; i++)
+            xsum[i] = xd[i] * (float)(xs[2 * i] + xs[2 * i + 1]);
+    }
     for (int64_t i = 0; i < tiles; i++) {
         const int64_t r0 = MAX_BATCH * i, n = nx - r0 < MAX_BATCH ? nx - r0 : MAX_BATCH;
         a[i] = (acts){xq + r0 * cols, xd + r0 * nbx, xs + 2 * r0 * nbx, cols, n, xsum + r0 * nbx, NULL, NULL};
@@ -2329,6 +2335,17 @@ static void rope(float *v, int64_t heads, int64_t hd, int64_t dim, int neox, con
             r[ib] = b * cs[i] + a * sn[i];
         }
     }
+}
+
+/* rope for t tokens (a prefill's q or k, (t, heads, hd) in place; cs/sn (t, dim/2)), tokens
+ * over the threads: each token as a decode step rotates it (the same bits), and numpy's six
+ * strided passes no longer run on one core */
+void cs_rope_rows(float *v, int64_t t, int64_t heads, int64_t hd, int64_t dim, int neox,
+                  const float *cs, const float *sn) {
+    const int use = t * heads * dim >= 65536 ? gov_threads() : 1;
+#pragma omp parallel for num_threads(use) if (use > 1) schedule(static)
+    for (int64_t i = 0; i < t; i++)
+        rope(v + i * heads * hd, heads, hd, dim, neox, cs + i * (dim / 2), sn + i * (dim / 2));
 }
 
 /* Streaming-read bandwidth probe: sum n bytes as 64-bit words over all threads (bench only). */

@@ -378,11 +378,11 @@ class Deepseek2:
             q = w.matrix(p + "attn_q.weight").matmul(h)  # (T, H * (N + R))
         q = q.reshape(t, n_heads, c.qk_head_dim)
         q_nope = q[..., :nope]  # (T, H, N)
-        q_rope = self.rope.apply(q[..., nope:], positions)  # (T, H, R)
+        q_rope = ops.rope(self.rope, q[..., nope:], positions)  # (T, H, R)
 
         kv = w.matrix(p + "attn_kv_a_mqa.weight").matmul(h)  # (T, L + R)
         latent = ops.rms_norm(kv[:, :lat], w.vector(p + "attn_kv_a_norm.weight"), LATENT_NORM_EPS)
-        k_rope = self.rope.apply(kv[:, None, lat:], positions)[:, 0]  # (T, R), one for all heads
+        k_rope = ops.rope(self.rope, kv[:, None, lat:], positions)[:, 0]  # (T, R): all heads
         start, end = int(positions[0]), int(positions[-1]) + 1
         cache.write(start, latent=latent, k_rope=k_rope)
         latents, k_ropes = cache.read("latent", end), cache.read("k_rope", end)  # (S, L), (S, R)

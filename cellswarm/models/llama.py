@@ -77,7 +77,7 @@ class Llama:
         if c.qk_norm:  # qwen3: RMSNorm over each head before RoPE
             q = ops.rms_norm(q, w.vector(p + "attn_q_norm.weight"), c.rms_eps)
             k = ops.rms_norm(k, w.vector(p + "attn_k_norm.weight"), c.rms_eps)
-        q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
+        q, k = ops.rope(self.rope, q, positions), ops.rope(self.rope, k, positions)
         start, end = int(positions[0]), int(positions[-1]) + 1
         cache.write(start, k=k, v=v)
         if t == 1 and kernels.enabled():  # decode: one C call instead of a dozen numpy ops

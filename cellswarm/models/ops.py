@@ -16,6 +16,7 @@ from cellswarm.quant import PackedMatrix
 
 if TYPE_CHECKING:
     from cellswarm.io.weights import WeightStore
+    from cellswarm.models.rope import Rope
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -29,6 +30,15 @@ def linear(x: np.ndarray, w: PackedMatrix, bias: np.ndarray | None = None) -> np
     # x: (T, in) -> (T, out); w is packed, dequantized tile by tile inside matmul.
     y = w.matmul(x)
     return y + bias if bias is not None else y
+
+
+def rope(r: Rope, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """r.apply(x, positions), x (T, heads, D): in C where it can be, tokens over the threads,
+    as the fused layers rotate a decode step's q and k (the same bits)."""
+    if not (kernels.enabled() and x.dtype == np.float32 and x.ndim == 3):
+        return r.apply(x, positions)
+    cos, sin = (np.ascontiguousarray(a[:, 0]) for a in r._tables(positions))  # (T, dim/2)
+    return kernels.rope(np.array(x, order="C"), r.dim, r.layout == "neox", cos, sin)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
