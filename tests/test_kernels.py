@@ -344,3 +344,18 @@ def test_silu_matches_float64_and_keeps_nan_and_infinities() -> None:
         ref32 = ends / (np.float32(1) + np.exp(-ends))
     out = kernels.silu_mul(ends[None].copy(), np.ones_like(ends)[None])[0]
     assert np.array_equal(out, ref32, equal_nan=True)
+
+
+@pytest.mark.parametrize("layout", ["norm", "neox"])
+@pytest.mark.parametrize(("d", "dim"), [(128, 128), (96, 32)])
+def test_rope_in_c_is_the_numpy_rope_bit_for_bit(layout: str, d: int, dim: int) -> None:
+    """ops.rope (the fused layers' rope over the tokens) against Rope.apply: partial rotary
+    dims too (DeepSeek's), and YaRN's attention factor in the tables."""
+    from cellswarm.models import ops
+    from cellswarm.models.rope import Rope, base_inv_freq
+
+    r = Rope(dim, base_inv_freq(dim, 10000.0), layout, 1.3)
+    x = np.random.default_rng(d + dim).standard_normal((37, 5, d)).astype(np.float32)
+    positions = np.arange(100, 137)
+    fast, ref = ops.rope(r, x, positions), r.apply(x, positions)
+    assert np.array_equal(fast.view(np.uint32), ref.view(np.uint32))
