@@ -164,9 +164,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_silu_mul_rows.argtypes = [p, p, i64, i64]
     lib.cs_softmax_causal.argtypes = [p, i64, i64, i64, ctypes.c_float]
     lib.cs_rope_rows.argtypes = [p, i64, i64, i64, i64, i32, p, p]
-    lib.cs_rope_rows.restype = None
-    lib.cs_softmax_causal.restype = None
-    lib.cs_silu_mul_rows.restype = None
     lib.cs_ds_scratch_floats.argtypes = [p, i64, i64]
     lib.cs_ds_scratch_qbytes.argtypes = [p, i64]
     lib.cs_ds_decode_many.argtypes = [p, i64, p, p, p, p, p, p, i64, p, p]
@@ -175,7 +172,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_ds_attention.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
     lib.cs_ds_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
     lib.cs_ds_route.argtypes = [p, p, p, p, p, p, p]
-    for f in (lib.cs_swiglu1, lib.cs_ds_attention, lib.cs_ds_decode, lib.cs_ds_route):
+    for f in (lib.cs_swiglu1, lib.cs_ds_attention, lib.cs_ds_decode, lib.cs_ds_route,
+              lib.cs_silu_mul_rows, lib.cs_softmax_causal, lib.cs_rope_rows):
         f.restype = None
     lib.cs_stream_read.argtypes = [p, i64]
     lib.cs_stream_read.restype = ctypes.c_uint64

@@ -272,7 +272,7 @@ NO_TRAPS __attribute__((noinline)) static void silu_mul(float *restrict g,
  * arrays, on one core) gave a prefill's SwiGLU other last bits than a decode step's, and
  * cost ~2% of a 512-token prefill at 2 threads. */
 void cs_silu_mul_rows(float *g, const float *u, int64_t rows, int64_t width) {
-    const int use = rows > 1 && rows * width >= 65536 ? gov_threads() : 1;
+    const int use = rows > 1 ? gov_threads_for(rows * width) : 1;
 #pragma omp parallel for num_threads(use) if (use > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) silu_mul(g + r * width, u + r * width, width);
 }

@@ -108,6 +108,11 @@ static void gov_note(double t0, const double *done, int n) {
     gov_wait_s = gov_span_s = 0.0;
 }
 
+/* threads for an elementwise loop over n values: below ELEMENTS_PAR a fork/join costs more
+ * than the split saves */
+#define ELEMENTS_PAR 65536
+static int gov_threads_for(int64_t n) { return n >= ELEMENTS_PAR ? gov_threads() : 1; }
+
 int cs_solo(void) { return now_s() < gov_solo_until; } /* benches: on one thread now? */
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
@@ -1914,7 +1919,7 @@ static void matmul_r16_many(int rfmt, const uint8_t *w, int64_t rows, int64_t ro
     ol_plan *pl = (ol_plan *)malloc(sizeof(ol_plan) * (size_t)tiles);
     /* each row's int8 blocks and outliers on its own (the same bits however rows are dealt):
      * on one thread this was ~1.5 ms of a 512-row call, every matmul of a prefill */
-    const int use = nv >= 65536 ? gov_threads() : 1;
+    const int use = gov_threads_for(nv);
 #pragma omp parallel for num_threads(use) if (use > 1) schedule(static)
     for (int64_t k = 0; k < nx; k++) {
         cs_quantize_act(x + k * cols, 1, cols, xq + k * cols, xd + k * nbx, xs + 2 * k * nbx);
@@ -2231,7 +2236,7 @@ __attribute__((optimize("fast-math"))) static void softmax_seen(float *restrict 
 }
 
 void cs_softmax_causal(float *x, int64_t rows, int64_t t, int64_t s, float scale) {
-    const int use = rows * s >= 65536 ? gov_threads() : 1;
+    const int use = gov_threads_for(rows * s);
 #pragma omp parallel for num_threads(use) if (use > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float *p = x + r * s;
@@ -2342,7 +2347,7 @@ static void rope(float *v, int64_t heads, int64_t hd, int64_t dim, int neox, con
  * strided passes no longer run on one core */
 void cs_rope_rows(float *v, int64_t t, int64_t heads, int64_t hd, int64_t dim, int neox,
                   const float *cs, const float *sn) {
-    const int use = t * heads * dim >= 65536 ? gov_threads() : 1;
+    const int use = gov_threads_for(t * heads * dim);
 #pragma omp parallel for num_threads(use) if (use > 1) schedule(static)
     for (int64_t i = 0; i < t; i++)
         rope(v + i * heads * hd, heads, hd, dim, neox, cs + i * (dim / 2), sn + i * (dim / 2));
