@@ -1,13 +1,14 @@
 """The swarm's own overhead per hop: one stream through the coordinator vs one process.
 
     python -m bench.hop [--rounds N] [--tokens N] [--model demo|llama254m|PATH ...]
+                        [--no-keep-awake]
 
 What users run (`cellswarm up`): a coordinator and 2 workers (LocalSwarm, 1 thread each,
-loopback), one request at a time of `--tokens` tokens submitted over HTTP, leased by the
-head, run around the ring. Its decode rate is stage 0's token period (from its first decode
-step to its last: the "decode" event each stage logs per sequence). Against it, in the same
-process as this script and in between the swarm's requests, the single-process engine at
-the same thread count generating the same tokens (`Model.generate`, no tokenizer). The two
+loopback, --keep-awake as by default), one request at a time of `--tokens` tokens submitted
+over HTTP, leased by the head, run around the ring. Its decode rate is stage 0's token
+period (from its first decode step to its last: the "decode" event each stage logs per
+sequence). Against it, in the same process as this script and in between the swarm's
+requests, the single-process engine at the same thread count generating the same tokens (`Model.generate`, no tokenizer). The two
 alternate, `--rounds` times: the machine may be shared, so the table gives each round, the
 median ratio and the ratio of the best rates (the runs least disturbed by other work).
 
@@ -123,13 +124,14 @@ class Result:
     rounds: list[Round] = field(default_factory=list)
 
 
-def measure(name: str, rounds: int, tokens: int) -> Result:
+def measure(name: str, rounds: int, tokens: int, keep_awake: bool = True) -> Result:
     path = model_path(name)
     kernels.set_threads(1)
     model = load(path, tokenizer=False)
     with tempfile.TemporaryDirectory() as tmp:
         swarm = LocalSwarm(path, 2, "2G", Path(tmp), stages=2, threads=1, rebalance=False,
-                           context=len(PROMPT) + tokens + 8, max_sequences=2)  # fmt: skip
+                           context=len(PROMPT) + tokens + 8, max_sequences=2,
+                           keep_awake=keep_awake)  # fmt: skip
         with swarm:
             status = swarm.wait_ready(300)
             stages = sorted((n for n in status["nodes"] if n["stage"] is not None),
@@ -228,9 +230,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--model", action="append", help="demo, llama254m or a GGUF path")
+    ap.add_argument("--keep-awake", action=argparse.BooleanOptionalAction, default=True,
+                    help="the workers' --keep-awake (default on, as `cellswarm up`)")
     args = ap.parse_args()
     for name in args.model or ["demo", "llama254m"]:
-        render(measure(name, args.rounds, args.tokens), args.tokens)
+        render(measure(name, args.rounds, args.tokens, args.keep_awake), args.tokens)
 
 
 if __name__ == "__main__":

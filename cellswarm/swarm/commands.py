@@ -50,6 +50,9 @@ def add_commands(sub: Any) -> None:
     u.add_argument("--stages", type=int, help="pipeline stages (default: fewest that fit)")
     u.add_argument("--state-dir", default="cellswarm-state", help="database, token, logs")
     u.add_argument("--port", type=int, default=8470)
+    u.add_argument("--keep-awake", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers keep idle CPUs out of deep sleep while steps arrive (worker "
+                   "--keep-awake; default on)")  # fmt: skip
     u.set_defaults(func=cmd_up)
     add_tls_option(u)
 
@@ -181,7 +184,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     swarm = LocalSwarm(model=_model(args.model), workers=args.workers, memory=args.memory,
                        state_dir=Path(args.state_dir), profile=args.profile,
-                       stages=args.stages, port=args.port, tls_dir=args.tls)  # fmt: skip
+                       stages=args.stages, port=args.port, tls_dir=args.tls,
+                       keep_awake=args.keep_awake)  # fmt: skip
     def say(line: str) -> None:
         print(line, flush=True)
 

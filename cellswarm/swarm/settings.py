@@ -138,6 +138,11 @@ class WorkerConfig:
                              "loopback anyway (anyone who can reach the data port can drive "
                              "this node's stage)")  # fmt: skip
     fail_token: int | None = setting(None, "--fail-token", argparse.SUPPRESS)  # tests
+    keep_awake: bool = setting(
+        True, "--keep-awake", "while steps arrive, keep this machine's idle CPUs out of deep "
+        "sleep (PM QoS, /dev/cpu_dma_latency; needs root): a stage that waits for its "
+        "neighbours wakes at once and computes on warm caches; let go 2 s after the last step "
+        "(default on; off to save power between tokens)")
 
     def __post_init__(self) -> None:
         if not self.node_id:

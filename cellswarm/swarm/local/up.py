@@ -69,6 +69,7 @@ class LocalSwarm:
     tls_dir: str | None = None
     own_log_dirs: bool = False  # no shared disk: logs-<i> per worker, logs-coordinator
     control: str | None = None  # nats://HOST:PORT: heartbeats through NATS (control/beats.py)
+    keep_awake: bool = WorkerConfig.keep_awake  # workers hold a CPU wake-latency bound (awake.py)
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)
 
@@ -155,7 +156,7 @@ class LocalSwarm:
             fail_forward=i in self.fail_forward, perturb=self.perturb.get(i, 0.0),
             dram_budget_bytes=parse_bytes(self.dram_budget) if self.dram_budget else None,
             cache_dir=str(self.state_dir / f"cache-{i}") if self.fetch else None,
-            fail_token=self.fail_token, control=self.control,
+            fail_token=self.fail_token, control=self.control, keep_awake=self.keep_awake,
         )  # fmt: skip
 
     def start_worker(self, i: int) -> None:

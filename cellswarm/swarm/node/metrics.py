@@ -42,12 +42,14 @@ class Power:
     def set(self, busy_w: float, idle_w: float, source: str) -> None:
         self.busy_w, self.idle_w, self.source = float(busy_w), float(idle_w), str(source)
 
-    def joules(self, busy_s: float) -> float | None:
+    def joules(self, busy_s: float, awake_s: float = 0.0) -> float | None:
+        """awake_s: seconds the CPUs were kept out of deep sleep (awake.py); a polling idle
+        core draws about what a busy one does, so they count at busy watts."""
         if not self.source:
             return None
         up_s = time.monotonic() - self.started_s
-        busy_s = min(busy_s, up_s)
-        return busy_s * self.busy_w + (up_s - busy_s) * self.idle_w
+        hot_s = min(max(busy_s, awake_s), up_s)  # the steps run inside the held spans
+        return hot_s * self.busy_w + (up_s - hot_s) * self.idle_w
 
 
 def family(name: str, kind: str, doc: str, samples: list[Sample]) -> str:
@@ -98,10 +100,10 @@ def render(worker: Worker) -> str:
     if stats.get("step_s"):
         out.append(histogram("cellswarm_worker_step_seconds", "compute time per step",
                              stats["step_s"]))  # fmt: skip
-    joules = w.power.joules(float(stats.get("busy_s", 0.0)))
+    joules = w.power.joules(float(stats.get("busy_s", 0.0)), w.awake_s())
     if joules is not None:
         out.append(family("cellswarm_worker_energy_joules", "counter", "estimated energy: busy "
-                          "time at busy power, the rest at idle",
+                          "time (and time kept awake) at busy power, the rest at idle",
                           [({"profile": w.power.source}, joules)]))  # fmt: skip
     return "".join(out)
 

@@ -32,6 +32,7 @@ from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.control.beats import NatsBeats
 from cellswarm.swarm.control.logship import LogShipper
 from cellswarm.swarm.control.store import shard_id
+from cellswarm.swarm.node.awake import KeepAwake
 from cellswarm.swarm.node.head import Head
 from cellswarm.swarm.node.metrics import Power
 from cellswarm.swarm.node.metrics import serve as serve_metrics
@@ -130,6 +131,7 @@ class Worker:
         self.shipper = LogShipper(self._ship_logs)  # its events, to the coordinator's table
         self.power = Power()  # the energy estimate (its watts come with the join's answer)
         self.metrics_port: int | None = None  # GET /metrics (node/metrics.py), once started
+        self.awake = KeepAwake() if config.keep_awake else None  # while steps arrive
         self.nats: NatsBeats | None = None
         if config.control:  # heartbeats through NATS (control/beats.py)
             self.nats = NatsBeats(config.control, config.node_id)
@@ -214,9 +216,14 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """Its stage's counters (none without one) and its energy so far."""
         stats = self.stage.stats() if self.stage else {}
-        joules, temp = self.power.joules(float(stats.get("busy_s", 0))), temperature_c()
+        joules = self.power.joules(float(stats.get("busy_s", 0)), self.awake_s())
+        temp = temperature_c()
         return {**stats, **({"energy_j": round(joules, 3)} if joules is not None else {}),
                 **({"temp_c": temp} if temp is not None else {})}
+
+    def awake_s(self) -> float:
+        """Seconds this node has kept the CPUs out of deep sleep (awake.py)."""
+        return self.awake.held_s() if self.awake is not None else 0.0
 
     def start_metrics(self) -> None:
         if self.config.metrics == "off":
@@ -395,6 +402,7 @@ class Worker:
         self.stage.fail_forward = c.fail_forward
         self.stage.fail_token = c.fail_token
         self.stage.perturb = c.perturb
+        self.stage.on_step = self.awake.touch if self.awake is not None else None
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
         if config.first:
             self.head = Head(self.stage, self._post_session, self.lease_s)
@@ -418,6 +426,7 @@ class Worker:
         model = await asyncio.to_thread(load_part_model, config)
         check_part_budget(model, c.memory_bytes, spec)
         self.part = PartServer(config, model)
+        self.part.on_step = self.awake.touch if self.awake is not None else None
         self.server = await asyncio.start_server(self.part.serve, *self._bind(),
                                                  ssl=self.tls_server)  # fmt: skip
         self.data_port = self.server.sockets[0].getsockname()[1]
@@ -462,6 +471,8 @@ class Worker:
             self.stage.forget_sequences()  # its KV caches, and the cycles through its head
         if self.head is not None:
             self.head.forget()
+        if self.awake is not None:
+            self.awake.release()
         self.stage = self.part = self.server = self.head = None
         self.shard_key = self.data_port = self.ready = None
 

@@ -164,6 +164,7 @@ class PartServer:
         self.config, self.model = config, model
         self.token = load_token(config.token_file) if config.token_file else None
         self.requests = 0
+        self.on_step: Callable[[], None] | None = None  # a request arrived (node/awake.py)
         w = model.weights
         self._head = "output.weight" if "output.weight" in w else "token_embd.weight"
         self._row0 = (config.spec.vocab_rows or (0, 0))[0]
@@ -194,6 +195,8 @@ class PartServer:
         if a is None:
             raise ProtocolError(f"a {frame.type!r} request carries no array")
         self.requests += 1
+        if self.on_step is not None:
+            self.on_step()
         if frame.type == "experts":
             return Frame("expert_rows", {}, self.expert_rows(int(f["layer"]), a, int(f["k"])))
         if frame.type == "logits":  # unrefined: the caller refines the merged top rows

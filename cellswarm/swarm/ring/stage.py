@@ -215,6 +215,7 @@ class Stage:
         # answering, ("sender", peer id, ...) when a peer sent a malformed frame. A job's own
         # fault (JobError) is no node's: it goes back to stage 0 as that job's error.
         self.on_fault: Fault | None = None
+        self.on_step: Callable[[], None] | None = None  # a step arrived (node/awake.py)
         self.fail_forward = False  # fault injection for tests: every forward pass raises
         # fault injection for tests: the first step of a sequence whose prompt holds this
         # token raises, as a query of death would (a fault the stage cannot tell from its own)
@@ -513,6 +514,8 @@ class Stage:
         if cache is None:  # dropped by a reset while this frame was on the wire
             return
         cache.length = pos
+        if self.on_step is not None:
+            self.on_step()
         if (
             self.config.crash_after_steps is not None
             and self.steps >= self.config.crash_after_steps
