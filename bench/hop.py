@@ -8,9 +8,10 @@ loopback, --keep-awake as by default), one request at a time of `--tokens` token
 over HTTP, leased by the head, run around the ring. Its decode rate is stage 0's token
 period (from its first decode step to its last: the "decode" event each stage logs per
 sequence). Against it, in the same process as this script and in between the swarm's
-requests, the single-process engine at the same thread count generating the same tokens (`Model.generate`, no tokenizer). The two
-alternate, `--rounds` times: the machine may be shared, so the table gives each round, the
-median ratio and the ratio of the best rates (the runs least disturbed by other work).
+requests, the single-process engine at the same thread count generating the same tokens
+(`Model.generate`, no tokenizer). The two alternate, `--rounds` times: the machine may be
+shared, so the table gives each round, the median ratio and the ratio of the best rates (the
+runs least disturbed by other work).
 
 Per hop, from the stages' own tallies (stage.py HOP_PARTS; microseconds per token, median
 over rounds): the sender's encode and the CPU time of its write, the receiver's read
