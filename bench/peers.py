@@ -36,7 +36,8 @@ bias made the routing decisive: the same model, rounded differently.
 The table: decode tokens/s (128 tokens after a short prompt; llama-bench's tg128) and
 prefill tokens/s (a 512-token prompt; pp512), for llama.cpp (`llama-bench -r 3`, mean of
 the repetitions) and cellswarm (a fresh process per row: `cellswarm.load`, then `Model.step`
-as `cellswarm generate` runs it, with `kernels.set_threads`, mean of 3), and the ratio
+as `cellswarm generate` runs it, with `kernels.set_threads` and, above one thread, the CPUs
+kept awake (kernels/awake.py), mean of 3), and the ratio
 cellswarm / llama.cpp (1.00 = as fast; above 1, cellswarm is faster). The two engines run
 one after the other per row (which goes first alternates), so a busy neighbour on the
 machine slows both: the load average is printed before and after.
@@ -439,25 +440,29 @@ def cellswarm_speed(path: str, threads: int, prompt_len: int, steps: int, reps: 
     position, as llama-bench's pp) and of decode (`steps` greedy tokens after an 8-token
     prompt), each the mean over `reps` fresh sequences after one warm-up."""
     from cellswarm import kernels
+    from cellswarm.kernels.awake import awake
     from cellswarm.loader import load
 
     kernels.set_threads(threads)
     model = load(path)
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_len + 8)
+    wake = threads > 1  # as a generation holds the CPUs awake (kernels/awake.py)
 
     def prefill() -> float:
         cache = model.new_cache(prompt_len)
-        t0 = time.perf_counter()
-        model.step(ids[:prompt_len], cache, last_only=True)
-        return prompt_len / (time.perf_counter() - t0)
+        with awake(wake):
+            t0 = time.perf_counter()
+            model.step(ids[:prompt_len], cache, last_only=True)
+            return prompt_len / (time.perf_counter() - t0)
 
     def decode(n: int) -> float:
         cache = model.new_cache(8 + n)
-        token = int(np.argmax(model.step(ids[-8:], cache, last_only=True)[-1]))
-        t0 = time.perf_counter()
-        for _ in range(n):
-            token = int(np.argmax(model.step(np.array([token]), cache, last_only=True)[-1]))
-        return n / (time.perf_counter() - t0)
+        with awake(wake):
+            token = int(np.argmax(model.step(ids[-8:], cache, last_only=True)[-1]))
+            t0 = time.perf_counter()
+            for _ in range(n):
+                token = int(np.argmax(model.step(np.array([token]), cache, last_only=True)[-1]))
+            return n / (time.perf_counter() - t0)
 
     prefill(), decode(4)  # warm-up: page the file in, prepare the kernels' arguments
     return {

@@ -25,6 +25,7 @@ DECODE = """
 import cellswarm  # first, as the CLI does (its settings for numpy's threads)
 import time, numpy as np
 from cellswarm import kernels
+from cellswarm.kernels.awake import awake
 from cellswarm.demo import demo_model_path
 from cellswarm.loader import load
 threads = {threads}
@@ -32,12 +33,14 @@ kernels.set_threads(threads or None)
 m = load(demo_model_path())
 ids = np.random.default_rng(0).integers(0, m.config.vocab_size, 8)
 cache = m.new_cache(8 + {tokens} + 2)
-m.step(ids, cache)
-m.step(ids[:1], cache)
-t0 = time.perf_counter()
-for _ in range({tokens}):
+with awake(kernels.threads() > 1):  # as a generation does (kernels/awake.py)
+    m.step(ids, cache)
     m.step(ids[:1], cache)
-print({tokens} / (time.perf_counter() - t0), kernels.threads())
+    t0 = time.perf_counter()
+    for _ in range({tokens}):
+        m.step(ids[:1], cache)
+    rate = {tokens} / (time.perf_counter() - t0)
+print(rate, kernels.threads())
 """
 
 

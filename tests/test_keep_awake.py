@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+import cellswarm
+from cellswarm import kernels
+from cellswarm.kernels import awake as awake_module
+from cellswarm.kernels.awake import WakeBound
 from cellswarm.swarm.api import client
 from cellswarm.swarm.local.up import LocalSwarm
 from cellswarm.swarm.node.awake import DEVICE, KeepAwake
@@ -131,3 +135,50 @@ def test_a_worker_holds_the_bound_while_it_decodes_and_lets_go_after(
         while any(held_by(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(held_by(pid) for pid in workers)
+
+
+@pytest.fixture
+def shared_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> WakeBound:
+    """The engine's process-wide bound, on a plain file."""
+    device = tmp_path / "cpu_dma_latency"
+    device.write_bytes(b"")
+    bound = WakeBound(device)
+    monkeypatch.setattr(awake_module, "_shared", bound)
+    monkeypatch.delenv("CELLSWARM_KEEP_AWAKE", raising=False)
+    return bound
+
+
+def test_nested_blocks_share_one_bound_and_the_last_lets_go(shared_bound: WakeBound) -> None:
+    with awake_module.awake():
+        with awake_module.awake():
+            assert shared_bound.held
+        assert shared_bound.held  # the outer block still runs
+    assert not shared_bound.held
+    with awake_module.awake(wanted=False):
+        assert not shared_bound.held
+
+
+def test_the_environment_turns_it_off(
+    shared_bound: WakeBound, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CELLSWARM_KEEP_AWAKE", "0")
+    with awake_module.awake():
+        assert not shared_bound.held
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_generation_holds_the_bound_above_one_thread(
+    demo_path: Path, shared_bound: WakeBound, threads: int
+) -> None:
+    model = cellswarm.load(demo_path)
+    seen: list[bool] = []
+    before = kernels.threads()
+    kernels.set_threads(threads)
+    try:
+        gen = model.generate("Once upon a time", max_tokens=6,
+                             on_text=lambda piece: seen.append(shared_bound.held))  # fmt: skip
+    finally:
+        kernels.set_threads(before)
+    assert gen.token_ids and seen
+    assert all(seen) == (threads > 1) and any(seen) == (threads > 1)
+    assert not shared_bound.held  # let go when the generation ends

@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cellswarm import kernels
 from cellswarm.engine.memory import MemoryReport, memory_report, peak_rss_bytes
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.engine.text import StopText
 from cellswarm.errors import RequestError
 from cellswarm.io.weights import Selection, WeightStore, non_finite
+from cellswarm.kernels.awake import awake
 from cellswarm.models.base import Architecture
 from cellswarm.models.kv_cache import KVCache, bytes_per_token
 
@@ -325,6 +327,11 @@ class _Generator:
         self.times = [0.0, 0.0]
 
     def run(self) -> Iterator[str]:
+        # threads that wait at every barrier: their cores stay awake meanwhile (awake.py)
+        with awake(kernels.threads() > 1):
+            yield from self._run()
+
+    def _run(self) -> Iterator[str]:
         cache = self.model.new_cache(len(self.prompt_ids) + self.opts.max_tokens)
         t0 = time.perf_counter()
         logits = self.model.step(np.asarray(self.prompt_ids), cache, last_only=True)[-1]
