@@ -2,8 +2,9 @@
 
 A pipeline stage waits for its neighbours for much of every token: on two stages, about
 half of it. Left to sleep, its core costs each hop a wakeup and each step cold caches:
-measured with `bench.hop` on a 2-core VM, the stages' own compute ran 5-15% slower than the
-same layers in one process until the cores were kept awake. The bound is held from a step
+measured with `bench.hop` on a 2-core VM, the stages' own compute ran 7-11% slower than the
+same layers in one process, and the swarm ran at 0.85-0.87 of one process; with the bound
+held, 0.94-1.02. The bound is held from a step
 until `linger_s` after the last one (back-to-back tokens and jobs keep it), so a swarm
 between jobs sleeps as before.
 """
