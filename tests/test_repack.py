@@ -10,6 +10,9 @@ and these tests have nothing to compare: they skip.
 from __future__ import annotations
 
 import mmap
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +80,43 @@ def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, na
     assert np.array_equal(natural.view(np.uint32), _matmul(code, repacked, cols, x).view(np.uint32))
     ref = x @ dequantize(w, fmt).T
     assert float(np.abs(natural - ref).max() / np.abs(ref).max()) < 0.02
+
+
+# The child's half of the test below: a Q6_K weight's repacked product, from its own build.
+_CHILD = """
+import sys
+import numpy as np
+from cellswarm import kernels
+w, x, cols = np.load(sys.argv[1]), np.load(sys.argv[2]), int(sys.argv[4])
+code, r = kernels.repack("Q6_K", w)
+for n in (1, len(x)):  # one token (the decode kernel), then a batch (the tile)
+    out = np.empty((n, w.shape[0]), np.float32)
+    kernels.matmul_args((0, code, int(r.ctypes.data), *r.shape), cols, x[:n], out)
+    np.save(f"{sys.argv[3]}{n}.npy", out)
+"""
+
+
+@pytest.mark.slow
+def test_a_build_without_gfni_unpacks_q6_k_to_the_same_bits(tmp_path: Path) -> None:
+    """Q6_K's group kernel moves bits with GFNI where the CPU has it, with shifts and masks
+    where not (kernels.c, BYTE_BITS): a build told -mno-gfni (compiled in a child process,
+    cached apart) must give the same bits."""
+    if "gfni" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no GFNI: the default build is already the other path")
+    rng = np.random.default_rng(6)
+    w = _weights("Q6_K", 48, 1024, rng)
+    code, repacked = _repacked_or_skip(w, "Q6_K")
+    x = rng.standard_normal((3, 1024)).astype(np.float32)
+    np.save(tmp_path / "w.npy", w)
+    np.save(tmp_path / "x.npy", x)
+    env = {**os.environ, "CELLSWARM_CFLAGS": "-mno-gfni"}
+    args = [tmp_path / "w.npy", tmp_path / "x.npy", tmp_path / "out", 1024]
+    subprocess.run([sys.executable, "-c", _CHILD, *map(str, args)], env=env, check=True,
+                   timeout=600)  # fmt: skip
+    for n in (1, len(x)):
+        theirs = np.load(tmp_path / f"out{n}.npy")
+        assert np.array_equal(_matmul(code, repacked, 1024, x[:n]).view(np.uint32),
+                              theirs.view(np.uint32))  # fmt: skip
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (37, 768)])

@@ -617,6 +617,24 @@ static void row_q2_k(const uint8_t *row, int64_t nb, const acts *a, float *out) 
 
 ZINL __m512i zdot(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
 
+/* Moving bits within each byte: with GFNI one affine op (a bit matrix per byte) where a shift
+ * and a mask take two; 16-bit shifts also carry bits across bytes, which the mask must clear.
+ * Row i of the matrix (byte 7 - i of the qword) picks the input bits of output bit i. The
+ * weights come out the same integers either way: only the instruction count changes (Q6_K's
+ * group kernel issued ~576 vector ops a block, ~270 of them unpacking). */
+#define BITS_HI_NIBBLE 0x1020408000000000LL /* in 4..7 -> out 0..3, the rest 0 */
+#define BITS_01_TO_45 0x0000000001020000LL  /* in 0,1 -> out 4,5 */
+#define BITS_23_TO_45 0x0000000004080000LL  /* in 2,3 -> out 4,5 */
+#define BITS_67_TO_45 0x0000000040800000LL  /* in 6,7 -> out 4,5 */
+#ifdef __GFNI__
+#define BYTE_BITS(v, matrix, shift_left, shift_right, mask) \
+    _mm512_gf2p8affine_epi64_epi8((v), _mm512_set1_epi64(matrix), 0)
+#else
+#define BYTE_BITS(v, matrix, shift_left, shift_right, mask) \
+    _mm512_and_si512(_mm512_srli_epi16(_mm512_slli_epi16((v), (shift_left)), (shift_right)), \
+                     _mm512_set1_epi8(mask))
+#endif
+
 /* lanes 0-7 <- s[i0], lanes 8-15 <- s[i1] (the scales of the two blocks of a pair) */
 ZINL __m512i idx_pair(int i0, int i1) {
     return _mm512_set_epi32(i1, i1, i1, i1, i1, i1, i1, i1, i0, i0, i0, i0, i0, i0, i0, i0);
@@ -1269,11 +1287,12 @@ ZINL void r16_group_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const fl
                     const __m512i l0 = _mm512_loadu_si512(Q6_AT(blk, at));
                     const __m512i l1 = _mm512_loadu_si512(Q6_AT(blk, at + 1));
                     const __m512i h = _mm512_loadu_si512(Q6_AT(blk, at + 2));
-                    u[0][i] = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
-                    u[1][i] = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
-                    u[2][i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_and_si512(h, m30));
-                    u[3][i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
-                                              _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+                    /* ternlog 0xEC: (a & c) | b; 0xF8: a | (b & c) */
+                    u[0][i] = _mm512_ternarylogic_epi32(l0, BYTE_BITS(h, BITS_01_TO_45, 4, 0, 0x30), m4, 0xEC);
+                    u[1][i] = _mm512_ternarylogic_epi32(l1, BYTE_BITS(h, BITS_23_TO_45, 2, 0, 0x30), m4, 0xEC);
+                    u[2][i] = _mm512_ternarylogic_epi32(BYTE_BITS(l0, BITS_HI_NIBBLE, 0, 4, 0x0F), h, m30, 0xF8);
+                    u[3][i] = _mm512_or_si512(BYTE_BITS(l1, BITS_HI_NIBBLE, 0, 4, 0x0F),
+                                              BYTE_BITS(h, BITS_67_TO_45, 0, 2, 0x30));
                 }
 #pragma GCC unroll 4
                 for (int m = 0; m < 4; m++) {
