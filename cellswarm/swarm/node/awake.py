@@ -1,12 +1,11 @@
 """A worker keeps the CPUs out of deep idle states while steps arrive (kernels/awake.py).
 
 A pipeline stage waits for its neighbours for much of every token: on two stages, about
-half of it. Left to sleep, its core costs each hop a wakeup and each step cold caches:
-measured with `bench.hop` on a 2-core VM, the stages' own compute ran 7-11% slower than the
-same layers in one process, and the swarm ran at 0.85-0.87 of one process; with the bound
-held, 0.94-1.02. The bound is held from a step
-until `linger_s` after the last one (back-to-back tokens and jobs keep it), so a swarm
-between jobs sleeps as before.
+half of it. Left to sleep, its core costs each hop a wakeup and each step cold caches. On a
+2-core VM whose idle cores halt at once, in alternating `bench.hop` runs (254M model), the
+swarm ran at 0.82-0.88 of one process with the bound held and at 0.80-0.87 without it.
+The bound is held from a step until `linger_s` after the last one (back-to-back tokens and
+jobs keep it), so a swarm between jobs sleeps as before.
 """
 
 from __future__ import annotations
