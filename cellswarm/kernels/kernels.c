@@ -617,6 +617,13 @@ static void row_q2_k(const uint8_t *row, int64_t nb, const acts *a, float *out) 
 
 ZINL __m512i zdot(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
 
+/* s + u . (the 4 bytes at x, in every lane): the broadcast folded into the instruction's
+ * memory operand ({1to16}), which GCC does not do for _mm512_set1_epi32 of a loaded int */
+ZINL __m512i dpbusd_bcst(__m512i s, __m512i u, const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(u), "m"(*x));
+    return s;
+}
+
 /* Moving bits within each byte: with GFNI one affine op (a bit matrix per byte) where a shift
  * and a mask take two; 16-bit shifts also carry bits across bytes, which the mask must clear.
  * Row i of the matrix (byte 7 - i of the qword) picks the input bits of output bit i. The
@@ -1109,12 +1116,11 @@ ZINL void r16_group1(const int fmt, const uint8_t *g, int64_t nb, const int8_t *
                 const __m512i q = _mm512_loadu_si512((const void *)(blk + 32 + 64 * k));
                 if (fmt == Q8_0) {
                     const __m512i u = _mm512_xor_si512(q, flip);
-                    if (k & 1) s1 = _mm512_dpbusd_epi32(s1, u, _mm512_set1_epi32(x4[k]));
-                    else s0 = _mm512_dpbusd_epi32(s0, u, _mm512_set1_epi32(x4[k]));
+                    if (k & 1) s1 = dpbusd_bcst(s1, u, x4 + k);
+                    else s0 = dpbusd_bcst(s0, u, x4 + k);
                 } else {
-                    s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(q, m4), _mm512_set1_epi32(x4[k]));
-                    s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
-                                             _mm512_set1_epi32(x4[4 + k]));
+                    s0 = dpbusd_bcst(s0, _mm512_and_si512(q, m4), x4 + k);
+                    s1 = dpbusd_bcst(s1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), x4 + 4 + k);
                 }
             }
             const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)),
@@ -1168,10 +1174,10 @@ ZINL void r16_group1_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const f
                 for (int k = 0; k < 8; k += 2) {
                     const __m512i q = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k)));
                     const __m512i r = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k + 1)));
-                    n0 = _mm512_dpbusd_epi32(n0, _mm512_and_si512(q, m4), _mm512_set1_epi32(x0[k]));
-                    n1 = _mm512_dpbusd_epi32(n1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), _mm512_set1_epi32(x1[k]));
-                    n0b = _mm512_dpbusd_epi32(n0b, _mm512_and_si512(r, m4), _mm512_set1_epi32(x0[k + 1]));
-                    n1b = _mm512_dpbusd_epi32(n1b, _mm512_and_si512(_mm512_srli_epi16(r, 4), m4), _mm512_set1_epi32(x1[k + 1]));
+                    n0 = dpbusd_bcst(n0, _mm512_and_si512(q, m4), x0 + k);
+                    n1 = dpbusd_bcst(n1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), x1 + k);
+                    n0b = dpbusd_bcst(n0b, _mm512_and_si512(r, m4), x0 + k + 1);
+                    n1b = dpbusd_bcst(n1b, _mm512_and_si512(_mm512_srli_epi16(r, 4), m4), x1 + k + 1);
                 }
                 const __m512i n[2] = {_mm512_add_epi32(n0, n0b), _mm512_add_epi32(n1, n1b)};
 #pragma GCC unroll 2
@@ -1301,8 +1307,13 @@ ZINL void r16_group_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const fl
                     for (int64_t t = 0; t < nx; t++) {
                         const int32_t *x4 = (const int32_t *)(xq + t * cols + 256 * b + 128 * n + 32 * m + 16 * cq);
                         __m512i s = _mm512_set1_epi32(-32 * xs[t * ngx + 16 * b + gi]);
+                        if (nx == 1) { /* the x4 broadcast in the instruction (batch: slower) */
 #pragma GCC unroll 4
-                        for (int i = 0; i < 4; i++) s = _mm512_dpbusd_epi32(s, u[m][i], _mm512_set1_epi32(x4[i]));
+                            for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, u[m][i], x4 + i);
+                        } else {
+#pragma GCC unroll 4
+                            for (int i = 0; i < 4; i++) s = _mm512_dpbusd_epi32(s, u[m][i], _mm512_set1_epi32(x4[i]));
+                        }
                         const __m512 sc = _mm512_mul_ps(sg, _mm512_set1_ps(xd[t * nbx + 8 * b + gi / 2]));
                         acc[t][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[t][gi]);
                     }
