@@ -1268,6 +1268,19 @@ ZINL __m512 k6_scale_lanes(const uint8_t *blk, int g) {
     return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(S, 24 - 8 * (g % 4)), 24));
 }
 
+/* chunk `at` of a Q6_K group block and the two after it (low nibbles, low nibbles, high bit
+ * pairs) -> the unsigned 6-bit weights of 4 groups, w[m] for group 2m + cq of the half */
+ZINL void q6_unpack(const uint8_t *blk, int at, __m512i m4, __m512i m30, __m512i w[4]) {
+    const __m512i l0 = _mm512_loadu_si512(Q6_AT(blk, at));
+    const __m512i l1 = _mm512_loadu_si512(Q6_AT(blk, at + 1));
+    const __m512i h = _mm512_loadu_si512(Q6_AT(blk, at + 2));
+    /* ternlog 0xEC: (a & c) | b; 0xF8: a | (b & c) */
+    w[0] = _mm512_ternarylogic_epi32(l0, BYTE_BITS(h, BITS_01_TO_45, 4, 0, 0x30), m4, 0xEC);
+    w[1] = _mm512_ternarylogic_epi32(l1, BYTE_BITS(h, BITS_23_TO_45, 2, 0, 0x30), m4, 0xEC);
+    w[2] = _mm512_ternarylogic_epi32(BYTE_BITS(l0, BITS_HI_NIBBLE, 0, 4, 0x0F), h, m30, 0xF8);
+    w[3] = _mm512_or_si512(BYTE_BITS(l1, BITS_HI_NIBBLE, 0, 4, 0x0F), BYTE_BITS(h, BITS_67_TO_45, 0, 2, 0x30));
+}
+
 /* 16 repacked Q6_K rows (nb blocks of 256) times nx activation rows: out[t * ld + lane].
  * Each chunk's weights are unpacked once for all nx rows; per row the same operations in the
  * same order whatever nx is (the same bits alone or in a batch). */
@@ -1285,20 +1298,34 @@ ZINL void r16_group_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const fl
         for (int n = 0; n < 2; n++) {
 #pragma GCC unroll 2
             for (int cq = 0; cq < 2; cq++) { /* c = 4cq..4cq+3: weights 4c.. of each 32: group 2m + cq */
+                if (nx == 1) { /* each chunk's 4 vectors into their 4 groups' sums at once:
+                                * 8 vectors live, not 16 (fewer accumulators spilled) */
+                    const int32_t *x4 = (const int32_t *)(xq + 256 * b + 128 * n + 16 * cq);
+                    __m512i s[4];
+#pragma GCC unroll 4
+                    for (int m = 0; m < 4; m++) s[m] = _mm512_set1_epi32(-32 * xs[16 * b + 8 * n + 2 * m + cq]);
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++) {
+                        __m512i w[4];
+                        q6_unpack(blk, 4 + 3 * (8 * n + 4 * cq + i), m4, m30, w);
+#pragma GCC unroll 4
+                        for (int m = 0; m < 4; m++) s[m] = dpbusd_bcst(s[m], w[m], x4 + 8 * m + i);
+                    }
+#pragma GCC unroll 4
+                    for (int m = 0; m < 4; m++) {
+                        const int gi = 8 * n + 2 * m + cq;
+                        const __m512 sg = _mm512_mul_ps(d, k6_scale_lanes(blk, gi));
+                        const __m512 sc = _mm512_mul_ps(sg, _mm512_set1_ps(xd[8 * b + gi / 2]));
+                        acc[0][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), sc, acc[0][gi]);
+                    }
+                    continue;
+                }
                 __m512i u[4][4];
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
-                    const int c = 4 * cq + i;
-                    const int at = 4 + 3 * (8 * n + c); /* q6_chunk of ql 16n + c, then on */
-                    const __m512i l0 = _mm512_loadu_si512(Q6_AT(blk, at));
-                    const __m512i l1 = _mm512_loadu_si512(Q6_AT(blk, at + 1));
-                    const __m512i h = _mm512_loadu_si512(Q6_AT(blk, at + 2));
-                    /* ternlog 0xEC: (a & c) | b; 0xF8: a | (b & c) */
-                    u[0][i] = _mm512_ternarylogic_epi32(l0, BYTE_BITS(h, BITS_01_TO_45, 4, 0, 0x30), m4, 0xEC);
-                    u[1][i] = _mm512_ternarylogic_epi32(l1, BYTE_BITS(h, BITS_23_TO_45, 2, 0, 0x30), m4, 0xEC);
-                    u[2][i] = _mm512_ternarylogic_epi32(BYTE_BITS(l0, BITS_HI_NIBBLE, 0, 4, 0x0F), h, m30, 0xF8);
-                    u[3][i] = _mm512_or_si512(BYTE_BITS(l1, BITS_HI_NIBBLE, 0, 4, 0x0F),
-                                              BYTE_BITS(h, BITS_67_TO_45, 0, 2, 0x30));
+                    __m512i w[4];
+                    q6_unpack(blk, 4 + 3 * (8 * n + 4 * cq + i), m4, m30, w);
+                    for (int m = 0; m < 4; m++) u[m][i] = w[m];
                 }
 #pragma GCC unroll 4
                 for (int m = 0; m < 4; m++) {
@@ -1307,13 +1334,8 @@ ZINL void r16_group_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const fl
                     for (int64_t t = 0; t < nx; t++) {
                         const int32_t *x4 = (const int32_t *)(xq + t * cols + 256 * b + 128 * n + 32 * m + 16 * cq);
                         __m512i s = _mm512_set1_epi32(-32 * xs[t * ngx + 16 * b + gi]);
-                        if (nx == 1) { /* the x4 broadcast in the instruction (batch: slower) */
 #pragma GCC unroll 4
-                            for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, u[m][i], x4 + i);
-                        } else {
-#pragma GCC unroll 4
-                            for (int i = 0; i < 4; i++) s = _mm512_dpbusd_epi32(s, u[m][i], _mm512_set1_epi32(x4[i]));
-                        }
+                        for (int i = 0; i < 4; i++) s = _mm512_dpbusd_epi32(s, u[m][i], _mm512_set1_epi32(x4[i]));
                         const __m512 sc = _mm512_mul_ps(sg, _mm512_set1_ps(xd[t * nbx + 8 * b + gi / 2]));
                         acc[t][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[t][gi]);
                     }
