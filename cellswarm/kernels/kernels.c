@@ -1281,6 +1281,13 @@ ZINL void q6_unpack(const uint8_t *blk, int at, __m512i m4, __m512i m30, __m512i
     w[3] = _mm512_or_si512(BYTE_BITS(l1, BITS_HI_NIBBLE, 0, 4, 0x0F), BYTE_BITS(h, BITS_67_TO_45, 0, 2, 0x30));
 }
 
+/* acc + (float)s * (sg * xd): a group's exact sum into its accumulator, sg = d_b * sc_g per
+ * lane. One place for both paths (one row, a batch): their bits are equal because these
+ * float operations are the same, in the same order. */
+ZINL __m512 q6_group_add(__m512 acc, __m512i s, __m512 sg, float xd) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sg, _mm512_set1_ps(xd)), acc);
+}
+
 /* 16 repacked Q6_K rows (nb blocks of 256) times nx activation rows: out[t * ld + lane].
  * Each chunk's weights are unpacked once for all nx rows; per row the same operations in the
  * same order whatever nx is (the same bits alone or in a batch). */
@@ -1315,8 +1322,7 @@ ZINL void r16_group_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const fl
                     for (int m = 0; m < 4; m++) {
                         const int gi = 8 * n + 2 * m + cq;
                         const __m512 sg = _mm512_mul_ps(d, k6_scale_lanes(blk, gi));
-                        const __m512 sc = _mm512_mul_ps(sg, _mm512_set1_ps(xd[8 * b + gi / 2]));
-                        acc[0][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), sc, acc[0][gi]);
+                        acc[0][gi] = q6_group_add(acc[0][gi], s[m], sg, xd[8 * b + gi / 2]);
                     }
                     continue;
                 }
@@ -1336,8 +1342,7 @@ ZINL void r16_group_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const fl
                         __m512i s = _mm512_set1_epi32(-32 * xs[t * ngx + 16 * b + gi]);
 #pragma GCC unroll 4
                         for (int i = 0; i < 4; i++) s = _mm512_dpbusd_epi32(s, u[m][i], _mm512_set1_epi32(x4[i]));
-                        const __m512 sc = _mm512_mul_ps(sg, _mm512_set1_ps(xd[t * nbx + 8 * b + gi / 2]));
-                        acc[t][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[t][gi]);
+                        acc[t][gi] = q6_group_add(acc[t][gi], s, sg, xd[t * nbx + 8 * b + gi / 2]);
                     }
                 }
             }
