@@ -599,6 +599,7 @@ def make_machine(backend: Backend) -> type[RuleBasedStateMachine]:
             for j in dead:
                 m = self.jobs[j]
                 m.state, m.attempts, m.not_before = "queued", 0, 0.0
+                m.runs = []  # a fresh start: a verify job's earlier runs are dropped too
                 self.before.pop(j, None)  # the one way out of a terminal state
 
         @rule()
