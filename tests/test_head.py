@@ -27,8 +27,12 @@ class FakeStage:
     async def cancel_request(self, req: str) -> None:
         self.cancelled.append(req)
 
-    def activity(self, req: str) -> float | None:
-        return time.monotonic() if req in self.sent and req not in self.cancelled else None
+    def activity(self, req: str | None = None) -> float | None:
+        live = [r for r in self.sent if r not in self.cancelled]
+        return time.monotonic() if (req in live if req else live) else None
+
+    def in_flight(self) -> int:
+        return len([r for r in self.sent if r not in self.cancelled])
 
 
 class SlowCoordinator:
@@ -191,4 +195,92 @@ def test_forget_releases_the_jobs_at_once() -> None:
         time.sleep(0.01)
     [body] = coord.bodies("/v1/jobs/release")
     assert body == {"runs": [{"job_id": "a", "fence": 3}, {"job_id": "b", "fence": 3}]}
+    assert head.runs == {}
+
+
+class RingStage(FakeStage):
+    """Stage 0 of a ring that holds `max_sequences`; it refuses more for room, as Stage does,
+    and `finish()` ends the oldest sequence (a token for a generation, a score for a part)."""
+
+    def __init__(self, refuse_over: int | None = None) -> None:
+        super().__init__()
+        self.live: list[tuple[str, Any]] = []
+        self.most = 0
+        self.refuse_over = refuse_over  # stage 0's own limit, when the head must overrun it
+
+    async def on_generate(self, frame: Any, emit: Any) -> None:
+        from cellswarm.swarm.ring.frames import Frame
+
+        req = str(frame.fields["req"])
+        if self.refuse_over is not None and len(self.live) >= self.refuse_over:
+            await emit(Frame("error", {"req": req, "message": "full", "fault": "room"}))
+            return
+        self.sent.append(req)
+        self.live.append((req, emit))
+        self.most = max(self.most, len(self.live))
+
+    def activity(self, req: str | None = None) -> float | None:
+        live = [r for r, _ in self.live]
+        hit = live if req is None else [r for r in live if r == req or r.startswith(req + "#")]
+        return time.monotonic() if hit else None
+
+    def in_flight(self) -> int:
+        return len(self.live)
+
+    async def finish(self) -> None:
+        from cellswarm.swarm.ring.frames import Frame
+
+        if not self.live:
+            return
+        req, emit = self.live.pop(0)
+        if "#" in req:
+            await emit(Frame("score", {"req": req, "logprob": -1.0}))
+        else:
+            await emit(Frame("token", {"req": req, "token": 5}))
+            await emit(Frame("done", {"req": req, "reason": "max_tokens"}))
+
+
+def run_ring(coord: QuickCoordinator, stage: RingStage, ticks: int) -> Head:
+    async def scenario() -> Head:
+        head = Head(stage, coord.post, lease_s=0.3)
+        for k in range(ticks):
+            await head.tick(True)
+            if head.leasing is not None:
+                await head.leasing
+            if k % 3 == 2:  # the ring finishes a sequence every third tick
+                await stage.finish()
+            await asyncio.sleep(0.01)
+        return head
+
+    return asyncio.run(scenario())
+
+
+def test_a_full_ring_makes_jobs_wait_and_never_fails_them() -> None:
+    """Six generations and a scoring job of five completions, leased at once to a head whose
+    ring holds two sequences (the coordinator says so): never more than two in the ring, a
+    scoring job in waves, nothing failed, every job completed, the waiting ones renewed."""
+    jobs = [job(f"g{i}", [1, 2]) for i in range(6)]
+    jobs.append({**job("s", [1, 2]), "kind": "score",
+                 "payload": {"prompt": [1, 2], "completions": [[3]] * 5}})  # fmt: skip
+
+    class Coordinator(QuickCoordinator):
+        def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            out = super().post(path, body)
+            return {**out, "ring_sequences": 2} if path == "/v1/jobs/lease" else out
+
+    coord, stage = Coordinator(jobs), RingStage()
+    head = run_ring(coord, stage, ticks=60)
+    assert coord.bodies("/v1/jobs/fail") == []
+    done = {b["job_id"]: b["result"] for b in coord.bodies("/v1/jobs/complete")}
+    assert set(done) == {*(f"g{i}" for i in range(6)), "s"}
+    assert done["s"] == {"scores": [-1.0] * 5, "reason": "scored"}
+    assert stage.most == 2 and head.runs == {}
+
+
+def test_a_sequence_stage_0_refuses_for_room_waits_and_is_not_failed() -> None:
+    """Stage 0 says "room" (the head's count was off): the sequence waits, then runs."""
+    coord, stage = QuickCoordinator([job(f"g{i}", [1, 2]) for i in range(4)]), RingStage(1)
+    head = run_ring(coord, stage, ticks=40)
+    assert coord.bodies("/v1/jobs/fail") == []
+    assert {b["job_id"] for b in coord.bodies("/v1/jobs/complete")} == {"g0", "g1", "g2", "g3"}
     assert head.runs == {}

@@ -272,7 +272,7 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
             # every 0.5 s (another coordinator sharing the database may have queued one)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(coord.pulse.wait(), 0.5)
-        return {"jobs": jobs}
+        return {"jobs": jobs, "ring_sequences": coord.ring_sequences(node)}
 
     @app.post("/v1/jobs/checkpoint")
     async def checkpoint(request: Request) -> dict[str, Any]:

@@ -391,6 +391,11 @@ class Coordinator:
                                ready=None, message=why, failures=node.failures + 1)
         self.log.event("lost", None, worker=node.node_id, why=why)
         log.warning("node %s lost: %s", node.node_id, why)
+        if node.state == "assigned" and not (node.shard or {}).get("stage"):
+            # a lost head's jobs go back to the queue now, their attempts unspent (the loss
+            # is no job's fault; the strike below still catches a job that kills its nodes)
+            for job_id in self.queue.release_owner(node.node_id):
+                self.log.event("released", job_id, worker=node.node_id, why="its head was lost")
         if node.state == "assigned":
             # whose step it was nobody knows: every job on its ring was present (a strike) —
             # once per wiring of the ring: a rack cut off (or a node lost because its
@@ -687,7 +692,7 @@ class Coordinator:
         stages = ring(self.placed(), int(shard.get("replica", 0)))
         capacity = min(int(s.capabilities.get("max_sequences") or self.config.max_sequences)
                        for s in stages)  # fmt: skip
-        room = capacity - self.queue.leased_count(node.node_id)
+        room = capacity - self.queue.leased_sequences(node.node_id)
         if room <= 0:
             return []
         several = len(replicas(self.placed())) > 1
@@ -697,6 +702,16 @@ class Coordinator:
             self.log.event("leased", job.job_id, worker=node.node_id, fence=job.fence,
                            resume=len(job.tokens), attempt=job.attempts + 1)  # fmt: skip
         return [j.lease_view() for j in jobs]
+
+    def ring_sequences(self, node: Node) -> int | None:
+        """The sequences the ring headed by `node` holds at once: the fewest any of its
+        stages has KV cache for (a head admits no more into stage 0)."""
+        shard = node.shard or {}
+        if shard.get("role") != "stage":
+            return None
+        stages = ring(self.placed(), int(shard.get("replica", 0)))
+        return min((int(s.capabilities.get("max_sequences") or self.config.max_sequences)
+                    for s in stages), default=None)  # fmt: skip
 
     def checkpoint(self, node: Node, runs: list[dict[str, Any]]) -> list[str]:
         """Tokens so far of a head's jobs (renewing their leases); the ids it lost."""

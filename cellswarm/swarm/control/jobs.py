@@ -413,6 +413,26 @@ class JobQueue:
         )
         return int(rows[0]["n"])
 
+    def leased_sequences(self, owner: str) -> int:
+        """Sequences the jobs leased to `owner` run at once: one a generation, one per
+        completion a scoring job (what a ring's KV cache must hold)."""
+        rows = self.db.execute(
+            "SELECT payload FROM jobs WHERE state='leased' AND lease_owner=?", (owner,)
+        )
+        return sum(len(json.loads(r["payload"]).get("completions") or ()) or 1 for r in rows)
+
+    def release_owner(self, owner: str, now: float | None = None) -> list[str]:
+        """Every job leased to `owner` back to the queue unharmed (its holder was lost: not
+        the jobs' fault, no attempt spent); the ids."""
+        now = time.time() if now is None else now
+        with self.db.transaction():
+            rows = self.db.execute(
+                "SELECT job_id, fence FROM jobs WHERE state='leased' AND lease_owner=?"
+                + self.db.for_update, (owner,),
+            )  # fmt: skip
+            return [str(r["job_id"]) for r in rows
+                    if self.release(str(r["job_id"]), int(r["fence"]), now)]  # fmt: skip
+
     # -- reading -----------------------------------------------------------------------------
 
     def get(self, job_id: str) -> Job | None:

@@ -15,9 +15,15 @@ next checkpoint: its late result would be refused anyway (fencing). When the rin
 replays: same lease, same attempt.
 
 A lease is renewed by progress only: a job whose step came back to stage 0 within the lease.
-A job the head cannot start (its payload breaks the frame, stage 0 refuses it) or that its
-ring dropped, and one whose data failed a stage (an `error` frame, fault "job"), is failed
-at once — that attempt is the job's — never held on to while its lease is renewed.
+A job the head cannot start (its payload breaks the frame) or that its ring dropped, and one
+whose data failed a stage (an `error` frame, fault "job"), is failed at once — that attempt
+is the job's — never held on to while its lease is renewed.
+
+A full ring makes work wait, it never fails it: the head admits a sequence into stage 0 only
+while the ring has room for it (the fewest sequences any of its stages has KV cache for, as
+the coordinator says with each lease), and a sequence stage 0 still refuses for room (fault
+"room") goes back to wait. A scoring job with more completions than the ring holds runs them
+in waves. A waiting job's lease is renewed while the ring it waits for makes progress.
 """
 
 from __future__ import annotations
@@ -57,6 +63,14 @@ class Run:
     saved: int = -1  # tokens at the last checkpoint
     saved_s: float = 0.0
     scores: dict[int, float] = field(default_factory=dict)
+    # its sequences (a generation: [0]; a scoring job: one per completion) that wait for
+    # room in the ring in the current epoch
+    waiting: list[int] = field(default_factory=list)
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences the job runs in all."""
+        return len(self.payload.get("completions", ())) or 1
 
 
 Post = Callable[[str, dict[str, Any]], dict[str, Any]]
@@ -70,10 +84,13 @@ class Head:
         self.runs: dict[str, Run] = {}
         self.leasing: asyncio.Task[None] | None = None  # the long poll in flight, if any
         self.forgotten: list[dict[str, Any]] | None = None  # stopped: the jobs it gave back
+        self.ring_sequences: int | None = None  # the coordinator's word: what its ring holds
 
     @property
     def capacity(self) -> int:
-        return int(self.stage.config.max_sequences)
+        """Sequences the ring holds at once: stage 0's, capped by the fewest of any stage."""
+        own = int(self.stage.config.max_sequences)
+        return min(own, self.ring_sequences) if self.ring_sequences else own
 
     async def tick(self, wired: bool) -> None:
         """One round: (re)send runs into the ring if its epoch changed, ask for more work if
@@ -87,8 +104,9 @@ class Head:
         for run in list(self.runs.values()):
             if self._stale(run):  # (asked again: a reset may come at any await)
                 await self._send(run)
+        await self._admit()
         await self._fail_dropped()
-        busy = sum(len(r.payload.get("completions", [])) or 1 for r in self.runs.values())
+        busy = sum(r.sequences - len(r.scores) for r in self.runs.values())
         free = self.capacity - busy
         if free > 0 and (self.leasing is None or self.leasing.done()):
             self.leasing = asyncio.create_task(self._lease(free))
@@ -97,6 +115,8 @@ class Head:
     async def _lease(self, free: int) -> None:
         body = {"n": free, "wait_s": LEASE_WAIT_S}
         answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/lease", body)
+        if answer and answer.get("ring_sequences"):
+            self.ring_sequences = int(answer["ring_sequences"])
         if self.forgotten is not None:  # it stopped serving while we waited: give all back
             brought = [{"job_id": str(v["job_id"]), "fence": int(v["fence"])}
                        for v in (answer or {}).get("jobs", [])]  # fmt: skip
@@ -108,26 +128,38 @@ class Head:
             self.runs[run.job_id] = run
             await self._send(run)
 
+    def room(self) -> int:
+        """Sequences stage 0 may take now (its own count: a sequence leaves every stage after
+        it leaves stage 0, its `end` frame ahead of any newer sequence on each link)."""
+        return self.capacity - int(self.stage.in_flight())
+
+    async def _admit(self) -> None:
+        """Waiting sequences into the ring, oldest job first, while it has room."""
+        for run in list(self.runs.values()):
+            if run.waiting and not run.starting and not self._stale(run) and self.room() > 0:
+                await self._send(run, fresh=False)
+
     def _stale(self, run: Run) -> bool:
         """Sent into an older epoch (the ring was reset since) and not being sent now."""
         return run.sent_epoch != self.stage.epoch and not run.starting
 
-    async def _send(self, run: Run) -> None:
-        """Into stage 0 in its current epoch. A reset while the sends await (a scoring job
-        sends several sequences) voids the lot: what went in after it is cancelled, and the
-        next tick sends the run again — never two live sequences of one job in the ring."""
+    async def _send(self, run: Run, fresh: bool = True) -> None:
+        """Into stage 0 in its current epoch, as many of its sequences as the ring has room
+        for (`fresh`: all of them wait first — a new run, or one the ring was reset under).
+        A reset while the sends await (a scoring job sends several sequences) voids the lot:
+        what went in after it is cancelled, and the next tick sends the run again — never two
+        live sequences of one job in the ring."""
         epoch = run.sent_epoch = self.stage.epoch  # stage 0 makes each sequence at once
+        if fresh:
+            run.scores.clear()
+            run.waiting = list(range(run.sequences))
         run.starting = True
         try:
-            if run.kind == "score":
-                await self._send_scores(run)
-            else:
-                p = run.payload
-                fields = {"req": run.job_id, "max_tokens": p["max_tokens"],
-                          "sampling": p.get("sampling", {}), "stop_ids": p.get("stop_ids", []),
-                          "replay": list(run.tokens)}  # fmt: skip
-                frame = Frame("generate", fields, np.asarray(p["prompt"], np.int64))
-                await self.stage.on_generate(frame, self._emit)
+            while run.waiting and self.room() > 0 and self.stage.epoch == epoch:
+                i = run.waiting.pop(0)
+                await self.stage.on_generate(self._frame(run, i), self._emit)
+                if i in run.waiting:  # stage 0 refused it for room: the next tick tries
+                    break
         except Exception as exc:  # its payload, as far as the head can tell: fail it now
             log.warning("job %s cannot start: %s: %s", run.job_id, type(exc).__name__, exc)
             await self._fail(run, f"the head could not start it: {type(exc).__name__}: {exc}")
@@ -136,16 +168,21 @@ class Head:
         if self.stage.epoch != epoch and run.job_id in self.runs:
             await self.stage.cancel_request(run.job_id)  # sent partly into the new epoch
 
-    async def _send_scores(self, run: Run) -> None:
-        """Scoring: one sequence per completion, prompt + completion, scored at the end."""
-        run.scores.clear()
-        prompt = [int(t) for t in run.payload["prompt"]]
-        for i, completion in enumerate(run.payload["completions"]):
-            ids = prompt + [int(t) for t in completion]
-            fields = {"req": f"{run.job_id}#{i}", "max_tokens": 1, "score_from": len(prompt),
-                      "sampling": {}, "stop_ids": [], "replay": []}  # fmt: skip
-            await self.stage.on_generate(Frame("generate", fields, np.asarray(ids, np.int64)),
-                                         self._emit)  # fmt: skip
+    @staticmethod
+    def _frame(run: Run, i: int) -> Frame:
+        """The `generate` frame of the run's sequence i: a generation (i = 0) from the tokens
+        it has; a scoring job's completion i, prompt + completion, scored at the end."""
+        p = run.payload
+        if run.kind != "score":
+            fields = {"req": run.job_id, "max_tokens": p["max_tokens"],
+                      "sampling": p.get("sampling", {}), "stop_ids": p.get("stop_ids", []),
+                      "replay": list(run.tokens)}  # fmt: skip
+            return Frame("generate", fields, np.asarray(p["prompt"], np.int64))
+        prompt = [int(t) for t in p["prompt"]]
+        ids = prompt + [int(t) for t in p["completions"][i]]
+        fields = {"req": f"{run.job_id}#{i}", "max_tokens": 1, "score_from": len(prompt),
+                  "sampling": {}, "stop_ids": [], "replay": []}  # fmt: skip
+        return Frame("generate", fields, np.asarray(ids, np.int64))
 
     async def _emit(self, frame: Frame) -> None:
         """Frames stage 0 sends its client: tokens, done, error, score."""
@@ -164,6 +201,8 @@ class Head:
         elif frame.type == "done" and run.kind == "generate":
             await self._finish(run, {"tokens": list(run.tokens),
                                      "reason": str(frame.fields["reason"])})  # fmt: skip
+        elif frame.type == "error" and frame.fields.get("fault") == "room":
+            run.waiting.insert(0, int(part or 0))  # the ring was full after all: it waits
         elif frame.type == "error":
             fault = str(frame.fields.get("fault", "job"))  # stage 0 says whose
             await self._fail(run, str(frame.fields["message"]), fault)
@@ -182,7 +221,7 @@ class Head:
         without a result or an error, was dropped: failed at once, not renewed for ever."""
         epoch = self.stage.epoch
         for run in list(self.runs.values()):
-            if run.sent_epoch == epoch and not run.starting and (
+            if run.sent_epoch == epoch and not run.starting and not run.waiting and (
                 self.stage.activity(run.job_id) is None
             ):
                 log.warning("job %s: stage 0 dropped it", run.job_id)
@@ -192,6 +231,8 @@ class Head:
         """A step of the run came back to stage 0 within the lease (a replay's steps count:
         they are progress that makes no new tokens)."""
         active = self.stage.activity(run.job_id)
+        if run.waiting:  # (some of) it waits for room: alive while the ring moves
+            active = max(active or 0.0, self.stage.activity() or 0.0)
         return active is not None and now - active < self.lease_s
 
     async def _finish(self, run: Run, result: dict[str, Any]) -> None:

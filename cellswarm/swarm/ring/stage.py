@@ -474,14 +474,16 @@ class Stage:
             await emit(Frame("error", {"req": f["req"], "message": f"the prompt has {bad}",
                                        "fault": "job"}))  # fmt: skip
             return
-        over = need > c.context or len(self.sequences) >= c.max_sequences
-        if c.memory_bytes is not None and over:
-            # KV for `context` x `max_sequences` tokens is what the budget was checked for
-            why = (
-                f"request needs {need} tokens of context (stage reserves {self.config.context}) "
-                f"with {len(self.sequences)} of {self.config.max_sequences} sequences in flight"
-            )
+        # KV for `context` x `max_sequences` tokens is what the budget was checked for: a
+        # request longer than the context is the job's fault; a full stage is nobody's (the
+        # head keeps the sequence waiting: "room")
+        if c.memory_bytes is not None and need > c.context:
+            why = f"request needs {need} tokens of context but the stage reserves {c.context}"
             await emit(Frame("error", {"req": f["req"], "message": why, "fault": "job"}))
+            return
+        if c.memory_bytes is not None and len(self.sequences) >= c.max_sequences:
+            why = f"{len(self.sequences)} of {c.max_sequences} sequences in flight"
+            await emit(Frame("error", {"req": f["req"], "message": why, "fault": "room"}))
             return
         self._seq_ids += 1
         seq = self._seq_ids
@@ -734,12 +736,17 @@ class Stage:
         if not self.config.last:  # the stages before the one that failed hold it too
             await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
 
-    def activity(self, req: str) -> float | None:
-        """When a step of the request (or of a scoring job's `req#i`) last came back to stage
-        0 (monotonic s); None when stage 0 holds none of its sequences."""
+    def activity(self, req: str | None = None) -> float | None:
+        """When a step of the request (or of a scoring job's `req#i`; without one, of any
+        request) last came back to stage 0 (monotonic s); None when stage 0 holds none of
+        its sequences."""
         times = [s.active_s for s in self.sequences.values()
-                 if s.req == req or s.req.startswith(req + "#")]  # fmt: skip
+                 if req is None or s.req == req or s.req.startswith(req + "#")]  # fmt: skip
         return max(times) if times else None
+
+    def in_flight(self) -> int:
+        """Sequences stage 0 holds (the head admits more only while the ring has room)."""
+        return len(self.sequences)
 
     async def cancel_request(self, req: str) -> int:
         """Stage 0 drops a request's sequences (a scoring job's too: `req#i`) and tells the
