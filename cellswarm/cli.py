@@ -63,12 +63,28 @@ def build_parser() -> argparse.ArgumentParser:
                        "and every block's scales finite (a corrupt download shows here)")
     v.add_argument("file", help="the .gguf file")
     v.set_defaults(func=_cmd_verify)
+    k = sub.add_parser("kernels", help="the C kernels: `kernels build` compiles them for this "
+                       "machine now (a worker's unit runs it as ExecStartPre)")  # fmt: skip
+    k.add_argument("action", choices=["build"])
+    k.set_defaults(func=_cmd_kernels)
     d = sub.add_parser("demo", help="the demo model on a local swarm, a worker killed mid-way")
     d.add_argument("--max-tokens", type=int, default=48)
     d.set_defaults(
         func=lambda a: __import__("cellswarm.swarm.local.demo", fromlist=["run"]).run(a.max_tokens)
     )
     return parser
+
+
+def _cmd_kernels(args: argparse.Namespace) -> int:
+    """Compile the kernels into this machine's cache (CELLSWARM_CACHE), or say why not."""
+    from cellswarm.kernels import KernelBuildError, prebuild
+
+    try:
+        built = prebuild()
+    except KernelBuildError as exc:
+        raise RequestError(str(exc)) from None
+    print(built.line() if built else "KERNELS off (CELLSWARM_KERNELS=numpy)", flush=True)
+    return 0
 
 
 def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

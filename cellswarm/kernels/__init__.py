@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -114,12 +115,68 @@ def build(path: Path | None = None, extra: tuple[str, ...] | None = None) -> Pat
     os.close(fd)
     cmd = [os.environ.get("CC", "gcc"), *CFLAGS, *flags, "-o", tmp, str(SOURCE), "-lm"]
     try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300,
+                       preexec_fn=_die_with_parent)  # fmt: skip
         os.replace(tmp, target)  # atomic: concurrent builders never see half a file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _die_with_parent() -> None:
+    """In the compiler's process: the kernel kills it when the process that started it dies
+    (a worker stopped mid-build must not leave gcc running; Linux's PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+@dataclass(frozen=True)
+class Built:
+    """What `prebuild` did: the library, whether it compiled it now, and how long it took."""
+
+    path: Path
+    compiled: bool
+    seconds: float
+
+    def line(self) -> str:
+        if self.compiled:
+            return f"KERNELS built in {self.seconds:.1f} s ({self.path})"
+        return f"KERNELS ready ({self.path})"
+
+
+def prebuild() -> Built | None:
+    """Build the kernels now, before any step needs them (a worker does so before it joins:
+    a first step that compiles for seconds looks dead to its coordinator). None when the
+    numpy path is asked for (CELLSWARM_KERNELS=numpy); KernelBuildError, saying why and
+    what to do, when they cannot be built."""
+    if _backend != "c":
+        return None
+    flags = extra_flags()
+    target = library_path(flags)
+    if target.exists():
+        return Built(target, False, 0.0)
+    t0 = time.perf_counter()
+    try:
+        path = build(target, flags)
+    except FileNotFoundError:
+        raise KernelBuildError(f"no C compiler {os.environ.get('CC', 'gcc')!r} on this "
+                               "machine: install gcc (Debian: apt install gcc), or set "
+                               "CELLSWARM_KERNELS=numpy for the slow reference path") from None
+    except subprocess.CalledProcessError as exc:
+        said = (exc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        raise KernelBuildError(f"gcc could not build the kernels ({said[0][:200]}): check "
+                               f"CELLSWARM_CFLAGS {' '.join(flags)!r} and the compiler, or set "
+                               "CELLSWARM_KERNELS=numpy") from None  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"could not build the kernels into {target.parent}: {exc}; "
+                               "give CELLSWARM_CACHE a writable folder") from None
+    return Built(path, True, time.perf_counter() - t0)
+
+
+class KernelBuildError(Exception):
+    """The kernels could not be built (the message says why and what to do). Not a
+    CellswarmError: kernels/ imports nothing of ours; the callers map it."""
 
 
 def _load() -> ctypes.CDLL | None:

@@ -154,7 +154,10 @@ def print_status(status: dict[str, Any]) -> None:
     for n in status["nodes"]:
         layers = n.get("holds") or "-"
         mem = f"{format_bytes(n['peak_rss_bytes'])} of {format_bytes(n['memory_bytes'])}"
-        t.add_row(n["node_id"], n.get("address", ""), n["state"], layers, mem,
+        state = n["state"]
+        if n.get("busy_s", 0) >= 1.0:  # beating from its own thread through a long step
+            state += f" (busy: a step for {n['busy_s']:.0f} s)"
+        t.add_row(n["node_id"], n.get("address", ""), state, layers, mem,
                   f"{n['last_seen_s_ago']:.1f} s ago", _clock(n), str(n["served"]),
                   str(n["failures"]), n["message"][:60])  # fmt: skip
     Console().print(t)

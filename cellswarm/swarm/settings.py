@@ -138,6 +138,7 @@ class WorkerConfig:
                              "loopback anyway (anyone who can reach the data port can drive "
                              "this node's stage)")  # fmt: skip
     fail_token: int | None = setting(None, "--fail-token", argparse.SUPPRESS)  # tests
+    stall_step_s: float = setting(0.0, "--stall-step", argparse.SUPPRESS)  # tests: one long step
     keep_awake: bool = setting(
         True, "--keep-awake", "while steps arrive, keep this machine's idle CPUs out of deep "
         "sleep (PM QoS, /dev/cpu_dma_latency; needs root): a stage that waits for its "

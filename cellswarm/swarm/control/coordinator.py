@@ -797,6 +797,7 @@ class Coordinator:
              "profile": n.capabilities.get("profile"), "serving": n.serving,
              "rack": n.capabilities.get("rack"),
              "stats": self.node_stats.get(n.node_id),
+             "busy_s": float((self.node_stats.get(n.node_id) or {}).get("running_s") or 0.0),
              "address": f"{n.host}:{n.data_port}" if n.data_port else n.host,
              "clock_offset_s": self._clock(n.node_id)[0],
              "clock_error_s": self._clock(n.node_id)[1]}

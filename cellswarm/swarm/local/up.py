@@ -56,6 +56,7 @@ class LocalSwarm:
     fail_forward: Sequence[int] = ()  # workers whose every forward pass fails (tests)
     worker_env: dict[int, dict[str, str]] = field(default_factory=dict)  # e.g. PYTHONPATH
     fail_token: int | None = None  # every worker fails a request's step with this token (tests)
+    stall_step: dict[int, float] = field(default_factory=dict)  # worker -> its one long step (s)
     fetch: bool = False  # workers fetch their shards from the coordinator into state_dir
     dram_budget: str | None = None  # workers tier their shard's experts (engine/tiered/)
     api_key_file: str | None = None  # the coordinator's --api-key-file (OpenAI API keys)
@@ -154,6 +155,7 @@ class LocalSwarm:
             model=None if self.fetch else self.model, threads=self.threads,
             log_dir=str(self.node_log_dir(i)), stop_after_s=self.stop_after_s,
             fail_forward=i in self.fail_forward, perturb=self.perturb.get(i, 0.0),
+            stall_step_s=self.stall_step.get(i, 0.0),
             dram_budget_bytes=parse_bytes(self.dram_budget) if self.dram_budget else None,
             cache_dir=str(self.state_dir / f"cache-{i}") if self.fetch else None,
             fail_token=self.fail_token, control=self.control, keep_awake=self.keep_awake,

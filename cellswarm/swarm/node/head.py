@@ -125,6 +125,8 @@ class Head:
         for view in (answer or {}).get("jobs", []):
             run = Run(str(view["job_id"]), int(view["fence"]), str(view["kind"]),
                       dict(view["payload"]), [int(t) for t in view["tokens"]])  # fmt: skip
+            if self.runs.pop(run.job_id, None) is not None:  # our older lease of it expired:
+                await self.stage.cancel_request(run.job_id)  # its sequences must not feed this
             self.runs[run.job_id] = run
             await self._send(run)
 

@@ -2,8 +2,13 @@
 
     join (HMAC proof) -> heartbeat every H s -> answer: shard? probe? -> load, listen, serve
 
-One process, one asyncio loop: the heartbeat (urllib, in a thread so a slow coordinator
-never stalls a step) and the stage's TCP server share it. A worker that cannot reach its
+Two threads, each with its own asyncio loop. The heartbeat's (join, beats, over HTTP or
+NATS) runs nothing else: no step, compile, fetch or disk write can delay a beat, so a node
+busy with a long step — a 3,000-token prefill, a page-in from a slow disk — is seen busy,
+never lost. The main loop serves the stage (its TCP server, its steps), leads its ring as
+a head, and applies what the beats bring back (a shard, a probe, a doctor round); the log
+shipper has a thread of its own. The kernels are compiled before the worker joins (a first
+step that ran gcc for seconds looked dead to the coordinator). A worker that cannot reach its
 coordinator for `stop_after_s` stops serving — a coordinator that is gone may already have
 given its layers to another node — keeps its logs, and joins again when the coordinator
 answers. Its peak RSS (VmHWM, Python included) goes out with every heartbeat.
@@ -16,9 +21,11 @@ import contextlib
 import gc
 import json
 import logging
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -132,6 +139,7 @@ class Worker:
         self.power = Power()  # the energy estimate (its watts come with the join's answer)
         self.metrics_port: int | None = None  # GET /metrics (node/metrics.py), once started
         self.awake = KeepAwake() if config.keep_awake else None  # while steps arrive
+        self._beat_now = threading.Event()
         self.nats: NatsBeats | None = None
         if config.control:  # heartbeats through NATS (control/beats.py)
             self.nats = NatsBeats(config.control, config.node_id)
@@ -284,9 +292,33 @@ class Worker:
 
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
+        await asyncio.to_thread(build_kernels)  # before joining: no compile in a step
         self.caps = measure_capabilities(self.config)
         self.start_metrics()
         self._leading = asyncio.create_task(self.lead())  # for the process's life
+        answers: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        loop = self.loop
+
+        def heard(answer: dict[str, Any]) -> None:  # the beat thread: to this loop
+            loop.call_soon_threadsafe(answers.put_nowait, answer)
+
+        beats = threading.Thread(target=lambda: asyncio.run(self.beat_forever(heard)),
+                                 name="heartbeat", daemon=True)  # fmt: skip
+        beats.start()
+        while True:  # what the beats bring back, in order, on this loop
+            answer = await answers.get()
+            try:
+                await self.apply(answer)
+            except Exception:  # a bug in one answer must not end the node
+                log.exception("applying the coordinator's answer failed")
+
+    def beat_now(self) -> None:
+        """The next beat goes at once (a shard was loaded: the coordinator wires the ring)."""
+        self._beat_now.set()
+
+    async def beat_forever(self, heard: Callable[[dict[str, Any]], None]) -> None:
+        """The heartbeat thread's loop: join, beat every heartbeat_s, hand each answer to
+        the main loop (`heard`); nothing else runs here."""
         last_ok = time.monotonic()
         while True:
             try:
@@ -304,14 +336,22 @@ class Worker:
                 self._say_tls_failure(exc)
                 quiet_s = time.monotonic() - last_ok
                 if quiet_s > self.config.stop_after_s and self.session is not None:
-                    await self.stop_serving(f"no coordinator for {quiet_s:.1f} s ({exc})")
+                    await self._on_main(self.stop_serving(
+                        f"no coordinator for {quiet_s:.1f} s ({exc})"))  # fmt: skip
                     self.session = None  # join again when it is back
             except Exception:  # a bug in one beat must not end the node: beat again
                 log.exception("heartbeat failed")
             else:
                 last_ok = time.monotonic()
-                await self.apply(answer)
-            await asyncio.sleep(self.heartbeat_s)
+                heard(answer)
+            await asyncio.to_thread(self._beat_now.wait, self.heartbeat_s)
+            self._beat_now.clear()
+
+    async def _on_main(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` on the main loop and wait for it (from the heartbeat thread)."""
+        assert self.loop is not None
+        with contextlib.suppress(Exception):
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, self.loop))
 
     def _say_tls_failure(self, exc: Exception) -> None:
         """A refused handshake is not an outage: say what it was (once), not just retry."""
@@ -375,9 +415,7 @@ class Worker:
             self.refused = str(exc)
             print(f"REFUSED {exc}", flush=True)
             return
-        # tell the coordinator at once (it wires the ring); if it fails, the next beat will
-        with contextlib.suppress(OSError, ValueError, PermissionError):
-            await self._beat()
+        self.beat_now()  # tell the coordinator at once (it wires the ring)
 
     async def start_serving(self, shard: dict[str, Any]) -> None:
         c = self.config
@@ -402,6 +440,7 @@ class Worker:
         self.stage.fail_forward = c.fail_forward
         self.stage.fail_token = c.fail_token
         self.stage.perturb = c.perturb
+        self.stage.stall_once_s = c.stall_step_s
         self.stage.on_step = self.awake.touch if self.awake is not None else None
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
         if config.first:
@@ -521,6 +560,19 @@ class Worker:
             return True, ""
         except Exception as exc:  # whatever breaks, the probe says so
             return False, f"{type(exc).__name__}: {exc}"
+
+
+def build_kernels() -> None:
+    """Compile the C kernels for this machine now, saying so and how long it took; a worker
+    that cannot says why and does not join (the numpy path is 10x slower and computes other
+    bits: CELLSWARM_KERNELS=numpy asks for it knowingly)."""
+    from cellswarm.kernels import KernelBuildError, prebuild
+
+    try:
+        built = prebuild()
+    except KernelBuildError as exc:
+        raise RequestError(f"cannot build the kernels: {exc}") from None
+    print(built.line() if built else "KERNELS off (CELLSWARM_KERNELS=numpy)", flush=True)
 
 
 def temperature_c() -> float | None:

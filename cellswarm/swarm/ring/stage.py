@@ -222,6 +222,8 @@ class Stage:
         self.fail_token: int | None = None
         # fault injection for tests: this fraction of sequences get wrong tokens (bad RAM)
         self.perturb = 0.0
+        self.stall_once_s = 0.0  # fault injection for tests: the next step blocks this long
+        self.step_since: float | None = None  # when the step running now began (monotonic)
         self.step_times = StepTimes()  # every step's compute time (stats, /metrics)
         self.corrupted: set[int] = set()
         self._rng = np.random.default_rng()
@@ -461,7 +463,7 @@ class Stage:
             "busy_s": round(self.busy_s, 4), "sequences": len(self.caches),
             "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 4),
             "hop_s": {k: round(v, 6) for k, v in zip(HOP_PARTS, self.hop_s, strict=True)},
-            "step_s": self.step_times.as_dict(),
+            "step_s": self.step_times.as_dict(), "running_s": round(self.running_s(), 2),
         }  # fmt: skip
 
     async def on_generate(self, frame: Frame, emit: Emit) -> None:
@@ -658,10 +660,23 @@ class Stage:
             await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) here, or on the compute thread of an emulated node."""
-        if self._cpu is None:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+        """fn(*args) here, or on the compute thread of an emulated node. While it runs, the
+        heartbeat (a thread of its own, worker.py) reports the node busy since `step_since`."""
+        self.step_since = time.monotonic()
+        try:
+            if self.stall_once_s:  # fault injection: one step blocks the loop (tests)
+                stall_s, self.stall_once_s = self.stall_once_s, 0.0
+                time.sleep(stall_s)
+            if self._cpu is None:
+                return fn(*args)
+            return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+        finally:
+            self.step_since = None
+
+    def running_s(self) -> float:
+        """How long the step running now has run (0 between steps)."""
+        since = self.step_since
+        return time.monotonic() - since if since is not None else 0.0
 
     def head_sample(self, seq: int, h: np.ndarray, first: dict[str, Any] | None) -> int:
         token = self.sample(seq, self.head(h[-1:])[-1], first)
