@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,7 +114,8 @@ def build(path: Path | None = None, extra: tuple[str, ...] | None = None) -> Pat
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [os.environ.get("CC", "gcc"), *CFLAGS, *flags, "-o", tmp, str(SOURCE), "-lm"]
+    cmd = [os.environ.get("CC", "gcc"), *_wrapper(), *CFLAGS, *flags, "-o", tmp, str(SOURCE),
+           "-lm"]  # fmt: skip
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300,
                        preexec_fn=_die_with_parent)  # fmt: skip
@@ -122,6 +124,15 @@ def build(path: Path | None = None, extra: tuple[str, ...] | None = None) -> Pat
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _wrapper() -> tuple[str, ...]:
+    """gcc's own children (cc1, as, ld) under util-linux's setpriv --pdeathsig: they die with
+    the driver, as the driver dies with us (_die_with_parent); without setpriv, nothing."""
+    return ("-wrapper", f"{_SETPRIV},--pdeathsig,KILL") if _SETPRIV else ()
+
+
+_SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
 
 
 def _die_with_parent() -> None:
