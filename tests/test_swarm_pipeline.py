@@ -366,3 +366,18 @@ def test_balanced_split_evens_out_emulated_step_times(demo_path: Path) -> None:
     assert split[0][0] == 0 and split[-1][1] == 30
     assert all(a[1] == b[0] for a, b in itertools.pairwise(split))
     assert split[-1][1] - split[-1][0] < 30 // 4
+
+
+def test_a_long_prompt_is_prefilled_in_the_engine_s_chunks_bit_for_bit(demo_path: Path) -> None:
+    """A 1,300-token prompt: each stage prefills it in chunks of PREFILL_CHUNK positions (its
+    loop free between two), at the positions the engine's own prefill chunks at: the tokens
+    are one process's."""
+    from cellswarm.engine.model import PREFILL_CHUNK
+
+    model = cellswarm.load(demo_path)
+    text = " ".join(f"item {i} is {i * 7 % 13};" for i in range(260))
+    prompt = model.tokenizer.encode(text)[: 2 * PREFILL_CHUNK + 276]
+    expected = model.generate(prompt, GenerateOptions(6, stop_ids=frozenset())).token_ids
+    with LocalPipeline(str(demo_path), even_split(30, 2), context=2048) as pipe:
+        [result] = pipe.generate([{"prompt": prompt, "max_tokens": 6}])
+    assert result.tokens == expected

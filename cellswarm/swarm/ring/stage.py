@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from cellswarm.engine.memory import peak_rss_bytes
-from cellswarm.engine.model import Model
+from cellswarm.engine.model import PREFILL_CHUNK, Model
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
@@ -538,7 +538,9 @@ class Stage:
                 self.fail_token in first.get("prompt", ())
             ):
                 raise RuntimeError("injected fault: this request's first step always fails")
-            h = await self.compute(self.model.forward, np.ascontiguousarray(h, np.float32), cache)
+            h = await self.prefill(seq, np.ascontiguousarray(h, np.float32), cache)
+            if h is None:  # dropped by a reset between two chunks
+                return
             self.steps += 1
             # The last stage's step includes the head and the sampler: the emulated step time
             # counts the head's bytes, so its real time belongs inside the padded window.
@@ -590,6 +592,24 @@ class Stage:
         await self.step_out(seq, h, pos, first, scoring, out)
         parts[3], parts[4] = self._sent_s
         self.tally(seq, t0 - embed_s, parts)
+
+    async def prefill(self, seq: int, h: np.ndarray, cache: KVCache) -> np.ndarray | None:
+        """The layers over h (T, d), in chunks of PREFILL_CHUNK positions — the engine's own
+        (Model.step), so the bits are one process's — with the loop free between two: the
+        other sequences' frames are served while a long prompt's prefill runs. None when a
+        reset dropped the sequence meanwhile."""
+        if h.shape[0] <= PREFILL_CHUNK:
+            return await self.compute(self.model.forward, h, cache)
+        pos, out = cache.length, []
+        for start in range(0, h.shape[0], PREFILL_CHUNK):
+            out.append(await self.compute(self.model.forward, h[start:start + PREFILL_CHUNK],
+                                          cache))  # fmt: skip
+            cache.length += out[-1].shape[0]
+            await asyncio.sleep(0)
+            if self.caches.get(seq) is not cache:
+                return None
+        cache.length = pos
+        return np.concatenate(out)
 
     def tally(self, seq: int, start_s: float, parts: list[float]) -> None:
         """Add a decode step to its sequence's tally (and log it every DECODE_LOG_EVERY)."""
