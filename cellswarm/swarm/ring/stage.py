@@ -538,9 +538,10 @@ class Stage:
                 self.fail_token in first.get("prompt", ())
             ):
                 raise RuntimeError("injected fault: this request's first step always fails")
-            h = await self.prefill(seq, np.ascontiguousarray(h, np.float32), cache)
-            if h is None:  # dropped by a reset between two chunks
+            done = await self.prefill(seq, np.ascontiguousarray(h, np.float32), cache)
+            if done is None:  # dropped by a reset between two chunks
                 return
+            h = done
             self.steps += 1
             # The last stage's step includes the head and the sampler: the emulated step time
             # counts the head's bytes, so its real time belongs inside the padded window.
