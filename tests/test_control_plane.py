@@ -189,3 +189,24 @@ def test_a_racks_joins_in_one_request_each_proved_alone(demo_path: Path, tmp_pat
         assert hosts["d"] == "10.0.0.4" and hosts["a"] == hosts["relay"]  # the relay's address
         with pytest.raises(RequestError, match="count must be"):
             client.call(swarm.url, "/v1/challenge", {"count": 100_000})
+
+
+def test_a_node_that_joins_again_drops_its_old_loss_note(demo_path: Path, tmp_path: Path) -> None:
+    """A lost node's note ("no heartbeat for ...") is history once it joins again (issue 30:
+    `status` showed stale loss notes on healthy nodes); an offline node's note stays."""
+    from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
+
+    coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
+    caps = {"memory_bytes": 1 << 20}
+    for node_id in ("a", "b"):
+        coord.join(node_id, coord.challenge(), "", caps, "127.0.0.1")
+    a = coord.store.node("a")
+    assert a is not None
+    coord.lose(a, "no heartbeat for 2.2 s")
+    coord.store.update_node("b", state="offline", message="offline after 2 failures in a row")
+    for node_id in ("a", "b"):
+        coord.join(node_id, coord.challenge(), "", caps, "127.0.0.1")
+    again_a, again_b = coord.store.node("a"), coord.store.node("b")
+    assert again_a is not None and again_b is not None
+    assert again_a.state == "spare" and again_a.message == ""
+    assert again_b.state == "offline" and "2 failures" in again_b.message

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -684,3 +685,20 @@ def test_verification_reruns_at_the_head_do_not_hide_runnable_jobs(queue: JobQue
     fresh, _ = queue.submit({"prompt": [99]})
     assert [j.job_id for j in queue.lease("head-A", "A", now=T0)] == [fresh.job_id]
     assert len(queue.lease("head-B", "B", n=20, now=T0)) == 20
+
+
+def test_a_finished_batch_s_clock_stops_at_its_last_job(queue: JobQueue) -> None:
+    """elapsed_s and tokens/s of a finished batch do not change as time goes on (issue 30:
+    its elapsed_s kept growing, its tokens/s falling)."""
+    from cellswarm.swarm.api.batch_api import progress
+
+    batch = queue.submit_batch("b", [("generate", {"prompt": [1], "max_tokens": 2})] * 2)
+    start = time.time()
+    for job in queue.lease("h0", "r0", n=2, now=start + 1):
+        assert queue.complete(job.job_id, job.fence, {"tokens": [3, 4]}, now=start + 4) == "done"
+    info = queue.batch_info(batch)
+    assert info is not None
+    info = {**info, "created_s": start}
+    early, late = progress(info, start + 5), progress(info, start + 500)
+    assert early["elapsed_s"] == late["elapsed_s"] == 4.0
+    assert early["tokens_per_s"] == late["tokens_per_s"] and late["eta_s"] == 0.0

@@ -113,10 +113,16 @@ def refuse_duplicates(items: list[Any]) -> None:
 
 
 def batch_progress(coord: Any, batch_id: str, caller: Caller) -> dict[str, Any]:
-    info = _known(coord, batch_id, caller)
+    return progress(_known(coord, batch_id, caller), time.time())
+
+
+def progress(info: dict[str, Any], now_s: float) -> dict[str, Any]:
+    """A batch's counts as progress: finished, elapsed, tokens/s, ETA. A finished batch's
+    clock stopped at its last job's end (its tokens/s stays what it was)."""
     counts = info["counts"]
     finished = sum(counts[s] for s in TERMINAL)
-    elapsed_s = max(time.time() - float(info["created_s"]), 1e-3)
+    end_s = float(info.get("last_s") or now_s) if finished == info["total"] else now_s
+    elapsed_s = max(end_s - float(info["created_s"]), 1e-3)
     rate = finished / elapsed_s
     left = info["total"] - finished
     eta_s = 0.0 if not left else (round(left / rate, 1) if rate > 0 else None)

@@ -232,8 +232,11 @@ class Coordinator:
         state = old.state if old is not None and kept_out else "spare"
         node = Node(NodeId(node_id), state, kept, caps, host, now, now)
         if old is not None:  # a re-join: it dropped whatever it served; keep its record
+            # a note on why it was lost is history now (its failures count keeps it); an
+            # offline or evicted node's note still says why it waits
             node = replace(old, state=state, session=kept, capabilities=caps, host=host,
-                           last_seen_s=now, shard=None, data_port=None, ready=None)
+                           last_seen_s=now, shard=None, data_port=None, ready=None,
+                           message=old.message if kept_out else "")  # fmt: skip
         oom = oom_message(old.capabilities if old else {}, caps)
         if oom:
             node = replace(node, message=oom)

@@ -453,9 +453,11 @@ class JobQueue:
         ):
             counts[str(r["state"])] = int(r["n"])
         tokens = self.db.execute(
-            "SELECT COALESCE(SUM(n_tokens), 0) AS n FROM jobs WHERE batch_id=?", (batch_id,)
-        )
-        return {**rows[0], "counts": counts, "tokens": int(tokens[0]["n"] or 0)}
+            "SELECT COALESCE(SUM(n_tokens), 0) AS n, MAX(updated_s) AS last_s FROM jobs "
+            "WHERE batch_id=?", (batch_id,)
+        )  # fmt: skip
+        return {**rows[0], "counts": counts, "tokens": int(tokens[0]["n"] or 0),
+                "last_s": float(tokens[0]["last_s"] or rows[0]["created_s"])}  # fmt: skip
 
     def recent_batches(self, limit: int = 10) -> list[dict[str, Any]]:
         """The latest batches with their progress (the dashboard)."""
