@@ -99,3 +99,28 @@ def test_plan_coordinator_and_simulator_place_the_same_layers(
     assert [tuple(s["layers"]) for s in layout] == [s.layers for s in planned.slots]
     assert planned == place(inv, memory_mib * 2**20 - runtime - scratch, 256)
     assert planned == layer_placement(inv, [s.layers for s in planned.slots], 256)  # sim's
+
+
+def test_a_layout_shrunk_by_losses_grows_back_when_nodes_return() -> None:
+    """--stages 3 on three nodes; two are lost and a repair runs the model on the one left
+    (fewer stages rather than stall); when two spares join, the full three stages come back
+    (issue 30: the layout stayed below --stages for good)."""
+    from dataclasses import replace
+
+    from cellswarm.swarm.control.membership import repair
+
+    def split(count: int, memory_bytes: int) -> list[tuple[int, int]]:
+        return [(k * 30 // count, (k + 1) * 30 // count) for k in range(count)]
+
+    nodes = [node(i, 1 << 30) for i in range(3)]
+    layout, target = repair(nodes, [], split, stages=3)
+    assert len(layout) == 3
+    nodes = [replace(n, state="assigned", shard=target[n.node_id]) for n in nodes]
+    left = [replace(nodes[0], shard=None, state="spare"),
+            *(replace(n, state="lost", shard=None) for n in nodes[1:])]
+    layout, target = repair(left, layout, split, stages=3)
+    assert len(layout) == 1  # shrunk: one stage on the one node left
+    back = [replace(left[0], state="assigned", shard=target[left[0].node_id]),
+            node(3, 1 << 30), node(4, 1 << 30)]  # fmt: skip
+    layout, target = repair(back, layout, split, stages=3)
+    assert len(layout) == 3 and sum(s is not None for s in target.values()) == 3

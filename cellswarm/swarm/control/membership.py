@@ -85,6 +85,11 @@ def repair(
     live = [n for n in nodes if n.state in PLACEABLE]
     current = {n.node_id: n.shard for n in live}
     if layout and layout_complete(live):
+        if _short_of_ask(layout, stages, replicas):  # a repair shrank it: grow back when
+            grown = place(live, split, stages, parts=parts, replicas=replicas,  # it can
+                          max_stages=max_stages)  # fmt: skip
+            if grown[1]:
+                return grown
         return list(layout), current
     if layout:
         filled = _fill_holes(live, layout)
@@ -92,6 +97,14 @@ def repair(
             return list(layout), filled
     return place(live, split, stages, shrink=bool(layout), parts=parts, replicas=replicas,
                  max_stages=max_stages)
+
+
+def _short_of_ask(layout: Sequence[Shard], stages: int | None, replicas: int) -> bool:
+    """The layout has fewer rings than `replicas`, or a ring fewer stages than `stages` (a
+    repair took fewer rather than stall): once the nodes are back, the full ask is placed."""
+    rings = {int(s.get("replica", 0)) for s in layout if s.get("role") == "stage"}
+    first = sum(1 for s in layout if s.get("role") == "stage" and int(s.get("replica", 0)) == 0)
+    return len(rings) < replicas or (stages is not None and first < stages)
 
 
 def _fill_holes(
