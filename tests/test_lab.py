@@ -139,6 +139,8 @@ def test_the_lab_is_real_hosts(lab: Lab) -> None:
     for h in assigned:  # fetched its shard into its own cache: no model path was given
         assert "FETCHED" in lab.output(h, "worker")
         assert list((lab.host_dir(h) / "cache" / "models").glob("*.gguf"))
+        # and compiled its own kernels there: the lab copies nothing in (a cold machine)
+        assert list((lab.host_dir(h) / "cache" / "kernels").glob("kernels-*.so"))
 
 
 def test_tokens_identical_to_one_process_then_a_host_dies(

@@ -5,6 +5,7 @@ tests/test_lab.py, which needs root and network namespaces."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,3 +94,32 @@ def test_status_of_no_lab_says_how_to_start_one(
 ) -> None:
     assert main(["lab", "status", "--state-dir", str(tmp_path)]) == 2
     assert "cellswarm lab up" in capsys.readouterr().err
+
+
+def _paper_lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: LabSpec | None = None) -> Any:
+    """A Lab whose hosts are folders only: no namespace, no cgroup (their creation is
+    stubbed), processes started on this machine as they are (no nsenter)."""
+    from cellswarm.lab.lab import Lab
+
+    monkeypatch.setattr(system, "cgroup_create", lambda *a: system.Cgroup("v1", ()))
+    lab = Lab(spec or LabSpec(hosts=2, racks=1), tmp_path, prefix="cspaper")
+    monkeypatch.setattr(lab, "enter", lambda host: [])
+    lab.state_dir.mkdir(parents=True, exist_ok=True)
+    lab._make_hosts()
+    return lab
+
+
+def test_every_host_starts_with_an_empty_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As cold as a machine on day one: nothing compiled or fetched on this machine (its
+    kernels, models, manifests) is put into a host's folder; each compiles and fetches its
+    own into its own cache (HOME and CELLSWARM_CACHE point there)."""
+    lab = _paper_lab(tmp_path, monkeypatch)
+    for h in lab.topology.hosts:
+        d = lab.host_dir(h.name)
+        cache = d / "cache"
+        assert not cache.exists() or not any(cache.iterdir()), list(cache.rglob("*"))
+        assert {p.name for p in d.iterdir()} <= {"logs", "cluster.token"}
+        env = lab.env(h.name)
+        assert (env["HOME"], env["CELLSWARM_CACHE"]) == (str(d), str(cache))

@@ -1,9 +1,10 @@
 """`cellswarm lab`: a swarm of real hosts on one Linux machine.
 
 Every host is a network namespace with its own address, its own folder (database, token,
-logs, fetched shards, kernel cache: nothing read from another host's folder) and its own
-cgroup (memory limit = the worker's --memory, so the kernel kills a process that lies about
-its budget; a CPU quota makes a slow node). Switches are namespaces too (topology.py), with
+logs, fetched shards, kernel cache: each starts empty, nothing read from another host's
+folder or copied from this machine's) and its own cgroup (memory limit = the worker's
+--memory, so the kernel kills a process that lies about its budget; a CPU quota makes a
+slow node). Switches are namespaces too (topology.py), with
 htb-shaped ports. Coordinators and workers are started through the real CLI, inside their
 host; the operator (this process, the tests) reaches them through a port on the core switch.
 
@@ -155,15 +156,15 @@ class Lab:
                 shutil.rmtree(self.state_dir / "ca")
             init_ca(self.state_dir / "ca")
             issue(self.state_dir / "ca", "operator", self.state_dir / "operator")
-        kernels = _kernel_cache()
         for h in self.topology.hosts:
             d = self.host_dir(h.name)
             if d.exists():
                 shutil.rmtree(d)
             (d / "logs").mkdir(parents=True)
-            write_secret(d / "cluster.token", token)  # each host gets its own copy, 0600
-            if kernels is not None:  # the installed software: its compiled kernels
-                shutil.copytree(kernels, d / "cache" / "kernels")
+            # each host gets its own copy, 0600; nothing compiled or fetched here goes in:
+            # a host builds its kernels and fetches its shard into its own empty cache, as a
+            # machine does on day one (a warm cache hid a worker's cold start from the lab)
+            write_secret(d / "cluster.token", token)
             if self.tls:  # as an operator would: the CA stays with them, a cert per host
                 from cellswarm.swarm.tls import issue
 
@@ -468,17 +469,6 @@ def _cgroup_memory(cg: system.Cgroup) -> dict[str, int]:
         except OSError:
             out[key] = 0
     return out
-
-
-def _kernel_cache() -> Path | None:
-    """This machine's compiled kernels (built now if needed), copied into each host's
-    cache as software is installed on each machine."""
-    try:
-        from cellswarm.kernels import build
-
-        return build().parent
-    except Exception:  # no compiler: hosts run the numpy path, as such a machine would
-        return None
 
 
 __all__ = ["HostSpec", "Lab", "LabSpec"]
