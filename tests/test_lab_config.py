@@ -123,3 +123,81 @@ def test_every_host_starts_with_an_empty_cache(
         assert {p.name for p in d.iterdir()} <= {"logs", "cluster.token"}
         env = lab.env(h.name)
         assert (env["HOME"], env["CELLSWARM_CACHE"]) == (str(d), str(cache))
+
+
+def _up_spec(*argv: str) -> LabSpec:
+    return spec_from_args(build_parser().parse_args(["lab", "up", *argv]))
+
+
+def test_host_memory_and_cpu_quota_come_from_flags() -> None:
+    """`--host-memory` / `--cpu-quota`: a bare value for every worker host, HOST=VALUE for
+    one host (a coordinator too), which wins; the worker's own --memory is unchanged."""
+    spec = _up_spec("--hosts", "3", "--racks", "1", "--host-memory", "300M",
+                    "--host-memory", "h2=64M", "--host-memory", "c0=1G", "--cpu-quota", "0.5",
+                    "--cpu-quota", "h3=0.25", "--slow", "h1=0.2")  # fmt: skip
+    topo = build(spec)
+    limits = {h.name: (h.memory_limit_bytes, h.cpu_quota) for h in topo.hosts}
+    assert limits == {"c0": (1 << 30, None), "h1": (300 << 20, 0.2), "h2": (64 << 20, 0.5),
+                      "h3": (300 << 20, 0.25)}  # fmt: skip
+    assert {h.memory_bytes for h in topo.workers()} == {128 << 20}
+    default = build(_up_spec("--hosts", "2", "--racks", "1", "--memory", "200M"))
+    assert [(h.memory_limit_bytes, h.cpu_quota) for h in default.workers()] == [
+        (200 << 20, None)] * 2  # without them: the cgroup holds the worker's --memory  # fmt: skip
+    assert default.host("c0").memory_limit_bytes is None  # coordinators: unlimited
+
+
+def test_host_limits_come_from_the_topology_file(tmp_path: Path) -> None:
+    path = tmp_path / "lab.toml"
+    path.write_text('[lab]\nhosts = 4\nracks = 2\nhost_memory = "256M"\ncpu_quota = 0.5\n'
+                    '[lab.host.h2]\nhost_memory = "48M"\ncpu_quota = 0.1\n'
+                    '[lab.host.c0]\ncpu_quota = 1.5\n[lab.slow]\nh4 = 0.2\n')  # fmt: skip
+    topo = build(_up_spec("--topology", str(path)))
+    limits = {h.name: (h.memory_limit_bytes, h.cpu_quota) for h in topo.hosts}
+    assert limits == {"c0": (None, 1.5), "h1": (256 << 20, 0.5), "h2": (48 << 20, 0.1),
+                      "h3": (256 << 20, 0.5), "h4": (256 << 20, 0.2)}  # fmt: skip
+    # a flag wins over the file
+    over = build(_up_spec("--topology", str(path), "--cpu-quota", "h2=0.3"))
+    assert over.host("h2").cpu_quota == 0.3 and over.host("h1").cpu_quota == 0.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [(["--host-memory", "300X"], ["'300X'", "300M"]),
+     (["--host-memory", "1M"], ["--host-memory", "16M"]),
+     (["--host-memory", "h9=300M"], ["'h9'", "h1, h2"]),
+     (["--cpu-quota", "half"], ["'half'", "0.5"]),
+     (["--cpu-quota", "0"], ["--cpu-quota '0'", "0.01"]),
+     (["--cpu-quota", "h2=-1"], ["h2=-1", "0.01"]),
+     (["--cpu-quota", "nan"], ["nan", "0.5"]),
+     (["--slow", "0.2"], ["HOST=CORES"]),
+     (["--cpu-quota", "db=0.5"], ["'db'", "c0, h1"])],
+)  # fmt: skip
+def test_bad_host_limits_are_one_line_errors(
+    argv: list[str], names: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["lab", "up", "--hosts", "2", "--racks", "1", "--state-dir", str(tmp_path),
+                 *argv]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("cellswarm: error:"), err
+    for name in names:
+        assert name in err, err
+    assert not (tmp_path / "lab.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("toml", "names"),
+    [('[lab.host.h1]\nhost_memory = "lots"\n', ["[lab.host.h1] host_memory", "'lots'"]),
+     ("[lab.host.h1]\nmemory = 5\n", ["[lab.host.h1]", "host_memory and cpu_quota"]),
+     ("[lab.host.h7]\ncpu_quota = 0.5\n", ["'h7'", "hosts: c0, h1, h2"]),
+     ('[lab]\ncpu_quota = "x"\n', ["cpu_quota", "'x'"])],
+)  # fmt: skip
+def test_bad_host_limits_in_the_file_are_one_line_errors(
+    toml: str, names: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "lab.toml"
+    path.write_text("[lab]\nhosts = 2\nracks = 1\n" + toml.replace("[lab]\n", ""))
+    assert main(["lab", "up", "--topology", str(path), "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("cellswarm: error:"), err
+    for name in names:
+        assert name in err, err

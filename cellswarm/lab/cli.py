@@ -31,8 +31,15 @@ def add_lab_command(sub: Any) -> None:
     up.add_argument("--oversubscription", default="2.4:4",
                     help="rack and aggregation uplink oversubscription "
                     "(default: the planner's 2.4:4)")  # fmt: skip
+    up.add_argument("--host-memory", action="append", default=[], metavar="[HOST=]SIZE",
+                    help="cgroup memory limit: SIZE for every worker host (default: its "
+                    "--memory), HOST=SIZE for one host, any host (repeatable), e.g. 300M")
+    up.add_argument("--cpu-quota", action="append", default=[], metavar="[HOST=]CORES",
+                    help="cgroup CPU quota in cores: CORES for every worker host, HOST=CORES "
+                    "for one host, any host (repeatable), e.g. 0.5; default: unlimited")
     up.add_argument("--slow", action="append", default=[], metavar="HOST=CORES",
-                    help="a slow host: CPU quota in cores, e.g. h3=0.2 (repeatable)")
+                    help="a slow host: CPU quota in cores, e.g. h3=0.2 (repeatable; the "
+                    "same as --cpu-quota HOST=CORES)")  # fmt: skip
     up.add_argument("--stages", type=int, help="the coordinator's --stages")
     up.add_argument("--expert-nodes", type=int, default=0, help="the coordinator's --expert-nodes")
     up.add_argument("--tls", action="store_true",
@@ -62,6 +69,8 @@ def add_lab_command(sub: Any) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> Any:
+    """The LabSpec of `lab up`'s flags over its --topology file (a flag wins over the file,
+    one host's value over every host's); any bad value is one RequestError line."""
     from cellswarm.lab.topology import LabSpec
     from cellswarm.planner.profiles import parse_rate
 
@@ -73,7 +82,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         raise RequestError(
             f"--oversubscription {args.oversubscription!r}: give ACCESS:AGG, e.g. 20:4"
         )
-    slow = {**keys.pop("slow", {}), **dict(_slow(s) for s in args.slow)}
+    limits = _limits(args, keys)
     try:
         return LabSpec(
             hosts=int(keys.pop("hosts", args.hosts)), racks=int(keys.pop("racks", args.racks)),
@@ -81,8 +90,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
             host_bits_per_s=parse_rate(keys.pop("host_rate", args.host_rate)),
             access_oversubscription=float(over[0]), aggregation_oversubscription=float(over[1]),
             memory_bytes=parse_bytes(str(keys.pop("memory", args.memory))),
-            slow_hosts={k: float(v) for k, v in slow.items()},
-            **keys,
+            **limits, **keys,
         )  # fmt: skip
     except (ValueError, TypeError) as exc:
         raise RequestError(f"lab: {exc}") from None
@@ -98,12 +106,75 @@ def _read_topology(path: Path) -> dict[str, Any]:
     return dict(data.get("lab", data))
 
 
-def _slow(text: str) -> tuple[str, float]:
-    host, _, cores = text.partition("=")
+HOST_KEYS = ("host_memory", "cpu_quota")  # what a [lab.host.NAME] table may set
+
+
+def _limits(args: argparse.Namespace, keys: dict[str, Any]) -> dict[str, Any]:
+    """The cgroup limits, as LabSpec fields: the file's [lab] host_memory / cpu_quota and
+    [lab.host.NAME] tables (and [lab.slow]), then --host-memory / --cpu-quota / --slow."""
+    memory: dict[str | None, int] = {}
+    cpu: dict[str | None, float] = {}
+    if "host_memory" in keys:
+        memory[None] = _size("host_memory", str(keys.pop("host_memory")))
+    if "cpu_quota" in keys:
+        cpu[None] = _cores("cpu_quota", keys.pop("cpu_quota"))
+    for host, cores in dict(keys.pop("slow", {})).items():
+        cpu[host] = _cores(f"[lab.slow] {host}", cores)
+    for host, table in dict(keys.pop("host", {})).items():
+        where = f"[lab.host.{host}]"
+        if not isinstance(table, dict) or set(table) - set(HOST_KEYS):
+            raise RequestError(f"--topology {where}: give a table of {' and '.join(HOST_KEYS)}, "
+                               'e.g. host_memory = "300M", cpu_quota = 0.5')  # fmt: skip
+        if "host_memory" in table:
+            memory[host] = _size(f"{where} host_memory", str(table["host_memory"]))
+        if "cpu_quota" in table:
+            cpu[host] = _cores(f"{where} cpu_quota", table["cpu_quota"])
+    for text in args.host_memory:
+        host, value = _per_host(text)
+        memory[host] = _size(f"--host-memory {text!r}", value)
+    for text in args.cpu_quota:
+        host, value = _per_host(text)
+        cpu[host] = _cores(f"--cpu-quota {text!r}", value)
+    for text in args.slow:  # one host, always: a bare number here is a slip, not "every host"
+        host, value = _per_host(text)
+        if host is None:
+            raise RequestError(f"--slow {text!r}: give HOST=CORES, e.g. h3=0.2")
+        cpu[host] = _cores(f"--slow {text!r}", value)
+    return {"host_memory_bytes": memory.pop(None, None), "cpu_quota": cpu.pop(None, None),
+            "host_memory": {str(k): v for k, v in memory.items()},
+            "slow_hosts": {str(k): v for k, v in cpu.items()}}  # fmt: skip
+
+
+def _per_host(text: str) -> tuple[str | None, str]:
+    """'h3=300M' -> ('h3', '300M'); '300M' -> (None, '300M'): every worker host."""
+    host, sep, value = text.partition("=")
+    return (host.strip(), value.strip()) if sep else (None, text.strip())
+
+
+def _size(where: str, text: str) -> int:
+    from cellswarm.lab.topology import memory_limit_problem
+
     try:
-        return host, float(cores)
+        size = parse_bytes(text)
+    except RequestError:
+        raise RequestError(f"{where}: {text!r} is not a size; give e.g. 300M or 1.5G") from None
+    why = memory_limit_problem(size)
+    if why:
+        raise RequestError(f"{where}: {why}")
+    return size
+
+
+def _cores(where: str, value: object) -> float:
+    from cellswarm.lab.topology import cpu_quota_problem
+
+    try:
+        cores = float(str(value))
     except ValueError:
-        raise RequestError(f"--slow {text!r}: give HOST=CORES, e.g. h3=0.2") from None
+        raise RequestError(f"{where}: {value!r} is not a number of cores; give e.g. 0.5") from None
+    why = cpu_quota_problem(cores)
+    if why:
+        raise RequestError(f"{where}: {why}")
+    return cores
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -49,7 +49,8 @@ class Lab:
     coordinator_args: tuple[str, ...] = ()  # extra `cellswarm coordinator` flags
     worker_args: tuple[str, ...] = ()  # extra `cellswarm worker` flags, every worker
     host_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per worker host
-    cgroup_memory: dict[str, int] = field(default_factory=dict)  # a limit other than --memory
+    # a limit other than the spec's (spec.host_memory, which lab.json keeps, is the same)
+    cgroup_memory: dict[str, int] = field(default_factory=dict)
     heartbeat_s: float = 0.25
     heartbeat_timeout_s: float = 2.0
     stop_after_s: float = 3.0
@@ -169,7 +170,7 @@ class Lab:
                 from cellswarm.swarm.tls import issue
 
                 issue(self.state_dir / "ca", h.name, d / "tls", hosts=[h.address])
-            memory = self.cgroup_memory.get(h.name, h.memory_bytes or 0) or None
+            memory = self.cgroup_memory.get(h.name, h.memory_limit_bytes)
             self.cgroups[h.name] = system.cgroup_create(self.prefix, h.name, memory,
                                                         h.cpu_quota)  # fmt: skip
 
