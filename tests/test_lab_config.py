@@ -4,12 +4,19 @@ tests/test_lab.py, which needs root and network namespaces."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cellswarm.cli import build_parser, main
+from cellswarm.errors import LabError
 from cellswarm.lab import system
 from cellswarm.lab.cli import spec_from_args
 from cellswarm.lab.topology import LabSpec, build, rack_of
@@ -201,3 +208,72 @@ def test_bad_host_limits_in_the_file_are_one_line_errors(
     assert len(err.splitlines()) == 1 and err.startswith("cellswarm: error:"), err
     for name in names:
         assert name in err, err
+
+
+def test_a_process_that_exits_while_the_lab_waits_is_reported_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A coordinator that dies during startup (psycopg missing, a bad flag): the lab says so
+    with its exit status and last lines at once, not when its wait for READY times out."""
+    lab = _paper_lab(tmp_path, monkeypatch)
+    lab.spawn("c0", "coordinator", ["sh", "-c", "echo starting; echo 'no module psycopg'; exit 3"])
+    t0 = time.monotonic()
+    with pytest.raises(LabError) as exc:
+        lab.wait_output("c0", "coordinator", "READY", timeout_s=15)
+    assert time.monotonic() - t0 < 5
+    assert "exited with status 3" in str(exc.value) and "no module psycopg" in str(exc.value)
+    lab.spawn("h1", "worker", ["sh", "-c", "kill -9 $$"])
+    with pytest.raises(LabError, match="was killed by SIGKILL before printing 'JOINED'"):
+        lab.wait_output("h1", "worker", "JOINED", timeout_s=15)
+
+
+def test_restart_runs_the_same_command_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lab restart h1` (from another shell: lab.json): the worker's process group is
+    stopped, the same command started again, and it waits for the new one's JOINED, not the
+    old one's line; an unknown host is one line naming the hosts it can restart."""
+    from cellswarm.lab import lab as lab_module
+    from cellswarm.lab.lab import Lab
+
+    lab = _paper_lab(tmp_path, monkeypatch)
+    cmd = ["sh", "-c", "echo JOINED $$; exec sleep 600"]
+    first = lab.spawn("h1", "worker", cmd)
+    lab.wait_output("h1", "worker", "JOINED")
+    monkeypatch.setattr(Lab, "enter", lambda self, host: [])  # Lab.load's object, too
+    monkeypatch.setattr(lab_module, "RESTART_GRACE_S", 2.0)
+    try:
+        assert main(["lab", "restart", "h1", "--state-dir", str(tmp_path)]) == 0
+        assert first.wait(10) is not None  # stopped: SIGTERM to its group
+        again = Lab.load(tmp_path).started["h1"]["worker"]
+        assert again.cmd == tuple(cmd) and again.pid != first.pid
+        assert f"JOINED {again.pid}" in lab.output("h1", "worker")
+        assert f"(pid {again.pid}, the same flags)" in capsys.readouterr().out
+        assert main(["lab", "restart", "h9", "--state-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("cellswarm: error:"), err
+        assert "'h9'" in err and "hosts: h1" in err
+    finally:
+        for started in Lab.load(tmp_path).started["h1"].values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(started.pid, signal.SIGKILL)
+
+
+def test_two_coordinators_without_psycopg_say_so_before_building(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cellswarm.lab.lab import Lab
+
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # `import psycopg` fails
+
+    def build_network(self: Lab) -> None:
+        raise AssertionError("built a lab before saying what is missing")
+
+    monkeypatch.setattr(Lab, "_build_network", build_network)
+    assert main(["lab", "up", "--coordinators", "2", "--hosts", "2", "--racks", "1",
+                 "--prefix", "cspgtest", "--state-dir", str(tmp_path / "lab"),
+                 "--detach"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("cellswarm: error:"), err
+    assert "psycopg" in err and "cellswarm[postgres]" in err
+

@@ -1,4 +1,4 @@
-"""`cellswarm lab up|status|run|down`."""
+"""`cellswarm lab up|status|restart|run|down`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,13 @@ def add_lab_command(sub: Any) -> None:
         p.add_argument("--state-dir", default=DEFAULT_STATE)
         p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
         p.set_defaults(func=func)
+    restart = cmds.add_parser("restart", help="stop a host's worker (or coordinator) and "
+                              "start it again with the same flags")  # fmt: skip
+    restart.add_argument("host", help="the host, e.g. h3")
+    restart.add_argument("--state-dir", default=DEFAULT_STATE)
+    restart.add_argument("--no-wait", action="store_true",
+                         help="return once started, not once it joined (READY)")
+    restart.set_defaults(func=cmd_restart)
     run = cmds.add_parser("run", help="run a command inside a host: lab run [--host h1] -- CMD")
     run.add_argument("--host", default="c0", help="the host (default: the first coordinator)")
     run.add_argument("--state-dir", default=DEFAULT_STATE)
@@ -249,6 +256,16 @@ def cmd_down(args: argparse.Namespace) -> int:
 
     Lab.load(Path(args.state_dir)).down()
     print("lab down: no process, namespace or cgroup left")
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    from cellswarm.lab.lab import READY, Lab
+
+    lab = Lab.load(Path(args.state_dir))
+    name, pid = lab.restart(args.host, wait=not args.no_wait)
+    state = "started" if args.no_wait else f"printed {READY[name]}"
+    print(f"{name} on {args.host} restarted (pid {pid}, the same flags): {state}")
     return 0
 
 

@@ -36,6 +36,8 @@ from cellswarm.lab.topology import SUBNET, HostSpec, LabSpec, Topology, build
 from cellswarm.swarm.auth import write_secret
 
 COORDINATOR_PORT = 8470
+READY = {"coordinator": "READY", "worker": "JOINED"}  # what each prints once up
+RESTART_GRACE_S = 10.0  # `restart`: SIGTERM, then SIGKILL after this long
 NATS_PORT = 4222  # with `nats`: on the coordinator's host
 OPERATOR_ADDRESS = f"{SUBNET}.255.254"  # the operator's port on the core switch
 
@@ -67,6 +69,12 @@ class Lab:
     notes: list[str] = field(default_factory=list)  # what could not be applied, and why
     pids: dict[str, list[int]] = field(default_factory=dict)
     cgroups: dict[str, system.Cgroup] = field(default_factory=dict)
+    # host -> process name -> the last one started by that name: its pid and command, in
+    # lab.json, so `restart` from another shell runs the same command with the same flags
+    started: dict[str, dict[str, Started]] = field(default_factory=dict)
+    # the processes this Lab object started (their exit status is ours to read)
+    _children: dict[tuple[str, str], subprocess.Popen[bytes]] = field(
+        default_factory=dict, repr=False)  # fmt: skip
 
     def __post_init__(self) -> None:
         self.state_dir = Path(self.state_dir).resolve()
@@ -103,7 +111,8 @@ class Lab:
     # -- up --------------------------------------------------------------------------------
 
     def up(self, start: bool = True) -> Lab:
-        why = system.why_not_supported()
+        # what is missing is said before anything is built: one line, with how to install it
+        why = self.missing_software() or system.why_not_supported()
         if why:
             raise LabError(why)
         if system.netns_list(self.prefix + "-"):
@@ -120,6 +129,27 @@ class Lab:
             self.down()
             raise
         return self
+
+    def missing_software(self) -> str | None:
+        """What this lab needs that this machine lacks (None: nothing), in one line."""
+        if self.spec.coordinators > 1:
+            try:  # the coordinators run in this Python: they need its psycopg
+                import psycopg  # noqa: F401
+            except ImportError:
+                return (f"--coordinators {self.spec.coordinators} needs psycopg (PostgreSQL's "
+                        f"client) in {sys.executable}: pip install 'cellswarm[postgres]' "
+                        "(in a checkout: pip install -e '.[postgres]')")  # fmt: skip
+            from cellswarm.lab.postgres import pg_bin
+
+            if pg_bin() is None:
+                return (f"--coordinators {self.spec.coordinators} needs PostgreSQL's "
+                        "server binaries here (Debian: apt-get install postgresql)")  # fmt: skip
+        if self.nats:
+            from cellswarm.lab.nats import why_not
+
+            if why_not():
+                return f"--nats: {why_not()}"
+        return None
 
     def _build_network(self) -> None:
         topo = self.topology
@@ -220,6 +250,8 @@ class Lab:
                                  preexec_fn=self._enter_cgroup(host),
                                  start_new_session=True)  # fmt: skip
         self.pids.setdefault(host, []).append(p.pid)
+        self.started.setdefault(host, {})[name] = Started(p.pid, tuple(cmd))
+        self._children[host, name] = p
         self.save()
         return p
 
@@ -242,18 +274,57 @@ class Lab:
     def cellswarm(self, host: str, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         return self.spawn(host, name, [sys.executable, "-m", "cellswarm.cli", *args])
 
-    def output(self, host: str, name: str) -> str:
+    def output(self, host: str, name: str, since: int = 0) -> str:
+        """What process `name` on `host` printed (from byte `since`: a restart's own)."""
         path = self.host_dir(host) / f"{name}.out"
-        return path.read_text(errors="replace") if path.exists() else ""
+        if not path.exists():
+            return ""
+        with path.open("rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
 
-    def wait_output(self, host: str, name: str, text: str, timeout_s: float = 120.0) -> None:
+    def output_size(self, host: str, name: str) -> int:
+        path = self.host_dir(host) / f"{name}.out"
+        return path.stat().st_size if path.exists() else 0
+
+    def wait_output(self, host: str, name: str, text: str, timeout_s: float = 180.0,
+                    since: int = 0) -> None:  # fmt: skip
+        """Until the process prints `text`; a LabError at once if it exits first (with its
+        status and last lines: not after the whole timeout). The timeout is wide: a cold
+        host compiles its kernels (~8 s of CPU) beside every other host on a few cores."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if text in self.output(host, name):
+            if text in self.output(host, name, since):
                 return
+            self.raise_if_exited(host, name, f"before printing {text!r}", since)
             time.sleep(0.1)
-        tail = " | ".join(self.output(host, name).strip().splitlines()[-4:])
-        raise LabError(f"{name} on {host} did not print {text!r} in {timeout_s:.0f} s: {tail}")
+        raise LabError(f"{name} on {host} did not print {text!r} in {timeout_s:.0f} s: "
+                       f"{self._tail(host, name, since)}")  # fmt: skip
+
+    def raise_if_exited(self, host: str, name: str, when: str, since: int = 0) -> None:
+        """A LabError naming the exit status and last lines if `name` on `host` is gone."""
+        why = self._exit_status(host, name)
+        if why is not None:
+            raise LabError(f"{name} on {host} {why} {when}: {self._tail(host, name, since)}")
+
+    def _exit_status(self, host: str, name: str) -> str | None:
+        """None while it runs; else how it ended ('exited with status 1')."""
+        child = self._children.get((host, name))
+        if child is not None:
+            code = child.poll()
+            if code is None:
+                return None
+            if code < 0:
+                return f"was killed by {signal.Signals(-code).name}"
+            return f"exited with status {code}"
+        started = self.started.get(host, {}).get(name)  # started by another `cellswarm lab`
+        if started is None or _alive(started.pid):
+            return None
+        return "exited (its status went to the shell that started it)"
+
+    def _tail(self, host: str, name: str, since: int = 0, lines: int = 4) -> str:
+        return " | ".join(self.output(host, name, since).strip().splitlines()[-lines:]) or (
+            f"nothing in {self.host_dir(host) / (name + '.out')}")  # fmt: skip
 
     def start_coordinator(self, host: str) -> None:
         h, d = self.topology.host(host), self.host_dir(host)
@@ -266,8 +337,9 @@ class Lab:
                 "--heartbeat", str(self.heartbeat_s),
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s),
                 *self._control_args(), *self._tls_args(host), *self.coordinator_args]  # fmt: skip
+        since = self.output_size(host, "coordinator")
         self.cellswarm(host, "coordinator", args)
-        self.wait_output(host, "coordinator", "READY")
+        self.wait_output(host, "coordinator", READY["coordinator"], since=since)
 
     def start_worker(self, host: str, wait: bool = True) -> None:
         h, d = self.topology.host(host), self.host_dir(host)
@@ -278,9 +350,31 @@ class Lab:
                 *self._control_args(),
                 *(["--rack", f"rack-{h.rack}"] if h.rack is not None else []),
                 *self.worker_args, *self.host_args.get(host, ())]  # fmt: skip
+        since = self.output_size(host, "worker")
         self.cellswarm(host, "worker", args)
         if wait:
-            self.wait_output(host, "worker", "JOINED")
+            self.wait_output(host, "worker", READY["worker"], since=since)
+
+    def restart(self, host: str, wait: bool = True) -> tuple[str, int]:
+        """The host's worker (or, on a coordinator's host, its coordinator) stopped and
+        started again with the same command: SIGTERM to its process group, SIGKILL after
+        RESTART_GRACE_S; (which one, its new pid), once it printed JOINED (READY)."""
+        name = self._restartable(host)
+        old = self.started[host][name]
+        _stop_group(old.pid, RESTART_GRACE_S)
+        since = self.output_size(host, name)
+        new = self.spawn(host, name, list(old.cmd))
+        if wait:
+            self.wait_output(host, name, READY[name], since=since)
+        return name, new.pid
+
+    def _restartable(self, host: str) -> str:
+        for name in ("worker", "coordinator"):  # a host runs one of them (the lab's rule)
+            if name in self.started.get(host, {}):
+                return name
+        known = [h for h, names in self.started.items() if set(names) & set(READY)]
+        raise LabError(f"no worker or coordinator on host {host!r} to restart; hosts: "
+                       f"{', '.join(known) or 'none started yet'}")  # fmt: skip
 
     # -- NATS: the heartbeats' transport with `nats` ------------------------------------------
 
@@ -310,6 +404,7 @@ class Lab:
                 socket.create_connection((host.address, NATS_PORT), 0.5).close()
                 break
             except OSError:
+                self.raise_if_exited(host.name, "nats", "before it listened")
                 if time.monotonic() > deadline:
                     raise LabError(f"nats-server on {host.name} did not listen on "
                                    f"{host.address}:{NATS_PORT}") from None  # fmt: skip
@@ -388,6 +483,8 @@ class Lab:
         data = {"spec": {**asdict(self.spec)}, "prefix": self.prefix, "model": self.model,
                 "tls": self.tls, "nats": self.nats,
                 "pids": self.pids, "notes": self.notes,
+                "started": {h: {n: asdict(s) for n, s in names.items()}
+                            for h, names in self.started.items()},
                 "cgroups": {k: asdict(v) for k, v in self.cgroups.items()}}  # fmt: skip
         tmp = self.state_dir / "lab.json.tmp"
         tmp.write_text(json.dumps(data, indent=1))
@@ -403,6 +500,8 @@ class Lab:
         lab = cls(LabSpec(**data["spec"]), Path(state_dir), data["model"], data["prefix"],
                   tls=bool(data.get("tls")))  # fmt: skip
         lab.pids, lab.notes = data["pids"], data["notes"]
+        lab.started = {h: {n: Started(s["pid"], tuple(s["cmd"])) for n, s in names.items()}
+                       for h, names in data.get("started", {}).items()}  # fmt: skip
         lab.nats = bool(data.get("nats"))
         lab.cgroups = {k: system.Cgroup(v["kind"], tuple(v["paths"]))
                        for k, v in data["cgroups"].items()}  # fmt: skip
@@ -432,6 +531,30 @@ class Lab:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+@dataclass(frozen=True)
+class Started:
+    """One process the lab started in a host: its pid (its process group's too: it was
+    started in a session of its own) and its command, without the namespace prefix."""
+
+    pid: int
+    cmd: tuple[str, ...]
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and not _zombie(pid)
+
+
+def _stop_group(pid: int, grace_s: float) -> None:
+    """SIGTERM to the process group (the process and what it started), SIGKILL if it is
+    still there after grace_s (as systemd stops a unit)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
+        _wait_gone([pid], wait_s)
+        if not _alive(pid):
+            return
 
 
 def _signal(pid: int, sig: int) -> None:
