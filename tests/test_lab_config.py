@@ -277,3 +277,29 @@ def test_two_coordinators_without_psycopg_say_so_before_building(
     assert len(err.splitlines()) == 1 and err.startswith("cellswarm: error:"), err
     assert "psycopg" in err and "cellswarm[postgres]" in err
 
+
+def test_the_lab_bench_writes_its_tables_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m bench.lab --out DIR` (here from saved runs, as `--runs` does) without
+    matplotlib: lab.json and lab-table.md written, one line that the plot needs it."""
+    from types import SimpleNamespace
+
+    from bench import lab as bench_lab
+    from cellswarm.sim import calibrate
+    from cellswarm.sim.params import SimParams
+
+    runs = EXAMPLE.parent.parent / "docs" / "lab-runs.jsonl"
+    saved = [json.loads(line) for line in runs.read_text().splitlines()[:3]]  # one setup
+    # the predictions are the simulator's and planner's own tests' (a minute here): stubbed
+    monkeypatch.setattr(calibrate, "fit", lambda runs, host_floor: SimParams())
+    monkeypatch.setattr(bench_lab, "simulate", lambda run, topology, params: SimpleNamespace(
+        tokens_per_s=2.0, latency_p50_s=15.0, latency_p99_s=25.0))  # fmt: skip
+    monkeypatch.setattr(bench_lab, "plan_rate", lambda *a: (2.1, 0.03, "aggregation"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    bench_lab.predict_and_report(saved, "ps3/40", tmp_path, as_json=False)
+    assert json.loads((tmp_path / "lab.json").read_text())["rows"]
+    assert (tmp_path / "lab-table.md").read_text().count("| 1 rack x 8 |") == 3
+    assert not (tmp_path / "lab.png").exists()
+    note = [line for line in capsys.readouterr().out.splitlines() if "matplotlib" in line]
+    assert len(note) == 1 and "cellswarm[plot]" in note[0], note
