@@ -147,10 +147,14 @@ def test_host_memory_and_cpu_quota_come_from_flags() -> None:
     assert limits == {"c0": (1 << 30, None), "h1": (300 << 20, 0.2), "h2": (64 << 20, 0.5),
                       "h3": (300 << 20, 0.25)}  # fmt: skip
     assert {h.memory_bytes for h in topo.workers()} == {128 << 20}
-    default = build(_up_spec("--hosts", "2", "--racks", "1", "--memory", "200M"))
+    # without them: a PS3's 256 MiB, room for gcc to build the host's own kernels (or the
+    # worker's --memory, if more); coordinators are unlimited
+    default = build(_up_spec("--hosts", "2", "--racks", "1"))
     assert [(h.memory_limit_bytes, h.cpu_quota) for h in default.workers()] == [
-        (200 << 20, None)] * 2  # without them: the cgroup holds the worker's --memory  # fmt: skip
-    assert default.host("c0").memory_limit_bytes is None  # coordinators: unlimited
+        (256 << 20, None)] * 2  # fmt: skip
+    assert default.host("c0").memory_limit_bytes is None
+    big = build(_up_spec("--hosts", "1", "--racks", "1", "--memory", "1G"))
+    assert big.host("h1").memory_limit_bytes == 1 << 30
 
 
 def test_host_limits_come_from_the_topology_file(tmp_path: Path) -> None:

@@ -19,6 +19,11 @@ from typing import Any
 
 SUBNET = "10.77"  # 10.77.0.0/16: infrastructure hosts in .0.x, rack r's hosts in .(r+1).x
 MIN_MEMORY_BYTES = 16 << 20  # a host's smallest cgroup memory limit
+# A worker host's memory when no limit is given: a PS3's RAM (the seed's node), or the
+# worker's --memory if that is more. A host compiles its own kernels (its cache starts
+# empty) and gcc's cc1 peaks at ~210 MB on kernels.c at -O3: in 128 MiB it is killed, and
+# the host would run the numpy path, whose arithmetic is not the fused kernels'.
+DEFAULT_HOST_MEMORY_BYTES = 256 << 20
 MIN_CPU_QUOTA = 0.01  # cores: cgroups' smallest CFS quota, 1 ms per 100 ms period
 
 
@@ -55,10 +60,10 @@ class LabSpec:
     host_bits_per_s: float = 1e9
     access_oversubscription: float = 2.4  # host ports : rack uplink (planner default)
     aggregation_oversubscription: float = 4.0
-    memory_bytes: int = 128 << 20  # each worker's --memory (and cgroup limit, by default)
+    memory_bytes: int = 128 << 20  # each worker's --memory: what it may use for shards
     # cgroup limits: every worker host's (the weak nodes; coordinators and the database
     # host are unlimited unless named), then per host (any host), which wins
-    host_memory_bytes: int | None = None  # None: the worker's --memory
+    host_memory_bytes: int | None = None  # None: DEFAULT_HOST_MEMORY_BYTES or --memory
     cpu_quota: float | None = None  # cores, None: unlimited
     host_memory: dict[str, int] = field(default_factory=dict)  # host -> memory limit
     slow_hosts: dict[str, float] = field(default_factory=dict)  # host -> CPU quota (cores)
@@ -180,7 +185,8 @@ def build(spec: LabSpec) -> Topology:
         rack = rack_of(i, spec.hosts, spec.racks)
         per_rack[rack] = per_rack.get(rack, 0) + 1
         name = f"h{i + 1}"
-        limit = spec.host_memory.get(name, spec.host_memory_bytes or spec.memory_bytes)
+        default = max(spec.memory_bytes, DEFAULT_HOST_MEMORY_BYTES)
+        limit = spec.host_memory.get(name, spec.host_memory_bytes or default)
         hosts.append(HostSpec(name, "worker", f"{SUBNET}.{rack + 1}.{per_rack[rack]}",
                               f"rack{rack}", rack, spec.memory_bytes, limit,
                               spec.slow_hosts.get(name, spec.cpu_quota)))  # fmt: skip
