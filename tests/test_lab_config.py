@@ -257,10 +257,13 @@ def test_restart_runs_the_same_command_again(
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("cellswarm: error:"), err
         assert "'h9'" in err and "hosts: h1" in err
-    finally:
-        for started in Lab.load(tmp_path).started["h1"].values():
+    finally:  # no sleeper left behind, whatever failed
+        pids = {first.pid}
+        with contextlib.suppress(Exception):
+            pids |= {s.pid for s in Lab.load(tmp_path).started["h1"].values()}
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(started.pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)
 
 
 def test_two_coordinators_without_psycopg_say_so_before_building(

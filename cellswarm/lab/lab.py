@@ -208,8 +208,12 @@ class Lab:
                                                         h.cpu_quota)  # fmt: skip
 
     def start_all(self) -> None:
-        for h in self.topology.workers():  # beside the coordinators' start (see below)
+        building: list[str] = []  # as many at once as there are cores: more only contend
+        for h in self.topology.workers():  # the last ones beside the coordinators' start
+            if len(building) >= (os.cpu_count() or 1):
+                self.build_kernels(building.pop(0))
             self.build_kernels(h.name, wait=False)
+            building.append(h.name)
         if self.spec.coordinators > 1:
             self.start_database()
         if self.nats:
