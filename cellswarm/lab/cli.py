@@ -26,14 +26,16 @@ def add_lab_command(sub: Any) -> None:
                     help="2 or 3: they share PostgreSQL on a database host of its own")
     up.add_argument("--topology", help="a TOML file with the [lab] keys below and slow hosts")
     up.add_argument("--model", help="the .gguf file the coordinator places (default: demo)")
-    up.add_argument("--memory", default="128M", help="each worker's --memory and cgroup limit")
+    up.add_argument("--memory", default="128M",
+                    help="each worker's --memory: what it may use (its host holds more)")
     up.add_argument("--host-rate", default="1G", help="bits/s of a host port (default 1G)")
     up.add_argument("--oversubscription", default="2.4:4",
                     help="rack and aggregation uplink oversubscription "
                     "(default: the planner's 2.4:4)")  # fmt: skip
     up.add_argument("--host-memory", action="append", default=[], metavar="[HOST=]SIZE",
-                    help="cgroup memory limit: SIZE for every worker host (default: its "
-                    "--memory), HOST=SIZE for one host, any host (repeatable), e.g. 300M")
+                    help="cgroup memory limit: SIZE for every worker host (default 256M, "
+                    "room for gcc to build its kernels, or --memory if more), HOST=SIZE for "
+                    "one host, any host (repeatable), e.g. 300M")
     up.add_argument("--cpu-quota", action="append", default=[], metavar="[HOST=]CORES",
                     help="cgroup CPU quota in cores: CORES for every worker host, HOST=CORES "
                     "for one host, any host (repeatable), e.g. 0.5; default: unlimited")
@@ -117,8 +119,22 @@ HOST_KEYS = ("host_memory", "cpu_quota")  # what a [lab.host.NAME] table may set
 
 
 def _limits(args: argparse.Namespace, keys: dict[str, Any]) -> dict[str, Any]:
-    """The cgroup limits, as LabSpec fields: the file's [lab] host_memory / cpu_quota and
-    [lab.host.NAME] tables (and [lab.slow]), then --host-memory / --cpu-quota / --slow."""
+    """The cgroup limits, as LabSpec fields: the file's, then the flags' over them. A host
+    of None is every worker host."""
+    memory, cpu = _file_limits(keys)
+    flag_memory, flag_cpu = _flag_limits(args)
+    memory, cpu = {**memory, **flag_memory}, {**cpu, **flag_cpu}
+    return {"host_memory_bytes": memory.pop(None, None), "cpu_quota": cpu.pop(None, None),
+            "host_memory": {str(k): v for k, v in memory.items()},
+            "slow_hosts": {str(k): v for k, v in cpu.items()}}  # fmt: skip
+
+
+Limits = tuple[dict[str | None, int], dict[str | None, float]]  # memory, CPU by host
+
+
+def _file_limits(keys: dict[str, Any]) -> Limits:
+    """[lab] host_memory / cpu_quota, [lab.slow] HOST = CORES, [lab.host.NAME] tables
+    (popped from `keys`: what is left goes to LabSpec as it is)."""
     memory: dict[str | None, int] = {}
     cpu: dict[str | None, float] = {}
     if "host_memory" in keys:
@@ -136,6 +152,12 @@ def _limits(args: argparse.Namespace, keys: dict[str, Any]) -> dict[str, Any]:
             memory[host] = _size(f"{where} host_memory", str(table["host_memory"]))
         if "cpu_quota" in table:
             cpu[host] = _cores(f"{where} cpu_quota", table["cpu_quota"])
+    return memory, cpu
+
+
+def _flag_limits(args: argparse.Namespace) -> Limits:
+    memory: dict[str | None, int] = {}
+    cpu: dict[str | None, float] = {}
     for text in args.host_memory:
         host, value = _per_host(text)
         memory[host] = _size(f"--host-memory {text!r}", value)
@@ -147,9 +169,7 @@ def _limits(args: argparse.Namespace, keys: dict[str, Any]) -> dict[str, Any]:
         if host is None:
             raise RequestError(f"--slow {text!r}: give HOST=CORES, e.g. h3=0.2")
         cpu[host] = _cores(f"--slow {text!r}", value)
-    return {"host_memory_bytes": memory.pop(None, None), "cpu_quota": cpu.pop(None, None),
-            "host_memory": {str(k): v for k, v in memory.items()},
-            "slow_hosts": {str(k): v for k, v in cpu.items()}}  # fmt: skip
+    return memory, cpu
 
 
 def _per_host(text: str) -> tuple[str | None, str]:

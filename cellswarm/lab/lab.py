@@ -2,15 +2,16 @@
 
 Every host is a network namespace with its own address, its own folder (database, token,
 logs, fetched shards, kernel cache: each starts empty, nothing read from another host's
-folder or copied from this machine's) and its own cgroup (memory limit = the worker's
---memory, so the kernel kills a process that lies about its budget; a CPU quota makes a
-slow node). Switches are namespaces too (topology.py), with
-htb-shaped ports. Coordinators and workers are started through the real CLI, inside their
-host; the operator (this process, the tests) reaches them through a port on the core switch.
+folder or copied from this machine's) and its own cgroup (a memory limit, the machine's
+RAM: the kernel kills what does not fit; a CPU quota makes a slow node). Switches are
+namespaces too (topology.py), with htb-shaped ports. Coordinators and workers are started
+through the real CLI, inside their host; the operator (this process, the tests) reaches
+them through a port on the core switch.
 
-The lab's description and the pids it started are kept in STATE/lab.json, so `lab status`,
-`lab run` and `lab down` work from another shell; `down` removes every process, namespace
-and cgroup whose name has the lab's prefix, whatever state `up` left.
+The lab's description and the pids and commands it started are kept in STATE/lab.json, so
+`lab status`, `lab run`, `lab restart` and `lab down` work from another shell; `down`
+removes every process, namespace and cgroup whose name has the lab's prefix, whatever
+state `up` left.
 """
 
 from __future__ import annotations
