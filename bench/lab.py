@@ -225,7 +225,9 @@ def main() -> None:
     ap.add_argument("--profile", default="ps3/40")
     ap.add_argument("--quick", action="store_true", help="the first two setups, S = 1 and 4")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", help="write DIR/lab.json, DIR/lab-runs.jsonl and DIR/lab.png")
+    ap.add_argument("--out", metavar="DIR",
+                    help="write DIR/lab-runs.jsonl (each run as measured), DIR/lab.json, "
+                    "DIR/lab-table.md and, with matplotlib, DIR/lab.png")  # fmt: skip
     ap.add_argument("--runs", help="predict from these saved runs (lab-runs.jsonl) instead")
     ap.add_argument("--only", action="append", metavar="SETUP",
                     help="measure only this setup (repeatable); with --out, its rows in "
@@ -306,15 +308,18 @@ def predict_and_report(saved: list[Any], profile: str, folder: Path | None, as_j
     out = {"profile": profile, "calibrated_on": first, "params": asdict(params),
            "rows": [{**asdict(r), **{k: round(v, 4) for k, v in r.errors().items()}}
                     for r in rows], "stalled": stalled}  # fmt: skip
+    unplotted = None
     if folder:
         (folder / "lab.json").write_text(json.dumps(out, indent=1))
         (folder / "lab-table.md").write_text(markdown(rows))
-        plot(rows, folder)
+        unplotted = plot(rows, folder)
     if as_json:
         print(json.dumps(out, indent=1))
     render(rows, params, profile)
     for x in stalled:
         print(f"{x['setup']}, {x['in_flight']} in flight: stalled: {x['stalled']}")
+    if unplotted:
+        print(unplotted)
 
 
 def render(rows: list[Row], params: Any, profile: str) -> None:
@@ -354,8 +359,14 @@ def markdown(rows: list[Row]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def plot(rows: list[Row], folder: Path) -> None:
-    import matplotlib
+def plot(rows: list[Row], folder: Path) -> str | None:
+    """FOLDER/lab.png; or, without matplotlib (an extra: the runs and tables need none),
+    one line saying why not: a 35-minute sitting must not end in an ImportError."""
+    try:
+        import matplotlib
+    except ImportError:
+        return (f"{folder / 'lab.png'} not written: the plot needs matplotlib "
+                "(pip install 'cellswarm[plot]'); the runs and tables are written")  # fmt: skip
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -378,6 +389,7 @@ def plot(rows: list[Row], folder: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "lab.png", dpi=110)
+    return None
 
 
 if __name__ == "__main__":

@@ -147,6 +147,9 @@ def test_tokens_identical_to_one_process_then_a_host_dies(
     ids = {p: _generate(lab, p) for p in PROMPTS}
     for p, rid in ids.items():
         assert client.wait(lab.url, rid, timeout_s=120)["tokens"] == expected[p][:MAX_TOKENS]
+    for h, n in _nodes(lab).items():  # each stage compiled its own kernels, in its own cache:
+        if n["state"] == "assigned":  # the lab copies nothing in (a cold machine)
+            assert list((lab.host_dir(h) / "cache" / "kernels").glob("kernels-*.so")), h
 
     # a host holding a middle stage loses power mid-generation
     before = _nodes(lab)
@@ -164,6 +167,32 @@ def test_tokens_identical_to_one_process_then_a_host_dies(
     assert heir and heir[0] != victim  # the layers moved to another host
     lab.start_worker(victim)  # the host is back: its worker joins as a spare
     wait_until(lambda: _nodes(lab)[victim]["state"] == "spare", 60)
+
+
+def test_lab_restart_runs_a_hosts_worker_again_with_its_flags(lab: Lab) -> None:
+    """`cellswarm lab restart h3` from another shell: h3's worker (--listen 0.0.0.0:9471
+    --advertise 10.77.1.3:9471, given only to the Lab object) is stopped and started again
+    from lab.json's record of its command: it joins again at the same advertised address."""
+    old = lab.started["h3"]["worker"].pid
+    out = subprocess.run([sys.executable, "-m", "cellswarm.cli", "lab", "restart", "h3",
+                          "--state-dir", str(lab.state_dir)], capture_output=True, text=True,
+                         timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "worker on h3 restarted" in out.stdout and "printed JOINED" in out.stdout
+    new = Lab.load(lab.state_dir).started["h3"]["worker"].pid
+    assert new != old and _zombie_or_gone(old)
+    argv = " ".join(Path(f"/proc/{new}/cmdline").read_text().split("\0"))
+    assert "--listen 0.0.0.0:9471 --advertise 10.77.1.3:9471" in argv  # its own flags
+    assert lab.output("h3", "worker").count("JOINED h3") == 2
+    wait_until(lambda: _nodes(lab)["h3"]["state"] in ("spare", "assigned"), 60)
+    client.wait_wired(lab.url, 120)
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    try:  # the fixture's Lab started it: a zombie until this process reaps it
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def test_a_rack_cut_off_mid_batch_loses_nothing(lab: Lab) -> None:
@@ -334,12 +363,18 @@ def test_a_worker_killed_by_its_cgroup_is_marked_and_replaced(
     when it is restarted (as systemd would) it joins saying why it died."""
     lab.down()  # one lab at a time: this test builds its own
     spec = LabSpec(hosts=5, racks=1, memory_bytes=128 << 20)
-    small = Lab(spec, tmp_path, prefix="cstest", cgroup_memory={"h4": 38 << 20})
+    small = Lab(spec, tmp_path, prefix="cstest")
     small.up(start=False)
     try:
         small.start_coordinator("c0")
+        # h4 compiles its kernels first, with its host's memory (gcc needs ~210 MB), then
+        # is squeezed: this test's OOM kill must be its shard's, not gcc's. The one test
+        # that builds ahead of its worker (force: even once workers build before joining).
+        small.build_kernels("h4", force=True)
+        small.limit_memory("h4", 38 << 20)
         for h in ("h1", "h2", "h3", "h4"):  # h4 joins before h5: the first spare
             small.start_worker(h)
+        assert small.cgroups["h4"].oom_kills() == 0
         client.wait_wired(small.url, 180)
         small.start_worker("h5")
         small.kill_host("h2")

@@ -1,4 +1,4 @@
-"""`cellswarm lab up|status|run|down`."""
+"""`cellswarm lab up|status|restart|run|down`."""
 
 from __future__ import annotations
 
@@ -26,13 +26,22 @@ def add_lab_command(sub: Any) -> None:
                     help="2 or 3: they share PostgreSQL on a database host of its own")
     up.add_argument("--topology", help="a TOML file with the [lab] keys below and slow hosts")
     up.add_argument("--model", help="the .gguf file the coordinator places (default: demo)")
-    up.add_argument("--memory", default="128M", help="each worker's --memory and cgroup limit")
+    up.add_argument("--memory", default="128M",
+                    help="each worker's --memory: what it may use (its host holds more)")
     up.add_argument("--host-rate", default="1G", help="bits/s of a host port (default 1G)")
     up.add_argument("--oversubscription", default="2.4:4",
                     help="rack and aggregation uplink oversubscription "
                     "(default: the planner's 2.4:4)")  # fmt: skip
+    up.add_argument("--host-memory", action="append", default=[], metavar="[HOST=]SIZE",
+                    help="cgroup memory limit: SIZE for every worker host (default 256M, "
+                    "room for gcc to build its kernels, or --memory if more), HOST=SIZE for "
+                    "one host, any host (repeatable), e.g. 300M")
+    up.add_argument("--cpu-quota", action="append", default=[], metavar="[HOST=]CORES",
+                    help="cgroup CPU quota in cores: CORES for every worker host, HOST=CORES "
+                    "for one host, any host (repeatable), e.g. 0.5; default: unlimited")
     up.add_argument("--slow", action="append", default=[], metavar="HOST=CORES",
-                    help="a slow host: CPU quota in cores, e.g. h3=0.2 (repeatable)")
+                    help="a slow host: CPU quota in cores, e.g. h3=0.2 (repeatable; the "
+                    "same as --cpu-quota HOST=CORES)")  # fmt: skip
     up.add_argument("--stages", type=int, help="the coordinator's --stages")
     up.add_argument("--expert-nodes", type=int, default=0, help="the coordinator's --expert-nodes")
     up.add_argument("--tls", action="store_true",
@@ -54,6 +63,13 @@ def add_lab_command(sub: Any) -> None:
         p.add_argument("--state-dir", default=DEFAULT_STATE)
         p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
         p.set_defaults(func=func)
+    restart = cmds.add_parser("restart", help="stop a host's worker (or coordinator) and "
+                              "start it again with the same flags")  # fmt: skip
+    restart.add_argument("host", help="the host, e.g. h3")
+    restart.add_argument("--state-dir", default=DEFAULT_STATE)
+    restart.add_argument("--no-wait", action="store_true",
+                         help="return once started, not once it joined (READY)")
+    restart.set_defaults(func=cmd_restart)
     run = cmds.add_parser("run", help="run a command inside a host: lab run [--host h1] -- CMD")
     run.add_argument("--host", default="c0", help="the host (default: the first coordinator)")
     run.add_argument("--state-dir", default=DEFAULT_STATE)
@@ -62,6 +78,8 @@ def add_lab_command(sub: Any) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> Any:
+    """The LabSpec of `lab up`'s flags over its --topology file (a flag wins over the file,
+    one host's value over every host's); any bad value is one RequestError line."""
     from cellswarm.lab.topology import LabSpec
     from cellswarm.planner.profiles import parse_rate
 
@@ -73,7 +91,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         raise RequestError(
             f"--oversubscription {args.oversubscription!r}: give ACCESS:AGG, e.g. 20:4"
         )
-    slow = {**keys.pop("slow", {}), **dict(_slow(s) for s in args.slow)}
+    limits = _limits(args, keys)
     try:
         return LabSpec(
             hosts=int(keys.pop("hosts", args.hosts)), racks=int(keys.pop("racks", args.racks)),
@@ -81,8 +99,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
             host_bits_per_s=parse_rate(keys.pop("host_rate", args.host_rate)),
             access_oversubscription=float(over[0]), aggregation_oversubscription=float(over[1]),
             memory_bytes=parse_bytes(str(keys.pop("memory", args.memory))),
-            slow_hosts={k: float(v) for k, v in slow.items()},
-            **keys,
+            **limits, **keys,
         )  # fmt: skip
     except (ValueError, TypeError) as exc:
         raise RequestError(f"lab: {exc}") from None
@@ -98,12 +115,93 @@ def _read_topology(path: Path) -> dict[str, Any]:
     return dict(data.get("lab", data))
 
 
-def _slow(text: str) -> tuple[str, float]:
-    host, _, cores = text.partition("=")
+HOST_KEYS = ("host_memory", "cpu_quota")  # what a [lab.host.NAME] table may set
+
+
+def _limits(args: argparse.Namespace, keys: dict[str, Any]) -> dict[str, Any]:
+    """The cgroup limits, as LabSpec fields: the file's, then the flags' over them. A host
+    of None is every worker host."""
+    memory, cpu = _file_limits(keys)
+    flag_memory, flag_cpu = _flag_limits(args)
+    memory, cpu = {**memory, **flag_memory}, {**cpu, **flag_cpu}
+    return {"host_memory_bytes": memory.pop(None, None), "cpu_quota": cpu.pop(None, None),
+            "host_memory": {str(k): v for k, v in memory.items()},
+            "slow_hosts": {str(k): v for k, v in cpu.items()}}  # fmt: skip
+
+
+Limits = tuple[dict[str | None, int], dict[str | None, float]]  # memory, CPU by host
+
+
+def _file_limits(keys: dict[str, Any]) -> Limits:
+    """[lab] host_memory / cpu_quota, [lab.slow] HOST = CORES, [lab.host.NAME] tables
+    (popped from `keys`: what is left goes to LabSpec as it is)."""
+    memory: dict[str | None, int] = {}
+    cpu: dict[str | None, float] = {}
+    if "host_memory" in keys:
+        memory[None] = _size("host_memory", str(keys.pop("host_memory")))
+    if "cpu_quota" in keys:
+        cpu[None] = _cores("cpu_quota", keys.pop("cpu_quota"))
+    for host, cores in dict(keys.pop("slow", {})).items():
+        cpu[host] = _cores(f"[lab.slow] {host}", cores)
+    for host, table in dict(keys.pop("host", {})).items():
+        where = f"[lab.host.{host}]"
+        if not isinstance(table, dict) or set(table) - set(HOST_KEYS):
+            raise RequestError(f"--topology {where}: give a table of {' and '.join(HOST_KEYS)}, "
+                               'e.g. host_memory = "300M", cpu_quota = 0.5')  # fmt: skip
+        if "host_memory" in table:
+            memory[host] = _size(f"{where} host_memory", str(table["host_memory"]))
+        if "cpu_quota" in table:
+            cpu[host] = _cores(f"{where} cpu_quota", table["cpu_quota"])
+    return memory, cpu
+
+
+def _flag_limits(args: argparse.Namespace) -> Limits:
+    memory: dict[str | None, int] = {}
+    cpu: dict[str | None, float] = {}
+    for text in args.host_memory:
+        host, value = _per_host(text)
+        memory[host] = _size(f"--host-memory {text!r}", value)
+    for text in args.cpu_quota:
+        host, value = _per_host(text)
+        cpu[host] = _cores(f"--cpu-quota {text!r}", value)
+    for text in args.slow:  # one host, always: a bare number here is a slip, not "every host"
+        host, value = _per_host(text)
+        if host is None:
+            raise RequestError(f"--slow {text!r}: give HOST=CORES, e.g. h3=0.2")
+        cpu[host] = _cores(f"--slow {text!r}", value)
+    return memory, cpu
+
+
+def _per_host(text: str) -> tuple[str | None, str]:
+    """'h3=300M' -> ('h3', '300M'); '300M' -> (None, '300M'): every worker host."""
+    host, sep, value = text.partition("=")
+    return (host.strip(), value.strip()) if sep else (None, text.strip())
+
+
+def _size(where: str, text: str) -> int:
+    from cellswarm.lab.topology import memory_limit_problem
+
     try:
-        return host, float(cores)
+        size = parse_bytes(text)
+    except RequestError:
+        raise RequestError(f"{where}: {text!r} is not a size; give e.g. 300M or 1.5G") from None
+    why = memory_limit_problem(size)
+    if why:
+        raise RequestError(f"{where}: {why}")
+    return size
+
+
+def _cores(where: str, value: object) -> float:
+    from cellswarm.lab.topology import cpu_quota_problem
+
+    try:
+        cores = float(str(value))
     except ValueError:
-        raise RequestError(f"--slow {text!r}: give HOST=CORES, e.g. h3=0.2") from None
+        raise RequestError(f"{where}: {value!r} is not a number of cores; give e.g. 0.5") from None
+    why = cpu_quota_problem(cores)
+    if why:
+        raise RequestError(f"{where}: {why}")
+    return cores
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -178,6 +276,16 @@ def cmd_down(args: argparse.Namespace) -> int:
 
     Lab.load(Path(args.state_dir)).down()
     print("lab down: no process, namespace or cgroup left")
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    from cellswarm.lab.lab import READY, Lab
+
+    lab = Lab.load(Path(args.state_dir))
+    name, pid = lab.restart(args.host, wait=not args.no_wait)
+    state = "started" if args.no_wait else f"printed {READY[name]}"
+    print(f"{name} on {args.host} restarted (pid {pid}, the same flags): {state}")
     return 0
 
 

@@ -83,6 +83,7 @@ def _wait_ready(lab: Lab, host: str, binary: Path, address: str, timeout_s: floa
                              "-p", "5432"], capture_output=True)  # fmt: skip
         if ok.returncode == 0:
             return
+        lab.raise_if_exited(host, "postgres", "before accepting connections")
         time.sleep(0.2)
     raise LabError(f"PostgreSQL on {host} did not start: {lab.output(host, 'postgres')[-300:]}")
 

@@ -206,6 +206,20 @@ def cgroup_create(
     raise LabError("no cgroup file system at /sys/fs/cgroup")
 
 
+def cgroup_limit_memory(cg: Cgroup, limit_bytes: int) -> None:
+    """A new memory limit for a live cgroup (swap still none: memsw follows the limit,
+    after it when lowering, before it when raising: v1 keeps memsw >= memory)."""
+    d = cg.memory_dir()
+    if cg.kind == "v2":
+        (d / "memory.max").write_text(str(limit_bytes))
+        return
+    mem, swap = d / "memory.limit_in_bytes", d / "memory.memsw.limit_in_bytes"
+    lowering = limit_bytes < int(mem.read_text())
+    for f in (mem, swap) if lowering else (swap, mem):
+        if f.exists():
+            f.write_text(str(limit_bytes))
+
+
 def cgroup_remove_all(prefix: str) -> None:
     """Remove the lab's cgroups (their processes must be gone; children before parents)."""
     for root in (CGROUP_ROOT / "memory", CGROUP_ROOT / "cpu", CGROUP_ROOT):

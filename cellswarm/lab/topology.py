@@ -13,10 +13,18 @@ aggregation's) host rate divided by its oversubscription — the planner's netwo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 SUBNET = "10.77"  # 10.77.0.0/16: infrastructure hosts in .0.x, rack r's hosts in .(r+1).x
+MIN_MEMORY_BYTES = 16 << 20  # a host's smallest cgroup memory limit
+# A worker host's memory when no limit is given: a PS3's RAM (the seed's node), or the
+# worker's --memory if that is more. A host compiles its own kernels (its cache starts
+# empty) and gcc's cc1 peaks at ~210 MB on kernels.c at -O3: in 128 MiB it is killed, and
+# the host would run the numpy path, whose arithmetic is not the fused kernels'.
+DEFAULT_HOST_MEMORY_BYTES = 256 << 20
+MIN_CPU_QUOTA = 0.01  # cores: cgroups' smallest CFS quota, 1 ms per 100 ms period
 
 
 @dataclass(frozen=True)
@@ -26,8 +34,9 @@ class HostSpec:
     address: str
     switch: str  # the switch namespace's short name its port is on
     rack: int | None = None  # None: infrastructure, on the core switch
-    memory_bytes: int | None = None  # the cgroup's limit (a worker's --memory)
-    cpu_quota: float | None = None  # fraction of one core, None: unlimited
+    memory_bytes: int | None = None  # a worker's --memory (what it claims it has)
+    memory_limit_bytes: int | None = None  # its cgroup's memory limit, None: unlimited
+    cpu_quota: float | None = None  # cores (0.5: half of one), None: unlimited
 
 
 @dataclass(frozen=True)
@@ -51,10 +60,19 @@ class LabSpec:
     host_bits_per_s: float = 1e9
     access_oversubscription: float = 2.4  # host ports : rack uplink (planner default)
     aggregation_oversubscription: float = 4.0
-    memory_bytes: int = 128 << 20  # each worker's --memory and cgroup limit
+    memory_bytes: int = 128 << 20  # each worker's --memory: what it may use for shards
+    # cgroup limits: every worker host's (the weak nodes; coordinators and the database
+    # host are unlimited unless named), then per host (any host), which wins
+    host_memory_bytes: int | None = None  # None: DEFAULT_HOST_MEMORY_BYTES or --memory
+    cpu_quota: float | None = None  # cores, None: unlimited
+    host_memory: dict[str, int] = field(default_factory=dict)  # host -> memory limit
     slow_hosts: dict[str, float] = field(default_factory=dict)  # host -> CPU quota (cores)
 
     def __post_init__(self) -> None:
+        self._check_shape()
+        self._check_limits()
+
+    def _check_shape(self) -> None:
         if self.hosts < 1 or self.racks < 1 or self.racks > self.hosts:
             raise ValueError(f"--hosts {self.hosts} --racks {self.racks}: need 1 <= racks <= hosts")
         if self.racks > 200 or self.hosts > 250 * self.racks:
@@ -64,6 +82,45 @@ class LabSpec:
         for what in ("host_bits_per_s", "access_oversubscription", "aggregation_oversubscription"):
             if getattr(self, what) <= 0:
                 raise ValueError(f"{what} must be positive")
+
+    def host_names(self) -> list[str]:
+        infra = [f"c{k}" for k in range(self.coordinators)]
+        return infra + (["db"] if self.coordinators > 1 else []) + [
+            f"h{i + 1}" for i in range(self.hosts)]  # fmt: skip
+
+    def _check_limits(self) -> None:
+        memory = {"every worker host": self.host_memory_bytes, **self.host_memory}
+        for who, limit in memory.items():
+            if limit is not None and (why := memory_limit_problem(limit)):
+                raise ValueError(f"host memory for {who}: {why}")
+        cpu = {"every worker host": self.cpu_quota, **self.slow_hosts}
+        for who, cores in cpu.items():
+            if cores is not None and (why := cpu_quota_problem(cores)):
+                raise ValueError(f"cpu quota for {who}: {why}")
+        names = self.host_names()
+        for host in [*self.host_memory, *self.slow_hosts]:
+            if host not in names:
+                raise ValueError(f"no host {host!r} in this lab (limits name a host); hosts: "
+                                 f"{', '.join(names)}")  # fmt: skip
+
+
+def memory_limit_problem(limit_bytes: int) -> str | None:
+    """Why a host's cgroup memory limit cannot be (None: it can): below 16 MiB nothing
+    starts, it would not be a weak node but a dead one."""
+    if limit_bytes < MIN_MEMORY_BYTES:
+        return (f"{limit_bytes} bytes is below 16M (a Python process alone needs more); "
+                "give e.g. 300M")  # fmt: skip
+    return None
+
+
+def cpu_quota_problem(cores: float) -> str | None:
+    """Why a CPU quota (cores) cannot be (None: it can)."""
+    if not cores >= MIN_CPU_QUOTA:  # NaN too
+        return (f"{cores:g} cores is below 0.01 (the kernel's smallest quota, 1 ms per "
+                "100 ms); give e.g. 0.5")  # fmt: skip
+    if math.isinf(cores):
+        return "inf cores: give a number of cores, e.g. 0.5, or leave the quota out"
+    return None
 
 
 @dataclass(frozen=True)
@@ -118,17 +175,21 @@ def rack_of(index: int, hosts: int, racks: int) -> int:
 def build(spec: LabSpec) -> Topology:
     infra = [f"c{k}" for k in range(spec.coordinators)] + (["db"] if spec.coordinators > 1 else [])
     hosts = [
-        HostSpec(name, "database" if name == "db" else "coordinator", f"{SUBNET}.0.{k + 1}", "core")
+        HostSpec(name, "database" if name == "db" else "coordinator", f"{SUBNET}.0.{k + 1}",
+                 "core", memory_limit_bytes=spec.host_memory.get(name),
+                 cpu_quota=spec.slow_hosts.get(name))
         for k, name in enumerate(infra)
-    ]
+    ]  # fmt: skip
     per_rack: dict[int, int] = {}
     for i in range(spec.hosts):
         rack = rack_of(i, spec.hosts, spec.racks)
         per_rack[rack] = per_rack.get(rack, 0) + 1
         name = f"h{i + 1}"
+        default = max(spec.memory_bytes, DEFAULT_HOST_MEMORY_BYTES)
+        limit = spec.host_memory.get(name, spec.host_memory_bytes or default)
         hosts.append(HostSpec(name, "worker", f"{SUBNET}.{rack + 1}.{per_rack[rack]}",
-                              f"rack{rack}", rack, spec.memory_bytes,
-                              spec.slow_hosts.get(name)))  # fmt: skip
+                              f"rack{rack}", rack, spec.memory_bytes, limit,
+                              spec.slow_hosts.get(name, spec.cpu_quota)))  # fmt: skip
     n_agg = -(-spec.racks // spec.racks_per_aggregation)
     switches = ("core", *(f"agg{a}" for a in range(n_agg)),
                 *(f"rack{r}" for r in range(spec.racks)))  # fmt: skip
