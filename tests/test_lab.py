@@ -367,10 +367,10 @@ def test_a_worker_killed_by_its_cgroup_is_marked_and_replaced(
     small.up(start=False)
     try:
         small.start_coordinator("c0")
-        # h4 compiles its kernels first, with its host's memory (gcc needs ~210 MB), then
+        # h4 compiles its kernels first, with its host's memory (gcc needs ~120 MB), then
         # is squeezed: this test's OOM kill must be its shard's, not gcc's. The one test
-        # that builds ahead of its worker (force: even once workers build before joining).
-        small.build_kernels("h4", force=True)
+        # that builds ahead of its worker (`cellswarm kernels build`, as ExecStartPre).
+        small.build_kernels("h4")
         small.limit_memory("h4", 38 << 20)
         for h in ("h1", "h2", "h3", "h4"):  # h4 joins before h5: the first spare
             small.start_worker(h)

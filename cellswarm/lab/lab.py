@@ -16,7 +16,6 @@ state `up` left.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
@@ -78,7 +77,6 @@ class Lab:
     # the processes this Lab object started (their exit status is ours to read)
     _children: dict[tuple[str, str], subprocess.Popen[bytes]] = field(
         default_factory=dict, repr=False)  # fmt: skip
-    _kernel_builds: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.state_dir = Path(self.state_dir).resolve()
@@ -209,12 +207,6 @@ class Lab:
                                                         h.cpu_quota)  # fmt: skip
 
     def start_all(self) -> None:
-        building: list[str] = []  # as many at once as there are cores: more only contend
-        for h in self.topology.workers():  # the last ones beside the coordinators' start
-            if len(building) >= (os.cpu_count() or 1):
-                self.build_kernels(building.pop(0))
-            self.build_kernels(h.name, wait=False)
-            building.append(h.name)
         if self.spec.coordinators > 1:
             self.start_database()
         if self.nats:
@@ -351,26 +343,13 @@ class Lab:
         self.cellswarm(host, "coordinator", args)
         self.wait_output(host, "coordinator", READY["coordinator"], since=since)
 
-    def build_kernels(self, host: str, wait: bool = True, force: bool = False) -> None:
-        """The host compiles its own kernels into its own empty cache (its namespace, its
-        cgroup: ~8 s of CPU, ~210 MB for gcc), before its worker starts. Nothing is copied.
-
-        Why the lab does this at all: until a worker builds its kernels before it joins
-        (issue 30: `cellswarm kernels build` and a pre-join build, in flight), its first
-        step compiles them on its event loop, seconds without a heartbeat, and it is
-        declared lost. Once this cellswarm has that command, the worker's own build is
-        what runs (cold, as in the field) and this does nothing unless `force`d (a test
-        that must build before it squeezes a host's memory): then delete the rest."""
-        if _worker_builds_kernels() and not force:
-            return
-        if host not in self._kernel_builds:
-            build = "from cellswarm.kernels import build; print(build(), flush=True)"
-            self._kernel_builds[host] = self.spawn(host, "kernels", [sys.executable, "-c", build])
-        if wait and self._kernel_builds[host].wait(300) != 0:
-            note = (f"{host}: its kernels did not compile ({self._tail(host, 'kernels', lines=1)}"
-                    "); its worker tries again on its first step")  # fmt: skip
-            self.notes.append(note)
-            self._say(f"note: {note}")
+    def build_kernels(self, host: str) -> None:
+        """The host compiles its own kernels into its own cache now (`cellswarm kernels
+        build` in its namespace and cgroup). A worker does so itself before it joins; this is
+        for a test that must have them built before it squeezes the host's memory."""
+        if self.run(host, [sys.executable, "-m", "cellswarm.cli",
+                           "kernels", "build"], timeout_s=300) != 0:  # fmt: skip
+            raise LabError(f"{host}: its kernels did not compile")
 
     def limit_memory(self, host: str, limit_bytes: int) -> None:
         """The host's cgroup memory limit, now (e.g. squeezed below what its worker claims,
@@ -378,7 +357,6 @@ class Lab:
         system.cgroup_limit_memory(self.cgroups[host], limit_bytes)
 
     def start_worker(self, host: str, wait: bool = True) -> None:
-        self.build_kernels(host)
         h, d = self.topology.host(host), self.host_dir(host)
         args = ["worker", "--join", ",".join(self.urls), "--memory", str(h.memory_bytes),
                 "--node-id", host, "--token-file", str(d / "cluster.token"),
@@ -580,16 +558,6 @@ class Started:
 
 
 @functools.cache
-def _worker_builds_kernels() -> bool:
-    """Whether this cellswarm's worker builds its kernels before joining (it then has a
-    `cellswarm kernels` command: they came together)."""
-    from cellswarm.cli import build_parser
-
-    commands = next(a for a in build_parser()._actions
-                    if isinstance(a, argparse._SubParsersAction))  # fmt: skip
-    return "kernels" in commands.choices
-
-
 def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and not _zombie(pid)
 
