@@ -218,3 +218,42 @@ def test_models_and_status_show_the_served_context(
     assert (status["context"], status["sequences"]) == (4096, 8)
     print_status(status)
     assert "context 4,096 x 8 in flight" in capsys.readouterr().out
+
+
+# -- a long prompt through a swarm --------------------------------------------------------------
+
+LONG_PROMPT_TOKENS = 3000
+SMALLEST_MEMORY = "140M"  # 3 workers: what --context 4096 needs with one sequence (4,136 fit)
+
+
+@pytest.mark.slow
+def test_a_3000_token_prompt_through_a_swarm_at_context_4096(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """`cellswarm up --context 4096 --memory 140M`: a 3,000-token prompt (it was refused at
+    256) gives the single-process engine's greedy tokens. The stages prefill 3,000 tokens in
+    one step for now (seconds on a busy machine, with heartbeats on the same loop): a long
+    heartbeat timeout keeps them from being declared lost meanwhile."""
+    import cellswarm
+    from cellswarm.engine.model import GenerateOptions
+    from cellswarm.swarm.api import client
+    from cellswarm.swarm.local.up import LocalSwarm
+
+    model = cellswarm.load(demo_path)
+    words = " ".join(f"item {i} is the number {i * 7 % 1000};" for i in range(LONG_PROMPT_TOKENS))
+    prompt = model.tokenizer.encode(words)[:LONG_PROMPT_TOKENS]
+    expected = model.generate(prompt, GenerateOptions(4, stop_ids=frozenset())).token_ids
+    del model
+    swarm = LocalSwarm(str(demo_path), 3, SMALLEST_MEMORY, tmp_path, context=4096,
+                       heartbeat_timeout_s=60.0)  # fmt: skip
+    assert swarm.fit() == ContextFit(4096, 1)
+    with swarm:
+        status = swarm.wait_ready()
+        assert (status["context"], sum(n["state"] == "assigned" for n in status["nodes"])) == \
+            (4096, 3)  # fmt: skip
+        rid = client.submit(swarm.url, {"prompt": prompt, "max_tokens": 4, "stop_ids": []})
+        result = client.wait(swarm.url, rid, timeout_s=600)
+        assert result["state"] == "done", result
+        assert result["tokens"] == expected
+        status = swarm.status()
+    assert status["sequences"] == 1 and all(n["state"] == "assigned" for n in status["nodes"])
