@@ -421,8 +421,9 @@ def too_long(costs_at: CostsAt, context_tokens: int, stages: int, capacity_bytes
     longest = largest_context(costs_at, 1, stages, capacity_bytes, context_tokens)
     where = f"{stages} stage(s) of {capacity_bytes:,} bytes"
     if longest == 0:
-        return (f"the model does not fit {where} even with a 1-token context: add workers "
-                "or memory")  # fmt: skip
+        need = smallest_capacity(costs_at(1, 1), stages)[0]
+        return (f"the model does not fit {where} even with a 1-token context: a stage needs "
+                f"{need:,} bytes ({need - capacity_bytes:,} short); add workers or memory")
     return (f"a context of {context_tokens:,} tokens does not fit {where}: at most "
             f"{longest:,} tokens (one sequence) do; pass --context {longest} or less, or add "
             "workers or memory")  # fmt: skip
