@@ -6,6 +6,7 @@ numbers."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -177,23 +178,39 @@ def test_the_coordinator_serves_the_model_s_own_context_by_default(
     assert "requested 8200 tokens (8000 in the prompt, 200 in the completion)" in exc.value.message
 
 
+def nodes(n: int, memory_mib: int) -> list[Any]:
+    from cellswarm.swarm.control.store import Node, NodeId
+
+    return [Node(NodeId(f"n{i}"), "spare", "s", {"memory_bytes": memory_mib << 20}, "h",
+                 float(i), 0.0) for i in range(n)]  # fmt: skip
+
+
 def test_the_placement_keeps_fewer_sequences_rather_than_refuse(
     demo_path: Path, tmp_path: Path
 ) -> None:
     """8192 tokens on 3 workers of 256M: not 8 sequences (a GB a stage), but one fits on 3
     stages; on 2 workers not even one: status names the context and what fits."""
-    from cellswarm.swarm.control.store import Node, NodeId
-
-    def nodes(n: int) -> list[Node]:
-        return [Node(NodeId(f"n{i}"), "spare", "s", {"memory_bytes": 256 << 20}, "h", float(i),
-                     0.0) for i in range(n)]  # fmt: skip
-
     coord = coordinator(demo_path, tmp_path)
-    layout, target, sequences = coord._repair(nodes(3))  # type: ignore[attr-defined]
+    layout, target, sequences = coord._repair(nodes(3, 256))  # type: ignore[attr-defined]
     assert len(layout) == 3 and sequences == 1 and all(target.values())
-    assert coord._repair(nodes(2))[1] == {}  # type: ignore[attr-defined]
-    why = coord._why_unplaced(nodes(2))  # type: ignore[attr-defined]
+    assert coord._repair(nodes(2, 256))[1] == {}  # type: ignore[attr-defined]
+    why = coord._why_unplaced(nodes(2, 256))  # type: ignore[attr-defined]
     assert "8,192 tokens does not fit 2 stage(s)" in why and "--context 7174" in why
+
+
+def test_a_context_asked_for_waits_for_nodes_that_hold_its_sequences(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """--context 4096 --max-sequences 2 (what `up` fits to its workers): 3 workers of 140M
+    hold one such sequence, not two — the coordinator waits, and says what does fit, rather
+    than place for fewer (workers join one by one: the first ones would decide)."""
+    coord = coordinator(demo_path, tmp_path, context=4096, max_sequences=2)
+    assert coord._repair(nodes(3, 140))[1] == {}  # type: ignore[attr-defined]
+    why = coord._why_unplaced(nodes(3, 140))  # type: ignore[attr-defined]
+    assert "4,096 tokens does not fit 3 stage(s) of 146,800,640 bytes" in why
+    assert "(2 sequences)" in why and "fewer --max-sequences" in why
+    layout, _, sequences = coord._repair(nodes(3, 210))  # type: ignore[attr-defined]
+    assert len(layout) == 3 and sequences == 2
 
 
 def test_models_and_status_show_the_served_context(
@@ -248,7 +265,7 @@ def test_a_3000_token_prompt_through_a_swarm_at_context_4096(
     del model
     swarm = LocalSwarm(str(demo_path), 3, SMALLEST_MEMORY, tmp_path, context=4096,
                        heartbeat_timeout_s=60.0)  # fmt: skip
-    assert swarm.fit() == ContextFit(4096, 1)
+    assert swarm.fit_to_workers() == ContextFit(4096, 1)  # as `cellswarm up` starts it
     with swarm:
         status = swarm.wait_ready()
         assert (status["context"], sum(n["state"] == "assigned" for n in status["nodes"])) == \

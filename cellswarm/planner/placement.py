@@ -416,17 +416,21 @@ def fit_context(
     return ContextFit(largest_context(costs_at, n, stages, capacity_bytes, model_context_tokens), n)
 
 
-def too_long(costs_at: CostsAt, context_tokens: int, stages: int, capacity_bytes: int) -> str:
+def too_long(
+    costs_at: CostsAt, context_tokens: int, stages: int, capacity_bytes: int, sequences: int = 1
+) -> str:
     """Why a context does not fit, in one line naming it and the longest that does."""
-    longest = largest_context(costs_at, 1, stages, capacity_bytes, context_tokens)
+    longest = largest_context(costs_at, sequences, stages, capacity_bytes, context_tokens)
     where = f"{stages} stage(s) of {capacity_bytes:,} bytes"
     if longest == 0:
-        need = smallest_capacity(costs_at(1, 1), stages)[0]
+        need = smallest_capacity(costs_at(1, sequences), stages)[0]
         return (f"the model does not fit {where} even with a 1-token context: a stage needs "
                 f"{need:,} bytes ({need - capacity_bytes:,} short); add workers or memory")
+    what, fewer = ("one sequence", "") if sequences == 1 else \
+        (f"{sequences} sequences", ", fewer --max-sequences")  # fmt: skip
     return (f"a context of {context_tokens:,} tokens does not fit {where}: at most "
-            f"{longest:,} tokens (one sequence) do; pass --context {longest} or less, or add "
-            "workers or memory")  # fmt: skip
+            f"{longest:,} tokens ({what}) do; pass --context {longest} or less{fewer}, or "
+            "add workers or memory")  # fmt: skip
 
 
 def time_balanced_split(

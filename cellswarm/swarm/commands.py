@@ -202,8 +202,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        stages=args.stages, port=args.port, tls_dir=args.tls,
                        keep_awake=args.keep_awake, context=args.context,
                        max_sequences=args.max_sequences)  # fmt: skip
-    fit = swarm.fit()  # a context the workers cannot hold: one line, before any process
-    swarm.context = fit.context_tokens
+    fit = swarm.fit_to_workers()  # a context they cannot hold: one line, before any process
 
     def say(line: str) -> None:
         print(line, flush=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import BudgetError, RequestError, StorageFullError
-from cellswarm.planner.placement import StageCosts, balanced_layers, fit_context
+from cellswarm.planner.placement import StageCosts, balanced_layers, fits, too_long
 from cellswarm.swarm.auth import digest, load_token, new_nonce, verify
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.checkup import Checkups
@@ -511,12 +511,16 @@ class Coordinator:
 
     def _repair(self, nodes: list[Node]) -> tuple[list[Shard], dict[NodeId, Shard | None], int]:
         """membership.repair at the served context, and the sequences in flight it placed
-        for: --max-sequences if any stage count of the live nodes holds them, else fewer,
-        down to 1 (more stages before fewer sequences: a pipeline needs sequences in flight
-        to keep its stages busy). A layout kept or mended keeps its sequences."""
+        for: --max-sequences if a stage count of the live nodes holds them; at the model's
+        own context (no --context) else fewer, down to 1 — more stages before fewer
+        sequences, as far as the nodes that joined allow (a pipeline needs sequences in
+        flight to keep its stages busy). A context asked for waits for nodes that hold
+        --max-sequences (`cellswarm up` fits both to its workers). A layout kept or mended
+        keeps its sequences."""
         c, held = self.config, self.sequences
         layers = len(self.stage_costs().weights)
-        for sequences in range(c.max_sequences, 0, -1):
+        fewest = 1 if c.context is None else c.max_sequences
+        for sequences in range(c.max_sequences, fewest - 1, -1):
             layout, target = repair(
                 nodes, self.layout, functools.partial(self._split, sequences=sequences), c.stages,
                 self.part_specs, c.replicas, max_stages=layers)  # fmt: skip
@@ -531,9 +535,12 @@ class Coordinator:
         memory = min(n.memory_bytes for n in live)
         workers = max(len(live) - len(self.part_specs), 1)  # part servers hold no layers
         stages = min(self.config.stages or workers, len(self.stage_costs().weights))
-        try:  # the context's own line first: it names what does fit
-            fit_context(self.costs_at(), stages, memory, self.context, 1, self.context)
-            self._split(len(live), memory, 1)
+        fewest = 1 if self.config.context is None else self.config.max_sequences
+        at = self.costs_at()
+        if not fits(at(self.context, fewest), stages, memory):  # it names what does fit
+            return too_long(at, self.context, stages, memory, fewest)
+        try:
+            self._split(len(live), memory, fewest)
         except BudgetError as exc:
             return str(exc)
         return ""

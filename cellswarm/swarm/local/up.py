@@ -169,6 +169,14 @@ class LocalSwarm:
         args += ["--tls", str(self.tls_dir)] if self.tls_dir else []
         self._spawn(f"worker-{i}", args, "JOINED", self.worker_env.get(i))
 
+    def fit_to_workers(self) -> ContextFit:
+        """The context and sequences in flight these workers serve, set on this swarm (as
+        `cellswarm up` runs): the coordinator is told both, so it places for them and
+        waits for the workers that hold them, whatever order they join in."""
+        fit = self.fit()
+        self.context, self.max_sequences = fit.context_tokens, fit.sequences
+        return fit
+
     def fit(self) -> ContextFit:
         """What these workers serve at this context (None: the planner's rule, the model's
         own context capped by their memory: placement.fit_context); BudgetError, naming the
@@ -189,7 +197,7 @@ class LocalSwarm:
         """The coordinator(s), then every worker; on any failure (or a signal), none. `say`
         is told as each process is up (what `cellswarm up` shows while it waits)."""
         if self.context is None:
-            self.context = self.fit().context_tokens
+            self.fit_to_workers()
         try:
             for k in range(self.coordinators):
                 self.start_coordinator(k)
