@@ -90,9 +90,10 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--quant", help="re-pack weights at load, e.g. q8_0, q4_0, f32")
     p.add_argument("--kv-budget", help="byte budget for the KV cache, e.g. 64M")
     p.add_argument("--context", type=lambda t: parse_count(t, "--context", "4096"),
-                   help="tokens of KV cache a generation may take, prompt + --max-tokens "
-                   "(default: the model's own context; tiered: 512); with --coordinator, "
-                   "checked against the context the swarm serves")  # fmt: skip
+                   help="tokens of KV cache a generation may take, prompt + --max-tokens: "
+                   "more is refused before any is taken (default: what the generation needs; "
+                   "a tiered box reserves 512); with --coordinator, checked against the "
+                   "context the swarm serves")  # fmt: skip
     p.add_argument("--threads", type=int, help="threads for kernels and BLAS (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--ids", action="store_true", help="the prompt is comma-separated token ids")
@@ -143,10 +144,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repeat_penalty,
         seed=args.seed,
     )
-    # the model's own context by default; a tiered box's cache was sized for its own
-    context = args.context or (TIERED_CONTEXT if tiered else int(model.config.context_length))
+    # unchecked without --context, as before: the cache takes prompt + max_tokens, and a
+    # tiny test model's 64 tokens would refuse the default 64 of --max-tokens
     opts = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop),
-                           context=context)  # fmt: skip
+                           context=args.context)  # fmt: skip
     stream = None if args.json else _print_piece
     prompt: Any = args.prompt
     if args.ids:

@@ -276,3 +276,20 @@ def test_a_3000_token_prompt_through_a_swarm_at_context_4096(
         assert result["tokens"] == expected
         status = swarm.status()
     assert status["sequences"] == 1 and all(n["state"] == "assigned" for n in status["nodes"])
+
+
+def test_generate_against_a_swarm_checks_the_context_it_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cellswarm.swarm import commands
+    from cellswarm.swarm.api import client
+
+    def models(url: str, path: str, **_: object) -> dict[str, object]:
+        assert path == "/v1/models"
+        return {"data": [{"id": "m.gguf", "max_model_len": 256}]}
+
+    monkeypatch.setattr(client, "call", models)
+    commands.check_served_context("http://swarm", 256, None, None)
+    with pytest.raises(RequestError) as exc:
+        commands.check_served_context("http://swarm", 4096, None, None)
+    assert "--context 4096: the swarm at http://swarm serves 256 tokens" in str(exc.value)
