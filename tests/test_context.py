@@ -74,10 +74,14 @@ def test_no_context_at_all_says_the_weights_do_not_fit() -> None:
         fit_context(toy_costs, 1, 5000, 8192, 8)
 
 
-def test_the_demo_model_on_up_s_default_workers_serves_a_long_prompt(demo_path: Path) -> None:
-    """`cellswarm up` (3 workers of 256M): a context above 4096 (was 256) with 2 sequences;
-    `--context 4096` fits 3 workers of 140M with one sequence, not 3 of 128M."""
+def test_the_demo_model_on_up_s_default_workers_serves_a_long_prompt(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """3 stages of 256M: a context above 4096 with 2 sequences; `--context 4096` fits 3
+    workers of 140M with one sequence, not 3 of 128M. `cellswarm up`'s default (3 workers
+    of 256M) fits 2 of them and keeps one spare: 7174 tokens (it was 256), one sequence."""
     from cellswarm.swarm.local.pipeline import costs_at
+    from cellswarm.swarm.local.up import LocalSwarm
 
     at = costs_at(str(demo_path))
     fit = fit_context(at, 3, 256 << 20, 8192, 8)
@@ -85,6 +89,10 @@ def test_the_demo_model_on_up_s_default_workers_serves_a_long_prompt(demo_path: 
     assert fit_context(at, 3, 140 << 20, 8192, 8, 4096) == ContextFit(4096, 1)
     with pytest.raises(BudgetError, match="4,096 tokens does not fit 3 stage"):
         fit_context(at, 3, 128 << 20, 8192, 8, 4096)
+    up = LocalSwarm(str(demo_path), 3, "256M", tmp_path, context=None)
+    assert up.fit_to_workers() == ContextFit(7174, 1) == ContextFit(up.context or 0,
+                                                                    up.max_sequences)
+    assert fit_context(at, 2, 256 << 20, 8192, 8) == ContextFit(7174, 1)  # the spare's out
 
 
 # -- the flags ---------------------------------------------------------------------------------

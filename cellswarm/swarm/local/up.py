@@ -180,7 +180,10 @@ class LocalSwarm:
     def fit(self) -> ContextFit:
         """What these workers serve at this context (None: the planner's rule, the model's
         own context capped by their memory: placement.fit_context); BudgetError, naming the
-        context and the longest that fits, when not one sequence does."""
+        context and the longest that fits, when not one sequence does. Without --context
+        (or --stages) one worker is left out of the fit: it stays a spare, so a dead
+        worker's shard moves at once, as `up` always did; a context asked for may take
+        every worker."""
         from cellswarm.loader import read_config
 
         memory = min(parse_bytes(self.worker_memory.get(i, self.memory))
@@ -188,7 +191,8 @@ class LocalSwarm:
         config = read_config(self.model)
         parts = self.expert_nodes + self.vocab_nodes  # part servers hold no layers
         workers = max(self.workers // self.replicas - parts, 1)
-        stages = min(self.stages or workers, int(config.n_layers))
+        spare = self.context is None and workers > 1
+        stages = min(self.stages or workers - spare, int(config.n_layers))
         return fit_context(costs_at(self.model, self.expert_nodes > 0, self.vocab_nodes > 0),
                            stages, memory, int(config.context_length), self.max_sequences,
                            self.context)  # fmt: skip
