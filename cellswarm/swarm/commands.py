@@ -56,8 +56,9 @@ def add_commands(sub: Any) -> None:
     u.add_argument("--stages", type=int, help="pipeline stages (default: fewest that fit)")
     u.add_argument("--context", type=lambda t: parse_count(t, "--context", "4096"),
                    help="tokens a sequence may hold, prompt + completion (default: the "
-                   "model's own, capped by what the workers' memory holds: up to 4096 first, "
-                   "then --max-sequences in flight, then the rest of the model's)")  # fmt: skip
+                   "model's own, capped by what the workers' memory holds, one worker left "
+                   "spare: up to 4096 first, then --max-sequences in flight, then the rest "
+                   "of the model's)")  # fmt: skip
     u.add_argument("--max-sequences", type=lambda t: parse_count(t, "--max-sequences", "8"),
                    default=CoordinatorConfig.max_sequences,
                    help="sequences in flight per stage, at most (default %(default)s)")
