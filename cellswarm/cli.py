@@ -12,12 +12,13 @@ from typing import Any
 from cellswarm.errors import CellswarmError, RequestError
 
 EXIT_USAGE = 2
+TIERED_CONTEXT = 512  # a tiered box's KV reservation without --context (its cache is sized once)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
+    try:  # a flag's own parser may say what is wrong with its value (RequestError)
+        args = parser.parse_args(argv)
         return int(args.func(args))
     except CellswarmError as exc:
         print(f"cellswarm: error: {exc}", file=sys.stderr)
@@ -88,6 +89,8 @@ def _cmd_kernels(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from cellswarm.swarm.settings import parse_count
+
     p = sub.add_parser("generate", help="generate text with a model in this process")
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--model", help="a .gguf file or Hugging Face folder (default: demo model)")
@@ -102,6 +105,11 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--quant", help="re-pack weights at load, e.g. q8_0, q4_0, f32")
     p.add_argument("--kv-budget", help="byte budget for the KV cache, e.g. 64M")
+    p.add_argument("--context", type=lambda t: parse_count(t, "--context", "4096"),
+                   help="tokens of KV cache a generation may take, prompt + --max-tokens: "
+                   "more is refused before any is taken (default: what the generation needs; "
+                   "a tiered box reserves 512); with --coordinator, checked against the "
+                   "context the swarm serves")  # fmt: skip
     p.add_argument("--threads", type=int, help="threads for kernels and BLAS (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--ids", action="store_true", help="the prompt is comma-separated token ids")
@@ -117,7 +125,6 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     t.add_argument("--slow-bandwidth", help="pace slow-tier reads to this many bytes/s, e.g. 2G")
     t.add_argument("--routing-stats", type=Path, help="JSON routing counts: read, then saved")
-    t.add_argument("--context", type=int, default=512, help="tokens to reserve KV cache for")
     t.add_argument("--numa", type=int, help="pin threads and allocations to this NUMA node")
     t.add_argument("--plan-node", default="xeon-optane", help="profile for the prediction")
     p.set_defaults(func=_cmd_generate)
@@ -153,7 +160,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repeat_penalty,
         seed=args.seed,
     )
-    opts = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
+    # unchecked without --context, as before: the cache takes prompt + max_tokens, and a
+    # tiny test model's 64 tokens would refuse the default 64 of --max-tokens
+    opts = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop),
+                           context=args.context)  # fmt: skip
     stream = None if args.json else _print_piece
     prompt: Any = args.prompt
     if args.ids:
@@ -199,7 +209,8 @@ def _load_tiered(args: argparse.Namespace) -> Any:
         print(note, file=sys.stderr)
     bandwidth = parse_bytes(args.slow_bandwidth) if args.slow_bandwidth else None
     tm = tiered.load_tiered(
-        path, parse_bytes(args.dram_budget), slow_bandwidth=bandwidth, context=args.context,
+        path, parse_bytes(args.dram_budget), slow_bandwidth=bandwidth,
+        context=args.context or TIERED_CONTEXT,
         routing_stats=args.routing_stats,
     )  # fmt: skip
     if not args.json:

@@ -51,13 +51,16 @@ def test_every_flag_is_named_once() -> None:
 
 
 def test_the_cli_and_local_swarm_share_the_defaults(tmp_path: object) -> None:
-    from cellswarm.swarm.local.up import LocalSwarm
+    from cellswarm.swarm.local.up import TEST_CONTEXT_TOKENS, LocalSwarm
 
     swarm = LocalSwarm("m.gguf", 1, "100M", tmp_path)  # type: ignore[arg-type]
     config = swarm.coordinator_config()
-    for name in ("lease_s", "offline_after", "context", "max_sequences", "replicas",
+    for name in ("lease_s", "offline_after", "max_sequences", "replicas",
                  "leader_ttl_s", "evict_after_disagreements", "rebalance"):  # fmt: skip
         assert getattr(config, name) == getattr(BASE, name), name
+    # the context is not shared: a coordinator serves the model's own (None), a test swarm a
+    # short one, and `cellswarm up` fits it to its workers (LocalSwarm.fit)
+    assert (BASE.context, config.context) == (None, TEST_CONTEXT_TOKENS)
 
 
 @pytest.mark.parametrize(

@@ -75,10 +75,15 @@ class GenerateOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     stop_ids: frozenset[int] | None = None  # None: the tokenizer's end-of-turn tokens
+    # tokens of KV cache a generation may take, prompt + max_tokens (the CLI's --context;
+    # None: unchecked, the cache takes what the generation needs)
+    context: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens {self.max_tokens} must be at least 1")
+        if self.context is not None and self.context < 1:
+            raise RequestError(f"context {self.context} must be at least 1 token")
 
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
@@ -316,6 +321,12 @@ class _Generator:
 
     def __init__(self, model: Model, prompt_ids: list[int], opts: GenerateOptions) -> None:
         self.model, self.prompt_ids, self.opts = model, prompt_ids, opts
+        need = len(prompt_ids) + opts.max_tokens
+        if opts.context is not None and need > opts.context:  # before any cache is taken
+            raise RequestError(
+                f"the context is {opts.context} tokens, but {need} were asked ("
+                f"{len(prompt_ids)} in the prompt, {opts.max_tokens} in max_tokens): shorten "
+                "the prompt or max_tokens, or raise --context")  # fmt: skip
         self.rng = np.random.default_rng(opts.sampling.seed)
         tok = model._tokenizer
         default_stops = tok.stop_ids if tok is not None else frozenset()

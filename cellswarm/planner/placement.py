@@ -340,6 +340,99 @@ def fewest_stages(costs: StageCosts, capacity_bytes: int) -> list[Range] | None:
     return smallest_capacity(costs, lo)[1]
 
 
+# ---- the context a swarm serves --------------------------------------------------------
+# A sequence's KV cache is reserved whole (models/kv_cache.py), so context x sequences in
+# flight is what a stage's budget holds after its weights, runtime and scratch: one trades
+# against the other. The rule (fit_context): a useful context first — the model's own up to
+# USEFUL_CONTEXT tokens — then as many sequences as --max-sequences asks at it, then the
+# rest of the model's context those sequences leave room for. A request longer than 4096
+# tokens is rare in chat; 8 sequences at 256 tokens refused a 401-token prompt.
+
+USEFUL_CONTEXT_TOKENS = 4096
+
+CostsAt = Callable[[int, int], StageCosts]  # (context tokens, sequences) -> what stages hold
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """What a swarm serves on some stages of some budget: each sequence's context (prompt +
+    completion) and how many sequences are in flight at once."""
+
+    context_tokens: int
+    sequences: int
+
+    def __post_init__(self) -> None:
+        if self.context_tokens < 1 or self.sequences < 1:
+            raise ValueError(f"{self} serves nothing")
+
+
+def fits(costs: StageCosts, stages: int, capacity_bytes: int) -> bool:
+    """Whether at most `stages` nodes of `capacity_bytes` hold the model (balanced ranges)."""
+    return smallest_capacity(costs, stages)[0] <= capacity_bytes
+
+
+def largest_context(
+    costs_at: CostsAt, sequences: int, stages: int, capacity_bytes: int, most_tokens: int
+) -> int:
+    """The longest context <= most_tokens at which `sequences` fit (0: not even one token):
+    binary search, a stage's bytes grow with the context."""
+    lo, hi = 0, most_tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        held = fits(costs_at(mid, sequences), stages, capacity_bytes)
+        lo, hi = (mid, hi) if held else (lo, mid - 1)
+    return lo
+
+
+def most_sequences(
+    costs_at: CostsAt, context_tokens: int, stages: int, capacity_bytes: int, max_sequences: int
+) -> int:
+    """The most sequences <= max_sequences of `context_tokens` that fit (0: not one)."""
+    for n in range(max_sequences, 0, -1):
+        if fits(costs_at(context_tokens, n), stages, capacity_bytes):
+            return n
+    return 0
+
+
+def fit_context(
+    costs_at: CostsAt, stages: int, capacity_bytes: int, model_context_tokens: int,
+    max_sequences: int, wanted_tokens: int | None = None,
+) -> ContextFit:  # fmt: skip
+    """What `stages` nodes of `capacity_bytes` serve. `wanted_tokens` (--context) is kept,
+    with as many sequences as fit; without it the rule above. BudgetError, naming the
+    context asked and the longest that fits, when not one sequence does."""
+    if wanted_tokens is not None:
+        n = most_sequences(costs_at, wanted_tokens, stages, capacity_bytes, max_sequences)
+        if n == 0:
+            raise BudgetError(too_long(costs_at, wanted_tokens, stages, capacity_bytes))
+        return ContextFit(wanted_tokens, n)
+    useful = min(model_context_tokens, USEFUL_CONTEXT_TOKENS)
+    n = most_sequences(costs_at, useful, stages, capacity_bytes, max_sequences)
+    if n == 0:  # not even the useful context: one sequence, as long as fits
+        longest = largest_context(costs_at, 1, stages, capacity_bytes, useful)
+        if longest == 0:
+            raise BudgetError(too_long(costs_at, 1, stages, capacity_bytes))
+        return ContextFit(longest, 1)
+    return ContextFit(largest_context(costs_at, n, stages, capacity_bytes, model_context_tokens), n)
+
+
+def too_long(
+    costs_at: CostsAt, context_tokens: int, stages: int, capacity_bytes: int, sequences: int = 1
+) -> str:
+    """Why a context does not fit, in one line naming it and the longest that does."""
+    longest = largest_context(costs_at, sequences, stages, capacity_bytes, context_tokens)
+    where = f"{stages} stage(s) of {capacity_bytes:,} bytes"
+    if longest == 0:
+        need = smallest_capacity(costs_at(1, sequences), stages)[0]
+        return (f"the model does not fit {where} even with a 1-token context: a stage needs "
+                f"{need:,} bytes ({need - capacity_bytes:,} short); add workers or memory")
+    what, fewer = ("one sequence", "") if sequences == 1 else \
+        (f"{sequences} sequences", ", fewer --max-sequences")  # fmt: skip
+    return (f"a context of {context_tokens:,} tokens does not fit {where}: at most "
+            f"{longest:,} tokens ({what}) do; pass --context {longest} or less{fewer}, or "
+            "add workers or memory")  # fmt: skip
+
+
 def time_balanced_split(
     n_layers: int,
     read: Callable[[int, int, bool], float],

@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.settings import CoordinatorConfig, WorkerConfig, add_flags, from_args
+from cellswarm.swarm.settings import (
+    CoordinatorConfig,
+    WorkerConfig,
+    add_flags,
+    from_args,
+    parse_count,
+)
 from cellswarm.units import format_bytes, parse_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -48,6 +54,14 @@ def add_commands(sub: Any) -> None:
     u.add_argument("--profile", help="emulate this planner profile on every worker")
     u.add_argument("--model", help="the .gguf file (default: the demo model)")
     u.add_argument("--stages", type=int, help="pipeline stages (default: fewest that fit)")
+    u.add_argument("--context", type=lambda t: parse_count(t, "--context", "4096"),
+                   help="tokens a sequence may hold, prompt + completion (default: the "
+                   "model's own, capped by what the workers' memory holds, one worker left "
+                   "spare: up to 4096 first, then --max-sequences in flight, then the rest "
+                   "of the model's)")  # fmt: skip
+    u.add_argument("--max-sequences", type=lambda t: parse_count(t, "--max-sequences", "8"),
+                   default=CoordinatorConfig.max_sequences,
+                   help="sequences in flight per stage, at most (default %(default)s)")
     u.add_argument("--state-dir", default="cellswarm-state", help="database, token, logs")
     u.add_argument("--port", type=int, default=8470)
     u.add_argument("--keep-awake", action=argparse.BooleanOptionalAction, default=True,
@@ -147,7 +161,9 @@ def print_status(status: dict[str, Any]) -> None:
     from rich.table import Table
 
     wired = "wired" if status["wired"] else "not wired"
-    t = Table(title=f"{status['model']} · epoch {status['epoch']} · ring {wired}")
+    served = f" · context {status['context']:,} x {status['sequences']} in flight" \
+        if status.get("context") else ""  # fmt: skip
+    t = Table(title=f"{status['model']}{served} · epoch {status['epoch']} · ring {wired}")
     for col in ("node", "address", "state", "holds", "memory (peak of budget)", "heartbeat",
                 "clock", "served", "failures", "note"):  # fmt: skip
         t.add_column(col)
@@ -188,13 +204,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     swarm = LocalSwarm(model=_model(args.model), workers=args.workers, memory=args.memory,
                        state_dir=Path(args.state_dir), profile=args.profile,
                        stages=args.stages, port=args.port, tls_dir=args.tls,
-                       keep_awake=args.keep_awake)  # fmt: skip
+                       keep_awake=args.keep_awake, context=args.context,
+                       max_sequences=args.max_sequences)  # fmt: skip
+    fit = swarm.fit_to_workers()  # a context they cannot hold: one line, before any process
+
     def say(line: str) -> None:
         print(line, flush=True)
 
     try:
         with stop_on_signals():  # from the start: loading takes a while, orphans last
             try:
+                say(f"context {fit.context_tokens:,} tokens a sequence, up to {fit.sequences} "
+                    f"in flight (--context, --max-sequences, --memory {args.memory})")
                 swarm.start(say)
                 print_status(swarm.wait_ready(on_change=say))
                 say(f"coordinator: {swarm.url} (token in {swarm.token_file}); Ctrl-C stops "
@@ -226,6 +247,8 @@ def generate_remote(args: argparse.Namespace) -> int:
                 "seed": args.seed}  # fmt: skip
     t0 = time.perf_counter()
     key = api_key(args)
+    if args.context:
+        check_served_context(args.coordinator, args.context, args.tls, key)
     rid = client.submit(args.coordinator, {"prompt": args.prompt, "max_tokens": args.max_tokens,
                                            "sampling": sampling}, args.tls, key)  # fmt: skip
     result = client.wait(args.coordinator, rid, tls=args.tls, api_key=key)
@@ -234,3 +257,15 @@ def generate_remote(args: argparse.Namespace) -> int:
     print(f"[request {rid} | {result['n_tokens']} tokens ({result['reason']}) in {took_s:.2f} s"
           f" | attempts {result['attempts']}]", file=sys.stderr)  # fmt: skip
     return 0 if result["state"] == "done" else 1
+
+
+def check_served_context(url: str, context: int, tls: str | None, key: str | None) -> None:
+    """`generate --coordinator URL --context N`: the swarm must serve at least N tokens a
+    sequence (its /v1/models' max_model_len); the request itself is checked there too."""
+    from cellswarm.swarm.api import client
+
+    served = client.call(url, "/v1/models", tls=tls, api_key=key)["data"][0].get("max_model_len")
+    if served is not None and context > int(served):
+        raise RequestError(f"--context {context}: the swarm at {url} serves {served} tokens a "
+                           f"sequence; start it with a larger --context (cellswarm up --context "
+                           f"{context}) or ask for {served} or less")  # fmt: skip

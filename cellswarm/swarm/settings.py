@@ -30,12 +30,14 @@ _PARSERS = {"int": int, "float": float, "str": str}
 
 
 def setting(
-    default: Any, flag: str, help: str, *, size: bool = False, required: bool = False
-) -> Any:
+    default: Any, flag: str, help: str, *, size: bool = False, required: bool = False,
+    parse: Any = None,
+) -> Any:  # fmt: skip
     """A field a command-line flag sets (its help says the default itself). `size`: bytes,
     given as "256M" and the like; `required`: the flag must be given (the field has no
-    default); a help of argparse.SUPPRESS hides a test hook."""
-    meta = {"flag": flag, "help": help, "size": size, "required": required}
+    default); `parse`: the value's own parser (one that raises RequestError says what is
+    wrong in one line); a help of argparse.SUPPRESS hides a test hook."""
+    meta = {"flag": flag, "help": help, "size": size, "required": required, "parse": parse}
     return field(metadata=meta) if required else field(default=default, metadata=meta)
 
 
@@ -69,8 +71,17 @@ class CoordinatorConfig:
         0, "--expert-nodes", "nodes holding the MoE layers' routed experts, apart from attention")
     vocab_nodes: int = setting(
         0, "--vocab-nodes", "nodes holding the embedding and output head, split by rows")
-    context: int = setting(256, "--context", "KV tokens a stage reserves per sequence")
-    max_sequences: int = setting(8, "--max-sequences", "sequences in flight per stage")
+    # None: the model's own (GGUF context_length). Fixed for the coordinator's life, so a
+    # request is checked against one number; the placement fits the workers to it (more
+    # stages, fewer sequences in flight) or says in `status` what does fit.
+    context: int | None = setting(
+        None, "--context", "tokens a sequence may hold, prompt + completion: every stage "
+        "reserves KV cache for them (default: the model's own context; with too little "
+        "memory fewer sequences run at once, down to 1, and status says what fits)",
+        parse=lambda text: parse_count(text, "--context", "4096"))
+    max_sequences: int = setting(
+        8, "--max-sequences", "sequences in flight per stage, at most (fewer when the context "
+        "leaves no room)", parse=lambda text: parse_count(text, "--max-sequences", "8"))
     log_dir: str | None = setting(None, "--log-dir", "folder for JSON-line event logs")
     replicas: int = setting(1, "--replicas", "independent rings sharing the queue")
     lease_s: float = setting(LEASE_S, "--lease", "seconds a job lease lasts unrenewed")
@@ -84,6 +95,9 @@ class CoordinatorConfig:
     tls_dir: str | None = None  # mutual TLS: its HTTPS and its resets to stages (tls.py)
 
     def __post_init__(self) -> None:
+        if self.context is not None:
+            check_count(self.context, "--context", "4096")
+        check_count(self.max_sequences, "--max-sequences", "8")
         if self.heartbeat_timeout_s <= self.heartbeat_s:
             raise RequestError(
                 f"heartbeat timeout {self.heartbeat_timeout_s} s must exceed the heartbeat "
@@ -150,6 +164,22 @@ class WorkerConfig:
             object.__setattr__(self, "node_id", f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
 
 
+def parse_count(text: str, flag: str, example: str) -> int:
+    """A flag's whole number >= 1 (tokens, sequences), or RequestError naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise RequestError(f"{flag} {text!r} is not a whole number: give one of at least 1, "
+                           f"e.g. {flag} {example}") from None  # fmt: skip
+    return check_count(value, flag, example)
+
+
+def check_count(value: int, flag: str, example: str) -> int:
+    if value < 1:
+        raise RequestError(f"{flag} {value} must be at least 1, e.g. {flag} {example}")
+    return value
+
+
 def _flagged(cls: type) -> list[Any]:
     return [f for f in fields(cls) if "flag" in f.metadata]
 
@@ -163,7 +193,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=help_text)  # fmt: skip
             continue
-        kind = parse_bytes if meta["size"] else _PARSERS[str(f.type).removesuffix(" | None")]
+        kind = meta["parse"] or (parse_bytes if meta["size"] else
+                                 _PARSERS[str(f.type).removesuffix(" | None")])  # fmt: skip
         default = None if f.default is MISSING else f.default
         if default not in (None, "") and help_text != argparse.SUPPRESS:
             help_text += f" (default {default})"

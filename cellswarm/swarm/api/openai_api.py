@@ -1,6 +1,7 @@
 """The OpenAI-compatible API, served by the coordinator next to its own routes.
 
-    GET  /v1/models                the one model: its file name as id, owned_by "cellswarm"
+    GET  /v1/models                the one model: its file name as id, owned_by "cellswarm",
+                                   its served context as max_model_len (vLLM's name)
     GET  /v1/models/{id}
     POST /v1/completions           prompt: a string or token ids (one prompt per request)
     POST /v1/chat/completions      messages -> the model's chat template (generation prompt on)
@@ -49,6 +50,7 @@ completion's job belongs to its key.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -285,8 +287,24 @@ class OpenAIRoutes:
             created = int(self.path.stat().st_mtime)
         except OSError:
             created = 0
-        self.card = {"id": self.model_id, "object": "model", "created": created,
-                     "owned_by": "cellswarm"}  # fmt: skip
+        self.created = created
+        self.trained: int | None = None  # the model's own context (GGUF context_length)
+
+    def card(self) -> dict[str, Any]:
+        """The model object. Its served context (prompt + completion, the most a request may
+        ask) under the names clients read: vLLM's `max_model_len`, and llama.cpp's `meta`
+        (n_ctx served, n_ctx_train the model's own, which --context may lower)."""
+        from cellswarm.loader import read_config
+
+        coord = self.coord
+        if self.trained is None:  # read once: a big model's header takes a while
+            with contextlib.suppress(CellswarmError):  # a bad file: each request says so
+                self.trained = int(read_config(coord.config.model).context_length)
+        trained = self.trained
+        served = coord.context if trained is not None else None
+        return {"id": self.model_id, "object": "model", "created": self.created,
+                "owned_by": "cellswarm", "max_model_len": served,
+                "meta": {"n_ctx": served, "n_ctx_train": trained}}  # fmt: skip
 
     def check_model(self, name: str) -> None:
         if name not in (self.model_id, self.path.stem):
@@ -307,7 +325,7 @@ class OpenAIRoutes:
         coord = self.coord
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_TOKENS if route == "completions" else max(
-                coord.config.context - len(prompt), 1)  # fmt: skip
+                coord.context - len(prompt), 1)  # fmt: skip
         coord.limits.generate(prompt, max_tokens, "messages" if route == "chat" else "prompt")
         sampling = _sampling(req)
         stop_ids = sorted(self.tokenizer().stop_ids)
@@ -349,12 +367,12 @@ def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [routes.card]}
+        return {"object": "list", "data": [routes.card()]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         routes.check_model(name)
-        return routes.card
+        return routes.card()
 
     @app.post("/v1/completions")
     async def completions(

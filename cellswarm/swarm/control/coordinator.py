@@ -16,6 +16,7 @@ coordinators on PostgreSQL one leader places and wires; every one answers every 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -24,12 +25,13 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import BudgetError, RequestError, StorageFullError
-from cellswarm.planner.placement import StageCosts, balanced_layers
+from cellswarm.planner.placement import StageCosts, balanced_layers, fits, too_long
 from cellswarm.swarm.auth import digest, load_token, new_nonce, verify
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.checkup import Checkups
@@ -45,7 +47,7 @@ from cellswarm.swarm.control.membership import (
     ring,
 )
 from cellswarm.swarm.control.store import Node, NodeId, Store
-from cellswarm.swarm.local.pipeline import stage_costs
+from cellswarm.swarm.local.pipeline import costs_at
 from cellswarm.swarm.logs import JsonLog, Throttled
 from cellswarm.swarm.ring.stage import reset_stage
 from cellswarm.swarm.settings import CoordinatorConfig
@@ -96,12 +98,13 @@ class Coordinator:
         self._tokenizer: Any = None
         self._limits: Any = None
         self._limits_lock = threading.Lock()  # warm_up's thread and a request may race
-        self._stage_costs: StageCosts | None = None
+        self._costs_at: Callable[[int, int], StageCosts] | None = None  # pipeline.costs_at
+        self._context: int | None = None  # what it serves (see `context`)
         self._reconciled: tuple[int | None, str | None] = (None, None)  # (membership, layout)
         self._placed: tuple[int | None, list[str]] = (None, [])  # (membership, node ids)
         self._timeouts_checked_s = 0.0  # when check_timeouts last walked the nodes
         self.beats_via: dict[str, int] = {"http": 0, "nats": 0}  # heartbeats by transport
-        self._splits: dict[tuple[int, int], list[tuple[int, int]] | str] = {}  # str: why not
+        self._splits: dict[tuple[int, int, int], list[tuple[int, int]] | str] = {}  # str: why not
         self._manifest: Any = None
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
@@ -324,8 +327,8 @@ class Coordinator:
         if node.state != "assigned" or node.shard is None:
             return None
         c = self.config
-        out = {**node.shard, "model": c.model, "context": c.context,
-               "max_sequences": c.max_sequences}  # fmt: skip
+        out = {**node.shard, "model": c.model, "context": self.context,
+               "max_sequences": self.sequences}  # fmt: skip
         if node.shard["role"] == "stage":
             out["parts"] = self.part_specs  # what it does not hold; addresses come on wiring
         return out
@@ -495,9 +498,7 @@ class Coordinator:
         self._reconciled = seen
         self.layout = json.loads(layout_text)
         nodes = self.store.nodes()
-        layout, target = repair(nodes, self.layout, self._split, self.config.stages,
-                                self.part_specs, self.config.replicas,
-                                max_stages=len(self.stage_costs().weights))  # fmt: skip
+        layout, target, sequences = self._repair(nodes)
         if not target:
             self.problem = self._why_unplaced(nodes)
             return
@@ -511,29 +512,56 @@ class Coordinator:
                 self.store.update_node(node_id, state=state, shard=shard)
             self.layout = layout
             self.store.set_meta("layout", json.dumps(layout))
+            self.store.set_meta("sequences", str(sequences))
         placed = {k: v["layers"] for k, v in target.items() if v is not None}
-        self.log.event("placed", None, layout=placed)
+        self.log.event("placed", None, layout=placed, context=self.context, sequences=sequences)
         self.unwire("new placement")
+
+    def _repair(self, nodes: list[Node]) -> tuple[list[Shard], dict[NodeId, Shard | None], int]:
+        """membership.repair at the served context, and the sequences in flight it placed
+        for: --max-sequences if a stage count of the live nodes holds them; at the model's
+        own context (no --context) else fewer, down to 1 — more stages before fewer
+        sequences, as far as the nodes that joined allow (a pipeline needs sequences in
+        flight to keep its stages busy). A context asked for waits for nodes that hold
+        --max-sequences (`cellswarm up` fits both to its workers). A layout kept or mended
+        keeps its sequences."""
+        c, held = self.config, self.sequences
+        layers = len(self.stage_costs().weights)
+        fewest = 1 if c.context is None else c.max_sequences
+        for sequences in range(c.max_sequences, fewest - 1, -1):
+            layout, target = repair(
+                nodes, self.layout, functools.partial(self._split, sequences=sequences), c.stages,
+                self.part_specs, c.replicas, max_stages=layers)  # fmt: skip
+            if target:
+                return layout, target, held if layout == self.layout else sequences
+        return [], {}, held
 
     def _why_unplaced(self, nodes: list[Node]) -> str:
         live = [n for n in nodes if n.state in ("spare", "assigned")]
         if not live:
             return "no live workers"
+        memory = min(n.memory_bytes for n in live)
+        workers = max(len(live) - len(self.part_specs), 1)  # part servers hold no layers
+        stages = min(self.config.stages or workers, len(self.stage_costs().weights))
+        fewest = 1 if self.config.context is None else self.config.max_sequences
+        at = self.costs_at()
+        if not fits(at(self.context, fewest), stages, memory):  # it names what does fit
+            return too_long(at, self.context, stages, memory, fewest)
         try:
-            self._split(len(live), min(n.memory_bytes for n in live))
+            self._split(len(live), memory, fewest)
         except BudgetError as exc:
             return str(exc)
         return ""
 
-    def _split(self, stages: int, memory_bytes: int) -> list[tuple[int, int]]:
+    def _split(self, stages: int, memory_bytes: int, sequences: int) -> list[tuple[int, int]]:
         """The placement's layer ranges (planner/placement.py: balanced_layers), remembered
-        per (stages, budget): the monitor asks every tick, and the model does not change —
-        reading its header for each ask was most of a busy coordinator's time."""
-        key = (stages, memory_bytes)
+        per (stages, budget, sequences): the monitor asks every tick, and the model does not
+        change — reading its header for each ask was most of a busy coordinator's time."""
+        key = (stages, memory_bytes, sequences)
         if key not in self._splits:
             try:
-                self._splits[key] = balanced_layers(self.stage_costs(), stages, memory_bytes,
-                                                    Path(self.config.model).name)  # fmt: skip
+                self._splits[key] = balanced_layers(self.stage_costs(sequences), stages,
+                                                    memory_bytes, Path(self.config.model).name)
             except BudgetError as exc:
                 self._splits[key] = str(exc)
         found = self._splits[key]
@@ -541,12 +569,33 @@ class Coordinator:
             raise BudgetError(found)
         return found
 
-    def stage_costs(self) -> StageCosts:
-        if self._stage_costs is None:
+    def costs_at(self) -> Callable[[int, int], StageCosts]:
+        """(context, sequences) -> StageCosts of this model as a stage holds it."""
+        if self._costs_at is None:
             c = self.config
-            self._stage_costs = stage_costs(c.model, c.context, c.max_sequences,
-                                            c.expert_nodes > 0, c.vocab_nodes > 0)  # fmt: skip
-        return self._stage_costs
+            self._costs_at = costs_at(c.model, c.expert_nodes > 0, c.vocab_nodes > 0)
+        return self._costs_at
+
+    def stage_costs(self, sequences: int | None = None) -> StageCosts:
+        """What a stage holds at the served context with `sequences` (default: the placed)."""
+        return self.costs_at()(self.context, sequences or self.sequences)
+
+    @property
+    def context(self) -> int:
+        """The tokens a sequence may hold, prompt + completion: --context, else the model's
+        own context (GGUF context_length). One number for the coordinator's life."""
+        if self._context is None:
+            from cellswarm.loader import read_config
+
+            self._context = self.config.context or int(read_config(self.config.model)
+                                                       .context_length)  # fmt: skip
+        return self._context
+
+    @property
+    def sequences(self) -> int:
+        """The sequences in flight the layout was placed for (at most --max-sequences)."""
+        placed = int(self.store.get_meta("sequences", "0") or 0)
+        return min(placed, self.config.max_sequences) if placed else self.config.max_sequences
 
     def maybe_rebalance(self) -> None:
         """Once per layout, after every stage measured its step time: new layer ranges over
@@ -693,7 +742,7 @@ class Coordinator:
         if self.wired_epoch != self.epoch or shard.get("role") != "stage" or shard.get("stage"):
             return []
         stages = ring(self.placed(), int(shard.get("replica", 0)))
-        capacity = min(int(s.capabilities.get("max_sequences") or self.config.max_sequences)
+        capacity = min(int(s.capabilities.get("max_sequences") or self.sequences)
                        for s in stages)  # fmt: skip
         room = capacity - self.queue.leased_sequences(node.node_id)
         if room <= 0:
@@ -811,6 +860,7 @@ class Coordinator:
                                       rebalance.STATUS_MIN_STEPS)
                  for r in range(self.config.replicas)]  # fmt: skip
         return {"epoch": epoch, "wired": self.wired_epoch == epoch, "problem": self.problem,
+                "context": self.context, "sequences": self.sequences,
                 "bottlenecks": [t.bottleneck() for t in times if t is not None],
                 "coordinator": self.id, "leader": self.leading,
                 "model": Path(self.config.model).name, "nodes": nodes}  # fmt: skip
@@ -851,7 +901,7 @@ class Coordinator:
                     token_bytes = longest_token_bytes(self.tokenizer)
                 except CellswarmError:  # no tokenizer: only token ids can be sent
                     token_bytes = 0
-                self._limits = Limits(int(read_config(c.model).vocab_size), c.context,
+                self._limits = Limits(int(read_config(c.model).vocab_size), self.context,
                                       c.max_sequences, token_bytes)  # fmt: skip
             return self._limits
 

@@ -38,12 +38,25 @@ def stage_costs(
     remote_experts: bool = False, remote_vocab: bool = False,
 ) -> StageCosts:  # fmt: skip
     """A model file's StageCosts as a swarm stage holds it: runtime and scratch on every one."""
+    return costs_at(model, remote_experts, remote_vocab)(context, max_sequences)
+
+
+def costs_at(
+    model: str, remote_experts: bool = False, remote_vocab: bool = False
+) -> Callable[[int, int], StageCosts]:
+    """(context tokens, sequences) -> the StageCosts a swarm stage holds, the file's header
+    read once (placement.fit_context asks at many contexts)."""
     from cellswarm.planner.api import resolve_model
     from cellswarm.planner.overhead import runtime_overhead_bytes
 
     inv = resolve_model(model)
-    fixed = runtime_overhead_bytes() + inv.scratch_bytes(1, context, 0)
-    return stage_costs_of(inv, context * max_sequences, fixed, remote_experts, remote_vocab)
+    runtime = runtime_overhead_bytes()
+
+    def at(context: int, sequences: int) -> StageCosts:
+        fixed = runtime + inv.scratch_bytes(1, context, 0)
+        return stage_costs_of(inv, context * sequences, fixed, remote_experts, remote_vocab)
+
+    return at
 
 
 def budget_split(

@@ -24,11 +24,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from cellswarm.errors import SwarmError
+from cellswarm.planner.placement import ContextFit, fit_context
 from cellswarm.swarm.api import client
 from cellswarm.swarm.auth import write_secret
-from cellswarm.swarm.local.pipeline import free_port
+from cellswarm.swarm.local.pipeline import costs_at, free_port
 from cellswarm.swarm.settings import CoordinatorConfig, WorkerConfig, to_flags
 from cellswarm.units import parse_bytes
+
+TEST_CONTEXT_TOKENS = 256
 
 
 @dataclass
@@ -45,7 +48,9 @@ class LocalSwarm:
     evict_after: int = CoordinatorConfig.evict_after_disagreements
     perturb: dict[int, float] = field(default_factory=dict)  # worker -> wrong-output fraction
     vocab_nodes: int = 0
-    context: int = CoordinatorConfig.context
+    # tokens a sequence may hold; None: fitted to these workers (`fit`), as `cellswarm up`
+    # does. Tests and benches keep a short one: their budgets and timings were sized for it
+    context: int | None = TEST_CONTEXT_TOKENS
     max_sequences: int = CoordinatorConfig.max_sequences
     heartbeat_s: float = 0.25  # quicker than a deployment's (settings.py): tests wait less
     heartbeat_timeout_s: float = 2.0
@@ -166,9 +171,39 @@ class LocalSwarm:
         args += ["--tls", str(self.tls_dir)] if self.tls_dir else []
         self._spawn(f"worker-{i}", args, "JOINED", self.worker_env.get(i))
 
+    def fit_to_workers(self) -> ContextFit:
+        """The context and sequences in flight these workers serve, set on this swarm (as
+        `cellswarm up` runs): the coordinator is told both, so it places for them and
+        waits for the workers that hold them, whatever order they join in."""
+        fit = self.fit()
+        self.context, self.max_sequences = fit.context_tokens, fit.sequences
+        return fit
+
+    def fit(self) -> ContextFit:
+        """What these workers serve at this context (None: the planner's rule, the model's
+        own context capped by their memory: placement.fit_context); BudgetError, naming the
+        context and the longest that fits, when not one sequence does. Without --context
+        (or --stages) one worker is left out of the fit: it stays a spare, so a dead
+        worker's shard moves at once, as `up` always did; a context asked for may take
+        every worker."""
+        from cellswarm.loader import read_config
+
+        memory = min(parse_bytes(self.worker_memory.get(i, self.memory))
+                     for i in range(max(self.workers, 1)))  # fmt: skip
+        config = read_config(self.model)
+        parts = self.expert_nodes + self.vocab_nodes  # part servers hold no layers
+        workers = max(self.workers // self.replicas - parts, 1)
+        spare = self.context is None and workers > 1
+        stages = min(self.stages or workers - spare, int(config.n_layers))
+        return fit_context(costs_at(self.model, self.expert_nodes > 0, self.vocab_nodes > 0),
+                           stages, memory, int(config.context_length), self.max_sequences,
+                           self.context)  # fmt: skip
+
     def start(self, say: Callable[[str], None] | None = None) -> None:
         """The coordinator(s), then every worker; on any failure (or a signal), none. `say`
         is told as each process is up (what `cellswarm up` shows while it waits)."""
+        if self.context is None:
+            self.fit_to_workers()
         try:
             for k in range(self.coordinators):
                 self.start_coordinator(k)
