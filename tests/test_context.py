@@ -12,6 +12,7 @@ import pytest
 
 from cellswarm.errors import BudgetError, RequestError
 from cellswarm.planner.placement import (
+    FLOOR_CONTEXT_TOKENS,
     USEFUL_CONTEXT_TOKENS,
     ContextFit,
     StageCosts,
@@ -47,8 +48,12 @@ def test_a_useful_context_before_sequences_then_the_rest_of_the_model_s() -> Non
     assert fit_context(toy_costs, 2, toy_capacity(2, 10240, 1), 8192, 8) == ContextFit(5120, 2)
 
 
-def test_below_a_useful_context_one_sequence_as_long_as_fits() -> None:
-    assert fit_context(toy_costs, 2, toy_capacity(2, 3000, 1), 8192, 8) == ContextFit(3000, 1)
+def test_below_a_useful_context_one_sequence_a_stage_then_one_as_long_as_fits() -> None:
+    """Room for 3,000 tokens on two stages: two sequences of 1,500 (each stage busy), not
+    one of 3,000; room for 800: one of 800 (two of 400 is under FLOOR_CONTEXT_TOKENS)."""
+    assert FLOOR_CONTEXT_TOKENS == 512
+    assert fit_context(toy_costs, 2, toy_capacity(2, 3000, 1), 8192, 8) == ContextFit(1500, 2)
+    assert fit_context(toy_costs, 2, toy_capacity(2, 800, 1), 8192, 8) == ContextFit(800, 1)
     assert fit_context(toy_costs, 1, toy_capacity(1, 1000, 1), 2048, 8) == ContextFit(1000, 1)
 
 
@@ -77,22 +82,22 @@ def test_no_context_at_all_says_the_weights_do_not_fit() -> None:
 def test_the_demo_model_on_up_s_default_workers_serves_a_long_prompt(
     demo_path: Path, tmp_path: Path
 ) -> None:
-    """3 stages of 256M: a context above 4096 with 2 sequences; `--context 4096` fits 3
+    """3 stages of 256M: 3 sequences (one a stage) of 3,832 tokens; `--context 4096` fits 3
     workers of 140M with one sequence, not 3 of 128M. `cellswarm up`'s default (3 workers
-    of 256M) fits 2 of them and keeps one spare: 7174 tokens (it was 256), one sequence."""
+    of 256M) fits 2 of them and keeps one spare: 2 sequences of 3,592 tokens (it was 256)."""
     from cellswarm.swarm.local.pipeline import costs_at
     from cellswarm.swarm.local.up import LocalSwarm
 
     at = costs_at(str(demo_path))
     fit = fit_context(at, 3, 256 << 20, 8192, 8)
-    assert fit.context_tokens > 4096 and fit.sequences == 2
+    assert fit == ContextFit(3832, 3)
     assert fit_context(at, 3, 140 << 20, 8192, 8, 4096) == ContextFit(4096, 1)
     with pytest.raises(BudgetError, match="4,096 tokens does not fit 3 stage"):
         fit_context(at, 3, 128 << 20, 8192, 8, 4096)
     up = LocalSwarm(str(demo_path), 3, "256M", tmp_path, context=None)
-    assert up.fit_to_workers() == ContextFit(7174, 1) == ContextFit(up.context or 0,
+    assert up.fit_to_workers() == ContextFit(3592, 2) == ContextFit(up.context or 0,
                                                                     up.max_sequences)
-    assert fit_context(at, 2, 256 << 20, 8192, 8) == ContextFit(7174, 1)  # the spare's out
+    assert fit_context(at, 2, 256 << 20, 8192, 8) == ContextFit(3592, 2)  # the spare's out
 
 
 # -- the flags ---------------------------------------------------------------------------------

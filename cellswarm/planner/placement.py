@@ -349,6 +349,9 @@ def fewest_stages(costs: StageCosts, capacity_bytes: int) -> list[Range] | None:
 # tokens is rare in chat; 8 sequences at 256 tokens refused a 401-token prompt.
 
 USEFUL_CONTEXT_TOKENS = 4096
+# ... but a pipeline of S stages is busy only with S sequences in flight (one a stage): with
+# fewer, the context is cut to what S sequences fit, down to this; below it, fewer sequences
+FLOOR_CONTEXT_TOKENS = 512
 
 CostsAt = Callable[[int, int], StageCosts]  # (context tokens, sequences) -> what stages hold
 
@@ -408,6 +411,11 @@ def fit_context(
         return ContextFit(wanted_tokens, n)
     useful = min(model_context_tokens, USEFUL_CONTEXT_TOKENS)
     n = most_sequences(costs_at, useful, stages, capacity_bytes, max_sequences)
+    full = min(stages, max_sequences)  # one sequence a stage keeps every stage busy
+    if n < full:  # a shorter context for a full pipeline, while it stays a useful one
+        longest = largest_context(costs_at, full, stages, capacity_bytes, useful)
+        if longest >= FLOOR_CONTEXT_TOKENS:
+            return ContextFit(longest, full)
     if n == 0:  # not even the useful context: one sequence, as long as fits
         longest = largest_context(costs_at, 1, stages, capacity_bytes, useful)
         if longest == 0:
