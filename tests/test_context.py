@@ -169,6 +169,7 @@ def test_the_engine_checks_a_context_it_is_given(demo_path: Path) -> None:
 def coordinator(demo_path: Path, tmp_path: Path, **config: object) -> object:
     from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     return Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db"),
                                          **config))  # type: ignore[arg-type]  # fmt: skip
 
@@ -202,13 +203,20 @@ def test_the_placement_keeps_fewer_sequences_rather_than_refuse(
     demo_path: Path, tmp_path: Path
 ) -> None:
     """8192 tokens on 3 workers of 256M: not 8 sequences (a GB a stage), but one fits on 3
-    stages; on 2 workers not even one: status names the context and what fits."""
+    stages; on 2 workers not even one: the context is capped by what their budgets leave
+    for KV (fit_context: one sequence a stage, 3,592 tokens each); with --context 8192 it
+    is not, and status names the context and what fits."""
     coord = coordinator(demo_path, tmp_path)
     layout, target, sequences = coord._repair(nodes(3, 256))  # type: ignore[attr-defined]
     assert len(layout) == 3 and sequences == 1 and all(target.values())
-    assert coord._repair(nodes(2, 256))[1] == {}  # type: ignore[attr-defined]
-    why = coord._why_unplaced(nodes(2, 256))  # type: ignore[attr-defined]
-    assert "8,192 tokens does not fit 2 stage(s)" in why and "--context 7174" in why
+    assert coord.context == 8192
+    fresh = coordinator(demo_path, tmp_path / "b")
+    layout, target, sequences = fresh._repair(nodes(2, 256))  # type: ignore[attr-defined]
+    assert len(layout) == 2 and sequences == 2 and fresh.context == 3592
+    asked = coordinator(demo_path, tmp_path / "c", context=8192)
+    assert asked._repair(nodes(2, 256))[1] == {}  # type: ignore[attr-defined]
+    why = asked._why_unplaced(nodes(2, 256))  # type: ignore[attr-defined]
+    assert "8,192 tokens does not fit 2 stage(s)" in why and "--context 899" in why
 
 
 def test_a_context_asked_for_waits_for_nodes_that_hold_its_sequences(

@@ -69,12 +69,16 @@ def _generate(lab: Lab, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
     return client.submit(lab.url, {"prompt": prompt, "max_tokens": max_tokens})
 
 
-def test_three_hosts_on_one_bridge_by_hand(
+def test_three_cold_hosts_on_one_bridge_by_hand(
     tmp_path: Path, demo_path: Path, expected: dict[str, list[int]]
 ) -> None:
-    """The issue's report, as a new user would wire it with iproute2 alone: three namespaces
-    on one bridge (10.77.0.1-3), the coordinator on the first with --listen 10.77.0.1:8470
-    --stages 2, a worker on each of the others with --join: "Paris", one process's tokens."""
+    """docs/deploy.md followed on three fresh machines, wired with iproute2 alone: three
+    namespaces on one bridge (10.77.0.1-3), each with its own empty home (nothing compiled,
+    fetched or cached before: the workers compile their kernels and fetch their shards
+    there), the coordinator on the first with --listen 10.77.0.1:8470 --stages 2, a worker on
+    each of the others started at once, and the very first request sent as they start: it
+    answers with one process's text, and no node is lost on the way (issue 30: the workers
+    compiled on their first step, beat no heartbeat, and the request came back empty)."""
     ns = [f"csthree{i}" for i in (1, 2, 3)]
     system.netns_add("csthreesw")
     try:
@@ -87,31 +91,50 @@ def test_three_hosts_on_one_bridge_by_hand(
         cli = [sys.executable, "-m", "cellswarm.cli"]
         token = tmp_path / "cluster.token"
         token.write_text("a shared secret of this test's swarm")
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CELLSWARM_")}
+
+        def home(n: str) -> Path:
+            return tmp_path / n
 
         def start(n: str, args: list[str], name: str) -> Path:
-            folder = tmp_path / n
-            folder.mkdir(exist_ok=True)
-            env = {**os.environ, "CELLSWARM_CACHE": str(folder)}
-            with (folder / f"{name}.out").open("wb") as out:
+            home(n).mkdir(exist_ok=True)
+            env = {**base, "HOME": str(home(n))}  # its own ~/.cache/cellswarm, empty
+            with (home(n) / f"{name}.out").open("wb") as out:
                 subprocess.Popen(["nsenter", f"--net=/run/netns/{n}", "--", *cli, *args],
-                                 cwd=folder, stdout=out, stderr=subprocess.STDOUT, env=env)
-            return folder / f"{name}.out"
+                                 cwd=home(n), stdout=out, stderr=subprocess.STDOUT, env=env)
+            return home(n) / f"{name}.out"
+
+        def inside(n: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["nsenter", f"--net=/run/netns/{n}", "--", *cli, *args],
+                                  capture_output=True, text=True, timeout=300, cwd=home(n),
+                                  env={**base, "HOME": str(home(n))})  # fmt: skip
 
         log = start(ns[0], ["coordinator", "--listen", "10.77.0.1:8470", "--stages", "2",
-                            "--token-file", str(token)], "coordinator")  # fmt: skip
+                            "--token-file", str(token), "--log-dir", "logs"],
+                    "coordinator")  # fmt: skip
         wait_until(lambda: "READY" in log.read_text(), 60)
-        for n in ns[1:]:
-            start(n, ["worker", "--join", "http://10.77.0.1:8470", "--memory", "256M",
-                      "--token-file", str(token)], "worker")  # fmt: skip
+        workers = [start(n, ["worker", "--join", "http://10.77.0.1:8470", "--memory", "256M",
+                             "--token-file", str(token), "--node-id", n, "--log-dir", "logs"],
+                         "worker") for n in ns[1:]]  # fmt: skip
         prompt = PROMPTS[0]
-        out = subprocess.run(["nsenter", f"--net=/run/netns/{ns[0]}", "--", *cli, "generate",
-                              prompt, "--coordinator", "http://10.77.0.1:8470", "--max-tokens",
-                              str(MAX_TOKENS)], capture_output=True, text=True,
-                             timeout=300, cwd=tmp_path)  # fmt: skip
+        out = inside(ns[0], ["generate", prompt, "--coordinator", "http://10.77.0.1:8470",
+                             "--max-tokens", str(MAX_TOKENS)])  # fmt: skip
         assert out.returncode == 0, out.stderr
         assert out.stdout.split()[0] == "Paris."
         text = cellswarm.load(demo_path).tokenizer.decode(expected[prompt][:MAX_TOKENS])
         assert out.stdout.rstrip("\n") == text  # one process's tokens, as text
+        for w in workers:  # each compiled its own kernels, in its own home, before joining
+            said = w.read_text()
+            assert "KERNELS built in" in said and said.index("KERNELS") < said.index("JOINED")
+            assert said.count("JOINED") == 1, said  # never refused, never joined again
+        assert list((home(ns[1]) / ".cache" / "cellswarm" / "kernels").glob("kernels-*.so"))
+        assert " lost" not in log.read_text(), log.read_text()  # no node lost, ever
+        read = ("import urllib.request; print(urllib.request.urlopen("
+                "'http://10.77.0.1:8470/v1/status').read().decode())")
+        status = json.loads(subprocess.run(
+            ["nsenter", f"--net=/run/netns/{ns[0]}", "--", sys.executable, "-c", read],
+            capture_output=True, text=True, timeout=60, check=True).stdout)  # fmt: skip
+        assert all(n["failures"] == 0 and n["state"] == "assigned" for n in status["nodes"])
     finally:
         for n in [*ns, "csthreesw"]:
             for pid in system.netns_pids(n):

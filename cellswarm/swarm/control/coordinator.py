@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import BudgetError, RequestError, StorageFullError
-from cellswarm.planner.placement import StageCosts, balanced_layers, fits, too_long
+from cellswarm.planner.placement import (
+    StageCosts,
+    balanced_layers,
+    fit_context,
+    fits,
+    too_long,
+)
 from cellswarm.swarm.auth import digest, load_token, new_nonce, verify
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.checkup import Checkups
@@ -104,7 +110,7 @@ class Coordinator:
         self._placed: tuple[int | None, list[str]] = (None, [])  # (membership, node ids)
         self._timeouts_checked_s = 0.0  # when check_timeouts last walked the nodes
         self.beats_via: dict[str, int] = {"http": 0, "nats": 0}  # heartbeats by transport
-        self._splits: dict[tuple[int, int, int], list[tuple[int, int]] | str] = {}  # str: why not
+        self._splits: dict[tuple[int, int, int, int], list[tuple[int, int]] | str] = {}  # str: why
         self._manifest: Any = None
         self.part_specs = self._part_specs()
         self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
@@ -528,13 +534,42 @@ class Coordinator:
         c, held = self.config, self.sequences
         layers = len(self.stage_costs().weights)
         fewest = 1 if c.context is None else c.max_sequences
+        own = c.context or self.model_context
         for sequences in range(c.max_sequences, fewest - 1, -1):
-            layout, target = repair(
-                nodes, self.layout, functools.partial(self._split, sequences=sequences), c.stages,
-                self.part_specs, c.replicas, max_stages=layers)  # fmt: skip
+            layout, target = self._repair_at(nodes, own, sequences, layers)
             if target:
+                self._set_context(own if layout != self.layout else self.context)
                 return layout, target, held if layout == self.layout else sequences
-        return [], {}, held
+        live = [n for n in nodes if n.state in ("spare", "assigned")]
+        if c.context is not None or not live:
+            return [], {}, held
+        # not one sequence of the model's own context fits: the context is capped by what
+        # the stages' budgets leave for KV (planner/placement.py: fit_context) — as many
+        # stages as the live nodes make (or --stages), one sequence a stage where it can
+        stages = min(c.stages or max(len(live) - len(self.part_specs), 1), layers)
+        try:
+            fit = fit_context(self.costs_at(), stages, min(n.memory_bytes for n in live), own,
+                              c.max_sequences)  # fmt: skip
+        except BudgetError:
+            return [], {}, held
+        layout, target = self._repair_at(nodes, fit.context_tokens, fit.sequences, layers)
+        if not target:
+            return [], {}, held
+        self._set_context(fit.context_tokens)
+        return layout, target, fit.sequences
+
+    def _repair_at(self, nodes: list[Node], context: int, sequences: int,
+                   layers: int) -> tuple[list[Shard], dict[NodeId, Shard | None]]:  # fmt: skip
+        split = functools.partial(self._split, sequences=sequences, context=context)
+        return repair(nodes, self.layout, split, self.config.stages, self.part_specs,
+                      self.config.replicas, max_stages=layers)  # fmt: skip
+
+    def _set_context(self, context: int) -> None:
+        """The context the layout was placed for: what shards and requests are held to."""
+        if context != self._context:
+            self._context = context
+            self._limits = None  # the request checks read it
+        self.store.set_meta("context", str(context))
 
     def _why_unplaced(self, nodes: list[Node]) -> str:
         live = [n for n in nodes if n.state in ("spare", "assigned")]
@@ -553,14 +588,16 @@ class Coordinator:
             return str(exc)
         return ""
 
-    def _split(self, stages: int, memory_bytes: int, sequences: int) -> list[tuple[int, int]]:
+    def _split(self, stages: int, memory_bytes: int, sequences: int,
+               context: int | None = None) -> list[tuple[int, int]]:  # fmt: skip
         """The placement's layer ranges (planner/placement.py: balanced_layers), remembered
         per (stages, budget, sequences): the monitor asks every tick, and the model does not
         change — reading its header for each ask was most of a busy coordinator's time."""
-        key = (stages, memory_bytes, sequences)
+        context = context or self.context
+        key = (stages, memory_bytes, sequences, context)
         if key not in self._splits:
             try:
-                self._splits[key] = balanced_layers(self.stage_costs(sequences), stages,
+                self._splits[key] = balanced_layers(self.costs_at()(context, sequences), stages,
                                                     memory_bytes, Path(self.config.model).name)
             except BudgetError as exc:
                 self._splits[key] = str(exc)
@@ -582,14 +619,19 @@ class Coordinator:
 
     @property
     def context(self) -> int:
-        """The tokens a sequence may hold, prompt + completion: --context, else the model's
-        own context (GGUF context_length). One number for the coordinator's life."""
+        """The tokens a sequence may hold, prompt + completion: --context; else the model's
+        own context (GGUF context_length), capped by what the placed stages' budgets leave
+        for KV (the placement's, kept with the layout)."""
         if self._context is None:
-            from cellswarm.loader import read_config
-
-            self._context = self.config.context or int(read_config(self.config.model)
-                                                       .context_length)  # fmt: skip
+            placed = int(self.store.get_meta("context", "0") or 0)
+            self._context = self.config.context or placed or self.model_context
         return self._context
+
+    @functools.cached_property
+    def model_context(self) -> int:
+        from cellswarm.loader import read_config
+
+        return int(read_config(self.config.model).context_length)
 
     @property
     def sequences(self) -> int:
