@@ -397,15 +397,20 @@ class Limits:
     def score(self, prompt: Sequence[int], completions: Sequence[Sequence[int]],
               field: str) -> None:  # fmt: skip
         """Scoring: one sequence per option, prompt + option (+ the step that scores it)."""
-        if len(completions) > self.max_sequences:
-            raise BadRequest(f"{field}: {len(completions)} options, but a ring runs at most "
-                             f"{self.max_sequences} sequences at once (--max-sequences); send "
-                             "fewer options per line", param=field)  # fmt: skip
+        if len(completions) > MAX_OPTIONS:  # a ring wider or narrower: the head runs waves
+            raise BadRequest(f"{field}: {len(completions)} options, but a line takes at most "
+                             f"{MAX_OPTIONS}; split it into several lines",
+                             param=field)  # fmt: skip
         longest = max(len(c) for c in completions)
         if len(prompt) + longest + 1 > self.context:
             raise BadRequest(f"{field}: the prompt ({len(prompt)} tokens) and its longest option "
                              f"({longest}) do not fit the context of {self.context} tokens",
                              param=field, code="context_length_exceeded")  # fmt: skip
+
+
+# Options of one `labels` / `completions` line: each is a sequence, and the head runs as
+# many at once as its ring holds (node/head.py: waves), so the bound is the job's size only.
+MAX_OPTIONS = 64
 
 
 def longest_token_bytes(tok: Any) -> int:

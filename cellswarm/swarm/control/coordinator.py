@@ -79,6 +79,12 @@ class Beat:
     written_s: float  # when the database row last got last_seen_s
 
 
+# A step that runs longer than this (heartbeats say so) is a stuck node, not a slow one: the
+# longest honest step — a 512-position prefill chunk of a big shard on a slow node — is
+# seconds to a minute
+STUCK_STEP_S = 300.0
+
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
@@ -745,6 +751,7 @@ class Coordinator:
                     self.reconcile()
                     await self.wire()
                     self.maybe_rebalance()
+                    self.renew_busy_rings()
                     if self.queue.expire():
                         self.notify()
             except StorageFullError as exc:  # said once a minute, tried again every tick
@@ -752,6 +759,18 @@ class Coordinator:
             except Exception:  # keep watching whatever one tick ran into
                 log.exception("monitor tick failed")
             await asyncio.sleep(MONITOR_TICK_S)
+
+    def renew_busy_rings(self) -> None:
+        """A ring one of whose nodes is in the middle of a step (its heartbeat says so, from
+        a thread of its own) is making progress its head cannot see yet — a long prompt's
+        prefill at a later stage: its jobs' leases are renewed rather than expired. A step
+        running past STUCK_STEP_S is no progress: that node is taken for lost."""
+        for n in self.placed():
+            running_s = float((self.node_stats.get(n.node_id) or {}).get("running_s") or 0.0)
+            if running_s > STUCK_STEP_S:
+                self.lose(n, f"one step running for {running_s:.0f} s: stuck")
+            elif running_s > 0 and n.shard is not None and n.shard.get("role") == "stage":
+                self.queue.extend_replica(str(n.shard.get("replica", 0)))
 
     # -- jobs: submitted by clients, leased by pipeline heads ------------------------------
 

@@ -372,6 +372,15 @@ class JobQueue:
                                   f"{job.attempts + 1})", now)  # fmt: skip
         return len(rows)
 
+    def extend_replica(self, replica: str, now: float | None = None) -> int:
+        """Renew every lease on `replica`: one of its nodes is busy with a step (a long
+        prompt's prefill), which is progress the head cannot see come back yet."""
+        until = (time.time() if now is None else now) + self.config.lease_s
+        return self.db.execute_count(
+            "UPDATE jobs SET lease_expires_s=? WHERE state='leased' AND lease_replica=? "
+            "AND lease_expires_s < ?", (until, replica, until),
+        )  # fmt: skip
+
     def extend_leases(self, now: float | None = None) -> int:
         """A coordinator (re)starting: holders could not renew while none answered, so every
         lease gets a fresh term instead of expiring for the coordinator's absence."""

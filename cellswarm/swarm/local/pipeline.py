@@ -30,7 +30,7 @@ from cellswarm.planner.placement import (
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.ring.frames import Frame, connect, read_frame, write_frame
 from cellswarm.swarm.ring.parts import PartConfig, PartSpec
-from cellswarm.swarm.ring.stage import StageConfig, reset_stage
+from cellswarm.swarm.ring.stage import StageConfig, prefill_rows, reset_stage
 
 
 def stage_costs(
@@ -53,7 +53,7 @@ def costs_at(
     runtime = runtime_overhead_bytes()
 
     def at(context: int, sequences: int) -> StageCosts:
-        fixed = runtime + inv.scratch_bytes(1, context, 0)
+        fixed = runtime + inv.scratch_bytes(prefill_rows(context), context, 0)  # as a stage
         return stage_costs_of(inv, context * sequences, fixed, remote_experts, remote_vocab)
 
     return at

@@ -924,16 +924,23 @@ def check_expert_cover(model: Model, remote: ExpertParts) -> None:
 
 def shard_need_bytes(model: Model, config: StageConfig) -> dict[str, int]:
     """What this stage will hold at most: the engine's own accounting plus the measured
-    runtime of an idle worker (the planner's figure)."""
+    runtime of an idle worker (the planner's figure). Scratch is a prefill chunk's
+    (PREFILL_CHUNK positions against the whole context), not a decode step's: a long
+    prompt's step is the peak, and the budget (peak RSS <= --memory) must hold it."""
     from cellswarm.planner.overhead import runtime_overhead_bytes
 
-    mem = model.memory(batch=1, context=config.context)
+    mem = model.memory(batch=prefill_rows(config.context), context=config.context)
     return {
         "weights": mem.weight_bytes,
         "kv": model.kv_bytes_per_token() * config.context * config.max_sequences,
         "scratch": mem.scratch_bytes,
         "runtime": runtime_overhead_bytes(),
     }
+
+
+def prefill_rows(context: int) -> int:
+    """The most positions one step computes at once: a prefill chunk, or the whole context."""
+    return max(1, min(context, PREFILL_CHUNK))
 
 
 def check_budget(model: Model, config: StageConfig) -> None:
