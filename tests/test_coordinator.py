@@ -86,7 +86,7 @@ def node(swarm: LocalSwarm, node_id: str) -> dict[str, Any]:
 def test_swarm_output_equals_the_single_process_engine(
     demo_path: Path, tmp_path: Path, reference: dict[tuple[int, ...], list[int]], workers: int
 ) -> None:
-    memory = "400M" if workers == 1 else "120M"  # 120M: the model must be split over three
+    memory = "400M" if workers == 1 else "128M"  # 128M: the model must be split over three
     with LocalSwarm(str(demo_path), workers, memory, tmp_path) as swarm:
         status = swarm.wait_ready()
         assert sum(n["state"] == "assigned" for n in status["nodes"]) == workers
@@ -146,7 +146,7 @@ def test_a_worker_that_always_fails_goes_offline_and_its_spare_finishes(
 def test_workers_cut_off_from_the_coordinator_stop_and_rejoin(
     demo_path: Path, tmp_path: Path, reference: dict[tuple[int, ...], list[int]]
 ) -> None:
-    with LocalSwarm(str(demo_path), 3, "120M", tmp_path, stop_after_s=2.0) as swarm:
+    with LocalSwarm(str(demo_path), 3, "128M", tmp_path, stop_after_s=2.0) as swarm:
         swarm.wait_ready()
         swarm.kill("coordinator", signal.SIGSTOP)
         wait_for(lambda: all(any(x.startswith("STOPPED") for x in swarm.output[f"worker-{i}"])
@@ -165,7 +165,7 @@ def test_workers_cut_off_from_the_coordinator_stop_and_rejoin(
 def test_a_coordinator_killed_and_restarted_keeps_its_nodes_and_finishes(
     demo_path: Path, tmp_path: Path, reference: dict[tuple[int, ...], list[int]]
 ) -> None:
-    with LocalSwarm(str(demo_path), 3, "120M", tmp_path, stop_after_s=8.0) as swarm:
+    with LocalSwarm(str(demo_path), 3, "128M", tmp_path, stop_after_s=8.0) as swarm:
         swarm.wait_ready()
         ids = submit_all(swarm, list(reference))
         wait_for(lambda: tokens_so_far(swarm, ids) >= 10)
@@ -237,7 +237,7 @@ def test_workers_fetch_only_their_shard_once(
     demo_path: Path, tmp_path: Path, reference: dict[tuple[int, ...], list[int]]
 ) -> None:
     size = demo_path.stat().st_size
-    with LocalSwarm(str(demo_path), 3, "120M", tmp_path, fetch=True) as swarm:
+    with LocalSwarm(str(demo_path), 3, "128M", tmp_path, fetch=True) as swarm:
         swarm.wait_ready()
         fetched = [_fetched(swarm, i)[-1] for i in range(3)]
         # each a part of the file (the tied embedding serves both ends, so both fetch it)

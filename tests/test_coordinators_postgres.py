@@ -44,7 +44,7 @@ def leader_of(swarm: LocalSwarm) -> tuple[str, str]:
 def test_the_leader_killed_mid_batch_loses_and_repeats_nothing(
     demo_path: Path, tmp_path: Path, pg_url: str, expected: list[tuple[list[int], list[int]]]
 ) -> None:
-    with LocalSwarm(str(demo_path), 3, "120M", tmp_path, coordinators=2, db=pg_url,
+    with LocalSwarm(str(demo_path), 3, "128M", tmp_path, coordinators=2, db=pg_url,
                     leader_ttl_s=2.0) as swarm:  # fmt: skip
         swarm.wait_ready()
         leader, leader_url = leader_of(swarm)
