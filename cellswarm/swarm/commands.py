@@ -161,9 +161,7 @@ def print_status(status: dict[str, Any]) -> None:
     from rich.table import Table
 
     wired = "wired" if status["wired"] else "not wired"
-    served = f" · context {status['context']:,} x {status['sequences']} in flight" \
-        if status.get("context") else ""  # fmt: skip
-    t = Table(title=f"{status['model']}{served} · epoch {status['epoch']} · ring {wired}")
+    t = Table(title=f"{status['model']} · epoch {status['epoch']} · ring {wired}")
     for col in ("node", "address", "state", "holds", "memory (peak of budget)", "heartbeat",
                 "clock", "served", "failures", "note"):  # fmt: skip
         t.add_column(col)
@@ -177,6 +175,8 @@ def print_status(status: dict[str, Any]) -> None:
                   f"{n['last_seen_s_ago']:.1f} s ago", _clock(n), str(n["served"]),
                   str(n["failures"]), n["message"][:60])  # fmt: skip
     Console().print(t)
+    if status.get("context"):  # below the table: a title that wraps splits its words
+        print(f"context {status['context']:,} tokens a sequence, {status['sequences']} in flight")
     for b in status.get("bottlenecks", []):
         print(f"pipeline bottleneck: {b['node_id']} (stage {b['stage']}, {b['step_ms']:.1f} ms "
               f"a decode step, {b['times_median']:.1f}x the median stage)")  # fmt: skip

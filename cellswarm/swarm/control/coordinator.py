@@ -765,7 +765,11 @@ class Coordinator:
         a thread of its own) is making progress its head cannot see yet — a long prompt's
         prefill at a later stage: its jobs' leases are renewed rather than expired. A step
         running past STUCK_STEP_S is no progress: that node is taken for lost."""
+        now, fresh_s = time.time(), 2 * self.heartbeat_interval_s()
         for n in self.placed():
+            beat = self.beats.get(n.node_id)
+            if beat is None or now - beat.seen_s > fresh_s:  # a silent node says nothing now
+                continue
             running_s = float((self.node_stats.get(n.node_id) or {}).get("running_s") or 0.0)
             if running_s > STUCK_STEP_S:
                 self.lose(n, f"one step running for {running_s:.0f} s: stuck")
