@@ -44,6 +44,9 @@ NATS_PORT = 4222  # with `nats`: on the coordinator's host
 OPERATOR_ADDRESS = f"{SUBNET}.255.254"  # the operator's port on the core switch
 
 
+LAB_CONTEXT_TOKENS = 256  # what every lab layout, test and bench was measured at
+
+
 @dataclass
 class Lab:
     spec: LabSpec
@@ -339,6 +342,8 @@ class Lab:
                 "--heartbeat", str(self.heartbeat_s),
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s),
                 *self._control_args(), *self._tls_args(host), *self.coordinator_args]  # fmt: skip
+        if "--context" not in args:  # the lab's fixed context (its layouts and benches were
+            args += ["--context", str(LAB_CONTEXT_TOKENS)]  # made at it), not the fitted one
         since = self.output_size(host, "coordinator")
         self.cellswarm(host, "coordinator", args)
         self.wait_output(host, "coordinator", READY["coordinator"], since=since)
