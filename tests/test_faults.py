@@ -203,7 +203,8 @@ def test_a_query_of_death_is_quarantined_after_poison_after_node_failures(
         assert "injected fault" in dead["reason"]
         check_outputs(drain(swarm, batch, timeout_s=120), expected)
         status = swarm.status()
-        assert sum(n["failures"] for n in status["nodes"]) == POISON_AFTER
+        charged = [(n["node_id"], n["failures"], n["message"]) for n in status["nodes"]]
+        assert sum(n[1] for n in charged) == POISON_AFTER, charged
         # The rewiring stops: a charged node may still rejoin as a spare (one more epoch, late
         # on a busy machine), so wait until the epoch holds still, then bound the total.
         settled = settle_epoch(swarm, quiet_s=2.0, timeout_s=60)

@@ -157,6 +157,10 @@ async def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> None:
     await writer.drain()
 
 
+# How long a connection waits for the listener's challenge (a busy peer sends it late).
+CHALLENGE_TIMEOUT_S = 30.0
+
+
 def no_delay(writer: asyncio.StreamWriter) -> None:
     """Send small frames at once: with Nagle's algorithm a one-token frame waits for the
     peer's delayed ACK (~40 ms on Linux), which made every pipeline hop cost that much."""
@@ -176,7 +180,13 @@ async def connect(
     if token is not None:
         from cellswarm.swarm.auth import prove
 
-        challenge = await read_frame(reader, HANDSHAKE_PAYLOAD_BYTES)
+        try:  # bounded: a listener that accepts and says nothing must not hold us for ever
+            challenge = await asyncio.wait_for(read_frame(reader, HANDSHAKE_PAYLOAD_BYTES),
+                                               CHALLENGE_TIMEOUT_S)  # fmt: skip
+        except TimeoutError:
+            writer.close()
+            raise ProtocolError(f"{host}:{port} sent no challenge in {CHALLENGE_TIMEOUT_S:g} s; "
+                                "is it part of this swarm, and not stuck?") from None
         if challenge is None or challenge.type != "challenge":
             why = " (or it refused our TLS certificate)" if tls else ""
             raise ProtocolError(f"{host}:{port} sent no challenge; is it part of this swarm?{why}")

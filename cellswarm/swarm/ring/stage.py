@@ -385,10 +385,14 @@ class Stage:
             host, port, epoch = self.config.next_host, self.config.next_port, self.epoch
             try:
                 if self._next is None:
-                    _, self._next = await _connect(
+                    _, link = await _connect(
                         host, port, self.token, self.config.node_id,
                         still=lambda: self.epoch == epoch, tls=self.tls,
                     )  # fmt: skip
+                    if self.epoch != epoch:  # a reset came while we connected: stale link
+                        link.close()
+                        return
+                    self._next = link
                 t0 = time.perf_counter()
                 data = encode(frame)
                 t1, cpu = time.perf_counter(), time.thread_time()
@@ -446,10 +450,12 @@ class Stage:
         self.forget_sequences()
         while not self._wire.empty():  # frames of the old epoch still "on the wire"
             self._wire.get_nowait()
-        async with self._next_lock:
-            if self._next is not None:
-                self._next.close()
-            self._next = None  # reconnect: the next stage may be a new process
+        # reconnect: the next stage may be a new process. Not under the send lock: a send
+        # still connecting to the old neighbour (alive but busy, no challenge yet) holds it
+        # and gives up on its own once it sees the new epoch; what it then holds it drops.
+        if self._next is not None:
+            self._next.close()
+        self._next = None
         self.experts.close()  # and so may a part server
         if self.vocab is not None:
             self.vocab.close()
@@ -840,12 +846,25 @@ async def _connect(
         if not still():
             break
         try:
-            return await connect(host, port, token, peer, tls)
+            return await _while(still, connect(host, port, token, peer, tls))
         except ssl.SSLError:
             raise  # a refused certificate: retrying will not change it
         except OSError:
             await asyncio.sleep(0.05)
     raise ConnectionError(f"stage at {host}:{port} did not answer")
+
+
+async def _while(still: Callable[[], bool], work: Awaitable[T]) -> T:
+    """`work`, given up (ConnectionError) as soon as `still()` turns false: a peer that
+    accepted but is too busy to send its challenge must not hold a reset's rewiring up."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait([task], timeout=0.1)
+        if done:
+            return task.result()
+        if not still():
+            task.cancel()
+            raise ConnectionError("rewired while connecting")
 
 
 async def reset_stage(
