@@ -93,6 +93,9 @@ class CoordinatorConfig:
         True, "--rebalance", "move layers off a stage measured much slower than the others "
         "(default on; off for measuring one fixed placement)")
     tls_dir: str | None = None  # mutual TLS: its HTTPS and its resets to stages (tls.py)
+    # tests: once a job is leased, the core thread stalls this long (a slow fsync or
+    # placement pass): heartbeats must still be answered and no node lost for it
+    stall_core_s: float = setting(0.0, "--stall-core", argparse.SUPPRESS)
 
     def __post_init__(self) -> None:
         if self.context is not None:

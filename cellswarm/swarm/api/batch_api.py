@@ -61,22 +61,27 @@ def add_batch_routes(app: FastAPI, coord: Any) -> None:
 
     @app.get("/v1/batches/{batch_id}")
     async def info(request: Request, batch_id: str) -> dict[str, Any]:
-        return batch_progress(coord, batch_id, request.state.caller)
+        return await asyncio.to_thread(batch_progress, coord, batch_id, request.state.caller)
 
     @app.get("/v1/batches/{batch_id}/results")
     async def results(request: Request, batch_id: str) -> dict[str, Any]:
-        _known(coord, batch_id, request.state.caller)
-        return {"results": [result_row(coord, job) for job in coord.queue.batch(batch_id)]}
+        def rows() -> list[dict[str, Any]]:  # decoding a big batch's texts: off the loop
+            _known(coord, batch_id, request.state.caller)
+            return [result_row(coord, job) for job in coord.queue.batch(batch_id)]
+
+        return {"results": await asyncio.to_thread(rows)}
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel(request: Request, batch_id: str) -> dict[str, Any]:
-        _known(coord, batch_id, request.state.caller)
-        return {"cancelled": coord.queue.cancel(batch_id)}
+        await asyncio.to_thread(_known, coord, batch_id, request.state.caller)
+        return {"cancelled": await coord.on_core(coord.queue.cancel, batch_id)}
 
     @app.post("/v1/batches/{batch_id}/retry-failed")
     async def retry(request: Request, batch_id: str) -> dict[str, Any]:
-        _known(coord, batch_id, request.state.caller)
-        return {"requeued": coord.queue.retry_failed(batch_id)}
+        await asyncio.to_thread(_known, coord, batch_id, request.state.caller)
+        requeued = await coord.on_core(coord.queue.retry_failed, batch_id)
+        coord.notify()
+        return {"requeued": requeued}
 
 
 def _batch_id(key: str, owner: str | None = None) -> str:

@@ -18,10 +18,11 @@ from fastapi import FastAPI, Request
 from cellswarm.errors import TokenizerError
 from cellswarm.swarm.api.log_api import require_operator
 from cellswarm.swarm.api.schema import load_json
-from cellswarm.swarm.control.checkup import judge_round
+from cellswarm.swarm.control.checkup import Round, judge_round
 
 if TYPE_CHECKING:
     from cellswarm.swarm.control.coordinator import Coordinator
+    from cellswarm.swarm.control.store import Node
 
 CHECKED_STATES = ("spare", "assigned", "offline")  # lost and refused nodes: status says why
 DEFAULT_WAIT_S, MAX_WAIT_S = 20.0, 120.0
@@ -30,13 +31,16 @@ DEFAULT_WAIT_S, MAX_WAIT_S = 20.0, 120.0
 def add_doctor_routes(app: FastAPI, coord: Coordinator, api_keys: bool) -> None:
     @app.post("/v1/doctor")
     async def doctor(request: Request) -> dict[str, Any]:
-        require_operator(coord, request, api_keys)
+        await coord.on_core(require_operator, coord, request, api_keys)
         body = load_json(await request.body() or b"{}")
         wait_s = DEFAULT_WAIT_S
         if isinstance(body, dict) and isinstance(body.get("wait_s"), int | float):
             wait_s = min(max(float(body["wait_s"]), 1.0), MAX_WAIT_S)
-        nodes = [n for n in coord.store.nodes() if n.state in CHECKED_STATES]
-        rnd = coord.checkups.start([n.node_id for n in nodes])
+        def start() -> tuple[list[Node], Round]:
+            nodes = [n for n in coord.store.nodes() if n.state in CHECKED_STATES]
+            return nodes, coord.checkups.start([n.node_id for n in nodes])
+
+        nodes, rnd = await coord.on_core(start)
         deadline = time.monotonic() + wait_s
         while not rnd.complete and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -29,7 +29,7 @@ def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> 
         d = load_json(await request.body())
         if not isinstance(d, dict) or not isinstance(d.get("events"), list):
             raise RequestError("a log batch is an object with a list of events")
-        node = coord.authenticate(str(d["node_id"]), str(d["session"]))
+        node = await coord.on_core(coord.authenticate, str(d["node_id"]), str(d["session"]))
         if d.get("clock_offset_s") is not None:  # as a heartbeat reports it
             coord.node_clock[node.node_id] = (float(d["clock_offset_s"]),
                                               float(d.get("clock_error_s") or 0.0))  # fmt: skip
@@ -43,7 +43,7 @@ def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> 
 
     @app.get("/v1/logs/{request_id}")
     async def timeline(request_id: str, request: Request) -> dict[str, Any]:
-        operator(request, request_id)
+        await coord.on_core(operator, request, request_id)
         events = await asyncio.to_thread(coord.events.timeline, request_id)
         return {"request_id": request_id, "events": events}
 

@@ -170,6 +170,11 @@ def _chat_ids(messages: list[ChatMessage], tok: Any, limits: Any) -> list[int]:
 # -- following a job -------------------------------------------------------------------------
 
 
+def _cancel(coord: Coordinator, job_id: str, reason: str, why: str) -> None:
+    if coord.queue.cancel_job(job_id, reason):
+        coord.log.event("cancelled", job_id, why=why)
+
+
 async def _follow(coord: Coordinator, job_id: str, stream: StopText) -> AsyncIterator[str]:
     """The job's text deltas until it ends or a stop string does; then `stream.finish` is set
     ("stop"/"length"). A job the swarm gave up on raises
@@ -190,8 +195,8 @@ async def _follow(coord: Coordinator, job_id: str, stream: StopText) -> AsyncIte
             if delta:
                 yield delta
             if stream.stopped and not job.terminal:  # the ring stops on ids only: tell it
-                coord.queue.cancel_job(job_id, "a stop string ended the answer")
-                coord.log.event("cancelled", job_id, why="stop string")
+                await coord.on_core(_cancel, coord, job_id, "a stop string ended the answer",
+                                    "stop string")  # fmt: skip
             if stream.stopped or job.terminal:
                 reason = str((job.result or {}).get("reason", ""))
                 length = reason == "max_tokens" and not stream.stopped
@@ -266,8 +271,9 @@ class Answer:
             yield f"data: {json.dumps(exc.body())}\n\n"
             return
         except BaseException:  # the client went away mid-stream: stop the job too
-            if coord.queue.cancel_job(self.job_id, "the client disconnected"):
-                coord.log.event("cancelled", self.job_id, why="client disconnected")
+            # not awaited (a cancelled stream cannot await), but still on the core thread
+            coord.core.submit(_cancel, coord, self.job_id, "the client disconnected",
+                              "client disconnected")  # fmt: skip
             raise
         finish, used = self.done()
         yield self.event([self.choice(None if self.chat else "", finish, True)])
@@ -347,7 +353,7 @@ class OpenAIRoutes:
         _unsupported(req)
         stops = _stops(req.stop)
         tok = self.tokenizer()
-        job_id = self.submit(request, prompt, max_tokens, req, route)
+        job_id = await self.coord.on_core(self.submit, request, prompt, max_tokens, req, route)
         text = StopText(lambda ids: tok.decode(ids, skip_special=True), stops)
         answer = Answer(self, req, prompt, job_id, route, text)
         if not req.stream:

@@ -50,6 +50,25 @@ def node_of(coord: Coordinator, data: dict[str, Any]) -> Node:
     return coord.authenticate(str(data["node_id"]), str(data["session"]))
 
 
+# How long a heartbeat waits for the core thread before it is answered "held" (well under
+# the node's HTTP timeout, worker.HTTP_TIMEOUT_S)
+BEAT_ANSWER_S = 1.0
+
+
+def _settled(beat: asyncio.Future[Any]) -> None:
+    """A held beat's own outcome, read so that its error (a session gone since) is not
+    reported as never retrieved: the node hears of it on its next beat."""
+    if not beat.cancelled():
+        beat.exception()
+
+
+def _beat(coord: Coordinator, d: dict[str, Any]) -> dict[str, Any]:
+    """One node's heartbeat (on the core thread): its answer."""
+    answer = coord.heartbeat(node_of(coord, d), d)
+    coord.beats_via["http"] += 1
+    return answer
+
+
 def session_node(coord: Coordinator, request: Request) -> Node:
     who = request.headers.get("x-cellswarm-session", "")
     node_id, _, session = who.partition(":")
@@ -138,15 +157,16 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
         if not isinstance(count, int) or not 1 <= count <= MAX_BEATS:
             raise RequestError(f"count must be a whole number from 1 to {MAX_BEATS}, not "
                                f"{count!r}")  # fmt: skip
-        nonces = coord.challenges(count)
+        nonces = await coord.on_core(coord.challenges, count)
         return {"nonce": nonces[0], "nonces": nonces}
 
     @app.post("/v1/join")
     async def join(request: Request) -> dict[str, Any]:
         d = await node_body(request)
         host = request.client.host if request.client else "127.0.0.1"
-        session = coord.join(str(d["node_id"]), str(d["nonce"]), str(d.get("proof", "")),
-                             dict(d.get("capabilities") or {}), host)  # fmt: skip
+        session = await coord.on_core(coord.join, str(d["node_id"]), str(d["nonce"]),
+                                      str(d.get("proof", "")), dict(d.get("capabilities") or {}),
+                                      host)  # fmt: skip
         return joined(coord, {"session": session}, d)
 
     @app.post("/v1/joins")
@@ -154,41 +174,52 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
         """A rack's joins in one request, sent by its relay (a joined node, checked first as
         for /v1/heartbeats); each join carries its own proof and gets its own answer."""
         d = await node_body(request)
-        node_of(coord, d)
+        await coord.on_core(node_of, coord, d)
         joins = d.get("joins")
         if not isinstance(joins, list) or len(joins) > MAX_BEATS:
             raise RequestError(f"a join batch is an object with a list of at most {MAX_BEATS} "
                                "joins")  # fmt: skip
         host = request.client.host if request.client else "127.0.0.1"
-        answers = coord.join_many(joins, host)
+        answers = await coord.on_core(coord.join_many, joins, host)
         return {"answers": [joined(coord, a, j) if "session" in a else a
                             for j, a in zip(joins, answers, strict=True)]}  # fmt: skip
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
         d = await node_body(request)
-        answer = coord.heartbeat(node_of(coord, d), d)
-        coord.beats_via["http"] += 1
-        return answer
+        beat = asyncio.get_running_loop().run_in_executor(coord.core, _beat, coord, d)
+        try:
+            return await asyncio.wait_for(asyncio.shield(beat), BEAT_ANSWER_S)
+        except TimeoutError:  # the core is busy: say "heard", record the beat when it can
+            held = coord.held_answer(str(d.get("node_id")), str(d.get("session")))
+            if held is None:
+                return await beat
+            beat.add_done_callback(_settled)
+            return held
 
     @app.post("/v1/heartbeats")
     async def heartbeats(request: Request) -> dict[str, Any]:
         """Many nodes' heartbeats in one request (a rack's relay: one message per rack per
         interval instead of one per node); control/beats.py answers it, as it does on NATS."""
-        return beat_batch(coord, await node_body(request), "http")
+        return await coord.on_core(beat_batch, coord, await node_body(request), "http")
 
     @app.post("/v1/fault")
     async def fault(request: Request) -> dict[str, Any]:
         d = await node_body(request)
         epoch = d.get("epoch")
         job = d.get("job")
-        coord.fault(node_of(coord, d), str(d.get("kind", "forward")), str(d.get("detail", "")),
-                    None if epoch is None else int(epoch), str(job) if job else None)  # fmt: skip
+
+        def fault() -> None:
+            coord.fault(node_of(coord, d), str(d.get("kind", "forward")),
+                        str(d.get("detail", "")), None if epoch is None else int(epoch),
+                        str(job) if job else None)  # fmt: skip
+
+        await coord.on_core(fault)
         return {"ok": True}
 
     @app.get("/v1/model/manifest")
     async def manifest(request: Request) -> Response:
-        session_node(coord, request)  # the weights go to members only
+        await coord.on_core(session_node, coord, request)  # the weights go to members only
         m = await asyncio.to_thread(coord.manifest)
         return Response(m.to_json(), media_type="application/json")
 
@@ -196,7 +227,7 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
     async def chunk(index: int, request: Request) -> Response:
         from cellswarm.swarm.node.fetch import read_chunk
 
-        session_node(coord, request)
+        await coord.on_core(session_node, coord, request)
         m = await asyncio.to_thread(coord.manifest)
         if not 0 <= index < m.n_chunks:
             raise RequestError(f"chunk {index} is not in 0..{m.n_chunks - 1}")
@@ -213,27 +244,28 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
 
     @app.get("/v1/status")
     async def status() -> dict[str, Any]:
-        return coord.status()
+        return await coord.on_core(coord.status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         """The swarm in Prometheus' text format (api/metrics.py); a client route."""
         from cellswarm.swarm.api.metrics import CONTENT_TYPE, render
 
-        return Response(await asyncio.to_thread(render, coord), media_type=CONTENT_TYPE)
+        return Response(await coord.on_core(render, coord), media_type=CONTENT_TYPE)
 
     @app.get("/v1/metrics/targets")
     async def metrics_targets() -> list[dict[str, Any]]:
         """Every worker's /metrics, in Prometheus' http_sd_configs format."""
-        return coord.metrics_targets()
+        return await coord.on_core(coord.metrics_targets)
 
     @app.post("/v1/requests")
     async def submit(
         request: Request, req: Annotated[SubmitRequest, schema.body(SubmitRequest)]
     ) -> dict[str, Any]:
         caller: Caller = request.state.caller
-        payload = _payload(coord, req)
-        job = coord.submit(payload, scoped_key(caller, req.request_id), owner=caller.owner)
+        payload = await asyncio.to_thread(_payload, coord, req)  # tokenizing: not on the core
+        job = await coord.on_core(functools.partial(
+            coord.submit, payload, scoped_key(caller, req.request_id), owner=caller.owner))
         request.state.request_id = job.job_id  # the x-request-id header
         return {"request_id": job.job_id, "state": job.state}
 
@@ -242,7 +274,7 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
         request: Request, request_id: str, after: Annotated[int, Query(ge=0)] = 0,
         wait_s: Annotated[float, Query(ge=0, allow_inf_nan=False)] = 0.0,
     ) -> dict[str, Any]:  # fmt: skip
-        owned_job(coord, request.state.caller, request_id)
+        await coord.on_core(owned_job, coord, request.state.caller, request_id)
         job = await wait_for_job(coord, request_id, after, wait_s)
         tokens = job.tokens if job.result is None else list(job.result.get("tokens", []))
         out = {
@@ -255,7 +287,7 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
 
     @app.get("/v1/ledger")
     async def ledger() -> dict[str, Any]:
-        return coord.queue.ledger()
+        return await coord.on_core(coord.queue.ledger)
 
 
 def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
@@ -264,39 +296,43 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
     @app.post("/v1/jobs/lease")
     async def lease(request: Request) -> dict[str, Any]:
         d = await node_body(request)
-        node, n = node_of(coord, d), int(d.get("n", 1))
+        node, n = await coord.on_core(node_of, coord, d), int(d.get("n", 1))
         wait_s = min(max(float(d.get("wait_s", 0.0)), 0.0), MAX_LEASE_WAIT_S)
         deadline = time.monotonic() + wait_s
-        while not (jobs := coord.lease(node, n)) and time.monotonic() < deadline:
+        while not (jobs := await coord.on_core(coord.lease, node, n)) and \
+                time.monotonic() < deadline:  # fmt: skip
             # a long poll: look again on news (a submission, a finished job, a requeue) or
             # every 0.5 s (another coordinator sharing the database may have queued one)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(coord.pulse.wait(), 0.5)
-        return {"jobs": jobs, "ring_sequences": coord.ring_sequences(node)}
+        return {"jobs": jobs, "ring_sequences": await coord.on_core(coord.ring_sequences, node)}
 
     @app.post("/v1/jobs/checkpoint")
     async def checkpoint(request: Request) -> dict[str, Any]:
         d = await node_body(request)
-        return {"stale": coord.checkpoint(node_of(coord, d), list(d.get("runs", [])))}
+        return {"stale": await coord.on_core(
+            lambda: coord.checkpoint(node_of(coord, d), list(d.get("runs", []))))}
 
     @app.post("/v1/jobs/complete")
     async def complete(request: Request) -> dict[str, Any]:
         d = await node_body(request)
-        outcome = coord.complete(node_of(coord, d), str(d["job_id"]), int(d["fence"]),
-                                 dict(d["result"]))  # fmt: skip
+        outcome = await coord.on_core(lambda: coord.complete(
+            node_of(coord, d), str(d["job_id"]), int(d["fence"]), dict(d["result"])))
         return {"outcome": outcome}
 
     @app.post("/v1/jobs/fail")
     async def fail(request: Request) -> dict[str, Any]:
         d = await node_body(request)
-        outcome = coord.fail(node_of(coord, d), str(d["job_id"]), int(d["fence"]), str(d["reason"]),
-                             str(d.get("fault", "job")))  # fmt: skip
+        outcome = await coord.on_core(lambda: coord.fail(
+            node_of(coord, d), str(d["job_id"]), int(d["fence"]), str(d["reason"]),
+            str(d.get("fault", "job"))))  # fmt: skip
         return {"outcome": outcome}
 
     @app.post("/v1/jobs/release")
     async def release(request: Request) -> dict[str, Any]:
         d = await node_body(request)
-        return {"released": coord.release(node_of(coord, d), list(d.get("runs", [])))}
+        return {"released": await coord.on_core(
+            lambda: coord.release(node_of(coord, d), list(d.get("runs", []))))}
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -358,7 +394,7 @@ async def wait_for_job(coord: Coordinator, job_id: str, after: int, wait_s: floa
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait_s, MAX_WAIT_S)
     while True:
-        job = coord.queue.get(job_id)
+        job = await coord.on_core(coord.queue.get, job_id)
         if job is None:
             raise NotFound(f"no request {job_id!r}")
         tokens = job.result.get("tokens", []) if job.result else job.tokens

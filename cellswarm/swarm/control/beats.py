@@ -67,7 +67,7 @@ async def subscribe(coord: Any, url: str) -> Any:
             d = json.loads(msg.data)
             if not isinstance(d, dict):
                 raise RequestError("a heartbeat batch is a JSON object")
-            reply = beat_batch(coord, d, "nats")
+            reply = await coord.on_core(beat_batch, coord, d, "nats")
         except PermissionError as exc:
             reply = {"error": str(exc), "status": 401}
         except (RequestError, KeyError, ValueError) as exc:

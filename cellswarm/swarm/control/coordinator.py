@@ -16,6 +16,7 @@ coordinators on PostgreSQL one leader places and wires; every one answers every 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import hmac
 import json
@@ -28,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cellswarm.errors import BudgetError, RequestError, StorageFullError
 from cellswarm.planner.placement import (
@@ -60,6 +61,7 @@ from cellswarm.swarm.settings import CoordinatorConfig
 from cellswarm.swarm.tls import client_context
 
 log = logging.getLogger("cellswarm.coordinator")
+T = TypeVar("T")
 
 NONCE_TTL_S = 30.0
 MAX_NONCES = 262_144  # outstanding challenges: a rack's relay asks for its rack's at once
@@ -100,6 +102,8 @@ class Coordinator:
         self.pulse = asyncio.Event()  # set and replaced whenever a job makes progress
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's (see monitor)
         self.loop_thread = 0
+        # the core thread: every call that touches the store or the swarm's state (on_core)
+        self.core = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core")
         self.last_probe: dict[str, float] = {}
         self.checkups = Checkups()  # doctor rounds, carried by heartbeats (checkup.py)
         self.log = JsonLog(config.log_dir, "coordinator")
@@ -124,6 +128,7 @@ class Coordinator:
         # first named its bottleneck: rebalance waits until it has been named a while
         self.metrics_ports: dict[str, int] = {}  # where each node serves GET /metrics
         self.beats: dict[str, Beat] = {}  # each node's latest heartbeat here (see heartbeat)
+        self.sessions: dict[str, str] = {}  # node -> its session's digest (held_answer)
         self.struck: dict[str, int | None] = {}  # replica -> wired epoch its jobs were struck at
         # On PostgreSQL another coordinator may lead and judge liveness from the rows; on
         # SQLite this one is alone (a restart gives every node a grace), so a row is only
@@ -266,7 +271,18 @@ class Coordinator:
         node = self.store.node(node_id)
         if node is None or not hmac.compare_digest(node.session, digest(session)):
             raise PermissionError(f"node {node_id} has no such session: join again")
+        self.sessions[node_id] = node.session
         return node
+
+    def held_answer(self, node_id: str, session: str) -> dict[str, Any] | None:
+        """A heartbeat's answer while the core thread is busy (from the event loop: no
+        database): "heard you, nothing new" for a node whose session was good last time,
+        so a slow fsync or placement pass never makes a node give up on its coordinator;
+        the beat itself is recorded when the core gets to it. None for anyone else."""
+        kept = self.sessions.get(node_id)
+        if kept is None or not hmac.compare_digest(kept, digest(session)):
+            return None
+        return {"held": True, "now_s": time.time(), "heartbeat_s": self.heartbeat_interval_s()}
 
     # -- heartbeats and faults -------------------------------------------------------------
 
@@ -698,18 +714,28 @@ class Coordinator:
         who may call them, then (last stage first, so that stage 0 — which starts sending as
         soon as it is reset — only ever sends to reset stages) each stage its epoch, the next
         stage's address and its part servers' addresses."""
-        if self.wired_epoch == self.epoch:
+        todo = await self.on_core(self._to_wire)
+        if todo is None:
             return
-        nodes = self.placed()
-        live = [n for n in nodes if n.state in ("assigned", "spare")]
-        if not layout_complete(live):
-            return
-        if not all(n.serving for n in live if n.state == "assigned"):
-            return
-        epoch = self.epoch
+        epoch, nodes = todo
         for replica in replicas(nodes):
             if not await self._wire_replica(nodes, replica, epoch):
                 return
+        await self.on_core(self._wired, epoch, nodes)
+
+    def _to_wire(self) -> tuple[int, list[Node]] | None:
+        """(epoch, placed nodes) when a complete, serving layout waits to be wired."""
+        if self.wired_epoch == self.epoch:
+            return None
+        nodes = self.placed()
+        live = [n for n in nodes if n.state in ("assigned", "spare")]
+        if not layout_complete(live):
+            return None
+        if not all(n.serving for n in live if n.state == "assigned"):
+            return None
+        return self.epoch, nodes
+
+    def _wired(self, epoch: int, nodes: list[Node]) -> None:
         if self.epoch == epoch:
             self.wired_epoch = epoch
             self.log.event("wired", None, epoch=epoch, replicas=[
@@ -720,7 +746,7 @@ class Coordinator:
         callers = [PEER_ID, *(n.node_id for n in stages)]
         for node in parts:
             if not await self._reset(node, {"epoch": epoch, "peers": callers}):
-                self.lose(node, "did not answer its reset")
+                await self.on_core(self.lose, node, "did not answer its reset")
                 return False
         addressed = [
             {**(n.shard or {})["spec"], "node_id": n.node_id, "host": n.host, "port": n.data_port}
@@ -731,7 +757,7 @@ class Coordinator:
             fields = {"epoch": epoch, "next_host": nxt.host, "next_port": nxt.data_port,
                       "peers": [PEER_ID, prev.node_id], "parts": addressed}  # fmt: skip
             if not await self._reset(node, fields):
-                self.lose(node, "did not answer its reset")
+                await self.on_core(self.lose, node, "did not answer its reset")
                 return False
         return True
 
@@ -742,23 +768,45 @@ class Coordinator:
         return await reset_stage(node.host, node.data_port, fields, self.token, PEER_ID,
                                  tls=self.tls)  # fmt: skip
 
+    async def on_core(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the core thread, awaited. Every database write and placement pass
+        runs there, one at a time, so the event loop that receives heartbeats never waits
+        on an fsync or a placement; and the calls run in arrival order, so a beat that came
+        while the core was busy is recorded before the next timeout check looks."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.core, functools.partial(fn, *args))  # fmt: skip
+
     async def monitor(self) -> None:
         self.loop, self.loop_thread = asyncio.get_running_loop(), threading.get_ident()
         while True:
             try:
-                if self.lead():  # only the leader places, wires and expires
-                    self.check_timeouts()
-                    self.reconcile()
+                if await self.on_core(self._tick):  # only the leader places, wires, expires
                     await self.wire()
-                    self.maybe_rebalance()
-                    self.renew_busy_rings()
-                    if self.queue.expire():
-                        self.notify()
+                    await self.on_core(self._tick_wired)
             except StorageFullError as exc:  # said once a minute, tried again every tick
                 self.disk_full.warn(str(exc))
             except Exception:  # keep watching whatever one tick ran into
                 log.exception("monitor tick failed")
             await asyncio.sleep(MONITOR_TICK_S)
+
+    def _tick(self) -> bool:
+        """The monitor's first half (on the core thread): lead, time out, place."""
+        if not self.lead():
+            return False
+        self.check_timeouts()
+        self.reconcile()
+        return True
+
+    def _tick_wired(self) -> None:
+        """Its second half, after wiring: rebalance, renew busy rings, expire leases."""
+        if self.config.stall_core_s and self.queue.ledger()["leased"]:  # a test's stall
+            stall_s, self.config = self.config.stall_core_s, replace(self.config, stall_core_s=0)
+            log.warning("stalling the core thread for %.0f s (--stall-core)", stall_s)
+            time.sleep(stall_s)
+        self.maybe_rebalance()
+        self.renew_busy_rings()
+        if self.queue.expire():
+            self.notify()
 
     def renew_busy_rings(self) -> None:
         """A ring one of whose nodes is in the middle of a step (its heartbeat says so, from

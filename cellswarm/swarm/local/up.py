@@ -62,6 +62,7 @@ class LocalSwarm:
     worker_env: dict[int, dict[str, str]] = field(default_factory=dict)  # e.g. PYTHONPATH
     fail_token: int | None = None  # every worker fails a request's step with this token (tests)
     stall_step: dict[int, float] = field(default_factory=dict)  # worker -> its one long step (s)
+    stall_core: float = 0.0  # the coordinator's core thread stalls once this long (s)
     fetch: bool = False  # workers fetch their shards from the coordinator into state_dir
     dram_budget: str | None = None  # workers tier their shard's experts (engine/tiered/)
     api_key_file: str | None = None  # the coordinator's --api-key-file (OpenAI API keys)
@@ -147,6 +148,7 @@ class LocalSwarm:
             context=self.context, max_sequences=self.max_sequences, replicas=self.replicas,
             lease_s=self.lease_s, evict_after_disagreements=self.evict_after,
             leader_ttl_s=self.leader_ttl_s, rebalance=self.rebalance, control=self.control,
+            stall_core_s=self.stall_core,
         )
 
     def worker_config(self, i: int) -> WorkerConfig:

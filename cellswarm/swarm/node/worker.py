@@ -376,6 +376,8 @@ class Worker:
             await asyncio.sleep(0.02 if head is not None and head.runs else 0.1)
 
     async def apply(self, answer: dict[str, Any]) -> None:
+        if answer.get("held"):  # heard while the coordinator's core was busy: nothing new
+            return
         shard = answer.get("shard")
         self.wired = bool(answer.get("wired"))
         self.coordinator_epoch = int(answer.get("epoch", -1))

@@ -64,7 +64,7 @@ def add_dashboard_routes(app: FastAPI, coord: Coordinator, api_keys: bool) -> No
     async def nodes(request: Request) -> HTMLResponse:
         if (denied := operator(request)) is not None:
             return denied
-        status = await asyncio.to_thread(coord.status)
+        status = await coord.on_core(coord.status)
         throughput.sample(views.tokens_so_far(status))
         return render("nodes.html", status=status, racks=views.racks(status))
 
@@ -72,7 +72,7 @@ def add_dashboard_routes(app: FastAPI, coord: Coordinator, api_keys: bool) -> No
     async def rate(request: Request) -> HTMLResponse:
         if (denied := operator(request)) is not None:
             return denied
-        status = await asyncio.to_thread(coord.status)
+        status = await coord.on_core(coord.status)
         tokens = views.tokens_so_far(status)
         throughput.sample(tokens)
         points, now, peak = throughput.sparkline()
