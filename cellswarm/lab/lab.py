@@ -361,6 +361,10 @@ class Lab:
         once its kernels are built)."""
         system.cgroup_limit_memory(self.cgroups[host], limit_bytes)
 
+    def limit_cpu(self, host: str, cores: float | None) -> None:
+        """The host's CPU quota, now, in cores (e.g. slowed once its kernels are built)."""
+        system.cgroup_limit_cpu(self.cgroups[host], cores)
+
     def start_worker(self, host: str, wait: bool = True) -> None:
         h, d = self.topology.host(host), self.host_dir(host)
         args = ["worker", "--join", ",".join(self.urls), "--memory", str(h.memory_bytes),

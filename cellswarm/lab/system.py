@@ -220,6 +220,18 @@ def cgroup_limit_memory(cg: Cgroup, limit_bytes: int) -> None:
             f.write_text(str(limit_bytes))
 
 
+def cgroup_limit_cpu(cg: Cgroup, cores: float | None) -> None:
+    """A new CPU quota for a live cgroup, in cores (None: no limit)."""
+    period = 100_000
+    quota = int(cores * period) if cores else -1
+    if cg.kind == "v2":
+        (Path(cg.paths[0]) / "cpu.max").write_text(f"{quota if quota > 0 else 'max'} {period}")
+        return
+    cpu = Path(cg.paths[1])
+    (cpu / "cpu.cfs_period_us").write_text(str(period))
+    (cpu / "cpu.cfs_quota_us").write_text(str(quota))
+
+
 def cgroup_remove_all(prefix: str) -> None:
     """Remove the lab's cgroups (their processes must be gone; children before parents)."""
     for root in (CGROUP_ROOT / "memory", CGROUP_ROOT / "cpu", CGROUP_ROOT):
