@@ -188,6 +188,43 @@ def test_a_stale_holder_s_late_result_is_refused(demo_path: Path, tmp_path: Path
         check_ledger(swarm, 1)
 
 
+def test_a_member_that_does_not_hold_a_lease_cannot_touch_it(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """A joined node (a real session: it holds the cluster token) that is not the job's
+    lease holder tries every holder's route on a running job, at every fence it might guess:
+    complete with forged tokens, fail, release, checkpoint. Each is refused ('stale'); the
+    job is untouched and finishes with one process's tokens on its first attempt."""
+    from cellswarm.swarm.auth import prove
+
+    with LocalSwarm(str(demo_path), 1, "400M", tmp_path) as swarm:
+        swarm.wait_ready()
+        rid = client.submit(swarm.url, {"prompt": PROMPTS[0], "max_tokens": 60})
+        wait_until(lambda: client.call(swarm.url, f"/v1/requests/{rid}")["n_tokens"] >= 2)
+        token = swarm.token_file.read_bytes().strip()
+        nonce = client.call(swarm.url, "/v1/challenge", {})["nonce"]
+        me = {"node_id": "m1", "session": client.call(swarm.url, "/v1/join", {
+            "node_id": "m1", "nonce": nonce, "proof": prove(token, nonce, "m1"),
+            "capabilities": {"memory_bytes": 1 << 20}})["session"]}  # fmt: skip
+        for fence in (0, 1, 2, 3):
+            run = {"job_id": rid, "fence": fence}
+            done = client.call(swarm.url, "/v1/jobs/complete", {
+                **me, **run, "result": {"tokens": [42, 42, 42], "reason": "max_tokens"}})
+            assert done["outcome"] == "stale", (fence, done)
+            failed = client.call(swarm.url, "/v1/jobs/fail", {**me, **run, "reason": "forged"})
+            assert failed["outcome"] == "stale", (fence, failed)
+            assert client.call(swarm.url, "/v1/jobs/release", {
+                **me, "runs": [run]})["released"] == 0
+            assert client.call(swarm.url, "/v1/jobs/checkpoint", {
+                **me, "runs": [{**run, "tokens": [42]}]})["stale"] == [rid]
+        result = client.wait(swarm.url, rid)
+        assert result["state"] == "done" and result["attempts"] == 1, result
+        model = cellswarm.load(demo_path)
+        assert result["tokens"] == model.generate(
+            PROMPTS[0], GenerateOptions(60, stop_ids=model.tokenizer.stop_ids)).token_ids
+        check_ledger(swarm, 1)
+
+
 def test_worker_churn_200_jobs(
     demo_path: Path, tmp_path: Path, expected: dict[str, list[int]]
 ) -> None:

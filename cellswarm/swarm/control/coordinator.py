@@ -882,7 +882,8 @@ class Coordinator:
         """Tokens so far of a head's jobs (renewing their leases); the ids it lost."""
         stale = [str(r["job_id"]) for r in runs
                  if not self.queue.checkpoint(str(r["job_id"]), int(r["fence"]),
-                                              [int(t) for t in r["tokens"]])]  # fmt: skip
+                                              [int(t) for t in r["tokens"]],
+                                              owner=node.node_id)]  # fmt: skip
         for rid in stale:
             self.log.event("stale", rid, worker=node.node_id, call="checkpoint")
         self.notify()
@@ -891,7 +892,8 @@ class Coordinator:
     def complete(self, node: Node, job_id: str, fence: int, result: dict[str, Any]) -> str:
         replica = int((node.shard or {}).get("replica", 0))
         members = [n.node_id for n in ring(self.placed(), replica)]
-        outcome = self.queue.complete(job_id, fence, result, str(replica), members)
+        outcome = self.queue.complete(job_id, fence, result, str(replica), members,
+                                      owner=node.node_id)  # fmt: skip
         self.log.event("completed" if outcome != "stale" else "stale", job_id,
                        worker=node.node_id, outcome=outcome,
                        tokens=len(result.get("tokens", [])))  # fmt: skip
@@ -907,7 +909,7 @@ class Coordinator:
         """A head says this attempt of the job failed: its data failed a stage, the head could
         not start it, or its ring dropped it (`fault` says which). The attempt is the job's;
         no node is charged."""
-        outcome = self.queue.fail(job_id, fence, reason)
+        outcome = self.queue.fail(job_id, fence, reason, owner=node.node_id)
         self.log.event("failed", job_id, worker=node.node_id, outcome=outcome, reason=reason,
                        fault=fault)  # fmt: skip
         self.notify()
@@ -917,7 +919,7 @@ class Coordinator:
         """A head stopped serving: its jobs go back to the queue unharmed (no attempt)."""
         released = 0
         for r in runs:
-            if self.queue.release(str(r["job_id"]), int(r["fence"])):
+            if self.queue.release(str(r["job_id"]), int(r["fence"]), owner=node.node_id):
                 released += 1
                 self.log.event("released", str(r["job_id"]), worker=node.node_id)
         self.notify()

@@ -263,29 +263,33 @@ class JobQueue:
         return out
 
     def checkpoint(
-        self, job_id: str, fence: int, tokens: list[int], now: float | None = None
-    ) -> bool:
+        self, job_id: str, fence: int, tokens: list[int], now: float | None = None,
+        owner: str | None = None,
+    ) -> bool:  # fmt: skip
         """Record the tokens so far and renew the lease (new tokens clear its strikes: it
         makes progress); False: the lease is no longer yours."""
         now = time.time() if now is None else now
+        held, who = _held_by(owner)
         return self.db.execute_count(
             "UPDATE jobs SET strikes=CASE WHEN ? > n_tokens THEN 0 ELSE strikes END, tokens=?, "
             "n_tokens=?, lease_expires_s=?, updated_s=? "
-            "WHERE job_id=? AND fence=? AND state='leased'",
+            "WHERE job_id=? AND fence=? AND state='leased'" + held,
             (len(tokens), json.dumps(tokens), len(tokens), now + self.config.lease_s, now,
-             job_id, fence),
+             job_id, fence, *who),
         ) == 1  # fmt: skip
 
     def complete(
         self, job_id: str, fence: int, result: dict[str, Any], replica: str = "",
-        nodes: Sequence[str] = (), now: float | None = None,
+        nodes: Sequence[str] = (), now: float | None = None, owner: str | None = None,
     ) -> str:  # fmt: skip
-        """'done', 'verify' (kept; another replica runs it next) or 'stale' (refused)."""
+        """'done', 'verify' (kept; another replica runs it next) or 'stale' (refused: not
+        leased, another fence, or — with `owner` — not that node's lease)."""
         now = time.time() if now is None else now
+        held, who = _held_by(owner)
         with self.db.transaction():
             rows = self.db.execute(  # waits for a row lock (never skips): no false 'stale'
-                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'"
-                + self.db.for_update, (job_id, fence),
+                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'" + held
+                + self.db.for_update, (job_id, fence, *who),
             )  # fmt: skip
             if not rows:
                 return "stale"
@@ -295,14 +299,16 @@ class JobQueue:
             self._commit(job, result, replica, now)
             return "done"
 
-    def fail(self, job_id: str, fence: int, reason: str, now: float | None = None) -> str:
+    def fail(self, job_id: str, fence: int, reason: str, now: float | None = None,
+             owner: str | None = None) -> str:  # fmt: skip
         """A holder says this attempt failed: back to the queue after a backoff, or dead
         after MAX_ATTEMPTS; 'stale' if the lease is not the caller's any more."""
         now = time.time() if now is None else now
+        held, who = _held_by(owner)
         with self.db.transaction():
             rows = self.db.execute(
-                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'" +
-                self.db.skip_locked, (job_id, fence),
+                "SELECT * FROM jobs WHERE job_id=? AND fence=? AND state='leased'" + held +
+                self.db.skip_locked, (job_id, fence, *who),
             )  # fmt: skip
             if not rows:  # (or another coordinator is expiring it right now)
                 return "stale"
@@ -348,13 +354,15 @@ class JobQueue:
         )
         return self.strike([str(r["job_id"]) for r in rows], reason, now)
 
-    def release(self, job_id: str, fence: int, now: float | None = None) -> bool:
+    def release(self, job_id: str, fence: int, now: float | None = None,
+                owner: str | None = None) -> bool:  # fmt: skip
         """A holder gives a job back unharmed (it is stopping): no attempt is spent."""
         now = time.time() if now is None else now
+        held, who = _held_by(owner)
         return self.db.execute_count(
             "UPDATE jobs SET state='queued', lease_owner=NULL, lease_expires_s=NULL, "
-            "updated_s=? WHERE job_id=? AND fence=? AND state='leased'",
-            (now, job_id, fence),
+            "updated_s=? WHERE job_id=? AND fence=? AND state='leased'" + held,
+            (now, job_id, fence, *who),
         ) == 1
 
     def expire(self, now: float | None = None) -> int:
@@ -584,6 +592,12 @@ def _ran_on(job: Job, replica: str) -> bool:
         return False
     had = [r["replica"] for r in job.runs]
     return replica in had[-1:] or (len(had) < 2 and replica in had)
+
+
+def _held_by(owner: str | None) -> tuple[str, tuple[str, ...]]:
+    """The SQL that limits a holder's call to its own lease (and its parameter): a fence is
+    a number anyone who saw the job can guess, the owner is who the queue leased it to."""
+    return ("", ()) if owner is None else (" AND lease_owner=?", (owner,))
 
 
 def _job(row: Row) -> Job:
