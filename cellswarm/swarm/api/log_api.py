@@ -67,11 +67,10 @@ def require_operator(coord: Coordinator, request: Request, api_keys: bool,
             raise NotFound(f"no request {request_id!r}", param="request_id")
         return
     nonce, _, proof = h.get("x-cellswarm-proof", "").partition(":")
-    if coord.token is not None and nonce:
-        expiry = coord.nonces.pop(nonce, None)  # single use, as for a join
-        if expiry is not None and expiry > time.monotonic() \
-                and verify(coord.token, nonce, OPERATOR, proof):  # fmt: skip
-            return
+    # a nonce is single use, as for a join
+    if coord.token is not None and nonce and coord.nonces.take(nonce, time.monotonic()) \
+            and verify(coord.token, nonce, OPERATOR, proof):  # fmt: skip
+        return
     node_id, _, session = h.get("x-cellswarm-session", "").partition(":")
     if node_id:
         coord.authenticate(node_id, session)

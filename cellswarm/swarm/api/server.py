@@ -157,7 +157,8 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
         if not isinstance(count, int) or not 1 <= count <= MAX_BEATS:
             raise RequestError(f"count must be a whole number from 1 to {MAX_BEATS}, not "
                                f"{count!r}")  # fmt: skip
-        nonces = await coord.on_core(coord.challenges, count)
+        host = request.client.host if request.client else "127.0.0.1"
+        nonces = await coord.on_core(coord.challenges, count, host)
         return {"nonce": nonces[0], "nonces": nonces}
 
     @app.post("/v1/join")

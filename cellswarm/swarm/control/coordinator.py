@@ -39,7 +39,7 @@ from cellswarm.planner.placement import (
     fits,
     too_long,
 )
-from cellswarm.swarm.auth import digest, load_token, new_nonce, verify
+from cellswarm.swarm.auth import digest, load_token, verify
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.checkup import Checkups
 from cellswarm.swarm.control.db import open_database
@@ -53,6 +53,7 @@ from cellswarm.swarm.control.membership import (
     replicas,
     ring,
 )
+from cellswarm.swarm.control.nonces import Nonces
 from cellswarm.swarm.control.store import Node, NodeId, Store
 from cellswarm.swarm.local.pipeline import costs_at
 from cellswarm.swarm.logs import JsonLog, Throttled
@@ -63,8 +64,6 @@ from cellswarm.swarm.tls import client_context
 log = logging.getLogger("cellswarm.coordinator")
 T = TypeVar("T")
 
-NONCE_TTL_S = 30.0
-MAX_NONCES = 262_144  # outstanding challenges: a rack's relay asks for its rack's at once
 PEER_ID = "coordinator"  # how the coordinator names itself on the data plane
 # The leader's watch (timeouts, placement, wiring, lease expiry): 4 a second reacts well
 # within a heartbeat timeout; 10 a second was a third of an idle coordinator's CPU.
@@ -95,7 +94,7 @@ class Coordinator:
         self.queue = JobQueue(db, QueueConfig(lease_s=config.lease_s))
         self.token = load_token(config.token_file) if config.token_file else None
         self.tls = client_context(config.tls_dir) if config.tls_dir else None  # for resets
-        self.nonces: dict[str, float] = {}  # nonce -> expiry; each is good for one proof
+        self.nonces = Nonces()  # join challenges, each good for one proof (nonces.py)
         self.layout: list[Shard] = json.loads(self.store.get_meta("layout", "[]"))
         self.id = f"{config.host}:{config.port}/{uuid.uuid4().hex[:8]}"
         self.leading, self.lead_until = False, 0.0
@@ -197,22 +196,13 @@ class Coordinator:
 
     # -- joining ---------------------------------------------------------------------------
 
-    def challenge(self) -> str:
-        return self.challenges(1)[0]
+    def challenge(self, address: str = "127.0.0.1") -> str:
+        return self.challenges(1, address)[0]
 
-    def challenges(self, count: int) -> list[str]:
-        """`count` fresh nonces, each good for one proof for NONCE_TTL_S. The expired go
-        from the front (the dict is in expiry order: one TTL for all), so a challenge costs
-        O(1), not a walk of every outstanding one (100,000 joining nodes hold many)."""
-        now = time.monotonic()
-        while self.nonces and next(iter(self.nonces.values())) <= now:
-            del self.nonces[next(iter(self.nonces))]
-        if len(self.nonces) + count > MAX_NONCES:
-            raise RequestError(f"{len(self.nonces):,} challenges are outstanding (at most "
-                               f"{MAX_NONCES:,}): join again in {NONCE_TTL_S:.0f} s")  # fmt: skip
-        fresh = [new_nonce() for _ in range(count)]
-        self.nonces.update(dict.fromkeys(fresh, now + NONCE_TTL_S))
-        return fresh
+    def challenges(self, count: int, address: str = "127.0.0.1") -> list[str]:
+        """`count` fresh nonces for a caller at `address` (nonces.py: O(1), bounded in all
+        and per address)."""
+        return self.nonces.issue(count, address, time.monotonic())
 
     def join_many(self, joins: list[Any], host: str) -> list[dict[str, Any]]:
         """A rack's joins in one transaction (one commit, not one each: 100,000 joins one
@@ -237,8 +227,7 @@ class Coordinator:
 
     def join(self, node_id: str, nonce: str, proof: str, caps: dict[str, Any], host: str) -> str:
         """A session for a node that proved the cluster token over a fresh nonce."""
-        expiry = self.nonces.pop(nonce, None)  # single use: a replayed proof finds no nonce
-        if expiry is None or expiry < time.monotonic():
+        if not self.nonces.take(nonce, time.monotonic()):  # single use: a replay finds none
             raise PermissionError("unknown or used nonce: ask /v1/challenge for a fresh one")
         if self.token is not None and not verify(self.token, nonce, node_id, proof):
             self.log.event("join_denied", None, worker=node_id)
