@@ -437,10 +437,32 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
+# Open files a coordinator wants: one per connection (a node's, a client's, a stranger's)
+WANT_OPEN_FILES = 4096
+
+
+def raise_open_files() -> None:
+    """The soft open-file limit up to the hard one (systemd's default soft limit, 1024,
+    let 1,100 idle connections make the coordinator unreachable); a warning when even the
+    hard one is low (docs/deploy.md's unit sets LimitNOFILE)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft != resource.RLIM_INFINITY and soft < WANT_OPEN_FILES:
+        print(f"warning: at most {soft} open files (ulimit -n): every connection takes one; "
+              f"raise it to {WANT_OPEN_FILES} or more (LimitNOFILE= in a systemd unit)",
+              flush=True)  # fmt: skip
+
+
 def serve(config: CoordinatorConfig) -> None:
     """Run until interrupted. Prints `READY http://HOST:PORT` (https with TLS) once listening."""
     import uvicorn
 
+    raise_open_files()
     coord = Coordinator(config)
     if coord.token is None:
         print("warning: no --token-file: any process that can reach this port may join",
