@@ -31,6 +31,7 @@ from cellswarm.swarm.local.pipeline import free_port
 from cellswarm.swarm.local.up import LocalSwarm
 from cellswarm.swarm.ring.frames import MAGIC, PREFIX, Frame, connect_sync, encode, read_frame_sync
 from tests.test_jobs_swarm import (  # noqa: F401  (expected: a fixture)
+    MAX_TOKENS,
     PROMPTS,
     check_ledger,
     check_outputs,
@@ -295,6 +296,44 @@ def test_the_data_port_reads_no_body_before_a_proof_and_blames_bad_frames_on_the
         done = client.wait(swarm.url, client.submit(swarm.url, {"prompt": PROMPTS[0],
                                                                 "max_tokens": 4}))  # fmt: skip
         assert done["state"] == "done" and done["n_tokens"] >= 1
+
+
+def test_idle_strangers_on_a_data_port_are_closed_and_cost_the_ring_nothing(
+    demo_path: Path, tmp_path: Path, expected: dict[str, list[int]]  # noqa: F811
+) -> None:
+    """300 TCP connections to a stage's data port that never answer its challenge: at most
+    MAX_UNPROVEN are held (the oldest closed for each newcomer), the rest once their proof is
+    PROOF_TIMEOUT_S late; meanwhile the ring answers with one process's tokens, unrewired."""
+    from cellswarm.swarm.ring.frames import MAX_UNPROVEN, PROOF_TIMEOUT_S
+
+    with LocalSwarm(str(demo_path), 2, "160M", tmp_path, stages=2, rebalance=False) as swarm:
+        epoch = swarm.wait_ready()["epoch"]
+        _, last = stage_nodes(swarm)
+        host, port = last["address"].rsplit(":", 1)
+        socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(300)]
+
+        def closed(sock: socket.socket) -> bool:
+            sock.settimeout(0.05)
+            try:
+                while chunk := sock.recv(1 << 16):  # the challenge, maybe "denied", then EOF
+                    del chunk
+                return True
+            except TimeoutError:
+                return False
+            except OSError:  # reset
+                return True
+
+        # well before any proof is late: the cap, not the timeout, closed them
+        wait_until(lambda: sum(not closed(s) for s in socks) <= MAX_UNPROVEN,
+                   PROOF_TIMEOUT_S / 2)  # fmt: skip
+        done = client.wait(swarm.url, client.submit(swarm.url, {"prompt": PROMPTS[0],
+                                                                "max_tokens": MAX_TOKENS}))
+        assert done["state"] == "done" and done["tokens"] == expected[PROMPTS[0]], done
+        wait_until(lambda: all(closed(s) for s in socks), PROOF_TIMEOUT_S + 30)
+        for s in socks:
+            s.close()
+        status = swarm.status()
+        assert status["epoch"] == epoch and all(n["failures"] == 0 for n in status["nodes"])
 
 
 def test_a_worker_without_a_token_listens_beyond_loopback_only_when_told() -> None:

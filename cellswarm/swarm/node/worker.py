@@ -51,6 +51,7 @@ from cellswarm.swarm.node.net import (
     parse_address,
     route_source,
 )
+from cellswarm.swarm.ring.frames import listen_tls
 from cellswarm.swarm.ring.parts import PartConfig, PartServer, PartSpec, load_part_model
 from cellswarm.swarm.ring.stage import (
     Stage,
@@ -448,7 +449,7 @@ class Worker:
         if config.first:
             self.head = Head(self.stage, self._post_session, self.lease_s)
         self.server = await asyncio.start_server(self.stage.serve, *self._bind(),
-                                                 ssl=self.tls_server)  # fmt: skip
+                                                 **listen_tls(self.tls_server))  # fmt: skip
         self.data_port = self.server.sockets[0].getsockname()[1]
         self.refused = ""
         log.info("serving layers %s on port %s", config.layers, self.data_port)
@@ -469,7 +470,7 @@ class Worker:
         self.part = PartServer(config, model)
         self.part.on_step = self.awake.touch if self.awake is not None else None
         self.server = await asyncio.start_server(self.part.serve, *self._bind(),
-                                                 ssl=self.tls_server)  # fmt: skip
+                                                 **listen_tls(self.tls_server))  # fmt: skip
         self.data_port = self.server.sockets[0].getsockname()[1]
         self.refused = ""
         print(f"SERVING part {spec.node_id} {self.data_port}", flush=True)

@@ -11,6 +11,8 @@ anything is read, and the checksum before anything is used.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import math
 import socket
 import ssl
@@ -195,6 +197,21 @@ async def connect(
     return reader, writer
 
 
+# Connections of this process that have not proved the token yet, at most (the oldest is
+# closed for a newcomer), and how long one may take to: members prove theirs at once, so a
+# stranger holding many idle ones costs neither memory nor the members their connections.
+MAX_UNPROVEN = 64
+PROOF_TIMEOUT_S = 10.0
+# A TLS handshake (before our own challenge) gets as long: asyncio's default is 60 s.
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+_unproven: collections.OrderedDict[int, asyncio.StreamWriter] = collections.OrderedDict()
+
+
+def listen_tls(tls: ssl.SSLContext | None) -> dict[str, Any]:
+    """asyncio.start_server's TLS options: the context, and a bounded handshake with it."""
+    return {"ssl": tls, "ssl_handshake_timeout": TLS_HANDSHAKE_TIMEOUT_S} if tls else {}
+
+
 async def accept(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: bytes,
     peers: frozenset[str],
@@ -204,19 +221,28 @@ async def accept(
     beyond a header is read from a peer before it has proved the token."""
     from cellswarm.swarm.auth import new_nonce, verify
 
-    nonce = new_nonce()
-    await write_frame(writer, Frame("challenge", {"nonce": nonce}))
+    if len(_unproven) >= MAX_UNPROVEN:  # a flood: the oldest unproven goes (a member
+        _unproven.popitem(last=False)[1].close()  # proves at once, a stranger never does)
+    key = id(writer)
+    _unproven[key] = writer
     try:
-        answer = await asyncio.wait_for(read_frame(reader, HANDSHAKE_PAYLOAD_BYTES), timeout=10)
-    except (TimeoutError, ProtocolError):
-        answer = None
+        nonce = new_nonce()
+        await write_frame(writer, Frame("challenge", {"nonce": nonce}))
+        try:
+            answer = await asyncio.wait_for(read_frame(reader, HANDSHAKE_PAYLOAD_BYTES),
+                                            PROOF_TIMEOUT_S)  # fmt: skip
+        except (TimeoutError, ProtocolError):
+            answer = None
+    finally:
+        _unproven.pop(key, None)
     peer = str(answer.fields.get("peer", "")) if answer is not None else ""
     ok = (
         answer is not None and answer.type == "proof" and peer in peers
         and verify(token, nonce, peer, str(answer.fields.get("mac", "")))
     )  # fmt: skip
     if not ok:
-        await write_frame(writer, Frame("denied", {"reason": "no valid proof for this swarm"}))
+        with contextlib.suppress(OSError):  # (gone already, or closed for a newcomer)
+            await write_frame(writer, Frame("denied", {"reason": "no valid proof for this swarm"}))
         return None
     return peer
 

@@ -52,6 +52,7 @@ from cellswarm.swarm.ring.frames import (
     Frame,
     accept,
     connect_sync,
+    listen_tls,
     no_delay,
     read_frame,
     read_frame_sync,
@@ -264,7 +265,8 @@ async def main(config: PartConfig) -> None:
     from cellswarm.swarm.tls import server_context
 
     tls = server_context(config.tls_dir) if config.tls_dir else None
-    listener = await asyncio.start_server(server.serve, "127.0.0.1", config.spec.port, ssl=tls)
+    listener = await asyncio.start_server(server.serve, "127.0.0.1", config.spec.port,
+                                          **listen_tls(tls))  # fmt: skip
     print(f"READY {listener.sockets[0].getsockname()[1]}", flush=True)
     async with listener:
         await listener.serve_forever()

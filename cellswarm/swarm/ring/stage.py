@@ -45,6 +45,7 @@ from cellswarm.swarm.ring.frames import (
     connect,
     decode,
     encode,
+    listen_tls,
     no_delay,
     read_frame,
     read_raw,
@@ -981,7 +982,8 @@ async def main(config: StageConfig) -> None:
         print(f"REFUSED {exc}", flush=True)
         return
     tls = server_context(config.tls_dir) if config.tls_dir else None
-    server = await asyncio.start_server(stage.serve, "127.0.0.1", config.listen_port, ssl=tls)
+    server = await asyncio.start_server(stage.serve, "127.0.0.1", config.listen_port,
+                                        **listen_tls(tls))  # fmt: skip
     port = server.sockets[0].getsockname()[1]
     print(f"READY {port}", flush=True)
     async with server:
