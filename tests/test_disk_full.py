@@ -47,12 +47,13 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def fill(disk: Path) -> Path:
+    """Fill the disk to the last byte. Unbuffered: a buffered file that met ENOSPC in a
+    flush still holds the bytes, and its close raised ENOSPC again (a red CI run)."""
     filler = disk / "filler"
-    with filler.open("wb") as f:
+    with filler.open("wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * (64 << 10))
-                f.flush()
         except OSError as exc:
             assert exc.errno == errno.ENOSPC
     return filler
