@@ -128,6 +128,7 @@ class Coordinator:
         self.metrics_ports: dict[str, int] = {}  # where each node serves GET /metrics
         self.beats: dict[str, Beat] = {}  # each node's latest heartbeat here (see heartbeat)
         self.sessions: dict[str, str] = {}  # node -> its session's digest (held_answer)
+        self._stall_due = False  # tests: --stall-core's stall comes at the next tick
         self.struck: dict[str, int | None] = {}  # replica -> wired epoch its jobs were struck at
         # On PostgreSQL another coordinator may lead and judge liveness from the rows; on
         # SQLite this one is alone (a restart gives every node a grace), so a row is only
@@ -788,7 +789,8 @@ class Coordinator:
 
     def _tick_wired(self) -> None:
         """Its second half, after wiring: rebalance, renew busy rings, expire leases."""
-        if self.config.stall_core_s and self.queue.ledger()["leased"]:  # a test's stall
+        if self._stall_due:  # a test's stall, once, after the first lease (--stall-core)
+            self._stall_due = False
             stall_s, self.config = self.config.stall_core_s, replace(self.config, stall_core_s=0)
             log.warning("stalling the core thread for %.0f s (--stall-core)", stall_s)
             time.sleep(stall_s)
@@ -852,6 +854,7 @@ class Coordinator:
         several = len(replicas(self.placed())) > 1
         jobs = self.queue.lease(node.node_id, str(shard.get("replica", 0)), min(n, room),
                                 exclusive=several)  # fmt: skip
+        self._stall_due = self._stall_due or bool(jobs and self.config.stall_core_s)
         for job in jobs:
             self.log.event("leased", job.job_id, worker=node.node_id, fence=job.fence,
                            resume=len(job.tokens), attempt=job.attempts + 1)  # fmt: skip
