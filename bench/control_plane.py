@@ -198,6 +198,7 @@ class Racks:
         self.stop = False
         self.caps = {"memory_bytes": NODE_MEMORY_BYTES}
         self.nc: Any = None  # a NATS connection: the racks beat through it (--via nats)
+        self.seq = time.time_ns() // 1000  # the sealed beats' numbers (control/beats.py)
 
     async def join_one(self, node: str) -> None:
         t0 = time.perf_counter()
@@ -252,10 +253,10 @@ class Racks:
                     self._took(took, 1 if status != 200 else 0, answer if status == 200 else {})
             else:
                 relay = nodes[0]
-                body = {"node_id": relay, "session": self.sessions[relay],
-                        "beats": [self._beat(x) for x in nodes]}  # fmt: skip
-                if self.nc is not None:  # the rack's beats as one NATS request
-                    status, answer, took = await self._request(body)
+                beats = [self._beat(x) for x in nodes]
+                body = {"node_id": relay, "session": self.sessions[relay], "beats": beats}
+                if self.nc is not None:  # the rack's beats as one sealed NATS request
+                    status, answer, took = await self._request(beats)
                 else:
                     status, answer, took = await self.pool.post("/v1/heartbeats", body)
                 answers = answer.get("answers", []) if status == 200 else []
@@ -263,15 +264,27 @@ class Racks:
                 self._took(took, len(nodes) - len(ok), ok[0] if ok else {})
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
-    async def _request(self, body: dict[str, Any]) -> tuple[int, Any, float]:
-        from cellswarm.swarm.control.beats import SUBJECT
+    async def _request(self, beats: list[dict[str, Any]]) -> tuple[int, Any, float]:
+        """A rack's beats as a relay sends them on NATS (control/beats.py): its own beat in
+        its sealed envelope, each other node's sealed by that node; the answers."""
+        from cellswarm.swarm.auth import digest
+        from cellswarm.swarm.control.beats import SUBJECT, beat_key, holds, seal, unseal
 
+        self.seq += 1
+        keys = {b["node_id"]: beat_key(self.token, digest(self.sessions[b["node_id"]]))
+                for b in beats}  # fmt: skip
+        own = [{k: v for k, v in b.items() if k != "session"} for b in beats]
+        relay = own[0]["node_id"]
+        body = {"node_id": relay, "seq": self.seq, "beats": [own[0]] + [
+            seal(keys[b["node_id"]], {**b, "seq": self.seq}).decode() for b in own[1:]]}
         t0 = time.perf_counter()
         try:
-            msg = await self.nc.request(SUBJECT, json.dumps(body).encode(), timeout=10)
-        except Exception:  # no answer in time, or NATS gone: a refused beat
+            msg = await self.nc.request(SUBJECT, seal(keys[relay], body), timeout=10)
+            mac, raw, reply = unseal(msg.data)
+        except Exception:  # no answer in time, NATS gone, or refused: a refused beat
             return 0, {}, time.perf_counter() - t0
-        return 200, json.loads(msg.data), time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        return (200 if holds(keys[relay], mac, raw) else 0), reply, took
 
     def _took(self, took: float, refused: int, answer: dict[str, Any]) -> None:
         if self.measuring:

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cellswarm.swarm.certs_cli import add_certs_commands
 
     add_certs_commands(sub)
+    from cellswarm.swarm.nats_cli import add_nats_commands
+
+    add_nats_commands(sub)
     from cellswarm.sim.cli import add_simulate_command
 
     add_simulate_command(sub)

@@ -479,24 +479,37 @@ def test_a_slow_host_is_named_and_given_fewer_layers(
 
 
 @pytest.mark.skipif(nats_why_not() != "", reason=nats_why_not() or "")
-def test_hosts_beat_through_nats_on_the_coordinators_host(
+def test_hosts_beat_through_nats_over_tls_and_a_listener_hears_nothing_it_can_use(
     tmp_path: Path, lab: Lab, expected: dict[str, list[int]]
 ) -> None:
-    """`lab up --nats`: a nats-server inside c0 (listening on c0's address only), every
-    process with --control: the workers' heartbeats cross the lab's switches to it and the
-    coordinator answers them from its queue group; the text is one process's."""
+    """`lab up --nats --tls`: a nats-server inside c0 (on c0's address only, configured as
+    `cellswarm nats config --tls` does: the cluster's user and password, mutual TLS), every
+    process with --control tls://: the workers' heartbeats cross the lab's switches to it
+    and the text is one process's. A stranger on the lab's network is refused in plain TCP
+    and with the cluster's certificate but no password; even a member subscribed to every
+    subject hears no session, and a heard beat sent again is refused (control/beats.py)."""
+    import asyncio
+
+    import nats
+    import nats.errors
     from prometheus_client.parser import text_string_to_metric_families
+
+    from cellswarm.swarm.auth import load_token
+    from cellswarm.swarm.control.beats import SUBJECT, connect
+    from cellswarm.swarm.tls import client_context
 
     lab.down()  # one lab at a time
     spec = LabSpec(hosts=3, racks=1, memory_bytes=128 << 20)
-    with Lab(spec, tmp_path, prefix="cstest", nats=True) as nl:
-        client.wait_wired(nl.url, 180)
-        rid = _generate(nl, PROMPTS[0])
-        tokens = client.wait(nl.url, rid, timeout_s=120)["tokens"]
+    with Lab(spec, tmp_path, prefix="cstest", nats=True, tls=True) as nl:
+        tls = nl.operator_tls
+        assert tls is not None and str(nl.control_url).startswith("tls://")
+        client.wait_wired(nl.url, 180, tls=tls)
+        rid = client.submit(nl.url, {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS}, tls=tls)
+        tokens = client.wait(nl.url, rid, timeout_s=120, tls=tls)["tokens"]
         assert tokens == expected[PROMPTS[0]][:MAX_TOKENS]
 
         def beats() -> dict[str, float]:
-            text = httpx.get(f"{nl.url}/metrics", timeout=30).text
+            text = httpx.get(f"{nl.url}/metrics", timeout=30, verify=client_context(tls)).text
             return {s.labels["via"]: s.value for f in text_string_to_metric_families(text)
                     if f.name == "cellswarm_heartbeats" for s in f.samples
                     if s.name.endswith("_total")}  # fmt: skip
@@ -506,6 +519,38 @@ def test_hosts_beat_through_nats_on_the_coordinators_host(
         later = beats()
         assert later["nats"] - first["nats"] >= 3 * 4  # 3 hosts, 4 beats a second each
         assert later["http"] == first["http"]
+        url = str(nl.control_url)
+        token = load_token(nl.host_dir("c0") / "cluster.token")
+
+        async def probe() -> tuple[dict[str, str], list[bytes], dict[str, object]]:
+            refused = {}
+            for name, options in [("plain", {"servers": [url.replace("tls://", "nats://")]}),
+                                  ("no password", {"servers": [url],
+                                                   "tls": client_context(tls)})]:  # fmt: skip
+                try:
+                    nc = await nats.connect(**options, connect_timeout=3,
+                                            allow_reconnect=False, max_reconnect_attempts=1)
+                    await nc.close()
+                    refused[name] = ""
+                except (OSError, TimeoutError, nats.errors.Error) as exc:
+                    refused[name] = type(exc).__name__
+            member = await connect(url, "listener", token, tls, 10)
+            heard: list[bytes] = []
+
+            async def hear(msg: Any) -> None:
+                heard.append(msg.data)
+
+            await member.subscribe(">", cb=hear)
+            await asyncio.sleep(2.0)
+            beat = next(d for d in heard if b'"beats"' in d)
+            again = json.loads((await member.request(SUBJECT, beat, timeout=10)).data)
+            await member.close()
+            return refused, heard, again
+
+        refused, heard, again = asyncio.run(probe())
+        assert all(refused.values()), refused
+        assert len(heard) >= 2 * 3 and not any(b'"session"' in d for d in heard)
+        assert again["status"] == 401 and "replayed" in str(again["error"])
 
 
 @pytest.mark.skipif(pg_bin() is None, reason="no PostgreSQL server binaries (apt-get install "

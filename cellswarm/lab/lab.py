@@ -407,7 +407,7 @@ class Lab:
         if not self.nats:
             return None
         host = next(h for h in self.topology.hosts if h.role == "coordinator")
-        return f"nats://{host.address}:{NATS_PORT}"
+        return f"{'tls' if self.tls else 'nats'}://{host.address}:{NATS_PORT}"
 
     def _control_args(self) -> list[str]:
         return ["--control", self.control_url] if self.control_url else []
@@ -420,8 +420,16 @@ class Lab:
         if binary is None:
             raise LabError("nats needs nats-server on this machine (Debian: apt-get install "
                            "nats-server)")  # fmt: skip
+        from cellswarm.swarm.auth import load_token
+        from cellswarm.swarm.control.beats import server_config
+
         host = next(h for h in self.topology.hosts if h.role == "coordinator")
-        self.spawn(host.name, "nats", [binary, "-a", host.address, "-p", str(NATS_PORT)])
+        d = self.host_dir(host.name)  # as an operator would: `cellswarm nats config`
+        conf = d / "nats.conf"
+        write_secret(conf, server_config(f"{host.address}:{NATS_PORT}",
+                                         load_token(d / "cluster.token"),
+                                         d / "tls" if self.tls else None))  # fmt: skip
+        self.spawn(host.name, "nats", [binary, "-c", str(conf)])
         deadline = time.monotonic() + 20
         while True:
             try:

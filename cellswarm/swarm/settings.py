@@ -58,9 +58,10 @@ class CoordinatorConfig:
     heartbeat_timeout_s: float = setting(HEARTBEAT_TIMEOUT_S, "--heartbeat-timeout",
                                          "seconds to 'lost'")  # fmt: skip
     control: str | None = setting(
-        None, "--control", "nats://HOST:PORT: also take heartbeats from this NATS server "
-        "(coordinators sharing it split them in one queue group; workers given the same "
-        "--control beat through it, over HTTP when it does not answer)")
+        None, "--control", "nats://HOST:PORT (tls:// with --tls): also take heartbeats from "
+        "this NATS server, configured by `cellswarm nats config` (coordinators sharing it "
+        "split them in one queue group; workers given the same --control beat through it, "
+        "over HTTP when it does not answer)")
     max_beats_per_s: float = setting(
         MAX_BEATS_PER_S, "--max-beats", "heartbeats a second this coordinator takes: a "
         "bigger swarm beats less often (the interval and the timeout grow together)")  # fmt: skip
@@ -133,8 +134,9 @@ class WorkerConfig:
     threads: int | None = setting(None, "--threads", "compute threads")
     log_dir: str | None = setting(None, "--log-dir", "folder for JSON-line event logs")
     control: str | None = setting(
-        None, "--control", "nats://HOST:PORT: send heartbeats through this NATS server "
-        "(as the coordinator's --control; over HTTP when it does not answer)")
+        None, "--control", "nats://HOST:PORT (tls:// with --tls): send heartbeats through "
+        "this NATS server (as the coordinator's --control; over HTTP when it does not "
+        "answer)")
     stop_after_s: float = setting(
         5.0, "--stop-after", "stop serving after this many seconds without the coordinator")
     fail_forward: bool = setting(False, "--fail-forward", argparse.SUPPRESS)  # tests: all fail

@@ -29,7 +29,7 @@ from cellswarm.swarm.api.doctor_api import add_doctor_routes
 from cellswarm.swarm.api.log_api import add_log_routes
 from cellswarm.swarm.api.openai_api import add_openai_routes
 from cellswarm.swarm.api.schema import BadRequest, NotFound, SubmitRequest, invalid, load_json
-from cellswarm.swarm.control.beats import MAX_BEATS, beat_batch
+from cellswarm.swarm.control.beats import BEAT_ANSWER_S, MAX_BEATS, beat_batch, settled
 from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.control.jobs import Job
 from cellswarm.swarm.control.store import Node
@@ -48,18 +48,6 @@ async def node_body(request: Request) -> dict[str, Any]:
 
 def node_of(coord: Coordinator, data: dict[str, Any]) -> Node:
     return coord.authenticate(str(data["node_id"]), str(data["session"]))
-
-
-# How long a heartbeat waits for the core thread before it is answered "held" (well under
-# the node's HTTP timeout, worker.HTTP_TIMEOUT_S)
-BEAT_ANSWER_S = 1.0
-
-
-def _settled(beat: asyncio.Future[Any]) -> None:
-    """A held beat's own outcome, read so that its error (a session gone since) is not
-    reported as never retrieved: the node hears of it on its next beat."""
-    if not beat.cancelled():
-        beat.exception()
 
 
 def _beat(coord: Coordinator, d: dict[str, Any]) -> dict[str, Any]:
@@ -110,14 +98,16 @@ def build_app(coord: Coordinator) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(coord.monitor())
         warm = asyncio.create_task(asyncio.to_thread(coord.warm_up))
-        nc = None
-        if coord.config.control:  # beats over NATS too (control/beats.py)
+        nats = None
+        if coord.config.control:  # beats over NATS too, once it answers (control/beats.py)
             from cellswarm.swarm.control.beats import subscribe
 
-            nc = await subscribe(coord, coord.config.control)
+            nats = await subscribe(coord, coord.config.control)
         yield
-        if nc is not None:
-            await nc.close()
+        if nats is not None:
+            nats.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await nats
         task.cancel()
         warm.cancel()
         coord.log_shipper.close()  # its own events still in the buffer
@@ -195,7 +185,7 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
             held = coord.held_answer(str(d.get("node_id")), str(d.get("session")))
             if held is None:
                 return await beat
-            beat.add_done_callback(_settled)
+            beat.add_done_callback(settled)
             return held
 
     @app.post("/v1/heartbeats")

@@ -41,6 +41,7 @@ from cellswarm.planner.placement import (
 )
 from cellswarm.swarm.auth import digest, load_token, verify
 from cellswarm.swarm.control import rebalance
+from cellswarm.swarm.control.beats import beat_key, check_control_url, holds, seal
 from cellswarm.swarm.control.checkup import Checkups
 from cellswarm.swarm.control.db import open_database
 from cellswarm.swarm.control.jobs import Job, JobQueue, QueueConfig
@@ -89,6 +90,8 @@ STUCK_STEP_S = 300.0
 class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
+        if config.control:  # a bad URL is one line now, not a traceback once serving
+            check_control_url(config.control, config.tls_dir)
         db = open_database(config.db)
         self.store = Store(db)
         self.queue = JobQueue(db, QueueConfig(lease_s=config.lease_s))
@@ -128,6 +131,8 @@ class Coordinator:
         self.metrics_ports: dict[str, int] = {}  # where each node serves GET /metrics
         self.beats: dict[str, Beat] = {}  # each node's latest heartbeat here (see heartbeat)
         self.sessions: dict[str, str] = {}  # node -> its session's digest (held_answer)
+        self.beat_seqs: dict[str, tuple[str, int]] = {}  # node -> (session digest, last seq)
+        self.beat_keys: dict[str, tuple[str, bytes]] = {}  # node -> (session digest, its key)
         self._stall_due = False  # tests: --stall-core's stall comes at the next tick
         self.struck: dict[str, int | None] = {}  # replica -> wired epoch its jobs were struck at
         # On PostgreSQL another coordinator may lead and judge liveness from the rows; on
@@ -264,6 +269,48 @@ class Coordinator:
         self.sessions[node_id] = node.session
         return node
 
+    def authenticate_sealed(self, beat: dict[str, Any], mac: str,
+                            raw: bytes) -> tuple[Node, bytes, int]:  # fmt: skip
+        """The node of a sealed NATS beat (control/beats.py), its beat key and sequence
+        number: the seal holds under the key of the node's session and the number is past
+        the last one heard for that session (a replayed message is refused)."""
+        node_id, seq = str(beat.get("node_id")), beat.get("seq")
+        node = self.store.node(node_id)
+        key = self._beat_key(node_id, node.session) if node is not None else b""
+        if node is None or not holds(key, mac, raw) or not isinstance(seq, int):
+            raise PermissionError(f"node {node_id}: no such session, or a seal that does not "
+                                  f"hold: join again")  # fmt: skip
+        kept, last = self.beat_seqs.get(node_id, ("", 0))
+        if kept == node.session and seq <= last:
+            raise PermissionError(f"node {node_id}: beat {seq} is not past {last} (replayed)")
+        self.beat_seqs[node_id] = (node.session, seq)
+        self.sessions[node_id] = node.session
+        return node, key, seq
+
+    def held_sealed(self, env: dict[str, Any], mac: str, raw: bytes) -> bytes | None:
+        """held_answer for a sealed NATS beat of one node (from the event loop: no
+        database), sealed; None for anything else (a relay's batch waits for the core)."""
+        node_id, seq, beats = str(env.get("node_id")), env.get("seq"), env.get("beats")
+        kept = self.sessions.get(node_id)
+        if kept is None or not isinstance(seq, int) or not isinstance(beats, list):
+            return None
+        key = self._beat_key(node_id, kept)
+        last_kept, last = self.beat_seqs.get(node_id, ("", 0))
+        if len(beats) != 1 or not holds(key, mac, raw) or (last_kept == kept and seq <= last):
+            return None
+        return seal(key, {"seq": seq, "answers": [self._held()]})
+
+    def _beat_key(self, node_id: str, session_digest: str) -> bytes:
+        """beat_key, kept per node while its session lasts (an HMAC less per beat)."""
+        kept = self.beat_keys.get(node_id)
+        if kept is None or kept[0] != session_digest:
+            kept = self.beat_keys[node_id] = (session_digest,
+                                              beat_key(self.token, session_digest))  # fmt: skip
+        return kept[1]
+
+    def _held(self) -> dict[str, Any]:
+        return {"held": True, "now_s": time.time(), "heartbeat_s": self.heartbeat_interval_s()}
+
     def held_answer(self, node_id: str, session: str) -> dict[str, Any] | None:
         """A heartbeat's answer while the core thread is busy (from the event loop: no
         database): "heard you, nothing new" for a node whose session was good last time,
@@ -272,7 +319,7 @@ class Coordinator:
         kept = self.sessions.get(node_id)
         if kept is None or not hmac.compare_digest(kept, digest(session)):
             return None
-        return {"held": True, "now_s": time.time(), "heartbeat_s": self.heartbeat_interval_s()}
+        return self._held()
 
     # -- heartbeats and faults -------------------------------------------------------------
 
@@ -372,6 +419,10 @@ class Coordinator:
         self.log.event("fault", job, worker=node.node_id, kind=kind, detail=detail, epoch=epoch)
         if epoch is not None and epoch != self.epoch:
             return
+        if node.state != "assigned" or node.shard is None:  # it runs no step: nothing of
+            return  # its own failed, and a member outside the rings may not accuse others
+        if job and not self._ring_holds(node, job):
+            job = None  # a job its ring does not hold is not its to strike
         if kind == "next":
             return self._suspect_next(node)
         if kind == "part":  # a part server it calls broke the step: that one is suspect
@@ -389,6 +440,12 @@ class Coordinator:
         if job:
             self._strike([job], f"{node.node_id}: {detail}")
         self._charge(node, detail)
+
+    def _ring_holds(self, node: Node, job_id: str) -> bool:
+        """Whether the job is leased to the replica the node is a stage of."""
+        job = self.queue.get(job_id)
+        replica = str((node.shard or {}).get("replica", 0))
+        return job is not None and job.state == "leased" and job.lease_replica == replica
 
     def _charge(self, node: Node, detail: str) -> None:
         """A failure that is the node's own: offline after `offline_after` in a row."""

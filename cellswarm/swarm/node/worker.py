@@ -143,7 +143,7 @@ class Worker:
         self._beat_now = threading.Event()
         self.nats: NatsBeats | None = None
         if config.control:  # heartbeats through NATS (control/beats.py)
-            self.nats = NatsBeats(config.control, config.node_id)
+            self.nats = NatsBeats(config.control, config.node_id, self.token, config.tls_dir)
 
     # -- talking to the coordinator --------------------------------------------------------
 
