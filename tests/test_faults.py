@@ -298,6 +298,19 @@ def test_the_data_port_reads_no_body_before_a_proof_and_blames_bad_frames_on_the
         assert done["state"] == "done" and done["n_tokens"] >= 1
 
 
+def closed(sock: socket.socket) -> bool:
+    """Whether the far side closed it (what it sent before, a challenge or an error, read)."""
+    sock.settimeout(0.05)
+    try:
+        while chunk := sock.recv(1 << 16):
+            del chunk
+        return True
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        return True
+
+
 def test_idle_strangers_on_a_data_port_are_closed_and_cost_the_ring_nothing(
     demo_path: Path, tmp_path: Path, expected: dict[str, list[int]]  # noqa: F811
 ) -> None:
@@ -311,18 +324,6 @@ def test_idle_strangers_on_a_data_port_are_closed_and_cost_the_ring_nothing(
         _, last = stage_nodes(swarm)
         host, port = last["address"].rsplit(":", 1)
         socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(300)]
-
-        def closed(sock: socket.socket) -> bool:
-            sock.settimeout(0.05)
-            try:
-                while chunk := sock.recv(1 << 16):  # the challenge, maybe "denied", then EOF
-                    del chunk
-                return True
-            except TimeoutError:
-                return False
-            except OSError:  # reset
-                return True
-
         # well before any proof is late: the cap, not the timeout, closed them
         wait_until(lambda: sum(not closed(s) for s in socks) <= MAX_UNPROVEN,
                    PROOF_TIMEOUT_S / 2)  # fmt: skip
@@ -334,6 +335,41 @@ def test_idle_strangers_on_a_data_port_are_closed_and_cost_the_ring_nothing(
             s.close()
         status = swarm.status()
         assert status["epoch"] == epoch and all(n["failures"] == 0 for n in status["nodes"])
+
+
+def test_silent_strangers_on_the_coordinators_port_are_closed_and_cost_it_nothing(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """600 TCP connections to the coordinator that send nothing and 300 that send half a
+    request head (uvicorn held each for as long as the peer liked: at a 1,024 open-file
+    limit that made it unreachable and lost every worker): while they hang on, it answers
+    and loses no node; each is closed once its head is HEAD_TIMEOUT_S late, and its open
+    files are back to what they were (api/guard.py)."""
+    import resource
+
+    from cellswarm.swarm.api.guard import HEAD_TIMEOUT_S
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    with LocalSwarm(str(demo_path), 1, "400M", tmp_path) as swarm:
+        epoch = swarm.wait_ready()["epoch"]
+        pid = swarm.procs["coordinator"].pid
+        files_before = len(os.listdir(f"/proc/{pid}/fd"))
+        host, port = swarm.url.removeprefix("http://").rsplit(":", 1)
+        socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(900)]
+        for s in socks[600:]:
+            s.sendall(b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: 10")
+        assert client.call(swarm.url, "/healthz")
+        done = client.wait(swarm.url, client.submit(swarm.url, {"prompt": PROMPTS[0],
+                                                                "max_tokens": 4}))  # fmt: skip
+        assert done["state"] == "done"
+        wait_until(lambda: all(closed(s) for s in socks), HEAD_TIMEOUT_S + 30)
+        for s in socks:
+            s.close()
+        wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= files_before + 8, 10)
+        status = swarm.status()
+        assert status["epoch"] == epoch and all(n["state"] == "assigned"
+                                                for n in status["nodes"])  # fmt: skip
 
 
 def test_a_worker_without_a_token_listens_beyond_loopback_only_when_told() -> None:

@@ -238,3 +238,18 @@ def test_a_worker_with_another_cas_certificate_never_joins(
     assert f"intruder-{who}" not in nodes
     with pytest.raises(SwarmError, match="cluster's CA"):  # a CLI with that folder: told so
         client.call(swarm.url, "/v1/status", timeout_s=5, tls=str(certs[who]))
+
+
+def test_a_stranger_who_never_starts_the_handshake_is_closed(swarm: LocalSwarm) -> None:
+    """200 TCP connections to the TLS coordinator that never send a ClientHello are closed
+    once HANDSHAKE_TIMEOUT_S is up (asyncio's default was 60 s, uvicorn passes none), and it
+    answers meanwhile (api/guard.py)."""
+    from cellswarm.swarm.api.guard import HANDSHAKE_TIMEOUT_S
+    from tests.test_faults import closed
+
+    host, port = swarm.url.removeprefix("https://").rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+    assert swarm.status()["wired"]
+    wait_until(lambda: all(closed(s) for s in socks), HANDSHAKE_TIMEOUT_S + 20)
+    for s in socks:
+        s.close()

@@ -26,6 +26,7 @@ from cellswarm.swarm.api import schema
 from cellswarm.swarm.api.access import Caller, Edge, error_response, load_keys
 from cellswarm.swarm.api.dashboard import add_dashboard_routes
 from cellswarm.swarm.api.doctor_api import add_doctor_routes
+from cellswarm.swarm.api.guard import Guarded, bound_handshakes
 from cellswarm.swarm.api.log_api import add_log_routes
 from cellswarm.swarm.api.openai_api import add_openai_routes
 from cellswarm.swarm.api.schema import BadRequest, NotFound, SubmitRequest, invalid, load_json
@@ -458,10 +459,12 @@ def serve(config: CoordinatorConfig) -> None:
         print("warning: no --token-file: any process that can reach this port may join",
               flush=True)  # fmt: skip
     uv = uvicorn.Config(build_app(coord), host=config.host, port=config.port,
-                        log_level="warning", lifespan="on", **_tls(config.tls_dir))  # fmt: skip
+                        log_level="warning", lifespan="on", http=Guarded,
+                        **_tls(config.tls_dir))  # fmt: skip
     server = uvicorn.Server(uv)
 
     async def run() -> None:
+        bound_handshakes(asyncio.get_running_loop())  # guard.py: strangers who say nothing
         task = asyncio.create_task(server.serve())
         while not server.started:
             if task.done():
