@@ -46,12 +46,12 @@ class Guarded(H11Protocol):
         count = self.per_address.get(self._address, 0) + 1
         self.per_address[self._address] = count
         if count > MAX_PER_ADDRESS:
-            transport.close()
+            transport.abort()
             return
         self.waiting[self] = None
         while len(self.waiting) > MAX_WAITING:
             oldest, _ = self.waiting.popitem(last=False)
-            oldest.transport.close()
+            oldest.transport.abort()
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -84,7 +84,7 @@ class Guarded(H11Protocol):
         """No new request head since the timer was armed, and none in progress: close."""
         idle = since is None or since.response_complete
         if self.cycle is since and idle and not self.transport.is_closing():
-            self.transport.close()
+            self.transport.abort()  # at once: a TLS close would wait 30 s for its notify
 
 
 def bound_handshakes(loop: asyncio.AbstractEventLoop) -> None:
