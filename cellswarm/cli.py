@@ -16,6 +16,9 @@ TIERED_CONTEXT = 512  # a tiered box's KV reservation without --context (its cac
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from cellswarm.lifecycle import die_with_parent
+
+    die_with_parent()
     parser = build_parser()
     try:  # a flag's own parser may say what is wrong with its value (RequestError)
         args = parser.parse_args(argv)

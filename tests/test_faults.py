@@ -461,6 +461,36 @@ def test_cellswarm_up_outlives_a_dead_worker_and_sigterm_stops_every_child(
             os.kill(p, signal.SIGKILL)
 
 
+def test_cellswarm_up_killed_by_sigkill_takes_its_children_with_it(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """`kill -9` of `cellswarm up` (it cannot stop anyone then) used to leave the coordinator
+    and every worker running and holding the port: each child watches its parent
+    (lifecycle.py) and stops when it is gone, and the port is free again."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "cellswarm.cli", "up", "--workers", "2", "--memory", "400M",
+           "--model", str(demo_path), "--state-dir", str(tmp_path / "state"),
+           "--port", str(port)]  # fmt: skip
+    up = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          start_new_session=True)  # fmt: skip
+    kids: dict[int, str] = {}
+    try:
+        wait_until(lambda: len(children(up.pid)) == 3 or up.poll() is not None, 120)
+        kids = children(up.pid)
+        client.wait_wired(f"http://127.0.0.1:{port}", 120)
+        os.kill(up.pid, signal.SIGKILL)
+        up.wait(10)
+        wait_until(lambda: not [p for p in kids if alive(p)], 30)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server would
+            s.bind(("127.0.0.1", port))  # free: nobody listens on it
+            s.listen()
+    finally:
+        for p in kids:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
 def test_cellswarm_up_on_a_port_in_use_is_one_line(tmp_path: Path) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

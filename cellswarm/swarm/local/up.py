@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from cellswarm.errors import SwarmError
+from cellswarm.lifecycle import DIE_WITH_ENV
 from cellswarm.planner.placement import ContextFit, fit_context
 from cellswarm.swarm.api import client
 from cellswarm.swarm.auth import write_secret
@@ -99,7 +100,8 @@ class LocalSwarm:
     def _spawn(self, name: str, args: list[str], ready: str,
                env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
         cmd = [sys.executable, "-m", "cellswarm.cli", *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", DIE_WITH_ENV: str(os.getpid()),
+               **(env_extra or {})}  # fmt: skip
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=env, start_new_session=True)  # fmt: skip
         self.procs[name] = p
