@@ -68,6 +68,10 @@ class StorageFullError(CellswarmError):
     HTTP: 507."""
 
 
+class DatabaseDamagedError(CellswarmError):
+    """The coordinator's database file fails its integrity check: restore it or move it."""
+
+
 class JobError(RequestError):
     """A job's own data cannot be run where it got to (a sampling parameter the engine
     refuses, say): that job's attempt fails; the node that found out is not to blame."""

@@ -702,3 +702,35 @@ def test_a_finished_batch_s_clock_stops_at_its_last_job(queue: JobQueue) -> None
     early, late = progress(info, start + 5), progress(info, start + 500)
     assert early["elapsed_s"] == late["elapsed_s"] == 4.0
     assert early["tokens_per_s"] == late["tokens_per_s"] and late["eta_s"] == 0.0
+
+
+@pytest.mark.parametrize("damage", ["garbage pages", "not a database"])
+def test_a_damaged_database_is_one_line_and_exit_2(tmp_path: Path, damage: str) -> None:
+    """A coordinator on a damaged SQLite file: three garbage pages mid-file (it used to
+    start and serve without noticing) or a file that is no database (a 21-line traceback)
+    is refused at start, in one line naming the file and the fix (PRAGMA quick_check)."""
+    import subprocess
+    import sys
+
+    from cellswarm.demo import demo_model_path
+
+    path = tmp_path / "c.db"
+    db = SQLiteDatabase(str(path))
+    queue = JobQueue(db)
+    for _ in range(300):
+        queue.submit({"prompt": "x" * 200, "max_tokens": 4})
+    db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.conn.close()
+    with path.open("r+b") as f:
+        if damage == "garbage pages":
+            f.seek(4096 * 5)
+            f.write(os.urandom(4096 * 3))
+        else:
+            f.write(os.urandom(4096))
+    out = subprocess.run([sys.executable, "-m", "cellswarm.cli", "coordinator", "--model",
+                          str(demo_model_path()), "--db", f"sqlite:///{path}", "--listen",
+                          "127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2, out
+    [line] = out.stderr.strip().splitlines()
+    assert f"database {path} is damaged" in line and "restore it from a backup" in line

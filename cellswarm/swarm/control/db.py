@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
-from cellswarm.errors import StorageFullError
+from cellswarm.errors import DatabaseDamagedError, StorageFullError
 
 Row = dict[str, Any]
 
@@ -79,9 +79,19 @@ class SQLiteDatabase(NestedTransactions):
             _private(path)
         self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.execute("PRAGMA busy_timeout=10000")
+        try:
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self.conn.execute("PRAGMA busy_timeout=10000")
+            problems = [r[0] for r in self.conn.execute("PRAGMA quick_check(3)")]
+        except sqlite3.DatabaseError as exc:  # not a database at all ("file is not a ...")
+            problems = [str(exc)]
+        if problems != ["ok"]:  # a damaged ledger must not serve (jobs lost or run twice)
+            self.conn.close()
+            said = "; ".join(problems).replace("\n", "; ")[:300]
+            raise DatabaseDamagedError(f"database {path} is damaged ({said}): restore it from "
+                                       f"a backup, or move it aside to start with an empty "
+                                       f"queue")  # fmt: skip
         self._lock = threading.RLock()  # one connection, shared by the loop and its threads
         self._depth = 0
 
