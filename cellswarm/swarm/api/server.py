@@ -34,6 +34,7 @@ from cellswarm.swarm.control.beats import BEAT_ANSWER_S, MAX_BEATS, beat_batch, 
 from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.control.jobs import Job
 from cellswarm.swarm.control.store import Node
+from cellswarm.swarm.control.wire import check_numbers
 
 MAX_WAIT_S = 30.0
 MAX_LEASE_WAIT_S = 1.5  # under the worker's HTTP timeout (worker.HTTP_TIMEOUT_S + wait)
@@ -44,6 +45,7 @@ async def node_body(request: Request) -> dict[str, Any]:
     data = load_json(await request.body())
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
+    check_numbers(data)  # control/wire.py: no number a field could not mean
     return data
 
 

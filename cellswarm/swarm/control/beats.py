@@ -39,6 +39,7 @@ from typing import Any
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.auth import digest
+from cellswarm.swarm.control.wire import check_numbers
 
 log = logging.getLogger("cellswarm.beats")
 
@@ -109,12 +110,17 @@ def unseal(data: bytes) -> tuple[str, bytes, dict[str, Any]]:
     if not sep or len(mac) != MAC_HEX:
         raise RequestError("a sealed beat is a 64-hex-digit seal, a newline, a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
     except ValueError as exc:
         raise RequestError(f"a sealed beat's JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RequestError("a sealed beat's JSON is an object")
+    check_numbers(body, "beat")
     return mac.decode("ascii", "replace"), raw, body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def holds(key: bytes, mac: str, raw: bytes) -> bool:

@@ -56,6 +56,7 @@ from cellswarm.swarm.control.membership import (
 )
 from cellswarm.swarm.control.nonces import Nonces
 from cellswarm.swarm.control.store import Node, NodeId, Store
+from cellswarm.swarm.control.wire import port
 from cellswarm.swarm.local.pipeline import costs_at
 from cellswarm.swarm.logs import JsonLog, Throttled
 from cellswarm.swarm.ring.stage import reset_stage
@@ -333,7 +334,8 @@ class Coordinator:
         most of an idle coordinator's work."""
         now = time.time()
         live = Beat(now, int(beat.get("rss_bytes", 0)), int(beat.get("peak_rss_bytes", 0)), now)
-        changes: dict[str, Any] = {"data_port": beat.get("data_port"), "ready": beat.get("ready")}
+        changes: dict[str, Any] = {"data_port": port(beat.get("data_port"), "data_port"),
+                                   "ready": beat.get("ready")}  # fmt: skip
         if beat.get("data_host"):  # what the node advertises; else the address it came from
             changes["host"] = str(beat["data_host"])
         if beat.get("clock_offset_s") is not None:  # the node's estimate of our clock - its

@@ -1,0 +1,46 @@
+"""A member turned hostile (a real session: it holds the cluster token) on the inner
+protocol's routes: numbers no field could mean are a 400 naming the field, never a 500,
+and the coordinator goes on serving (control/wire.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cellswarm.swarm.api import client
+from cellswarm.swarm.auth import prove
+from cellswarm.swarm.local.up import LocalSwarm
+
+PROBES: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/heartbeat", {"rss_bytes": 10**30}, "rss_bytes"),
+    ("/v1/heartbeat", {"rss_bytes": 1e300}, "rss_bytes"),
+    ("/v1/heartbeat", {"data_port": 10**30}, "data_port"),  # was a 500 (SQLite overflow)
+    ("/v1/heartbeat", {"data_port": -1}, "data_port"),
+    ("/v1/heartbeat", {"data_port": 70000}, "data_port"),
+    ("/v1/heartbeat", {"clock_offset_s": 1e308}, "clock_offset_s"),
+    ("/v1/heartbeat", {"stats": {"busy_s": 10**40}}, "stats.busy_s"),
+    ("/v1/jobs/lease", {"n": 10**30}, "n"),
+    ("/v1/jobs/lease", {"wait_s": 1e300}, "wait_s"),
+    ("/v1/jobs/complete", {"job_id": "x", "fence": 10**30, "result": {}}, "fence"),  # a 500
+    ("/v1/fault", {"epoch": 10**30, "kind": "forward"}, "epoch"),
+]
+
+
+def test_numbers_out_of_range_are_a_400_naming_the_field(demo_path: Path, tmp_path: Path) -> None:
+    with LocalSwarm(str(demo_path), 0, "120M", tmp_path) as swarm:
+        token = swarm.token_file.read_bytes().strip()
+        nonce = client.call(swarm.url, "/v1/challenge", {})["nonce"]
+        session = client.call(swarm.url, "/v1/join", {
+            "node_id": "m1", "nonce": nonce, "proof": prove(token, nonce, "m1"),
+            "capabilities": {"memory_bytes": 1 << 20}})["session"]  # fmt: skip
+        said = {}
+        for route, body, field in PROBES:
+            r = httpx.post(f"{swarm.url}{route}", json={"node_id": "m1", "session": session,
+                                                         **body}, timeout=30)  # fmt: skip
+            said[(route, field, str(body)[:40])] = (r.status_code, field in r.text)
+        assert all(v == (400, True) for v in said.values()), said
+        assert client.call(swarm.url, "/healthz")
+        beat = client.call(swarm.url, "/v1/heartbeat", {"node_id": "m1", "session": session})
+        assert "epoch" in beat
