@@ -67,9 +67,9 @@ def require_operator(coord: Coordinator, request: Request, api_keys: bool,
             raise NotFound(f"no request {request_id!r}", param="request_id")
         return
     nonce, _, proof = h.get("x-cellswarm-proof", "").partition(":")
-    # a nonce is single use, as for a join
-    if coord.token is not None and nonce and coord.nonces.take(nonce, time.monotonic()) \
-            and verify(coord.token, nonce, OPERATOR, proof):  # fmt: skip
+    # a nonce is single use, as for a join: spent once the proof over it held
+    if coord.token is not None and nonce and verify(coord.token, nonce, OPERATOR, proof) \
+            and coord.nonces.take(nonce, time.monotonic()):  # fmt: skip
         return
     node_id, _, session = h.get("x-cellswarm-session", "").partition(":")
     if node_id:

@@ -207,8 +207,8 @@ class Coordinator:
         return self.challenges(1, address)[0]
 
     def challenges(self, count: int, address: str = "127.0.0.1") -> list[str]:
-        """`count` fresh nonces for a caller at `address` (nonces.py: O(1), bounded in all
-        and per address)."""
+        """`count` fresh nonces for a caller at `address` (nonces.py: stateless, rate-limited
+        per address)."""
         return self.nonces.issue(count, address, time.monotonic())
 
     def join_many(self, joins: list[Any], host: str) -> list[dict[str, Any]]:
@@ -234,11 +234,14 @@ class Coordinator:
 
     def join(self, node_id: str, nonce: str, proof: str, caps: dict[str, Any], host: str) -> str:
         """A session for a node that proved the cluster token over a fresh nonce."""
-        if not self.nonces.take(nonce, time.monotonic()):  # single use: a replay finds none
-            raise PermissionError("unknown or used nonce: ask /v1/challenge for a fresh one")
+        now_s = time.monotonic()
+        if not self.nonces.good(nonce, now_s):  # single use: a replayed proof finds it spent
+            raise PermissionError("unknown, expired or used nonce: ask /v1/challenge for a "
+                                  "fresh one")  # fmt: skip
         if self.token is not None and not verify(self.token, nonce, node_id, proof):
             self.log.event("join_denied", None, worker=node_id)
             raise PermissionError("proof does not match the cluster token")
+        self.nonces.spend(nonce, now_s)  # only a proof that held spends one (nonces.py)
         if int(caps.get("memory_bytes") or 0) <= 0:
             raise RequestError("capabilities.memory_bytes must be a positive byte count")
         old = self.store.node(node_id)
