@@ -300,7 +300,9 @@ def add_doctor_command(sub: Any) -> None:
     p.add_argument("--coordinator", metavar="URL", help="check a running swarm and every "
                    "node through its coordinator instead")  # fmt: skip
     p.add_argument("--token-file", help="the cluster's token (an operator's proof)")
-    p.add_argument("--api-key", help="an admin's API key (a coordinator with --api-key-file)")
+    p.add_argument("--api-key-file", help="a file whose first key is an admin's API key (a "
+                   "coordinator with --api-key-file); never the key itself, which ps would "
+                   "show")  # fmt: skip
     p.add_argument("--tls", help="this operator's certificate folder (`cellswarm certs`)")
     p.add_argument("--wait", type=float, default=20.0,
                    help="seconds the nodes have to answer (default 20)")  # fmt: skip
@@ -314,7 +316,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from cellswarm.swarm.auth import load_token
 
         token = load_token(args.token_file) if args.token_file else None
-        results = SwarmDoctor(args.coordinator, token, args.api_key, args.tls, args.wait).run()
+        from cellswarm.swarm.commands import api_key
+
+        results = SwarmDoctor(args.coordinator, token, api_key(args), args.tls,
+                              args.wait).run()  # fmt: skip
         return report(results)
     path = Path(args.model) if args.model else Path(demo_model_path())
     if not path.exists():

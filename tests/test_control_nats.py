@@ -22,6 +22,7 @@ import pytest
 from cellswarm.lab.nats import NatsServer, why_not
 from cellswarm.swarm.api import client
 from cellswarm.swarm.local.up import LocalSwarm
+from tests.members import join
 from tests.waiting import wait_until
 
 
@@ -70,17 +71,6 @@ def test_a_swarm_beats_through_nats_and_over_http_without_it(
         assert beats_via(swarm.url)["http"] > http_before
 
 
-def _join(swarm: LocalSwarm, node_id: str) -> str:
-    """A session for a node of our own, joined as a worker would (auth.py)."""
-    from cellswarm.swarm.auth import prove
-
-    token = swarm.token_file.read_bytes().strip()
-    nonce = client.call(swarm.url, "/v1/challenge", {}, tls=swarm.tls_dir)["nonce"]
-    return str(client.call(swarm.url, "/v1/join", {
-        "node_id": node_id, "nonce": nonce, "proof": prove(token, nonce, node_id),
-        "capabilities": {"memory_bytes": 1 << 20}}, tls=swarm.tls_dir)["session"])  # fmt: skip
-
-
 def test_a_stranger_on_every_subject_hears_no_session_and_forges_or_replays_nothing(
     demo_path: Path, tmp_path: Path, nats_server: NatsServer
 ) -> None:
@@ -96,7 +86,7 @@ def test_a_stranger_on_every_subject_hears_no_session_and_forges_or_replays_noth
     with LocalSwarm(str(demo_path), 2, "256M", tmp_path, stages=2,
                     control=nats_server.url) as swarm:
         before = swarm.wait_ready()
-        session = _join(swarm, "r1")
+        session = join(swarm, "r1")
         token = swarm.token_file.read_bytes().strip()
 
         async def scenario() -> dict[str, dict[str, Any]]:

@@ -50,6 +50,29 @@ def test_a_healthy_swarm_passes_every_line_and_the_command_exits_0(
     assert lines[-1].startswith(f"{len(lines) - 1} of {len(lines) - 1} checks passed")
 
 
+def test_doctor_takes_an_admin_key_from_a_file_never_from_the_command_line(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """`--api-key KEY` put the key where `ps` shows it: doctor now reads the first key of
+    --api-key-file (as every other client command), and the old flag is refused."""
+    keys = tmp_path / "keys"
+    keys.write_text("admin sk-doctor-0123456789abcdef\n")
+    keys.chmod(0o600)
+    with LocalSwarm(str(demo_path), 2, "256M", tmp_path / "swarm", stages=2,
+                    api_key_file=str(keys)) as swarm:  # fmt: skip
+        swarm.wait_ready()
+        out = subprocess.run(
+            [sys.executable, "-m", "cellswarm.cli", "doctor", "--coordinator", swarm.url,
+             "--api-key-file", str(keys)],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    old = subprocess.run([sys.executable, "-m", "cellswarm.cli", "doctor", "--coordinator",
+                          swarm.url, "--api-key", "sk-doctor-0123456789abcdef"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert old.returncode == 2 and "--api-key" in old.stderr
+
+
 @pytest.fixture
 def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """worker-0's own log folder on a 4 MiB tmpfs, filled (needs root: mount)."""

@@ -197,17 +197,13 @@ def test_a_member_that_does_not_hold_a_lease_cannot_touch_it(
     fault reports (a forged step failure of the job, a part server, a sender, the next
     stage) strike nothing and unwire nothing: it runs no step of the ring. The job is
     untouched and finishes with one process's tokens on its first attempt."""
-    from cellswarm.swarm.auth import prove
+    from tests.members import join
 
     with LocalSwarm(str(demo_path), 1, "400M", tmp_path) as swarm:
         swarm.wait_ready()
         rid = client.submit(swarm.url, {"prompt": PROMPTS[0], "max_tokens": 60})
         wait_until(lambda: client.call(swarm.url, f"/v1/requests/{rid}")["n_tokens"] >= 2)
-        token = swarm.token_file.read_bytes().strip()
-        nonce = client.call(swarm.url, "/v1/challenge", {})["nonce"]
-        me = {"node_id": "m1", "session": client.call(swarm.url, "/v1/join", {
-            "node_id": "m1", "nonce": nonce, "proof": prove(token, nonce, "m1"),
-            "capabilities": {"memory_bytes": 1 << 20}})["session"]}  # fmt: skip
+        me = {"node_id": "m1", "session": join(swarm, "m1")}
         for fence in (0, 1, 2, 3):
             run = {"job_id": rid, "fence": fence}
             done = client.call(swarm.url, "/v1/jobs/complete", {

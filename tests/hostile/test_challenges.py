@@ -8,9 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from cellswarm.swarm.api import client
-from cellswarm.swarm.auth import prove
 from cellswarm.swarm.local.up import LocalSwarm
+from tests.members import join
 
 
 def test_a_challenge_flood_from_two_addresses_locks_no_member_out(
@@ -26,11 +25,6 @@ def test_a_challenge_flood_from_two_addresses_locks_no_member_out(
             got[stranger] = sum(len(a.json().get("nonces", [])) for a in answers
                                 if a.status_code == 200)  # fmt: skip
             refused += [a.text for a in answers if a.status_code != 200]
-        token = swarm.token_file.read_bytes().strip()
-        nonce = client.call(swarm.url, "/v1/challenge", {})["nonce"]  # the old table: full
-        session = client.call(swarm.url, "/v1/join", {
-            "node_id": "m1", "nonce": nonce, "proof": prove(token, nonce, "m1"),
-            "capabilities": {"memory_bytes": 1 << 20}})["session"]  # fmt: skip
-        assert session
+        assert join(swarm, "m1")  # its challenge: refused by the old, full table
         assert sum(got.values()) >= 131_072  # what filled the old table half-way each
         assert refused and all("faster than" in r for r in refused)  # rate-limited

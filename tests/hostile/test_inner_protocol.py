@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 
 from cellswarm.swarm.api import client
-from cellswarm.swarm.auth import prove
 from cellswarm.swarm.local.up import LocalSwarm
+from tests.members import join
 
 PROBES: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/heartbeat", {"rss_bytes": 10**30}, "rss_bytes"),
@@ -30,11 +30,7 @@ PROBES: list[tuple[str, dict[str, Any], str]] = [
 
 def test_numbers_out_of_range_are_a_400_naming_the_field(demo_path: Path, tmp_path: Path) -> None:
     with LocalSwarm(str(demo_path), 0, "120M", tmp_path) as swarm:
-        token = swarm.token_file.read_bytes().strip()
-        nonce = client.call(swarm.url, "/v1/challenge", {})["nonce"]
-        session = client.call(swarm.url, "/v1/join", {
-            "node_id": "m1", "nonce": nonce, "proof": prove(token, nonce, "m1"),
-            "capabilities": {"memory_bytes": 1 << 20}})["session"]  # fmt: skip
+        session = join(swarm, "m1")
         said = {}
         for route, body, field in PROBES:
             r = httpx.post(f"{swarm.url}{route}", json={"node_id": "m1", "session": session,

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> None:
     """`POST /v1/logs` (a node's batch, with its session) and `GET /v1/logs/{request_id}`
     (for operators: an API key — an admin's for any request, another only for its own
-    jobs — a proof of the cluster token over a fresh nonce, or a node's session; open only
-    when the coordinator has neither a token nor API keys). access.Edge has read the key."""
+    jobs — or a proof of the cluster token over a fresh nonce; open only when the
+    coordinator has neither a token nor API keys). access.Edge has read the key."""
 
     @app.post("/v1/logs")
     async def ship(request: Request) -> dict[str, Any]:
@@ -50,9 +50,9 @@ def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> 
 
 def require_operator(coord: Coordinator, request: Request, api_keys: bool,
                      request_id: str | None = None) -> None:  # fmt: skip
-    """An operator's route: an API key (an admin's; for `request_id`, also its owner's), a
-    proof of the cluster token over a fresh nonce, or a node's session; open only when the
-    coordinator has neither a token nor API keys. PermissionError otherwise."""
+    """An operator's route: an API key (an admin's; for `request_id`, also its owner's) or
+    a proof of the cluster token over a fresh nonce; open only when the coordinator has
+    neither a token nor API keys. PermissionError otherwise."""
     if coord.token is None and not api_keys:
         return
     h = request.headers
@@ -71,11 +71,9 @@ def require_operator(coord: Coordinator, request: Request, api_keys: bool,
     if coord.token is not None and nonce and verify(coord.token, nonce, OPERATOR, proof) \
             and coord.nonces.take(nonce, time.monotonic()):  # fmt: skip
         return
-    node_id, _, session = h.get("x-cellswarm-session", "").partition(":")
-    if node_id:
-        coord.authenticate(node_id, session)
-        return
+    # not a node's session: any member holds one, and an operator's route reads every
+    # request's timeline or drives every node (a session is for its own node's routes)
     raise PermissionError(
-        "this route needs an API key (Authorization: Bearer KEY), a proof "
-        "of the cluster token (--token-file) or a node's session"
+        "this route needs an API key (Authorization: Bearer KEY) or a proof "
+        "of the cluster token (--token-file)"
     )
