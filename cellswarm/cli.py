@@ -26,9 +26,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CellswarmError as exc:
         print(f"cellswarm: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:  # a file it was given cannot be opened: one line, not a traceback
+        print(f"cellswarm: error: {os_error(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("cellswarm: interrupted", file=sys.stderr)
         return 130
+
+
+def os_error(exc: OSError) -> str:
+    """What an OSError says, with the file and what to do about it."""
+    where = f" {exc.filename}" if exc.filename else ""
+    what = f"{exc.strerror or exc}{':' if where else ''}{where}"
+    if isinstance(exc, PermissionError):
+        return f"{what}: this user may not read it; check its owner and mode (ls -l)"
+    if isinstance(exc, FileNotFoundError):
+        return f"{what}: check the path"
+    return what
 
 
 def build_parser() -> argparse.ArgumentParser:
