@@ -264,3 +264,26 @@ def test_verifying_tells_its_progress_in_bytes(good: Path) -> None:
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and lines[-1].startswith("VERIFYING model: 4.0 of 4.0 MiB (100%)")
     assert "ETA" in lines[0]
+
+
+def test_a_model_skims_a_stray_array_it_does_not_need(tmp_path: Path) -> None:
+    """Opening a model (what `generate` does) read every metadata array into Python lists:
+    2.5 million float32s under a key no model reads took ~80 MB of objects. Arrays outside
+    `tokenizer.` longer than MAX_READ_ITEMS are skimmed as verify and plan skim them; the
+    tokenizer's own are read (the model needs them)."""
+    from cellswarm.io.gguf_file import MAX_READ_ITEMS, GGUFFile
+
+    count = 2_500_000
+    key = b"junk.floats"
+    head = struct.pack("<4sIQQ", b"GGUF", 3, 0, 1)
+    head += struct.pack("<Q", len(key)) + key
+    head += struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT32, count)
+    path = tmp_path / "stray.gguf"
+    path.write_bytes(head + b"\0" * (4 * count))
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    opened = GGUFFile(path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert isinstance(opened.metadata["junk.floats"], SkippedArray) and count > MAX_READ_ITEMS
+    assert peak < 2 << 20, peak

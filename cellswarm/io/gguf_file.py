@@ -135,10 +135,13 @@ class SkippedArray(NamedTuple):
     n_items: int
 
 
-def read_header(path: str | os.PathLike[str], *, skim: bool = False) -> Header:
+def read_header(path: str | os.PathLike[str], *, skim: bool = False,
+                skim_large: bool = False) -> Header:  # fmt: skip
     """A GGUF file's header, checked against the file's size. skim: metadata arrays (a
     tokenizer's hundreds of thousands of strings) are bounds-checked and stepped over, not
-    allocated; they read as `SkippedArray`s."""
+    allocated; they read as `SkippedArray`s. skim_large: only those of more than
+    MAX_READ_ITEMS items outside `tokenizer.` (what a model needs; a stray array of a
+    hundred million floats would be 3 GB of Python objects)."""
     p = Path(path)
     if not p.is_file():
         raise ModelFileError(f"model file {p} does not exist; pass the path of a .gguf file")
@@ -146,11 +149,11 @@ def read_header(path: str | os.PathLike[str], *, skim: bool = False) -> Header:
     with p.open("rb") as f:
         _check_magic(f.read(4), size, p)
     with p.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return _walk(p, buf, size, skim)
+        return _walk(p, buf, size, skim, skim_large)
 
 
 def _read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
-    header = read_header(path)
+    header = read_header(path, skim_large=True)
     return header.metadata, header.tensors
 
 
@@ -167,9 +170,10 @@ def _check_magic(magic: bytes, size: int, source: str | Path) -> None:
         )
 
 
-def _walk(source: str | Path, buf: mmap.mmap | bytes, size: int, skim: bool = False) -> Header:
+def _walk(source: str | Path, buf: mmap.mmap | bytes, size: int, skim: bool = False,
+          skim_large: bool = False) -> Header:  # fmt: skip
     try:
-        return _HeaderWalk(source, buf, size, skim).run()
+        return _HeaderWalk(source, buf, size, skim, skim_large).run()
     except (UnicodeDecodeError, ValueError, struct.error) as exc:
         raise ModelFileError(
             f"{source} is corrupt ({size} bytes; reading its header failed: {exc}); "
@@ -180,6 +184,7 @@ def _walk(source: str | Path, buf: mmap.mmap | bytes, size: int, skim: bool = Fa
 # ------------------------------------------------------------------ header damage, in words
 
 _MAX_NAME = 65535  # GGUF caps key and tensor names; a longer one is garbage, not a cut
+MAX_READ_ITEMS = 65_536  # a metadata array outside tokenizer.* longer than this is skimmed
 _MAX_COUNT = 1 << 24  # more tensors or metadata keys than any model has: a garbage count
 _MAX_DIMS = 4
 _SCALAR_FORMATS = {
@@ -218,10 +223,12 @@ class _HeaderWalk:
     damaged, which metadata key or tensor entry runs past the end or holds a garbage value."""
 
     def __init__(
-        self, path: str | Path, buf: mmap.mmap | bytes, size: int, skim: bool = False
-    ) -> None:
+        self, path: str | Path, buf: mmap.mmap | bytes, size: int, skim: bool = False,
+        skim_large: bool = False,
+    ) -> None:  # fmt: skip
         # size: the whole file's; buf may hold fewer bytes (a prefix of the file).
         self.path, self.buf, self.size, self.skim = path, buf, size, skim
+        self.skim_large, self.key = skim_large, ""  # the metadata key being read
         self.pos = 4  # after the magic
         self.order = "<"
 
@@ -242,7 +249,7 @@ class _HeaderWalk:
         meta: dict[str, Any] = {}
         align = gguf.GGUF_DEFAULT_ALIGNMENT
         for i in range(n_kv):
-            key = self.name(f"metadata key {i + 1} of {n_kv}")
+            key = self.key = self.name(f"metadata key {i + 1} of {n_kv}")
             if key in meta:
                 self.corrupt(f"holds metadata key {key!r} twice")
             (vtype,) = self.read("I", f"metadata key {key!r}")
@@ -315,7 +322,8 @@ class _HeaderWalk:
             # the items' least bytes must be in the file before a list of them is made (a
             # cut, not garbage: the count alone was checked, a cut file may end anywhere)
             self.reserve(count * least, f"{what} ({count} items)", garbage=False)
-            if self.skim:
+            if self.skim or (self.skim_large and count > MAX_READ_ITEMS
+                             and not self.key.startswith("tokenizer.")):  # fmt: skip
                 if item_type in _SCALAR_SIZES:
                     self.skip(count * least, what)
                 else:
