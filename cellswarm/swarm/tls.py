@@ -93,8 +93,10 @@ def issue(ca_dir: str | Path, name: str, out_dir: str | Path, hosts: Sequence[st
 
 # asyncio's SSLProtocol gives every connection a 256 KiB read buffer the moment it is
 # accepted, before any handshake: 1,000 strangers who connect and say nothing cost a TLS
-# listener ~290 MB (measured), and glibc keeps most of it after they go. A TLS record is
-# at most 16 KiB, so a read of that size loses nothing but a few calls per megabyte.
+# listener ~290 MB (measured), and glibc keeps most of it after they go. The coordinator
+# (whose inbound requests are small) reads in one TLS record's size instead. A stage keeps
+# asyncio's: a prefill's activations arrive in megabytes, 16 times the receive calls would
+# cost, and at most 64 strangers are held unproven there (frames.MAX_UNPROVEN).
 TLS_READ_BYTES = 16 * 1024
 
 
@@ -106,9 +108,7 @@ def lean_tls_buffers() -> None:
 
 
 def server_context(tls_dir: str | Path) -> ssl.SSLContext:
-    """For a listener: present node.pem, require a client certificate chained to ca.pem.
-    Its asyncio connections read in TLS_READ_BYTES (lean_tls_buffers)."""
-    lean_tls_buffers()
+    """For a listener: present node.pem, require a client certificate chained to ca.pem."""
     return _context(ssl.PROTOCOL_TLS_SERVER, Path(tls_dir))
 
 

@@ -488,7 +488,7 @@ def _tls(tls_dir: str | None) -> dict[str, Any]:
 
     from cellswarm.swarm.tls import TLS12_CIPHERS, files, lean_tls_buffers
 
-    lean_tls_buffers()  # uvicorn makes its own context: the buffers are the process's
+    lean_tls_buffers()  # the coordinator's inbound requests are small (tls.py)
     ca, cert, key = files(tls_dir)
     return {"ssl_certfile": cert, "ssl_keyfile": key, "ssl_ca_certs": ca,
             "ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_version": ssl.PROTOCOL_TLS_SERVER,
