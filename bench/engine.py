@@ -86,7 +86,7 @@ def measure(model: Model, prompt_len: int, decode_steps: int) -> tuple[float, fl
     model.step(ids[:8], cache)
     model.step(ids[:1], cache)  # first decode step: lazily prepared kernel arguments
     inside = [0.0]
-    names = ("matmul_args", "attend1", "llama_decode_layers", "ds_decode_layers",
+    names = ("matmul_args", "attend_keys", "llama_decode_layers", "ds_decode_layers",
              "ds_layer_call", "swiglu1", "ds_route")  # fmt: skip
     real = {name: getattr(kernels, name) for name in names}
 

@@ -1,7 +1,8 @@
 """cellswarm against llama.cpp: the same GGUF files, the same threads, in the same run.
 
     python -m bench.peers [--only SUBSTRING] [--threads 1,2] [--rounds R] [--quick] [--json]
-                          [--check] [--perplexity]
+                          [--check] [--perplexity] [--makers download,llama-quantize,pure]
+                          [--baseline OTHER_CHECKOUT]
 
 The first run installs llama.cpp into the cache folder (`$CELLSWARM_CACHE/peers`, by default
 ~/.cache/cellswarm/peers): pip downloads the llama-cpp-python sdist from PyPI (pinned below;
@@ -20,6 +21,17 @@ float (norms, the router, its bias) and where a row is not whole 256-blocks (att
 Q5_0 for Q4_K, as llama-quantize falls back). Q4_K and Q6_K blocks are packed here by
 rounding to nearest (cellswarm's codecs only read K-quants); both engines read the same bits.
 The tokenizer is the demo model's (SmolLM2, 49,152 tokens), which llama.cpp requires.
+
+Those are the "pure" files. Users download files that llama.cpp's quantizer made with its
+default mixes, so the bench also runs llama-quantize (built with the rest) on each model's
+F32 file: the dense 0.3B as Q4_0 and Q4_K_M, the MoE as Q4_0, Q8_0 and Q4_K_M ("llama-quantize"
+rows: a Q6_K output head, Q4_K_M's Q6_K attn_v and half the ffn_down, the MoE's own choices
+for its experts and the 64-wide attn_k_b), and the demo model as its wheel ships it (made by
+llama.cpp's converter, Q4_1: the "download" row). `--makers` picks which.
+
+`--baseline DIR` runs a second cellswarm, another checkout (a `git worktree` of the commit
+before a kernel change), on every row beside the two engines and prints its tokens/s and the
+ratio now / before: what the change cost per row.
 
 Before measuring, every file is run by both engines: llama-simple and cellswarm each continue
 a prompt greedily for 8 tokens, and the line says how many leading tokens agree. Random
@@ -74,7 +86,7 @@ from typing import Any
 import numpy as np
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the PyPI sdist whose vendor/llama.cpp is built
-BINARIES = ("llama-bench", "llama-simple", "llama-perplexity")
+BINARIES = ("llama-bench", "llama-simple", "llama-perplexity", "llama-quantize")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
@@ -169,6 +181,9 @@ class PeerModel:
     # Also written, for the agreement check only: the same weights in float, where neither
     # engine rounds activations (a MoE's routing turns rounding noise into other experts).
     control: str | None = None
+    # Made by llama-quantize from the F32 file with its default mix (llama_ftype names), as
+    # the files users download are: Q6_K output head, Q4_K_M's Q6_K attn_v / ffn_down halves.
+    mixes: tuple[str, ...] = ()
 
     def path(self, quant: str) -> Path:
         return peers_dir() / "models" / f"{self.name}-{quant.upper()}-v{MAKER_VERSION}.gguf"
@@ -197,10 +212,66 @@ def peer_models() -> list[PeerModel]:
     )  # fmt: skip
     small = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
     return [
-        PeerModel("llama-0.3B", llama(1024, 8, 4, 2816), small, 1),
+        PeerModel("llama-0.3B", llama(1024, 8, 4, 2816), small, 1, mixes=("Q4_0", "Q4_K_M")),
         PeerModel("llama-1B", llama(2048, 16, 8, 5632), ("q4_0", "q8_0", "q4_k"), 2),
-        PeerModel("deepseek-moe-0.8B", moe, ("q4_0", "q8_0", "q4_k"), 3, control="f32"),
+        PeerModel("deepseek-moe-0.8B", moe, ("q4_0", "q8_0", "q4_k"), 3, control="f32",
+                  mixes=("Q4_0", "Q8_0", "Q4_K_M")),
     ]
+
+
+@dataclass(frozen=True)
+class PeerFile:
+    """One row's file. maker "pure": cellswarm's writer, every weight in one format (as
+    `llama-quantize --pure`); "llama-quantize": llama.cpp's quantizer on the model's F32 file
+    with its default mix for `quant`; "download": the demo model as its wheel ships it (made by
+    llama.cpp's converter)."""
+
+    model: PeerModel | None  # None: the demo model
+    quant: str
+    maker: str
+
+    @property
+    def label(self) -> str:
+        name = self.model.name if self.model else "demo-135M"
+        return f"{name} {self.quant.upper()} ({self.maker})"
+
+
+def peer_files(models: Sequence[PeerModel], makers: Sequence[str], quick: bool) -> list[PeerFile]:
+    files: list[PeerFile] = []
+    if "download" in makers:
+        files.append(PeerFile(None, "q4_1", "download"))
+    for m in models:
+        if "llama-quantize" in makers:
+            files += [PeerFile(m, q, "llama-quantize") for q in m.mixes[: 1 if quick else None]]
+        if "pure" in makers:
+            files += [PeerFile(m, q, "pure") for q in m.quants[: 1 if quick else None]]
+    return files
+
+
+def llama_quantize(llama: LlamaCpp, model: PeerModel, mix: str, log: Any = print) -> Path:
+    """`llama-quantize F32FILE OUT MIX`: llama.cpp's own choice of format per tensor."""
+    path = peers_dir() / "models" / f"{model.name}-{mix.upper()}-lq-v{MAKER_VERSION}.gguf"
+    if path.is_file():
+        return path
+    source = make_model(model, "f32", log)
+    tmp = path.with_suffix(".tmp")
+    out = subprocess.run([llama.exe("llama-quantize"), str(source), str(tmp), mix],
+                         capture_output=True, text=True)  # fmt: skip
+    if out.returncode:
+        raise RuntimeError(f"llama-quantize {mix} failed: {out.stderr.strip()[-500:]}")
+    tmp.replace(path)
+    log(f"llama-quantize wrote {path.name}: {path.stat().st_size / 2**20:.0f} MiB")
+    return path
+
+
+def file_path(llama: LlamaCpp, f: PeerFile, log: Any = print) -> Path:
+    from cellswarm.demo import demo_model_path
+
+    if f.model is None:
+        return demo_model_path()
+    if f.maker == "llama-quantize":
+        return llama_quantize(llama, f.model, f.quant, log)
+    return make_model(f.model, f.quant, log)
 
 
 def tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
@@ -390,8 +461,10 @@ def combine_rounds(rounds: Sequence[tuple[Mapping[str, float], Mapping[str, floa
     return row
 
 
-COLUMNS = ("model", "quant", "threads", "llama.cpp decode", "cellswarm decode", "ratio",
+COLUMNS = ("file", "threads", "llama.cpp decode", "cellswarm decode", "ratio",
            "llama.cpp prefill", "cellswarm prefill", "ratio")  # fmt: skip
+# with --baseline: cellswarm at another checkout, and what this one costs against it
+BASELINE_COLUMNS = ("before decode", "now/before", "before prefill", "now/before")
 
 
 def ratio(ours: float | None, theirs: float | None, rounds: Sequence[float] = ()) -> str:
@@ -402,25 +475,29 @@ def ratio(ours: float | None, theirs: float | None, rounds: Sequence[float] = ()
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """Rows of {model, quant, threads, llama_decode, cells_decode, llama_prefill,
-    cells_prefill} (tokens/s, None when a run failed; with --rounds, the medians and the
-    rounds' decode_ratios and prefill_ratios) -> the printed table."""
+    """Rows of {file, threads, llama_decode, cells_decode, llama_prefill, cells_prefill}
+    (tokens/s, None when a run failed; with --rounds, the medians and the rounds'
+    decode_ratios and prefill_ratios; with --baseline, before_decode and before_prefill) ->
+    the printed table."""
 
     def num(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
 
-    body = [
-        (r["model"], r["quant"].upper(), str(r["threads"]),
-         num(r["llama_decode"]), num(r["cells_decode"]),
-         ratio(r["cells_decode"], r["llama_decode"], r.get("decode_ratios", ())),
-         num(r["llama_prefill"]), num(r["cells_prefill"]),
-         ratio(r["cells_prefill"], r["llama_prefill"], r.get("prefill_ratios", ())))
-        for r in rows
-    ]  # fmt: skip
-    widths = [max([len(c), *(len(b[i]) for b in body)]) for i, c in enumerate(COLUMNS)]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+    before = any("before_decode" in r for r in rows)
+    columns = COLUMNS + (BASELINE_COLUMNS if before else ())
+    body = []
+    for r in rows:
+        line = [r["file"], str(r["threads"])]
+        for key in ("decode", "prefill"):
+            ours, theirs = r[f"cells_{key}"], r[f"llama_{key}"]
+            line += [num(theirs), num(ours), ratio(ours, theirs, r.get(f"{key}_ratios", ()))]
+        for key in ("decode", "prefill") if before else ():
+            line += [num(r.get(f"before_{key}")), ratio(r[f"cells_{key}"], r.get(f"before_{key}"))]
+        body.append(line)
+    widths = [max([len(c), *(len(b[i]) for b in body)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) if i < 1 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(line, widths, strict=True)))
-             for line in [COLUMNS, *body]]  # fmt: skip
+             for line in [columns, *body]]  # fmt: skip
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
@@ -471,10 +548,14 @@ def cellswarm_speed(path: str, threads: int, prompt_len: int, steps: int, reps: 
     }
 
 
-def run_cellswarm(path: Path, threads: int, prompt_len: int, steps: int, reps: int) -> dict:
+def run_cellswarm(path: Path, threads: int, prompt_len: int, steps: int, reps: int,
+                  checkout: Path | None = None) -> dict:  # fmt: skip
+    """cellswarm_speed in a process of its own, from this checkout or another (--baseline)."""
     args = json.dumps([str(path), threads, prompt_len, steps, reps])
+    root = checkout or Path(__file__).resolve().parents[1]
+    env = os.environ | {"PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", WORKER, args], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+                         cwd=root, env=env)  # fmt: skip
     if out.returncode:
         print(f"  cellswarm failed on {path.name}: {out.stderr.strip().splitlines()[-1:]}")
         return {}
@@ -570,15 +651,13 @@ def perplexities(llama: LlamaCpp, paths: Sequence[Path], threads: int, n_ctx: in
 
 
 def plan_rows(
-    models: Sequence[PeerModel], threads: Sequence[int], only: str | None, quick: bool
-) -> Iterator[tuple[PeerModel, str, int]]:
-    for m in models:
-        for q in m.quants[:1] if quick else m.quants:
-            label = f"{m.name} {q.upper()}"
-            if only and only.lower() not in label.lower():
-                continue
-            for t in threads:
-                yield m, q, t
+    files: Sequence[PeerFile], threads: Sequence[int], only: str | None
+) -> Iterator[tuple[PeerFile, int]]:
+    for f in files:
+        if only and only.lower() not in f.label.lower():
+            continue
+        for t in threads:
+            yield f, t
 
 
 def main() -> None:
@@ -596,17 +675,25 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--check", action="store_true", help="install, write, check; no timing")
     parser.add_argument("--perplexity", action="store_true", help="llama-perplexity too")
+    parser.add_argument("--baseline", type=Path,
+                        help="another cellswarm checkout (e.g. a git worktree of the commit "
+                             "before a kernel change): its speed on each row too, and the "
+                             "ratio now / before")  # fmt: skip
+    parser.add_argument("--makers", default="download,llama-quantize,pure",
+                        help="which files: download (the demo model as shipped), "
+                             "llama-quantize (its default mixes), pure (cellswarm's writer, "
+                             "one format); comma-separated, default all")  # fmt: skip
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     prompt_len, steps, reps = (128, 32, 1) if args.quick else (512, 128, 3)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
 
     llama = install_llama_cpp(log)
-    rows = list(plan_rows(peer_models(), threads, args.only, args.quick))
-    files = list({(m.name, q): (m, q) for m, q, _ in rows}.values())
-    paths = {(m.name, q): make_model(m, q, log) for m, q in files}
+    files = peer_files(peer_models(), args.makers.split(","), args.quick)
+    rows = list(plan_rows(files, threads, args.only))
+    paths = {f: file_path(llama, f, log) for f in dict.fromkeys(f for f, _ in rows)}
     log(f"{llama.label}; cellswarm kernels: {_backend()}")
-    models = {m.name: m for m, _ in files}
+    models = {f.model.name: f.model for f in paths if f.model}
     log("params: " + ", ".join(f"{n} {n_params(m.config) / 1e9:.2f}B" for n, m in models.items()))
     checks = []
     controls = [make_model(m, m.control, log) for m in models.values() if m.control]
@@ -620,8 +707,8 @@ def main() -> None:
     load_before = os.getloadavg()
     results = []
     turn = 0
-    for m, q, t in rows:
-        path = paths[(m.name, q)]
+    for f, t in rows:
+        path = paths[f]
         pairs = []
         for _ in range(max(1, args.rounds)):
             if turn % 2 == 0:  # alternate which engine goes first
@@ -632,7 +719,10 @@ def main() -> None:
                 theirs = run_llama_bench(llama, path, t, prompt_len, steps, reps)
             turn += 1
             pairs.append((theirs, ours))
-        row = {"model": m.name, "quant": q, "threads": t, **combine_rounds(pairs)}
+        row = {"file": f.label, "threads": t, **combine_rounds(pairs)}
+        if args.baseline:
+            before = run_cellswarm(path, t, prompt_len, steps, reps, args.baseline)
+            row |= {f"before_{k}": v for k, v in before.items()}
         results.append(row)
         log(format_table([row]).splitlines()[-1])
     load_after = os.getloadavg()
@@ -651,7 +741,7 @@ def main() -> None:
     if args.perplexity:
         from cellswarm.demo import demo_model_path
 
-        q8 = [p for (_, q), p in paths.items() if q == "q8_0"]
+        q8 = [p for f, p in paths.items() if f.quant == "q8_0" and f.maker == "pure"]
         perplexities(llama, [demo_model_path(), *q8], max(threads))
 
 

@@ -104,10 +104,3 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-# Issue 32 (open): the kernels' AVX2 path and OpenBLAS's Zen/Haswell kernels compute other
-# bits than the AVX-512 paths the goldens and the batch-invariance checks were made on. On
-# a CPU without AVX-512 those checks fail today, on every commit (ce987ca too): they are
-# marked expected to fail there, not skipped, so they show as XFAIL until issue 32 holds.
-NO_AVX512 = "avx512f" not in _cpu_flags()
-ISSUE_32 = pytest.mark.xfail(NO_AVX512, reason="issue 32: other bits without AVX-512",
-                             strict=False)

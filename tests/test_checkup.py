@@ -53,6 +53,23 @@ def test_rounding_alone_passes_and_a_small_error_in_the_kernels_does_not() -> No
                               None)[1].status == "FAIL"  # fmt: skip
 
 
+def test_on_the_c_kernels_one_ulp_off_fails_where_the_tolerance_would_pass() -> None:
+    """Kernels give the same bits on every CPU (issue 32): a node's matmul or forward step
+    that differs from the coordinator's in the last bit is wrong, however close; a node on
+    the numpy path (other bits by design) is still judged by the tolerance."""
+    own = np.asarray(checks.matmul_here(SEED), np.float32)
+    exact = answer(forward=None) | {"matmul": [float(v) for v in own]}
+    assert checkup.judge_node("n", "spare", exact, REF, None, own)[1].status == "PASS"
+    ulp = np.nextafter(own, np.float32(np.inf))
+    off = exact | {"matmul": [float(v) for v in ulp]}
+    assert checkup.judge_node("n", "spare", off, REF, None, own)[1].status == "FAIL"
+    numpy_node = off | {"env": {"kernels": "numpy"}}
+    assert checkup.judge_node("n", "spare", numpy_node, REF, None, own)[1].status == "PASS"
+    other_bits = answer(forward={**FWD, "bits": "0" * 16}) | {"matmul": exact["matmul"]}
+    got = checkup.judge_node("n", "assigned", other_bits, REF, FWD, own)
+    assert got[2].status == "FAIL" and "other bits" in got[2].detail
+
+
 def env(**kw: Any) -> dict[str, Any]:
     base = {"cellswarm": "0.1.0", "python": "3.11.7", "numpy": "2.0", "kernels": "c",
             "kernel_build": "abc", "machine": "x86_64", "cpu_flags": ["avx2"],
@@ -66,6 +83,8 @@ def env(**kw: Any) -> dict[str, Any]:
     [
         ({"a": env(), "b": env()}, set()),
         ({"a": env(), "b": env(cellswarm="0.0.9"), "c": env()}, {"same cellswarm"}),
+        ({"a": env(), "b": env(kernel_build="def")}, {"same kernel_build"}),  # other sources
+        ({"a": env(), "b": env(machine="aarch64")}, set()),  # the same bits on every CPU
         ({"a": env(), "b": env(cpu_flags=[])}, {"same cpu_flags"}),
         ({"a": env(disk_free_bytes={"/logs": 5 << 20}), "b": env()}, {"a disk"}),
         ({"a": env(memory_available_bytes=100 << 20), "b": env()}, {"a memory"}),

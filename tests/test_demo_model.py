@@ -71,10 +71,16 @@ def reference(demo: Model, demo_path: Path) -> tuple[np.ndarray, np.ndarray]:
 def test_logits_match_transformers_on_the_same_gguf(
     demo: Model, reference: tuple[np.ndarray, np.ndarray]
 ) -> None:
-    ids, ref = reference  # > 16 tokens: dequantized tiles and BLAS, float32 activations
-    assert max_rel_diff(demo.logits(ids), ref) <= 1e-3
+    """The numpy reference path (float32 weights and activations) within 1e-3 of the largest
+    logit, prefill and decode; the kernels' prefill, int8 activations at any batch in the one
+    order of kernels/exact.c (the decode path's arithmetic), within its 5% bound below."""
+    ids, ref = reference
     with kernels.using("numpy"):
+        assert max_rel_diff(demo.logits(ids), ref) <= 1e-3
         assert max_rel_diff(prefill_then_decode(demo, ids[:40], 32), ref[:40]) <= 1e-3
+    fast = demo.logits(ids)
+    assert max_rel_diff(fast, ref) <= 5e-2
+    assert (fast.argmax(-1) == ref.argmax(-1)).mean() >= 0.85
 
 
 def test_fast_decode_path_stays_close_to_transformers(

@@ -547,7 +547,10 @@ def make_machine(backend: Backend) -> type[RuleBasedStateMachine]:
                 assert outcome == "done"
                 return
             m.runs.append((t.replica, tokens))
-            agreed = [a for i, (_, a) in enumerate(m.runs) if a in [b for _, b in m.runs[i + 1 :]]]
+            # two runs agree only from different replicas (jobs._majority): a replica wrong
+            # the same way every time must not outvote the others with its own second run
+            agreed = [a for i, (ra, a) in enumerate(m.runs)
+                      if any(b == a and rb != ra for rb, b in m.runs[i + 1 :])]  # fmt: skip
             if agreed:
                 m.state, m.result, m.commits = "done", {"tokens": agreed[0], "runs": len(m.runs)}, 1
                 m.tokens = agreed[0]

@@ -25,7 +25,7 @@ from cellswarm.lab import system
 from cellswarm.lab.lab import Lab
 from cellswarm.lab.nats import why_not as nats_why_not
 from cellswarm.lab.postgres import pg_bin
-from cellswarm.lab.topology import LabSpec
+from cellswarm.lab.topology import LabSpec, cpu_path
 from cellswarm.swarm.api import client
 from tests.waiting import wait_until
 
@@ -51,8 +51,9 @@ def expected(demo_path: Path) -> dict[str, list[int]]:
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     """8 worker hosts in 2 racks (128 MiB each: the demo model needs 3 of them) and a
     coordinator host; the tests below change it (a host dies, a rack is cut off) and put
-    it back."""
-    spec = LabSpec(hosts=8, racks=2, memory_bytes=128 << 20)
+    it back. The hosts' CPUs are mixed (`--cpus mix`): each compiles the kernels native,
+    for AVX2 or for the x86-64 baseline, with another BLAS core type, in turn."""
+    spec = LabSpec(hosts=8, racks=2, memory_bytes=128 << 20, cpus="mix")
     ports = {"h2": ("--listen", "10.77.1.2:9470"),  # a fixed data port, as a firewall wants
              "h3": ("--listen", "0.0.0.0:9471", "--advertise", "10.77.1.3:9471")}  # fmt: skip
     with Lab(spec, tmp_path_factory.mktemp("lab"), prefix="cstest", host_args=ports,
@@ -188,6 +189,10 @@ def test_tokens_identical_to_one_process_then_a_host_dies(
     assert after[victim]["state"] == "lost"
     heir = [h for h, n in after.items() if n["layers"] == layers and n["state"] == "assigned"]
     assert heir and heir[0] != victim  # the layers moved to another host
+    # ... on another CPU path: the same text is the same bits on another kernel build
+    workers = [h.name for h in lab.topology.workers()]
+    paths = {h: cpu_path(lab.topology.spec, workers.index(h))[0] for h in (victim, heir[0])}
+    assert paths[victim] != paths[heir[0]], paths
     lab.start_worker(victim)  # the host is back: its worker joins as a spare
     wait_until(lambda: _nodes(lab)[victim]["state"] == "spare", 60)
 
@@ -289,7 +294,9 @@ def test_doctor_brings_up_every_host_through_the_coordinator(lab: Lab) -> None:
     assert not [r for r in results if r.status == "FAIL"], lines
     for h in hosts:
         assert got[f"{h} matmul"].status == got[f"{h} forward"].status == "PASS", lines
-    assert sum("one step within" in got[f"{h} forward"].detail for h in hosts) == 3  # 3 stages
+    # 3 stages, on hosts of mixed CPU paths, each step the coordinator's bits exactly
+    assert sum("one step the same bits as" in got[f"{h} forward"].detail for h in hosts) == 3
+    assert all("the same bits as the coordinator's" in got[f"{h} matmul"].detail for h in hosts)
     assert "same cellswarm" in got and got["tokenizer"].status == "PASS"
     assert str(lab.state_dir / "hosts") in lines  # each host's own folder, not a shared one
     page = httpx.get(f"{lab.url}/dashboard/nodes", timeout=30).text

@@ -40,19 +40,39 @@ def test_agreeing_tokens() -> None:
 
 def test_format_table() -> None:
     rows = [
-        {"model": "llama-0.3B", "quant": "q4_0", "threads": 1, "llama_decode": 20.0,
+        {"file": "llama-0.3B Q4_0 (pure)", "threads": 1, "llama_decode": 20.0,
          "cells_decode": 15.0, "llama_prefill": 1500.0, "cells_prefill": 300.0},
-        {"model": "deepseek-moe-0.8B", "quant": "q8_0", "threads": 2, "llama_decode": None,
+        {"file": "deepseek-moe-0.8B Q8_0 (llama-quantize)", "threads": 2, "llama_decode": None,
          "cells_decode": 9.5, "llama_prefill": 80.0, "cells_prefill": None},
     ]  # fmt: skip
     lines = peers.format_table(rows).splitlines()
-    assert lines[0].split()[:3] == ["model", "quant", "threads"]
+    assert lines[0].split()[:2] == ["file", "threads"]
     assert set(lines[1]) == {"-"} and len(lines) == 4
-    assert lines[2].split() == ["llama-0.3B", "Q4_0", "1", "20.0", "15.0", "0.75",
+    assert lines[2].split() == ["llama-0.3B", "Q4_0", "(pure)", "1", "20.0", "15.0", "0.75",
                                 "1500", "300.0", "0.20"]  # fmt: skip
-    assert lines[3].split() == ["deepseek-moe-0.8B", "Q8_0", "2", "-", "9.5", "-",
-                                "80.0", "-", "-"]  # fmt: skip
+    assert lines[3].split() == ["deepseek-moe-0.8B", "Q8_0", "(llama-quantize)", "2", "-", "9.5",
+                                "-", "80.0", "-", "-"]  # fmt: skip
     assert len({len(line) for line in lines}) == 1  # aligned
+
+
+def test_the_baseline_columns_say_what_a_change_cost() -> None:
+    """--baseline: the other checkout's tokens/s and now / before, per row."""
+    row = {"file": "m Q4_K_M (llama-quantize)", "threads": 1, "llama_decode": 20.0,
+           "cells_decode": 18.0, "llama_prefill": 100.0, "cells_prefill": 90.0,
+           "before_decode": 24.0, "before_prefill": 90.0}  # fmt: skip
+    lines = peers.format_table([row]).splitlines()
+    assert lines[0].endswith("before prefill  now/before")
+    assert lines[2].split()[-4:] == ["24.0", "0.75", "90.0", "1.00"]
+
+
+def test_peer_files_name_their_maker() -> None:
+    models = peers.peer_models()
+    files = peers.peer_files(models, ["download", "llama-quantize"], quick=False)
+    assert files[0].label == "demo-135M Q4_1 (download)"
+    assert "deepseek-moe-0.8B Q4_K_M (llama-quantize)" in [f.label for f in files]
+    assert all(f.maker != "pure" for f in files)
+    quick = peers.peer_files(models, ["pure"], quick=True)
+    assert [f.label for f in quick] == [f"{m.name} {m.quants[0].upper()} (pure)" for m in models]
 
 
 def test_rounds_give_medians_and_the_side_by_side_ratios() -> None:
@@ -68,7 +88,7 @@ def test_rounds_give_medians_and_the_side_by_side_ratios() -> None:
     assert row["decode_ratios"] == pytest.approx([0.9, 1.1, 1.05])
     assert row["llama_prefill"] == 400.0 and row["cells_prefill"] == 321.0
     assert row["prefill_ratios"] == pytest.approx([0.75, 0.9])
-    table = peers.format_table([{"model": "m", "quant": "q4_0", "threads": 2, **row}])
+    table = peers.format_table([{"file": "m Q4_0 (pure)", "threads": 2, **row}])
     line = table.splitlines()[2]
     assert "1.05 [0.90-1.10]" in line and "0.82 [0.75-0.90]" in line
     assert peers.combine_rounds([({}, {})])["cells_decode"] is None

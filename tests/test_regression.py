@@ -14,7 +14,6 @@ import pytest
 
 import cellswarm
 from cellswarm.engine import golden
-from tests.conftest import ISSUE_32
 
 HERE = Path(__file__).parent / "regression"
 PROMPTS, GOLDEN = HERE / "demo_prompts.txt", HERE / "demo_golden.json"
@@ -25,7 +24,6 @@ def demo(demo_path: Path) -> cellswarm.Model:
     return cellswarm.load(demo_path)
 
 
-@ISSUE_32
 def test_the_demo_model_still_says_what_it_said(demo: cellswarm.Model) -> None:
     goldens = golden.load(GOLDEN)
     prompts = [p for p in PROMPTS.read_text().splitlines() if p.strip()]
@@ -49,7 +47,6 @@ def test_a_changed_output_fails_at_its_first_sure_token(
 
 
 @pytest.mark.slow
-@ISSUE_32
 def test_the_eval_command_checks_and_fails_in_its_exit_status(
     demo_path: Path, tmp_path: Path
 ) -> None:

@@ -1,15 +1,18 @@
 """Fixed-prompt regression checks (the seed's "same input, same output"): each prompt's greedy
 tokens stored with the margin the choice had, then checked against a later run.
 
-A greedy step whose top two logits were nearly tied can flip on another CPU (other SIMD
-paths sum in another order) without anything being wrong, and every token after a flip
-differs. So each stored token carries its margin (top-1 minus top-2 logit), and a check
-compares tokens up to the first step whose stored margin is below `min_margin`: a wrong
-token before that is a regression; after it, nothing is asserted.
+With the C kernels a step's logits are the same bits on every CPU, thread count and batch
+(kernels/exact.c), so a check compares every token and every step's logits (a digest of their
+bits) exactly: any difference is a regression. The numpy reference path sums in BLAS's order,
+which differs by CPU: there a greedy step whose top two logits were nearly tied may flip
+without anything being wrong, so each stored token carries its margin (top-1 minus top-2
+logit) and that path compares tokens up to the first step whose stored margin is below
+`min_margin`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cellswarm import kernels
 from cellswarm.errors import RequestError
 
 if TYPE_CHECKING:
@@ -32,12 +36,13 @@ class Golden:
     tokens: list[int]
     margins: list[float]
     text: str
+    digests: list[str] | None = None  # per step: sha256 of the logits' bits, 12 hex digits
 
 
 @dataclass(frozen=True)
 class Check:
     prompt: str
-    checked: int  # tokens compared (up to the first near tie)
+    checked: int  # tokens compared (all; the numpy path: up to the first near tie)
     mismatch: int | None  # the first step that differs, or None
     expected: str
     got: str
@@ -54,12 +59,18 @@ def greedy(model: Model, prompt: str, max_tokens: int) -> Golden:
     logits = model.step(np.asarray(ids), cache, last_only=True)[-1]
     tokens: list[int] = []
     margins: list[float] = []
+    digests: list[str] = []
     for _ in range(max_tokens):
         top2 = np.partition(logits, -2)[-2:]
         tokens.append(int(np.argmax(logits)))
         margins.append(round(float(top2[1] - top2[0]), 4))
+        digests.append(_digest(logits))
         logits = model.step(np.asarray(tokens[-1:]), cache)[-1]
-    return Golden(prompt, tokens, margins, model.tokenizer.decode(tokens))
+    return Golden(prompt, tokens, margins, model.tokenizer.decode(tokens), digests)
+
+
+def _digest(logits: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(logits, np.float32).tobytes()).hexdigest()[:12]
 
 
 def record(model: Model, prompts: Sequence[str], max_tokens: int, path: Path) -> list[Golden]:
@@ -77,10 +88,16 @@ def load(path: Path) -> list[Golden]:
 
 
 def check(model: Model, goldens: Sequence[Golden], min_margin: float = MIN_MARGIN) -> list[Check]:
+    exact = kernels.enabled()
     out = []
     for g in goldens:
         run = greedy(model, g.prompt, len(g.tokens))
-        sure = next((i for i, m in enumerate(g.margins) if m < min_margin), len(g.tokens))
-        mismatch = next((i for i in range(sure) if run.tokens[i] != g.tokens[i]), None)
+        sure = len(g.tokens)
+        if not exact:
+            sure = next((i for i, m in enumerate(g.margins) if m < min_margin), sure)
+        same = [run.tokens[i] == g.tokens[i] for i in range(sure)]
+        if exact and g.digests and run.digests:  # the bits of every step's logits too
+            same = [t and run.digests[i] == g.digests[i] for i, t in enumerate(same)]
+        mismatch = next((i for i, ok in enumerate(same) if not ok), None)
         out.append(Check(g.prompt, sure, mismatch, g.text, run.text))
     return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cellswarm import kernels
 from cellswarm.errors import RequestError
 
 
@@ -83,6 +84,10 @@ def sample(
     if params.greedy:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / params.temperature
+    if kernels.enabled():  # the same probabilities, to the bit, on every CPU
+        probs = kernels.exp64(z - z.max())
+        probs = filter_probs(probs / kernels.sum64(probs), params)
+        return int(rng.choice(probs.shape[0], p=probs / kernels.sum64(probs)))
     probs = np.exp(z - z.max())
     probs = filter_probs(probs / probs.sum(), params)
     return int(rng.choice(probs.shape[0], p=probs / probs.sum()))

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -37,8 +38,11 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")  # includes the other .c files beside it
-# -fno-math-errno lets gcc call glibc's vector expf (libmvec) in the softmax loop.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11")
+# -ffp-contract=off: a * b + c is two roundings on every CPU (gcc would fuse it where the CPU
+# has FMA and not where it has none: other last bits, see exact.c). -fno-math-errno lets sqrtf
+# be the instruction (correctly rounded everywhere) rather than a call.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared",
+          "-fPIC", "-std=c11")
 # gcc's own garbage collector collects more often: cc1 peaks at ~120 MB on kernels.c, not
 # ~210 MB, which a 128-256 MB node (a PS3, a small Pi) has (at ~20% more compile time). It
 # changes how the compiler manages its memory, never the code: not in CFLAGS or the cache key.
@@ -89,12 +93,13 @@ def library_path(extra: tuple[str, ...] | None = None) -> Path:
 
 
 def build_id() -> str:
-    """The kernels' sources and flags (not the CPU): nodes that differ here run different
-    arithmetic (doctor compares it across nodes)."""
+    """The kernels' sources: nodes that differ here run different arithmetic (doctor compares
+    it across nodes). Not the flags or the CPU: every instruction set, -march and thread
+    count computes the same bits from the same sources (exact.c), so a node built
+    -mno-avx512f or on an ARM board is no odd one out."""
     key = hashlib.sha256()
     for source in sorted(SOURCE.parent.glob("*.c")):
         key.update(source.read_bytes())
-    key.update(" ".join((*CFLAGS, *extra_flags())).encode())
     return key.hexdigest()[:12]
 
 
@@ -226,15 +231,29 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_set_outliers.argtypes = [i32]
     lib.cs_set_outliers.restype = None
     lib.cs_outlier_dominance.restype = ctypes.c_float
-    lib.cs_attend1.argtypes = [p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
-    lib.cs_attend1.restype = None
     lib.cs_llama_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, p, p, p, p]
     lib.cs_llama_decode_layers.restype = None
     lib.cs_ds_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, p, p]
     lib.cs_ds_decode_layers.restype = None
     lib.cs_swiglu1.argtypes = [p, p, p, p, i64, p]
     lib.cs_silu_mul_rows.argtypes = [p, p, i64, i64]
-    lib.cs_softmax_causal.argtypes = [p, i64, i64, i64, ctypes.c_float]
+    f32 = ctypes.c_float
+    lib.cs_attend.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, f32, p]
+    lib.cs_rms_rows.argtypes = [p, i64, i64, p, f32, p]
+    lib.cs_softmax_rows.argtypes = [p, i64, i64]
+    lib.cs_sigmoid.argtypes = [p, i64, p]
+    lib.cs_dot_rows.argtypes = [p, i64, i64, p, p]
+    lib.cs_sincos.argtypes = [p, i64, p, p]
+    lib.cs_pow.argtypes = [ctypes.c_double, p, i64, p]
+    lib.cs_log.argtypes = [ctypes.c_double]
+    lib.cs_log.restype = ctypes.c_double
+    lib.cs_exp_d.argtypes = [p, i64, p]
+    lib.cs_exp_d.restype = None
+    lib.cs_sum_d.argtypes = [p, i64]
+    lib.cs_sum_d.restype = ctypes.c_double
+    lib.cs_mla_attend.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, f32, p]
+    lib.cs_route_rows.argtypes = [p, p, i64, p, p]
+    lib.cs_mla_attend.restype = lib.cs_route_rows.restype = None
     lib.cs_rope_rows.argtypes = [p, i64, i64, i64, i64, i32, p, p]
     lib.cs_ds_scratch_floats.argtypes = [p, i64, i64]
     lib.cs_ds_scratch_qbytes.argtypes = [p, i64]
@@ -245,7 +264,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_ds_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
     lib.cs_ds_route.argtypes = [p, p, p, p, p, p, p]
     for f in (lib.cs_swiglu1, lib.cs_ds_attention, lib.cs_ds_decode, lib.cs_ds_route,
-              lib.cs_silu_mul_rows, lib.cs_softmax_causal, lib.cs_rope_rows):
+              lib.cs_silu_mul_rows, lib.cs_rope_rows, lib.cs_attend, lib.cs_rms_rows,
+              lib.cs_softmax_rows, lib.cs_sigmoid, lib.cs_dot_rows, lib.cs_sincos, lib.cs_pow):
         f.restype = None
     lib.cs_stream_read.argtypes = [p, i64]
     lib.cs_stream_read.restype = ctypes.c_uint64
@@ -372,8 +392,32 @@ def set_threads(n: int | None) -> int:
     return _threads
 
 
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def float_activations() -> Iterator[None]:
+    """Inside: a quantized weight multiplies float activations (its rows decoded to float,
+    then the float kernel, in exact.c's one order) instead of int8 blocks. A prefill runs so
+    (Model.forward of several tokens): its logits match the float reference to ~1e-3 where
+    int8 activations cost ~3%, enough to flip a near-tied first token. Decode steps (alone
+    or batched) stay int8. Both are the same bits on every CPU; per thread."""
+    before = getattr(_mode, "float", False)
+    _mode.float = True
+    try:
+        yield
+    finally:
+        _mode.float = before
+
+
+def float_mode() -> bool:
+    return bool(getattr(_mode, "float", False))
+
+
 def can_fuse(type_name: str) -> bool:
-    return (type_name in FUSED_TYPES or type_name in FLOAT_TYPES) and _load() is not None
+    """Whether the kernels multiply this format as stored (F32 included)."""
+    known = type_name in FUSED_TYPES or type_name in FLOAT_TYPES or type_name == "F32"
+    return known and _load() is not None
 
 
 def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -421,8 +465,8 @@ def weight_args(type_name: str, w: np.ndarray, cols: int) -> tuple[int, int, int
 def matmul_args(
     args: tuple[int, int, int, int, int], cols: int, x: np.ndarray, out: np.ndarray
 ) -> None:
-    """out (n, rows) = x (n, cols) @ W.T, x float32 C-contiguous, n <= MAX_BATCH (any n for a
-    repacked weight)."""
+    """out (n, rows) = x (n, cols) @ W.T, x float32 C-contiguous, any n (kernels/exact.c:
+    each row of out the same bits whatever n)."""
     lib = _lib
     assert lib is not None
     kind, code, ptr, rows, row_bytes = args
@@ -440,36 +484,189 @@ def matmul(type_name: str, w: np.ndarray, cols: int, x: np.ndarray, out: np.ndar
     matmul_args(weight_args(type_name, w, cols), cols, np.ascontiguousarray(x, np.float32), out)
 
 
-def attend1(
-    q: np.ndarray, k_store: np.ndarray, v_store: np.ndarray, s_len: int, scale: float
-) -> np.ndarray:
-    """Attention of one new token: q (H, D); the cache's head-major (Hkv, cap, D) arrays with
-    s_len tokens filled -> (H, D)."""
+def _c32(a: np.ndarray) -> np.ndarray:
+    if a.dtype == np.float32 and a.flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(a, np.float32)
+
+
+KEYS_ALIGN = 16  # the keys' cache layout: capacity rounded up to this (kernels.c keys_ld)
+
+
+def keys_ld(capacity: int) -> int:
+    return -(-capacity // KEYS_ALIGN) * KEYS_ALIGN
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Causal grouped-query attention of T new queries: q (T, H, D); k (Hkv, S, D), v (Hkv, S,
+    Dv), the T new tokens last -> (T, H, Dv). The keys are laid out as the cache keeps them
+    (attend_keys) first."""
+    n_kv, s, d = k.shape
+    kt = np.zeros((n_kv, d, keys_ld(s)), np.float32)
+    kt[:, :, :s] = k.transpose(0, 2, 1)
+    return attend_keys(q, kt, v, scale)
+
+
+def attend_keys(q: np.ndarray, kt: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """attend with the keys as the cache keeps them: kt (Hkv, D, ld) component-major, ld a
+    multiple of KEYS_ALIGN at least S; v (Hkv, S, Dv) with each (S, Dv) slab contiguous (the
+    slabs may sit `cap` rows apart, as in the cache). Each query as a decode step computes
+    it (kernels.c attend_one): the same bits."""
     lib = _lib
     assert lib is not None
-    n_heads, d = q.shape
-    n_kv, cap, _ = k_store.shape
-    assert d <= 512 and n_heads // n_kv <= 16, "head dim above 512 or groups above 16"
-    out = np.empty((n_heads, d), np.float32)
-    qc = np.ascontiguousarray(q)
-    lib.cs_attend1(qc.ctypes.data, k_store.ctypes.data, v_store.ctypes.data, n_heads, n_kv, cap,
-                   s_len, d, scale, out.ctypes.data)  # fmt: skip
+    t, h, d = q.shape
+    n_kv, s, dv = v.shape
+    if kt.shape[:2] != (n_kv, d) or kt.shape[2] < s or kt.shape[2] % KEYS_ALIGN:
+        raise ValueError(f"attend: keys {kt.shape} do not fit values {v.shape} and queries "
+                         f"{q.shape}")
+    ktc = _c32(kt)
+    cap = _slab_rows(v, dv)
+    if cap < 0:
+        v, cap = np.ascontiguousarray(v, np.float32), s
+    out = np.empty((t, h, dv), np.float32)
+    qc = _c32(q)
+    lib.cs_attend(qc.ctypes.data, t, ktc.ctypes.data, kt.shape[2], v.ctypes.data, cap, h, n_kv, s,
+                  d, dv, scale, out.ctypes.data)  # fmt: skip
     return out
 
 
-def softmax_causal(scores: np.ndarray, t: int, scale: float) -> np.ndarray:
-    """Attention probabilities in place: scores (rows, S) float32 C-contiguous, the raw q.k of
-    t queries at positions S - t .. S - 1 (row r is query r % t) -> softmax(scale * scores)
-    over the keys each query sees, zero beyond (kernels.c cs_softmax_causal)."""
+def _slab_rows(a: np.ndarray, width: int) -> int:
+    """Rows between the starts of a (heads, S, width) float32 array's slabs, -1 when its rows
+    are not contiguous (then the caller copies)."""
+    item = 4
+    if a.dtype != np.float32 or a.strides[2] != item or a.strides[1] != width * item:
+        return -1
+    return a.strides[0] // (width * item) if a.shape[0] > 1 else a.shape[1]
+
+
+def rms_rows(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of each row of x (..., n) by weight (n,), as the fused layers compute it."""
     lib = _lib
     assert lib is not None
-    if scores.ndim != 2 or scores.dtype != np.float32 or not scores.flags.c_contiguous:
-        raise ValueError(f"softmax_causal takes float32 (rows, S) C arrays, got {scores.shape}")
-    rows, s = scores.shape
-    if not 1 <= t <= s or rows % t:
-        raise ValueError(f"softmax_causal: {rows} rows of {s} keys do not hold queries of {t}")
-    lib.cs_softmax_causal(scores.ctypes.data, rows, t, s, scale)
-    return scores
+    xc, w = _c32(x), _c32(weight)
+    n = xc.shape[-1]
+    out = np.empty(xc.shape, np.float32)
+    lib.cs_rms_rows(xc.ctypes.data, xc.size // max(n, 1), n, w.ctypes.data, eps, out.ctypes.data)
+    return out
+
+
+def softmax_rows(x: np.ndarray) -> np.ndarray:
+    """softmax over the last axis, in the kernels' one order (a new array)."""
+    lib = _lib
+    assert lib is not None
+    out = np.array(x, dtype=np.float32, order="C")
+    n = out.shape[-1]
+    lib.cs_softmax_rows(out.ctypes.data, out.size // max(n, 1), n)
+    return out
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    lib = _lib
+    assert lib is not None
+    xc = _c32(x)
+    out = np.empty(xc.shape, np.float32)
+    lib.cs_sigmoid(xc.ctypes.data, xc.size, out.ctypes.data)
+    return out
+
+
+def dot_rows(rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """rows (n, cols) . x (cols,) -> (n,), each in the kernels' one order."""
+    lib = _lib
+    assert lib is not None
+    r, xc = _c32(rows), _c32(x)
+    out = np.empty(r.shape[0], np.float32)
+    lib.cs_dot_rows(r.ctypes.data, r.shape[0], r.shape[1], xc.ctypes.data, out.ctypes.data)
+    return out
+
+
+def mla_attend(
+    q_lat: np.ndarray, q_rope: np.ndarray, latents: np.ndarray, k_ropes: np.ndarray, scale: float
+) -> np.ndarray:
+    """A prefill's latent attention, each (query, head) as a decode step computes it: q_lat
+    (T, H, L), q_rope (T, H, R), the cache's latents (S, L) and RoPE keys (S, R), the T new
+    tokens last -> (T, H, L)."""
+    lib = _lib
+    assert lib is not None
+    t, h, n_lat = q_lat.shape
+    ql, qr, lat, kr = (_c32(a) for a in (q_lat, q_rope, latents, k_ropes))
+    out = np.empty((t, h, n_lat), np.float32)
+    lib.cs_mla_attend(ql.ctypes.data, qr.ctypes.data, lat.ctypes.data, kr.ctypes.data, t, h,
+                      lat.shape[0], n_lat, kr.shape[1], scale, out.ctypes.data)  # fmt: skip
+    return out
+
+
+class RouteRule(ctypes.Structure):
+    """deepseek.c's route_rule: how a MoE layer picks its experts."""
+
+    _fields_ = [
+        ("n_experts", ctypes.c_int64), ("n_used", ctypes.c_int64), ("n_groups", ctypes.c_int64),
+        ("topk_groups", ctypes.c_int64), ("sigmoid", ctypes.c_int64),
+        ("norm_topk", ctypes.c_int64), ("routed_scale", ctypes.c_float),
+        ("bias", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+def route_rows(
+    logits: np.ndarray, rule: RouteRule, bias: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits (T, E) -> expert ids (T, k), best first, and weights (T, k), as the fused
+    layer routes a token (deepseek.c route_core)."""
+    lib = _lib
+    assert lib is not None
+    lg = _c32(logits)
+    b = None if bias is None else _c32(bias)
+    rule.bias = None if b is None else b.ctypes.data
+    t, k = lg.shape[0], rule.n_used
+    ids, wts = np.empty((t, k), np.int64), np.empty((t, k), np.float32)
+    lib.cs_route_rows(ctypes.byref(rule), lg.ctypes.data, t, ids.ctypes.data, wts.ctypes.data)
+    return ids, wts
+
+
+def sincos(angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of float32 angles, computed in double by the kernels' own series and
+    rounded once: the same bits on every CPU (numpy's float32 cos differs by SIMD path)."""
+    lib = _load()
+    assert lib is not None
+    a = _c32(angles)
+    c, s = np.empty(a.shape, np.float32), np.empty(a.shape, np.float32)
+    lib.cs_sincos(a.ctypes.data, a.size, c.ctypes.data, s.ctypes.data)
+    return c, s
+
+
+def power(base: float, exponents: np.ndarray) -> np.ndarray:
+    """base ** e for float32 exponents, in double by the kernels' own exp and log, rounded
+    once to float32 (RoPE frequencies: the same bits on every CPU)."""
+    lib = _load()
+    assert lib is not None
+    e = _c32(exponents)
+    out = np.empty(e.shape, np.float32)
+    lib.cs_pow(base, e.ctypes.data, e.size, out.ctypes.data)
+    return out
+
+
+def exp64(x: np.ndarray) -> np.ndarray:
+    """exp of float64 values <= 0 by the kernels' own series (numpy's differs by SIMD path)."""
+    lib = _load()
+    assert lib is not None
+    xc = np.ascontiguousarray(x, np.float64)
+    out = np.empty(xc.shape, np.float64)
+    lib.cs_exp_d(xc.ctypes.data, xc.size, out.ctypes.data)
+    return out
+
+
+def sum64(x: np.ndarray) -> float:
+    """The sum of float64 values in order (numpy's pairwise order is its own)."""
+    lib = _load()
+    assert lib is not None
+    xc = np.ascontiguousarray(x, np.float64)
+    return float(lib.cs_sum_d(xc.ctypes.data, xc.size))
+
+
+def natural_log(x: float) -> float:
+    """log(x) in double by the kernels' own series (the same bits on every CPU)."""
+    lib = _load()
+    assert lib is not None
+    return float(lib.cs_log(x))
 
 
 def rope(x: np.ndarray, dim: int, neox: bool, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -25,7 +25,6 @@
  * of 32 with their scales, 16-value sums and float block sums (quantized weights). */
 typedef struct {
     const float *xf; const int8_t *xq; const float *xd; const int32_t *xs; const float *xsum;
-    const int8_t *xt; /* the int8 values in the AVX-512 quad layout (quad_acts), or NULL */
     const outliers *ol; const int32_t *vid; /* per block, as qbuf's (NULL: no outliers) */
 } actv;
 
@@ -43,9 +42,6 @@ static void quant(const float *x, int64_t cols, const qbuf *b) {
     if (b->ol) take_outliers_rows(x, 1, cols, b->q, b->d, b->s, b->ol, b->vid);
     /* as cs_matmul_q computes it, so a row here is the same bits as there */
     for (int64_t i = 0; i < cols / 32; i++) b->sum[i] = b->d[i] * (float)(b->s[2 * i] + b->s[2 * i + 1]);
-#ifdef HAVE_ZMM_ROWS
-    if (b->t) quad_acts(1, cols, b->q, b->t);
-#endif
 }
 
 /* n vectors of cols, each its own for the outliers, at column off of b */
@@ -55,74 +51,24 @@ static void quant_rows(const float *x, int64_t n, int64_t cols, const qbuf *b, i
     cs_quantize_act(x, n, cols, part.q, part.d, part.s);
     if (part.ol) take_outliers_rows(x, n, cols, part.q, part.d, part.s, part.ol, part.vid);
     for (int64_t i = 0; i < n * cols / 32; i++) part.sum[i] = part.d[i] * (float)(part.s[2 * i] + part.s[2 * i + 1]);
-#ifdef HAVE_ZMM_ROWS
-    if (b->t) quad_acts(1, n * cols, part.q, b->t + off); /* one flat vector: the 128 grid */
-#endif
 }
 
 static actv at(const qbuf *b, const float *xf, int64_t off) { /* the vector from column `off` */
     return (actv){xf ? xf + off : NULL, b->q + off, b->d + off / 32, b->s + off / 16,
-                  b->sum + off / 32, b->t && off % 128 == 0 ? b->t + off : NULL,
-                  b->ol ? b->ol + off / 32 : NULL, b->vid ? b->vid + off / 32 : NULL};
+                  b->sum + off / 32, b->ol ? b->ol + off / 32 : NULL,
+                  b->vid ? b->vid + off / 32 : NULL};
 }
 
-static float dot_float(int64_t kind, int64_t fmt, const uint8_t *row, int64_t cols, const float *x) {
-#if defined(HAVE_SIMD_ROWS) && defined(__F16C__)
-    if (cols % 8 == 0) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t c = 0; c < cols; c += 8) {
-            __m256 w;
-            if (kind == 2) {
-                w = _mm256_loadu_ps((const float *)row + c);
-            } else {
-                const __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * c));
-                w = fmt == BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-                                : _mm256_cvtph_ps(h);
-            }
-            acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + c), acc);
-        }
-        return hsum(acc);
-    }
-#endif
-    float acc = 0.0f;
-    for (int64_t c = 0; c < cols; c++) {
-        float w;
-        if (kind == 2) {
-            memcpy(&w, row + 4 * c, 4);
-        } else if (fmt == BF16) {
-            const uint32_t bits = (uint32_t)rd16(row + 2 * c) << 16;
-            memcpy(&w, &bits, 4);
-        } else {
-            w = fp16_to_f32(rd16(row + 2 * c));
-        }
-        acc += w * x[c];
-    }
-    return acc;
-}
-
-/* One output row: W[row] . x */
+/* One output row: W[row] . x, as cs_matmul_qx / cs_matmul_f compute it (kind 2: F32) */
 static float row_dot(const mat *m, const uint8_t *row, int64_t cols, const actv *a) {
-    if (m->kind != 0) return dot_float(m->kind, m->fmt, row, cols, a->xf);
-#ifdef HAVE_SIMD_ROWS
-    acts s = {a->xq, a->xd, a->xs, cols, 1, a->xsum, NULL, NULL};
-#ifdef HAVE_ZMM_ROWS
-    /* the quads only where every caller of this vector gets them: whole 128-byte groups */
-    if (a->xt && cols % 128 == 0 && quad_idx((int)m->fmt)) { s.xt = a->xt; s.qidx = quad_idx((int)m->fmt); }
-#endif
     float o;
-    simd_row(R16_NATURAL((int)m->fmt), row, cols, &s, &o); /* repacked: a row after the groups */
-    return o;
-#else
-    const int n = block_elems((int)m->fmt);
-    const int64_t nb = cols / n, bb = m->row_bytes / nb;
-    decoded dw;
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        decode((int)m->fmt, row + b * bb, &dw);
-        acc += dot_decoded(&dw, n, a->xq + b * n, a->xd + b * n / 32, a->xs + b * n / 16);
+    if (m->kind != 0) {
+        exact_row_f(m->kind == 2 ? F32 : (int)m->fmt, row, cols, a->xf, 1, cols, &o);
+        return o;
     }
-    return acc;
-#endif
+    const acts s = {a->xq, a->xd, a->xs, cols, 1, a->xsum};
+    exact_row_q((int)m->fmt, row, &s, &o);
+    return o;
 }
 
 /* Matrix-vector products run side by side: task i is rows [0, rows) of `m`'s layout starting
@@ -168,27 +114,18 @@ static void run_chunk(const task *t, const int64_t *start, int64_t lo, int64_t h
             pl.nu = 0;
             if (k->m->kind == 0 && k->a.ol) plan_task(k, &pl);
         }
-#ifdef HAVE_ZMM_VBMI
-        if (IS_R16(k->m->fmt) && j < k->rows / 16 * 16) { /* a group: done by its first row's chunk */
-            if (j % 16 == 0)
-                r16_group((int)k->m->fmt, row, k->cols, k->a.xq, k->a.xd, k->a.xs, k->a.xsum,
-                          k->nx > 1 ? k->nx : 1, &pl, k->out + j, k->ld);
-            continue;
-        }
-#endif
         k->out[j] = row_dot(k->m, row, k->cols, &k->a);
         /* More activation rows: each with the one-row kernel while the weight row is in
          * L1, so a token's result is the same bits alone or batched with others. */
         for (int64_t b = 1; b < k->nx; b++) {
             const int64_t o = b * k->cols;
             const actv a = {k->a.xf ? k->a.xf + o : NULL, k->a.xq + o, k->a.xd + o / 32,
-                            k->a.xs + o / 16, k->a.xsum ? k->a.xsum + o / 32 : NULL,
-                            k->a.xt && o % 128 == 0 ? k->a.xt + o : NULL, NULL, NULL};
+                            k->a.xs + o / 16, k->a.xsum ? k->a.xsum + o / 32 : NULL, NULL, NULL};
             k->out[b * k->ld + j] = row_dot(k->m, row, k->cols, &a);
         }
         if (pl.nu) { /* + what the integer dot products left out, as cs_matmul_qx adds it */
             float add[MAX_BATCH];
-            plan_row(R16_NATURAL((int)k->m->fmt), row, &pl, add);
+            plan_row((int)k->m->fmt, row, &pl, add);
             k->out[j] += add[0];
             for (int64_t b = 1; b < k->nx; b++) k->out[b * k->ld + j] += add[b];
         }
@@ -225,36 +162,6 @@ static void run_tasks(const task *t, int n) {
 
 static task whole(const mat *m, int64_t cols, actv a, float *out) {
     return (task){m, m->w, m->rows, cols, a, out};
-}
-
-/* exp(x) in IEEE arithmetic that gcc vectorizes once told FP exceptions are not trapped (which
- * changes no value): the same bits in a vector's lanes and a scalar tail. x = n ln2 + r with
- * n = round(x / ln2) (truncating x / ln2 + 128.5), r to within an ulp by ln2 in two parts
- * (n ln2_hi is exact), exp(r) for |r| <= ln2 / 2 by its Taylor series to degree 7 (error
- * < 6e-9): ~1 ulp, as libm's expf, which does not vectorize. x is clamped to [-88, 100] on
- * its bits (a float clamp stops gcc vectorizing), and 2^n's exponent to 2^-126 .. infinity:
- * silu is x or 0 beyond, as with expf. A NaN stays NaN. */
-#define NO_TRAPS __attribute__((optimize("no-trapping-math")))
-NO_TRAPS static inline float exp_any(float x) {
-    union { float f; uint32_t u; } v = {.f = x}; /* x to [-88, 100], infinities too */
-    const uint32_t mag = v.u & 0x7FFFFFFFu, sign = v.u & 0x80000000u;
-    const uint32_t lim = sign ? 0x42B00000u : 0x42C80000u; /* 88.0f, 100.0f */
-    v.u = mag > lim && mag <= 0x7F800000u ? sign | lim : v.u;
-    x = v.f;
-    const int32_t k = (int32_t)(x * 1.44269504088896341f + 128.5f); /* n + 128 > 0 */
-    const float n = (float)k - 128.0f;
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-6f;
-    float p = 1.9841270e-4f; /* 1/7! */
-    p = p * r + 1.3888889e-3f;
-    p = p * r + 8.3333333e-3f;
-    p = p * r + 4.1666667e-2f;
-    p = p * r + 1.6666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t e = k < 2 ? 1 : k > 255 ? 255 : k - 1; /* 2^n's biased exponent; inf */
-    union { uint32_t u; float f; } scale = {.u = (uint32_t)e << 23};
-    return p * scale.f;
 }
 
 /* g = silu(g) * u. One out-of-line function for every SwiGLU, so the same inputs give the
@@ -387,25 +294,33 @@ static ds_scratch carve(const ds_layer *L, int64_t cap, float *f, int8_t *q8, in
 }
 
 /* softmax(scale * (q_lat . latent_t + q_rope . k_rope_t)) over the cached tokens, then the
- * probabilities times the latents: one head's attention, entirely in latent space. */
-__attribute__((optimize("fast-math"))) static void mla_head(
-    const float *restrict qlat, const float *restrict qrope, const float *restrict lat,
-    const float *restrict kr, int64_t s_len, int64_t n_lat, int64_t n_rope, float scale,
-    float *restrict p, float *restrict ctx) {
-    float m = -INFINITY;
-    for (int64_t t = 0; t < s_len; t++) {
-        float a = 0.0f, b = 0.0f;
-        for (int64_t i = 0; i < n_lat; i++) a += qlat[i] * lat[t * n_lat + i];
-        for (int64_t i = 0; i < n_rope; i++) b += qrope[i] * kr[t * n_rope + i];
-        p[t] = (a + b) * scale;
-        m = fmaxf(m, p[t]);
-    }
-    float sum = 0.0f;
-    for (int64_t t = 0; t < s_len; t++) { p[t] = exp_neg(p[t] - m); sum += p[t]; }
-    for (int64_t i = 0; i < n_lat; i++) ctx[i] = 0.0f;
-    for (int64_t t = 0; t < s_len; t++) {
-        const float w = p[t] / sum;
-        for (int64_t i = 0; i < n_lat; i++) ctx[i] += w * lat[t * n_lat + i];
+ * probabilities times the latents: one head's attention, entirely in latent space, in
+ * attend_one's arithmetic (dot_exact, softmax_parts, the values summed in order of t). */
+static void mla_head(const float *restrict qlat, const float *restrict qrope,
+                     const float *restrict lat, const float *restrict kr, int64_t s_len,
+                     int64_t n_lat, int64_t n_rope, float scale, float *restrict p,
+                     float *restrict ctx) {
+    for (int64_t t = 0; t < s_len; t++)
+        p[t] = (dot_exact(qlat, lat + t * n_lat, n_lat) + dot_exact(qrope, kr + t * n_rope, n_rope)) * scale;
+    softmax_times(p, s_len, lat, n_lat, ctx);
+}
+
+/* A prefill's latent attention: qlat (t, H, L), qrope (t, H, R) against the latent cache
+ * lat (s_len, L), kr (s_len, R), the t new tokens last -> ctx (t, H, L). Query i sees the first
+ * s_len - t + i + 1 tokens; each (query, head) is mla_head's, as a decode step computes it. */
+void cs_mla_attend(const float *qlat, const float *qrope, const float *lat, const float *kr,
+                   int64_t t, int64_t H, int64_t s_len, int64_t n_lat, int64_t n_rope, float scale,
+                   float *ctx) {
+    const int64_t jobs = t * H;
+    const int use = gov_threads_for(jobs * s_len * n_lat);
+#pragma omp parallel num_threads(use) if (use > 1)
+    {
+        float *p = (float *)malloc(sizeof(float) * (size_t)s_len);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < jobs; j++)
+            mla_head(qlat + j * n_lat, qrope + j * n_rope, lat, kr, s_len - t + j / H + 1, n_lat,
+                     n_rope, scale, p, ctx + j * n_lat);
+        free(p);
     }
 }
 
@@ -472,26 +387,35 @@ static void top_k(const float *v, int64_t n, int64_t k, int64_t *ids) {
     }
 }
 
-/* DeepSeek's grouped top-k, as models/deepseek2.py:route: weights (k) and expert ids (k). */
-static void route1(const ds_layer *L, ds_scratch *s, int64_t *ids, float *wts) {
-    const int64_t E = L->n_experts, k = L->n_used;
-    float *sc = s->scores, *ch = s->choice;
-    if (L->sigmoid) {
-        for (int64_t e = 0; e < E; e++) sc[e] = 1.0f / (1.0f + expf(-s->logits[e]));
+/* DeepSeek's grouped top-k for one token's router logits (E): expert ids (k, best first,
+ * lower id on ties) and their weights. sigmoid (V3/K2): scores = sigmoid(logits), the bias
+ * added only to choose (groups ranked by the sum of their two best), weights the unbiased
+ * scores; softmax (V2): groups ranked by their best score. Then normalized to sum 1 (summed
+ * in the order chosen) if norm, and times routed_scale. sc, ch: E floats of scratch each.
+ * models/deepseek2.py:route calls it for a prefill's tokens: the same bits as a decode step. */
+typedef struct {
+    int64_t n_experts, n_used, n_groups, topk_groups, sigmoid, norm_topk;
+    float routed_scale;
+    const float *bias; /* or NULL */
+} route_rule;
+
+static void route_core(const route_rule *R, const float *logits, float *sc, float *ch,
+                       int64_t *ids, float *wts) {
+    const int64_t E = R->n_experts, k = R->n_used;
+    if (R->sigmoid) {
+        cs_sigmoid(logits, E, sc);
     } else {
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t e = 0; e < E; e++) m = fmaxf(m, s->logits[e]);
-        for (int64_t e = 0; e < E; e++) { sc[e] = expf(s->logits[e] - m); sum += sc[e]; }
-        for (int64_t e = 0; e < E; e++) sc[e] /= sum;
+        memcpy(sc, logits, sizeof(float) * (size_t)E);
+        cs_softmax_rows(sc, 1, E);
     }
-    for (int64_t e = 0; e < E; e++) ch[e] = sc[e] + (L->router_bias ? L->router_bias[e] : 0.0f);
-    if (L->n_groups > 1 && L->topk_groups < L->n_groups) {
-        const int64_t G = L->n_groups, per = E / G;
+    for (int64_t e = 0; e < E; e++) ch[e] = sc[e] + (R->bias ? R->bias[e] : 0.0f);
+    if (R->n_groups > 1 && R->topk_groups < R->n_groups) {
+        const int64_t G = R->n_groups, per = E / G;
         float gs[256];
         int64_t keep[256];
         for (int64_t g = 0; g < G; g++) {
             const float *c = ch + g * per;
-            if (L->sigmoid) { /* the sum of the group's two best */
+            if (R->sigmoid) { /* the sum of the group's two best */
                 float b1 = -INFINITY, b2 = -INFINITY;
                 for (int64_t i = 0; i < per; i++) {
                     if (c[i] > b1) { b2 = b1; b1 = c[i]; } else if (c[i] > b2) { b2 = c[i]; }
@@ -499,14 +423,14 @@ static void route1(const ds_layer *L, ds_scratch *s, int64_t *ids, float *wts) {
                 gs[g] = per > 1 ? b1 + b2 : b1;
             } else {
                 float b = -INFINITY;
-                for (int64_t i = 0; i < per; i++) b = fmaxf(b, c[i]);
+                for (int64_t i = 0; i < per; i++) b = c[i] > b ? c[i] : b;
                 gs[g] = b;
             }
         }
-        top_k(gs, G, L->topk_groups, keep);
+        top_k(gs, G, R->topk_groups, keep);
         for (int64_t g = 0; g < G; g++) {
             int kept = 0;
-            for (int64_t i = 0; i < L->topk_groups; i++) kept |= keep[i] == g;
+            for (int64_t i = 0; i < R->topk_groups; i++) kept |= keep[i] == g;
             if (!kept) for (int64_t i = 0; i < per; i++) ch[g * per + i] = -INFINITY;
         }
     }
@@ -514,9 +438,24 @@ static void route1(const ds_layer *L, ds_scratch *s, int64_t *ids, float *wts) {
     float sum = 0.0f;
     for (int64_t j = 0; j < k; j++) { wts[j] = sc[ids[j]]; sum += wts[j]; }
     for (int64_t j = 0; j < k; j++) {
-        if (L->norm_topk) wts[j] = wts[j] / (sum + 1e-20f);
-        wts[j] = wts[j] * L->routed_scale;
+        if (R->norm_topk) wts[j] = wts[j] / (sum + 1e-20f);
+        wts[j] = wts[j] * R->routed_scale;
     }
+}
+
+/* route_core for t tokens' logits (t, E) -> ids (t, k), wts (t, k) */
+void cs_route_rows(const route_rule *R, const float *logits, int64_t t, int64_t *ids, float *wts) {
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(2 * R->n_experts));
+    for (int64_t i = 0; i < t; i++)
+        route_core(R, logits + i * R->n_experts, sc, sc + R->n_experts, ids + i * R->n_used,
+                   wts + i * R->n_used);
+    free(sc);
+}
+
+static void route1(const ds_layer *L, ds_scratch *s, int64_t *ids, float *wts) {
+    const route_rule R = {L->n_experts, L->n_used, L->n_groups, L->topk_groups, L->sigmoid,
+                          L->norm_topk, L->routed_scale, L->router_bias};
+    route_core(&R, s->logits, s->scores, s->choice, ids, wts);
 }
 
 /* h = rms(x, ffn_norm); for a MoE layer also the routing (ids, weights: n_used each). */

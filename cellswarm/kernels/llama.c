@@ -33,11 +33,14 @@ void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *c
     }
     rope(q, L->n_heads, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
     rope(k, L->n_kv, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
-    for (int64_t i = 0; i < L->n_kv; i++) { /* head-major cache: (n_kv, cap, hd) */
-        memcpy(k_store + (i * cap + pos) * hd, k + i * hd, sizeof(float) * (size_t)hd);
+    /* the cache: keys component-major (n_kv, hd, keys_ld(cap)), values (n_kv, cap, hd) */
+    const int64_t ldk = keys_ld(cap);
+    for (int64_t i = 0; i < L->n_kv; i++) {
+        for (int64_t j = 0; j < hd; j++) k_store[(i * hd + j) * ldk + pos] = k[i * hd + j];
         memcpy(v_store + (i * cap + pos) * hd, v + i * hd, sizeof(float) * (size_t)hd);
     }
-    attend1(q, k_store, v_store, L->n_heads, L->n_kv, cap, pos + 1, hd, L->scale, att, probs);
+    (void)probs;
+    attend1(q, k_store, v_store, L->n_heads, L->n_kv, cap, pos + 1, hd, L->scale, att);
     if (L->o.kind == 0) quant(att, qn, &qb);
     t[0] = whole(&L->o, qn, at(&qb, att, 0), tmp);
     run_tasks(t, 1);

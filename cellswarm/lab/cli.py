@@ -42,6 +42,9 @@ def add_lab_command(sub: Any) -> None:
     up.add_argument("--slow", action="append", default=[], metavar="HOST=CORES",
                     help="a slow host: CPU quota in cores, e.g. h3=0.2 (repeatable; the "
                     "same as --cpu-quota HOST=CORES)")  # fmt: skip
+    up.add_argument("--cpus", choices=("same", "mix"), default="same",
+                    help="mix: worker hosts cycle kernel builds (native, AVX2, x86-64 "
+                    "baseline) and BLAS core types, as different machines would")
     up.add_argument("--stages", type=int, help="the coordinator's --stages")
     up.add_argument("--expert-nodes", type=int, default=0, help="the coordinator's --expert-nodes")
     up.add_argument("--tls", action="store_true",
@@ -99,7 +102,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
             host_bits_per_s=parse_rate(keys.pop("host_rate", args.host_rate)),
             access_oversubscription=float(over[0]), aggregation_oversubscription=float(over[1]),
             memory_bytes=parse_bytes(str(keys.pop("memory", args.memory))),
-            **limits, **keys,
+            cpus=str(keys.pop("cpus", args.cpus)), **limits, **keys,
         )  # fmt: skip
     except (ValueError, TypeError) as exc:
         raise RequestError(f"lab: {exc}") from None

@@ -34,7 +34,7 @@ from typing import Any
 
 from cellswarm.errors import LabError
 from cellswarm.lab import system
-from cellswarm.lab.topology import SUBNET, HostSpec, LabSpec, Topology, build
+from cellswarm.lab.topology import SUBNET, HostSpec, LabSpec, Topology, build, cpu_path
 from cellswarm.swarm.auth import write_secret
 
 COORDINATOR_PORT = 8470
@@ -242,8 +242,13 @@ class Lab:
 
     def env(self, host: str) -> dict[str, str]:
         d = self.host_dir(host)
-        return {**os.environ, "HOME": str(d), "CELLSWARM_CACHE": str(d / "cache"),
-                "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        env = {**os.environ, "HOME": str(d), "CELLSWARM_CACHE": str(d / "cache"),
+               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        workers = [h.name for h in self.topology.workers()]
+        if self.topology.spec.cpus == "mix" and host in workers:  # this host's CPU path
+            _, flags, core = cpu_path(self.topology.spec, workers.index(host))
+            env |= {"CELLSWARM_CFLAGS": flags, "OPENBLAS_CORETYPE": core}
+        return env
 
     def spawn(self, host: str, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
         """Start `cmd` inside host: its namespace, its cgroup, its folder; output appended

@@ -67,12 +67,17 @@ class LabSpec:
     cpu_quota: float | None = None  # cores, None: unlimited
     host_memory: dict[str, int] = field(default_factory=dict)  # host -> memory limit
     slow_hosts: dict[str, float] = field(default_factory=dict)  # host -> CPU quota (cores)
+    # "mix": worker hosts cycle CPU_PATHS (kernel builds, BLAS core types), as a pile of
+    # different machines would; "same": every host this machine's native build
+    cpus: str = "same"
 
     def __post_init__(self) -> None:
         self._check_shape()
         self._check_limits()
 
     def _check_shape(self) -> None:
+        if self.cpus not in ("same", "mix"):
+            raise ValueError(f"--cpus {self.cpus!r}: give 'same' or 'mix'")
         if self.hosts < 1 or self.racks < 1 or self.racks > self.hosts:
             raise ValueError(f"--hosts {self.hosts} --racks {self.racks}: need 1 <= racks <= hosts")
         if self.racks > 200 or self.hosts > 250 * self.racks:
@@ -121,6 +126,19 @@ def cpu_quota_problem(cores: float) -> str | None:
     if math.isinf(cores):
         return "inf cores: give a number of cores, e.g. 0.5, or leave the quota out"
     return None
+
+
+# The CPU paths a mixed lab's worker hosts cycle through (--cpus mix): the kernels built
+# native, for AVX2 and for the portable x86-64 baseline, each with another OpenBLAS core
+# type. Every host compiles its own (its cache starts empty); the results are the same bits
+# (kernels/exact.c), which is what the mixed lab's tests hold it to.
+CPU_PATHS = (("native", "", "SkylakeX"), ("avx2", "-mno-avx512f", "Haswell"),
+             ("x86-64", "-march=x86-64", "Prescott"))  # fmt: skip
+
+
+def cpu_path(spec: LabSpec, worker_index: int) -> tuple[str, str, str]:
+    """(name, CELLSWARM_CFLAGS, OPENBLAS_CORETYPE) of worker host `worker_index` (0-based)."""
+    return CPU_PATHS[worker_index % len(CPU_PATHS)] if spec.cpus == "mix" else CPU_PATHS[0]
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cellswarm import kernels
 from cellswarm.errors import MissingTensorError, ModelFileError, ShapeMismatchError
 from cellswarm.io.weights import WeightStore
 from cellswarm.models import ops
@@ -46,7 +47,7 @@ from cellswarm.models.deepseek2_config import (  # the family's config, re-expor
 from cellswarm.models.deepseek2_fused import FusedDecode
 from cellswarm.models.kv_cache import CacheSpec, KVCache, LayerCache
 from cellswarm.models.rope import Rope, base_inv_freq
-from cellswarm.quant import PackedExperts, PackedMatrix
+from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
 
 __all__ = [
     "ARCH",
@@ -57,12 +58,6 @@ __all__ = [
     "hf_extra_tensors",
     "hf_tensors_to_gguf",
 ]
-
-# An expert's tokens up to this many go through the fused int8 kernels in chunks (its matrix,
-# a few hundred KB, stays in cache between chunks): measured faster than dequantizing it to a
-# float32 tile for BLAS until ~64 tokens (prefill: T * k / E tokens per expert).
-EXPERT_INT8_ROWS = 64
-
 
 @dataclass(frozen=True)
 class Routing:
@@ -86,6 +81,11 @@ def route(logits: np.ndarray, config: DeepseekConfig, bias: np.ndarray | None = 
     """
     c = config
     t, e = logits.shape
+    if kernels.enabled():  # the fused layer's own routing: a prefill's bits are a decode's
+        rule = kernels.RouteRule(e, c.n_experts_used, c.n_groups, c.topk_groups,
+                                 int(c.gating == "sigmoid"), int(c.norm_topk_prob),
+                                 c.routed_scaling_factor)  # fmt: skip
+        return Routing(*kernels.route_rows(logits, rule, bias))
     logits = logits.astype(np.float32)
     scores = ops.sigmoid(logits) if c.gating == "sigmoid" else ops.softmax(logits)  # (T, E)
     choice = scores + bias if bias is not None else scores.copy()  # (T, E)
@@ -164,7 +164,7 @@ def _weighted_outputs(
     wanted = gate.held if experts is None else experts
     for e in sorted(set(int(i) for i in wanted) & set(np.unique(routing.expert_ids).tolist())):
         tokens, slots = np.nonzero(routing.expert_ids == e)  # each token picks e at most once
-        y = ops.swiglu(x[tokens], gate.expert(e), up.expert(e), down.expert(e), EXPERT_INT8_ROWS)
+        y = ops.swiglu(x[tokens], gate.expert(e), up.expert(e), down.expert(e))
         yield e, tokens, y * routing.weights[tokens, slots][:, None]
 
 
@@ -260,6 +260,7 @@ class Deepseek2:
         self.rope = Rope(c.qk_rope_dim, inv_freq, "norm", attention_factor)
         self.scale = c.qk_head_dim**-0.5 * mscale * mscale
         self._absorbed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._heads: dict[int, tuple[list[PackedMatrix], list[PackedMatrix]]] = {}
         held = [n.split(".")[1] for n in weights if n.endswith(".attn_kv_a_mqa.weight")]
         for layer in held:
             self._check_kv_up_projection(f"blk.{layer}.")
@@ -387,6 +388,12 @@ class Deepseek2:
         cache.write(start, latent=latent, k_rope=k_rope)
         latents, k_ropes = cache.read("latent", end), cache.read("k_rope", end)  # (S, L), (S, R)
 
+        if kernels.enabled():  # per head and per query as a decode step: the same bits
+            uk, uv = self.head_matrices(layer)
+            q_lat = np.stack([uk[h].matmul(q_nope[:, h]) for h in range(n_heads)], axis=1)
+            ctx_t = kernels.mla_attend(q_lat, q_rope, latents, k_ropes, self.scale)  # (T, H, L)
+            out = np.stack([uv[h].matmul(ctx_t[:, h]) for h in range(n_heads)], axis=1)
+            return w.matrix(p + "attn_output.weight").matmul(out.reshape(t, -1))  # (T, d)
         w_uk, w_uv = self.absorbed(layer)  # (H, N, L), (H, V, L)
         q_lat = q_nope.transpose(1, 0, 2) @ w_uk  # (H, T, L): queries in latent space
         q_rope = q_rope.transpose(1, 0, 2)  # (H, T, R)
@@ -406,6 +413,32 @@ class Deepseek2:
         scores = q_lat @ latents.T + q_rope @ k_ropes.T  # (H, T, S)
         mask = ops.causal_mask(q_lat.shape[1], latents.shape[0])
         return ops.softmax(scores * np.float32(self.scale) + mask) @ latents
+
+    def head_matrices(self, layer: int) -> tuple[list[PackedMatrix], list[PackedMatrix]]:
+        """W_UK^T (L, N) and W_UV (V, L) of each head as matrices, as the fused decode layer
+        reads them (deepseek2_fused: _kv_up): attn_k_b / attn_v_b as the file has them where
+        a kernel reads their format (Q5_0 reads as the same values in Q8_0), else the float32
+        copies of `absorbed`. A prefill multiplies by these, so its bits are a decode's."""
+        cached = self._heads.get(layer)
+        if cached is not None:
+            return cached
+        c, p = self.config, f"blk.{layer}."
+        n_heads, lat, v = c.n_heads, c.kv_lora_rank, c.v_head_dim
+        readable = {*kernels.FUSED_TYPES, *kernels.FLOAT_TYPES, "F32", "Q5_0"}
+        # `in` first: a missing tensor is a MissingTensorError from [], not a KeyError
+        k_b, v_b = (self.w[p + n] if p + n in self.w else None  # noqa: SIM401
+                    for n in ("attn_k_b.weight", "attn_v_b.weight"))  # fmt: skip
+        if all(isinstance(t, PackedMatrix | PackedExperts) and t.fmt.name in readable
+               for t in (k_b, v_b)):  # fmt: skip
+            mats = (_heads_of(k_b, n_heads, lat), _heads_of(v_b, n_heads, v))
+        else:
+            w_uk, w_uv = self.absorbed(layer)  # (H, N, L) as a view of (H, L, N) rows, (H, V, L)
+            f32 = format_by_name("F32")
+            uk_rows = w_uk.transpose(0, 2, 1)
+            mats = ([PackedMatrix(uk_rows[h].view(np.uint8), f32) for h in range(n_heads)],
+                    [PackedMatrix(w_uv[h].view(np.uint8), f32) for h in range(n_heads)])
+        self._heads[layer] = mats
+        return mats
 
     def absorbed(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """W_UK (H, N, L) and W_UV (H, V, L) of a layer as float32, decoded once and kept.
@@ -448,6 +481,14 @@ class Deepseek2:
 
     def scratch_bytes(self, n_tokens: int, context: int) -> int:
         return self.config.scratch_bytes(n_tokens, context, self._attn_layers)
+
+
+def _heads_of(t: Any, n_heads: int, rows: int) -> list[PackedMatrix]:
+    """Each head's matrix of a per-head stack (H, rows, cols), or of one flattened to
+    (H * rows, cols) by some converters."""
+    if isinstance(t, PackedExperts):
+        return [t.expert(h) for h in range(n_heads)]
+    return [t.rows(h * rows, (h + 1) * rows) for h in range(n_heads)]
 
 
 def _per_head(t: Any, n_heads: int, rows: int, cols: int) -> np.ndarray:

@@ -17,13 +17,20 @@ from cellswarm.errors import BudgetError
 
 CacheSpec = Mapping[str, tuple[int, ...]]  # name -> per-token shape, float32
 _ITEM_BYTES = 4
+# Per-head tensors kept component-major, (heads, d, capacity rounded up to 16): attention's
+# keys, which the kernels read 16 keys to a vector (kernels.c attend_one), so a decode step
+# never transposes the cache.
+TRANSPOSED = frozenset({"kt"})
+_ALIGN = 16
 
 
 def spec_bytes_per_token(spec: CacheSpec) -> int:
     return sum(int(np.prod(shape)) * _ITEM_BYTES for shape in spec.values())
 
 
-def _layout(shape: tuple[int, ...], capacity: int) -> tuple[int, ...]:
+def _layout(name: str, shape: tuple[int, ...], capacity: int) -> tuple[int, ...]:
+    if name in TRANSPOSED:
+        return (shape[0], shape[1], -(-capacity // _ALIGN) * _ALIGN)
     return (shape[0], capacity, shape[1]) if len(shape) == 2 else (capacity, *shape)
 
 
@@ -53,7 +60,7 @@ class LayerCache:
     def __init__(self, spec: CacheSpec, capacity: int) -> None:
         self.capacity = capacity
         self._arrays = {
-            k: np.zeros(_layout(shape, capacity), np.float32) for k, shape in spec.items()
+            k: np.zeros(_layout(k, shape, capacity), np.float32) for k, shape in spec.items()
         }
 
     def write(self, start: int, **values: np.ndarray) -> None:
@@ -61,7 +68,9 @@ class LayerCache:
             end = start + v.shape[0]
             check_room(self.capacity, end)
             arr = self._arrays[name]
-            if arr.ndim == 3:  # (T, heads, d) into head-major storage
+            if name in TRANSPOSED:  # (T, heads, d) into component-major storage
+                arr[:, :, start:end] = v.transpose(1, 2, 0)
+            elif arr.ndim == 3:  # (T, heads, d) into head-major storage
                 arr[:, start:end] = v.transpose(1, 0, 2)
             else:
                 arr[start:end] = v
@@ -71,8 +80,11 @@ class LayerCache:
         return self._arrays[name]
 
     def read(self, name: str, end: int) -> np.ndarray:
-        """(end, n) for vectors; (heads, end, d) for per-head tensors."""
+        """(end, n) for vectors; (heads, end, d) for per-head tensors (a view; for a
+        TRANSPOSED one, of its component-major storage)."""
         arr = self._arrays[name]
+        if name in TRANSPOSED:
+            return arr[:, :, :end].transpose(0, 2, 1)
         return arr[:, :end] if arr.ndim == 3 else arr[:end]
 
     @property

@@ -79,12 +79,11 @@ class Llama:
             k = ops.rms_norm(k, w.vector(p + "attn_k_norm.weight"), c.rms_eps)
         q, k = ops.rope(self.rope, q, positions), ops.rope(self.rope, k, positions)
         start, end = int(positions[0]), int(positions[-1]) + 1
-        cache.write(start, k=k, v=v)
-        if t == 1 and kernels.enabled():  # decode: one C call instead of a dozen numpy ops
-            k_all, v_all = cache.storage("k"), cache.storage("v")
-            out = kernels.attend1(q[0], k_all, v_all, end, self.scale)[None]
+        cache.write(start, kt=k, v=v)
+        if kernels.enabled():  # the keys as the cache keeps them: no transpose
+            out = kernels.attend_keys(q, cache.storage("kt"), cache.read("v", end), self.scale)
         else:
-            out = ops.attention(q, cache.read("k", end), cache.read("v", end), self.scale)
+            out = ops.attention(q, cache.read("kt", end), cache.read("v", end), self.scale)
         return w.matrix(p + "attn_output.weight").matmul(out.reshape(t, -1))  # (T, d)
 
     def prepare(self, layers: range) -> None:
@@ -110,7 +109,7 @@ class Llama:
         key = ("llama", layers.start, layers.stop)
         if key not in cache.memo:  # each layer's k and v storage, as C pointers
             cache.memo[key] = tuple(
-                kernels.pointers([cache.layer(i).storage(n) for i in layers]) for n in "kv"
+                kernels.pointers([cache.layer(i).storage(n) for i in layers]) for n in ("kt", "v")
             )  # fmt: skip
         k_stores, v_stores = cache.memo[key]
         scratch = self._decode_scratch(cache.capacity)
@@ -179,7 +178,7 @@ class Llama:
 
     def cache_spec(self, layer: int) -> CacheSpec:
         c = self.config
-        return {"k": (c.n_kv_heads, c.head_dim), "v": (c.n_kv_heads, c.head_dim)}
+        return {"kt": (c.n_kv_heads, c.head_dim), "v": (c.n_kv_heads, c.head_dim)}
 
     def scratch_bytes(self, n_tokens: int, context: int) -> int:
         return self.config.scratch_bytes(n_tokens, context)

@@ -1,4 +1,8 @@
-"""Pure numpy building blocks shared by the architecture files. All math is float32.
+"""Building blocks shared by the architecture files. All math is float32.
+
+With the C kernels (the default) every reduction, exp and RMS norm here runs in their one
+fixed order (kernels/exact.c), so a result is the same bits on any CPU, thread count, batch
+or layout; the numpy expressions beside them are the reference path (CELLSWARM_KERNELS=numpy).
 
 Shapes use T for new tokens, S for all cached tokens (S >= T), H for query heads, Hkv for
 key/value heads, D for head dims.
@@ -21,6 +25,8 @@ if TYPE_CHECKING:
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     # x: (..., d), weight: (d,); statistics in float32 as in the reference implementations.
+    if kernels.enabled():
+        return kernels.rms_rows(x, weight, eps)
     # (x*x).sum() / d rather than np.mean: same float32 math, a third of the call overhead.
     var = (x * x).sum(axis=-1, keepdims=True) / np.float32(x.shape[-1])
     return (x / np.sqrt(var + np.float32(eps))).astype(np.float32) * weight
@@ -42,33 +48,34 @@ def rope(r: Rope, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
+    return x * sigmoid(x) if kernels.enabled() else x / (np.float32(1.0) + np.exp(-x))
 
 
-def swiglu(
-    x: np.ndarray, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix,
-    int8_rows: int = kernels.MAX_BATCH,
-) -> np.ndarray:  # fmt: skip
-    # (T, d) -> (T, ffn) -> (T, d); int8_rows: see PackedMatrix.matmul
+def swiglu(x: np.ndarray, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix) -> np.ndarray:
+    # (T, d) -> (T, ffn) -> (T, d)
     if x.ndim == 2 and x.shape[0] == 1 and kernels.enabled():
         g, u, d = gate._fused, up._fused, down._fused
         if g is not None and u is not None and d is not None:
             # one row in C, as the fused DeepSeek layer computes an expert: the same bits
             # whichever node (or cache tier) holds the expert
             return kernels.swiglu1(g[0], u[0], d[0], x[0])[None]
-    gx, ux = gate.matmul(x, int8_rows=int8_rows), up.matmul(x, int8_rows=int8_rows)
+    gx, ux = gate.matmul(x), up.matmul(x)
     if kernels.enabled() and gx.size:  # the fused layers' silu, rows over the threads
         hidden = kernels.silu_mul(gx.reshape(-1, gx.shape[-1]), ux.reshape(-1, ux.shape[-1]))
-        return down.matmul(hidden.reshape(gx.shape), int8_rows=int8_rows)
-    return down.matmul(silu(gx) * ux, int8_rows=int8_rows)
+        return down.matmul(hidden.reshape(gx.shape))
+    return down.matmul(silu(gx) * ux)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    if kernels.enabled() and axis in (-1, x.ndim - 1):
+        return kernels.softmax_rows(x)
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
+    if kernels.enabled():
+        return kernels.sigmoid(x)
     return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 
 
@@ -96,6 +103,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.n
     q: (T, H, D); k: (Hkv, S, D) and v: (Hkv, S, Dv), head-major as the KV cache keeps them
     -> (T, H, Dv). H is a multiple of Hkv.
     """
+    if kernels.enabled():  # each query as a decode step computes it (the same bits)
+        return kernels.attend(q, k, v, scale)
     t, s = q.shape[0], k.shape[1]
     if t > QUERY_BLOCK:
         return np.concatenate([
@@ -111,13 +120,10 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.
     g = h // hkv
     qg = q.reshape(t, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * t, d)  # (Hkv, g*T, D)
     scores = qg @ k.transpose(0, 2, 1)  # (Hkv, g*T, S): rows are (kv head, group, query)
-    if kernels.enabled():  # scale, mask and softmax in one pass, rows over the threads
-        probs = kernels.softmax_causal(scores.reshape(-1, s), t, scale).reshape(scores.shape)
-    else:
-        scores = scores * np.float32(scale)
-        if t > 1:  # one new token sees every cached one: no mask needed
-            scores = scores.reshape(hkv, g, t, s) + causal_mask(t, s)
-        probs = softmax(scores.reshape(hkv, g * t, s))
+    scores = scores * np.float32(scale)
+    if t > 1:  # one new token sees every cached one: no mask needed
+        scores = scores.reshape(hkv, g, t, s) + causal_mask(t, s)
+    probs = softmax(scores.reshape(hkv, g * t, s))
     out = probs @ v  # (Hkv, g*T, Dv)
     return out.reshape(hkv, g, t, dv).transpose(2, 0, 1, 3).reshape(t, h, dv)
 
@@ -171,7 +177,7 @@ def lm_head(
 
         names = ["output_norm.weight", "output.weight", "token_embd.weight"]
         raise non_finite("the output head", w, names)
-    if h.shape[0] <= kernels.MAX_BATCH and kernels.enabled():
+    if kernels.enabled():
         refine_top(logits, head, h)
     return logits
 
@@ -183,7 +189,7 @@ def refine_top(logits: np.ndarray, head: Rows, h: np.ndarray, k: int = HEAD_REFI
     k = min(k, logits.shape[1])
     for r in range(logits.shape[0]):
         top = top_k(logits[r], k)
-        logits[r, top] = head.take_rows(top) @ h[r]
+        logits[r, top] = kernels.dot_rows(head.take_rows(top), h[r])
 
 
 def top_k(x: np.ndarray, k: int, stride: int = 16) -> np.ndarray:

@@ -7,6 +7,7 @@ layout of qwen2/qwen3 and of Hugging Face llama checkpoints before that permutat
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,18 +53,41 @@ class Rope:
         if memo[0] is not positions:
             angles = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]  # (T, dim/2)
             factor = np.float32(self.attention_factor)
-            memo[:] = [
-                positions,
-                (np.cos(angles) * factor)[:, None, :],
-                (np.sin(angles) * factor)[:, None, :],
-            ]
+            cos, sin = _sincos(angles)
+            memo[:] = [positions, (cos * factor)[:, None, :], (sin * factor)[:, None, :]]
         return memo[1], memo[2]  # (T, 1, dim/2) each
+
+
+def _kernels() -> Any:
+    """The C kernels when they run, else None. Imported by name at first use: the config
+    modules import this file and stay free of the kernels (and of their types)."""
+    kernels = importlib.import_module("cellswarm.kernels")
+    return kernels if kernels.enabled() else None
+
+
+def _sincos(angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin of float32 angles: the kernels' own (the same bits on every CPU), or numpy's."""
+    k = _kernels()
+    return k.sincos(angles) if k else (np.cos(angles), np.sin(angles))
+
+
+def _power(theta: float, exponents: np.ndarray) -> np.ndarray:
+    """theta ** exponents in float32: the kernels' own, or numpy's."""
+    k = _kernels()
+    if k:
+        return k.power(theta, exponents)
+    return (np.float32(theta) ** exponents).astype(np.float32)
+
+
+def _log(x: float) -> float:
+    k = _kernels()
+    return k.natural_log(x) if k else math.log(x)
 
 
 def base_inv_freq(dim: int, theta: float) -> np.ndarray:
     # (dim/2,) float32, computed as the references do: theta ** (2i / dim) in float32.
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    return (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    return (np.float32(1.0) / _power(theta, exponents)).astype(np.float32)
 
 
 def llama3_factors(
@@ -92,7 +116,7 @@ def llama3_factors(
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+    return 1.0 if scale <= 1 else 0.1 * mscale * _log(scale) + 1.0
 
 
 @dataclass(frozen=True)
@@ -130,7 +154,7 @@ class Yarn:
         return yarn_mscale(self.factor, self.mscale_all_dim) if self.mscale_all_dim else 1.0
 
     def inv_freq(self, dim: int, theta: float) -> np.ndarray:
-        pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+        pos_freqs = _power(theta, np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
         extrapolation = np.float32(1.0) / pos_freqs
         interpolation = np.float32(1.0) / (np.float32(self.factor) * pos_freqs)
         low, high = self._correction_range(dim, theta)
@@ -140,8 +164,8 @@ class Yarn:
 
     def _correction_range(self, dim: int, theta: float) -> tuple[float, float]:
         def corr_dim(rotations: float) -> float:
-            return (dim * math.log(self.original_context / (rotations * 2 * math.pi))) / (
-                2 * math.log(theta)
+            return (dim * _log(self.original_context / (rotations * 2 * math.pi))) / (
+                2 * _log(theta)
             )
 
         low, high = corr_dim(self.beta_fast), corr_dim(self.beta_slow)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -20,7 +20,14 @@ from gguf import GGMLQuantizationType
 
 from cellswarm import kernels
 from cellswarm.errors import ShapeMismatchError
-from cellswarm.quant.formats import Bytes, Floats, QuantFormat, dequantize, quantize
+from cellswarm.quant.formats import (
+    Bytes,
+    Floats,
+    QuantFormat,
+    dequantize,
+    q5_0_as_q8_0,
+    quantize,
+)
 
 # Float32 bytes of one dequantized weight tile in `matmul`: big enough that np.matmul
 # runs at BLAS speed, small enough to stay near cache and far below the model's size.
@@ -205,6 +212,11 @@ class PackedMatrix:
             elif kernels.can_fuse(self.fmt.name):
                 data = self._contiguous()
                 args = (kernels.weight_args(self.fmt.name, data, self.shape[1]), data)
+            elif self.fmt.name == "Q5_0" and kernels.can_fuse("Q8_0"):
+                # no kernel reads Q5_0; Q8_0 holds its values to the bit (34/22 of its bytes),
+                # as the fused layers read it: the same arithmetic
+                data = q5_0_as_q8_0(self._contiguous())
+                args = (kernels.weight_args("Q8_0", data, self.shape[1]), data)
             self._fused_args = args
         return self._fused_args  # type: ignore[return-value]
 
@@ -235,22 +247,21 @@ class PackedMatrix:
 
     def matmul(
         self, x: npt.ArrayLike, *, tile_bytes: int | None = None,
-        rows_of: tuple[int, int] | None = None, int8_rows: int = kernels.MAX_BATCH,
+        rows_of: tuple[int, int] | None = None,
     ) -> Floats:  # fmt: skip
         """x @ W.T for x of shape (..., in_features) -> (..., out_features), float32.
 
-        The weight is decoded `tile_bytes` (default `TILE_BYTES`) of float32 at a time,
-        each tile multiplied straight into its columns of a preallocated result.
-
-        int8_rows: up to this many rows of x go through the fused int8 kernels (MAX_BATCH at a
-        time, each chunk re-reading the weight, from cache when it is small: an expert's
-        matrix), more through float32 tiles and BLAS.
+        With the C kernels, every output is computed in one fixed order of float operations
+        (kernels/exact.c): its bits depend on the weights and the input only, not on the
+        CPU's instruction set, the thread count, how many rows x has or which rows of W are
+        held here. A format with its own kernel is read packed, any batch in one call; any
+        other is decoded `tile_bytes` (default `TILE_BYTES`) of float32 at a time and each
+        tile multiplied by the float kernel.
 
         rows_of=(first, total): these are rows [first, first + out_features) of a matrix of
-        `total` rows, split over nodes (the output head on vocab parts). Then every row's
-        bits are the same whichever node holds it and however many threads it has: beyond
-        the fused kernels' batch (which compute each row alone), rows go through BLAS in the
-        whole matrix's fixed blocks (`_matmul_blocks`), not in tiles of this slice.
+        `total` rows, split over nodes (the output head on vocab parts). With the kernels a
+        row is the same bits wherever it is; the numpy reference path computes it in the
+        whole matrix's fixed blocks (`_matmul_blocks`) for the same reason.
         """
         out_features, in_features = self.shape
         xs = np.asarray(x, dtype=np.float32)
@@ -259,37 +270,51 @@ class PackedMatrix:
                 f"input of shape {xs.shape} does not fit a {self.fmt.name} weight of "
                 f"shape {self.shape}: last axis must be {in_features}"
             )
+        if rows_of is not None and not 0 <= rows_of[0] <= rows_of[0] + out_features <= rows_of[1]:
+            raise ShapeMismatchError(
+                f"rows [{rows_of[0]}, {rows_of[0] + out_features}) of a {out_features}-row "
+                f"weight do not fit in a matrix of {rows_of[1]} rows"
+            )
         lead = xs.shape[:-1]
         x2 = xs.reshape(-1, in_features)  # (n, in)
-        # a repacked weight's int8 kernels beat dequantizing it for BLAS at any batch (prefill)
-        int8 = x2.shape[0] <= int8_rows or self._repacked is not None
-        fused = self._fused if int8 and kernels.enabled() else None
-        if rows_of is not None and fused is None:
+        if kernels.enabled():
+            return self._matmul_exact(x2, tile_bytes).reshape(*lead, out_features)
+        if rows_of is not None:
             return self._matmul_blocks(x2, *rows_of).reshape(*lead, out_features)
         if self.fmt.ggml_type == GGMLQuantizationType.F32:
             # The bytes already are the weight: multiply by a float view, no tiles.
-            w = self.data.view(np.float32)  # (out, in)
-            return np.matmul(x2, w.T).reshape(*lead, out_features)
-
+            return np.matmul(x2, self.data.view(np.float32).T).reshape(*lead, out_features)
         out = np.empty((x2.shape[0], out_features), dtype=np.float32)  # (n, out)
-        if fused is not None:
-            # Decode and small batches: one pass over the packed bytes, no float32 tile.
-            x2 = x2 if x2.flags.c_contiguous and x2.flags.writeable else x2.copy()
-            # a repacked weight takes any batch in one call (one parallel loop, each group
-            # read once); others 16 rows at a time
-            step = x2.shape[0] if self._repacked is not None else kernels.MAX_BATCH
-            for a in range(0, x2.shape[0], step):
-                b = min(a + step, x2.shape[0])
-                kernels.matmul_args(fused[0], in_features, x2[a:b], out[a:b])
-            return out.reshape(*lead, out_features)
+        for start, stop, tile in self._tiles(tile_bytes):
+            # A column slice of a C-order result is still BLAS-addressable: no temp copy.
+            np.matmul(x2, tile.T, out=out[:, start:stop])
+        return out.reshape(*lead, out_features)
+
+    def _matmul_exact(self, x2: Floats, tile_bytes: int | None) -> Floats:
+        """x2 (n, in) @ W.T in the C kernels' one order (kernels/exact.c)."""
+        x2 = x2 if x2.flags.c_contiguous and x2.flags.writeable else x2.copy()
+        out = np.empty((x2.shape[0], self.shape[0]), dtype=np.float32)  # (n, out)
+        fused = self._fused
+        if fused is not None and fused[0][0] == 0 and kernels.float_mode():
+            fused = None  # a prefill: float activations, the rows decoded (float_activations)
+        if fused is not None:  # packed, or F16/BF16/F32: one call for any batch
+            kernels.matmul_args(fused[0], self.shape[1], x2, out)
+            return out
+        part = np.empty_like(out)
+        for start, stop, tile in self._tiles(tile_bytes):  # other formats: float tiles
+            sub = part[:, : stop - start]
+            kernels.matmul("F32", tile, self.shape[1], x2, sub)
+            out[:, start:stop] = sub
+        return out
+
+    def _tiles(self, tile_bytes: int | None) -> Iterator[tuple[int, int, Floats]]:
+        """(start, stop, rows [start, stop) as float32), a bounded tile at a time."""
+        out_features, in_features = self.shape
         budget = TILE_BYTES if tile_bytes is None else tile_bytes
         step = max(1, budget // max(1, in_features * 4))  # weight rows per tile
         for start in range(0, out_features, step):
             stop = min(start + step, out_features)
-            tile = self._dequantize_rows(start, stop)  # (stop - start, in), in C if it can
-            # A column slice of a C-order result is still BLAS-addressable: no temp copy.
-            np.matmul(x2, tile.T, out=out[:, start:stop])
-        return out.reshape(*lead, out_features)
+            yield start, stop, np.ascontiguousarray(self._dequantize_rows(start, stop))
 
     def _matmul_blocks(self, x2: Floats, first: int, total: int) -> Floats:
         """x2 (n, in) @ W.T for rows [first, first + out) of a `total`-row matrix, computed

@@ -87,7 +87,8 @@ class CoordinatorConfig:
     replicas: int = setting(1, "--replicas", "independent rings sharing the queue")
     lease_s: float = setting(LEASE_S, "--lease", "seconds a job lease lasts unrenewed")
     evict_after_disagreements: int = setting(
-        3, "--evict-after", "verification: a node outvoted this many times is taken out")
+        1, "--evict-after", "verification: a node outvoted this many times is taken out (at "
+        "the first by default: correct nodes compute the same bits on any CPU)")
     leader_ttl_s: float = setting(
         5.0, "--leader-ttl", "several coordinators: seconds a leader's term lasts unrenewed")
     rebalance: bool = setting(
@@ -143,6 +144,7 @@ class WorkerConfig:
     fetch: bool = setting(
         False, "--fetch", "fetch the shard from the coordinator even with --model")
     perturb: float = setting(0.0, "--perturb", argparse.SUPPRESS)  # tests: wrong outputs
+    flip_bit: bool = setting(False, "--flip-bit", argparse.SUPPRESS)  # tests: a bad weight
     metrics: str = setting("", "--metrics", "[HOST:]PORT for GET /metrics (Prometheus; "
                            "default: any free port on the data port's host, told to the "
                            "coordinator's /v1/metrics/targets; 'off': none)")  # fmt: skip

@@ -27,7 +27,10 @@ from cellswarm.units import format_bytes
 MATMUL_TOLERANCE = 2e-2  # int8 activations: ~1e-2 of the largest output on random data
 FORWARD_TOLERANCE = 5e-2  # a shard's step on another node's kernels: ~1e-3; a wrong one: ~1
 ECHO_SLOW_S = 1.0  # a heartbeat round trip beyond this makes leases and liveness fragile
-SAME_EVERYWHERE = ("cellswarm", "python", "numpy", "kernels", "kernel_build", "machine")
+# What must match on every node for them to compute the same bits. Not the machine, the CPU
+# flags or the kernels' compiler flags: the kernels give the same bits on every CPU path
+# (kernels/exact.c); a differing CPU is only slower or faster (cpu_flags, below).
+SAME_EVERYWHERE = ("cellswarm", "python", "numpy", "kernels", "kernel_build")
 
 
 @dataclass
@@ -89,15 +92,18 @@ def judge_tokenizer(tokens: int | None, rows: int) -> Result:
 
 
 def judge_node(node_id: str, state: str, result: dict[str, Any] | None, matmul_ref: np.ndarray,
-               forward_ref: dict[str, Any] | None) -> list[Result]:  # fmt: skip
+               forward_ref: dict[str, Any] | None,
+               own: np.ndarray | None = None) -> list[Result]:  # fmt: skip
     """One node's staged bring-up: echo, then matmul, then forward; a failed step skips the
-    ones after it (they would only repeat it)."""
+    ones after it (they would only repeat it). `own`: the coordinator's kernels' product,
+    which a node on the C kernels must match to the bit."""
     return [replace(r, node=node_id) for r in _bring_up(node_id, state, result, matmul_ref,
-                                                          forward_ref)]  # fmt: skip
+                                                          forward_ref, own)]  # fmt: skip
 
 
 def _bring_up(node_id: str, state: str, result: dict[str, Any] | None, matmul_ref: np.ndarray,
-              forward_ref: dict[str, Any] | None) -> list[Result]:  # fmt: skip
+              forward_ref: dict[str, Any] | None,
+              own: np.ndarray | None) -> list[Result]:  # fmt: skip
     who = f"{node_id} ({state})"
     if result is None:
         return [Result("node", f"{node_id} echo", "FAIL", f"{who} did not answer the check",
@@ -108,7 +114,7 @@ def _bring_up(node_id: str, state: str, result: dict[str, Any] | None, matmul_re
         out.append(Result("node", f"{node_id} matmul", "FAIL", f"{who}: {result['error']}",
                           "read the node's log; run `cellswarm doctor --model` there"))  # fmt: skip
         return out
-    out.append(_matmul(node_id, who, result, matmul_ref))
+    out.append(_matmul(node_id, who, result, matmul_ref, own))
     if out[-1].status != "PASS":
         out.append(Result("node", f"{node_id} forward", "SKIP", "its matmul failed"))
         return out
@@ -127,14 +133,26 @@ def _echo(node_id: str, who: str, result: dict[str, Any]) -> Result:
                   "liveness need round trips well under a second")  # fmt: skip
 
 
-def _matmul(node_id: str, who: str, result: dict[str, Any], ref: np.ndarray) -> Result:
+def _exact(result: dict[str, Any]) -> bool:
+    """Both sides ran the C kernels: their numbers must be the same bits (kernels/exact.c)."""
+    from cellswarm import kernels
+
+    return kernels.enabled() and result.get("env", {}).get("kernels") == "c"
+
+
+def _matmul(node_id: str, who: str, result: dict[str, Any], ref: np.ndarray,
+            own: np.ndarray | None = None) -> Result:  # fmt: skip
     got = np.asarray(result.get("matmul") or [], np.float64)
     err = float(np.abs(got - ref).max() / max(float(np.abs(ref).max()), 1e-12)) \
         if got.shape == ref.shape else float("inf")  # fmt: skip
-    ok = err <= MATMUL_TOLERANCE
+    kind = result.get("env", {}).get("kernels", "?")
+    if own is not None and _exact(result):
+        ok = got.shape == own.shape and np.array_equal(got.astype(np.float32), own)
+        how = "the same bits as the coordinator's" if ok else "other bits than the coordinator's"
+    else:
+        ok, how = err <= MATMUL_TOLERANCE, f"{kind} kernels"
     return Result("node", f"{node_id} matmul", "PASS" if ok else "FAIL",
-                  f"{who} Q8_0 matmul within {err:.1e} of the float product "
-                  f"({result.get('env', {}).get('kernels', '?')} kernels)",
+                  f"{who} Q8_0 matmul: {how}, within {err:.1e} of the float product",
                   "" if ok else "this node's kernels give wrong numbers: delete its kernel "
                   "cache (~/.cache/cellswarm/kernels) and restart it, or run it with "
                   "CELLSWARM_KERNELS=numpy; take it out of the swarm until it passes")  # fmt: skip
@@ -146,9 +164,13 @@ def _forward(node_id: str, who: str, result: dict[str, Any],
     if got is None or ref is None:
         return Result("node", f"{node_id} forward", "PASS", f"{who} holds no layers (a spare)")
     err = digest_error(got, ref)
-    ok = err <= FORWARD_TOLERANCE
+    if _exact(result) and ref.get("bits"):
+        ok = got.get("bits") == ref["bits"] and err <= FORWARD_TOLERANCE
+        how = "the same bits as" if ok else f"other bits than (within {err:.1e} of)"
+    else:
+        ok, how = err <= FORWARD_TOLERANCE, f"within {err:.1e} of"
     return Result("node", f"{node_id} forward", "PASS" if ok else "FAIL",
-                  f"{who} layers {_span(result.get('layers'))}: one step within {err:.1e} of the "
+                  f"{who} layers {_span(result.get('layers'))}: one step {how} the "
                   "coordinator's", "" if ok else "this node's shard computes something else: "
                   "is its model file the coordinator's (same checksum)? re-fetch it, then "
                   "check its kernels")  # fmt: skip
@@ -248,11 +270,12 @@ def judge_round(model_path: str, tokenizer_size: int | None, rnd: Round,
                 nodes: list[Any]) -> list[Result]:  # fmt: skip
     """Every line of a round, in the seed's order: input, nodes, environment."""
     from cellswarm.loader import read_config
-    from cellswarm.swarm.node.checks import matmul_reference
+    from cellswarm.swarm.node.checks import matmul_here, matmul_reference
 
     rows = int(read_config(model_path).vocab_size)
     out = [judge_tokenizer(tokenizer_size, rows)]
     matmul_ref = matmul_reference(rnd.seed)
+    own = np.asarray(matmul_here(rnd.seed), np.float32)  # this process's kernels' bits
     refs: dict[tuple[int, int], dict[str, Any]] = {}
     for n in sorted(nodes, key=lambda n: n.node_id):
         result = rnd.results.get(n.node_id)
@@ -261,7 +284,7 @@ def judge_round(model_path: str, tokenizer_size: int | None, rnd: Round,
             refs[layers] = forward_reference(model_path, (int(layers[0]), int(layers[1])),
                                              rnd.seed)  # fmt: skip
         out += judge_node(n.node_id, n.state, result, matmul_ref,
-                          refs.get(layers) if layers else None)  # fmt: skip
+                          refs.get(layers) if layers else None, own)  # fmt: skip
     envs = {k: r["env"] for k, r in rnd.results.items() if isinstance(r.get("env"), dict)}
     budgets = {n.node_id: int(n.capabilities.get("memory_bytes") or 0) for n in nodes}
     return collapse(out + judge_environment(envs, budgets))

@@ -44,7 +44,7 @@ from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.beats import beat_key, check_control_url, holds, seal
 from cellswarm.swarm.control.checkup import Checkups
 from cellswarm.swarm.control.db import open_database
-from cellswarm.swarm.control.jobs import Job, JobQueue, QueueConfig
+from cellswarm.swarm.control.jobs import Job, JobQueue, QueueConfig, same_result
 from cellswarm.swarm.control.logship import EventStore, LogShipper
 from cellswarm.swarm.control.membership import (
     Shard,
@@ -986,7 +986,7 @@ class Coordinator:
         if job is None or len(job.runs) < 2 or job.result is None:
             return
         for run in job.runs:
-            agreed = run["result"].get("tokens") == job.result.get("tokens")
+            agreed = same_result(run["result"], job.result)
             for nid in run["nodes"]:
                 n = self.store.node(nid)
                 if n is None:

@@ -22,10 +22,11 @@ death) and is quarantined, dead with that reason, before it takes more nodes dow
 
 Verification (`verify` = runs that must agree, 2 with `--verify`): a completed run is kept,
 and the job goes back to the queue for a run on another replica; two runs with the same
-tokens decide (2 of 3 when the first two differ). Greedy decoding, or sampling with the
-job's fixed seed, makes the same tokens on any correct replica (the engine is deterministic
-on one host; across hosts with other CPU features a near-tie could flip — the third run
-decides then, and both nodes get a mark, not an eviction).
+tokens and scores, compared exactly, decide (2 of 3 when the first two differ). Greedy
+decoding, or sampling with the job's fixed seed, makes the same tokens and the same score
+bits on any correct replica, whatever its CPU, thread count or batch (the kernels compute
+in one order everywhere: kernels/exact.c), so a node outvoted by a majority computed
+something wrong and is taken out at once (`--evict-after`, 1 by default).
 """
 
 from __future__ import annotations
@@ -573,16 +574,23 @@ def _chosen(batch_id: str, position: int, fraction: float) -> bool:
 
 
 def _majority(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The first result two runs agree on."""
+    """The first result two runs on different replicas agree on: a replica that is wrong
+    the same way every time (a bad weight, a broken kernel) must not outvote the others with
+    its own second run."""
     for i, a in enumerate(runs):
         for b in runs[i + 1 :]:
-            if _same(a["result"], b["result"]):
+            apart = a.get("replica") is None or a.get("replica") != b.get("replica")
+            if apart and same_result(a["result"], b["result"]):
                 return a
     return None
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a.get("tokens") == b.get("tokens") and a.get("scores") == b.get("scores")
+def same_result(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two runs' results agree: tokens and scores equal, and the bits of the logits the last
+    token came from (a node whose weights or arithmetic are off in the last bit gives other
+    bits long before it gives another token; every correct node gives these)."""
+    return (a.get("tokens") == b.get("tokens") and a.get("scores") == b.get("scores")
+            and a.get("bits", "") == b.get("bits", ""))  # fmt: skip
 
 
 def _ran_on(job: Job, replica: str) -> bool:

@@ -48,6 +48,7 @@ class LocalSwarm:
     lease_s: float = CoordinatorConfig.lease_s
     evict_after: int = CoordinatorConfig.evict_after_disagreements
     perturb: dict[int, float] = field(default_factory=dict)  # worker -> wrong-output fraction
+    flip_bit: frozenset[int] = frozenset()  # workers with one bit of one weight flipped
     vocab_nodes: int = 0
     # tokens a sequence may hold; None: fitted to these workers (`fit`), as `cellswarm up`
     # does. Tests and benches keep a short one: their budgets and timings were sized for it
@@ -164,6 +165,7 @@ class LocalSwarm:
             model=None if self.fetch else self.model, threads=self.threads,
             log_dir=str(self.node_log_dir(i)), stop_after_s=self.stop_after_s,
             fail_forward=i in self.fail_forward, perturb=self.perturb.get(i, 0.0),
+            flip_bit=i in self.flip_bit,
             stall_step_s=self.stall_step.get(i, 0.0),
             dram_budget_bytes=parse_bytes(self.dram_budget) if self.dram_budget else None,
             cache_dir=str(self.state_dir / f"cache-{i}") if self.fetch else None,

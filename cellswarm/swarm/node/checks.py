@@ -5,9 +5,11 @@ run (never beside one) and sends the result with its next heartbeat:
 
 - echo: its heartbeat's round trip to the coordinator, as last measured (latency);
 - matmul: a Q8_0 matrix-vector product of known inputs in the node's own kernels — the
-  coordinator compares it with the float product of the same blocks;
-- forward: one forward step of the node's shard on a fixed hidden state, as a digest (its
-  norm and 16 fixed projections) — the coordinator computes the same layers from its copy;
+  coordinator's kernels give the same bits on any CPU (kernels/exact.c), so it compares them
+  exactly, and says how far both are from the float product of the same blocks;
+- forward: one forward step of the node's shard on a fixed hidden state, as a digest (the
+  sha256 of its bits, its norm and 16 fixed projections) — the coordinator computes the same
+  layers from its copy and compares the bits (a node on the numpy path: the projections);
 - environment: free memory and disk, versions (cellswarm, Python, numpy, the kernels' build),
   CPU flags, OOM kills seen — compared across nodes by the coordinator.
 
@@ -17,6 +19,7 @@ repeating an old answer. Pure functions over numpy arrays, shared by both sides.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import shutil
@@ -61,12 +64,17 @@ def hidden_input(seed: int, d_model: int) -> np.ndarray:
     return np.random.default_rng(seed + 1).standard_normal((1, d_model)).astype(np.float32)
 
 
+def bits(values: Any) -> str:
+    """The sha256 of float32 values' bytes, 16 hex digits."""
+    return hashlib.sha256(np.ascontiguousarray(values, np.float32).tobytes()).hexdigest()[:16]
+
+
 def digest(out: np.ndarray, seed: int) -> dict[str, Any]:
-    """A forward step's output (1, n) as its norm and PROJECTIONS projections onto fixed
-    +-1 vectors: enough to tell a wrong layer from rounding, ~200 bytes on the wire."""
+    """A forward step's output (1, n) as its bits' sha256, its norm and PROJECTIONS
+    projections onto fixed +-1 vectors (how far, when the bits differ), ~250 bytes."""
     v = np.asarray(out, np.float64).reshape(-1)
     signs = np.random.default_rng(seed + 2).integers(0, 2, (PROJECTIONS, v.size)) * 2 - 1
-    return {"n": int(v.size), "norm": float(np.linalg.norm(v)),
+    return {"n": int(v.size), "bits": bits(out), "norm": float(np.linalg.norm(v)),
             "proj": [float(p) for p in signs @ v / np.sqrt(v.size)]}  # fmt: skip
 
 
@@ -79,12 +87,14 @@ def digest_error(got: dict[str, Any], want: dict[str, Any]) -> float:
     return float(np.linalg.norm(a - b) / scale)
 
 
-def forward_digest(model: Any, seed: int) -> dict[str, Any]:
+def forward_digest(model: Any, seed: int, perturb: float = 0.0) -> dict[str, Any]:
     """One forward step of `model`'s layers (a stage's shard) at position 0 on the fixed
-    hidden state, digested. The cache is the step's own: nothing of a request is touched."""
+    hidden state, digested (times 1 + perturb: tests). The cache is the step's own: nothing
+    of a request is touched."""
     cache = model.new_cache(1)
     x = hidden_input(seed, int(model.config.d_model))
-    return digest(model.forward(x, cache), seed)
+    out = model.forward(x, cache)
+    return digest(out * np.float32(1 + perturb) if perturb else out, seed)
 
 
 def run(seed: int, model: Any | None, folders: Iterable[str | Path | None],
@@ -95,8 +105,7 @@ def run(seed: int, model: Any | None, folders: Iterable[str | Path | None],
     try:
         out["matmul"] = [v * (1 + perturb) for v in matmul_here(seed)]
         if model is not None:
-            d = forward_digest(model, seed)
-            out["forward"] = {**d, "proj": [p * (1 + perturb) for p in d["proj"]]}
+            out["forward"] = forward_digest(model, seed, perturb)
     except Exception as exc:  # whatever breaks, the doctor says so (and which node)
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out

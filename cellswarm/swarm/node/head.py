@@ -202,7 +202,8 @@ class Head:
                 await self._finish(run, {"scores": scores, "reason": "scored"})
         elif frame.type == "done" and run.kind == "generate":
             await self._finish(run, {"tokens": list(run.tokens),
-                                     "reason": str(frame.fields["reason"])})  # fmt: skip
+                                     "reason": str(frame.fields["reason"]),
+                                     "bits": str(frame.fields.get("bits", ""))[:16]})  # fmt: skip
         elif frame.type == "error" and frame.fields.get("fault") == "room":
             run.waiting.insert(0, int(part or 0))  # the ring was full after all: it waits
         elif frame.type == "error":

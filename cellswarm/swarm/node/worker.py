@@ -437,6 +437,8 @@ class Worker:
         if not config.dram_budget_bytes:  # a tiered shard sizes its cache from its budget
             config = await asyncio.to_thread(size_kv, config)
         model = await asyncio.to_thread(load_stage_model, config)
+        if c.flip_bit:
+            log.warning("test hook: one bit of %s flipped", flip_a_weight_bit(model))
         self.stage = Stage(config, model)
         self.stage.on_fault = self.report_fault
         self.stage.log.sink = self.shipper.add  # the local file stays; a thread ships
@@ -644,3 +646,19 @@ def said(exc: urllib.error.HTTPError) -> str:
         return exc.read().decode(errors="replace")[:200]
     except Exception as cut:  # http.client.IncompleteRead is no OSError
         return f"HTTP {exc.code} ({cut!r})"
+
+
+def flip_a_weight_bit(model: Any) -> str:
+    """Test hook (--flip-bit): one bit of one quantized weight of this shard flipped, in this
+    process's copy: a node whose memory or file went bad by one bit. The text it writes often
+    stays the same; the logits' bits do not, which --verify compares. -> the tensor's name."""
+    from cellswarm.quant import PackedMatrix
+
+    for name in model.weights:
+        t = model.weights[name]
+        if isinstance(t, PackedMatrix) and name.startswith("blk.") and "ffn_down" in name:
+            data = np.array(t.data)  # memory of its own: the file stays as it is
+            data.reshape(-1)[data.size // 2] ^= 0x04
+            t.data, t._fused_args = data, False
+            return name
+    return "nothing (no ffn_down here)"

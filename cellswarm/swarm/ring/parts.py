@@ -29,6 +29,7 @@ Run as `python -m cellswarm.swarm.ring.parts CONFIG_JSON`; prints `READY <port>`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -42,6 +43,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from cellswarm import kernels
 from cellswarm.engine.memory import peak_rss_bytes, weights_by_kind
 from cellswarm.engine.model import Model
 from cellswarm.errors import CellswarmError, ProtocolError, RequestError
@@ -198,8 +200,11 @@ class PartServer:
         self.requests += 1
         if self.on_step is not None:
             self.on_step()
-        if frame.type == "experts":
-            return Frame("expert_rows", {}, self.expert_rows(int(f["layer"]), a, int(f["k"])))
+        if frame.type == "experts":  # a prefill's: float activations, as at its stage
+            mode = kernels.float_activations() if f.get("float") else contextlib.nullcontext()
+            with mode:
+                rows = self.expert_rows(int(f["layer"]), a, int(f["k"]))
+            return Frame("expert_rows", {}, rows)
         if frame.type == "logits":  # unrefined: the caller refines the merged top rows
             # computed in the whole head's row blocks, so a logit has the same bits on any
             # split of the rows (PackedMatrix.matmul's rows_of)
@@ -355,7 +360,8 @@ class ExpertParts:
             rows = np.nonzero((by_slot == i).any(axis=1))[0]  # tokens routed to client i
             mine = np.where(by_slot[rows] == i, ids[rows], -1)  # other holders' slots: -1
             packed = pack_routes(h[rows], mine, routing.weights[rows])
-            self.clients[i].send(Frame("experts", {"layer": layer, "k": k}, packed))
+            fields = {"layer": layer, "k": k, "float": int(kernels.float_mode())}
+            self.clients[i].send(Frame("experts", fields, packed))
             experts, counts = np.unique(mine[mine >= 0], return_counts=True)
             sent.append((i, experts.tolist(), counts))
 

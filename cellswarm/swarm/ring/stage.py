@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -175,6 +176,9 @@ class Sequence:
     # as they were first computed, so the cache and the sampler end up as they were.
     replay: list[int] = field(default_factory=list)
     active_s: float = field(default_factory=time.monotonic)  # its last step came back then
+    # The sha256 of the logits its last token was chosen from (16 hex digits): the same bits
+    # on every correct node, so --verify compares it with another replica's (jobs._same)
+    bits: str = ""
 
 
 class Stage:
@@ -183,6 +187,7 @@ class Stage:
         self.caches: dict[int, KVCache] = {}
         self.samplers: dict[int, tuple[SamplingParams, np.random.Generator, list[int]]] = {}
         self.sequences: dict[int, Sequence] = {}
+        self.logit_bits: dict[int, str] = {}  # the last stage: per sequence, its last logits' sha
         self._next: asyncio.StreamWriter | None = None
         self._next_lock = asyncio.Lock()
         # Emulated link: frames booked on the wire, delivered at their arrival time by a
@@ -418,7 +423,8 @@ class Stage:
         elif frame.type == "hidden":
             await self.on_hidden(frame)
         elif frame.type == "token":
-            await self.on_token(frame.fields["seq"], int(frame.fields["token"]))
+            await self.on_token(frame.fields["seq"], int(frame.fields["token"]),
+                                str(frame.fields.get("bits", "")))  # fmt: skip
         elif frame.type == "scored":
             await self.on_scored(frame.fields["seq"], float(frame.fields["logprob"]))
         elif frame.type == "end":
@@ -660,11 +666,12 @@ class Stage:
                 return await self.on_scored(seq, float(out))
             scored = {"seq": seq, "logprob": float(out), "ep": self.epoch}
             return await self.send_next(Frame("scored", scored))
-        token = int(out)
+        token, bits = int(out), self.logit_bits.pop(seq, "")
         if self.config.first:
-            await self.on_token(seq, token)
+            await self.on_token(seq, token, bits)
         else:
-            await self.send_next(Frame("token", {"seq": seq, "token": token, "ep": self.epoch}))
+            await self.send_next(Frame("token", {"seq": seq, "token": token, "ep": self.epoch,
+                                                 "bits": bits}))  # fmt: skip
 
     def score(self, h: np.ndarray, first: dict[str, Any]) -> float:
         """Log-likelihood of the sequence's tokens from `score_from` on, given those before:
@@ -672,10 +679,7 @@ class Stage:
         ids = np.asarray(first["prompt"], np.int64)
         start = int(first["score_from"])
         logits = self.head(h[start - 1 : len(ids) - 1]).astype(np.float64)  # (C, vocab)
-        top = logits.max(axis=-1, keepdims=True)
-        logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
-        picked = logits[np.arange(len(ids) - start), ids[start:]]
-        return float((picked - logz).sum())
+        return log_likelihood(logits, ids[start:])
 
     async def on_scored(self, seq: int, logprob: float) -> None:
         s = self.sequences.pop(seq, None)
@@ -707,7 +711,10 @@ class Stage:
         return time.monotonic() - since if since is not None else 0.0
 
     def head_sample(self, seq: int, h: np.ndarray, first: dict[str, Any] | None) -> int:
-        token = self.sample(seq, self.head(h[-1:])[-1], first)
+        logits = self.head(h[-1:])[-1]
+        digest = hashlib.sha256(np.ascontiguousarray(logits).tobytes()).hexdigest()
+        self.logit_bits[seq] = digest[:16]
+        token = self.sample(seq, logits, first)
         if self.perturb and first is not None and self._rng.random() < self.perturb:
             self.corrupted.add(seq)  # fault injection: this sequence's output goes bad
         if seq in self.corrupted:
@@ -728,11 +735,12 @@ class Stage:
         history.append(token)
         return token
 
-    async def on_token(self, seq: int, token: int) -> None:
+    async def on_token(self, seq: int, token: int, bits: str = "") -> None:
         s = self.sequences.get(seq)
         if s is None:  # dropped by a reset while this token was on the wire
             return
         s.active_s = time.monotonic()
+        s.bits = bits[:16]
         replaying = bool(s.replay)
         if replaying:
             token = s.replay.pop(0)  # the client has it already
@@ -757,7 +765,7 @@ class Stage:
         self.log_decode(seq, pop=True)
         s = self.sequences.pop(seq)
         self.log.event("done", s.req, stage=self.span, reason=reason, tokens=len(s.tokens))
-        await s.emit(Frame("done", {"req": s.req, "reason": reason}))
+        await s.emit(Frame("done", {"req": s.req, "reason": reason, "bits": s.bits}))
         self.release(seq)
         if not self.config.last:
             await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
@@ -813,6 +821,7 @@ class Stage:
         self.requests.pop(seq, None)
         self.caches.pop(seq, None)
         self.samplers.pop(seq, None)
+        self.logit_bits.pop(seq, None)
 
     def release(self, seq: int) -> None:
         self._drop(seq)
@@ -900,6 +909,24 @@ def load_stage_model(config: StageConfig) -> Model:
     if config.memory_bytes is not None:
         check_budget(model, config)
     return model
+
+
+def log_likelihood(logits: np.ndarray, ids: np.ndarray) -> float:
+    """sum_i log softmax(logits[i])[ids[i]] for logits (C, vocab) float64. With the kernels,
+    exp, log and the sums are their own, in one order: the same bits on every CPU, so two
+    replicas' scores of one job agree exactly (--verify compares them)."""
+    from cellswarm import kernels
+
+    top = logits.max(axis=-1, keepdims=True)
+    picked = logits[np.arange(len(ids)), ids]
+    if not kernels.enabled():
+        logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
+        return float((picked - logz).sum())
+    total = 0.0
+    for i in range(len(ids)):
+        z = float(top[i, 0]) + kernels.natural_log(kernels.sum64(kernels.exp64(logits[i] - top[i])))
+        total += float(picked[i]) - z
+    return total
 
 
 def stage_selection(config: StageConfig) -> Selection:

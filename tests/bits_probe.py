@@ -1,0 +1,108 @@
+"""What one CPU path computes, as digests: `python -m tests.bits_probe MODEL.gguf...` prints
+one JSON object {model: {check: digest}}. tests/test_bits_everywhere.py runs it under other
+kernel builds (CELLSWARM_CFLAGS, each with its own empty CELLSWARM_CACHE), BLAS core types
+and thread counts, and compares the digests: every one must be the same bits everywhere.
+
+Per model:
+- "alone": a 48-token prefill then 32 greedy decode steps, every step's logits;
+- "batch16": the same sequence decoded among 15 others (step_many), its logits;
+- "stages2" / "stages4": the same tokens through the layers split over 2 and 4 stage models
+  (each loading only its layers, as a stage node does), the last stage's logits;
+- "tokens": the greedy tokens (readable when a digest differs).
+In-process equalities ("alone" = "batch16" = "stages*") are the test's too: it asserts them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+import cellswarm
+from cellswarm import kernels
+from cellswarm.engine.model import Model
+from cellswarm.io.weights import Selection
+
+PREFILL, DECODE, BATCH = 48, 32, 16
+OTHERS = 8  # the prompt of each other sequence of the batch
+
+
+def _digest(arrays: Sequence[np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a, np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _prompt(vocab: int, seed: int) -> np.ndarray:
+    return (np.arange(PREFILL) * (7919 + 2 * seed) + 13 * seed) % (vocab - 3) + 3
+
+
+def alone(m: Model, prompt: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
+    cache = m.new_cache(PREFILL + DECODE + 1)
+    logits = m.step(prompt, cache)
+    steps, tokens = [logits], []
+    for _ in range(DECODE):
+        tokens.append(int(np.argmax(steps[-1][-1])))
+        steps.append(m.step(np.array(tokens[-1:]), cache))
+    return steps, tokens
+
+
+def batched(m: Model, prompts: list[np.ndarray], tokens: list[int]) -> list[np.ndarray]:
+    """Sequence 0 fed `tokens` (its greedy ones), the others (short prompts of their own)
+    their own greedy tokens, all decoded together: sequence 0's logits per step."""
+    caches = [m.new_cache(PREFILL + DECODE + 1) for _ in prompts]
+    last = [m.step(p if i == 0 else p[:OTHERS], c)[-1]
+            for i, (p, c) in enumerate(zip(prompts, caches, strict=True))]  # fmt: skip
+    out = [m.step(prompts[0], m.new_cache(PREFILL + 1))]  # the prefill, as alone's first
+    for step in range(DECODE):
+        ids = [tokens[step]] + [int(np.argmax(x)) for x in last[1:]]
+        logits = m.step_many(ids, caches)
+        out.append(logits[:1])
+        last = list(logits)
+    return out
+
+
+def staged(path: str, n_stages: int, prompt: np.ndarray, tokens: list[int]) -> list[np.ndarray]:
+    """The layers over n_stages models, each holding only its own (as stage nodes do)."""
+    n_layers = cellswarm.load(path, tokenizer=False).config.n_layers
+    parts = np.array_split(np.arange(n_layers), min(n_stages, n_layers))
+    stages = [cellswarm.load(path, tokenizer=False, selection=Selection(
+        layers=(int(p[0]), int(p[-1]) + 1), embed=i == 0, head=i == len(parts) - 1))
+        for i, p in enumerate(parts)]  # fmt: skip
+    caches = [s.new_cache(PREFILL + DECODE + 1) for s in stages]
+    out = []
+    for ids in [prompt, *([t] for t in tokens)]:
+        h = stages[0].arch.embed(np.asarray(ids))
+        for s, c in zip(stages, caches, strict=True):
+            h = s.forward(h, c)
+            c.length += len(ids)
+        out.append(stages[-1].arch.head(h))
+    return out
+
+
+def probe(path: str) -> dict[str, str]:
+    m = cellswarm.load(path, tokenizer=False)
+    vocab = m.config.vocab_size
+    prompts = [_prompt(vocab, s) for s in range(BATCH)]
+    steps, tokens = alone(m, prompts[0])
+    return {
+        "alone": _digest(steps),
+        "batch16": _digest(batched(m, prompts, tokens)),
+        "stages2": _digest(staged(path, 2, prompts[0], tokens)),
+        "stages4": _digest(staged(path, 4, prompts[0], tokens)),
+        "tokens": ",".join(map(str, tokens)),
+    }
+
+
+def main(argv: list[str]) -> None:
+    kernels.set_threads(int(os.environ.get("BITS_THREADS", "1")))
+    print(json.dumps({os.path.basename(p): probe(p) for p in argv}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
