@@ -141,9 +141,8 @@ def _mapped(tmp_path: Path, w: np.ndarray) -> np.ndarray:
 def test_a_matrix_repacks_only_from_a_mapped_file_and_reads_the_same(tmp_path: Path) -> None:
     """`PackedMatrix.repack`: memory of its own stays as it is (a copy would double it); a
     mapped file's matrix is repacked, and its fused matmul and its dequantize (rows not on
-    group bounds too) give what they gave before. A batch beyond the int8 kernels' 16 rows (a
-    prefill) then goes through them too, 16 rows at a time: the same bits as those rows
-    through the int8 kernels of the file's layout, not BLAS's."""
+    group bounds too) give what they gave before, for a batch beyond 16 rows (a prefill) too:
+    the same bits as the file's layout."""
     rng = np.random.default_rng(7)
     cols = 256
     w = quantize(rng.standard_normal((100, cols)).astype(np.float32), Q4_0)
@@ -152,7 +151,7 @@ def test_a_matrix_repacks_only_from_a_mapped_file_and_reads_the_same(tmp_path: P
     m = PackedMatrix(_mapped(tmp_path, w), Q4_0)
     x1 = rng.standard_normal((2, cols)).astype(np.float32)
     x2 = rng.standard_normal((40, cols)).astype(np.float32)
-    before = m.matmul(x1), m.matmul(x2, int8_rows=40), m.dequantize()
+    before = m.matmul(x1), m.matmul(x2), m.dequantize()
     assert m.repack() is True
     after = m.matmul(x1), m.matmul(x2), m.dequantize()
     for a, b in zip(before, after, strict=True):

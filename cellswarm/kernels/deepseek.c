@@ -67,7 +67,7 @@ static float row_dot(const mat *m, const uint8_t *row, int64_t cols, const actv 
         return o;
     }
     const acts s = {a->xq, a->xd, a->xs, cols, 1, a->xsum};
-    exact_row_q((int)m->fmt, row, &s, &o);
+    exact_row_q(R16_NATURAL((int)m->fmt), row, &s, &o); /* repacked: a row after its groups */
     return o;
 }
 
@@ -114,6 +114,15 @@ static void run_chunk(const task *t, const int64_t *start, int64_t lo, int64_t h
             pl.nu = 0;
             if (k->m->kind == 0 && k->a.ol) plan_task(k, &pl);
         }
+#ifdef HAVE_R16
+        if (IS_R16((int)k->m->fmt) && j < k->rows / 16 * 16) { /* a group: by its first row */
+            if (j % 16 == 0) {
+                const acts s = {k->a.xq, k->a.xd, k->a.xs, k->cols, k->nx > 1 ? k->nx : 1, k->a.xsum};
+                r16_group((int)k->m->fmt, row, &s, &pl, k->out + j, k->ld);
+            }
+            continue;
+        }
+#endif
         k->out[j] = row_dot(k->m, row, k->cols, &k->a);
         /* More activation rows: each with the one-row kernel while the weight row is in
          * L1, so a token's result is the same bits alone or batched with others. */
@@ -125,7 +134,7 @@ static void run_chunk(const task *t, const int64_t *start, int64_t lo, int64_t h
         }
         if (pl.nu) { /* + what the integer dot products left out, as cs_matmul_qx adds it */
             float add[MAX_BATCH];
-            plan_row((int)k->m->fmt, row, &pl, add);
+            plan_row(R16_NATURAL((int)k->m->fmt), row, &pl, add);
             k->out[j] += add[0];
             for (int64_t b = 1; b < k->nx; b++) k->out[b * k->ld + j] += add[b];
         }

@@ -8,7 +8,7 @@
  *     y = sum_g  xd[g/2] * (scale_g * sum(wq * xq over g) - min_g * sum(xq over g))
  *
  * Every weight byte is read once per call, whatever the batch (1..16 rows of x share each
- * decoded block). Rows of W are split over OpenMP threads. Q4_0, Q8_0, Q4_K and Q6_K weights
+ * decoded block). Rows of W are split over OpenMP threads. Q4_0 and Q8_0 weights
  * may also come repacked in groups of 16 rows (cs_repack, "in 16-row groups" below), read in
  * the same arithmetic as the file's layout: the same bits. Written as plain C loops with
  * constant trip counts so gcc vectorizes them for the host (-O3 -march=native): AVX2/AVX-512
@@ -326,11 +326,6 @@ static inline void decode(int fmt, const uint8_t *b, decoded *o) {
 
 #include "exact.c"
 
-/* No repacked layouts: a weight stays as the file has it (the exact kernels read it so). */
-int cs_repacked(int fmt) { (void)fmt; return -1; }
-void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
-    (void)fmt; (void)w; (void)rows; (void)row_bytes; (void)out;
-}
 
 /* ---- outliers: the largest activations multiplied in float ------------------------------
  * The vectors a trained model multiplies carry a few values 10-100x their RMS (RMSNorm's
@@ -516,6 +511,159 @@ static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float
     plan_sum(p, w, s);
 }
 
+/* ---- Q4_0 and Q8_0 in 16-row groups (AVX-512 VNNI) ---------------------------------------
+ * Why: a row at a time, a decode-shaped row (1024 columns: 32 blocks) pays a reduction across
+ * lanes per 8 blocks, a gather of its scales and the fold of its 16 accumulators, and ran at
+ * ~9 GB/s where one core streams ~34. As llama.cpp repacks at load, whole groups of 16 rows
+ * are laid out so that one register holds 4 bytes of each of the 16 rows: per 32-block the 16
+ * rows' f16 scales (32 bytes), then chunks of 64 bytes, chunk k lane r = row r's weight bytes
+ * 4k..4k+3 (Q4_0: 4 chunks of nibbles, Q8_0: 8 of int8). A block of 16 rows is then a few
+ * dpbusd against broadcast activations, with no reduction across lanes, and the group's bytes
+ * are one stream. A group takes exactly the bytes its 16 rows did; rows after the last whole
+ * group stay as they were.
+ *
+ * The same bits as exact.c's row kernel, lane by lane (lanes are rows): per block u the exact
+ * integer n_u (unsigned weights u = q + o times x, minus o times the block's activation sum),
+ * t_u = (float)n_u * (ws_u * xd_u) (wm = 0 in these formats: exact.c's "- 0 * xsum" changes
+ * at most a zero's sign, which an accumulator that starts at +0 never keeps), A[u % 16] +=
+ * t_u in order of u, each A a register; then exact.c's tree, register by register. The
+ * outliers as plan_row adds them, 16 rows at once. tests/test_bits_everywhere.py holds this
+ * build against the AVX2 and portable ones, which never repack. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HAVE_R16 1
+#define R16_BYTES(f) ((f) == Q8_0 ? 34 : 18)   /* one row's block in the file */
+#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : 288) /* a group's block: 16 rows' */
+
+/* s + u . (the 4 bytes at x, in every lane): the broadcast folded into the instruction's
+ * memory operand ({1to16}), which GCC does not do for _mm512_set1_epi32 of a loaded int */
+static inline __m512i dpbusd_bcst(__m512i s, __m512i u, const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(u), "m"(*x));
+    return s;
+}
+
+/* fold16 of 16 rows at once (A[j]: accumulator j of every row, lanes: rows) -> out[0..16) */
+static inline void fold16_rows(__m512 *A, float *out) {
+    for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
+    for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
+    for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
+    _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
+}
+
+/* 16 repacked rows (group g, nb blocks) times one activation row: out[0..16) */
+static inline __attribute__((always_inline)) void r16_group1(const int fmt, const uint8_t *g,
+                                                             int64_t nb, const int8_t *xq,
+                                                             const float *xd, const int32_t *xs,
+                                                             float *out) {
+    const int gb = R16_BLOCK(fmt), chunks = fmt == Q8_0 ? 8 : 4, off = fmt == Q8_0 ? 128 : 8;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
+    __m512 A[16];
+    for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            const int64_t b = b0 + j;
+            if (b >= nb) break;
+            const uint8_t *blk = g + gb * b;
+            const int32_t *x4 = (const int32_t *)(const void *)(xq + 32 * b);
+            __m512i s0 = _mm512_set1_epi32(-off * (xs[2 * b] + xs[2 * b + 1])), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int k = 0; k < chunks; k++) {
+                const __m512i q = _mm512_loadu_si512((const void *)(blk + 32 + 64 * k));
+                if (fmt == Q8_0) {
+                    const __m512i u = _mm512_xor_si512(q, flip);
+                    if (k & 1) s1 = dpbusd_bcst(s1, u, x4 + k);
+                    else s0 = dpbusd_bcst(s0, u, x4 + k);
+                } else {
+                    s0 = dpbusd_bcst(s0, _mm512_and_si512(q, m4), x4 + k);
+                    s1 = dpbusd_bcst(s1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), x4 + 4 + k);
+                }
+            }
+            const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)),
+                                           _mm512_set1_ps(xd[b]));
+            A[j] = _mm512_add_ps(A[j], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), s));
+        }
+    }
+    fold16_rows(A, out);
+}
+
+/* The 16 rows' weights at column col of a group, as plan_weight decodes each */
+static inline __m512 r16_weights(int fmt, const uint8_t *g, int32_t col) {
+    const uint8_t *blk = g + R16_BLOCK(fmt) * (col >> 5);
+    const int e = col & 31, i = fmt == Q8_0 ? e : e & 15;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const __m512i word = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(blk + 32 + 64 * (i >> 2))), 8 * (i & 3));
+    if (fmt == Q8_0) /* the byte, sign-extended */
+        return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(word, 24), 24)));
+    const __m512i v = _mm512_and_si512(e >= 16 ? _mm512_srli_epi32(word, 4) : word, _mm512_set1_epi32(0xF));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(8))));
+}
+
+/* The 16 rows of group g of a repacked weight (format rfmt) times a's rows: out[k * ld + lane],
+ * the outliers added as one_row adds them */
+static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *pl, float *out,
+                      int64_t ld) {
+    const int fmt = R16_NATURAL(rfmt);
+    const int64_t cols = a->cols, nbx = cols / 32;
+    for (int64_t k = 0; k < a->nx; k++) {
+        if (fmt == Q8_0) r16_group1(Q8_0, g, nbx, a->xq + k * cols, a->xd + k * nbx, a->xs + 2 * k * nbx, out + k * ld);
+        else r16_group1(Q4_0, g, nbx, a->xq + k * cols, a->xd + k * nbx, a->xs + 2 * k * nbx, out + k * ld);
+    }
+    if (!pl->nu) return;
+    __m512 w[PLAN_MAX];
+    for (int u = 0; u < pl->nu; u++) w[u] = r16_weights(fmt, g, pl->col[u]);
+    for (int64_t k = 0; k < a->nx; k++) {
+        __m512 t = _mm512_setzero_ps();
+        for (int i = 0; i < pl->n[k]; i++)
+            t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(pl->val[k][i]), w[pl->use[k][i]]));
+        _mm512_storeu_ps(out + k * ld, _mm512_add_ps(_mm512_loadu_ps(out + k * ld), t));
+    }
+}
+
+int cs_repacked(int fmt) { return fmt == Q4_0 ? Q4_0R : fmt == Q8_0 ? Q8_0R : -1; }
+
+/* one block of row r of a group, from the file's layout (src) into the group's (o), or back */
+static inline void r16_lane(int fmt, uint8_t *o, int r, uint8_t *src, int back) {
+    const int words = (R16_BYTES(fmt) - 2) / 4;
+    uint8_t *f[2] = {o + 2 * r, src};
+    memcpy(f[back], f[!back], 2);
+    for (int k = 0; k < words; k++) {
+        uint8_t *p[2] = {o + 32 + 64 * k + 4 * r, src + 2 + 4 * k};
+        memcpy(p[back], p[!back], 4);
+    }
+}
+
+/* out = w (rows of Q4_0 or Q8_0) with its whole 16-row groups repacked; the same size */
+void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
+    const int bb = R16_BYTES(fmt), gb = R16_BLOCK(fmt);
+    const int64_t nb = row_bytes / bb, ng = rows / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int r = 0; r < 16; r++)
+                r16_lane(fmt, out + 16 * g * row_bytes + gb * b, r,
+                         (uint8_t *)(w + (16 * g + r) * row_bytes + bb * b), 0);
+    memcpy(out + 16 * ng * row_bytes, w + 16 * ng * row_bytes, (size_t)((rows - 16 * ng) * row_bytes));
+}
+
+/* Row r of a repacked weight in the file's layout (into one, row_bytes long), or 0 when r is
+ * after the last whole group (then it is as in the file) */
+static int r16_row_bytes(int rfmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t r,
+                         uint8_t *one) {
+    if (!IS_R16(rfmt) || r >= rows / 16 * 16) return 0;
+    const int fmt = R16_NATURAL(rfmt), bb = R16_BYTES(fmt);
+    const uint8_t *g = w + r / 16 * 16 * row_bytes;
+    for (int64_t b = 0; b < row_bytes / bb; b++)
+        r16_lane(fmt, (uint8_t *)(g + R16_BLOCK(fmt) * b), (int)(r % 16), one + bb * b, 1);
+    return 1;
+}
+#else
+/* No repacked layout on this CPU: a weight stays as the file has it. */
+int cs_repacked(int fmt) { (void)fmt; return -1; }
+void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
+    (void)fmt; (void)w; (void)rows; (void)row_bytes; (void)out;
+}
+#endif
+
 /* ---- fused matmul ----------------------------------------------------------------------- */
 
 /* How a matmul's rows are dealt to threads. Dynamically, in chunks: a thread whose core is
@@ -568,14 +716,27 @@ static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
         pl[i].nu = 0;
         for (int k = 0; k < (int)n; k++) plan_add(&pl[i], fmt, k, ol ? &ol[r0 + k] : NULL, 0, cols);
     }
+    /* a repacked weight: its whole groups of 16 rows, then the rows after them; else rows */
+    const int nat = R16_NATURAL(fmt);
+    const int64_t ng = IS_R16(fmt) ? rows / 16 : 0, units = ng + rows - 16 * ng;
+    const int64_t uchunk = ng ? (chunk + 15) / 16 : chunk;
     const int use = par ? gov_threads() : 1;
     double done[GOV_MAX_THREADS], t0 = now_s();
 #pragma omp parallel num_threads(use) if (use > 1)
     {
-#pragma omp for schedule(dynamic, chunk) nowait
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < tiles; i++)
-                one_row(fmt, w + r * row_bytes, &a[i], &pl[i], out + MAX_BATCH * i * rows + r, rows);
+#pragma omp for schedule(dynamic, uchunk) nowait
+        for (int64_t u = 0; u < units; u++) /* a group of 16 repacked rows, or one row */
+            for (int64_t i = 0; i < tiles; i++) {
+                float *oi = out + MAX_BATCH * i * rows;
+#ifdef HAVE_R16
+                if (u < ng) {
+                    r16_group(fmt, w + 16 * u * row_bytes, &a[i], &pl[i], oi + 16 * u, rows);
+                    continue;
+                }
+#endif
+                const int64_t r = 16 * ng + (u - ng);
+                one_row(nat, w + r * row_bytes, &a[i], &pl[i], oi + r, rows);
+            }
 #ifdef _OPENMP
         done[omp_get_thread_num()] = now_s();
 #endif
@@ -659,10 +820,22 @@ static inline __attribute__((always_inline)) void dequant_row(int fmt, const uin
 /* Row r of a weight (rows, row_bytes) as floats: from its group's lanes when repacked */
 static void dequant_one(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                         int64_t r, float *y) {
-    const int nat = fmt, n = block_elems(nat);
+    const int nat = R16_NATURAL(fmt), n = block_elems(nat);
     const int64_t nb = cols / n, bb = row_bytes / nb;
-    (void)rows;
     const uint8_t *row = w + r * row_bytes;
+#ifdef HAVE_R16
+    uint8_t one[8192]; /* a repacked row back in the file's layout (rows up to 8 KB) */
+    if (row_bytes <= (int64_t)sizeof one && r16_row_bytes(fmt, w, rows, row_bytes, r, one)) row = one;
+    else if (IS_R16(fmt) && r < rows / 16 * 16) {
+        uint8_t *big = (uint8_t *)malloc((size_t)row_bytes);
+        r16_row_bytes(fmt, w, rows, row_bytes, r, big);
+        dequant_one(nat, big, 1, row_bytes, cols, 0, y);
+        free(big);
+        return;
+    }
+#else
+    (void)rows;
+#endif
     switch (nat) {
     case Q8_0: dequant_row(Q8_0, row, nb, bb, y); break;
     case Q4_0: dequant_row(Q4_0, row, nb, bb, y); break;
@@ -681,7 +854,7 @@ void cs_dequantize_rows(int fmt, const uint8_t *w, int64_t rows, int64_t row_byt
 
 void cs_dequantize(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                    float *out) {
-    const int64_t chunk = chunk_rows(rows, row_bytes);
+    const int64_t chunk = IS_R16(fmt) ? 16 : chunk_rows(rows, row_bytes);
 #pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t r = 0; r < rows; r++) dequant_one(fmt, w, rows, row_bytes, cols, r, out + r * cols);
 }
