@@ -210,3 +210,30 @@ def test_a_node_that_joins_again_drops_its_old_loss_note(demo_path: Path, tmp_pa
     assert again_a is not None and again_b is not None
     assert again_a.state == "spare" and again_a.message == ""
     assert again_b.state == "offline" and "2 failures" in again_b.message
+
+
+def test_a_run_is_blamed_on_the_nodes_that_ran_it_not_on_who_holds_its_replica_now(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """A head taken out mid-run (its shard gone) still completes its lease: the run belongs to
+    the replica it was leased on and to that head alone, not to whoever holds that replica
+    now (an honest node moved in was marked, then evicted, for a flipped-bit node's results
+    under --verify: seen in tests/test_jobs_swarm.py's flipped-bit test)."""
+    from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
+
+    coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
+    for node_id in ("bad", "honest"):
+        coord.join(node_id, coord.challenge(), "", {"memory_bytes": 1 << 20}, "127.0.0.1")
+    whole = {"role": "stage", "stage": 0, "layers": [0, 30], "replica": 0}
+    coord.store.update_node("bad", state="assigned", shard=whole)
+    job_id = coord.submit({"prompt": "hi", "max_tokens": 2}).job_id
+    assert len(coord.queue.lease("bad", "0", 1)) == 1
+    # taken out mid-run; the honest node now holds replica 0
+    coord.store.update_node("bad", state="evicted", shard=None)
+    coord.store.update_node("honest", state="assigned", shard=whole)
+    bad = coord.store.node("bad")
+    assert bad is not None
+    assert coord._run_nodes(bad, job_id) == ("0", ["bad"])
+    honest = coord.store.node("honest")
+    assert honest is not None
+    assert coord._run_nodes(honest, job_id) == ("0", ["honest"])

@@ -315,6 +315,19 @@ def test_verification_disagreement_takes_a_third_run_on_another_replica(queue: J
     assert len(commits(queue, job.job_id)) == 1
 
 
+def test_a_third_run_goes_to_a_replica_that_has_not_run_the_job(queue: JobQueue) -> None:
+    """With three replicas the deciding run goes to the one that has not run the job: two runs
+    on one replica never decide, so a run back on the first (a bad node not yet evicted)
+    could alternate with a good one until the job died while C stood idle."""
+    job, _ = queue.submit({"prompt": [1]}, verify=2)
+    assert _run(queue, job.job_id, "A", [1], T0) == "verify"
+    assert _run(queue, job.job_id, "B", [2], T0) == "verify"
+    assert queue.lease("head-A", "A", now=T0, n_replicas=3) == []
+    assert queue.lease("head-B", "B", now=T0, n_replicas=3) == []
+    [third] = queue.lease("head-C", "C", now=T0, n_replicas=3)
+    assert queue.complete(job.job_id, third.fence, {"tokens": [2]}, replica="C", now=T0) == "done"
+
+
 def test_verification_without_agreement_dies_after_max_runs(queue: JobQueue) -> None:
     job, _ = queue.submit({"prompt": [1]}, verify=2)
     for i in range(MAX_RUNS):

@@ -913,9 +913,9 @@ class Coordinator:
         room = capacity - self.queue.leased_sequences(node.node_id)
         if room <= 0:
             return []
-        several = len(replicas(self.placed())) > 1
+        n_replicas = len(replicas(self.placed()))
         jobs = self.queue.lease(node.node_id, str(shard.get("replica", 0)), min(n, room),
-                                exclusive=several)  # fmt: skip
+                                exclusive=n_replicas > 1, n_replicas=n_replicas)  # fmt: skip
         self._stall_due = self._stall_due or bool(jobs and self.config.stall_core_s)
         for job in jobs:
             self.log.event("leased", job.job_id, worker=node.node_id, fence=job.fence,
@@ -943,18 +943,33 @@ class Coordinator:
         self.notify()
         return stale
 
+    def _run_nodes(self, node: Node, job_id: str) -> tuple[str, list[str]]:
+        """Which replica ran a job's lease and which nodes computed it, for the verification
+        votes. The replica it was leased on (the queue's record), not the reporter's shard
+        now: a head evicted or made spare mid-run still reports, and its shard no longer says
+        where it ran. Its ring's members only while the reporter is one of them; else only
+        the reporter is known (blaming today's members of that replica, an honest node moved
+        in since, marked it for the evicted node's bits: seen under test)."""
+        job = self.queue.get(job_id)
+        leased = job.lease_replica if job is not None else None
+        replica = leased if leased is not None else str((node.shard or {}).get("replica", 0))
+        members = ([str(n.node_id) for n in ring(self.placed(), int(replica))]
+                   if replica.isdigit() else [])  # fmt: skip
+        return replica, members if node.node_id in members else [str(node.node_id)]
+
     def complete(self, node: Node, job_id: str, fence: int, result: dict[str, Any]) -> str:
-        replica = int((node.shard or {}).get("replica", 0))
-        members = [n.node_id for n in ring(self.placed(), replica)]
-        outcome = self.queue.complete(job_id, fence, result, str(replica), members,
+        replica, members = self._run_nodes(node, job_id)
+        outcome = self.queue.complete(job_id, fence, result, replica, members,
                                       owner=node.node_id)  # fmt: skip
         self.log.event("completed" if outcome != "stale" else "stale", job_id,
                        worker=node.node_id, outcome=outcome,
                        tokens=len(result.get("tokens", [])))  # fmt: skip
         if outcome == "done":
             with self.store.transaction():
-                for n in ring(self.placed(), replica):
-                    self.store.update_node(n.node_id, served=n.served + 1, consecutive_failures=0)
+                for nid in members:
+                    n = self.store.node(nid)
+                    if n is not None:
+                        self.store.update_node(nid, served=n.served + 1, consecutive_failures=0)
             self._record_votes(job_id)
         self.notify()
         return outcome

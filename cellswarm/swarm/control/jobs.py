@@ -228,11 +228,12 @@ class JobQueue:
 
     def lease(
         self, owner: str, replica: str, n: int = 1, now: float | None = None,
-        exclusive: bool = True,
+        exclusive: bool = True, n_replicas: int = 2,
     ) -> list[Job]:  # fmt: skip
         """Up to n runnable jobs for `owner` (a pipeline head), each with a new fence. With
-        `exclusive`, a verification run goes to another replica than the one before (off when
-        only one replica is left: two runs there still catch a node that is not deterministic)."""
+        `exclusive`, a verification run goes to another replica than the one before, and to
+        one that has not run the job while any of the `n_replicas` has not (off when only one
+        replica is left: two runs there still catch a node that is not deterministic)."""
         now = time.time() if now is None else now
         out: list[Job] = []
         with self.db.transaction():
@@ -247,7 +248,7 @@ class JobQueue:
                 )
                 for row in rows:
                     job = _job(row)
-                    if len(out) >= n or (exclusive and _ran_on(job, replica)):
+                    if len(out) >= n or (exclusive and _ran_on(job, replica, n_replicas)):
                         skipped += 1  # a verification run wants another replica
                         continue
                     self.db.execute(
@@ -593,13 +594,16 @@ def same_result(a: dict[str, Any], b: dict[str, Any]) -> bool:
             and a.get("bits", "") == b.get("bits", ""))  # fmt: skip
 
 
-def _ran_on(job: Job, replica: str) -> bool:
+def _ran_on(job: Job, replica: str, n_replicas: int = 2) -> bool:
     """A verification run goes to a replica that has not run the job yet, while one exists
-    that has not; a third run only avoids the replica of the last run."""
-    if not job.runs:
-        return False
+    that has not; after that it only avoids the replica of the last run. Why: two runs on one
+    replica never decide (_majority), so a third run that went back to the replica of the
+    first (a bad node, before its eviction) could alternate with a good one until the job
+    died of "no two agree" while a third replica stood idle (seen under test)."""
     had = [r["replica"] for r in job.runs]
-    return replica in had[-1:] or (len(had) < 2 and replica in had)
+    if not had:
+        return False
+    return replica in had[-1:] or (replica in had and len(set(had)) < n_replicas)
 
 
 def _held_by(owner: str | None) -> tuple[str, tuple[str, ...]]:
