@@ -659,6 +659,7 @@ def flip_a_weight_bit(model: Any) -> str:
         if isinstance(t, PackedMatrix) and name.startswith("blk.") and "ffn_down" in name:
             data = np.array(t.data)  # memory of its own: the file stays as it is
             data.reshape(-1)[data.size // 2] ^= 0x04
-            t.data, t._fused_args = data, False
+            # and no repacked copy (kernels.c's 16-row groups) read in its place
+            t.data, t._fused_args, t._repacked = data, False, None
             return name
     return "nothing (no ffn_down here)"

@@ -177,7 +177,7 @@ class Sequence:
     replay: list[int] = field(default_factory=list)
     active_s: float = field(default_factory=time.monotonic)  # its last step came back then
     # The sha256 of the logits its last token was chosen from (16 hex digits): the same bits
-    # on every correct node, so --verify compares it with another replica's (jobs._same)
+    # on every correct node, so --verify compares it with another replica's (jobs.same_result)
     bits: str = ""
 
 
