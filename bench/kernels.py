@@ -5,7 +5,9 @@
 For every format, threads (1, 2) and packed matrix size (0.5 MB to 64 MB), prints GB/s of
 packed weight bytes streamed per matvec and its ratio to this machine's streaming-read
 bandwidth, measured in the same run (a float32 GEMV over 512 MB, all threads). Matrices
-bigger than the last-level cache are the ones that say what decode will do.
+bigger than the last-level cache are the ones that say what decode will do. A format this
+CPU repacks at load (16-row groups: kernels.repack) gets a second line, "FMT r16", read as
+a loaded model reads it; the first line is the row kernel (a tail row, or another CPU).
 """
 
 from __future__ import annotations
@@ -35,6 +37,17 @@ def random_matrix(name: str, nbytes: float) -> PackedMatrix:
     return PackedMatrix(data, fmt)
 
 
+def repacked(w: PackedMatrix) -> PackedMatrix | None:
+    """w laid out in 16-row groups as a model's load lays it (PackedMatrix.repack, which only
+    repacks a file's pages), or None where this CPU has no such layout for the format."""
+    out = kernels.repack(w.fmt.name, w.data)
+    if out is None:
+        return None
+    r = PackedMatrix(w.data, w.fmt)
+    r._repacked = out  # a bench's shortcut past the file-pages rule (repack())
+    return r
+
+
 def seconds_per_matvec(w: PackedMatrix) -> float:
     x = np.random.default_rng(1).standard_normal((1, COLS)).astype(np.float32)
     w.matmul(x)
@@ -55,16 +68,23 @@ def main() -> None:
     bw = read_bandwidth_bytes_per_s()
     print(f"kernels: {kernels.backend()}; streaming-read bandwidth: {bw / 1e9:.2f} GB/s")
     sizes = SIZES_MB[-1:] if args.quick else SIZES_MB
-    print(f"{'format':<6} {'threads':>7} " + " ".join(f"{s:>6g}MB" for s in sizes))
+    print(f"{'format':<8} {'threads':>7} " + " ".join(f"{s:>6g}MB" for s in sizes))
     for name in FORMATS:
-        for threads in (1, 2):
-            kernels.set_threads(threads)
-            cells = []
-            for mb in sizes:
-                w = random_matrix(name, mb * 1e6)
-                gbs = w.nbytes / seconds_per_matvec(w)
-                cells.append(f"{gbs / 1e9:4.1f}/{gbs / bw:.2f}")
-            print(f"{name:<6} {threads:>7} " + " ".join(f"{c:>8}" for c in cells))
+        for layout in ("", " r16"):
+            for threads in (1, 2):
+                kernels.set_threads(threads)
+                cells = []
+                for mb in sizes:
+                    w: PackedMatrix | None = random_matrix(name, mb * 1e6)
+                    if layout and w is not None:
+                        w = repacked(w)
+                    if w is None:
+                        break
+                    gbs = w.nbytes / seconds_per_matvec(w)
+                    cells.append(f"{gbs / 1e9:4.1f}/{gbs / bw:.2f}")
+                if cells:
+                    row = f"{name}{layout}"
+                    print(f"{row:<8} {threads:>7} " + " ".join(f"{c:>8}" for c in cells))
     kernels.set_threads(None)
     print("cells: GB/s of packed weights / ratio to streaming-read bandwidth")
 

@@ -59,7 +59,7 @@ def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
     [(1030, 1024), (64, 2816), (37, 512), (48, 96), (16, 4096), (17, 32)],
 )  # fmt: skip
 @pytest.mark.parametrize("nx", [1, 3, 16])
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, name: str) -> None:
     """Whole groups and the rows after them, one token and a batch, with outliers (values
     multiplied in float) in the activations: every output bit as from the file's layout."""
@@ -120,7 +120,7 @@ def test_a_build_without_gfni_unpacks_q6_k_to_the_same_bits(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (37, 768)])
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_repacked_weight_dequantizes_to_the_gguf_values(rows: int, cols: int, name: str) -> None:
     rng = np.random.default_rng(rows)
     fmt = format_by_name(name)

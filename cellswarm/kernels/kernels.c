@@ -8,8 +8,8 @@
  *     y = sum_g  xd[g/2] * (scale_g * sum(wq * xq over g) - min_g * sum(xq over g))
  *
  * Every weight byte is read once per call, whatever the batch (1..16 rows of x share each
- * decoded block). Rows of W are split over OpenMP threads. Q4_0 and Q8_0 weights
- * may also come repacked in groups of 16 rows (cs_repack, "in 16-row groups" below), read in
+ * decoded block). Rows of W are split over OpenMP threads. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K
+ * weights may also come repacked in groups of 16 rows (cs_repack, "in 16-row groups" below), read in
  * the same arithmetic as the file's layout: the same bits. Written as plain C loops with
  * constant trip counts so gcc vectorizes them for the host (-O3 -march=native): AVX2/AVX-512
  * on x86-64, NEON on aarch64, VSX on ppc64.
@@ -31,10 +31,11 @@
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_K = 14, BF16 = 30 };
 /* The same formats repacked in 16-row groups (cs_repack: only on CPUs that have the kernels
  * for them; elsewhere never made), and the format of a row after a weight's last group. */
-enum { Q4_0R = 102, Q8_0R = 108, Q4_KR = 112, Q6_KR = 114 };
-#define IS_R16(f) ((f) == Q4_0R || (f) == Q8_0R || (f) == Q4_KR || (f) == Q6_KR)
+enum { Q4_0R = 102, Q4_1R = 103, Q8_0R = 108, Q4_KR = 112, Q6_KR = 114 };
+#define IS_R16(f) ((f) == Q4_0R || (f) == Q4_1R || (f) == Q8_0R || (f) == Q4_KR || (f) == Q6_KR)
 #define R16_NATURAL(f) \
-    ((f) == Q4_0R ? Q4_0 : (f) == Q8_0R ? Q8_0 : (f) == Q4_KR ? Q4_K : (f) == Q6_KR ? Q6_K : (f))
+    ((f) == Q4_0R ? Q4_0 : (f) == Q4_1R ? Q4_1 : (f) == Q8_0R ? Q8_0 : (f) == Q4_KR ? Q4_K \
+     : (f) == Q6_KR ? Q6_K : (f))
 #define MAX_BATCH 16
 
 static inline float fp16_to_f32(uint16_t h) {
@@ -511,28 +512,39 @@ static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float
     plan_sum(p, w, s);
 }
 
-/* ---- Q4_0 and Q8_0 in 16-row groups (AVX-512 VNNI) ---------------------------------------
+/* ---- Q4_0, Q4_1, Q8_0, Q4_K and Q6_K in 16-row groups (AVX-512 VNNI) ---------------------------
  * Why: a row at a time, a decode-shaped row (1024 columns: 32 blocks) pays a reduction across
  * lanes per 8 blocks, a gather of its scales and the fold of its 16 accumulators, and ran at
- * ~9 GB/s where one core streams ~34. As llama.cpp repacks at load, whole groups of 16 rows
- * are laid out so that one register holds 4 bytes of each of the 16 rows: per 32-block the 16
- * rows' f16 scales (32 bytes), then chunks of 64 bytes, chunk k lane r = row r's weight bytes
- * 4k..4k+3 (Q4_0: 4 chunks of nibbles, Q8_0: 8 of int8). A block of 16 rows is then a few
- * dpbusd against broadcast activations, with no reduction across lanes, and the group's bytes
- * are one stream. A group takes exactly the bytes its 16 rows did; rows after the last whole
- * group stay as they were.
+ * ~9 GB/s where one core streams ~34 (Q6_K, every llama-quantize file's output head: ~7 GB/s,
+ * 38% of a Q4_0 file's decode). As llama.cpp repacks at load, whole groups of 16 rows are laid
+ * out so that one register holds 4 bytes of each of the 16 rows ("chunk k lane r = row r's
+ * bytes 4k..4k+3"), per block of the format:
+ * - Q4_0, Q8_0 (288, 544 bytes): the 16 rows' f16 scales (32 bytes), then the weight bytes'
+ *   chunks (Q4_0: 4 of nibbles, Q8_0: 8 of int8); Q4_1 (320): 16 d, 16 m, 4 chunks;
+ * - Q4_K (2304): 16 d, 16 dmin (f16), 3 chunks of the 12 scale bytes, 32 of the 128 nibbles;
+ * - Q6_K (3360): 16 d (f16), then 52 chunks: the 4 of int8 scales, then in the order the
+ *   kernel reads them (read out of order, a 41 MB head went at 7 GB/s) for each half n and
+ *   c = 0..7 the low nibbles' words 16n + c and 16n + 8 + c and the high bit pairs' 8n + c.
+ * A block of 16 rows is then a few dpbusd against broadcast activations, with no reduction
+ * across lanes, and the group's bytes are one stream. A group takes exactly the bytes its 16
+ * rows did; rows after the last whole group stay as they were.
  *
- * The same bits as exact.c's row kernel, lane by lane (lanes are rows): per block u the exact
- * integer n_u (unsigned weights u = q + o times x, minus o times the block's activation sum),
- * t_u = (float)n_u * (ws_u * xd_u) (wm = 0 in these formats: exact.c's "- 0 * xsum" changes
- * at most a zero's sign, which an accumulator that starts at +0 never keeps), A[u % 16] +=
- * t_u in order of u, each A a register; then exact.c's tree, register by register. The
- * outliers as plan_row adds them, 16 rows at once. tests/test_bits_everywhere.py holds this
- * build against the AVX2 and portable ones, which never repack. */
+ * The same bits as exact.c's row kernel, lane by lane (lanes are rows): per unit u (a 32-block,
+ * Q4_K's sub-block of 32, Q6_K's group of 16) the exact integer n_u (dpbusd multiplies
+ * unsigned by signed: Q4_0/Q8_0/Q6_K read as u = q + o, o = 8, 128, 32, and o times the
+ * unit's activation sum taken off), t_u = (float)n_u * (ws_u * xd_u) - wm_u * xsum_u with
+ * ws_u, wm_u computed as exact.c computes them (d * (float)sc), A[u % 16] += t_u in order of
+ * u, each A a register; then exact.c's tree, register by register. Where wm = 0 (Q4_0, Q8_0,
+ * Q6_K) the "- 0 * xsum" is left out: it changes at most a zero's sign, which an accumulator
+ * that starts at +0 never keeps. The outliers as plan_row adds them, 16 rows at once.
+ * tests/test_bits_everywhere.py holds this build against the AVX2 and portable ones, which
+ * never repack; tests/test_repack.py every format, shape and batch against the file's layout. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_R16 1
-#define R16_BYTES(f) ((f) == Q8_0 ? 34 : 18)   /* one row's block in the file */
-#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : 288) /* a group's block: 16 rows' */
+/* one row's block in the file; a group's block (16 rows') */
+#define R16_BYTES(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : (f) == Q4_1 ? 20 : 18)
+#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : (f) == Q4_K ? 2304 : (f) == Q6_K ? 3360 : (f) == Q4_1 ? 320 : 288)
+#define R16_ELEMS(f) ((f) == Q4_K || (f) == Q6_K ? 256 : 32) /* weights a block */
 
 /* s + u . (the 4 bytes at x, in every lane): the broadcast folded into the instruction's
  * memory operand ({1to16}), which GCC does not do for _mm512_set1_epi32 of a loaded int */
@@ -549,12 +561,22 @@ static inline void fold16_rows(__m512 *A, float *out) {
     _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
 }
 
-/* 16 repacked rows (group g, nb blocks) times one activation row: out[0..16) */
+/* 16 f16 at p (16 rows' scales) as floats */
+static inline __m512 r16_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* A + ((float)n * (ws * xd)): a unit's term where wm = 0 */
+static inline __m512 r16_add(__m512 A, __m512i n, __m512 ws, float xd) {
+    return _mm512_add_ps(A, _mm512_mul_ps(_mm512_cvtepi32_ps(n), _mm512_mul_ps(ws, _mm512_set1_ps(xd))));
+}
+
+/* 16 repacked Q4_0, Q4_1 or Q8_0 rows (group g, nb blocks) times one activation row:
+ * out[0..16). Q4_1's w = d q + m: its wm is -m (exact.c), its nibbles unsigned as they are. */
 static inline __attribute__((always_inline)) void r16_group1(const int fmt, const uint8_t *g,
                                                              int64_t nb, const int8_t *xq,
                                                              const float *xd, const int32_t *xs,
-                                                             float *out) {
-    const int gb = R16_BLOCK(fmt), chunks = fmt == Q8_0 ? 8 : 4, off = fmt == Q8_0 ? 128 : 8;
+                                                             const float *xsum, float *out) {
+    const int gb = R16_BLOCK(fmt), chunks = fmt == Q8_0 ? 8 : 4;
+    const int off = fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : 0, at = fmt == Q4_1 ? 64 : 32;
     const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
     __m512 A[16];
     for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
@@ -568,7 +590,7 @@ static inline __attribute__((always_inline)) void r16_group1(const int fmt, cons
             __m512i s0 = _mm512_set1_epi32(-off * (xs[2 * b] + xs[2 * b + 1])), s1 = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int k = 0; k < chunks; k++) {
-                const __m512i q = _mm512_loadu_si512((const void *)(blk + 32 + 64 * k));
+                const __m512i q = _mm512_loadu_si512((const void *)(blk + at + 64 * k));
                 if (fmt == Q8_0) {
                     const __m512i u = _mm512_xor_si512(q, flip);
                     if (k & 1) s1 = dpbusd_bcst(s1, u, x4 + k);
@@ -578,23 +600,205 @@ static inline __attribute__((always_inline)) void r16_group1(const int fmt, cons
                     s1 = dpbusd_bcst(s1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), x4 + 4 + k);
                 }
             }
-            const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)),
-                                           _mm512_set1_ps(xd[b]));
-            A[j] = _mm512_add_ps(A[j], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), s));
+            if (fmt == Q4_1) {
+                const __m512 wm = _mm512_sub_ps(_mm512_setzero_ps(), r16_f16(blk + 32)); /* -m: exact */
+                const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                                               _mm512_mul_ps(r16_f16(blk), _mm512_set1_ps(xd[b])));
+                A[j] = _mm512_add_ps(A[j], _mm512_sub_ps(p, _mm512_mul_ps(wm, _mm512_set1_ps(xsum[b]))));
+            } else {
+                A[j] = r16_add(A[j], _mm512_add_epi32(s0, s1), r16_f16(blk), xd[b]);
+            }
         }
     }
     fold16_rows(A, out);
 }
 
-/* The 16 rows' weights at column col of a group, as plan_weight decodes each */
+/* The 16 lanes' 6-bit scales (m = 0) or mins (m = 1) of Q4_K sub-block j, from the 3 chunks
+ * of a group block's scale bytes: k4_scale_min, lanes are rows */
+static inline __m512i k4_lanes(const __m512i *S, int j, int m) {
+    const __m512i b63 = _mm512_set1_epi32(63), b15 = _mm512_set1_epi32(15), b3 = _mm512_set1_epi32(3);
+    if (j < 4) return _mm512_and_si512(_mm512_srli_epi32(S[m], 8 * j), b63);
+    const __m512i hi = _mm512_srli_epi32(S[2], 8 * (j - 4));
+    const __m512i top = _mm512_and_si512(_mm512_srli_epi32(S[m], 8 * (j - 4) + 6), b3);
+    const __m512i low = m ? _mm512_and_si512(_mm512_srli_epi32(hi, 4), b15) : _mm512_and_si512(hi, b15);
+    return _mm512_or_si512(low, _mm512_slli_epi32(top, 4));
+}
+
+/* 16 repacked Q4_K rows (nb blocks of 256) times one activation row: out[0..16). Unit u =
+ * 8 b + j (block b, sub-block j) goes to A[u % 16] = A[8 (b % 2) + j]. */
+static void r16_group1_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                           const float *xsum, float *out) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 A[16];
+    for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 2) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const int64_t b = b0 + h;
+            if (b >= nb) break;
+            const uint8_t *blk = g + 2304 * b;
+            const __m512 d = r16_f16(blk), dmin = r16_f16(blk + 32);
+            const __m512i S[3] = {_mm512_loadu_si512((const void *)(blk + 64)), _mm512_loadu_si512((const void *)(blk + 128)),
+                                  _mm512_loadu_si512((const void *)(blk + 192))};
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) { /* nibble bytes 32c..32c+31: sub-blocks 2c (low), 2c + 1 (high) */
+                const int32_t *x0 = (const int32_t *)(const void *)(xq + 256 * b + 64 * c), *x1 = x0 + 8;
+                __m512i n0 = _mm512_setzero_si512(), n1 = _mm512_setzero_si512();
+                __m512i n0b = _mm512_setzero_si512(), n1b = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k += 2) {
+                    const __m512i q = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k)));
+                    const __m512i r = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k + 1)));
+                    n0 = dpbusd_bcst(n0, _mm512_and_si512(q, m4), x0 + k);
+                    n1 = dpbusd_bcst(n1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), x1 + k);
+                    n0b = dpbusd_bcst(n0b, _mm512_and_si512(r, m4), x0 + k + 1);
+                    n1b = dpbusd_bcst(n1b, _mm512_and_si512(_mm512_srli_epi16(r, 4), m4), x1 + k + 1);
+                }
+                const __m512i n[2] = {_mm512_add_epi32(n0, n0b), _mm512_add_epi32(n1, n1b)};
+#pragma GCC unroll 2
+                for (int e = 0; e < 2; e++) {
+                    const int j = 2 * c + e, t = 8 * h + j;
+                    const int64_t u = 8 * b + j;
+                    const __m512 ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(k4_lanes(S, j, 0)));
+                    const __m512 wm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(k4_lanes(S, j, 1)));
+                    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(n[e]), _mm512_mul_ps(ws, _mm512_set1_ps(xd[u])));
+                    A[t] = _mm512_add_ps(A[t], _mm512_sub_ps(p, _mm512_mul_ps(wm, _mm512_set1_ps(xsum[u]))));
+                }
+            }
+        }
+    }
+    fold16_rows(A, out);
+}
+
+/* Moving bits within each byte: with GFNI one affine op (a bit matrix per byte) where a shift
+ * and a mask take two; 16-bit shifts also carry bits across bytes, which the mask must clear.
+ * Row i of the matrix (byte 7 - i of the qword) picks the input bits of output bit i. The
+ * weights come out the same integers either way: only the instruction count changes. */
+#define BITS_HI_NIBBLE 0x1020408000000000LL /* in 4..7 -> out 0..3, the rest 0 */
+#define BITS_01_TO_45 0x0000000001020000LL  /* in 0,1 -> out 4,5 */
+#define BITS_23_TO_45 0x0000000004080000LL  /* in 2,3 -> out 4,5 */
+#define BITS_67_TO_45 0x0000000040800000LL  /* in 6,7 -> out 4,5 */
+#ifdef __GFNI__
+#define BYTE_BITS(v, matrix, shift_left, shift_right, mask) \
+    _mm512_gf2p8affine_epi64_epi8((v), _mm512_set1_epi64(matrix), 0)
+#else
+#define BYTE_BITS(v, matrix, shift_left, shift_right, mask) \
+    _mm512_and_si512(_mm512_srli_epi16(_mm512_slli_epi16((v), (shift_left)), (shift_right)), \
+                     _mm512_set1_epi8(mask))
+#endif
+
+/* where word k (bytes 4k..4k+3) of a Q6_K block sits in its group's block: chunk q6_chunk(k) */
+static inline int q6_chunk(int k) {
+    if (k >= 48) return k - 48;                            /* scales */
+    if (k >= 32) return 4 + 3 * (k - 32) + 2;              /* qh: half (k - 32) / 8, c = (k - 32) % 8 */
+    return 4 + 3 * (8 * (k / 16) + k % 8) + (k % 16) / 8; /* ql */
+}
+#define Q6_AT(blk, chunk) ((const void *)((blk) + 32 + 64 * (chunk)))
+
+/* chunk `at` of a Q6_K group block and the two after it (low nibbles, low nibbles, high bit
+ * pairs) -> the unsigned 6-bit weights (q + 32) of 4 groups, w[m] for group 2m + cq of the half */
+static inline __attribute__((always_inline)) void q6_unpack(const uint8_t *blk, int at, __m512i m4,
+                                                            __m512i m30, __m512i w[4]) {
+    const __m512i l0 = _mm512_loadu_si512(Q6_AT(blk, at));
+    const __m512i l1 = _mm512_loadu_si512(Q6_AT(blk, at + 1));
+    const __m512i h = _mm512_loadu_si512(Q6_AT(blk, at + 2));
+    /* ternlog 0xEC: (a & c) | b; 0xF8: a | (b & c) */
+    w[0] = _mm512_ternarylogic_epi32(l0, BYTE_BITS(h, BITS_01_TO_45, 4, 0, 0x30), m4, 0xEC);
+    w[1] = _mm512_ternarylogic_epi32(l1, BYTE_BITS(h, BITS_23_TO_45, 2, 0, 0x30), m4, 0xEC);
+    w[2] = _mm512_ternarylogic_epi32(BYTE_BITS(l0, BITS_HI_NIBBLE, 0, 4, 0x0F), h, m30, 0xF8);
+    w[3] = _mm512_or_si512(BYTE_BITS(l1, BITS_HI_NIBBLE, 0, 4, 0x0F), BYTE_BITS(h, BITS_67_TO_45, 0, 2, 0x30));
+}
+
+/* 16 repacked Q6_K rows (nb blocks of 256) times one activation row: out[0..16). A block has
+ * 16 groups, so unit u = 16 b + g goes to A[g]: each block adds to every A once. */
+static void r16_group1_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                           const int32_t *xs, float *out) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512 A[16];
+    for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 3360 * b;
+        const __m512 d = r16_f16(blk);
+#pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {
+#pragma GCC unroll 2
+            for (int cq = 0; cq < 2; cq++) { /* c = 4cq..4cq+3: weights 4c.. of each 32: group 2m + cq */
+                const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b + 128 * n + 16 * cq);
+                __m512i s[4];
+#pragma GCC unroll 4
+                for (int m = 0; m < 4; m++) s[m] = _mm512_set1_epi32(-32 * xs[16 * b + 8 * n + 2 * m + cq]);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    __m512i w[4];
+                    q6_unpack(blk, 4 + 3 * (8 * n + 4 * cq + i), m4, m30, w);
+#pragma GCC unroll 4
+                    for (int m = 0; m < 4; m++) s[m] = dpbusd_bcst(s[m], w[m], x4 + 8 * m + i);
+                }
+#pragma GCC unroll 4
+                for (int m = 0; m < 4; m++) {
+                    const int gi = 8 * n + 2 * m + cq; /* the group: A's index */
+                    const __m512i S = _mm512_loadu_si512(Q6_AT(blk, gi / 4));
+                    const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(S, 24 - 8 * (gi % 4)), 24);
+                    A[gi] = r16_add(A[gi], s[m], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), xd[8 * b + gi / 2]);
+                }
+            }
+        }
+    }
+    fold16_rows(A, out);
+}
+
+/* Byte k (0..3) of each of the 16 lanes' words in a 64-byte chunk (lane r's word at 4r) */
+static inline __m512i r16_bytes(const uint8_t *chunk, int k) {
+    return _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512((const void *)chunk), 8 * k),
+                            _mm512_set1_epi32(0xFF));
+}
+/* byte i of each lane's block (after its f16 fields at `body`), whose word i / 4 is in chunk */
+#define R16_BYTE(body, chunk, i) r16_bytes((body) + 64 * (chunk), (i) & 3)
+
+/* The 16 rows' weights at column col of a group (lane r: row r), as plan_weight decodes each
+ * (k_weight_at for the K formats): the same operations in the same order, 16 lanes at once */
 static inline __m512 r16_weights(int fmt, const uint8_t *g, int32_t col) {
+    if (fmt == Q6_K) {
+        const uint8_t *blk = g + 3360 * (col >> 8), *body = blk + 32;
+        const int e = col & 255, gi = e >> 4, n = e >> 7, part = (e >> 5) & 3, l = e & 31;
+        const int lo = 64 * n + 32 * (part & 1) + l, hi = 128 + 32 * n + l, sb = 192 + gi;
+        const __m512i qlb = R16_BYTE(body, q6_chunk(lo >> 2), lo);
+        const __m512i h = _mm512_and_si512(_mm512_srli_epi32(R16_BYTE(body, q6_chunk(hi >> 2), hi), 2 * part),
+                                           _mm512_set1_epi32(3));
+        const __m512i low = part < 2 ? _mm512_and_si512(qlb, _mm512_set1_epi32(0xF)) : _mm512_srli_epi32(qlb, 4);
+        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(h, 4)), _mm512_set1_epi32(32));
+        const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(R16_BYTE(body, q6_chunk(sb >> 2), sb), 24), 24);
+        const __m512 w = _mm512_mul_ps(_mm512_mul_ps(r16_f16(blk), _mm512_cvtepi32_ps(sc)), _mm512_cvtepi32_ps(q));
+        return _mm512_sub_ps(w, _mm512_setzero_ps());
+    }
+    if (fmt == Q4_K) { /* the scales' 12 bytes are 3 words: chunks 0..2 */
+        const uint8_t *blk = g + 2304 * (col >> 8), *sc12 = blk + 64;
+        const int e = col & 255, at = 32 * (e >> 6) + (e & 31), j = e >> 5;
+        const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(0xF);
+        __m512i sc, m;
+        if (j < 4) {
+            sc = _mm512_and_si512(R16_BYTE(sc12, j >> 2, j), m63);
+            m = _mm512_and_si512(R16_BYTE(sc12, (j + 4) >> 2, j + 4), m63);
+        } else {
+            const __m512i s4 = R16_BYTE(sc12, (j + 4) >> 2, j + 4);
+            const __m512i hi_sc = _mm512_slli_epi32(_mm512_srli_epi32(R16_BYTE(sc12, (j - 4) >> 2, j - 4), 6), 4);
+            const __m512i hi_m = _mm512_slli_epi32(_mm512_srli_epi32(R16_BYTE(sc12, j >> 2, j), 6), 4);
+            sc = _mm512_or_si512(_mm512_and_si512(s4, m15), hi_sc);
+            m = _mm512_or_si512(_mm512_srli_epi32(s4, 4), hi_m);
+        }
+        const __m512i byte = R16_BYTE(blk + 256, at >> 2, at);
+        const __m512i q = (e & 32) ? _mm512_srli_epi32(byte, 4) : _mm512_and_si512(byte, m15);
+        const __m512 w = _mm512_mul_ps(_mm512_mul_ps(r16_f16(blk), _mm512_cvtepi32_ps(sc)), _mm512_cvtepi32_ps(q));
+        return _mm512_sub_ps(w, _mm512_mul_ps(r16_f16(blk + 32), _mm512_cvtepi32_ps(m)));
+    }
     const uint8_t *blk = g + R16_BLOCK(fmt) * (col >> 5);
-    const int e = col & 31, i = fmt == Q8_0 ? e : e & 15;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const __m512i word = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(blk + 32 + 64 * (i >> 2))), 8 * (i & 3));
+    const int e = col & 31, i = fmt == Q8_0 ? e : e & 15, at = fmt == Q4_1 ? 64 : 32;
+    const __m512 d = r16_f16(blk);
+    const __m512i word = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(blk + at + 64 * (i >> 2))), 8 * (i & 3));
     if (fmt == Q8_0) /* the byte, sign-extended */
         return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(word, 24), 24)));
     const __m512i v = _mm512_and_si512(e >= 16 ? _mm512_srli_epi32(word, 4) : word, _mm512_set1_epi32(0xF));
+    if (fmt == Q4_1) return _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(v)), r16_f16(blk + 32));
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(8))));
 }
 
@@ -605,8 +809,16 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
     const int fmt = R16_NATURAL(rfmt);
     const int64_t cols = a->cols, nbx = cols / 32;
     for (int64_t k = 0; k < a->nx; k++) {
-        if (fmt == Q8_0) r16_group1(Q8_0, g, nbx, a->xq + k * cols, a->xd + k * nbx, a->xs + 2 * k * nbx, out + k * ld);
-        else r16_group1(Q4_0, g, nbx, a->xq + k * cols, a->xd + k * nbx, a->xs + 2 * k * nbx, out + k * ld);
+        const int8_t *xq = a->xq + k * cols;
+        const float *xd = a->xd + k * nbx;
+        float *o = out + k * ld;
+        switch (fmt) {
+        case Q8_0: r16_group1(Q8_0, g, nbx, xq, xd, a->xs + 2 * k * nbx, NULL, o); break;
+        case Q4_0: r16_group1(Q4_0, g, nbx, xq, xd, a->xs + 2 * k * nbx, NULL, o); break;
+        case Q4_1: r16_group1(Q4_1, g, nbx, xq, xd, a->xs + 2 * k * nbx, a->xsum + k * nbx, o); break;
+        case Q4_K: r16_group1_q4k(g, cols / 256, xq, xd, a->xsum + k * nbx, o); break;
+        default: r16_group1_q6k(g, cols / 256, xq, xd, a->xs + 2 * k * nbx, o); break;
+        }
     }
     if (!pl->nu) return;
     __m512 w[PLAN_MAX];
@@ -619,20 +831,30 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
     }
 }
 
-int cs_repacked(int fmt) { return fmt == Q4_0 ? Q4_0R : fmt == Q8_0 ? Q8_0R : -1; }
+int cs_repacked(int fmt) {
+    return fmt == Q4_0 ? Q4_0R : fmt == Q4_1 ? Q4_1R : fmt == Q8_0 ? Q8_0R : fmt == Q4_K ? Q4_KR
+         : fmt == Q6_K ? Q6_KR : -1;
+}
 
 /* one block of row r of a group, from the file's layout (src) into the group's (o), or back */
 static inline void r16_lane(int fmt, uint8_t *o, int r, uint8_t *src, int back) {
-    const int words = (R16_BYTES(fmt) - 2) / 4;
-    uint8_t *f[2] = {o + 2 * r, src};
+    const int two = fmt == Q4_K || fmt == Q4_1; /* two f16s first: d and dmin (m) */
+    const int head = two ? 4 : 2, bb = R16_BYTES(fmt);
+    const int words = (bb - head) / 4, body = two ? 64 : 32;
+    const int first = fmt == Q6_K ? 0 : head;                      /* Q6_K: d after its words */
+    uint8_t *f[2] = {o + 2 * r, fmt == Q6_K ? src + 208 : src};
     memcpy(f[back], f[!back], 2);
+    if (two) {
+        uint8_t *m[2] = {o + 32 + 2 * r, src + 2};
+        memcpy(m[back], m[!back], 2);
+    }
     for (int k = 0; k < words; k++) {
-        uint8_t *p[2] = {o + 32 + 64 * k + 4 * r, src + 2 + 4 * k};
+        uint8_t *p[2] = {o + body + 64 * (fmt == Q6_K ? q6_chunk(k) : k) + 4 * r, src + first + 4 * k};
         memcpy(p[back], p[!back], 4);
     }
 }
 
-/* out = w (rows of Q4_0 or Q8_0) with its whole 16-row groups repacked; the same size */
+/* out = w (rows of Q4_0, Q4_1, Q8_0, Q4_K or Q6_K) with its whole 16-row groups repacked; the same size */
 void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
     const int bb = R16_BYTES(fmt), gb = R16_BLOCK(fmt);
     const int64_t nb = row_bytes / bb, ng = rows / 16;
