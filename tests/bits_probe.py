@@ -8,8 +8,12 @@ Per model:
 - "batch16": the same sequence decoded among 15 others (step_many), its logits;
 - "stages2" / "stages4": the same tokens through the layers split over 2 and 4 stage models
   (each loading only its layers, as a stage node does), the last stage's logits;
+- "replayed": the prompt and the 32 greedy tokens as one prefill, its logits cut where the
+  steps were (a prefill gives each position what a decode step gave it: a request recovered
+  by re-prefilling its text, k drafted tokens verified in one pass);
 - "tokens": the greedy tokens (readable when a digest differs).
-In-process equalities ("alone" = "batch16" = "stages*") are the test's too: it asserts them.
+In-process equalities ("alone" = "batch16" = "stages*" = "replayed") are the test's too: it
+asserts them.
 """
 
 from __future__ import annotations
@@ -85,6 +89,12 @@ def staged(path: str, n_stages: int, prompt: np.ndarray, tokens: list[int]) -> l
     return out
 
 
+def replayed(m: Model, prompt: np.ndarray, tokens: list[int]) -> list[np.ndarray]:
+    """The prompt and `tokens` as one prefill, its logits in alone's steps."""
+    rows = m.step(np.concatenate([prompt, tokens]), m.new_cache(PREFILL + DECODE + 1))
+    return [rows[:PREFILL]] + [rows[PREFILL + i : PREFILL + i + 1] for i in range(DECODE)]
+
+
 def probe(path: str) -> dict[str, str]:
     m = cellswarm.load(path, tokenizer=False)
     vocab = m.config.vocab_size
@@ -95,6 +105,7 @@ def probe(path: str) -> dict[str, str]:
         "batch16": _digest(batched(m, prompts, tokens)),
         "stages2": _digest(staged(path, 2, prompts[0], tokens)),
         "stages4": _digest(staged(path, 4, prompts[0], tokens)),
+        "replayed": _digest(replayed(m, prompts[0], tokens)),
         "tokens": ",".join(map(str, tokens)),
     }
 

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -193,15 +192,15 @@ class Model:
                 if not np.isfinite(out).all():
                     self._find_non_finite(x, positions, cache, layers)
                 return out
-        # several tokens of one sequence (a prefill): float activations (kernels.
-        # float_activations); one token: int8, as the fused decode layers
-        with kernels.float_activations() if x.shape[0] > 1 else contextlib.nullcontext():
-            for i in layers:
-                x = self.arch.block(i, x, positions, cache.layer(i))
-                # One np.isfinite over the hidden state per layer, microseconds next to the
-                # layer's own numpy work: NaN or inf is caught at the layer that made it.
-                if not np.isfinite(x).all():
-                    raise self._non_finite(i)
+        # several tokens of one sequence (a prefill): the same int8 kernels as a decode step,
+        # each token's row computed as if alone, so a prefill gives every position the bits
+        # a decode of it would (recovery by re-prefill, verification of k drafted tokens)
+        for i in layers:
+            x = self.arch.block(i, x, positions, cache.layer(i))
+            # One np.isfinite over the hidden state per layer, microseconds next to the
+            # layer's own numpy work: NaN or inf is caught at the layer that made it.
+            if not np.isfinite(x).all():
+                raise self._non_finite(i)
         return x
 
     def _find_non_finite(

@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -390,28 +389,6 @@ def set_threads(n: int | None) -> int:
     except ImportError:  # BLAS keeps its own default
         pass
     return _threads
-
-
-_mode = threading.local()
-
-
-@contextlib.contextmanager
-def float_activations() -> Iterator[None]:
-    """Inside: a quantized weight multiplies float activations (its rows decoded to float,
-    then the float kernel, in exact.c's one order) instead of int8 blocks. A prefill runs so
-    (Model.forward of several tokens): its logits match the float reference to ~1e-3 where
-    int8 activations cost ~3%, enough to flip a near-tied first token. Decode steps (alone
-    or batched) stay int8. Both are the same bits on every CPU; per thread."""
-    before = getattr(_mode, "float", False)
-    _mode.float = True
-    try:
-        yield
-    finally:
-        _mode.float = before
-
-
-def float_mode() -> bool:
-    return bool(getattr(_mode, "float", False))
 
 
 def can_fuse(type_name: str) -> bool:

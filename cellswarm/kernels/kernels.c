@@ -802,23 +802,163 @@ static inline __m512 r16_weights(int fmt, const uint8_t *g, int32_t col) {
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(8))));
 }
 
+/* ---- 16 repacked rows times 2..16 activation rows (a prefill's tile) ----
+ * Each chunk of weights is unpacked once for all the rows, then each row takes the operations
+ * r16_group1 / _q4k / _q6k give it, in their order, its accumulators in memory (acc[t]): the
+ * same bits for a token alone or in any tile. Why: a prefill through the one-row kernels
+ * unpacked every chunk once per token (Q6_K: ~30 vector ops of bit moving per 4 dpbusd). */
+typedef struct { __m512 a[16]; } r16_acc;
+
+static inline __attribute__((always_inline)) void r16_tile32(const int fmt, const uint8_t *g,
+                                                             int64_t nb, const acts *a,
+                                                             r16_acc *acc) {
+    const int gb = R16_BLOCK(fmt), off = fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : 0;
+    const int at = fmt == Q4_1 ? 64 : 32;
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + gb * b;
+        __m512i W[8];
+        for (int k = 0; k < (fmt == Q8_0 ? 8 : 4); k++) {
+            const __m512i q = _mm512_loadu_si512((const void *)(blk + at + 64 * k));
+            if (fmt == Q8_0) {
+                W[k] = _mm512_xor_si512(q, flip);
+            } else {
+                W[k] = _mm512_and_si512(q, m4);
+                W[4 + k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            }
+        }
+        const __m512 d = r16_f16(blk);
+        const __m512 wm = fmt == Q4_1 ? _mm512_sub_ps(_mm512_setzero_ps(), r16_f16(blk + 32)) : _mm512_setzero_ps();
+        const int j = (int)(b % 16);
+        for (int64_t t = 0; t < nx; t++) {
+            const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 32 * b);
+            const int32_t *xs = a->xs + 2 * t * nbx;
+            __m512i s0 = _mm512_set1_epi32(-off * (xs[2 * b] + xs[2 * b + 1])), s1 = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k += 2) {
+                s0 = dpbusd_bcst(s0, W[k], x4 + k);
+                s1 = dpbusd_bcst(s1, W[k + 1], x4 + k + 1);
+            }
+            const __m512i n = _mm512_add_epi32(s0, s1);
+            const float xd = a->xd[t * nbx + b];
+            if (fmt == Q4_1) {
+                const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(n), _mm512_mul_ps(d, _mm512_set1_ps(xd)));
+                acc[t].a[j] = _mm512_add_ps(acc[t].a[j], _mm512_sub_ps(p, _mm512_mul_ps(wm, _mm512_set1_ps(a->xsum[t * nbx + b]))));
+            } else {
+                acc[t].a[j] = r16_add(acc[t].a[j], n, d, xd);
+            }
+        }
+    }
+}
+
+static void r16_tile_q4k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 2304 * b;
+        const __m512 d = r16_f16(blk), dmin = r16_f16(blk + 32);
+        const __m512i S[3] = {_mm512_loadu_si512((const void *)(blk + 64)), _mm512_loadu_si512((const void *)(blk + 128)),
+                              _mm512_loadu_si512((const void *)(blk + 192))};
+        const int h = (int)(b % 2);
+        for (int c = 0; c < 4; c++) {
+            __m512i W[16];
+            for (int k = 0; k < 8; k++) {
+                const __m512i q = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k)));
+                W[k] = _mm512_and_si512(q, m4);
+                W[8 + k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            }
+            __m512 ws[2], wm[2];
+            for (int e = 0; e < 2; e++) {
+                ws[e] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(k4_lanes(S, 2 * c + e, 0)));
+                wm[e] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(k4_lanes(S, 2 * c + e, 1)));
+            }
+            for (int64_t t = 0; t < nx; t++) {
+                const int32_t *x0 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b + 64 * c), *x1 = x0 + 8;
+                __m512i n0 = _mm512_setzero_si512(), n1 = _mm512_setzero_si512();
+                __m512i n0b = _mm512_setzero_si512(), n1b = _mm512_setzero_si512();
+                for (int k = 0; k < 8; k += 2) {
+                    n0 = dpbusd_bcst(n0, W[k], x0 + k);
+                    n1 = dpbusd_bcst(n1, W[8 + k], x1 + k);
+                    n0b = dpbusd_bcst(n0b, W[k + 1], x0 + k + 1);
+                    n1b = dpbusd_bcst(n1b, W[8 + k + 1], x1 + k + 1);
+                }
+                const __m512i n[2] = {_mm512_add_epi32(n0, n0b), _mm512_add_epi32(n1, n1b)};
+                for (int e = 0; e < 2; e++) {
+                    const int64_t u = 8 * b + 2 * c + e;
+                    const int tt = 8 * h + 2 * c + e;
+                    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(n[e]), _mm512_mul_ps(ws[e], _mm512_set1_ps(a->xd[t * nbx + u])));
+                    acc[t].a[tt] = _mm512_add_ps(acc[t].a[tt], _mm512_sub_ps(p, _mm512_mul_ps(wm[e], _mm512_set1_ps(a->xsum[t * nbx + u]))));
+                }
+            }
+        }
+    }
+}
+
+static void r16_tile_q6k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 3360 * b;
+        const __m512 d = r16_f16(blk);
+        for (int n = 0; n < 2; n++) {
+            for (int cq = 0; cq < 2; cq++) {
+                __m512i u[4][4];
+                for (int i = 0; i < 4; i++) {
+                    __m512i w[4];
+                    q6_unpack(blk, 4 + 3 * (8 * n + 4 * cq + i), m4, m30, w);
+                    for (int m = 0; m < 4; m++) u[m][i] = w[m];
+                }
+                __m512 sg[4];
+                for (int m = 0; m < 4; m++) {
+                    const int gi = 8 * n + 2 * m + cq;
+                    const __m512i S = _mm512_loadu_si512(Q6_AT(blk, gi / 4));
+                    sg[m] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(S, 24 - 8 * (gi % 4)), 24)));
+                }
+                for (int64_t t = 0; t < nx; t++) {
+                    const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b + 128 * n + 16 * cq);
+                    const int32_t *xs = a->xs + 2 * t * nbx;
+                    for (int m = 0; m < 4; m++) {
+                        const int gi = 8 * n + 2 * m + cq;
+                        __m512i s = _mm512_set1_epi32(-32 * xs[16 * b + gi]);
+                        for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, u[m][i], x4 + 8 * m + i);
+                        acc[t].a[gi] = r16_add(acc[t].a[gi], s, sg[m], a->xd[t * nbx + 8 * b + gi / 2]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* 16 rows of group g (format fmt as in the file) times a's nx >= 2 rows: out[t * ld + lane] */
+static void r16_tile(int fmt, const uint8_t *g, const acts *a, float *out, int64_t ld) {
+    r16_acc acc[MAX_BATCH];
+    for (int64_t t = 0; t < a->nx; t++)
+        for (int j = 0; j < 16; j++) acc[t].a[j] = _mm512_setzero_ps();
+    const int64_t nb = a->cols / R16_ELEMS(fmt);
+    switch (fmt) {
+    case Q8_0: r16_tile32(Q8_0, g, nb, a, acc); break;
+    case Q4_0: r16_tile32(Q4_0, g, nb, a, acc); break;
+    case Q4_1: r16_tile32(Q4_1, g, nb, a, acc); break;
+    case Q4_K: r16_tile_q4k(g, nb, a, acc); break;
+    default: r16_tile_q6k(g, nb, a, acc); break;
+    }
+    for (int64_t t = 0; t < a->nx; t++) fold16_rows(acc[t].a, out + t * ld);
+}
+
 /* The 16 rows of group g of a repacked weight (format rfmt) times a's rows: out[k * ld + lane],
  * the outliers added as one_row adds them */
 static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *pl, float *out,
                       int64_t ld) {
     const int fmt = R16_NATURAL(rfmt);
     const int64_t cols = a->cols, nbx = cols / 32;
-    for (int64_t k = 0; k < a->nx; k++) {
-        const int8_t *xq = a->xq + k * cols;
-        const float *xd = a->xd + k * nbx;
-        float *o = out + k * ld;
-        switch (fmt) {
-        case Q8_0: r16_group1(Q8_0, g, nbx, xq, xd, a->xs + 2 * k * nbx, NULL, o); break;
-        case Q4_0: r16_group1(Q4_0, g, nbx, xq, xd, a->xs + 2 * k * nbx, NULL, o); break;
-        case Q4_1: r16_group1(Q4_1, g, nbx, xq, xd, a->xs + 2 * k * nbx, a->xsum + k * nbx, o); break;
-        case Q4_K: r16_group1_q4k(g, cols / 256, xq, xd, a->xsum + k * nbx, o); break;
-        default: r16_group1_q6k(g, cols / 256, xq, xd, a->xs + 2 * k * nbx, o); break;
-        }
+    if (a->nx > 1) {
+        r16_tile(fmt, g, a, out, ld);
+    } else switch (fmt) { /* one row: its accumulators in registers */
+    case Q8_0: r16_group1(Q8_0, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
+    case Q4_0: r16_group1(Q4_0, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
+    case Q4_1: r16_group1(Q4_1, g, nbx, a->xq, a->xd, a->xs, a->xsum, out); break;
+    case Q4_K: r16_group1_q4k(g, cols / 256, a->xq, a->xd, a->xsum, out); break;
+    default: r16_group1_q6k(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     }
     if (!pl->nu) return;
     __m512 w[PLAN_MAX];

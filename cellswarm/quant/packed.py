@@ -295,8 +295,6 @@ class PackedMatrix:
         x2 = x2 if x2.flags.c_contiguous and x2.flags.writeable else x2.copy()
         out = np.empty((x2.shape[0], self.shape[0]), dtype=np.float32)  # (n, out)
         fused = self._fused
-        if fused is not None and fused[0][0] == 0 and kernels.float_mode():
-            fused = None  # a prefill: float activations, the rows decoded (float_activations)
         if fused is not None:  # packed, or F16/BF16/F32: one call for any batch
             kernels.matmul_args(fused[0], self.shape[1], x2, out)
             return out

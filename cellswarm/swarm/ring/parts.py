@@ -29,7 +29,6 @@ Run as `python -m cellswarm.swarm.ring.parts CONFIG_JSON`; prints `READY <port>`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -200,10 +199,8 @@ class PartServer:
         self.requests += 1
         if self.on_step is not None:
             self.on_step()
-        if frame.type == "experts":  # a prefill's: float activations, as at its stage
-            mode = kernels.float_activations() if f.get("float") else contextlib.nullcontext()
-            with mode:
-                rows = self.expert_rows(int(f["layer"]), a, int(f["k"]))
+        if frame.type == "experts":
+            rows = self.expert_rows(int(f["layer"]), a, int(f["k"]))
             return Frame("expert_rows", {}, rows)
         if frame.type == "logits":  # unrefined: the caller refines the merged top rows
             # computed in the whole head's row blocks, so a logit has the same bits on any
@@ -253,7 +250,6 @@ class PartServer:
 
 
 def load_part_model(config: PartConfig) -> Model:
-    from cellswarm import kernels
     from cellswarm.loader import load
 
     kernels.set_threads(config.threads)
@@ -360,7 +356,7 @@ class ExpertParts:
             rows = np.nonzero((by_slot == i).any(axis=1))[0]  # tokens routed to client i
             mine = np.where(by_slot[rows] == i, ids[rows], -1)  # other holders' slots: -1
             packed = pack_routes(h[rows], mine, routing.weights[rows])
-            fields = {"layer": layer, "k": k, "float": int(kernels.float_mode())}
+            fields = {"layer": layer, "k": k}
             self.clients[i].send(Frame("experts", fields, packed))
             experts, counts = np.unique(mine[mine >= 0], return_counts=True)
             sent.append((i, experts.tolist(), counts))
