@@ -309,7 +309,14 @@ static void mla_head(const float *restrict qlat, const float *restrict qrope,
                      const float *restrict lat, const float *restrict kr, int64_t s_len,
                      int64_t n_lat, int64_t n_rope, float scale, float *restrict p,
                      float *restrict ctx) {
-    for (int64_t t = 0; t < s_len; t++)
+    int64_t t = 0;
+    for (; t + 4 <= s_len; t += 4) { /* 4 keys at once, each as below */
+        float l4[4], r4[4];
+        dot_exact4(qlat, lat + t * n_lat, n_lat, n_lat, l4);
+        dot_exact4(qrope, kr + t * n_rope, n_rope, n_rope, r4);
+        for (int j = 0; j < 4; j++) p[t + j] = (l4[j] + r4[j]) * scale;
+    }
+    for (; t < s_len; t++)
         p[t] = (dot_exact(qlat, lat + t * n_lat, n_lat) + dot_exact(qrope, kr + t * n_rope, n_rope)) * scale;
     softmax_times(p, s_len, lat, n_lat, ctx);
 }
