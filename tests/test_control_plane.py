@@ -237,3 +237,26 @@ def test_a_run_is_blamed_on_the_nodes_that_ran_it_not_on_who_holds_its_replica_n
     honest = coord.store.node("honest")
     assert honest is not None
     assert coord._run_nodes(honest, job_id) == ("0", ["honest"])
+
+
+def test_a_head_that_joins_again_gives_its_leases_back_unspent(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """A worker killed and restarted faster than its silence makes it lost joins again under
+    its id: the old process's leases go back to the queue at once, no attempt spent (they
+    expired as failed attempts: a job whose head was killed 3 times died in the churn test
+    under a CPU hog)."""
+    from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
+
+    coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
+    caps = {"memory_bytes": 1 << 20}
+    whole = {"role": "stage", "stage": 0, "layers": [0, 30], "replica": 0}
+    coord.join("head", coord.challenge(), "", caps, "127.0.0.1")
+    coord.store.update_node("head", state="assigned", shard=whole)
+    job_id = coord.submit({"prompt": "hi", "max_tokens": 2}).job_id
+    for _ in range(3):  # killed and back three times, each time holding the job
+        assert [j.job_id for j in coord.queue.lease("head", "0", 1)] == [job_id]
+        coord.join("head", coord.challenge(), "", caps, "127.0.0.1")
+        job = coord.queue.get(job_id)
+        assert job is not None and job.state == "queued" and job.attempts == 0, job
+        coord.store.update_node("head", state="assigned", shard=whole)

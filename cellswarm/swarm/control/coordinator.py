@@ -262,7 +262,11 @@ class Coordinator:
         self.store.put_node(node)
         self.beats[node_id] = Beat(now, 0, 0, now)  # alive now; and the swarm's size counts it
         if old is not None and old.state == "assigned":
-            self.unwire(f"{node_id} re-joined")
+            # a new process under the old id (restarted faster than its silence made it
+            # lost): the old one's work is gone as with a loss, its leases given back now
+            # rather than left to expire as failed attempts (a worker killed 3 times in a
+            # row spent a job's every attempt: tests/test_jobs_swarm.py's churn test)
+            self._drop_work(old, f"{node_id} re-joined: a new process")
         self.log.event("join", None, worker=node_id, memory_bytes=node.memory_bytes)
         return session
 
@@ -477,21 +481,27 @@ class Coordinator:
                                ready=None, message=why, failures=node.failures + 1)
         self.log.event("lost", None, worker=node.node_id, why=why)
         log.warning("node %s lost: %s", node.node_id, why)
-        if node.state == "assigned" and not (node.shard or {}).get("stage"):
-            # a lost head's jobs go back to the queue now, their attempts unspent (the loss
-            # is no job's fault; the strike below still catches a job that kills its nodes)
-            for job_id in self.queue.release_owner(node.node_id):
-                self.log.event("released", job_id, worker=node.node_id, why="its head was lost")
         if node.state == "assigned":
-            # whose step it was nobody knows: every job on its ring was present (a strike) —
-            # once per wiring of the ring: a rack cut off (or a node lost because its
-            # neighbour could not reach it) loses several nodes in one failure, not several
-            replica = str((node.shard or {}).get("replica", 0))
-            wired = self.wired_epoch
-            if self.struck.get(replica) != wired:
-                self.struck[replica] = wired
-                self._strike_replica(replica, f"{node.node_id} lost: {why}")
-            self.unwire(f"{node.node_id} lost")
+            self._drop_work(node, f"{node.node_id} lost: {why}")
+
+    def _drop_work(self, node: Node, why: str) -> None:
+        """What an assigned node was doing is gone (it was lost, or a new process took its
+        id): its ring's jobs get a strike, and the jobs it led go back, attempts unspent."""
+        # whose step it was nobody knows: every job on its ring was present (a strike: one
+        # that kills its nodes, the head included, is quarantined after POISON_AFTER) —
+        # once per wiring of the ring: a rack cut off (or a node lost because its
+        # neighbour could not reach it) loses several nodes in one failure, not several
+        replica = str((node.shard or {}).get("replica", 0))
+        wired = self.wired_epoch
+        if self.struck.get(replica) != wired:
+            self.struck[replica] = wired
+            self._strike_replica(replica, why)
+        if not (node.shard or {}).get("stage"):
+            # a lost head's jobs go back to the queue now, their attempts unspent (the loss
+            # is no job's fault)
+            for job_id in self.queue.release_owner(node.node_id):
+                self.log.event("released", job_id, worker=node.node_id, why=why)
+        self.unwire(why)
 
     def _strike(self, job_ids: list[str], why: str) -> None:
         self._quarantined(self.queue.strike(job_ids, why), why)
