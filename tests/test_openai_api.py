@@ -19,7 +19,9 @@ from cellswarm.swarm.logs import timeline
 from tests.waiting import wait_until
 
 KEY = "sk-test-0123456789"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# `make demo`'s question: "What is the capital of France?" is a near-tie at its first token
+# (tests/test_demo_model.py), decided for "L'Étoile" by int8 activations, llama.cpp's too
+QUESTION = [{"role": "user", "content": "Name five famous landmarks in Paris."}]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def test_chat_completion_answers_and_counts_its_tokens(
     assert r.id == f"chatcmpl-{rid}"
     choice = r.choices[0]
     assert choice.message.role == "assistant"
-    assert "Paris" in (choice.message.content or "")
+    assert "Eiffel" in (choice.message.content or "")
     assert choice.finish_reason in ("stop", "length")
     tok = cellswarm.load(demo_path).tokenizer
     prompt = tok.encode(tok.apply_chat_template(QUESTION), False)
