@@ -569,6 +569,12 @@ static inline __m512 r16_add(__m512 A, __m512i n, __m512 ws, float xd) {
     return _mm512_add_ps(A, _mm512_mul_ps(_mm512_cvtepi32_ps(n), _mm512_mul_ps(ws, _mm512_set1_ps(xd))));
 }
 
+/* A + ((float)n * (ws * xd) - wm * xsum): a unit's term with a min (Q4_1, Q4_K) */
+static inline __m512 r16_add_min(__m512 A, __m512i n, __m512 ws, float xd, __m512 wm, float xsum) {
+    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(n), _mm512_mul_ps(ws, _mm512_set1_ps(xd)));
+    return _mm512_add_ps(A, _mm512_sub_ps(p, _mm512_mul_ps(wm, _mm512_set1_ps(xsum))));
+}
+
 /* 16 repacked Q4_0, Q4_1 or Q8_0 rows (group g, nb blocks) times one activation row:
  * out[0..16). Q4_1's w = d q + m: its wm is -m (exact.c), its nibbles unsigned as they are. */
 static inline __attribute__((always_inline)) void r16_group1(const int fmt, const uint8_t *g,
@@ -602,9 +608,7 @@ static inline __attribute__((always_inline)) void r16_group1(const int fmt, cons
             }
             if (fmt == Q4_1) {
                 const __m512 wm = _mm512_sub_ps(_mm512_setzero_ps(), r16_f16(blk + 32)); /* -m: exact */
-                const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
-                                               _mm512_mul_ps(r16_f16(blk), _mm512_set1_ps(xd[b])));
-                A[j] = _mm512_add_ps(A[j], _mm512_sub_ps(p, _mm512_mul_ps(wm, _mm512_set1_ps(xsum[b]))));
+                A[j] = r16_add_min(A[j], _mm512_add_epi32(s0, s1), r16_f16(blk), xd[b], wm, xsum[b]);
             } else {
                 A[j] = r16_add(A[j], _mm512_add_epi32(s0, s1), r16_f16(blk), xd[b]);
             }
@@ -661,8 +665,7 @@ static void r16_group1_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const
                     const int64_t u = 8 * b + j;
                     const __m512 ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(k4_lanes(S, j, 0)));
                     const __m512 wm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(k4_lanes(S, j, 1)));
-                    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(n[e]), _mm512_mul_ps(ws, _mm512_set1_ps(xd[u])));
-                    A[t] = _mm512_add_ps(A[t], _mm512_sub_ps(p, _mm512_mul_ps(wm, _mm512_set1_ps(xsum[u]))));
+                    A[t] = r16_add_min(A[t], n[e], ws, xd[u], wm, xsum[u]);
                 }
             }
         }
@@ -841,12 +844,8 @@ static inline __attribute__((always_inline)) void r16_tile32(const int fmt, cons
             }
             const __m512i n = _mm512_add_epi32(s0, s1);
             const float xd = a->xd[t * nbx + b];
-            if (fmt == Q4_1) {
-                const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(n), _mm512_mul_ps(d, _mm512_set1_ps(xd)));
-                acc[t].a[j] = _mm512_add_ps(acc[t].a[j], _mm512_sub_ps(p, _mm512_mul_ps(wm, _mm512_set1_ps(a->xsum[t * nbx + b]))));
-            } else {
-                acc[t].a[j] = r16_add(acc[t].a[j], n, d, xd);
-            }
+            if (fmt == Q4_1) acc[t].a[j] = r16_add_min(acc[t].a[j], n, d, xd, wm, a->xsum[t * nbx + b]);
+            else acc[t].a[j] = r16_add(acc[t].a[j], n, d, xd);
         }
     }
 }
@@ -886,8 +885,8 @@ static void r16_tile_q4k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
                 for (int e = 0; e < 2; e++) {
                     const int64_t u = 8 * b + 2 * c + e;
                     const int tt = 8 * h + 2 * c + e;
-                    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(n[e]), _mm512_mul_ps(ws[e], _mm512_set1_ps(a->xd[t * nbx + u])));
-                    acc[t].a[tt] = _mm512_add_ps(acc[t].a[tt], _mm512_sub_ps(p, _mm512_mul_ps(wm[e], _mm512_set1_ps(a->xsum[t * nbx + u]))));
+                    acc[t].a[tt] = r16_add_min(acc[t].a[tt], n[e], ws[e], a->xd[t * nbx + u], wm[e],
+                                               a->xsum[t * nbx + u]);
                 }
             }
         }
