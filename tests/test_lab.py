@@ -470,7 +470,7 @@ def test_a_slow_host_is_named_and_given_fewer_layers(
             now = {n["node_id"]: n["layers"] for n in client.call(slow.url, "/v1/status")["nodes"]}
             return now["h2"] is not None and now["h2"] != layers["h2"]
 
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 420  # h2 on a fiftieth of a core: batches are slow
         while not moved():
             assert time.monotonic() < deadline, "the coordinator never moved layers off h2"
             run_batch()
