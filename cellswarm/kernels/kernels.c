@@ -712,6 +712,13 @@ static inline __attribute__((always_inline)) void q6_unpack(const uint8_t *blk, 
     w[3] = _mm512_or_si512(BYTE_BITS(l1, BITS_HI_NIBBLE, 0, 4, 0x0F), BYTE_BITS(h, BITS_67_TO_45, 0, 2, 0x30));
 }
 
+/* d * (float)sc_g of the 16 rows (lanes) for group gi of a Q6_K group block: each row's
+ * scale of that group, from the 4 chunks of int8 scales, as units_16 computes ws */
+static inline __m512 q6_scale_lanes(const uint8_t *blk, __m512 d, int gi) {
+    const __m512i S = _mm512_loadu_si512(Q6_AT(blk, gi / 4));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(S, 24 - 8 * (gi % 4)), 24)));
+}
+
 /* 16 repacked Q6_K rows (nb blocks of 256) times one activation row: out[0..16). A block has
  * 16 groups, so unit u = 16 b + g goes to A[g]: each block adds to every A once. */
 static void r16_group1_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
@@ -740,9 +747,7 @@ static void r16_group1_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const
 #pragma GCC unroll 4
                 for (int m = 0; m < 4; m++) {
                     const int gi = 8 * n + 2 * m + cq; /* the group: A's index */
-                    const __m512i S = _mm512_loadu_si512(Q6_AT(blk, gi / 4));
-                    const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(S, 24 - 8 * (gi % 4)), 24);
-                    A[gi] = r16_add(A[gi], s[m], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), xd[8 * b + gi / 2]);
+                    A[gi] = r16_add(A[gi], s[m], q6_scale_lanes(blk, d, gi), xd[8 * b + gi / 2]);
                 }
             }
         }
@@ -910,8 +915,7 @@ static void r16_tile_q6k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
                 __m512 sg[4];
                 for (int m = 0; m < 4; m++) {
                     const int gi = 8 * n + 2 * m + cq;
-                    const __m512i S = _mm512_loadu_si512(Q6_AT(blk, gi / 4));
-                    sg[m] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(S, 24 - 8 * (gi % 4)), 24)));
+                    sg[m] = q6_scale_lanes(blk, d, gi);
                 }
                 for (int64_t t = 0; t < nx; t++) {
                     const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b + 128 * n + 16 * cq);
