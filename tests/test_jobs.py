@@ -41,6 +41,7 @@ from cellswarm.swarm.control.jobs import (
     TERMINAL,
     JobQueue,
     QueueConfig,
+    inconsistent,
 )
 
 T0 = 1_000.0  # the simulated clock's start (not_before_s defaults to 0: any T0 > 0 works)
@@ -339,6 +340,38 @@ def test_verification_without_agreement_dies_after_max_runs(queue: JobQueue) -> 
     assert commits(queue, job.job_id) == []
 
 
+def _run_on(q: JobQueue, job_id: str, replica: str, nodes: list[str], tokens: list[int]) -> str:
+    [leased] = q.lease(f"head-{replica}", replica, now=T0)
+    return q.complete(job_id, leased.fence, {"tokens": tokens}, replica=replica, nodes=nodes,
+                      now=T0)  # fmt: skip
+
+
+def test_a_replica_whose_bad_node_was_replaced_is_new_evidence(queue: JobQueue) -> None:
+    """Runs are independent when no node computed both: replica A's bad node w0 gave [1], B
+    (w1) gave [2]; A's rerun on the spare w2 that took w0's place agrees with B and decides
+    (by the replica's name alone it could not, and with two replicas the job would die)."""
+    job, _ = queue.submit({"prompt": [1]}, verify=2)
+    assert _run_on(queue, job.job_id, "A", ["w0"], [1]) == "verify"
+    assert _run_on(queue, job.job_id, "B", ["w1"], [2]) == "verify"
+    assert _run_on(queue, job.job_id, "A", ["w2"], [2]) == "done"
+    job2, _ = queue.submit({"prompt": [2]}, verify=2)  # shared nodes never decide
+    assert _run_on(queue, job2.job_id, "A", ["w0", "w3"], [1]) == "verify"
+    assert _run_on(queue, job2.job_id, "B", ["w1", "w3"], [1]) == "verify"
+
+
+def test_reruns_that_tell_nothing_new_do_not_kill_a_job(queue: JobQueue) -> None:
+    """With two replicas a verification run goes back to the same nodes: B's second [2] adds
+    no evidence, so A's liar must differ MAX_RUNS times, not MAX_RUNS / 2, before "no two
+    agree" — and a liar that contradicts itself is named by `inconsistent` at once."""
+    job, _ = queue.submit({"prompt": [1]}, verify=2)
+    outcomes = [_run_on(queue, job.job_id, r, [f"w-{r}"], [t])
+                for r, t in [("B", 2), ("A", 10), ("B", 2), ("A", 11), ("B", 2)]]  # fmt: skip
+    assert outcomes == ["verify"] * 5
+    got = queue.get(job.job_id)
+    assert got is not None and inconsistent(got.runs) == []  # B agrees with itself
+    assert inconsistent(got.runs[:4]) == ["w-A"]  # A gave [10], then [11]
+
+
 def test_ledger_counts(queue: JobQueue) -> None:
     ids = [queue.submit({"prompt": [i]})[0].job_id for i in range(5)]
     leased = {j.job_id: j for j in queue.lease("h0", "r0", n=4, now=T0)}
@@ -568,8 +601,8 @@ def make_machine(backend: Backend) -> type[RuleBasedStateMachine]:
                 m.state, m.result, m.commits = "done", {"tokens": agreed[0], "runs": len(m.runs)}, 1
                 m.tokens = agreed[0]
                 assert outcome == "done"
-            elif len(m.runs) >= MAX_RUNS:
-                m.state = "dead"
+            elif len(set(map(str, m.runs))) >= MAX_RUNS or len(m.runs) >= 2 * MAX_RUNS:
+                m.state = "dead"  # a rerun with the same result tells nothing new (_evidence)
                 assert outcome == "dead"
             else:
                 m.state, m.tokens = "queued", []

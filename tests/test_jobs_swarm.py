@@ -279,7 +279,9 @@ def test_a_lying_worker_is_outvoted_and_taken_out(
 ) -> None:
     """worker-0 corrupts 20% of its outputs; with --verify 1.0 every job runs on two
     replicas, disagreements go to a third run, no wrong result is accepted, and the liar is
-    taken out at its first outvote (honest nodes agree to the bit: the default)."""
+    taken out at its first outvote (honest nodes agree to the bit: the default) or at its
+    first contradiction of itself — before that, with two replicas, a job whose honest run
+    came first died of "no two agree" whenever the liar lied twice on it (seen in CI)."""
     with LocalSwarm(str(demo_path), 3, "400M", tmp_path, replicas=2, perturb={0: 0.2}) as swarm:
         swarm.wait_ready()
         batch = submit(swarm, items(40), verify_fraction=1.0)
@@ -287,7 +289,8 @@ def test_a_lying_worker_is_outvoted_and_taken_out(
         check_outputs(results, expected)  # 0 wrong results accepted
         check_ledger(swarm, 40)
         liar = next(n for n in swarm.status()["nodes"] if n["node_id"] == "worker-0")
-        assert liar["state"] == "evicted" and "outvoted" in liar["message"]
+        # outvoted by the others, or by itself: a correct node gives one result per job
+        assert liar["state"] == "evicted" and "outvoted" in liar["message"], liar
         assert liar["disagreements"] >= 1
 
 

@@ -44,7 +44,13 @@ from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.beats import beat_key, check_control_url, holds, seal
 from cellswarm.swarm.control.checkup import Checkups
 from cellswarm.swarm.control.db import open_database
-from cellswarm.swarm.control.jobs import Job, JobQueue, QueueConfig, same_result
+from cellswarm.swarm.control.jobs import (
+    Job,
+    JobQueue,
+    QueueConfig,
+    inconsistent,
+    same_result,
+)
 from cellswarm.swarm.control.logship import EventStore, LogShipper
 from cellswarm.swarm.control.membership import (
     Shard,
@@ -981,6 +987,8 @@ class Coordinator:
                     if n is not None:
                         self.store.update_node(nid, served=n.served + 1, consecutive_failures=0)
             self._record_votes(job_id)
+        elif outcome == "verify":
+            self._record_contradiction(job_id)
         self.notify()
         return outcome
 
@@ -1019,12 +1027,29 @@ class Coordinator:
                 if agreed:
                     self.store.update_node(nid, agreements=n.agreements + 1)
                     continue
-                n = self.store.update_node(nid, disagreements=n.disagreements + 1)
-                self.log.event("disagreed", job_id, worker=nid, disagreements=n.disagreements)
-                if n.disagreements >= self.config.evict_after_disagreements:
-                    self.store.update_node(nid, state="evicted", shard=None, message=(
-                        f"outvoted {n.disagreements} times by other replicas: taken out"))
-                    self.unwire(f"{nid} keeps disagreeing")
+                self._disagreed(n, job_id, "outvoted {} times by other replicas: taken out")
+
+    def _record_contradiction(self, job_id: str) -> None:
+        """A verification run that contradicts an earlier run of the job on the same nodes:
+        those nodes are not deterministic (a correct node gives the same bits every time), so
+        each gets a disagreement now, before the job is decided — a liar caught only by a
+        later majority could meanwhile spend the job's runs."""
+        job = self.queue.get(job_id)
+        for nid in inconsistent(job.runs) if job is not None else []:
+            n = self.store.node(nid)
+            if n is not None and n.state != "evicted":
+                self._disagreed(n, job_id, "gave two results for one job {} times "
+                                "(outvoted by itself: not deterministic): taken out")  # fmt: skip
+
+    def _disagreed(self, n: Node, job_id: str, why: str) -> None:
+        """One disagreement more for node `n`; taken out at the configured count (`why` is
+        the message, the count in its braces)."""
+        n = self.store.update_node(n.node_id, disagreements=n.disagreements + 1)
+        self.log.event("disagreed", job_id, worker=n.node_id, disagreements=n.disagreements)
+        if n.state != "evicted" and n.disagreements >= self.config.evict_after_disagreements:
+            self.store.update_node(n.node_id, state="evicted", shard=None,
+                                   message=why.format(n.disagreements))  # fmt: skip
+            self.unwire(f"{n.node_id} keeps disagreeing")
 
     # -- views -----------------------------------------------------------------------------
 

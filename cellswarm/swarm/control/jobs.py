@@ -552,7 +552,7 @@ class JobQueue:
             self.db.execute("UPDATE jobs SET runs=? WHERE job_id=?",
                             (json.dumps(runs), job.job_id))  # fmt: skip
             return "done"
-        if len(runs) >= MAX_RUNS:
+        if _evidence(runs) >= MAX_RUNS or len(runs) >= 2 * MAX_RUNS:
             self.db.execute(
                 "UPDATE jobs SET state='dead', runs=?, error=?, updated_s=? WHERE job_id=?",
                 (json.dumps(runs), f"{len(runs)} runs and no two agree", now, job.job_id),
@@ -575,15 +575,50 @@ def _chosen(batch_id: str, position: int, fraction: float) -> bool:
 
 
 def _majority(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The first result two runs on different replicas agree on: a replica that is wrong
-    the same way every time (a bad weight, a broken kernel) must not outvote the others with
-    its own second run."""
+    """The first result two independent runs agree on (_apart)."""
     for i, a in enumerate(runs):
         for b in runs[i + 1 :]:
-            apart = a.get("replica") is None or a.get("replica") != b.get("replica")
-            if apart and same_result(a["result"], b["result"]):
+            if _apart(a, b) and same_result(a["result"], b["result"]):
                 return a
     return None
+
+
+def _apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two runs are independent evidence when no node computed both: a node that is wrong the
+    same way every time (a bad weight, a broken kernel) must not outvote the others with its
+    own second run. A replica whose bad node was replaced is new evidence, so the nodes
+    decide, not the replica's name (runs recorded without nodes fall back to it)."""
+    if a.get("nodes") and b.get("nodes"):
+        return not set(a["nodes"]) & set(b["nodes"])
+    return a.get("replica") is None or a.get("replica") != b.get("replica")
+
+
+def _evidence(runs: list[dict[str, Any]]) -> int:
+    """Runs that told something new: a rerun on the same nodes with the same result does not
+    (the queue sends a verification run back to a replica when it has no other), so it does
+    not bring a job nearer to "no two agree" — the total is capped at twice MAX_RUNS."""
+    seen: list[tuple[list[str], str, dict[str, Any]]] = []
+    for r in runs:
+        key = (sorted(r.get("nodes") or []), str(r.get("replica")), r["result"])
+        if not any(k[:2] == key[:2] and same_result(k[2], key[2]) for k in seen):
+            seen.append(key)
+    return len(seen)
+
+
+def inconsistent(runs: list[dict[str, Any]]) -> list[str]:
+    """The nodes of the latest run if an earlier run of the same job on exactly those nodes
+    gave another result: every correct node computes the same bits for the same input on any
+    CPU (issue 32), so a node set that contradicts itself has a broken node in it — no third
+    replica is needed to say so."""
+    if len(runs) < 2 or not runs[-1].get("nodes"):
+        return []
+    last = runs[-1]
+    for r in runs[:-1]:
+        if sorted(r.get("nodes") or []) == sorted(last["nodes"]) and not same_result(
+            r["result"], last["result"]
+        ):
+            return list(last["nodes"])
+    return []
 
 
 def same_result(a: dict[str, Any], b: dict[str, Any]) -> bool:
