@@ -227,10 +227,16 @@ class Model:
     def forward_many(self, x: np.ndarray, caches: Sequence[KVCache]) -> np.ndarray:
         """One new token of each of n sequences: hidden states (n, d) -> (n, d) through this
         model's layers, sequence i at position caches[i].length. Where the architecture can
-        (`decode_fused_many`: DeepSeek), the n tokens share each pass over the weights and each
-        routed expert runs once for the tokens routed to it; else one sequence at a time."""
+        (`decode_fused_many`: the llama family, DeepSeek), the n tokens share each pass over
+        the weights (and each routed expert runs once for the tokens routed to it), each
+        token's bits those of a decode step alone; else one sequence at a time."""
+        if len(caches) > kernels.MAX_BATCH:  # the kernels' widest batch: in groups of that many
+            return np.concatenate([self.forward_many(x[i : i + kernels.MAX_BATCH],
+                                                     caches[i : i + kernels.MAX_BATCH])
+                                   for i in range(0, len(caches), kernels.MAX_BATCH)])  # fmt: skip
         if len(caches) > 1:
             positions = np.array([c.length for c in caches], dtype=np.int64)
+            self.arch.prepare(self.layers)
             with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
                 out = self.arch.decode_fused_many(x, positions, list(caches), self.layers)
             if out is not None and np.isfinite(out).all():

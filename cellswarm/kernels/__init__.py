@@ -233,6 +233,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_llama_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, p, p, p, p]
     lib.cs_llama_decode_layers.restype = None
     lib.cs_ds_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, p, p]
+    lib.cs_llama_decode_many.argtypes = [p, i64, i64, p, p, p, p, p, p, p, p, p]
+    lib.cs_llama_decode_many.restype = None
+    lib.cs_llama_scratch_floats.argtypes = [p, i64]
+    lib.cs_llama_scratch_floats.restype = i64
+    lib.cs_llama_scratch_qbytes.argtypes = [p, i64]
+    lib.cs_llama_scratch_qbytes.restype = i64
     lib.cs_ds_decode_layers.restype = None
     lib.cs_swiglu1.argtypes = [p, p, p, p, i64, p]
     lib.cs_silu_mul_rows.argtypes = [p, p, i64, i64]
@@ -786,6 +792,34 @@ def llama_decode_layers(
     lib.cs_llama_decode_layers(
         layers, len(layers), x.ctypes.data, pos, cos.ctypes.data, sin.ctypes.data, k_stores,
         v_stores, capacity, f.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data,
+    )  # fmt: skip
+
+
+def llama_scratch_many(layers: Sequence[LlamaLayer], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Float and int8 scratch for cs_llama_decode_many: n tokens, the widest of `layers`."""
+    lib = _load()
+    assert lib is not None
+    floats = max(lib.cs_llama_scratch_floats(ctypes.addressof(x), n) for x in layers)
+    qbytes = max(lib.cs_llama_scratch_qbytes(ctypes.addressof(x), n) for x in layers)
+    return np.empty(floats, np.float32), np.empty(qbytes, np.int8)
+
+
+def llama_decode_many(
+    layers: ctypes.Array[ctypes.c_void_p], x: np.ndarray, pos: np.ndarray, cos: np.ndarray,
+    sin: np.ndarray, k_stores: Sequence[np.ndarray], v_stores: Sequence[np.ndarray],
+    capacities: np.ndarray, scratch: tuple[np.ndarray, np.ndarray],
+) -> None:  # fmt: skip
+    """One token of each of n sequences through `layers`, in place on x (n, d): pos (n,)
+    int64, cos/sin (n, rope_dim / 2), k_stores / v_stores layer-major (layer i, sequence s
+    at i * n + s), capacities (n,) int64 of each sequence's cache."""
+    lib = _lib
+    assert lib is not None
+    n = x.shape[0]
+    ks, vs = pointers(list(k_stores)), pointers(list(v_stores))
+    f, q = scratch
+    lib.cs_llama_decode_many(
+        layers, len(layers), n, x.ctypes.data, pos.ctypes.data, cos.ctypes.data,
+        sin.ctypes.data, ks, vs, capacities.ctypes.data, f.ctypes.data, q.ctypes.data,
     )  # fmt: skip
 
 

@@ -67,3 +67,114 @@ void cs_llama_decode_layers(const llama_layer *const *L, int64_t n, float *x, in
     for (int64_t i = 0; i < n; i++)
         cs_llama_decode(L[i], x, pos, cs, sn, k_stores[i], v_stores[i], cap, f, xq, xd, xs);
 }
+
+/* ---- one token of each of n sequences through a stack of layers (continuous batching) ----
+ * The stage's ready sequences stepped together: each matrix reads its weight rows once for
+ * the n tokens (the 16-row tiles, or each row kept in L1 for the one-row kernel), RMSNorm,
+ * RoPE, the cache write and attention stay per sequence (its own cache, position and
+ * capacity). Every value is what cs_llama_decode computes for that token alone — the same
+ * functions per row, attention through attend_one — so a sequence's bits do not depend on
+ * which others share the step (tests/test_batch_decode.py). Scratch: cs_llama_scratch_*. */
+
+static int64_t llama_widest(const llama_layer *L) {
+    const int64_t qn = L->n_heads * L->head_dim;
+    int64_t w = L->d > qn ? L->d : qn;
+    return L->ffn > w ? L->ffn : w;
+}
+
+int64_t cs_llama_scratch_floats(const llama_layer *L, int64_t n) {
+    const int64_t qn = L->n_heads * L->head_dim, kn = L->n_kv * L->head_dim;
+    return n * (2 * L->d + 2 * qn + 2 * kn + 2 * L->ffn + llama_widest(L) / 32) + 64;
+}
+
+int64_t cs_llama_scratch_qbytes(const llama_layer *L, int64_t n) {
+    const int64_t w = n * llama_widest(L);
+    return 2 * w + 4 * (w / 32) + 4 * (w / 16) + (int64_t)(sizeof(outliers) + 4) * (w / 32) + 128;
+}
+
+/* attention of every sequence's heads in one parallel loop: (sequence, head) pairs */
+static void attend_many(const llama_layer *L, int64_t n, const float *q, float *const *k_st,
+                        float *const *v_st, const int64_t *caps, const int64_t *pos, float *att) {
+    const int64_t H = L->n_heads, hd = L->head_dim, g = H / L->n_kv;
+    int64_t most = 0, work = 0;
+    for (int64_t i = 0; i < n; i++) {
+        most = pos[i] + 1 > most ? pos[i] + 1 : most;
+        work += H * (pos[i] + 1) * hd;
+    }
+    const int use = gov_threads_for(work);
+#pragma omp parallel num_threads(use) if (use > 1)
+    {
+        float *p = (float *)malloc(sizeof(float) * (size_t)keys_ld(most));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < n * H; j++) {
+            const int64_t i = j / H, kvh = (j % H) / g, ldk = keys_ld(caps[i]);
+            attend_one(q + j * hd, k_st[i] + kvh * hd * ldk, ldk, v_st[i] + kvh * caps[i] * hd,
+                       pos[i] + 1, hd, hd, L->scale, p, att + j * hd);
+        }
+        free(p);
+    }
+}
+
+static void llama_decode_many(const llama_layer *L, int64_t n, float *x, const int64_t *pos,
+                              const float *cs, const float *sn, float *const *k_st,
+                              float *const *v_st, const int64_t *caps, float *f, int8_t *q8) {
+    const int64_t d = L->d, hd = L->head_dim, qn = L->n_heads * hd, kn = L->n_kv * hd;
+    const int64_t ffn = L->ffn, w = n * llama_widest(L), half = L->rope_dim / 2;
+    float *h = f, *tmp = h + n * d, *q = tmp + n * d, *att = q + n * qn, *k = att + n * qn;
+    float *v = k + n * kn, *g = v + n * kn, *u = g + n * ffn, *sum = u + n * ffn;
+    qbuf qb = {q8, NULL, NULL, sum, NULL, NULL, NULL};
+    qb.d = (float *)(((uintptr_t)(q8 + 2 * w) + 15) & ~(uintptr_t)15);
+    qb.s = (int32_t *)(qb.d + w / 32);
+    qb.ol = (outliers *)(qb.s + w / 16);
+    qb.vid = (int32_t *)(qb.ol + w / 32);
+    for (int64_t i = 0; i < n; i++) rms(x + i * d, L->attn_norm, d, L->eps, h + i * d);
+    quant_rows(h, n, d, &qb, 0);
+    const actv ah = at(&qb, h, 0);
+    task t[3] = {batch(&L->q, L->q.w, L->q.rows, d, ah, q, n, qn),
+                 batch(&L->k, L->k.w, L->k.rows, d, ah, k, n, kn),
+                 batch(&L->v, L->v.w, L->v.rows, d, ah, v, n, kn)};
+    run_tasks(t, 3);
+    for (int64_t s = 0; s < n; s++) {
+        float *qs = q + s * qn, *ks = k + s * kn, *vs = v + s * kn;
+        if (L->q_bias) for (int64_t i = 0; i < qn; i++) qs[i] += L->q_bias[i];
+        if (L->k_bias) for (int64_t i = 0; i < kn; i++) ks[i] += L->k_bias[i];
+        if (L->v_bias) for (int64_t i = 0; i < kn; i++) vs[i] += L->v_bias[i];
+        if (L->q_norm) {
+            for (int64_t i = 0; i < L->n_heads; i++) rms(qs + i * hd, L->q_norm, hd, L->eps, qs + i * hd);
+            for (int64_t i = 0; i < L->n_kv; i++) rms(ks + i * hd, L->k_norm, hd, L->eps, ks + i * hd);
+        }
+        rope(qs, L->n_heads, hd, L->rope_dim, (int)L->rope_neox, cs + s * half, sn + s * half);
+        rope(ks, L->n_kv, hd, L->rope_dim, (int)L->rope_neox, cs + s * half, sn + s * half);
+        const int64_t ldk = keys_ld(caps[s]), p = pos[s];
+        for (int64_t i = 0; i < L->n_kv; i++) {
+            for (int64_t j = 0; j < hd; j++) k_st[s][(i * hd + j) * ldk + p] = ks[i * hd + j];
+            memcpy(v_st[s] + (i * caps[s] + p) * hd, vs + i * hd, sizeof(float) * (size_t)hd);
+        }
+    }
+    attend_many(L, n, q, k_st, v_st, caps, pos, att);
+    if (L->o.kind == 0) quant_rows(att, n, qn, &qb, 0);
+    t[0] = batch(&L->o, L->o.w, L->o.rows, qn, at(&qb, att, 0), tmp, n, d);
+    run_tasks(t, 1);
+    for (int64_t i = 0; i < n * d; i++) x[i] += tmp[i];
+    for (int64_t i = 0; i < n; i++) rms(x + i * d, L->ffn_norm, d, L->eps, h + i * d);
+    quant_rows(h, n, d, &qb, 0);
+    t[0] = batch(&L->gate, L->gate.w, ffn, d, at(&qb, h, 0), g, n, ffn);
+    t[1] = batch(&L->up, L->up.w, ffn, d, at(&qb, h, 0), u, n, ffn);
+    run_tasks(t, 2);
+    for (int64_t i = 0; i < n; i++) silu_mul(g + i * ffn, u + i * ffn, ffn);
+    if (L->down.kind == 0) quant_rows(g, n, ffn, &qb, 0);
+    t[0] = batch(&L->down, L->down.w, d, ffn, at(&qb, g, 0), tmp, n, d);
+    run_tasks(t, 1);
+    for (int64_t i = 0; i < n * d; i++) x[i] += tmp[i];
+}
+
+/* x (n, d): one token of each of n <= MAX_BATCH sequences through layers L[0..m); pos (n);
+ * cs/sn (n, rope_dim / 2); k_st / v_st: m * n pointers, layer-major (layer i, sequence s at
+ * i * n + s); caps (n): each sequence's cache capacity. */
+void cs_llama_decode_many(const llama_layer *const *L, int64_t m, int64_t n, float *x,
+                          const int64_t *pos, const float *cs, const float *sn,
+                          float *const *k_st, float *const *v_st, const int64_t *caps, float *f,
+                          int8_t *q8) {
+    for (int64_t i = 0; i < m; i++)
+        llama_decode_many(L[i], n, x, pos, cs, sn, k_st + i * n, v_st + i * n, caps, f, q8);
+}

@@ -41,6 +41,7 @@ class Llama:
         self._fused: dict[int, tuple[Any, ...] | None] = {}
         self._stacks: dict[tuple[int, int], Any] = {}  # layer ranges: fused layers' pointers
         self._scratch: tuple[Any, ...] | None = None
+        self._many_scratch: dict[str, Any] = {}  # decode_fused_many's, per (layers, n)
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         return ops.embed(self.w, token_ids)  # (T, d)
@@ -129,8 +130,30 @@ class Llama:
     def decode_fused_many(
         self, x: np.ndarray, positions: np.ndarray, caches: list[KVCache], layers: range
     ) -> np.ndarray | None:
-        """Not for this family yet: the engine decodes the sequences one by one."""
-        return None
+        """One token of each of n <= MAX_BATCH sequences (x (n, d), sequence i at
+        positions[i] of caches[i]) through `layers` in one C call: each weight row read once
+        for all n, each token's values those of a decode step alone (llama.c). None when a
+        layer has no fused kernel."""
+        n = x.shape[0]
+        if not kernels.enabled() or not 1 <= n <= kernels.MAX_BATCH:
+            return None
+        stack = self._fused_stack(layers)
+        if stack is None:
+            return None
+        pos = np.ascontiguousarray(positions, dtype=np.int64)  # (n,)
+        for c, p in zip(caches, pos, strict=True):
+            check_room(c.capacity, int(p) + 1)
+        out = np.array(x, dtype=np.float32)  # (n, d): the residual streams, in place
+        cos, sin = (np.ascontiguousarray(t[:, 0]) for t in self.rope._tables(pos))
+        stores = {n: [c.layer(i).storage(n) for i in layers for c in caches] for n in ("kt", "v")}
+        caps = np.array([c.capacity for c in caches], dtype=np.int64)
+        key = (layers.start, layers.stop, n)
+        if self._many_scratch.get("key") != key:  # the widest layer's needs, for n tokens
+            structs = [f[0] for f in (self._fused_layer(i) for i in layers) if f is not None]
+            self._many_scratch = {"key": key, "buf": kernels.llama_scratch_many(structs, n)}
+        kernels.llama_decode_many(stack, out, pos, cos, sin, stores["kt"], stores["v"], caps,
+                                  self._many_scratch["buf"])  # fmt: skip
+        return out
 
     def _fused_layer(self, layer: int) -> tuple[Any, ...] | None:
         if layer not in self._fused:
