@@ -34,6 +34,27 @@ def test_pipeline_equals_single_process(demo_path: Path, reference, stages: int)
     assert all(r.reason == "max_tokens" for r in results)
 
 
+@pytest.mark.parametrize("stages", [1, 3])
+def test_sequences_in_flight_are_decoded_in_batches_with_their_own_bits(
+    demo_path: Path, stages: int
+) -> None:
+    """12 sequences of different lengths in flight: each stage steps the ones ready together
+    (one pass over its layers), and every sequence's tokens are the ones it gets alone in
+    one process — batching depends on timing, results must not."""
+    model = cellswarm.load(demo_path)
+    texts = [*TEXTS, "Water boils at", "The quick brown fox", "import numpy as np", "Dear Sir,",
+             "Paris is", "In 1492,", "The best way to learn", "Q: What is 2+2?\nA:"]  # fmt: skip
+    prompts = [model.tokenizer.encode(t) for t in texts]
+    opts = GenerateOptions(12, stop_ids=frozenset())
+    expected = [model.generate(p, opts).token_ids for p in prompts]
+    with LocalPipeline(str(demo_path), even_split(30, stages), max_sequences=12) as pipe:
+        results = pipe.generate([{"prompt": p, "max_tokens": 12} for p in prompts])
+        stats = pipe.stats()
+    assert [r.tokens for r in results] == expected
+    for st in stats:  # every stage batched: more than one sequence per pass
+        assert st["batches"] > 0 and st["widest_batch"] > 1, st
+
+
 def test_seeded_sampling_does_not_depend_on_the_layout(demo_path: Path) -> None:
     model = cellswarm.load(demo_path)
     prompt = model.tokenizer.encode("Tell me a story:")

@@ -89,6 +89,9 @@ class StageConfig:
     # file (engine/tiered/) instead of held whole.
     dram_budget_bytes: int | None = None
     tls_dir: str | None = None  # mutual TLS on every data-plane connection (swarm/tls.py)
+    # Decode steps of this many ready sequences at most run as one pass over the layers
+    # (continuous batching: Stage.run_ready); 1 runs each alone (bench/batch.py's baseline).
+    max_batch: int = 32
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -163,6 +166,19 @@ class NextStageLost(ConnectionError):
 
 
 @dataclass
+class Ready:
+    """A decode step waiting for the stage's next batch: one token's hidden state (1, d) of
+    sequence `seq` at position `pos`, when its frame was read and decoded, the embedding's
+    time (stage 0)."""
+
+    seq: int
+    h: np.ndarray
+    pos: int
+    frame_s: tuple[float, float] | None
+    embed_s: float
+
+
+@dataclass
 class Sequence:
     """Stage 0's view of one request."""
 
@@ -200,6 +216,10 @@ class Stage:
             concurrent.futures.ThreadPoolExecutor(1, "compute") if config.profile else None
         )
         self._seq_ids = 0
+        # Decode steps that arrived while a step ran, stepped together next (run_ready)
+        self._ready: list[Ready] = []
+        self._batcher: asyncio.Task[None] | None = None
+        self.batches, self.widest_batch = 0, 0  # passes of more than one sequence (stats)
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.log = JsonLog(config.log_dir, config.node_id)
         self.token = load_token(config.token_file) if config.token_file else None
@@ -299,11 +319,7 @@ class Stage:
                 self._frame_s = (got_s, time.perf_counter())
                 await self.handle(frame, writer)
         except Exception as exc:  # a bug of ours: log it, drop this connection, serve on
-            log.exception("stage %s: connection dropped", self.config.layers)
-            if isinstance(exc, NextStageLost):
-                self.fault("next", f"{type(exc).__name__}: {exc}", exc.epoch)
-            else:
-                self.fault("forward", f"{type(exc).__name__}: {exc}", self.epoch)
+            self.unexpected(exc, "connection dropped")
         finally:
             self.connections.discard(writer)
             writer.close()
@@ -312,6 +328,15 @@ class Stage:
         self, kind: str, detail: str, epoch: int, req: str | None = None
     ) -> Awaitable[Any] | None:
         return None if self.on_fault is None else self.on_fault(kind, detail, epoch, req)
+
+    def unexpected(self, exc: Exception, what: str) -> None:
+        """An exception no handler expected (a bug of ours, or the next stage gone while a
+        step's result went out): logged, and told as the node's fault or the link's."""
+        log.error("stage %s: %s", self.config.layers, what, exc_info=exc)
+        if isinstance(exc, NextStageLost):
+            self.fault("next", f"{type(exc).__name__}: {exc}", exc.epoch)
+        else:
+            self.fault("forward", f"{type(exc).__name__}: {exc}", self.epoch)
 
     def check_frame(self, frame: Frame) -> None:
         """ProtocolError unless the frame carries what its type needs (NEEDS) and an array
@@ -359,6 +384,7 @@ class Stage:
         self.caches.clear()
         self.samplers.clear()
         self.sequences.clear()
+        self._ready.clear()
 
     async def send_next(self, frame: Frame) -> None:
         if self.emulation is None:
@@ -477,6 +503,7 @@ class Stage:
             "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 4),
             "hop_s": {k: round(v, 6) for k, v in zip(HOP_PARTS, self.hop_s, strict=True)},
             "step_s": self.step_times.as_dict(), "running_s": round(self.running_s(), 2),
+            "batches": self.batches, "widest_batch": self.widest_batch,
         }  # fmt: skip
 
     async def on_generate(self, frame: Frame, emit: Emit) -> None:
@@ -519,7 +546,99 @@ class Stage:
     async def on_hidden(self, frame: Frame) -> None:
         f = frame.fields
         assert frame.array is not None
+        if frame.array.shape[0] == 1 and f.get("first") is None:  # a decode step: batched
+            return self.queue_step(f["seq"], frame.array, int(f["pos"]))
         await self.run_layers(f["seq"], frame.array, int(f["pos"]), f.get("first"))
+
+    # -- continuous batching -----------------------------------------------------------------
+    # A decode step does not run when its frame arrives: it joins the stage's ready steps,
+    # and one task steps all that are ready as one pass over the layers (Model.forward_many:
+    # each weight read once for the batch, each sequence's bits those of a step alone). Steps
+    # that arrive while a batch runs form the next: a sequence joins or leaves at any step.
+
+    def queue_step(self, seq: int, h: np.ndarray, pos: int) -> None:
+        frame_s, self._frame_s = self._frame_s, None
+        embed_s, self._embed_s = self._embed_s, 0.0
+        self._ready.append(Ready(seq, h, pos, frame_s, embed_s))
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.get_running_loop().create_task(self.run_ready())
+
+    async def run_ready(self) -> None:
+        """Step the ready sequences, max_batch at a time, until none is ready."""
+        while self._ready:
+            await asyncio.sleep(0)  # frames that came with this one join its batch
+            n = max(1, self.config.max_batch)
+            batch, self._ready = self._ready[:n], self._ready[n:]
+            live = [r for r in batch if r.seq in self.caches]  # not let go meanwhile
+            try:
+                if len(live) == 1:
+                    await self.run_one(live[0])
+                elif live:
+                    await self.run_batch(live)
+            except Exception as exc:  # as serve() does with a frame's: the loop serves on
+                self.unexpected(exc, "decode steps dropped")
+
+    async def run_one(self, r: Ready) -> None:
+        self._frame_s, self._embed_s = r.frame_s, r.embed_s
+        await self.run_layers(r.seq, r.h, r.pos, None)
+
+    async def run_batch(self, batch: list[Ready]) -> None:
+        """One decode step of each sequence of `batch` as one pass over the layers (and the
+        head, at the last stage). Anything wrong in the shared pass runs each sequence alone
+        instead (run_layers), where a fault is told apart from a job's and attributed: the
+        shared pass has no side effect that a step alone does not redo (its cache entries are
+        rewritten; sampling comes after it)."""
+        caches = [self.caches[r.seq] for r in batch]
+        for r, cache in zip(batch, caches, strict=True):
+            cache.length = r.pos
+        if self.on_step is not None:
+            self.on_step()
+        self.crash_if_due()
+        t0 = time.perf_counter()
+        try:
+            if self.fail_forward:
+                raise RuntimeError("injected fault: this node's forward pass always fails")
+            h = np.ascontiguousarray(np.concatenate([r.h for r in batch]), np.float32)
+            h = await self.compute(self.model.forward_many, h, caches)
+            logits = await self.compute(self.head, h) if self.config.last else None
+        except Exception:
+            log.info("stage %s: a batch of %d failed; each alone", self.config.layers,
+                     len(batch), exc_info=True)  # fmt: skip
+            for r in batch:
+                await self.run_one(r)
+            return
+        if self.emulation is not None:
+            await self.emulation.pad(t0, len(batch))
+        t1 = time.perf_counter()
+        self.steps += len(batch)
+        self.batches, self.widest_batch = self.batches + 1, max(self.widest_batch, len(batch))
+        self.busy_s += t1 - t0
+        self.step_times.observe(t1 - t0)
+        self.decode_s, self.decode_steps = self.decode_s + t1 - t0, self.decode_steps + len(batch)
+        for i, (r, cache) in enumerate(zip(batch, caches, strict=True)):
+            cache.length = r.pos + 1
+            out: Any = None
+            if logits is not None:
+                try:
+                    out = self.pick(r.seq, logits[i], None)
+                except Exception as exc:
+                    await self.step_failed(r.seq, exc)
+                    continue
+            read_s = dispatch_s = 0.0
+            if r.frame_s is not None:
+                read_s, dispatch_s = r.frame_s[1] - r.frame_s[0], t0 - r.frame_s[1] - r.embed_s
+            parts = [read_s, dispatch_s, t1 - t0 + r.embed_s, 0.0, 0.0]
+            self._sent_s = (0.0, 0.0)
+            await self.step_out(r.seq, h[i : i + 1], r.pos, None, False, out)
+            parts[3], parts[4] = self._sent_s
+            self.tally(r.seq, t0 - r.embed_s, parts)
+
+    def crash_if_due(self) -> None:
+        if (
+            self.config.crash_after_steps is not None
+            and self.steps >= self.config.crash_after_steps
+        ):
+            os._exit(1)  # no cleanup, no goodbye: what a power cut looks like to the others
 
     async def run_layers(
         self, seq: int, h: np.ndarray, pos: int, first: dict[str, Any] | None
@@ -533,11 +652,7 @@ class Stage:
         cache.length = pos
         if self.on_step is not None:
             self.on_step()
-        if (
-            self.config.crash_after_steps is not None
-            and self.steps >= self.config.crash_after_steps
-        ):
-            os._exit(1)  # no cleanup, no goodbye: what a power cut looks like to the others
+        self.crash_if_due()
         t0 = time.perf_counter()
         one_row = h.shape[0] == 1
         frame_s, self._frame_s = self._frame_s, None
@@ -561,24 +676,8 @@ class Stage:
             if self.config.last:
                 out = await (self.compute(self.score, h, first) if scoring and first is not None
                              else self.compute(self.head_sample, seq, h, first))  # fmt: skip
-        except JobError as exc:  # the job's data, not this node: fail that job, serve on
-            log.warning("stage %s: request %s failed: %s", self.config.layers,
-                        self.requests.get(seq), exc)  # fmt: skip
-            self.log.event("job_error", self.requests.get(seq), stage=self.span,
-                           why=str(exc)[:200])  # fmt: skip
-            return await self.fail_request(seq, str(exc))
         except Exception as exc:
-            if self.on_fault is None:
-                raise
-            # Keep the connections: the coordinator resets the ring and replays; dropping
-            # them would make the neighbours report this node as gone rather than faulty.
-            log.exception("stage %s: step failed", self.config.layers)
-            if isinstance(exc, PartLost):  # a part server's fault, not this node's
-                self.fault("part", exc.node_id, self.epoch)
-            else:  # this node's, as far as it can tell; the request is named (poison)
-                self.fault("forward", f"{type(exc).__name__}: {exc}", self.epoch,
-                           self.requests.get(seq))  # fmt: skip
-            return
+            return await self.step_failed(seq, exc)
         if self.emulation is not None:
             await self.emulation.pad(t0, h.shape[0])
         t1 = time.perf_counter()
@@ -606,6 +705,27 @@ class Stage:
         await self.step_out(seq, h, pos, first, scoring, out)
         parts[3], parts[4] = self._sent_s
         self.tally(seq, t0 - embed_s, parts)
+
+    async def step_failed(self, seq: int, exc: Exception) -> None:
+        """A step of `seq` raised: the job's data (JobError) fails that job and the stage
+        serves on; anything else is this node's fault (or a part server's), told to the
+        coordinator, which resets the ring and replays."""
+        if isinstance(exc, JobError):
+            log.warning("stage %s: request %s failed: %s", self.config.layers,
+                        self.requests.get(seq), exc)  # fmt: skip
+            self.log.event("job_error", self.requests.get(seq), stage=self.span,
+                           why=str(exc)[:200])  # fmt: skip
+            return await self.fail_request(seq, str(exc))
+        if self.on_fault is None:
+            raise exc
+        # Keep the connections: the coordinator resets the ring and replays; dropping them
+        # would make the neighbours report this node as gone rather than faulty.
+        log.error("stage %s: step failed", self.config.layers, exc_info=exc)
+        if isinstance(exc, PartLost):  # a part server's fault, not this node's
+            self.fault("part", exc.node_id, self.epoch)
+        else:  # this node's, as far as it can tell; the request is named (poison)
+            self.fault("forward", f"{type(exc).__name__}: {exc}", self.epoch,
+                       self.requests.get(seq))  # fmt: skip
 
     async def prefill(self, seq: int, h: np.ndarray, cache: KVCache) -> np.ndarray | None:
         """The layers over h (T, d), in chunks of PREFILL_CHUNK positions — the engine's own
@@ -711,7 +831,11 @@ class Stage:
         return time.monotonic() - since if since is not None else 0.0
 
     def head_sample(self, seq: int, h: np.ndarray, first: dict[str, Any] | None) -> int:
-        logits = self.head(h[-1:])[-1]
+        return self.pick(seq, self.head(h[-1:])[-1], first)
+
+    def pick(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
+        """The next token of `seq` from its last position's logits (vocab,): the sampler,
+        the logits' digest for --verify, and the test hook that corrupts outputs."""
         digest = hashlib.sha256(np.ascontiguousarray(logits).tobytes()).hexdigest()
         self.logit_bits[seq] = digest[:16]
         token = self.sample(seq, logits, first)
@@ -755,11 +879,7 @@ class Stage:
         t0 = time.perf_counter()
         h = self.embed(np.asarray([token]))
         self._embed_s = time.perf_counter() - t0  # the step's, as in one process
-        step = self.run_layers(seq, h, pos, None)
-        if self.config.last:  # one stage: schedule rather than recurse token after token
-            asyncio.get_running_loop().create_task(step)
-        else:
-            await step
+        self.queue_step(seq, h, pos)  # with the others ready: one pass (run_ready)
 
     async def finish(self, seq: int, reason: str) -> None:
         self.log_decode(seq, pop=True)
