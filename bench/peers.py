@@ -86,7 +86,8 @@ from typing import Any
 import numpy as np
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the PyPI sdist whose vendor/llama.cpp is built
-BINARIES = ("llama-bench", "llama-simple", "llama-perplexity", "llama-quantize")
+BINARIES = ("llama-bench", "llama-simple", "llama-perplexity", "llama-quantize",
+            "llama-batched-bench")  # fmt: skip
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",

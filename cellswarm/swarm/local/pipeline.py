@@ -135,7 +135,7 @@ class LocalPipeline:
         memory_bytes: int | None = None, context: int = 512, max_sequences: int = 8,
         log_dir: str | None = None, profile: str | None = None,
         crash_after_steps: dict[int, int] | None = None, token_file: str | None = None,
-        expert_nodes: int = 0, vocab_nodes: int = 0,
+        expert_nodes: int = 0, vocab_nodes: int = 0, max_batch: int = StageConfig.max_batch,
     ):  # fmt: skip
         ports = free_ports(len(splits) + expert_nodes + vocab_nodes)
         specs = part_specs(model, expert_nodes, vocab_nodes, ports[len(splits) :])
@@ -159,6 +159,7 @@ class LocalPipeline:
                 token_file=token_file,
                 peers=("client", f"stage-{(i - 1) % len(splits)}"),
                 parts=tuple(specs),
+                max_batch=max_batch,
             )
             for i, layers in enumerate(splits)
         ]

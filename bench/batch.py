@@ -1,0 +1,186 @@
+"""Batch work at the speed of the hardware (issue 33): many sequences per read of the weights.
+
+    python -m bench.batch [--threads 2] [--quick] [--write docs/batch.md]
+
+1. One process. Decode tokens/s summed over B sequences (each a 128-token prompt, then 64
+   greedy steps), B = 1, 4, 16, 32: cellswarm's `Model.step_many` (one pass over the weights
+   for up to 16 sequences, `cs_llama_decode_many` / `cs_ds_decode_many`) against llama.cpp's
+   `llama-batched-bench -npp 128 -ntg 64 -npl 1,4,16,32` on the same llama-quantize files,
+   and the bound memory bandwidth sets: B tokens per read of the bytes one step at batch B
+   must read (a MoE's routed experts: those B tokens are expected to touch).
+2. A generation batch through 3 stage processes on loopback (`LocalPipeline`, one thread
+   each): N prompts x 64 tokens with the stages batching (max_batch 32, every sequence in
+   flight), the same with batching off (max_batch 1: each step alone, as before), and 3 x
+   one process at batch 1 (what pipelining alone promises, bench.swarm's figure).
+
+Each figure is one run; the ratios are what to quote. llama.cpp is built by bench.peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cellswarm import kernels
+from cellswarm.kernels.awake import awake
+from cellswarm.loader import load
+from cellswarm.planner.placement import even_split
+
+NPP, NTG = 128, 64
+BATCHES = (1, 4, 16, 32)
+
+
+def cellswarm_rates(path: str, threads: int, batches: tuple[int, ...]) -> dict[int, float]:
+    """Decode tokens/s summed over the batch, for each batch size: prefill excluded."""
+    kernels.set_threads(threads)
+    model = load(path, tokenizer=False)
+    rng = np.random.default_rng(0)
+    out = {}
+    for b in (1, *batches):  # the first: a warm-up (pages in, kernels' arguments made)
+        prompts = [rng.integers(3, model.config.vocab_size, NPP) for _ in range(b)]
+        caches = [model.new_cache(NPP + NTG + 1) for _ in range(b)]
+        last = [model.step(p, c, last_only=True)[-1] for p, c in zip(prompts, caches, strict=True)]
+        ids = [int(np.argmax(x)) for x in last]
+        with awake(threads > 1):
+            t0 = time.perf_counter()
+            for _ in range(NTG):
+                ids = [int(np.argmax(r)) for r in model.step_many(ids, caches)]
+            out[b] = b * NTG / (time.perf_counter() - t0)
+    return out
+
+
+def llama_rates(exe: str, path: str, threads: int, batches: tuple[int, ...]) -> dict[int, float]:
+    """llama-batched-bench's S_TG (generation tokens/s over the batch) per batch size."""
+    ctx = max(batches) * (NPP + NTG) + 256
+    cmd = [exe, "-m", path, "-t", str(threads), "-npp", str(NPP), "-ntg", str(NTG),
+           "-npl", ",".join(map(str, batches)), "-c", str(ctx)]  # fmt: skip
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rates = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and all(re.fullmatch(r"[\d.]+", c) for c in cells[:8]):
+            rates[int(cells[2])] = float(cells[7])  # PP TG B N_KV T_PP S_PP T_TG S_TG ...
+    return rates
+
+
+def step_bytes(path: str, batch: int) -> float:
+    """The weight bytes one decode step of `batch` sequences reads: every matrix once, a
+    routed expert stack only for the experts the batch is expected to touch (each token
+    picks k of E: 1 - (1 - k/E)^B of them), the embedding only when it is the head too."""
+    model = load(path, tokenizer=False)
+    w, c = model.weights, model.config
+    used, experts = getattr(c, "n_experts_used", 0), getattr(c, "n_experts", 0)
+    touched = 1 - (1 - used / experts) ** batch if experts else 1.0
+    total = 0.0
+    for name in w:
+        if name == "token_embd.weight" and "output.weight" in w:
+            continue
+        total += w.nbytes([name]) * (touched if "_exps." in name else 1.0)
+    return total
+
+
+def one_process_rows(files: list[tuple[str, str]], threads: int, exe: str) -> list[dict]:
+    from bench.engine import read_bandwidth_bytes_per_s
+
+    kernels.set_threads(threads)
+    bw = read_bandwidth_bytes_per_s()
+    print(f"streaming-read bandwidth at {threads} threads: {bw / 1e9:.1f} GB/s")
+    rows = []
+    for label, path in files:
+        ours, theirs = cellswarm_rates(path, threads, BATCHES), llama_rates(exe, path, threads,
+                                                                             BATCHES)  # fmt: skip
+        for b in BATCHES:
+            bound = b * bw / step_bytes(path, b)
+            row = {"file": label, "threads": threads, "batch": b, "cellswarm": ours[b],
+                   "llama.cpp": theirs.get(b, float("nan")), "bound": bound}  # fmt: skip
+            rows.append(row)
+            print(f"{label:<28} B={b:<3} cellswarm {ours[b]:8.1f}  llama.cpp "
+                  f"{row['llama.cpp']:8.1f}  ratio {ours[b] / row['llama.cpp']:5.2f}  "
+                  f"bound {bound:8.1f}  of bound {ours[b] / bound:4.2f}")
+    return rows
+
+
+def pipeline_rate(path: str, prompts: int, max_batch: int) -> float:
+    """Tokens/s of `prompts` sequences x NTG tokens through 3 stages, all in flight."""
+    from cellswarm.swarm.local.pipeline import LocalPipeline
+
+    stamps: list[float] = []
+    with LocalPipeline(path, even_split(30, 3), max_sequences=prompts,
+                       max_batch=max_batch) as pipe:  # fmt: skip
+        pipe.generate([{"prompt": list(range(100, 108)), "max_tokens": 2}])  # warm
+        reqs = [{"prompt": list(range(100 + i, 108 + i)), "max_tokens": NTG, "stop_ids": []}
+                for i in range(prompts)]  # fmt: skip
+        pipe.generate(reqs, on_token=lambda _i, _t: stamps.append(time.perf_counter()))
+    return (len(stamps) - prompts) / (stamps[-1] - stamps[prompts - 1])
+
+
+def pipeline_rows(path: str, prompts: int) -> list[dict]:
+    from bench.swarm import single_process_tokens_per_s
+
+    one = single_process_tokens_per_s(path, NTG)
+    rows = []
+    for max_batch in (1, 32):
+        rate = pipeline_rate(path, prompts, max_batch)
+        rows.append({"stages": 3, "prompts": prompts, "max_batch": max_batch, "tokens_s": rate,
+                     "three_x_one": 3 * one})  # fmt: skip
+        print(f"3 stages, {prompts} prompts x {NTG} tokens, max_batch {max_batch:>2}: "
+              f"{rate:7.1f} tokens/s = {rate / (3 * one):4.2f} x (3 x one process {one:.1f})")
+    return rows
+
+
+def svg_plot(rows: list[dict], path: Path) -> None:
+    """Tokens/s against batch size, one line per engine and file (a small hand-made SVG)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        for engine in ("cellswarm", "llama.cpp"):
+            series.setdefault(f"{engine} {r['file']}", []).append((r["batch"], r[engine]))
+    top = max(v for pts in series.values() for _, v in pts if v == v) * 1.1
+    xs = {b: 60 + i * 150 for i, b in enumerate(BATCHES)}
+    colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    parts = ['<svg xmlns="http://www.w3.org/2000/svg" width="640" height="360" '
+             'font-family="sans-serif" font-size="11">',
+             '<line x1="50" y1="300" x2="560" y2="300" stroke="black"/>',
+             '<line x1="50" y1="20" x2="50" y2="300" stroke="black"/>',
+             f'<text x="5" y="15">tokens/s (top {top:.0f})</text>']  # fmt: skip
+    for b, x in xs.items():
+        parts.append(f'<text x="{x - 5}" y="318">B={b}</text>')
+    for i, (name, pts) in enumerate(sorted(series.items())):
+        colour = colours[i % len(colours)]
+        dash = ' stroke-dasharray="5,4"' if name.startswith("llama") else ""
+        line = " ".join(f"{xs[b]},{300 - 280 * v / top:.1f}" for b, v in pts if v == v)
+        parts.append(f'<polyline points="{line}" fill="none" stroke="{colour}"{dash}/>')
+        parts.append(f'<text x="380" y="{30 + 14 * i}" fill="{colour}">{name}</text>')
+    parts.append("</svg>")
+    path.write_text("\n".join(parts) + "\n")
+
+
+def main() -> None:
+    from bench.peers import PeerFile, file_path, install_llama_cpp, peer_models
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="the dense file only")
+    parser.add_argument("--prompts", type=int, default=48, help="the pipeline row's batch")
+    parser.add_argument("--plot", type=Path, default=None, help="write the SVG plot here")
+    args = parser.parse_args()
+    llama = install_llama_cpp()
+    models = {m.name: m for m in peer_models()}
+    wanted = ["llama-0.3B"] if args.quick else ["llama-0.3B", "deepseek-moe-0.8B"]
+    files = [(f"{n} Q4_0 (llama-quantize)",
+              str(file_path(llama, PeerFile(models[n], "Q4_0", "llama-quantize"))))
+             for n in wanted]  # fmt: skip
+    rows = one_process_rows(files, args.threads, llama.exe("llama-batched-bench"))
+    if args.plot:
+        svg_plot(rows, args.plot)
+    from cellswarm.demo import demo_model_path
+
+    pipeline_rows(str(demo_model_path()), args.prompts)
+
+
+if __name__ == "__main__":
+    main()
