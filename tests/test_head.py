@@ -207,6 +207,7 @@ class RingStage(FakeStage):
         self.live: list[tuple[str, Any]] = []
         self.most = 0
         self.refuse_over = refuse_over  # stage 0's own limit, when the head must overrun it
+        self.options: dict[str, int] = {}  # a scoring sequence's completions
 
     async def on_generate(self, frame: Any, emit: Any) -> None:
         from cellswarm.swarm.ring.frames import Frame
@@ -217,6 +218,7 @@ class RingStage(FakeStage):
             return
         self.sent.append(req)
         self.live.append((req, emit))
+        self.options[req] = len(frame.fields.get("completions") or ())
         self.most = max(self.most, len(self.live))
 
     def activity(self, req: str | None = None) -> float | None:
@@ -233,8 +235,8 @@ class RingStage(FakeStage):
         if not self.live:
             return
         req, emit = self.live.pop(0)
-        if "#" in req:
-            await emit(Frame("score", {"req": req, "logprob": -1.0}))
+        if "#" in req:  # a scoring job: all its completions' scores at once
+            await emit(Frame("score", {"req": req, "logprobs": [-1.0] * self.options[req]}))
         else:
             await emit(Frame("token", {"req": req, "token": 5}))
             await emit(Frame("done", {"req": req, "reason": "max_tokens"}))
@@ -258,7 +260,8 @@ def run_ring(coord: QuickCoordinator, stage: RingStage, ticks: int) -> Head:
 def test_a_full_ring_makes_jobs_wait_and_never_fails_them() -> None:
     """Six generations and a scoring job of five completions, leased at once to a head whose
     ring holds two sequences (the coordinator says so): never more than two in the ring, a
-    scoring job in waves, nothing failed, every job completed, the waiting ones renewed."""
+    scoring job one sequence (its prompt, then its completions after it), nothing failed,
+    every job completed, the waiting ones renewed."""
     jobs = [job(f"g{i}", [1, 2]) for i in range(6)]
     jobs.append({**job("s", [1, 2]), "kind": "score",
                  "payload": {"prompt": [1, 2], "completions": [[3]] * 5}})  # fmt: skip

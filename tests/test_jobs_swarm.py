@@ -23,6 +23,7 @@ from cellswarm.engine.model import GenerateOptions
 from cellswarm.errors import RequestError, SwarmError
 from cellswarm.swarm.api import client
 from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.swarm.ring.stage import log_likelihood
 from tests.waiting import wait_until
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,",
@@ -95,17 +96,15 @@ def test_batch_results_in_input_order_with_scoring(
         results = drain(swarm, batch)
         check_outputs(results[:8], expected)
         assert results[8]["label"] == " Paris"
-        # the log-likelihoods equal the single-process engine's
+        # the log-likelihoods (the prompt once, then both completions after it, in one
+        # sequence) equal to the bit each completion scored alone in one process
         model = cellswarm.load(demo_path)
         tok = model.tokenizer
         prompt = tok.encode(PROMPTS[3])
         for text, score in results[9]["scores"].items():
             ids = prompt + tok.encode(text, add_special=False)
-            logits = model.logits(ids).astype(np.float64)
-            logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
-                                   keepdims=True)) - logits.max(-1, keepdims=True)  # fmt: skip
-            ref = sum(logp[i - 1, ids[i]] for i in range(len(prompt), len(ids)))
-            assert abs(score - ref) < 1e-3
+            logits = model.logits(ids)[len(prompt) - 1 : len(ids) - 1].astype(np.float64)
+            assert score == log_likelihood(logits, np.asarray(ids[len(prompt) :])), text
         assert results[9]["scores"][" 4, 5"] > results[9]["scores"][" 7, 9"]
         check_ledger(swarm, len(rows))
         # the same file again is the same batch; cancel and retry-failed answer

@@ -396,8 +396,9 @@ class Limits:
 
     def score(self, prompt: Sequence[int], completions: Sequence[Sequence[int]],
               field: str) -> None:  # fmt: skip
-        """Scoring: one sequence per option, prompt + option (+ the step that scores it)."""
-        if len(completions) > MAX_OPTIONS:  # a ring wider or narrower: the head runs waves
+        """Scoring: one sequence, the prompt and then each option after it (+ the step that
+        scores them); its cache holds the prompt and the longest option."""
+        if len(completions) > MAX_OPTIONS:  # the frame and its one step stay bounded
             raise BadRequest(f"{field}: {len(completions)} options, but a line takes at most "
                              f"{MAX_OPTIONS}; split it into several lines",
                              param=field)  # fmt: skip
@@ -408,8 +409,8 @@ class Limits:
                              param=field, code="context_length_exceeded")  # fmt: skip
 
 
-# Options of one `labels` / `completions` line: each is a sequence, and the head runs as
-# many at once as its ring holds (node/head.py: waves), so the bound is the job's size only.
+# Options of one `labels` / `completions` line: they go through the ring after the prompt in
+# one sequence (ring/stage.py layers_first), so the bound is the job's size only.
 MAX_OPTIONS = 64
 
 

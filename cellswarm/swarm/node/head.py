@@ -22,8 +22,9 @@ is the job's — never held on to while its lease is renewed.
 A full ring makes work wait, it never fails it: the head admits a sequence into stage 0 only
 while the ring has room for it (the fewest sequences any of its stages has KV cache for, as
 the coordinator says with each lease), and a sequence stage 0 still refuses for room (fault
-"room") goes back to wait. A scoring job with more completions than the ring holds runs them
-in waves. A waiting job's lease is renewed while the ring it waits for makes progress.
+"room") goes back to wait. A scoring job is one sequence: its prompt once, then each
+completion after it. A waiting job's lease is renewed while the ring it waits for makes
+progress.
 """
 
 from __future__ import annotations
@@ -63,14 +64,14 @@ class Run:
     saved: int = -1  # tokens at the last checkpoint
     saved_s: float = 0.0
     scores: dict[int, float] = field(default_factory=dict)
-    # its sequences (a generation: [0]; a scoring job: one per completion) that wait for
-    # room in the ring in the current epoch
+    # its sequence ([0]) while it waits for room in the ring in the current epoch
     waiting: list[int] = field(default_factory=list)
 
     @property
     def sequences(self) -> int:
-        """How many sequences the job runs in all."""
-        return len(self.payload.get("completions", ())) or 1
+        """How many sequences the job runs in all: one (a scoring job's completions go
+        through the ring after its prompt, in one sequence: Stage.layers_first)."""
+        return 1
 
 
 Post = Callable[[str, dict[str, Any]], dict[str, Any]]
@@ -106,7 +107,7 @@ class Head:
                 await self._send(run)
         await self._admit()
         await self._fail_dropped()
-        busy = sum(r.sequences - len(r.scores) for r in self.runs.values())
+        busy = sum(r.sequences for r in self.runs.values())
         free = self.capacity - busy
         if free > 0 and (self.leasing is None or self.leasing.done()):
             self.leasing = asyncio.create_task(self._lease(free))
@@ -181,9 +182,11 @@ class Head:
                       "replay": list(run.tokens)}  # fmt: skip
             return Frame("generate", fields, np.asarray(p["prompt"], np.int64))
         prompt = [int(t) for t in p["prompt"]]
-        ids = prompt + [int(t) for t in p["completions"][i]]
+        completions = [[int(t) for t in c] for c in p["completions"]]
+        ids = prompt + [t for c in completions for t in c]
         fields = {"req": f"{run.job_id}#{i}", "max_tokens": 1, "score_from": len(prompt),
-                  "sampling": {}, "stop_ids": [], "replay": []}  # fmt: skip
+                  "completions": [len(c) for c in completions], "sampling": {},
+                  "stop_ids": [], "replay": []}  # fmt: skip
         return Frame("generate", fields, np.asarray(ids, np.int64))
 
     async def _emit(self, frame: Frame) -> None:
@@ -196,7 +199,7 @@ class Head:
         if frame.type == "token":
             run.tokens.append(int(frame.fields["token"]))
         elif frame.type == "score":
-            run.scores[int(part)] = float(frame.fields["logprob"])
+            run.scores = {i: float(x) for i, x in enumerate(frame.fields["logprobs"])}
             if len(run.scores) == len(run.payload["completions"]):
                 scores = [run.scores[i] for i in range(len(run.scores))]
                 await self._finish(run, {"scores": scores, "reason": "scored"})

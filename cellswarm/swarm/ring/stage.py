@@ -119,7 +119,7 @@ Fault = Callable[[str, str, int, str | None], Awaitable[Any] | None]
 # as is an array of the wrong kind: neither may make this node fail a step.
 NEEDS: dict[str, tuple[str, ...]] = {
     "generate": ("req", "max_tokens"), "hidden": ("seq", "pos", "ep"),
-    "token": ("seq", "token", "ep"), "scored": ("seq", "logprob", "ep"), "end": ("seq", "ep"),
+    "token": ("seq", "token", "ep"), "scored": ("seq", "logprobs", "ep"), "end": ("seq", "ep"),
     "failed": ("seq", "ep"), "reset": ("epoch",),
 }  # fmt: skip
 
@@ -452,7 +452,8 @@ class Stage:
             await self.on_token(frame.fields["seq"], int(frame.fields["token"]),
                                 str(frame.fields.get("bits", "")))  # fmt: skip
         elif frame.type == "scored":
-            await self.on_scored(frame.fields["seq"], float(frame.fields["logprob"]))
+            await self.on_scored(frame.fields["seq"],
+                                 [float(x) for x in frame.fields["logprobs"]])  # fmt: skip
         elif frame.type == "end":
             self.release(frame.fields["seq"])
         elif frame.type == "failed":  # a later stage found the job's data at fault
@@ -509,13 +510,22 @@ class Stage:
     async def on_generate(self, frame: Frame, emit: Emit) -> None:
         f, prompt = frame.fields, frame.array
         assert prompt is not None
-        need, c = len(prompt) + int(f["max_tokens"]), self.config
-        vocab = int(self.model.config.vocab_size)
+        c, vocab = self.config, int(self.model.config.vocab_size)
+        bad = None
         if len(prompt) == 0 or int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
-            bad = "an empty prompt" if len(prompt) == 0 else f"token ids outside 0..{vocab - 1}"
-            await emit(Frame("error", {"req": f["req"], "message": f"the prompt has {bad}",
-                                       "fault": "job"}))  # fmt: skip
+            bad = "the prompt has " + ("an empty prompt" if len(prompt) == 0
+                                       else f"token ids outside 0..{vocab - 1}")  # fmt: skip
+        lengths = [int(n) for n in f.get("completions") or ()]
+        # scoring in one pass: the prompt, then each completion after it (Stage.layers_first)
+        if lengths and (min(lengths) < 1 or f.get("score_from") is None
+                        or int(f["score_from"]) + sum(lengths) != len(prompt)
+                        or int(f["score_from"]) < 1):  # fmt: skip
+            bad = f"completions {lengths} do not follow a prompt in {len(prompt)} ids"
+        if bad is not None:
+            await emit(Frame("error", {"req": f["req"], "message": bad, "fault": "job"}))
             return
+        need = (int(f["score_from"]) + max(lengths) + 1 if lengths
+                else len(prompt) + int(f["max_tokens"]))  # fmt: skip
         # KV for `context` x `max_sequences` tokens is what the budget was checked for: a
         # request longer than the context is the job's fault; a full stage is nobody's (the
         # head keeps the sequence waiting: "room")
@@ -534,11 +544,11 @@ class Stage:
             frozenset(int(t) for t in f.get("stop_ids", ())),
             replay=[int(t) for t in f.get("replay", ())],
         )  # fmt: skip
-        capacity = len(prompt) + int(f["max_tokens"])
         h = self.embed(np.asarray(prompt, dtype=np.int64))
         tokens = self.sequences[seq].prompt
-        first = {"capacity": capacity, "sampling": f.get("sampling", {}), "prompt": tokens,
-                 "req": f["req"], "score_from": f.get("score_from")}  # fmt: skip
+        first = {"capacity": need, "sampling": f.get("sampling", {}), "prompt": tokens,
+                 "req": f["req"], "score_from": f.get("score_from"),
+                 "completions": lengths}  # fmt: skip
         self.log.event("generate", f["req"], stage=self.span, prompt_tokens=len(tokens),
                        replay=len(self.sequences[seq].replay))  # fmt: skip
         await self.run_layers(seq, h, 0, first)
@@ -666,7 +676,8 @@ class Stage:
                 self.fail_token in first.get("prompt", ())
             ):
                 raise RuntimeError("injected fault: this request's first step always fails")
-            done = await self.prefill(seq, np.ascontiguousarray(h, np.float32), cache)
+            done = await self.layers_first(seq, np.ascontiguousarray(h, np.float32), cache,
+                                           first)  # fmt: skip
             if done is None:  # dropped by a reset between two chunks
                 return
             h = done
@@ -727,6 +738,31 @@ class Stage:
             self.fault("forward", f"{type(exc).__name__}: {exc}", self.epoch,
                        self.requests.get(seq))  # fmt: skip
 
+    async def layers_first(
+        self, seq: int, h: np.ndarray, cache: KVCache, first: dict[str, Any] | None
+    ) -> np.ndarray | None:
+        """The layers over a step's rows h (T, d). A scoring sequence's first step with
+        several completions (first["completions"]: their lengths, after a prompt of
+        first["score_from"] ids) runs the prompt once and then each completion at the
+        positions after it, the cache cut back to the prompt before each: every completion
+        sees the prompt's keys and its own, and every row is the bits it gets when that
+        completion is scored alone (each row computed alone: the prefill's kernels)."""
+        lengths = (first or {}).get("completions") or []
+        if not lengths:
+            return await self.prefill(seq, h, cache)
+        assert first is not None
+        base, n = cache.length, int(first["score_from"])
+        out, start = [], 0
+        for rows in (n, *lengths):
+            cache.length = base + (0 if start == 0 else n)
+            part = await self.prefill(seq, h[start : start + rows], cache)
+            if part is None:
+                return None
+            out.append(part)
+            start += rows
+        cache.length = base
+        return np.concatenate(out)
+
     async def prefill(self, seq: int, h: np.ndarray, cache: KVCache) -> np.ndarray | None:
         """The layers over h (T, d), in chunks of PREFILL_CHUNK positions — the engine's own
         (Model.step), so the bits are one process's — with the loop free between two: the
@@ -783,8 +819,8 @@ class Stage:
             return
         if scoring:
             if self.config.first:
-                return await self.on_scored(seq, float(out))
-            scored = {"seq": seq, "logprob": float(out), "ep": self.epoch}
+                return await self.on_scored(seq, list(out))
+            scored = {"seq": seq, "logprobs": list(out), "ep": self.epoch}
             return await self.send_next(Frame("scored", scored))
         token, bits = int(out), self.logit_bits.pop(seq, "")
         if self.config.first:
@@ -793,20 +829,32 @@ class Stage:
             await self.send_next(Frame("token", {"seq": seq, "token": token, "ep": self.epoch,
                                                  "bits": bits}))  # fmt: skip
 
-    def score(self, h: np.ndarray, first: dict[str, Any]) -> float:
-        """Log-likelihood of the sequence's tokens from `score_from` on, given those before:
-        the head over the positions that predict them (the offline-classification path)."""
+    def score(self, h: np.ndarray, first: dict[str, Any]) -> list[float]:
+        """Log-likelihood of each completion's tokens given the prompt (the tokens from
+        `score_from` on, or each of first["completions"] after it): the head over the
+        positions that predict them — the prompt's last, then the completion's own but its
+        last — in one call for all (the offline-classification path)."""
         ids = np.asarray(first["prompt"], np.int64)
-        start = int(first["score_from"])
-        logits = self.head(h[start - 1 : len(ids) - 1]).astype(np.float64)  # (C, vocab)
-        return log_likelihood(logits, ids[start:])
+        n = int(first["score_from"])
+        lengths = first.get("completions") or [len(ids) - n]
+        rows, start = [], n
+        for length in lengths:
+            rows += [h[n - 1 : n], h[start : start + length - 1]]
+            start += length
+        logits = self.head(np.concatenate(rows)).astype(np.float64)  # (sum of lengths, vocab)
+        out, at, start = [], 0, n
+        for length in lengths:
+            out.append(log_likelihood(logits[at : at + length], ids[start : start + length]))
+            at, start = at + length, start + length
+        return out
 
-    async def on_scored(self, seq: int, logprob: float) -> None:
+    async def on_scored(self, seq: int, logprobs: list[float]) -> None:
         s = self.sequences.pop(seq, None)
         if s is None:  # dropped by a reset while the score was on the wire
             return
-        self.log.event("scored", s.req, stage=self.span, logprob=round(logprob, 4))
-        await s.emit(Frame("score", {"req": s.req, "logprob": logprob}))
+        self.log.event("scored", s.req, stage=self.span,
+                       logprobs=[round(x, 4) for x in logprobs])  # fmt: skip
+        await s.emit(Frame("score", {"req": s.req, "logprobs": logprobs}))
         self.release(seq)
         if not self.config.last:
             await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
