@@ -75,6 +75,23 @@ class LayerCache:
             else:
                 arr[start:end] = v
 
+    def take(self, start: int, end: int) -> dict[str, np.ndarray]:
+        """Copies of positions [start, end) of every tensor, in storage layout (put's)."""
+        return {k: self._positions(k, start, end).copy() for k in self._arrays}
+
+    def put(self, start: int, parts: Mapping[str, np.ndarray]) -> None:
+        """Write what `take` gave back at positions from `start`."""
+        for k, v in parts.items():
+            n = v.shape[2] if k in TRANSPOSED else v.shape[1] if v.ndim == 3 else v.shape[0]
+            check_room(self.capacity, start + n)
+            self._positions(k, start, start + n)[...] = v
+
+    def _positions(self, name: str, start: int, end: int) -> np.ndarray:
+        arr = self._arrays[name]
+        if name in TRANSPOSED:
+            return arr[:, :, start:end]
+        return arr[:, start:end] if arr.ndim == 3 else arr[start:end]
+
     def storage(self, name: str) -> np.ndarray:
         """The whole backing array (for kernels that take it with its capacity stride)."""
         return self._arrays[name]

@@ -31,6 +31,7 @@ import numpy as np
 
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.engine.model import PREFILL_CHUNK, Model
+from cellswarm.engine.prefix_cache import PrefixCache
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
@@ -92,6 +93,10 @@ class StageConfig:
     # Decode steps of this many ready sequences at most run as one pass over the layers
     # (continuous batching: Stage.run_ready); 1 runs each alone (bench/batch.py's baseline).
     max_batch: int = 32
+    # KV of prompt blocks kept for later sequences that start the same way (engine/
+    # prefix_cache.py); None: 64 MiB, or with a budget what it leaves after the shard, up to
+    # that (never more than --memory); 0: off.
+    prefix_cache_bytes: int | None = None
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -220,6 +225,8 @@ class Stage:
         self._ready: list[Ready] = []
         self._batcher: asyncio.Task[None] | None = None
         self.batches, self.widest_batch = 0, 0  # passes of more than one sequence (stats)
+        room = prefix_budget(model, config)
+        self.prefix = PrefixCache(room) if room > 0 else None
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.log = JsonLog(config.log_dir, config.node_id)
         self.token = load_token(config.token_file) if config.token_file else None
@@ -505,6 +512,7 @@ class Stage:
             "hop_s": {k: round(v, 6) for k, v in zip(HOP_PARTS, self.hop_s, strict=True)},
             "step_s": self.step_times.as_dict(), "running_s": round(self.running_s(), 2),
             "batches": self.batches, "widest_batch": self.widest_batch,
+            **(self.prefix.stats() if self.prefix is not None else {}),
         }  # fmt: skip
 
     async def on_generate(self, frame: Frame, emit: Emit) -> None:
@@ -747,19 +755,25 @@ class Stage:
         positions after it, the cache cut back to the prompt before each: every completion
         sees the prompt's keys and its own, and every row is the bits it gets when that
         completion is scored alone (each row computed alone: the prefill's kernels)."""
-        lengths = (first or {}).get("completions") or []
-        if not lengths:
+        if first is None:
             return await self.prefill(seq, h, cache)
-        assert first is not None
-        base, n = cache.length, int(first["score_from"])
-        out, start = [], 0
-        for rows in (n, *lengths):
-            cache.length = base + (0 if start == 0 else n)
+        lengths = first.get("completions") or []
+        base = cache.length
+        n = int(first["score_from"]) if lengths else h.shape[0]  # the prompt's rows
+        prompt = list(first.get("prompt") or [])[:n]
+        shared = self.prefix if base == 0 and len(prompt) == n else None
+        kept = shared.restore(prompt, cache, n - 1) if shared is not None else None
+        skip = 0 if kept is None else kept.shape[0]
+        out, start = [] if kept is None else [kept], skip
+        for i, rows in enumerate((n - skip, *lengths)):
+            cache.length = base + (skip if i == 0 else n)
             part = await self.prefill(seq, h[start : start + rows], cache)
             if part is None:
                 return None
             out.append(part)
             start += rows
+            if i == 0 and shared is not None:  # the prompt's blocks, for later sequences
+                shared.remember(prompt, cache, np.concatenate(out))
         cache.length = base
         return np.concatenate(out)
 
@@ -1151,6 +1165,22 @@ def shard_need_bytes(model: Model, config: StageConfig) -> dict[str, int]:
         "scratch": mem.scratch_bytes,
         "runtime": runtime_overhead_bytes(),
     }
+
+
+DEFAULT_PREFIX_CACHE_BYTES = 64 << 20
+
+
+def prefix_budget(model: Model, config: StageConfig) -> int:
+    """Bytes the stage's prefix cache may hold: as configured; else 64 MiB, or under a budget
+    half of what it leaves after the shard's own need (weights, scratch, KV for
+    max_sequences x context, runtime), up to 64 MiB: the cache never takes memory the shard
+    was given, and half the slack stays for what the runtime figure does not foresee."""
+    if config.prefix_cache_bytes is not None:
+        return max(0, int(config.prefix_cache_bytes))
+    if config.memory_bytes is None:
+        return DEFAULT_PREFIX_CACHE_BYTES
+    slack = int(config.memory_bytes) - sum(shard_need_bytes(model, config).values())
+    return max(0, min(slack // 2, DEFAULT_PREFIX_CACHE_BYTES))
 
 
 def prefill_rows(context: int) -> int:

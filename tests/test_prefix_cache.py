@@ -1,0 +1,92 @@
+"""Shared prefixes computed once (issue 33): a later sequence that starts with the tokens of
+an earlier one's whole blocks copies their KV instead of computing it, and gets the bits it
+gets without the cache — in the engine (PrefixCache) and through a pipeline's stages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cellswarm
+from cellswarm import kernels
+from cellswarm.engine.model import GenerateOptions, Model
+from cellswarm.engine.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
+from cellswarm.planner.placement import even_split
+from cellswarm.swarm.local.pipeline import LocalPipeline
+from tests.bits_models import write_model
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="needs the C kernels")
+
+
+@pytest.fixture(scope="module", params=[("llama", "Q4_K_M"), ("deepseek2", "Q4_0")],
+                ids=lambda c: f"{c[0]}-{c[1]}")  # fmt: skip
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
+    family, quant = request.param
+    path = write_model(tmp_path_factory.mktemp("prefix") / f"{family}.gguf", family, quant)
+    return cellswarm.load(str(path), tokenizer=False)
+
+
+def _prefill(model: Model, ids: np.ndarray, shared: PrefixCache | None) -> np.ndarray:
+    """The last layer's rows of a prompt, through the cache as a stage uses it: restore what
+    it holds (up to the last position), compute the rest, remember the whole blocks."""
+    cache = model.new_cache(len(ids) + 1)
+    kept = shared.restore(list(ids), cache, len(ids) - 1) if shared else None
+    skip = 0 if kept is None else kept.shape[0]
+    cache.length = skip
+    rows = model.forward(model.arch.embed(ids[skip:]), cache)
+    out = rows if kept is None else np.concatenate([kept, rows])
+    if shared is not None:
+        shared.remember(list(ids), cache, out)
+    return out
+
+
+def test_a_hit_gives_the_bits_of_computing_the_prefix_again(model: Model) -> None:
+    rng = np.random.default_rng(3)
+    head = rng.integers(3, model.config.vocab_size, 2 * BLOCK_TOKENS + 10)
+    first, second = np.concatenate([head, [5, 6, 7]]), np.concatenate([head[:-3], [9, 9]])
+    shared = PrefixCache(1 << 30)
+    _prefill(model, first, shared)
+    assert shared.stats()["prefix_blocks"] == 2 and shared.misses == 2
+    got = _prefill(model, second, shared)
+    assert shared.hits == 2  # both whole blocks of `second`'s shared part came from the cache
+    assert np.array_equal(got, _prefill(model, second, None))  # every row, to the bit
+
+
+def test_blocks_are_found_only_by_the_same_whole_prefix() -> None:
+    a = list(range(3 * BLOCK_TOKENS))
+    b = [7, *a[1:]]  # differs in the first token only: no block of a is a block of b
+    assert len(block_keys(a)) == 3 and not set(block_keys(a)) & set(block_keys(b))
+    assert block_keys(a[: 2 * BLOCK_TOKENS + 5]) == block_keys(a)[:2]
+
+
+def test_the_budget_holds_and_a_chain_is_evicted_from_its_end(model: Model) -> None:
+    ids = np.random.default_rng(4).integers(3, model.config.vocab_size, 3 * BLOCK_TOKENS + 1)
+    probe = PrefixCache(1 << 30)
+    _prefill(model, ids, probe)
+    one = probe.bytes // 3
+    shared = PrefixCache(2 * one)  # room for two of the three blocks
+    _prefill(model, ids, shared)
+    assert shared.bytes <= 2 * one and shared.evictions == 1
+    cache = model.new_cache(len(ids) + 1)
+    kept = shared.restore(list(ids), cache, len(ids) - 1)
+    assert kept is not None and kept.shape[0] == 2 * BLOCK_TOKENS  # the first two survive
+
+
+def test_sequences_sharing_an_instruction_hit_the_cache_at_every_stage(demo_path: Path) -> None:
+    """A 140-token instruction shared by 6 requests through 2 stages: each stage computes its
+    blocks once, and every request's tokens are the ones it gets alone in one process."""
+    model = cellswarm.load(demo_path)
+    instruction = model.tokenizer.encode("Classify the sentiment of the review. " * 20)
+    prompts = [instruction + model.tokenizer.encode(f" Review {i}: it was fine.")
+               for i in range(6)]  # fmt: skip
+    opts = GenerateOptions(4, stop_ids=frozenset())
+    expected = [model.generate(p, opts).token_ids for p in prompts]
+    with LocalPipeline(str(demo_path), even_split(30, 2)) as pipe:
+        got = [pipe.generate([{"prompt": p, "max_tokens": 4}])[0].tokens for p in prompts]
+        stats = pipe.stats()
+    assert got == expected
+    blocks = len(instruction) // BLOCK_TOKENS
+    for st in stats:
+        assert st["prefix_hits"] == 5 * blocks and st["prefix_blocks"] >= blocks, st
