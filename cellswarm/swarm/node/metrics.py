@@ -93,8 +93,14 @@ def render(worker: Worker) -> str:
         ("decode_steps", "cellswarm_worker_tokens", "decode steps (one token each)"),
         ("decode_s", "cellswarm_worker_decode_seconds", "time in decode steps"),
         ("busy_s", "cellswarm_worker_busy_seconds", "time computing"),
+        ("batches", "cellswarm_worker_decode_batches", "decode passes of several sequences"),
+        ("prefix_hits", "cellswarm_worker_prefix_cache_hits", "prompt blocks found cached"),
+        ("prefix_misses", "cellswarm_worker_prefix_cache_misses", "prompt blocks computed"),
+        ("prefix_evictions", "cellswarm_worker_prefix_cache_evictions", "blocks let go (LRU)"),
     ):
         out.append(family(name, "counter", doc, [({}, float(stats.get(key, 0)))]))
+    out.append(family("cellswarm_worker_prefix_cache_bytes", "gauge", "bytes of cached "
+                      "prompt blocks", [({}, float(stats.get("prefix_bytes", 0)))]))  # fmt: skip
     hops = [({"part": str(p)}, float(s)) for p, s in (stats.get("hop_s") or {}).items()]
     out.append(family("cellswarm_worker_hop_seconds", "counter", "time per part of a hop", hops))
     if stats.get("step_s"):
