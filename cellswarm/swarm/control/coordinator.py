@@ -926,7 +926,8 @@ class Coordinator:
         stages = ring(self.placed(), int(shard.get("replica", 0)))
         capacity = min(int(s.capabilities.get("max_sequences") or self.sequences)
                        for s in stages)  # fmt: skip
-        room = capacity - self.queue.leased_sequences(node.node_id)
+        # a job is one sequence (a scoring job's completions follow its prompt in it)
+        room = capacity - self.queue.leased_count(node.node_id)
         if room <= 0:
             return []
         n_replicas = len(replicas(self.placed()))

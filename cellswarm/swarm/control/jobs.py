@@ -432,14 +432,6 @@ class JobQueue:
         )
         return int(rows[0]["n"])
 
-    def leased_sequences(self, owner: str) -> int:
-        """Sequences the jobs leased to `owner` run at once: one a generation, one per
-        completion a scoring job (what a ring's KV cache must hold)."""
-        rows = self.db.execute(
-            "SELECT payload FROM jobs WHERE state='leased' AND lease_owner=?", (owner,)
-        )
-        return sum(len(json.loads(r["payload"]).get("completions") or ()) or 1 for r in rows)
-
     def release_owner(self, owner: str, now: float | None = None) -> list[str]:
         """Every job leased to `owner` back to the queue unharmed (its holder was lost: not
         the jobs' fault, no attempt spent); the ids."""
