@@ -117,11 +117,24 @@ def answer_rows(group: UnitGroup, held: int) -> float:
 # -- pipeline ---------------------------------------------------------------------------------
 
 
+KERNEL_BATCH = 16  # sequences one pass of the fused kernels reads the weights for
+MAX_BATCH = 32  # sequences a stage steps at once (StageConfig.max_batch)
+
+
+def batch_size(in_flight: int, stages: int) -> int:
+    """Sequences each stage steps per pass when `in_flight` spread over `stages` in a ring
+    (continuous batching: every stage holds its share of them)."""
+    return max(1, min(-(-max(in_flight, 1) // max(stages, 1)), MAX_BATCH))
+
+
 def pipeline_decode(
-    inv: ModelInventory, placement: Placement, node: Any, opts: CostOptions
+    inv: ModelInventory, placement: Placement, node: Any, opts: CostOptions, batch: int = 1
 ) -> StepTime:
-    """One token through one replica, one sequence in flight."""
-    act = inv.d_model * opts.activation_bytes
+    """One pass through one replica of `batch` sequences' tokens (one each): the weights are
+    read once per KERNEL_BATCH of them, compute and activations are per sequence, and a MoE
+    layer reads the experts the batch is expected to touch. batch 1: one sequence in flight."""
+    act = inv.d_model * opts.activation_bytes * batch
+    reads = -(-batch // KERNEL_BATCH)
     owners = {layer: s for s in placement.slots if s.layers for layer in range(*s.layers)}
     total = StepTime()
     busy: dict[int, float] = {s.node: 0.0 for s in placement.slots}
@@ -131,17 +144,19 @@ def pipeline_decode(
         if prev is not None and slot.node != prev.node:
             total += hop(node, act)
         nbytes, params = inv.core(layer)
-        total += roofline(node, nbytes, 2 * params)
-        busy[slot.node] += roofline(node, nbytes, 2 * params).total_s
+        core = roofline(node, nbytes * reads, 2 * params * batch)
+        total += core
+        busy[slot.node] += core.total_s
         for group in inv.groups(layer):
-            total += _group_step(placement, node, opts, act, layer, group, slot, busy)
+            total += _group_step(placement, node, opts, act, layer, group, slot, busy, batch)
         prev = slot
-    total += _head_step(inv, placement, node, act, prev)
+    total += _head_step(inv, placement, node, act, prev, batch)
     nbytes, params = head_cost(inv)
     for s in placement.slots:  # each head shard is busy with its rows every token, too
         if s.head_rows:
             part = (s.head_rows[1] - s.head_rows[0]) / inv.vocab_size
-            busy[s.node] += roofline(node, part * nbytes, 2 * part * params).total_s
+            head = roofline(node, part * nbytes * reads, 2 * part * params * batch)
+            busy[s.node] += head.total_s
     total += StepTime(network_s=node.link_rtt_s / 2)  # the sampled token back to the first stage
     stages, hops = serial_path(inv, placement)
     for n in {s.node for s in placement.slots if s.layers}:
@@ -160,16 +175,24 @@ def _group_step(
     group: UnitGroup,
     owner: Slot,
     busy: dict[int, float],
+    batch: int = 1,
 ) -> StepTime:
     held = holders(placement, layer, group.kind)
-    for n, h in held.items():  # each holder's expected share of the work, per token
-        used = group.used * h / group.n_units
-        busy[n] += roofline(node, used * group.unit_bytes, 2 * used * group.unit_params).total_s
+    # units a pass reads (each token picks `used` of n_units: a batch touches the union)
+    touched = (group.used if batch == 1
+               else group.n_units * (1 - (1 - group.used / group.n_units) ** batch))
+    for n, h in held.items():  # each holder's expected share of the work, per pass
+        frac = h / group.n_units
+        busy[n] += roofline(node, touched * frac * group.unit_bytes,
+                            2 * group.used * batch * frac * group.unit_params).total_s  # fmt: skip
     if list(held) == [owner.node]:
-        return roofline(node, group.used * group.unit_bytes, 2 * group.used * group.unit_params)
+        return roofline(node, touched * group.unit_bytes,
+                        2 * group.used * batch * group.unit_params)  # fmt: skip
     # Scatter to the holders, wait for the slowest, gather their weighted outputs.
-    per_node = max(max(held.values()) * group.used / group.n_units, 1.0)
-    step = roofline(node, per_node * group.unit_bytes, 2 * per_node * group.unit_params)
+    frac = max(held.values()) / group.n_units
+    per_node = max(touched * frac, 1.0)
+    step = roofline(node, per_node * group.unit_bytes,
+                    2 * max(group.used * batch * frac, 1.0) * group.unit_params)  # fmt: skip
     f = straggler_factor(min(len(held), group.used), opts.straggler_cv)
     wire = act * sum(share(group, h) + answer_rows(group, h)
                      for n, h in held.items() if n != owner.node)  # fmt: skip
@@ -178,12 +201,13 @@ def _group_step(
 
 
 def _head_step(
-    inv: ModelInventory, placement: Placement, node: Any, act: float, last: Slot | None
-) -> StepTime:
+    inv: ModelInventory, placement: Placement, node: Any, act: float, last: Slot | None,
+    batch: int = 1,
+) -> StepTime:  # fmt: skip
     heads = [s for s in placement.slots if s.head_rows]
     nbytes, params = head_cost(inv)
-    rows = max((s.head_rows[1] - s.head_rows[0]) for s in heads if s.head_rows)
-    step = roofline(node, rows / inv.vocab_size * nbytes, 2 * rows / inv.vocab_size * params)
+    rows = max((s.head_rows[1] - s.head_rows[0]) for s in heads if s.head_rows) / inv.vocab_size
+    step = roofline(node, rows * nbytes * -(-batch // KERNEL_BATCH), 2 * rows * params * batch)
     remote = [s for s in heads if last is None or s.node != last.node]
     if remote:  # the hidden state to every head shard, a (max, index) pair back from each
         step += StepTime(network_s=node.link_rtt_s + len(remote) * act / node.link_bytes_per_s)

@@ -133,7 +133,13 @@ def plan(inv: ModelInventory, req: PlanRequest) -> PlanResult:
     decode = (
         tiers.decode if tiers is not None else cost.pipeline_decode(inv, placement, node, req.cost)
     )
-    per_replica = _pipelined_tokens_per_s(decode, req.concurrency)
+    if tiers is None:  # each stage steps its share of the sequences in flight together
+        stages, _ = cost.serial_path(inv, placement)
+        b = cost.batch_size(req.concurrency, stages)
+        step = decode if b == 1 else cost.pipeline_decode(inv, placement, node, req.cost, b)
+        per_replica = _pipelined_tokens_per_s(step, req.concurrency, b)
+    else:
+        per_replica = _pipelined_tokens_per_s(decode, req.concurrency)
     if fits and tiers is None:
         per_replica = min(per_replica, _network_cap(inv, placement, replicas, req))
     loads = _loads(inv, placement, replicas, per_replica, req) if fits and tiers is None else ()
@@ -164,9 +170,10 @@ def _wire_bytes(inv: ModelInventory, p: Placement, req: PlanRequest) -> float:
     return sum(f[2] for f in network.replica_flows(inv, p, req.cost.activation_bytes))
 
 
-def _pipelined_tokens_per_s(step: cost.StepTime, in_flight: int) -> float:
-    """K sequences in flight keep K stages busy, until the busiest node is always busy."""
-    return min(in_flight / step.total_s, 1.0 / step.bottleneck_busy_s)
+def _pipelined_tokens_per_s(step: cost.StepTime, in_flight: int, batch: int = 1) -> float:
+    """K sequences in flight keep K stages busy, until the busiest node is always busy; each
+    pass of `step` carries `batch` of them (cost.batch_size)."""
+    return min(in_flight / step.total_s, batch / step.bottleneck_busy_s)
 
 
 def _loads(

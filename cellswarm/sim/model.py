@@ -25,12 +25,18 @@ from cellswarm.sim.params import SimParams
 class StepTiming:
     token_s: float  # one token through the replica, one sequence in flight (serial time)
     bottleneck_s: float  # the busiest node's time per token (pipelining cannot beat it)
+    stages: int = 1
+    # (token_s, bottleneck_s) of one pass of 2, 3, ... sequences (continuous batching)
+    batched: tuple[tuple[float, float], ...] = ()
 
     def interval(self, in_flight: int) -> float:
         """Seconds between two tokens of one sequence when `in_flight` are decoding: K in
-        flight keep K stages busy until the busiest node is always busy (the planner's
-        `_pipelined_tokens_per_s`, per sequence)."""
-        return max(self.token_s, in_flight * self.bottleneck_s)
+        flight keep K stages busy until the busiest node is always busy, each stage stepping
+        its share of them as one pass (the planner's `_pipelined_tokens_per_s`, per
+        sequence, at `cost.batch_size`)."""
+        b = min(cost.batch_size(in_flight, self.stages), len(self.batched) + 1)
+        token_s, bottleneck_s = (self.token_s, self.bottleneck_s) if b == 1 else self.batched[b - 2]
+        return max(token_s, in_flight * bottleneck_s / b)
 
 
 class ReplicaModel:
@@ -62,11 +68,16 @@ class ReplicaModel:
             floor = np.maximum(np.asarray(self.shard_bytes, np.float64)
                                / params.host_bytes_per_s - busy, 0.0)  # fmt: skip
         self.busy = busy + floor + params.step_overhead_s
-        self.base = StepTiming(
-            self.decode.total_s + float(floor.sum()) + self.stages * params.step_overhead_s
-            + self.hops * params.hop_overhead_s,
-            float(self.busy.max()),
-        )  # fmt: skip
+        fixed = float(floor.sum()) + self.stages * params.step_overhead_s \
+            + self.hops * params.hop_overhead_s  # fmt: skip
+        # a pass of b sequences (decode given: a tiered box, which steps one at a time)
+        passes = [] if decode is not None else [
+            cost.pipeline_decode(inv, placement, node, opts, b)
+            for b in range(2, cost.MAX_BATCH + 1)]  # fmt: skip
+        self.batched = [(p.total_s + fixed, np.asarray(p.node_busy_s, np.float64) + floor
+                         + params.step_overhead_s) for p in passes]  # fmt: skip
+        self.base = StepTiming(self.decode.total_s + fixed, float(self.busy.max()), self.stages,
+                               tuple((t, float(b.max())) for t, b in self.batched))  # fmt: skip
         self._prefill = lru_cache(maxsize=4096)(self._prefill_s)
 
     def timing(self, speeds: np.ndarray | None) -> StepTiming:
@@ -75,7 +86,9 @@ class ReplicaModel:
             return self.base
         stretched = self.busy / speeds
         extra = float((stretched - self.busy).sum())
-        return StepTiming(self.base.token_s + extra, float(stretched.max()))
+        batched = tuple((t + float((b / speeds - b).sum()), float((b / speeds).max()))
+                        for t, b in self.batched)  # fmt: skip
+        return StepTiming(self.base.token_s + extra, float(stretched.max()), self.stages, batched)
 
     def prefill_s(self, tokens: int) -> float:
         """A prompt (or a replay: prompt + tokens so far) through the replica in one chunk."""
