@@ -90,3 +90,30 @@ def test_sequences_sharing_an_instruction_hit_the_cache_at_every_stage(demo_path
     blocks = len(instruction) // BLOCK_TOKENS
     for st in stats:
         assert st["prefix_hits"] == 5 * blocks and st["prefix_blocks"] >= blocks, st
+
+
+def test_scoring_fields_a_peer_sends_wrong_are_its_fault_not_the_stage_s(demo_path: Path) -> None:
+    """A `generate` frame whose completions are not a list of lengths is malformed (the
+    connection goes, nothing runs); lengths that do not fit the prompt are the job's error;
+    the stage serves on and scores in one pass what is right."""
+    import asyncio
+
+    from cellswarm.swarm.ring.frames import Frame, read_frame, write_frame
+
+    async def send(port: int, fields: dict, ids: list[int]) -> Frame | None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        base = {"req": "r", "max_tokens": 1, "sampling": {}, "stop_ids": [], "replay": []}
+        await write_frame(writer, Frame("generate", {**base, **fields}, np.asarray(ids)))
+        try:
+            return await asyncio.wait_for(read_frame(reader), 30)
+        finally:
+            writer.close()
+
+    ids = list(range(100, 110))
+    with LocalPipeline(str(demo_path), even_split(30, 1)) as pipe:
+        bad = asyncio.run(send(pipe.port, {"score_from": 6, "completions": ["2", 2]}, ids))
+        assert bad is None  # hung up on: a malformed frame
+        wrong = asyncio.run(send(pipe.port, {"score_from": 6, "completions": [3, 3]}, ids))
+        assert wrong is not None and wrong.type == "error" and wrong.fields["fault"] == "job"
+        good = asyncio.run(send(pipe.port, {"score_from": 6, "completions": [2, 2]}, ids))
+        assert good is not None and good.type == "score" and len(good.fields["logprobs"]) == 2

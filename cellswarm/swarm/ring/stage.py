@@ -354,6 +354,17 @@ class Stage:
         a = frame.array
         if frame.type == "generate" and (a is None or a.dtype != np.int64 or a.ndim != 1):
             raise ProtocolError("a 'generate' frame's prompt must be a 1-D array of i64 ids")
+        lengths = frame.fields.get("completions") if frame.type == "generate" else None
+        if lengths is not None and not (
+            isinstance(lengths, list) and len(lengths) <= 4096
+            and all(type(n) is int for n in lengths)
+        ):  # fmt: skip
+            raise ProtocolError("a 'generate' frame's completions must be a list of lengths")
+        if frame.type == "scored" and not (
+            isinstance(frame.fields["logprobs"], list) and len(frame.fields["logprobs"]) <= 4096
+            and all(isinstance(x, (int, float)) for x in frame.fields["logprobs"])
+        ):  # fmt: skip
+            raise ProtocolError("a 'scored' frame's logprobs must be a list of numbers")
         d = int(self.model.config.d_model)
         if frame.type == "hidden" and (
             a is None or a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != d
