@@ -9,6 +9,27 @@
  * xq: 2 * the widest of d, n_heads*head_dim, ffn bytes (values, then their AVX-512 quad
  * layout); xd: 12 * widest/32 floats (scales, block sums, then the outliers and vector starts
  * of qbuf); xs: widest/16 ints. */
+/* One token's q, k, v after their products: biases, QK-norm, RoPE at `pos`, then k and v
+ * into the cache — keys component-major (n_kv, hd, keys_ld(cap)), values (n_kv, cap, hd). */
+static void qkv_into_cache(const llama_layer *L, float *q, float *k, float *v, int64_t pos,
+                           const float *cs, const float *sn, float *k_store, float *v_store,
+                           int64_t cap) {
+    const int64_t hd = L->head_dim, qn = L->n_heads * hd, kn = L->n_kv * hd, ldk = keys_ld(cap);
+    if (L->q_bias) for (int64_t i = 0; i < qn; i++) q[i] += L->q_bias[i];
+    if (L->k_bias) for (int64_t i = 0; i < kn; i++) k[i] += L->k_bias[i];
+    if (L->v_bias) for (int64_t i = 0; i < kn; i++) v[i] += L->v_bias[i];
+    if (L->q_norm) {
+        for (int64_t i = 0; i < L->n_heads; i++) rms(q + i * hd, L->q_norm, hd, L->eps, q + i * hd);
+        for (int64_t i = 0; i < L->n_kv; i++) rms(k + i * hd, L->k_norm, hd, L->eps, k + i * hd);
+    }
+    rope(q, L->n_heads, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
+    rope(k, L->n_kv, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
+    for (int64_t i = 0; i < L->n_kv; i++) {
+        for (int64_t j = 0; j < hd; j++) k_store[(i * hd + j) * ldk + pos] = k[i * hd + j];
+        memcpy(v_store + (i * cap + pos) * hd, v + i * hd, sizeof(float) * (size_t)hd);
+    }
+}
+
 void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *cs,
                      const float *sn, float *k_store, float *v_store, int64_t cap, float *f,
                      int8_t *xq, float *xd, int32_t *xs) {
@@ -24,21 +45,7 @@ void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *c
     const actv ah = at(&qb, h, 0);
     task t[3] = {whole(&L->q, d, ah, q), whole(&L->k, d, ah, k), whole(&L->v, d, ah, v)};
     run_tasks(t, 3);
-    if (L->q_bias) for (int64_t i = 0; i < qn; i++) q[i] += L->q_bias[i];
-    if (L->k_bias) for (int64_t i = 0; i < kn; i++) k[i] += L->k_bias[i];
-    if (L->v_bias) for (int64_t i = 0; i < kn; i++) v[i] += L->v_bias[i];
-    if (L->q_norm) {
-        for (int64_t i = 0; i < L->n_heads; i++) rms(q + i * hd, L->q_norm, hd, L->eps, q + i * hd);
-        for (int64_t i = 0; i < L->n_kv; i++) rms(k + i * hd, L->k_norm, hd, L->eps, k + i * hd);
-    }
-    rope(q, L->n_heads, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
-    rope(k, L->n_kv, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
-    /* the cache: keys component-major (n_kv, hd, keys_ld(cap)), values (n_kv, cap, hd) */
-    const int64_t ldk = keys_ld(cap);
-    for (int64_t i = 0; i < L->n_kv; i++) {
-        for (int64_t j = 0; j < hd; j++) k_store[(i * hd + j) * ldk + pos] = k[i * hd + j];
-        memcpy(v_store + (i * cap + pos) * hd, v + i * hd, sizeof(float) * (size_t)hd);
-    }
+    qkv_into_cache(L, q, k, v, pos, cs, sn, k_store, v_store, cap);
     (void)probs;
     attend1(q, k_store, v_store, L->n_heads, L->n_kv, cap, pos + 1, hd, L->scale, att);
     if (L->o.kind == 0) quant(att, qn, &qb);
@@ -134,23 +141,9 @@ static void llama_decode_many(const llama_layer *L, int64_t n, float *x, const i
                  batch(&L->k, L->k.w, L->k.rows, d, ah, k, n, kn),
                  batch(&L->v, L->v.w, L->v.rows, d, ah, v, n, kn)};
     run_tasks(t, 3);
-    for (int64_t s = 0; s < n; s++) {
-        float *qs = q + s * qn, *ks = k + s * kn, *vs = v + s * kn;
-        if (L->q_bias) for (int64_t i = 0; i < qn; i++) qs[i] += L->q_bias[i];
-        if (L->k_bias) for (int64_t i = 0; i < kn; i++) ks[i] += L->k_bias[i];
-        if (L->v_bias) for (int64_t i = 0; i < kn; i++) vs[i] += L->v_bias[i];
-        if (L->q_norm) {
-            for (int64_t i = 0; i < L->n_heads; i++) rms(qs + i * hd, L->q_norm, hd, L->eps, qs + i * hd);
-            for (int64_t i = 0; i < L->n_kv; i++) rms(ks + i * hd, L->k_norm, hd, L->eps, ks + i * hd);
-        }
-        rope(qs, L->n_heads, hd, L->rope_dim, (int)L->rope_neox, cs + s * half, sn + s * half);
-        rope(ks, L->n_kv, hd, L->rope_dim, (int)L->rope_neox, cs + s * half, sn + s * half);
-        const int64_t ldk = keys_ld(caps[s]), p = pos[s];
-        for (int64_t i = 0; i < L->n_kv; i++) {
-            for (int64_t j = 0; j < hd; j++) k_st[s][(i * hd + j) * ldk + p] = ks[i * hd + j];
-            memcpy(v_st[s] + (i * caps[s] + p) * hd, vs + i * hd, sizeof(float) * (size_t)hd);
-        }
-    }
+    for (int64_t s = 0; s < n; s++)
+        qkv_into_cache(L, q + s * qn, k + s * kn, v + s * kn, pos[s], cs + s * half, sn + s * half,
+                       k_st[s], v_st[s], caps[s]);
     attend_many(L, n, q, k_st, v_st, caps, pos, att);
     if (L->o.kind == 0) quant_rows(att, n, qn, &qb, 0);
     t[0] = batch(&L->o, L->o.w, L->o.rows, qn, at(&qb, att, 0), tmp, n, d);
