@@ -76,6 +76,9 @@ def test_metrics_parse_and_move_when_work_runs(demo_path: Path, tmp_path: Path) 
             assert 0 < used[node] <= peak[node] <= budget, node
         assert total(after, "cellswarm_node_step_seconds_count") >= 15
         assert total(after, "cellswarm_node_energy_joules_total") > 0
+        # each stage's prefix cache is reported (these prompts hold no whole 64-token block)
+        serving = set(per_node(after, "cellswarm_node_steps_total"))
+        assert serving and set(per_node(after, "cellswarm_node_prefix_cache_bytes")) == serving
 
         # every worker's own /metrics: the same kinds of figures, its step-time histogram
         served = 0.0
@@ -93,6 +96,7 @@ def test_metrics_parse_and_move_when_work_runs(demo_path: Path, tmp_path: Path) 
                 assert w1[("cellswarm_worker_step_seconds_bucket", (("le", "+Inf"),))] == steps
                 assert w1[("cellswarm_worker_step_seconds_sum", ())] > 0
                 served += w1[("cellswarm_worker_tokens_total", ())]
+                assert ("cellswarm_worker_prefix_cache_misses_total", ()) in w1
         assert served >= 15  # decode steps on the two stages: 3 requests x (6 - 1) tokens
 
 

@@ -76,6 +76,10 @@ NODE_FAMILIES = (
     ("decode_s", "counter", "cellswarm_node_decode_seconds", "time in decode steps"),
     ("busy_s", "counter", "cellswarm_node_busy_seconds", "time computing"),
     ("sequences", "gauge", "cellswarm_node_sequences", "sequences in flight"),
+    ("batches", "counter", "cellswarm_node_decode_batches", "decode passes of several sequences"),
+    ("prefix_hits", "counter", "cellswarm_node_prefix_cache_hits", "prompt blocks found cached"),
+    ("prefix_misses", "counter", "cellswarm_node_prefix_cache_misses", "prompt blocks computed"),
+    ("prefix_bytes", "gauge", "cellswarm_node_prefix_cache_bytes", "bytes of cached prompt blocks"),
     ("energy_j", "counter", "cellswarm_node_energy_joules", "estimated energy (busy time at "
      "busy power, the rest at idle, from its profile)"),
 )
@@ -115,7 +119,8 @@ def _add_node(fams: dict[str, GaugeMetricFamily | CounterMetricFamily], n: dict[
     fams["failures"].add_metric(node, n["failures"])
     fams["served"].add_metric(node, n["served"])
     stats = n.get("stats") or {}
-    for key in ("steps", "decode_steps", "decode_s", "busy_s", "sequences", "energy_j"):
+    for key in ("steps", "decode_steps", "decode_s", "busy_s", "sequences", "energy_j", "batches",
+                "prefix_hits", "prefix_misses", "prefix_bytes"):
         if key in stats:
             fams[key].add_metric(node, float(stats[key]))
 
