@@ -142,7 +142,7 @@ def svg_plot(rows: list[dict], path: Path) -> None:
     top = max(v for pts in series.values() for _, v in pts if v == v) * 1.1
     xs = {b: 60 + i * 150 for i, b in enumerate(BATCHES)}
     colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
-    parts = ['<svg xmlns="http://www.w3.org/2000/svg" width="640" height="360" '
+    parts = ['<svg xmlns="http://www.w3.org/2000/svg" width="640" height="400" '
              'font-family="sans-serif" font-size="11">',
              '<line x1="50" y1="300" x2="560" y2="300" stroke="black"/>',
              '<line x1="50" y1="20" x2="50" y2="300" stroke="black"/>',
@@ -154,7 +154,7 @@ def svg_plot(rows: list[dict], path: Path) -> None:
         dash = ' stroke-dasharray="5,4"' if name.startswith("llama") else ""
         line = " ".join(f"{xs[b]},{300 - 280 * v / top:.1f}" for b, v in pts if v == v)
         parts.append(f'<polyline points="{line}" fill="none" stroke="{colour}"{dash}/>')
-        parts.append(f'<text x="380" y="{30 + 14 * i}" fill="{colour}">{name}</text>')
+        parts.append(f'<text x="60" y="{340 + 14 * i}" fill="{colour}">{name}</text>')
     parts.append("</svg>")
     path.write_text("\n".join(parts) + "\n")
 

@@ -94,8 +94,8 @@ class StageConfig:
     # (continuous batching: Stage.run_ready); 1 runs each alone (bench/batch.py's baseline).
     max_batch: int = 32
     # KV of prompt blocks kept for later sequences that start the same way (engine/
-    # prefix_cache.py); None: 64 MiB, or with a budget what it leaves after the shard, up to
-    # that (never more than --memory); 0: off.
+    # prefix_cache.py); None: 64 MiB, or with a budget half of what it leaves after the
+    # shard, up to that (never more than --memory: prefix_budget); 0: off.
     prefix_cache_bytes: int | None = None
 
     def to_json(self) -> str:
