@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.peers import TEXT
 from cellswarm import kernels
 from cellswarm.kernels.awake import awake
 from cellswarm.loader import load
@@ -133,6 +134,114 @@ def pipeline_rows(path: str, prompts: int) -> list[dict]:
     return rows
 
 
+LABELS = (" positive", " negative", " neutral", " mixed", " unclear")
+CLASSIFY_CONTEXT = 512
+SLOTS = 16  # llama-server's parallel slots (-np), and the clients that keep them busy
+
+
+def classify_items(n: int) -> list[dict]:
+    """One shared instruction of ~200 tokens, then n items of ~40 distinct tokens each, each
+    with 2 to 5 labels (single tokens in this vocabulary: scoring them is one step)."""
+    words = TEXT.read_text().split()
+    instruction = ("You label the sentiment of short texts. Read the text, then answer with "
+                   "one word from the list you are given. " + " ".join(words[:140]))
+    rng = np.random.default_rng(33)
+    items = []
+    for i in range(n):
+        at = int(rng.integers(0, len(words) - 30))
+        text = " ".join(words[at : at + 28])
+        items.append({"id": str(i), "prompt": f"{instruction}\nText: {text}\nLabel:",
+                      "labels": list(LABELS[: 2 + i % 4])})  # fmt: skip
+    return items
+
+
+def swarm_classify(path: str, items: list[dict], threads: int) -> tuple[float, dict[str, str]]:
+    """Items/s of a labels batch through `cellswarm up`'s local swarm: 3 stages, one worker
+    each, `threads` threads each; and the label each item got."""
+    import tempfile
+
+    from cellswarm.swarm.api import client
+    from cellswarm.swarm.local.up import LocalSwarm
+
+    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(
+        path, 3, "600M", Path(tmp), stages=3, replicas=1, threads=threads,
+        context=CLASSIFY_CONTEXT, max_sequences=32, rebalance=False,
+    ) as swarm:  # fmt: skip
+        swarm.wait_ready(timeout_s=300)
+
+        def run(lines: list[dict]) -> tuple[float, list[dict]]:
+            t0 = time.perf_counter()
+            batch = client.call(swarm.url, "/v1/batches", {"items": lines})["batch_id"]
+            while client.call(swarm.url, f"/v1/batches/{batch}")["finished"] < len(lines):
+                time.sleep(0.05)
+            took = time.perf_counter() - t0
+            return took, client.call(swarm.url, f"/v1/batches/{batch}/results")["results"]
+
+        run([{**it, "id": f"warm-{it['id']}"} for it in items[:8]])  # pages in, kernels made
+        took, rows = run(items)
+    return len(items) / took, {r["id"]: r.get("label", r.get("error", "?")) for r in rows}
+
+
+def server_classify(exe: str, path: str, items: list[dict],
+                    threads: int) -> tuple[float, dict[str, str]]:  # fmt: skip
+    """Items/s of the same items through llama-server (-np 16 -cb --cache-reuse), SLOTS
+    clients at once, each item one /completion whose one token is constrained to its labels
+    by a grammar (greedy: the most likely label, as cellswarm's labels line gives)."""
+    import concurrent.futures
+    import json
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [exe, "-m", path, "-t", str(threads), "-np", str(SLOTS), "-cb", "--cache-reuse",
+           "64", "-c", str(SLOTS * CLASSIFY_CONTEXT), "--port", str(port), "--host",
+           "127.0.0.1", "--no-webui"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+
+        def label(it: dict) -> tuple[str, str]:
+            grammar = "root ::= " + " | ".join(json.dumps(x) for x in it["labels"])
+            body = {"prompt": it["prompt"], "n_predict": 1, "temperature": 0.0,
+                    "grammar": grammar, "cache_prompt": True}  # fmt: skip
+            req = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return it["id"], json.loads(r.read())["content"]
+
+        with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
+            list(pool.map(label, items[:8]))  # warm
+            t0 = time.perf_counter()
+            got = dict(pool.map(label, items))
+            took = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return len(items) / took, got
+
+
+def classify_row(path: str, llama_server: str, n: int, threads: int) -> dict:
+    items = classify_items(n)
+    ours, our_labels = swarm_classify(path, items, 1)
+    theirs, their_labels = server_classify(llama_server, path, items, threads)
+    same = sum(our_labels[k] == their_labels.get(k) for k in our_labels) / len(our_labels)
+    row = {"items": n, "cellswarm_items_s": ours, "llama_server_items_s": theirs,
+           "ratio": ours / theirs, "same_label": same}  # fmt: skip
+    print(f"classify {n} items (3 stages x 1 thread vs llama-server -t {threads} -np {SLOTS}"
+          f" -cb --cache-reuse): cellswarm {ours:.1f} items/s, llama-server {theirs:.1f} "
+          f"items/s, ratio {ours / theirs:.2f}; the same label on {same:.1%} of items")
+    return row
+
+
 def svg_plot(rows: list[dict], path: Path) -> None:
     """Tokens/s against batch size, one line per engine and file (a small hand-made SVG)."""
     series: dict[str, list[tuple[int, float]]] = {}
@@ -167,19 +276,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the dense file only")
     parser.add_argument("--prompts", type=int, default=48, help="the pipeline row's batch")
     parser.add_argument("--plot", type=Path, default=None, help="write the SVG plot here")
+    parser.add_argument("--items", type=int, default=2000, help="the classification batch")
+    parser.add_argument("--parts", default="one,classify,pipeline",
+                        help="which rows: one (one process), classify, pipeline")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     llama = install_llama_cpp()
     models = {m.name: m for m in peer_models()}
     wanted = ["llama-0.3B"] if args.quick else ["llama-0.3B", "deepseek-moe-0.8B"]
     files = [(f"{n} Q4_0 (llama-quantize)",
               str(file_path(llama, PeerFile(models[n], "Q4_0", "llama-quantize"))))
              for n in wanted]  # fmt: skip
-    rows = one_process_rows(files, args.threads, llama.exe("llama-batched-bench"))
-    if args.plot:
-        svg_plot(rows, args.plot)
-    from cellswarm.demo import demo_model_path
+    if "one" in parts:
+        rows = one_process_rows(files, args.threads, llama.exe("llama-batched-bench"))
+        if args.plot:
+            svg_plot(rows, args.plot)
+    if "classify" in parts:
+        classify_row(files[0][1], llama.exe("llama-server"), args.items, args.threads)
+    if "pipeline" in parts:
+        from cellswarm.demo import demo_model_path
 
-    pipeline_rows(str(demo_model_path()), args.prompts)
+        pipeline_rows(str(demo_model_path()), args.prompts)
 
 
 if __name__ == "__main__":

@@ -87,11 +87,11 @@ import numpy as np
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the PyPI sdist whose vendor/llama.cpp is built
 BINARIES = ("llama-bench", "llama-simple", "llama-perplexity", "llama-quantize",
-            "llama-batched-bench")  # fmt: skip
+            "llama-batched-bench", "llama-server")  # fmt: skip
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
 )  # fmt: skip
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "sample_text.txt"
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village,"

@@ -41,6 +41,7 @@ from cellswarm.planner.placement import (
 )
 from cellswarm.swarm.auth import digest, load_token, verify
 from cellswarm.swarm.control import rebalance
+from cellswarm.swarm.control.affinity import PrefixHomes
 from cellswarm.swarm.control.beats import beat_key, check_control_url, holds, seal
 from cellswarm.swarm.control.checkup import Checkups
 from cellswarm.swarm.control.db import open_database
@@ -141,6 +142,7 @@ class Coordinator:
         self.beat_seqs: dict[str, tuple[str, int]] = {}  # node -> (session digest, last seq)
         self.beat_keys: dict[str, tuple[str, bytes]] = {}  # node -> (session digest, its key)
         self._stall_due = False  # tests: --stall-core's stall comes at the next tick
+        self.homes = PrefixHomes()  # which replica holds which prompt prefix (affinity.py)
         self.struck: dict[str, int | None] = {}  # replica -> wired epoch its jobs were struck at
         # On PostgreSQL another coordinator may lead and judge liveness from the rows; on
         # SQLite this one is alone (a restart gives every node a grace), so a row is only
@@ -498,6 +500,7 @@ class Coordinator:
         # once per wiring of the ring: a rack cut off (or a node lost because its
         # neighbour could not reach it) loses several nodes in one failure, not several
         replica = str((node.shard or {}).get("replica", 0))
+        self.homes.forget(replica)  # its new member starts with an empty prefix cache
         wired = self.wired_epoch
         if self.struck.get(replica) != wired:
             self.struck[replica] = wired
@@ -930,9 +933,12 @@ class Coordinator:
         room = capacity - self.queue.leased_count(node.node_id)
         if room <= 0:
             return []
-        n_replicas = len(replicas(self.placed()))
-        jobs = self.queue.lease(node.node_id, str(shard.get("replica", 0)), min(n, room),
-                                exclusive=n_replicas > 1, n_replicas=n_replicas)  # fmt: skip
+        n_replicas, replica = len(replicas(self.placed())), str(shard.get("replica", 0))
+        rank = functools.partial(_rank, self.homes, replica) if n_replicas > 1 else None
+        jobs = self.queue.lease(node.node_id, replica, min(n, room), exclusive=n_replicas > 1,
+                                n_replicas=n_replicas, rank=rank)  # fmt: skip
+        for job in jobs:
+            self.homes.note(job.payload, replica)
         self._stall_due = self._stall_due or bool(jobs and self.config.stall_core_s)
         for job in jobs:
             self.log.event("leased", job.job_id, worker=node.node_id, fence=job.fence,
@@ -1170,3 +1176,7 @@ def describe(shard: Shard | None) -> str:
     experts = spec.get("experts", {})
     per_layer = len(next(iter(experts.values()), []))
     return f"{per_layer} experts x {len(experts)} layers"
+
+
+def _rank(homes: PrefixHomes, replica: str, job: Job) -> int:
+    return homes.rank(job.payload, replica)

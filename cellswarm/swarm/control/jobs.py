@@ -35,7 +35,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
@@ -228,12 +228,14 @@ class JobQueue:
 
     def lease(
         self, owner: str, replica: str, n: int = 1, now: float | None = None,
-        exclusive: bool = True, n_replicas: int = 2,
+        exclusive: bool = True, n_replicas: int = 2, rank: Callable[[Job], int] | None = None,
     ) -> list[Job]:  # fmt: skip
         """Up to n runnable jobs for `owner` (a pipeline head), each with a new fence. With
         `exclusive`, a verification run goes to another replica than the one before, and to
         one that has not run the job while any of the `n_replicas` has not (off when only one
-        replica is left: two runs there still catch a node that is not deterministic)."""
+        replica is left: two runs there still catch a node that is not deterministic).
+        `rank`: within a page of the queue's order, lower ranks first at equal priority
+        (affinity.py: the jobs whose prefix this replica holds)."""
         now = time.time() if now is None else now
         out: list[Job] = []
         with self.db.transaction():
@@ -246,8 +248,10 @@ class JobQueue:
                     + self.db.skip_locked,
                     (now, page, skipped),
                 )
-                for row in rows:
-                    job = _job(row)
+                page_jobs = [_job(row) for row in rows]
+                if rank is not None:  # stable: the queue's order among equals
+                    page_jobs.sort(key=lambda j: (-j.priority, rank(j)))
+                for job in page_jobs:
                     if len(out) >= n or (exclusive and _ran_on(job, replica, n_replicas)):
                         skipped += 1  # a verification run wants another replica
                         continue
