@@ -117,3 +117,39 @@ def test_scoring_fields_a_peer_sends_wrong_are_its_fault_not_the_stage_s(demo_pa
         assert wrong is not None and wrong.type == "error" and wrong.fields["fault"] == "job"
         good = asyncio.run(send(pipe.port, {"score_from": 6, "completions": [2, 2]}, ids))
         assert good is not None and good.type == "score" and len(good.fields["logprobs"]) == 2
+
+
+def test_one_pass_scoring_through_three_stages_gives_each_option_s_own_bits(
+    demo_path: Path,
+) -> None:
+    """Completions of 1 to 3 tokens after one prompt, scored in one sequence through 3 stages:
+    a completion's last token is not run through the layers (it predicts nothing scored, so a
+    one-token label costs no pass), and every score is the bits of scoring it alone."""
+    import asyncio
+
+    from cellswarm.swarm.ring.frames import Frame, read_frame, write_frame
+    from cellswarm.swarm.ring.stage import log_likelihood, scoring_rows
+
+    assert scoring_rows(3, [1, 3, 2]).tolist() == [0, 1, 2, 4, 5, 7]
+    model = cellswarm.load(demo_path)
+    prompt = model.tokenizer.encode("The capital of France is")
+    options = [[281], [1012, 77, 305], [19], [640, 41]]
+    ids = prompt + [t for o in options for t in o]
+    fields = {"req": "r", "max_tokens": 1, "sampling": {}, "stop_ids": [], "replay": [],
+              "score_from": len(prompt), "completions": [len(o) for o in options]}  # fmt: skip
+
+    async def send(port: int) -> Frame | None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await write_frame(writer, Frame("generate", fields, np.asarray(ids)))
+        try:
+            return await asyncio.wait_for(read_frame(reader), 60)
+        finally:
+            writer.close()
+
+    with LocalPipeline(str(demo_path), even_split(30, 3)) as pipe:
+        got = asyncio.run(send(pipe.port))
+    assert got is not None and got.type == "score", got
+    for option, score in zip(options, got.fields["logprobs"], strict=True):
+        alone = prompt + option
+        logits = model.logits(alone)[len(prompt) - 1 : len(alone) - 1].astype(np.float64)
+        assert score == log_likelihood(logits, np.asarray(option)), option

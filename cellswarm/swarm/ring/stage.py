@@ -563,7 +563,8 @@ class Stage:
             frozenset(int(t) for t in f.get("stop_ids", ())),
             replay=[int(t) for t in f.get("replay", ())],
         )  # fmt: skip
-        h = self.embed(np.asarray(prompt, dtype=np.int64))
+        rows = scoring_rows(int(f["score_from"]), lengths) if lengths else slice(None)
+        h = self.embed(np.asarray(prompt, dtype=np.int64)[rows])
         tokens = self.sequences[seq].prompt
         first = {"capacity": need, "sampling": f.get("sampling", {}), "prompt": tokens,
                  "req": f["req"], "score_from": f.get("score_from"),
@@ -765,7 +766,9 @@ class Stage:
         first["score_from"] ids) runs the prompt once and then each completion at the
         positions after it, the cache cut back to the prompt before each: every completion
         sees the prompt's keys and its own, and every row is the bits it gets when that
-        completion is scored alone (each row computed alone: the prefill's kernels)."""
+        completion is scored alone (each row computed alone: the prefill's kernels). h
+        holds `scoring_rows`: a completion's last token is not run (it predicts nothing
+        scored), so a one-token label costs no pass at all."""
         if first is None:
             return await self.prefill(seq, h, cache)
         lengths = first.get("completions") or []
@@ -776,7 +779,9 @@ class Stage:
         kept = shared.restore(prompt, cache, n - 1) if shared is not None else None
         skip = 0 if kept is None else kept.shape[0]
         out, start = [] if kept is None else [kept], skip
-        for i, rows in enumerate((n - skip, *lengths)):
+        for i, rows in enumerate((n - skip, *(length - 1 for length in lengths))):
+            if rows == 0:
+                continue
             cache.length = base + (skip if i == 0 else n)
             part = await self.prefill(seq, h[start : start + rows], cache)
             if part is None:
@@ -862,10 +867,10 @@ class Stage:
         ids = np.asarray(first["prompt"], np.int64)
         n = int(first["score_from"])
         lengths = first.get("completions") or [len(ids) - n]
-        rows, start = [], n
+        rows, start = [], n  # h: scoring_rows, each completion without its last token
         for length in lengths:
             rows += [h[n - 1 : n], h[start : start + length - 1]]
-            start += length
+            start += length - 1
         logits = self.head(np.concatenate(rows)).astype(np.float64)  # (sum of lengths, vocab)
         out, at, start = [], 0, n
         for length in lengths:
@@ -1104,6 +1109,17 @@ def load_stage_model(config: StageConfig) -> Model:
     return model
 
 
+def scoring_rows(n: int, lengths: list[int]) -> np.ndarray:
+    """The rows of a one-pass scoring sequence (a prompt of n ids, then completions of
+    `lengths`) that the layers run: the prompt's, then each completion's but its last — the
+    positions whose outputs predict a scored token."""
+    keep, start = [np.arange(n)], n
+    for length in lengths:
+        keep.append(np.arange(start, start + length - 1))
+        start += length
+    return np.concatenate(keep)
+
+
 def log_likelihood(logits: np.ndarray, ids: np.ndarray) -> float:
     """sum_i log softmax(logits[i])[ids[i]] for logits (C, vocab) float64. With the kernels,
     exp, log and the sums are their own, in one order: the same bits on every CPU, so two
@@ -1232,3 +1248,4 @@ if __name__ == "__main__":
     # an emulated node's waits must be precise to well under its step time (emulate.py)
     with asyncio.Runner(loop_factory=precise_loop if stage_config.profile else None) as runner:
         runner.run(main(stage_config))
+
