@@ -86,8 +86,9 @@ def test_even_split_table() -> None:
 def test_a_stage_killed_mid_generation_costs_a_replay_not_a_request(
     demo_path: Path, victim: int
 ) -> None:
-    """20 sequences in flight; SIGKILL a stage (a middle one, then stage 0 itself) after the
-    first tokens arrive; every request finishes, token-identical to the failure-free run."""
+    """20 sequences in flight, stepped in batches; SIGKILL a stage (a middle one, then stage
+    0 itself) after the first tokens arrive; the recovery replays each sequence's own tokens
+    into the batches, and every request finishes token-identical to the failure-free run."""
     import os
     import signal
 
@@ -106,7 +107,9 @@ def test_a_stage_killed_mid_generation_costs_a_replay_not_a_request(
         requests = [{"prompt": p, "max_tokens": 12} for p in prompts]
         results = pipe.generate(requests, on_token=kill_after_some_tokens)
         assert pipe.restarts == 1
+        stats = pipe.stats()
     assert [r.tokens for r in results] == expected
+    assert all(st["widest_batch"] > 1 for st in stats), stats  # the replays were batched too
 
 
 def test_a_deepseek_moe_model_pipelines_like_one_process(tmp_path: Path) -> None:
