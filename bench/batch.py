@@ -1,19 +1,27 @@
 """Batch work at the speed of the hardware (issue 33): many sequences per read of the weights.
 
-    python -m bench.batch [--threads 2] [--quick] [--write docs/batch.md]
+    python -m bench.batch [--threads 2] [--quick] [--pairs 3] [--items 2000] [--plot F.svg]
+                          [--parts one,classify,pipeline]
 
 1. One process. Decode tokens/s summed over B sequences (each a 128-token prompt, then 64
    greedy steps), B = 1, 4, 16, 32: cellswarm's `Model.step_many` (one pass over the weights
    for up to 16 sequences, `cs_llama_decode_many` / `cs_ds_decode_many`) against llama.cpp's
    `llama-batched-bench -npp 128 -ntg 64 -npl 1,4,16,32` on the same llama-quantize files,
    and the bound memory bandwidth sets: B tokens per read of the bytes one step at batch B
-   must read (a MoE's routed experts: those B tokens are expected to touch).
-2. A generation batch through 3 stage processes on loopback (`LocalPipeline`, one thread
+   must read (a MoE's routed experts: those B tokens are expected to touch). `--pairs` runs
+   of each engine, interleaved: the medians, and the median of the pairs' ratios.
+2. A classification batch: `--items` lines sharing a ~190-token instruction, each ~37 tokens
+   of its own and 2 to 5 one-token labels, on the local swarm `cellswarm up` runs (3 stages,
+   one worker and one thread each, the prefix cache and one-pass scoring) against
+   llama-server (`-np 16 -cb --cache-reuse 64`, 2 threads, 16 clients at once, each item
+   one /completion constrained to its labels by a grammar): items/s, and how many items got
+   the same label from both.
+3. A generation batch through 3 stage processes on loopback (`LocalPipeline`, one thread
    each): N prompts x 64 tokens with the stages batching (max_batch 32, every sequence in
    flight), the same with batching off (max_batch 1: each step alone, as before), and 3 x
    one process at batch 1 (what pipelining alone promises, bench.swarm's figure).
 
-Each figure is one run; the ratios are what to quote. llama.cpp is built by bench.peers.
+The ratios are what to quote. llama.cpp and llama-server are built by bench.peers.
 """
 
 from __future__ import annotations
@@ -85,7 +93,11 @@ def step_bytes(path: str, batch: int) -> float:
     return total
 
 
-def one_process_rows(files: list[tuple[str, str]], threads: int, exe: str) -> list[dict]:
+def one_process_rows(files: list[tuple[str, str]], threads: int, exe: str,
+                     pairs: int = 1) -> list[dict]:  # fmt: skip
+    """Each file's rates at every batch size: `pairs` runs of each engine, interleaved
+    (cellswarm, llama.cpp, cellswarm, ...: a drifting VM drifts both), the medians and the
+    median of the pairs' ratios."""
     from bench.engine import read_bandwidth_bytes_per_s
 
     kernels.set_threads(threads)
@@ -93,16 +105,22 @@ def one_process_rows(files: list[tuple[str, str]], threads: int, exe: str) -> li
     print(f"streaming-read bandwidth at {threads} threads: {bw / 1e9:.1f} GB/s")
     rows = []
     for label, path in files:
-        ours, theirs = cellswarm_rates(path, threads, BATCHES), llama_rates(exe, path, threads,
-                                                                             BATCHES)  # fmt: skip
+        runs = [(cellswarm_rates(path, threads, BATCHES), llama_rates(exe, path, threads,
+                                                                       BATCHES))
+                for _ in range(pairs)]  # fmt: skip
         for b in BATCHES:
+            ours = float(np.median([o[b] for o, _ in runs]))
+            theirs = float(np.median([t.get(b, np.nan) for _, t in runs]))
+            ratios = [o[b] / t.get(b, np.nan) for o, t in runs]
             bound = b * bw / step_bytes(path, b)
-            row = {"file": label, "threads": threads, "batch": b, "cellswarm": ours[b],
-                   "llama.cpp": theirs.get(b, float("nan")), "bound": bound}  # fmt: skip
+            row = {"file": label, "threads": threads, "batch": b, "cellswarm": ours,
+                   "llama.cpp": theirs, "ratio": float(np.median(ratios)),
+                   "ratios": ratios, "bound": bound}  # fmt: skip
             rows.append(row)
-            print(f"{label:<28} B={b:<3} cellswarm {ours[b]:8.1f}  llama.cpp "
-                  f"{row['llama.cpp']:8.1f}  ratio {ours[b] / row['llama.cpp']:5.2f}  "
-                  f"bound {bound:8.1f}  of bound {ours[b] / bound:4.2f}")
+            spread = f" (pairs {min(ratios):.2f}-{max(ratios):.2f})" if pairs > 1 else ""
+            print(f"{label:<28} B={b:<3} cellswarm {ours:8.1f}  llama.cpp {theirs:8.1f}  "
+                  f"ratio {row['ratio']:5.2f}{spread}  bound {bound:8.1f}  "
+                  f"of bound {ours / bound:4.2f}")
     return rows
 
 
@@ -277,6 +295,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=48, help="the pipeline row's batch")
     parser.add_argument("--plot", type=Path, default=None, help="write the SVG plot here")
     parser.add_argument("--items", type=int, default=2000, help="the classification batch")
+    parser.add_argument("--pairs", type=int, default=3, help="interleaved runs per engine")
     parser.add_argument("--parts", default="one,classify,pipeline",
                         help="which rows: one (one process), classify, pipeline")
     args = parser.parse_args()
@@ -288,7 +307,8 @@ def main() -> None:
               str(file_path(llama, PeerFile(models[n], "Q4_0", "llama-quantize"))))
              for n in wanted]  # fmt: skip
     if "one" in parts:
-        rows = one_process_rows(files, args.threads, llama.exe("llama-batched-bench"))
+        rows = one_process_rows(files, args.threads, llama.exe("llama-batched-bench"),
+                                args.pairs)  # fmt: skip
         if args.plot:
             svg_plot(rows, args.plot)
     if "classify" in parts:
