@@ -71,4 +71,3 @@ class PrefixHomes:
 
     def __len__(self) -> int:
         return len(self._homes)
-

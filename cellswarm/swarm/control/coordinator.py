@@ -934,13 +934,12 @@ class Coordinator:
         if room <= 0:
             return []
         n_replicas, replica = len(replicas(self.placed())), str(shard.get("replica", 0))
-        rank = functools.partial(_rank, self.homes, replica) if n_replicas > 1 else None
+        rank = (lambda job: self.homes.rank(job.payload, replica)) if n_replicas > 1 else None
         jobs = self.queue.lease(node.node_id, replica, min(n, room), exclusive=n_replicas > 1,
                                 n_replicas=n_replicas, rank=rank)  # fmt: skip
-        for job in jobs:
-            self.homes.note(job.payload, replica)
         self._stall_due = self._stall_due or bool(jobs and self.config.stall_core_s)
         for job in jobs:
+            self.homes.note(job.payload, replica)
             self.log.event("leased", job.job_id, worker=node.node_id, fence=job.fence,
                            resume=len(job.tokens), attempt=job.attempts + 1)  # fmt: skip
         return [j.lease_view() for j in jobs]
@@ -1176,7 +1175,3 @@ def describe(shard: Shard | None) -> str:
     experts = spec.get("experts", {})
     per_layer = len(next(iter(experts.values()), []))
     return f"{per_layer} experts x {len(experts)} layers"
-
-
-def _rank(homes: PrefixHomes, replica: str, job: Job) -> int:
-    return homes.rank(job.payload, replica)

@@ -1248,4 +1248,3 @@ if __name__ == "__main__":
     # an emulated node's waits must be precise to well under its step time (emulate.py)
     with asyncio.Runner(loop_factory=precise_loop if stage_config.profile else None) as runner:
         runner.run(main(stage_config))
-
