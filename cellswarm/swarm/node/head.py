@@ -246,23 +246,35 @@ class Head:
         body = {"job_id": run.job_id, "fence": run.fence, "result": result}
         await asyncio.to_thread(self._post_quietly, "/v1/jobs/complete", body)
 
-    async def _checkpoint(self, due: list[Run] | None = None) -> None:
+    async def frontier(self, req: str) -> None:
+        """Stage 0 is about to run a step of `req` that its job never completed (its first,
+        or its first past the tokens it replays): the coordinator hears it first (with the
+        checkpoints due now), awaited, so that it knows even if that step kills this process.
+        A node failure strikes only the jobs its ring so reached since it was wired; not one
+        waiting here to be sent, or replaying steps it had passed (jobs.strike_replica)."""
+        run = self.runs.get(req.partition("#")[0])
+        if run is not None:
+            await self._checkpoint(frontier=run)
+
+    async def _checkpoint(self, due: list[Run] | None = None, frontier: Run | None = None) -> None:
         """Save the tokens of the runs that progressed, renew those due (only while their
-        steps come back), and drop the ones whose lease is gone. `due`: these runs, now."""
+        steps come back), and drop the ones whose lease is gone. `due`: these runs, now.
+        `frontier`: this run too, at its frontier (see `frontier`)."""
         now = time.monotonic()
         if due is None:
-            due = [r for r in self.runs.values()
-                   if (len(r.tokens) != r.saved and now - r.saved_s >= CHECKPOINT_EVERY_S)
+            due = [r for r in self.runs.values() if r is frontier
+                   or (len(r.tokens) != r.saved and now - r.saved_s >= CHECKPOINT_EVERY_S)
                    or (now - r.saved_s > self.lease_s / 3 and self._alive(r, now))]  # fmt: skip
         if not due:
             return
-        body = {"runs": [{"job_id": r.job_id, "fence": r.fence, "tokens": list(r.tokens)}
+        body = {"runs": [{"job_id": r.job_id, "fence": r.fence, "tokens": list(r.tokens),
+                          **({"frontier": True} if r is frontier else {})}
                          for r in due]}  # fmt: skip
         answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/checkpoint", body)
         if answer is None:
             return
-        for r in due:
-            r.saved, r.saved_s = len(r.tokens), now
+        for r in due:  # (a frontier is no progress: the run's first token is not held back)
+            r.saved, r.saved_s = len(r.tokens), r.saved_s if r is frontier else now
         for job_id in answer.get("stale", []):  # the lease went elsewhere, or it was cancelled
             log.warning("lost the lease of job %s; dropping it", job_id)
             self.runs.pop(str(job_id), None)
