@@ -128,6 +128,55 @@ def test_two_stages_in_one_process_fail_the_job_free_it_everywhere_and_blame_the
         assert st.caches == {} and st.samplers == {} and st.sequences == {}
 
 
+def test_stage_0_tells_its_head_before_a_step_new_to_a_job_and_a_void_step_is_no_fault(
+    demo_path: Path,
+) -> None:
+    """Stage 0 awaits on_frontier(req) once per sequence, before the first step its job never
+    completed: a new request's prefill; a resumed one's first step past the tokens it replays
+    (its prefill and replayed steps made those bits before: no crash there is the job's, and
+    the coordinator strikes only jobs so exposed). A step of a sequence a reset let go of
+    while it ran fails for that (its sampler is gone): not reported as this node's fault."""
+    import asyncio
+
+    import numpy as np
+
+    from cellswarm.swarm.ring.stage import Stage, StageConfig, load_stage_model
+
+    async def scenario() -> tuple[list[tuple[str, int, int]], list[Any], list[Any]]:
+        config = StageConfig(str(demo_path), (0, 30), first=True, last=True)
+        stage = Stage(config, load_stage_model(config))
+        faults: list[Any] = []
+        stage.on_fault = lambda *a: faults.append(a)
+        seen: list[tuple[str, int, int]] = []  # request, its tokens, tokens sent so far
+        out: list[tuple[str, dict[str, Any]]] = []
+
+        async def frontier(req: str) -> None:
+            [s] = [s for s in stage.sequences.values() if s.req == req]
+            sent = [f for t, f in out if t == "token" and f["req"] == req]
+            seen.append((req, len(s.tokens), len(sent)))
+
+        async def emit(f: Frame) -> None:
+            out.append((f.type, f.fields))
+
+        stage.on_frontier = frontier
+        for req, replay in (("new", []), ("resumed", [79, 100])):
+            fields = {"req": req, "max_tokens": 3, "sampling": {}, "replay": replay}
+            await stage.on_generate(Frame("generate", fields, np.asarray([1, 2, 3])), emit)
+        for _ in range(200):
+            if len([t for t, _ in out if t == "done"]) == 2:
+                break
+            await asyncio.sleep(0.02)
+        await stage.step_failed(99, KeyError(99))  # seq 99: let go (or never held)
+        return seen, out, faults
+
+    seen, out, faults = asyncio.run(scenario())
+    assert seen == [("new", 0, 0), ("resumed", 2, 0)]
+    tokens = {r: [f["token"] for t, f in out if t == "token" and f["req"] == r]
+              for r in ("new", "resumed")}  # fmt: skip
+    assert tokens == {"new": [79, 100, 43405], "resumed": [43405]}
+    assert faults == []
+
+
 def test_a_local_pipeline_says_whose_fault_a_bad_seed_is(demo_path: Path) -> None:
     """Stage processes without a coordinator: the client gets the job's error, and no stage
     is restarted for it."""

@@ -198,6 +198,59 @@ def test_forget_releases_the_jobs_at_once() -> None:
     assert head.runs == {}
 
 
+def test_a_run_at_its_frontier_is_told_to_the_coordinator_before_its_step() -> None:
+    """Stage 0 awaits head.frontier(req) before a step its job never completed: the head
+    posts a checkpoint of that run marked "frontier" (with the checkpoints due) and returns
+    once it is answered; a request it holds no run of costs no call; a run whose lease is
+    gone is dropped and its sequence cancelled (stage 0 then runs no step of it)."""
+    from cellswarm.swarm.node.head import Run
+
+    class Coordinator(QuickCoordinator):
+        def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            super().post(path, body)
+            return {"stale": [r["job_id"] for r in body.get("runs", []) if r["job_id"] == "gone"]}
+
+    async def scenario() -> tuple[Coordinator, FakeStage, Head]:
+        coord, stage = Coordinator([]), FakeStage()
+        head = Head(stage, coord.post, lease_s=1.0)
+        for job_id in ("s", "gone"):  # both saved just now: no other checkpoint is due
+            head.runs[job_id] = Run(job_id, 3, "generate", {}, [7], saved=1,
+                                    saved_s=time.monotonic())  # fmt: skip
+        await head.frontier("s#0")  # a scoring job's sequence names its job
+        await head.frontier("stranger")
+        await head.frontier("gone")
+        return coord, stage, head
+
+    coord, stage, head = asyncio.run(scenario())
+    assert [b["runs"] for b in coord.bodies("/v1/jobs/checkpoint")] == [
+        [{"job_id": "s", "fence": 3, "tokens": [7], "frontier": True}],
+        [{"job_id": "gone", "fence": 3, "tokens": [7], "frontier": True}],
+    ]
+    assert list(head.runs) == ["s"] and stage.cancelled == ["gone"]
+
+
+def test_frontiers_that_arrive_while_one_is_told_go_together() -> None:
+    """B new jobs reaching stage 0 at once cost about one round trip, not B: the frontiers
+    that arrive while one post is out are told in the next, and each call returns only once
+    a post that carried its run was answered."""
+    from cellswarm.swarm.node.head import Run
+
+    async def scenario() -> QuickCoordinator:
+        coord = QuickCoordinator([])
+        head = Head(FakeStage(), coord.post, lease_s=1.0)
+        for i in range(6):
+            head.runs[f"j{i}"] = Run(f"j{i}", 3, "generate", {}, [7], saved=1,
+                                     saved_s=time.monotonic())  # fmt: skip
+        await asyncio.gather(*(head.frontier(f"j{i}") for i in range(6)))
+        assert head.at_frontier == {}
+        return coord
+
+    posts = [b["runs"] for b in asyncio.run(scenario()).bodies("/v1/jobs/checkpoint")]
+    assert len(posts) == 2  # the first to come, then the five that came while it was out
+    assert sorted(r["job_id"] for runs in posts for r in runs) == [f"j{i}" for i in range(6)]
+    assert all(r["frontier"] for runs in posts for r in runs)
+
+
 class RingStage(FakeStage):
     """Stage 0 of a ring that holds `max_sequences`; it refuses more for room, as Stage does,
     and `finish()` ends the oldest sequence (a token for a generation, a score for a part)."""

@@ -226,6 +226,42 @@ def test_a_job_present_at_poison_after_node_failures_in_a_row_is_quarantined(
     assert queued is not None and (queued.state, queued.strikes) == ("queued", 0)
 
 
+def test_a_ring_failure_strikes_only_the_jobs_it_ran_at_a_step_new_to_them(
+    queue: JobQueue,
+) -> None:
+    """A ring wired in epoch W fails and nobody knows whose step it was: a strike for each
+    job whose holder said, in W or later, that its ring was about to run a step the job never
+    completed (checkpoint's frontier_epoch) — not for one leased there but still waiting in
+    its head, one only replaying tokens it had, one at its frontier only in an earlier wiring
+    or under an earlier lease. A query of death reaches its frontier in every wiring and is
+    still quarantined at the POISON_AFTER-th. (Every job was struck before: under churn,
+    innocent jobs reached POISON_AFTER — tests/test_jobs_swarm.py's churn test.)"""
+    ids = [queue.submit({"prompt": [k]})[0].job_id for k in range(5)]
+    poison, waiting, replaying, earlier, released = ids
+    leased = {j.job_id: j for j in queue.lease("h0", "r0", n=5, now=T0)}
+    fence = {j: leased[j].fence for j in ids}
+    assert queue.checkpoint(earlier, fence[earlier], [], now=T0, frontier_epoch=3)
+    assert queue.checkpoint(released, fence[released], [], now=T0, frontier_epoch=4)
+    assert queue.release(released, fence[released], now=T0)
+    [again] = queue.lease("h0", "r0", now=T0)  # the same job, a new lease: not yet at it
+    assert again.job_id == released
+    for k, wired in enumerate(range(4, 4 + 2 * POISON_AFTER, 2), start=1):
+        now = T0 + k
+        assert queue.checkpoint(replaying, fence[replaying], [5, 6], now=now)  # no frontier
+        assert queue.checkpoint(poison, fence[poison], [], now=now, frontier_epoch=wired)
+        out = queue.strike_replica("r0", f"w1 re-joined ({k})", now=now, since_epoch=wired)
+        assert out == ([poison] if k == POISON_AFTER else []), k
+    dead = queue.get(poison)
+    assert dead is not None and dead.state == "dead" and dead.attempts == 0
+    assert dead.error.startswith(f"quarantined as poison: present at {POISON_AFTER} node")
+    for job_id in (waiting, replaying, earlier, released):
+        got = queue.get(job_id)
+        assert got is not None and (got.state, got.strikes) == ("leased", 0), job_id
+    # without an epoch (a caller that does not know it), every leased job was present
+    assert queue.strike_replica("r0", "w1 lost") == []
+    assert [j.strikes for j in map(queue.get, ids[1:]) if j is not None] == [1] * 4
+
+
 def test_a_database_from_before_strikes_opens(tmp_path: Path) -> None:
     db = SQLiteDatabase(str(tmp_path / "old.db"))
     db.script("CREATE TABLE jobs (job_id TEXT PRIMARY KEY, idem_key TEXT UNIQUE, batch_id TEXT, "

@@ -495,16 +495,18 @@ class Coordinator:
     def _drop_work(self, node: Node, why: str) -> None:
         """What an assigned node was doing is gone (it was lost, or a new process took its
         id): its ring's jobs get a strike, and the jobs it led go back, attempts unspent."""
-        # whose step it was nobody knows: every job on its ring was present (a strike: one
-        # that kills its nodes, the head included, is quarantined after POISON_AFTER) —
-        # once per wiring of the ring: a rack cut off (or a node lost because its
-        # neighbour could not reach it) loses several nodes in one failure, not several
+        # whose step it was nobody knows: every job its ring was running at a step new to
+        # it since it was wired was present (a strike: one that kills its nodes, the head
+        # included, is quarantined after POISON_AFTER; one still waiting in the head, or
+        # replaying steps it had passed, was not: jobs.strike_replica) — once per wiring of
+        # the ring: a rack cut off (or a node lost because its neighbour could not reach it)
+        # loses several nodes in one failure, not several
         replica = str((node.shard or {}).get("replica", 0))
         self.homes.forget(replica)  # its new member starts with an empty prefix cache
         wired = self.wired_epoch
         if self.struck.get(replica) != wired:
             self.struck[replica] = wired
-            self._strike_replica(replica, why)
+            self._strike_replica(replica, why, wired)
         if not (node.shard or {}).get("stage"):
             # a lost head's jobs go back to the queue now, their attempts unspent (the loss
             # is no job's fault)
@@ -515,8 +517,8 @@ class Coordinator:
     def _strike(self, job_ids: list[str], why: str) -> None:
         self._quarantined(self.queue.strike(job_ids, why), why)
 
-    def _strike_replica(self, replica: str, why: str) -> None:
-        self._quarantined(self.queue.strike_replica(replica, why), why)
+    def _strike_replica(self, replica: str, why: str, since_epoch: int | None) -> None:
+        self._quarantined(self.queue.strike_replica(replica, why, since_epoch=since_epoch), why)
 
     def _quarantined(self, job_ids: list[str], why: str) -> None:
         for job_id in job_ids:
@@ -956,10 +958,13 @@ class Coordinator:
 
     def checkpoint(self, node: Node, runs: list[dict[str, Any]]) -> list[str]:
         """Tokens so far of a head's jobs (renewing their leases); the ids it lost."""
+        epoch = self.epoch if any(r.get("frontier") for r in runs) else None
         stale = [str(r["job_id"]) for r in runs
                  if not self.queue.checkpoint(str(r["job_id"]), int(r["fence"]),
                                               [int(t) for t in r["tokens"]],
-                                              owner=node.node_id)]  # fmt: skip
+                                              owner=node.node_id,
+                                              frontier_epoch=epoch if r.get("frontier")
+                                              else None)]  # fmt: skip
         for rid in stale:
             self.log.event("stale", rid, worker=node.node_id, call="checkpoint")
         self.notify()

@@ -15,10 +15,12 @@ failed. Submissions carry an idempotency key: the same key gives the same job.
 
 Faults are charged where they belong. A job whose own data fails a stage fails its attempt
 (`fail`). A node failure costs the jobs in its ring no attempt (they replay), but each job
-present at it gets a strike — the one whose step raised, or every job leased on the ring of
-a node that went silent — and progress (new tokens checkpointed) clears them: a job present
-at POISON_AFTER node failures in a row without progress is the likely cause (a query of
-death) and is quarantined, dead with that reason, before it takes more nodes down.
+present at it gets a strike — the one whose step raised, or every job that the ring of a node
+that went silent was running at a step new to it (its first, or its first past the tokens it
+replays: the head says so first, `checkpoint`'s frontier_epoch) since it was wired — and
+progress (new tokens checkpointed) clears them: a job present at POISON_AFTER node failures
+in a row without progress is the likely cause (a query of death) and is quarantined, dead
+with that reason, before it takes more nodes down.
 
 Verification (`verify` = runs that must agree, 2 with `--verify`): a completed run is kept,
 and the job goes back to the queue for a run on another replica; two runs with the same
@@ -62,6 +64,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     state TEXT NOT NULL,
     attempts INTEGER NOT NULL DEFAULT 0, -- leases that ended in a failure or an expiry
     strikes INTEGER NOT NULL DEFAULT 0, -- node failures present at, in a row, no progress
+    frontier_epoch INTEGER,             -- this lease's ring began a step new to it then
     leases INTEGER NOT NULL DEFAULT 0,
     fence INTEGER NOT NULL DEFAULT 0,
     lease_owner TEXT,
@@ -100,7 +103,8 @@ CREATE TABLE IF NOT EXISTS batches (
 # Columns added since the first schema: a database made before them gets them on open.
 BATCH_CHUNK = 250  # jobs per transaction when a batch is submitted (submit_batch)
 MIGRATIONS = (("jobs", "owner", "TEXT"), ("batches", "owner", "TEXT"),
-              ("jobs", "strikes", "INTEGER NOT NULL DEFAULT 0"))  # fmt: skip
+              ("jobs", "strikes", "INTEGER NOT NULL DEFAULT 0"),
+              ("jobs", "frontier_epoch", "INTEGER"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -257,6 +261,7 @@ class JobQueue:
                         continue
                     self.db.execute(
                         "UPDATE jobs SET state='leased', fence=fence+1, leases=leases+1, "
+                        "frontier_epoch=NULL, "
                         "lease_owner=?, lease_replica=?, lease_expires_s=?, updated_s=? "
                         "WHERE job_id=? AND state='queued'",
                         (owner, replica, now + self.config.lease_s, now, job.job_id),
@@ -270,18 +275,21 @@ class JobQueue:
 
     def checkpoint(
         self, job_id: str, fence: int, tokens: list[int], now: float | None = None,
-        owner: str | None = None,
+        owner: str | None = None, frontier_epoch: int | None = None,
     ) -> bool:  # fmt: skip
         """Record the tokens so far and renew the lease (new tokens clear its strikes: it
-        makes progress); False: the lease is no longer yours."""
+        makes progress); False: the lease is no longer yours. `frontier_epoch`: the holder's
+        ring is about to run a step the job never completed, in this layout epoch (from then
+        on a failure of that ring may be the job's doing: strike_replica)."""
         now = time.time() if now is None else now
         held, who = _held_by(owner)
         return self.db.execute_count(
             "UPDATE jobs SET strikes=CASE WHEN ? > n_tokens THEN 0 ELSE strikes END, tokens=?, "
-            "n_tokens=?, lease_expires_s=?, updated_s=? "
+            "n_tokens=?, lease_expires_s=?, updated_s=?, "
+            "frontier_epoch=COALESCE(?, frontier_epoch) "
             "WHERE job_id=? AND fence=? AND state='leased'" + held,
             (len(tokens), json.dumps(tokens), len(tokens), now + self.config.lease_s, now,
-             job_id, fence, *who),
+             frontier_epoch, job_id, fence, *who),
         ) == 1  # fmt: skip
 
     def complete(
@@ -352,11 +360,20 @@ class JobQueue:
                     out.append(job.job_id)
         return out
 
-    def strike_replica(self, replica: str, reason: str, now: float | None = None) -> list[str]:
-        """A node of `replica` failed and nobody knows whose step it was: every job leased
-        on that replica was present. The ids quarantined."""
+    def strike_replica(
+        self, replica: str, reason: str, now: float | None = None, since_epoch: int | None = None
+    ) -> list[str]:
+        """A node of `replica` failed and nobody knows whose step it was: the jobs leased on
+        that replica were present — with `since_epoch` (the epoch its ring was wired in), only
+        those whose ring ran a step new to them since (`checkpoint`'s frontier_epoch). Not one
+        that waited in its head to be sent, nor one replaying steps it had passed before (the
+        same bits again): neither can have caused it, and under churn such innocent jobs
+        reached POISON_AFTER (tests/test_jobs_swarm.py). A query of death reaches its fatal
+        step in every wiring, so it is still struck each time. The ids quarantined."""
+        exposed = "" if since_epoch is None else " AND frontier_epoch >= ?"
         rows = self.db.execute(
-            "SELECT job_id FROM jobs WHERE state='leased' AND lease_replica=?", (replica,)
+            "SELECT job_id FROM jobs WHERE state='leased' AND lease_replica=?" + exposed,
+            (replica,) if since_epoch is None else (replica, since_epoch),
         )
         return self.strike([str(r["job_id"]) for r in rows], reason, now)
 

@@ -86,6 +86,9 @@ class Head:
         self.leasing: asyncio.Task[None] | None = None  # the long poll in flight, if any
         self.forgotten: list[dict[str, Any]] | None = None  # stopped: the jobs it gave back
         self.ring_sequences: int | None = None  # the coordinator's word: what its ring holds
+        # runs at their frontier not yet told, and the one post at a time that tells them
+        self.at_frontier: dict[str, Run] = {}
+        self.frontier_lock = asyncio.Lock()
 
     @property
     def capacity(self) -> int:
@@ -246,23 +249,46 @@ class Head:
         body = {"job_id": run.job_id, "fence": run.fence, "result": result}
         await asyncio.to_thread(self._post_quietly, "/v1/jobs/complete", body)
 
-    async def _checkpoint(self, due: list[Run] | None = None) -> None:
+    async def frontier(self, req: str) -> None:
+        """Stage 0 is about to run a step of `req` that its job never completed (its first,
+        or its first past the tokens it replays): the coordinator hears it first (with the
+        checkpoints due now), awaited, so that it knows even if that step kills this process.
+        A node failure strikes only the jobs its ring so reached since it was wired; not one
+        waiting here to be sent, or replaying steps it had passed (jobs.strike_replica).
+        Frontiers that arrive while one post is out go together in the next: a batch of B
+        new jobs costs about one round trip, not B."""
+        run = self.runs.get(req.partition("#")[0])
+        if run is None:
+            return
+        self.at_frontier[run.job_id] = run
+        async with self.frontier_lock:
+            if run.job_id not in self.at_frontier:
+                return  # a post made while this one waited for the lock told it
+            told = list(self.at_frontier.values())
+            self.at_frontier.clear()
+            await self._checkpoint(frontier=tuple(told))
+
+    async def _checkpoint(self, due: list[Run] | None = None,
+                          frontier: tuple[Run, ...] = ()) -> None:
         """Save the tokens of the runs that progressed, renew those due (only while their
-        steps come back), and drop the ones whose lease is gone. `due`: these runs, now."""
+        steps come back), and drop the ones whose lease is gone. `due`: these runs, now.
+        `frontier`: these runs too, at their frontier (see `frontier`)."""
         now = time.monotonic()
+        told = {r.job_id for r in frontier}
         if due is None:
-            due = [r for r in self.runs.values()
-                   if (len(r.tokens) != r.saved and now - r.saved_s >= CHECKPOINT_EVERY_S)
+            due = [r for r in self.runs.values() if r.job_id in told
+                   or (len(r.tokens) != r.saved and now - r.saved_s >= CHECKPOINT_EVERY_S)
                    or (now - r.saved_s > self.lease_s / 3 and self._alive(r, now))]  # fmt: skip
         if not due:
             return
-        body = {"runs": [{"job_id": r.job_id, "fence": r.fence, "tokens": list(r.tokens)}
+        body = {"runs": [{"job_id": r.job_id, "fence": r.fence, "tokens": list(r.tokens),
+                          **({"frontier": True} if r.job_id in told else {})}
                          for r in due]}  # fmt: skip
         answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/checkpoint", body)
         if answer is None:
             return
-        for r in due:
-            r.saved, r.saved_s = len(r.tokens), now
+        for r in due:  # (a frontier is no progress: the run's first token is not held back)
+            r.saved, r.saved_s = len(r.tokens), r.saved_s if r.job_id in told else now
         for job_id in answer.get("stale", []):  # the lease went elsewhere, or it was cancelled
             log.warning("lost the lease of job %s; dropping it", job_id)
             self.runs.pop(str(job_id), None)

@@ -450,6 +450,7 @@ class Worker:
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
         if config.first:
             self.head = Head(self.stage, self._post_session, self.lease_s)
+            self.stage.on_frontier = self.head.frontier
         self.server = await asyncio.start_server(self.stage.serve, *self._bind(),
                                                  **listen_tls(self.tls_server))  # fmt: skip
         self.data_port = self.server.sockets[0].getsockname()[1]

@@ -117,6 +117,8 @@ class StageConfig:
 
 
 Emit = Callable[[Frame], Awaitable[None]]
+# (request id) -> awaited before stage 0 runs a step its request never completed before
+Frontier = Callable[[str], Awaitable[None]]
 # (kind, detail, epoch, request id or None) -> maybe something to await: the report sent
 Fault = Callable[[str, str, int, str | None], Awaitable[Any] | None]
 
@@ -249,6 +251,11 @@ class Stage:
         # fault (JobError) is no node's: it goes back to stage 0 as that job's error.
         self.on_fault: Fault | None = None
         self.on_step: Callable[[], None] | None = None  # a step arrived (node/awake.py)
+        # Stage 0's head is told (and has told its coordinator) before a sequence runs a step
+        # its job never completed: its first, or the first after the tokens it replays. Only
+        # such a step can be the one that kills a node (a replayed one made the same bits
+        # before), so only then is the job exposed to a crash of its ring (head.py).
+        self.on_frontier: Frontier | None = None
         self.fail_forward = False  # fault injection for tests: every forward pass raises
         # fault injection for tests: the first step of a sequence whose prompt holds this
         # token raises, as a query of death would (a fault the stage cannot tell from its own)
@@ -571,7 +578,17 @@ class Stage:
                  "completions": lengths}  # fmt: skip
         self.log.event("generate", f["req"], stage=self.span, prompt_tokens=len(tokens),
                        replay=len(self.sequences[seq].replay))  # fmt: skip
+        if not self.sequences[seq].replay and not await self.at_frontier(seq):
+            return
         await self.run_layers(seq, h, 0, first)
+
+    async def at_frontier(self, seq: int) -> bool:
+        """Tell the head (on_frontier) that `seq` is about to run a step its job never
+        completed; False if the sequence was let go meanwhile (a reset, a cancel)."""
+        s = self.sequences.get(seq)
+        if s is not None and self.on_frontier is not None:
+            await self.on_frontier(s.req)
+        return s is not None and self.sequences.get(seq) is s
 
     async def on_hidden(self, frame: Frame) -> None:
         f = frame.fields
@@ -741,6 +758,13 @@ class Stage:
         """A step of `seq` raised: the job's data (JobError) fails that job and the stage
         serves on; anything else is this node's fault (or a part server's), told to the
         coordinator, which resets the ring and replays."""
+        if seq not in self.caches:
+            # let go while the step ran (a reset forgot it between two sequences of a batch,
+            # or it was cancelled): it failed for that (a KeyError for its sampler), neither
+            # the job's fault nor this node's. Reported, it struck the job and charged the node
+            # in the new epoch (the churn test of tests/test_jobs_swarm.py on a slow machine:
+            # 6 such faults after one reset, and an innocent job's third strike).
+            return
         if isinstance(exc, JobError):
             log.warning("stage %s: request %s failed: %s", self.config.layers,
                         self.requests.get(seq), exc)  # fmt: skip
@@ -953,6 +977,10 @@ class Stage:
             await s.emit(Frame("token", {"req": s.req, "token": token}))
         if len(s.tokens) >= s.max_tokens:
             return await self.finish(seq, "max_tokens")
+        if replaying and not s.replay and self.on_frontier is not None:  # replayed up to
+            if not await self.at_frontier(seq):  # where its job had come: new ground next
+                return
+            self._frame_s = None  # (the step waited for the head: no frame's timing is its)
         pos = len(s.prompt) + len(s.tokens) - 1
         t0 = time.perf_counter()
         h = self.embed(np.asarray([token]))
