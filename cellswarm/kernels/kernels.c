@@ -1354,16 +1354,19 @@ static inline int64_t keys_ld(int64_t cap) { return (cap + 15) / 16 * 16; }
 void cs_attend(const float *q, int64_t t, const float *kt, int64_t ldk, const float *v,
                int64_t cap, int64_t n_heads, int64_t n_kv, int64_t s_len, int64_t d, int64_t dv,
                float scale, float *out) {
-    const int64_t g = n_heads / n_kv, jobs = t * n_heads;
-    const int use = gov_threads_for(jobs * s_len * d);
+    const int64_t g = n_heads / n_kv, jobs = t * n_kv;
+    const int use = gov_threads_for(t * n_heads * s_len * d);
 #pragma omp parallel num_threads(use) if (use > 1)
     {
         float *p = (float *)malloc(sizeof(float) * (size_t)keys_ld(s_len));
+        /* (query, KV head) pairs: the query heads that share a KV head one after the other on
+         * one thread, its keys and values in this core's cache for all but the first */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < jobs; j++) {
-            const int64_t i = j / n_heads, h = j % n_heads, kvh = h / g;
-            attend_one(q + j * d, kt + kvh * d * ldk, ldk, v + kvh * cap * dv, s_len - t + i + 1,
-                       d, dv, scale, p, out + j * dv);
+            const int64_t i = j / n_kv, kvh = j % n_kv;
+            for (int64_t h = kvh * g; h < (kvh + 1) * g; h++)
+                attend_one(q + (i * n_heads + h) * d, kt + kvh * d * ldk, ldk, v + kvh * cap * dv,
+                           s_len - t + i + 1, d, dv, scale, p, out + (i * n_heads + h) * dv);
         }
         free(p);
     }

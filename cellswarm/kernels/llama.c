@@ -99,10 +99,13 @@ int64_t cs_llama_scratch_qbytes(const llama_layer *L, int64_t n) {
     return 2 * w + 4 * (w / 32) + 4 * (w / 16) + (int64_t)(sizeof(outliers) + 4) * (w / 32) + 128;
 }
 
-/* attention of every sequence's heads in one parallel loop: (sequence, head) pairs */
+/* attention of every sequence's heads in one parallel loop over (sequence, KV head) pairs:
+ * the query heads that share a KV head run one after the other on one thread, so its keys
+ * and values come from this core's cache for all but the first (with the pairs as units
+ * each query head's read of them went to whichever thread was free: from memory again) */
 static void attend_many(const llama_layer *L, int64_t n, const float *q, float *const *k_st,
                         float *const *v_st, const int64_t *caps, const int64_t *pos, float *att) {
-    const int64_t H = L->n_heads, hd = L->head_dim, g = H / L->n_kv;
+    const int64_t H = L->n_heads, hd = L->head_dim, KV = L->n_kv, g = H / KV;
     int64_t most = 0, work = 0;
     for (int64_t i = 0; i < n; i++) {
         most = pos[i] + 1 > most ? pos[i] + 1 : most;
@@ -113,13 +116,24 @@ static void attend_many(const llama_layer *L, int64_t n, const float *q, float *
     {
         float *p = (float *)malloc(sizeof(float) * (size_t)keys_ld(most));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < n * H; j++) {
-            const int64_t i = j / H, kvh = (j % H) / g, ldk = keys_ld(caps[i]);
-            attend_one(q + j * hd, k_st[i] + kvh * hd * ldk, ldk, v_st[i] + kvh * caps[i] * hd,
-                       pos[i] + 1, hd, hd, L->scale, p, att + j * hd);
+        for (int64_t j = 0; j < n * KV; j++) {
+            const int64_t i = j / KV, kvh = j % KV, ldk = keys_ld(caps[i]);
+            for (int64_t h = kvh * g; h < (kvh + 1) * g; h++)
+                attend_one(q + (i * H + h) * hd, k_st[i] + kvh * hd * ldk, ldk,
+                           v_st[i] + kvh * caps[i] * hd, pos[i] + 1, hd, hd, L->scale, p,
+                           att + (i * H + h) * hd);
         }
         free(p);
     }
+}
+
+/* silu(g) * u for each sequence's row, the rows over the threads from 4 sequences on (each
+ * row is silu_mul's one call, the bits of a decode step alone): at 32 sequences it was 3%
+ * of a step, on one thread while the other waited */
+static void silu_mul_many(float *g, const float *u, int64_t n, int64_t ffn) {
+    const int use = n >= 4 ? gov_threads() : 1;
+#pragma omp parallel for num_threads(use) if (use > 1) schedule(static)
+    for (int64_t i = 0; i < n; i++) silu_mul(g + i * ffn, u + i * ffn, ffn);
 }
 
 static void llama_decode_many(const llama_layer *L, int64_t n, float *x, const int64_t *pos,
@@ -154,7 +168,7 @@ static void llama_decode_many(const llama_layer *L, int64_t n, float *x, const i
     t[0] = batch(&L->gate, L->gate.w, ffn, d, at(&qb, h, 0), g, n, ffn);
     t[1] = batch(&L->up, L->up.w, ffn, d, at(&qb, h, 0), u, n, ffn);
     run_tasks(t, 2);
-    for (int64_t i = 0; i < n; i++) silu_mul(g + i * ffn, u + i * ffn, ffn);
+    silu_mul_many(g, u, n, ffn);
     if (L->down.kind == 0) quant_rows(g, n, ffn, &qb, 0);
     t[0] = batch(&L->down, L->down.w, d, ffn, at(&qb, g, 0), tmp, n, d);
     run_tasks(t, 1);
