@@ -27,6 +27,7 @@ The ratios are what to quote. llama.cpp and llama-server are built by bench.peer
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import time
@@ -38,21 +39,24 @@ from bench.peers import TEXT
 from cellswarm import kernels
 from cellswarm.kernels.awake import awake
 from cellswarm.loader import load
-from cellswarm.planner.placement import even_split
+from cellswarm.planner import api, cost, profiles
+from cellswarm.planner.placement import even_split, layer_placement
+from cellswarm.planner.profiles import NodeProfile
 
 NPP, NTG = 128, 64
 BATCHES = (1, 4, 16, 32)
 
 
-def cellswarm_rates(path: str, threads: int, batches: tuple[int, ...]) -> dict[int, float]:
+def cellswarm_rates(path: str, threads: int, batches: tuple[int, ...],
+                    prompt: int = NPP) -> dict[int, float]:  # fmt: skip
     """Decode tokens/s summed over the batch, for each batch size: prefill excluded."""
     kernels.set_threads(threads)
     model = load(path, tokenizer=False)
     rng = np.random.default_rng(0)
     out = {}
     for b in (1, *batches):  # the first: a warm-up (pages in, kernels' arguments made)
-        prompts = [rng.integers(3, model.config.vocab_size, NPP) for _ in range(b)]
-        caches = [model.new_cache(NPP + NTG + 1) for _ in range(b)]
+        prompts = [rng.integers(3, model.config.vocab_size, prompt) for _ in range(b)]
+        caches = [model.new_cache(prompt + NTG + 1) for _ in range(b)]
         last = [model.step(p, c, last_only=True)[-1] for p, c in zip(prompts, caches, strict=True)]
         ids = [int(np.argmax(x)) for x in last]
         with awake(threads > 1):
@@ -93,6 +97,65 @@ def step_bytes(path: str, batch: int) -> float:
     return total
 
 
+def host_profile(path: str, threads: int, bandwidth: float) -> NodeProfile:
+    """This machine as a planner node for `path`, from two microbenchmarks of its own
+    kernels: the streaming-read bandwidth (measured by the caller) and the matrix products of
+    the file's first layer and output head (each in the file's own format) at batch 1 and 16.
+    Batch 1 gives the effective FLOP/s; the growth to 16 splits it into what is done per read
+    of the weights (unpacking: `unpack_share`) and per sequence. Attention, norms, the cache
+    and the Python around the step are not in it: the planner composes those."""
+    kernels.set_threads(threads)
+    w = load(path, tokenizer=False).weights
+    mats = [w.matrix(n) for n in w if (n.startswith("blk.0.") or n == "output.weight")
+            and n.endswith(".weight") and len(w[n].shape) == 2 and "norm" not in n]  # fmt: skip
+    for m in mats:
+        m.repack()
+    rng = np.random.default_rng(0)
+
+    def seconds(b: int) -> float:  # the fastest of 5 runs over all the matrices
+        xs = [rng.standard_normal((b, m.shape[1])).astype(np.float32) for m in mats]
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for m, x in zip(mats, xs, strict=True):
+                m.matmul(x)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    one, sixteen = seconds(1), seconds(16)
+    per_seq = (sixteen - one) / 15
+    params = sum(m.shape[0] * m.shape[1] for m in mats)
+    return NodeProfile(
+        name="this-host", description=f"this machine, {threads} threads (bench.batch)",
+        memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        memory_bandwidth_bytes_per_s=bandwidth, memory_efficiency=1.0,
+        flops=2 * params / one, compute_efficiency=1.0, cores=threads,
+        link_bits_per_s=1e10, link_rtt_s=5e-5, power_busy_w=1.0, power_idle_w=1.0,
+        unpack_share=max(0.0, min(0.99, 1 - per_seq / one)),
+    )  # fmt: skip
+
+
+def predicted_rate(path: str, node: NodeProfile, batch: int, context: int,
+                   opts: cost.CostOptions) -> float:  # fmt: skip
+    """The planner's decode tokens/s for one process at `batch` (cost.pipeline_decode on one
+    slot holding every layer), each sequence reading `context` tokens of KV cache."""
+    inv = api.resolve_model(path)
+    placement = layer_placement(inv, [(0, inv.n_layers)])
+    step = cost.pipeline_decode(inv, placement, node, opts, batch, context)
+    return batch / (step.total_s - node.link_rtt_s / 2)  # one process: no token goes back
+
+
+def sequence_overhead(path: str, node: NodeProfile, threads: int) -> cost.CostOptions:
+    """The planner's one fitted figure, `sequence_layer_s`: a real step of 16 sequences a few
+    tokens into their caches, less what the planner predicts for it without that term, per
+    sequence and layer. Fitted on this one point of each file; every row is predicted at
+    another context (160 tokens, not 36), and all but B=16 at another batch size."""
+    rate = cellswarm_rates(path, threads, (16,), prompt=4)[16]
+    bare = predicted_rate(path, node, 16, 4 + NTG // 2, cost.CostOptions())
+    layers = api.resolve_model(path).n_layers
+    return cost.CostOptions(sequence_layer_s=max(0.0, (16 / rate - 16 / bare) / (16 * layers)))
+
+
 def one_process_rows(files: list[tuple[str, str]], threads: int, exe: str,
                      pairs: int = 1) -> list[dict]:  # fmt: skip
     """Each file's rates at every batch size: `pairs` runs of each engine, interleaved
@@ -105,6 +168,11 @@ def one_process_rows(files: list[tuple[str, str]], threads: int, exe: str,
     print(f"streaming-read bandwidth at {threads} threads: {bw / 1e9:.1f} GB/s")
     rows = []
     for label, path in files:
+        node = host_profile(path, threads, bw)
+        opts = sequence_overhead(path, node, threads)  # its architecture's own: MLA, a router
+        print(f"{label}: host profile {node.flops / 1e9:.0f} GFLOP/s at batch 1, unpack "
+              f"share {node.unpack_share:.2f}; {opts.sequence_layer_s * 1e6:.0f} us a "
+              f"sequence and layer")
         runs = [(cellswarm_rates(path, threads, BATCHES), llama_rates(exe, path, threads,
                                                                        BATCHES))
                 for _ in range(pairs)]  # fmt: skip
@@ -113,14 +181,16 @@ def one_process_rows(files: list[tuple[str, str]], threads: int, exe: str,
             theirs = float(np.median([t.get(b, np.nan) for _, t in runs]))
             ratios = [o[b] / t.get(b, np.nan) for o, t in runs]
             bound = b * bw / step_bytes(path, b)
+            planned = predicted_rate(path, node, b, NPP + NTG // 2, opts)
             row = {"file": label, "threads": threads, "batch": b, "cellswarm": ours,
                    "llama.cpp": theirs, "ratio": float(np.median(ratios)),
-                   "ratios": ratios, "bound": bound}  # fmt: skip
+                   "ratios": ratios, "bound": bound, "planner": planned}  # fmt: skip
             rows.append(row)
             spread = f" (pairs {min(ratios):.2f}-{max(ratios):.2f})" if pairs > 1 else ""
             print(f"{label:<28} B={b:<3} cellswarm {ours:8.1f}  llama.cpp {theirs:8.1f}  "
                   f"ratio {row['ratio']:5.2f}{spread}  bound {bound:8.1f}  "
-                  f"of bound {ours / bound:4.2f}")
+                  f"of bound {ours / bound:4.2f}  planner {planned:8.1f} "
+                  f"(measured/planned {ours / planned:4.2f})")
     return rows
 
 
@@ -138,17 +208,40 @@ def pipeline_rate(path: str, prompts: int, max_batch: int) -> float:
     return (len(stamps) - prompts) / (stamps[-1] - stamps[prompts - 1])
 
 
+def pipeline_predictions(path: str, prompts: int) -> dict[int, float]:
+    """The simulator's tokens/s for the pipeline rows (`sim.local.predict_local`: the same
+    Simulator and cost model as `cellswarm simulate`), on this machine measured as a node:
+    one thread (a stage process's), slowed 1.5x because three stage processes share two
+    cores. max_batch 1 is one sequence per stage in flight (more only queue); 32 is all."""
+    from bench.engine import read_bandwidth_bytes_per_s
+    from cellswarm.sim.local import predict_local
+
+    kernels.set_threads(1)
+    node = host_profile(path, 1, read_bandwidth_bytes_per_s())
+    fitted = sequence_overhead(path, node, 1)
+    slow = profiles.dilate(node, 1.5)
+    opts = cost.CostOptions(sequence_layer_s=1.5 * fitted.sequence_layer_s)
+    split = even_split(api.resolve_model(path).n_layers, 3)
+    return {b: predict_local(split, node=slow, in_flight=3 if b == 1 else prompts,
+                             jobs=prompts, tokens=NTG, prompt_tokens=8, model=path,
+                             opts=opts).tokens_per_s
+            for b in (1, 32)}  # fmt: skip
+
+
 def pipeline_rows(path: str, prompts: int) -> list[dict]:
     from bench.swarm import single_process_tokens_per_s
 
     one = single_process_tokens_per_s(path, NTG)
+    simulated = pipeline_predictions(path, prompts)
     rows = []
     for max_batch in (1, 32):
         rate = pipeline_rate(path, prompts, max_batch)
         rows.append({"stages": 3, "prompts": prompts, "max_batch": max_batch, "tokens_s": rate,
-                     "three_x_one": 3 * one})  # fmt: skip
+                     "three_x_one": 3 * one, "simulator": simulated[max_batch]})  # fmt: skip
         print(f"3 stages, {prompts} prompts x {NTG} tokens, max_batch {max_batch:>2}: "
-              f"{rate:7.1f} tokens/s = {rate / (3 * one):4.2f} x (3 x one process {one:.1f})")
+              f"{rate:7.1f} tokens/s = {rate / (3 * one):4.2f} x (3 x one process {one:.1f}); "
+              f"simulator {simulated[max_batch]:7.1f} (measured/simulated "
+              f"{rate / simulated[max_batch]:4.2f})")
     return rows
 
 

@@ -335,3 +335,38 @@ def test_continuous_batching_in_the_plan_and_the_simulator_alike(demo_path: Path
                            SimParams())  # fmt: skip
         net = min(per_replica(many), high / rep.base.interval(high))
         assert net == pytest.approx(per_replica(many), rel=1e-9), model
+
+
+def test_a_pass_unpacks_once_and_multiplies_per_sequence(demo_path: Path) -> None:
+    """A node that unpacks its weights once per pass (`unpack_share`) pays less for a batch
+    than the roofline's FLOPs x B, the same at batch 1; the KV cache a sequence reads back
+    (`context`) and the per-sequence work (`sequence_layer_s`) add to the pass; all three at
+    their defaults leave every prediction as it was."""
+    import dataclasses
+
+    from cellswarm.planner import cost, profiles
+    from cellswarm.planner.placement import layer_placement
+
+    inv = api.resolve_model(str(demo_path))
+    placement = layer_placement(inv, [(0, inv.n_layers)])
+    plain = profiles.get_profile("rpi4")  # compute-bound on the demo model
+    unpacking = dataclasses.replace(plain, unpack_share=0.6)
+    opts = cost.CostOptions()
+
+    def pass_s(node: profiles.NodeProfile, batch: int, **kw: float) -> float:
+        context = int(kw.pop("context", 0))
+        o = dataclasses.replace(opts, **kw)
+        return cost.pipeline_decode(inv, placement, node, o, batch, context).total_s
+
+    assert pass_s(unpacking, 1) == pytest.approx(pass_s(plain, 1))
+    assert pass_s(unpacking, 16) < 0.6 * pass_s(plain, 16)
+    # past 16 sequences the weights are read (and unpacked) again
+    assert pass_s(unpacking, 32) - pass_s(unpacking, 16) > pass_s(unpacking, 16) - pass_s(
+        unpacking, 1)
+    kv = 16 * 100 * inv.kv_bytes_per_token_layer * inv.n_layers
+    assert pass_s(plain, 16, context=100) - pass_s(plain, 16) == pytest.approx(
+        kv / plain.effective_bandwidth_bytes_per_s)
+    assert pass_s(plain, 4, sequence_layer_s=1e-5) - pass_s(plain, 4) == pytest.approx(
+        4 * inv.n_layers * 1e-5)
+    with pytest.raises(cellswarm.RequestError, match=r"unpack_share = 1\.0 must be in"):
+        dataclasses.replace(plain, unpack_share=1.0)

@@ -35,6 +35,9 @@ class CostOptions:
     # the measured figures from data/runtime.toml [software]. 0 here: a bare roofline.
     stage_step_s: float = 0.0
     hop_s: float = 0.0
+    # per sequence per layer in a pass: norms, RoPE, the cache write, residuals (bench.batch
+    # measures it: ~40 us on a Zen 4 core); 0 here
+    sequence_layer_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,15 @@ KERNEL_BATCH = 16  # sequences one pass of the fused kernels reads the weights f
 MAX_BATCH = 32  # sequences a stage steps at once (StageConfig.max_batch)
 
 
+def pass_flops(node: Any, read_params: float, used_params: float) -> float:
+    """What one pass costs in batch-1 matvec FLOPs: the fused kernels unpack each weight they
+    read once (`read_params`: a weight once per KERNEL_BATCH sequences; that is the node's
+    `unpack_share` of a batch-1 matvec) and multiply it once per sequence that uses it
+    (`used_params`). Without an unpack share this is the roofline's 2 x used_params."""
+    share = getattr(node, "unpack_share", 0.0)
+    return 2 * (read_params * share + used_params * (1 - share))
+
+
 def batch_size(in_flight: int, stages: int) -> int:
     """Sequences each stage steps per pass when `in_flight` spread over `stages` in a ring
     (continuous batching: every stage holds its share of them)."""
@@ -128,12 +140,17 @@ def batch_size(in_flight: int, stages: int) -> int:
 
 
 def pipeline_decode(
-    inv: ModelInventory, placement: Placement, node: Any, opts: CostOptions, batch: int = 1
-) -> StepTime:
+    inv: ModelInventory, placement: Placement, node: Any, opts: CostOptions, batch: int = 1,
+    context: int = 0,
+) -> StepTime:  # fmt: skip
     """One pass through one replica of `batch` sequences' tokens (one each): the weights are
     read once per KERNEL_BATCH of them, compute and activations are per sequence, and a MoE
-    layer reads the experts the batch is expected to touch. batch 1: one sequence in flight."""
+    layer reads the experts the batch is expected to touch. batch 1: one sequence in flight.
+    `context`: the tokens each sequence's attention reads back from its KV cache, per layer
+    (0: not counted; at B = 32 and 160 tokens the demo-sized 0.3B's caches are as many bytes
+    as its weights)."""
     act = inv.d_model * opts.activation_bytes * batch
+    kv = batch * context * inv.kv_bytes_per_token_layer
     reads = -(-batch // KERNEL_BATCH)
     owners = {layer: s for s in placement.slots if s.layers for layer in range(*s.layers)}
     total = StepTime()
@@ -144,7 +161,11 @@ def pipeline_decode(
         if prev is not None and slot.node != prev.node:
             total += hop(node, act)
         nbytes, params = inv.core(layer)
-        core = roofline(node, nbytes * reads, 2 * params * batch)
+        core = roofline(node, nbytes * reads, pass_flops(node, params * reads, params * batch))
+        # attention reads each sequence's cache after the products, not beside them; the
+        # per-sequence work around them (norms, RoPE, the cache write, residuals) is serial
+        core += StepTime(memory_s=kv / node.effective_bandwidth_bytes_per_s,
+                         software_s=batch * opts.sequence_layer_s)  # fmt: skip
         total += core
         busy[slot.node] += core.total_s
         for group in inv.groups(layer):
@@ -155,7 +176,8 @@ def pipeline_decode(
     for s in placement.slots:  # each head shard is busy with its rows every token, too
         if s.head_rows:
             part = (s.head_rows[1] - s.head_rows[0]) / inv.vocab_size
-            head = roofline(node, part * nbytes * reads, 2 * part * params * batch)
+            head = roofline(node, part * nbytes * reads,
+                            pass_flops(node, part * params * reads, part * params * batch))
             busy[s.node] += head.total_s
     total += StepTime(network_s=node.link_rtt_s / 2)  # the sampled token back to the first stage
     stages, hops = serial_path(inv, placement)
@@ -184,15 +206,18 @@ def _group_step(
     for n, h in held.items():  # each holder's expected share of the work, per pass
         frac = h / group.n_units
         busy[n] += roofline(node, touched * frac * group.unit_bytes,
-                            2 * group.used * batch * frac * group.unit_params).total_s  # fmt: skip
+                            pass_flops(node, touched * frac * group.unit_params,
+                                       group.used * batch * frac * group.unit_params)).total_s
     if list(held) == [owner.node]:
         return roofline(node, touched * group.unit_bytes,
-                        2 * group.used * batch * group.unit_params)  # fmt: skip
+                        pass_flops(node, touched * group.unit_params,
+                                   group.used * batch * group.unit_params))  # fmt: skip
     # Scatter to the holders, wait for the slowest, gather their weighted outputs.
     frac = max(held.values()) / group.n_units
     per_node = max(touched * frac, 1.0)
     step = roofline(node, per_node * group.unit_bytes,
-                    2 * max(group.used * batch * frac, 1.0) * group.unit_params)  # fmt: skip
+                    pass_flops(node, per_node * group.unit_params,
+                               max(group.used * batch * frac, 1.0) * group.unit_params))
     f = straggler_factor(min(len(held), group.used), opts.straggler_cv)
     wire = act * sum(share(group, h) + answer_rows(group, h)
                      for n, h in held.items() if n != owner.node)  # fmt: skip
@@ -207,7 +232,9 @@ def _head_step(
     heads = [s for s in placement.slots if s.head_rows]
     nbytes, params = head_cost(inv)
     rows = max((s.head_rows[1] - s.head_rows[0]) for s in heads if s.head_rows) / inv.vocab_size
-    step = roofline(node, rows * nbytes * -(-batch // KERNEL_BATCH), 2 * rows * params * batch)
+    reads = -(-batch // KERNEL_BATCH)
+    step = roofline(node, rows * nbytes * reads,
+                    pass_flops(node, rows * params * reads, rows * params * batch))
     remote = [s for s in heads if last is None or s.node != last.node]
     if remote:  # the hidden state to every head shard, a (max, index) pair back from each
         step += StepTime(network_s=node.link_rtt_s + len(remote) * act / node.link_bytes_per_s)

@@ -137,6 +137,11 @@ class NodeProfile:
     power_idle_w: float
     tiers: tuple[MemoryTier, ...] = ()
     swap: MemoryTier | None = None
+    # The part of a batch-1 quantized matvec's compute that is done once per read of the
+    # weights (unpacking the blocks), not once per sequence: a pass of B sequences computes
+    # share + B x (1 - share) matvecs' worth. 0: every sequence pays it all (the roofline's
+    # FLOPs x B). bench.batch measures it on the host's own kernels (0.6 on a Zen 4 core).
+    unpack_share: float = 0.0
 
     def __post_init__(self) -> None:
         _check_name("node profile", "name", self.name)
@@ -152,6 +157,8 @@ class NodeProfile:
         _check_positive(where, "link_rtt_s", self.link_rtt_s)
         _check_positive(where, "power_busy_w", self.power_busy_w)
         _check_positive(where, "power_idle_w", self.power_idle_w)
+        if not 0 <= _number(where, "unpack_share", self.unpack_share) < 1:
+            raise RequestError(f"{where}: unpack_share = {self.unpack_share!r} must be in [0, 1)")
         if self.power_idle_w > self.power_busy_w:
             raise RequestError(
                 f"{where}: power_idle_w = {self.power_idle_w!r} exceeds "
@@ -275,7 +282,7 @@ _PROFILE_KEYS: dict[str, tuple[str, Converter]] = {
     "power_busy_w": ("power_busy_w", _as_float),
     "power_idle_w": ("power_idle_w", _as_float),
 }
-_PROFILE_OPTIONAL = ("tiers", "swap", "base")
+_PROFILE_OPTIONAL = ("tiers", "swap", "base", "unpack_share")
 _TIER_KEYS: dict[str, tuple[str, Converter]] = {
     "name": ("name", _as_str),
     "capacity": ("capacity_bytes", _as_capacity),
@@ -356,6 +363,7 @@ def _profile(name: str, raw: Mapping[str, Any], origin: str) -> NodeProfile:
     kwargs["tiers"] = tuple(_tier(where, f"tiers[{i}]", t) for i, t in enumerate(tiers))
     swap = raw.get("swap", False)
     kwargs["swap"] = None if swap is False else _tier(where, "swap", swap)
+    kwargs["unpack_share"] = raw.get("unpack_share", 0.0)
     try:
         return NodeProfile(name=name, **kwargs)
     except RequestError as e:

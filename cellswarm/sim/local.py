@@ -66,7 +66,7 @@ LOCAL_CONTROL = ControlPlane(heartbeat_s=0.25, timeout_beats=8.0)
 def predict_local(
     split: Sequence[tuple[int, int]],
     *,
-    node: str = "rpi4",
+    node: str | profiles.NodeProfile = "rpi4",
     in_flight: int = 1,
     jobs: int = 1,
     tokens: int = 32,
@@ -77,18 +77,20 @@ def predict_local(
     model: str | Path | ModelInventory | None = None,
     profiles_file: Path | None = None,
     network: profiles.NetworkSpec | None = None,
+    opts: cost.CostOptions | None = None,
 ) -> LocalPrediction:
     """Predict a local one-replica swarm's decode tokens/s and p50 latency.
 
     split: the layer ranges the stages really held, e.g. [(0, 15), (15, 30)].
-    node: the planner profile the workers emulate (`cellswarm worker --profile`).
+    node: the planner profile the workers emulate (`cellswarm worker --profile`), or a
+    profile measured on the machine the stages ran on (bench.batch).
     in_flight: sequences the head keeps in flight (S); jobs: J jobs of `tokens` (M) tokens
     each after a `prompt_tokens` prompt, all queued at t = 0.
     kill_at_s / kill_stage: kill that stage's node at that time (None: no kill); one spare
     waits to take its shard. params: the overheads being calibrated.
     model: the model file (default: the demo model, `cellswarm.demo.demo_model_path()`).
     network: the three tiers the stages sit on, numbered in rack order (default: one
-    switch, as on one machine).
+    switch, as on one machine). opts: the cost model's options (default: a bare roofline).
     """
     from cellswarm.demo import demo_model_path
 
@@ -100,14 +102,16 @@ def predict_local(
         raise RequestError(f"kill_stage {kill_stage} is not a stage of a {len(split)}-stage ring")
     if kill_at_s is not None and kill_at_s < 0:
         raise RequestError(f"kill_at_s {kill_at_s} must be non-negative")
-    profile = profiles.get_profile(node, profiles_file)
-    opts = cost.CostOptions()
+    profile = node if isinstance(node, profiles.NodeProfile) else profiles.get_profile(
+        node, profiles_file)
+    opts = opts or cost.CostOptions()
     rmodel = ReplicaModel(inv, placement, profile, opts, params)
     base = rmodel.base
     per_job = rmodel.prefill_s(prompt_tokens + tokens) + tokens * base.interval(in_flight)
     horizon = (jobs / in_flight + 2) * per_job * 4 + (kill_at_s or 0) + params.lease_s * 10
     sc = Scenario(
-        model=inv.name, node=node, count=len(placement.slots) + 1, context=prompt_tokens + tokens,
+        model=inv.name, node=profile.name, count=len(placement.slots) + 1,
+        context=prompt_tokens + tokens,
         concurrency=in_flight, duration_s=horizon, jobs=jobs, prompt_tokens=prompt_tokens,
         output_tokens=tokens, params=params, samples=2, control=LOCAL_CONTROL,
     )  # fmt: skip
