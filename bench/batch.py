@@ -340,16 +340,42 @@ def server_classify(exe: str, path: str, items: list[dict],
     return len(items) / took, got
 
 
+def classify_prediction(path: str, items: list[dict]) -> float:
+    """The simulator's items/s for the classification row: each item a prompt of the tokens
+    the prefix cache does not hold (after the whole 64-token blocks of the instruction,
+    which the simulator does not model) and one step, 32 in flight through 3 stages of one
+    thread each, slowed 1.5x as three stage processes share two cores."""
+    from bench.engine import read_bandwidth_bytes_per_s
+    from cellswarm.sim.local import predict_local
+
+    tok = load(path).tokenizer
+    assert tok is not None
+    a, b = (tok.encode(it["prompt"]) for it in items[:2])
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    shared = common // 64 * 64  # the prefix cache's whole blocks
+    own = float(np.mean([len(tok.encode(it["prompt"])) - shared for it in items[:200]]))
+    kernels.set_threads(1)
+    node = host_profile(path, 1, read_bandwidth_bytes_per_s())
+    opts = cost.CostOptions(sequence_layer_s=1.5 * sequence_overhead(path, node, 1)
+                            .sequence_layer_s)  # fmt: skip
+    split = even_split(api.resolve_model(path).n_layers, 3)
+    p = predict_local(split, node=profiles.dilate(node, 1.5), in_flight=32, jobs=len(items),
+                      tokens=1, prompt_tokens=round(own), model=path, opts=opts)  # fmt: skip
+    return p.tokens_per_s  # one token an item: items/s
+
+
 def classify_row(path: str, llama_server: str, n: int, threads: int) -> dict:
     items = classify_items(n)
+    simulated = classify_prediction(path, items)
     ours, our_labels = swarm_classify(path, items, 1)
     theirs, their_labels = server_classify(llama_server, path, items, threads)
     same = sum(our_labels[k] == their_labels.get(k) for k in our_labels) / len(our_labels)
     row = {"items": n, "cellswarm_items_s": ours, "llama_server_items_s": theirs,
-           "ratio": ours / theirs, "same_label": same}  # fmt: skip
+           "ratio": ours / theirs, "same_label": same, "simulator": simulated}  # fmt: skip
     print(f"classify {n} items (3 stages x 1 thread vs llama-server -t {threads} -np {SLOTS}"
           f" -cb --cache-reuse): cellswarm {ours:.1f} items/s, llama-server {theirs:.1f} "
-          f"items/s, ratio {ours / theirs:.2f}; the same label on {same:.1%} of items")
+          f"items/s, ratio {ours / theirs:.2f}; the same label on {same:.1%} of items; "
+          f"simulator {simulated:.1f} items/s (measured/simulated {ours / simulated:.2f})")
     return row
 
 

@@ -209,6 +209,17 @@ def test_predict_local_demo_model() -> None:
     assert slower.step_s == pytest.approx(one.step_s + 3 * 0.01)
 
 
+def test_prefills_share_the_stages_they_run_on() -> None:
+    """A batch of long prompts and one token each (classification) is bound by prefill: a
+    ring runs one prompt per stage at a time, so the items/s cannot pass stages / prefill_s
+    however many are in flight (they overlapped freely before: ~10x too fast here)."""
+    split = [(0, 10), (10, 20), (20, 30)]
+    p = predict_local(split, node="rpi4", in_flight=32, jobs=64, tokens=1, prompt_tokens=200)
+    assert p.jobs_done == 64
+    assert p.tokens_per_s <= 3 / p.prefill_s * 1.001
+    assert p.tokens_per_s > 0.8 * 3 / p.prefill_s  # and the stages stay busy
+
+
 @pytest.mark.parametrize(
     ("nodes", "max_beats", "interval_s", "detect_s", "saturated"),
     [

@@ -248,13 +248,16 @@ def pipeline_prefill(
     act = prompt * inv.d_model * opts.activation_bytes
     hops = len({s.node for s in placement.slots if s.layers}) + 1
     total = StepTime(network_s=hops * (node.link_rtt_s / 2 + act / node.link_bytes_per_s))
+    reads = -(-prompt // KERNEL_BATCH)  # a chunk's rows go through the kernels 16 at a time
     for layer in range(inv.n_layers):
         nbytes, params = inv.core(layer)
-        total += roofline(node, nbytes, 2 * params * prompt)
+        total += roofline(node, nbytes, pass_flops(node, params * reads, params * prompt))
         for group in inv.groups(layer):
             n_holders = max(len(holders(placement, layer, group.kind)), 1)
-            touched = min(group.n_units, prompt * group.used) * group.unit_bytes / n_holders
-            flops = 2 * group.unit_params * prompt * group.used / n_holders
+            units = min(group.n_units, prompt * group.used)
+            touched = units * group.unit_bytes / n_holders
+            flops = pass_flops(node, units * group.unit_params * reads / n_holders,
+                               group.unit_params * prompt * group.used / n_holders)
             total += roofline(node, touched, flops)
     nbytes, params = head_cost(inv)
     stages, n_hops = serial_path(inv, placement)

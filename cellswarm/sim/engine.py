@@ -84,6 +84,9 @@ class Replica:
     gen: int = 0
     ready_at: float = 0.0
     needs_replay: bool = False
+    # its stages are busy with earlier prefills until then: a prompt goes through the ring
+    # in one chunk, a stage at a time, so prefills pipeline but never overlap on a stage
+    prefill_free_at: float = 0.0
 
 
 @dataclass
@@ -373,7 +376,9 @@ class Simulator:
             self.c.replay_s += secs
         else:
             self.c.prefill_s += secs
-        seq.ready_at, seq.decoding = self.now + secs, False
+        start = max(self.now, rep.prefill_free_at)
+        rep.prefill_free_at = start + secs / self.model.stages  # each stage's share
+        seq.ready_at, seq.decoding = start + secs, False
 
     def _update(self, rep: Replica) -> None:
         """Bring a replica to now: finish, fail and start sequences, set its rate, and
