@@ -21,6 +21,11 @@
    flight), the same with batching off (max_batch 1: each step alone, as before), and 3 x
    one process at batch 1 (what pipelining alone promises, bench.swarm's figure).
 
+Beside each row: the planner's figure (cost.pipeline_decode) or the simulator's
+(sim.local.predict_local), on this machine measured as a planner node by its own kernels
+(`host_profile`: bandwidth, the file's matrices at batch 1 and 16) and one fitted
+per-sequence cost (`sequence_overhead`), and the ratio measured / predicted.
+
 The ratios are what to quote. llama.cpp and llama-server are built by bench.peers.
 """
 
