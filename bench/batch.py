@@ -213,21 +213,27 @@ def pipeline_rate(path: str, prompts: int, max_batch: int) -> float:
     return (len(stamps) - prompts) / (stamps[-1] - stamps[prompts - 1])
 
 
-def pipeline_predictions(path: str, prompts: int) -> dict[int, float]:
-    """The simulator's tokens/s for the pipeline rows (`sim.local.predict_local`: the same
-    Simulator and cost model as `cellswarm simulate`), on this machine measured as a node:
-    one thread (a stage process's), slowed 1.5x because three stage processes share two
-    cores. max_batch 1 is one sequence per stage in flight (more only queue); 32 is all."""
+def stage_node(path: str) -> tuple[NodeProfile, cost.CostOptions, list[tuple[int, int]]]:
+    """A stage process of the local swarm or pipeline as a planner node, for the simulator:
+    this machine measured at one thread (a stage's), slowed 1.5x because three stage
+    processes share two cores; its fitted per-sequence cost slowed alike; the 3-stage split."""
     from bench.engine import read_bandwidth_bytes_per_s
-    from cellswarm.sim.local import predict_local
 
     kernels.set_threads(1)
     node = host_profile(path, 1, read_bandwidth_bytes_per_s())
-    fitted = sequence_overhead(path, node, 1)
-    slow = profiles.dilate(node, 1.5)
-    opts = cost.CostOptions(sequence_layer_s=1.5 * fitted.sequence_layer_s)
+    fitted = sequence_overhead(path, node, 1).sequence_layer_s
     split = even_split(api.resolve_model(path).n_layers, 3)
-    return {b: predict_local(split, node=slow, in_flight=3 if b == 1 else prompts,
+    return profiles.dilate(node, 1.5), cost.CostOptions(sequence_layer_s=1.5 * fitted), split
+
+
+def pipeline_predictions(path: str, prompts: int) -> dict[int, float]:
+    """The simulator's tokens/s for the pipeline rows (`sim.local.predict_local`: the same
+    Simulator and cost model as `cellswarm simulate`) on `stage_node`. max_batch 1 is one
+    sequence per stage in flight (more only queue); 32 is all."""
+    from cellswarm.sim.local import predict_local
+
+    node, opts, split = stage_node(path)
+    return {b: predict_local(split, node=node, in_flight=3 if b == 1 else prompts,
                              jobs=prompts, tokens=NTG, prompt_tokens=8, model=path,
                              opts=opts).tokens_per_s
             for b in (1, 32)}  # fmt: skip
@@ -348,9 +354,7 @@ def server_classify(exe: str, path: str, items: list[dict],
 def classify_prediction(path: str, items: list[dict]) -> float:
     """The simulator's items/s for the classification row: each item a prompt of the tokens
     the prefix cache does not hold (after the whole 64-token blocks of the instruction,
-    which the simulator does not model) and one step, 32 in flight through 3 stages of one
-    thread each, slowed 1.5x as three stage processes share two cores."""
-    from bench.engine import read_bandwidth_bytes_per_s
+    which the simulator does not model) and one step, 32 in flight through `stage_node`s."""
     from cellswarm.sim.local import predict_local
 
     tok = load(path).tokenizer
@@ -359,13 +363,9 @@ def classify_prediction(path: str, items: list[dict]) -> float:
     common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     shared = common // 64 * 64  # the prefix cache's whole blocks
     own = float(np.mean([len(tok.encode(it["prompt"])) - shared for it in items[:200]]))
-    kernels.set_threads(1)
-    node = host_profile(path, 1, read_bandwidth_bytes_per_s())
-    opts = cost.CostOptions(sequence_layer_s=1.5 * sequence_overhead(path, node, 1)
-                            .sequence_layer_s)  # fmt: skip
-    split = even_split(api.resolve_model(path).n_layers, 3)
-    p = predict_local(split, node=profiles.dilate(node, 1.5), in_flight=32, jobs=len(items),
-                      tokens=1, prompt_tokens=round(own), model=path, opts=opts)  # fmt: skip
+    node, opts, split = stage_node(path)
+    p = predict_local(split, node=node, in_flight=32, jobs=len(items), tokens=1,
+                      prompt_tokens=round(own), model=path, opts=opts)  # fmt: skip
     return p.tokens_per_s  # one token an item: items/s
 
 

@@ -36,7 +36,7 @@ class CostOptions:
     stage_step_s: float = 0.0
     hop_s: float = 0.0
     # per sequence per layer in a pass: norms, RoPE, the cache write, residuals (bench.batch
-    # measures it: ~40 us on a Zen 4 core); 0 here
+    # fits it: 23 us dense, 78 us with MLA and a router, on a Zen 4 core); 0 here
     sequence_layer_s: float = 0.0
 
 
@@ -124,6 +124,12 @@ KERNEL_BATCH = 16  # sequences one pass of the fused kernels reads the weights f
 MAX_BATCH = 32  # sequences a stage steps at once (StageConfig.max_batch)
 
 
+def kernel_reads(rows: int) -> int:
+    """Reads of the weights for a pass of `rows` rows (sequences, or a prompt chunk's
+    tokens): the fused kernels take KERNEL_BATCH rows per read."""
+    return -(-rows // KERNEL_BATCH)
+
+
 def pass_flops(node: Any, read_params: float, used_params: float) -> float:
     """What one pass costs in batch-1 matvec FLOPs: the fused kernels unpack each weight they
     read once (`read_params`: a weight once per KERNEL_BATCH sequences; that is the node's
@@ -151,7 +157,7 @@ def pipeline_decode(
     as its weights)."""
     act = inv.d_model * opts.activation_bytes * batch
     kv = batch * context * inv.kv_bytes_per_token_layer
-    reads = -(-batch // KERNEL_BATCH)
+    reads = kernel_reads(batch)
     owners = {layer: s for s in placement.slots if s.layers for layer in range(*s.layers)}
     total = StepTime()
     busy: dict[int, float] = {s.node: 0.0 for s in placement.slots}
@@ -232,7 +238,7 @@ def _head_step(
     heads = [s for s in placement.slots if s.head_rows]
     nbytes, params = head_cost(inv)
     rows = max((s.head_rows[1] - s.head_rows[0]) for s in heads if s.head_rows) / inv.vocab_size
-    reads = -(-batch // KERNEL_BATCH)
+    reads = kernel_reads(batch)
     step = roofline(node, rows * nbytes * reads,
                     pass_flops(node, rows * params * reads, rows * params * batch))
     remote = [s for s in heads if last is None or s.node != last.node]
@@ -248,7 +254,7 @@ def pipeline_prefill(
     act = prompt * inv.d_model * opts.activation_bytes
     hops = len({s.node for s in placement.slots if s.layers}) + 1
     total = StepTime(network_s=hops * (node.link_rtt_s / 2 + act / node.link_bytes_per_s))
-    reads = -(-prompt // KERNEL_BATCH)  # a chunk's rows go through the kernels 16 at a time
+    reads = kernel_reads(prompt)
     for layer in range(inv.n_layers):
         nbytes, params = inv.core(layer)
         total += roofline(node, nbytes, pass_flops(node, params * reads, params * prompt))

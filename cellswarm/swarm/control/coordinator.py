@@ -958,12 +958,11 @@ class Coordinator:
 
     def checkpoint(self, node: Node, runs: list[dict[str, Any]]) -> list[str]:
         """Tokens so far of a head's jobs (renewing their leases); the ids it lost."""
-        epoch = self.epoch if any(r.get("frontier") for r in runs) else None
         stale = [str(r["job_id"]) for r in runs
                  if not self.queue.checkpoint(str(r["job_id"]), int(r["fence"]),
                                               [int(t) for t in r["tokens"]],
                                               owner=node.node_id,
-                                              frontier_epoch=epoch if r.get("frontier")
+                                              frontier_epoch=self.epoch if r.get("frontier")
                                               else None)]  # fmt: skip
         for rid in stale:
             self.log.event("stale", rid, worker=node.node_id, call="checkpoint")
