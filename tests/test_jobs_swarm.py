@@ -192,10 +192,11 @@ def test_a_member_that_does_not_hold_a_lease_cannot_touch_it(
 ) -> None:
     """A joined node (a real session: it holds the cluster token) that is not the job's
     lease holder tries every holder's route on a running job, at every fence it might guess:
-    complete with forged tokens, fail, release, checkpoint. Each is refused ('stale'); its
-    fault reports (a forged step failure of the job, a part server, a sender, the next
-    stage) strike nothing and unwire nothing: it runs no step of the ring. The job is
-    untouched and finishes with one process's tokens on its first attempt."""
+    complete with forged tokens, fail, release, checkpoint (marked at its frontier). Each
+    is refused ('stale'); its fault reports (a forged step failure of the job, a part
+    server, a sender, the next stage) strike nothing and unwire nothing: it runs no step of
+    the ring. The job is untouched and finishes with one process's tokens on its first
+    attempt."""
     from tests.members import join
 
     with LocalSwarm(str(demo_path), 1, "400M", tmp_path) as swarm:
@@ -213,7 +214,7 @@ def test_a_member_that_does_not_hold_a_lease_cannot_touch_it(
             assert client.call(swarm.url, "/v1/jobs/release", {
                 **me, "runs": [run]})["released"] == 0
             assert client.call(swarm.url, "/v1/jobs/checkpoint", {
-                **me, "runs": [{**run, "tokens": [42]}]})["stale"] == [rid]
+                **me, "runs": [{**run, "tokens": [42], "frontier": True}]})["stale"] == [rid]
         epoch = client.call(swarm.url, "/v1/status")["epoch"]
         for kind, detail in [("forward", "forged"), ("part", "worker-0"),
                              ("sender", "worker-0"), ("next", "")] * 3:  # fmt: skip
