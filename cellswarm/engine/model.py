@@ -21,7 +21,7 @@ from cellswarm.errors import RequestError
 from cellswarm.io.weights import Selection, WeightStore, non_finite
 from cellswarm.kernels.awake import awake
 from cellswarm.models.base import Architecture
-from cellswarm.models.kv_cache import KVCache, bytes_per_token
+from cellswarm.models.kv_cache import KVCache, bytes_per_token, sequence_bytes
 
 if TYPE_CHECKING:
     from cellswarm.io.tokenizer import Tokenizer
@@ -167,6 +167,10 @@ class Model:
 
     def kv_bytes_per_token(self) -> int:
         return bytes_per_token({i: self.arch.cache_spec(i) for i in self.layers})
+
+    def kv_sequence_bytes(self, capacity: int) -> int:
+        """What new_cache(capacity) allocates (the keys' padding included)."""
+        return sequence_bytes({i: self.arch.cache_spec(i) for i in self.layers}, capacity)
 
     def forward(self, x: np.ndarray, cache: KVCache, layers: range | None = None) -> np.ndarray:
         """Hidden states (T, d) through `layers` at cache positions cache.length .. +T.

@@ -477,7 +477,9 @@ KEYS_ALIGN = 16  # the keys' cache layout: capacity rounded up to this (kernels.
 
 
 def keys_ld(capacity: int) -> int:
-    return -(-capacity // KEYS_ALIGN) * KEYS_ALIGN
+    """The keys' row length for a capacity: an odd number of KEYS_ALIGNs (kernels.c keys_ld:
+    rows a power of two apart fall in the same L1 sets)."""
+    return (-(-capacity // KEYS_ALIGN) | 1) * KEYS_ALIGN
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:

@@ -15,7 +15,7 @@
  *   registers, or 16 scalars, with the same lane-wise operations on every target.
  * - No fused multiply-add: kernels are built with -ffp-contract=off, so a * b + c is two
  *   roundings everywhere (an FMA on one path and not another would change the last bits).
- * - No libm and no fast-math: exp is exp_any (kernels.c), sqrt and division are IEEE
+ * - No libm and no fast-math: exp is exp16 (kernels.c), sqrt and division are IEEE
  *   correctly rounded everywhere.
  *
  * Quantized rows go by units: a block of 32 weights (Q8_0, Q4_0, Q4_1), a sub-block of 32 with

@@ -84,9 +84,24 @@ static double now_s(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* The threads cs_set_threads asked for, for every thread of the process: OpenMP's own
+ * setting (omp_set_num_threads) belongs to the thread that calls it, and a stage computes on
+ * an executor's thread, not the one that loaded it, so its kernels ran on every core with
+ * `--threads 1` (three stages on two cores: each loop's second thread waited for a core).
+ * 0 until set: OpenMP's default (OMP_NUM_THREADS, else the cores). */
+static int cs_threads_set;
+
+static int max_threads(void) {
+#ifdef _OPENMP
+    return cs_threads_set > 0 ? cs_threads_set : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
 static int gov_threads(void) { /* threads for the next parallel loop */
 #ifdef _OPENMP
-    const int nt = omp_get_max_threads();
+    const int nt = max_threads();
     if (nt > 1 && now_s() < gov_solo_until) return 1;
     return nt < GOV_MAX_THREADS ? nt : GOV_MAX_THREADS;
 #else
@@ -1040,10 +1055,7 @@ void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8
  * so how the rows are dealt changes no bit. */
 #define PAR_MIN_BYTES (96 * 1024)
 static inline int64_t chunk_rows(int64_t rows, int64_t row_bytes) {
-    int threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
+    const int threads = max_threads();
     const int64_t lo = (16384 + row_bytes - 1) / row_bytes, hi = (262144 + row_bytes - 1) / row_bytes;
     const int64_t c = rows / (8 * (int64_t)threads);
     return c < lo ? lo : c > hi ? hi : c;
@@ -1224,44 +1236,75 @@ void cs_dequantize(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, i
     for (int64_t r = 0; r < rows; r++) dequant_one(fmt, w, rows, row_bytes, cols, r, out + r * cols);
 }
 
-/* exp(x) in IEEE arithmetic, the same bits in a vector's lanes and a scalar tail on every
- * CPU (libm's expf differs by library and by vector path, and does not vectorize). x = n ln2
+/* exp(x) in IEEE arithmetic, 16 at a time, the same bits on every CPU (libm's expf differs
+ * by library and by vector path, and does not vectorize); a tail goes through the same lanes
+ * (xload16, store16_n), so every value has the same bits wherever it sits. x = n ln2
  * + r with n = round(x / ln2) (truncating x / ln2 + 128.5), r to within an ulp by ln2 in two
  * parts (n ln2_hi is exact), exp(r) for |r| <= ln2 / 2 by its Taylor series to degree 7
  * (error < 6e-9): ~1 ulp. x is clamped to [-88, 100] on its bits (a float clamp stops gcc
  * vectorizing), and 2^n's exponent to 2^-126 .. infinity: silu is x or 0 beyond, as with
- * expf. A NaN stays NaN. "no-trapping-math" lets gcc vectorize it and changes no value. */
-#define NO_TRAPS __attribute__((optimize("no-trapping-math")))
-NO_TRAPS static inline float exp_any(float x) {
-    union { float f; uint32_t u; } v = {.f = x}; /* x to [-88, 100], infinities too */
-    const uint32_t mag = v.u & 0x7FFFFFFFu, sign = v.u & 0x80000000u;
-    const uint32_t lim = sign ? 0x42B00000u : 0x42C80000u; /* 88.0f, 100.0f */
-    v.u = mag > lim && mag <= 0x7F800000u ? sign | lim : v.u;
-    x = v.f;
-    const int32_t k = (int32_t)(x * 1.44269504088896341f + 128.5f); /* n + 128 > 0 */
-    const float n = (float)k - 128.0f;
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-6f;
-    float p = 1.9841270e-4f; /* 1/7! */
-    p = p * r + 1.3888889e-3f;
+ * expf. A NaN stays NaN. Written on vectors, not as a scalar loop gcc was trusted to
+ * vectorize: it did not (silu_mul was a scalar loop, 6% of a prefill). The same bits as that
+ * scalar function for all 2^32 inputs on the AVX-512, AVX2 and SSE2 builds. */
+typedef uint32_t v16u __attribute__((vector_size(64)));
+static inline v16f exp16(v16f x) {
+    v16u u = (v16u)x; /* x to [-88, 100], infinities too */
+    const v16u mag = u & 0x7FFFFFFFu, sign = u & 0x80000000u;
+    const v16u neg = (v16u)(sign != 0);
+    const v16u lim = (neg & 0x42B00000u) | (~neg & 0x42C80000u); /* 88.0f, 100.0f */
+    const v16u clamp = (v16u)(mag > lim) & (v16u)(mag <= 0x7F800000u);
+    x = (v16f)((clamp & (sign | lim)) | (~clamp & u));
+    const v16i k = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, v16i); /* n + 128 */
+    const v16f n = __builtin_convertvector(k, v16f) - 128.0f;
+    const v16f r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-6f;
+    v16f p = r * 1.9841270e-4f + 1.3888889e-3f; /* 1/7!, 1/6! */
     p = p * r + 8.3333333e-3f;
     p = p * r + 4.1666667e-2f;
     p = p * r + 1.6666667e-1f;
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const int32_t e = k < 2 ? 1 : k > 255 ? 255 : k - 1; /* 2^n's biased exponent; inf */
-    union { uint32_t u; float f; } scale = {.u = (uint32_t)e << 23};
+    const v16i lo = k < 2, hi = k > 255; /* 2^n's biased exponent, 1 .. 255 (infinity) */
+    const v16i e = (lo & 1) | (hi & 255) | (~(lo | hi) & (k - 1));
     /* below e^-87 (~1.6e-38) exactly 0, never a subnormal: CPUs that flush subnormals to zero
      * (AltiVec, 32-bit NEON) and those that keep them would differ there */
-    return x < -87.0f ? 0.0f : p * scale.f;
+    return (v16f)((v16i)(p * (v16f)(e << 23)) & ~(v16i)(x < -87.0f));
+}
+
+/* the first min(n, 16) lanes of v to p (a whole vector is one store, not a call to memcpy:
+ * the call kept an exp's loop from overlapping one vector's arithmetic with the next's) */
+static inline void store16_n(float *p, v16f v, int64_t n) {
+    if (n >= 16)
+        memcpy(p, &v, sizeof v);
+    else
+        memcpy(p, &v, sizeof(float) * (size_t)n);
+}
+
+/* the largest of p[0..n), NaNs skipped: 16 lanes' maxima, then theirs. Any order gives the
+ * same value (a max is exact; only which zero wins between -0 and +0 may differ, and x - m and
+ * exp(x - m) are the same bits for either), and one running max was a chain of n dependent
+ * compares: as long as the scores' dot products at a prefill's 200 keys. */
+static inline float max_of(const float *p, int64_t n) {
+    v16f m16 = (v16f){0} - INFINITY;
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        const v16f x = load16(p + t);
+        const v16i up = x > m16;
+        m16 = (v16f)((up & (v16i)x) | (~up & (v16i)m16));
+    }
+    float lanes[16], m = -INFINITY;
+    memcpy(lanes, &m16, sizeof lanes);
+    for (int l = 0; l < 16; l++) m = lanes[l] > m ? lanes[l] : m;
+    for (; t < n; t++) m = p[t] > m ? p[t] : m;
+    return m;
 }
 
 /* In place: p[0..n) = exp(p - max p), returning their sum (sum_exact): a softmax's numerator
  * and denominator. A NaN anywhere makes the sum NaN (the max skips it, exp keeps it). */
-NO_TRAPS static float softmax_parts(float *restrict p, int64_t n) {
-    float m = -INFINITY;
-    for (int64_t t = 0; t < n; t++) m = p[t] > m ? p[t] : m;
-    for (int64_t t = 0; t < n; t++) p[t] = exp_any(p[t] - m);
+static float softmax_parts(float *restrict p, int64_t n) {
+    const float m = max_of(p, n);
+    const v16f mv = (v16f){0} + m;
+    for (int64_t t = 0; t < n; t += 16) store16_n(p + t, exp16(xload16(p, t, n) - mv), n - t);
     return sum_exact(p, n);
 }
 
@@ -1327,26 +1370,28 @@ static void attend_one(const float *restrict q, const float *restrict kt, int64_
             a2 = a2 + load16(k + 32) * qi;
             a3 = a3 + load16(k + 48) * qi;
         }
-        float s[64];
-        memcpy(s, &a0, sizeof a0);
-        memcpy(s + 16, &a1, sizeof a1);
-        memcpy(s + 32, &a2, sizeof a2);
-        memcpy(s + 48, &a3, sizeof a3);
-        for (int64_t t = t0; t < seen && t < t0 + 64; t++) p[t] = s[t - t0] * scale;
+        /* whole vectors into p, past `seen` too: p holds keys_ld(seen) >= t0 + 64 floats */
+        a0 = a0 * scale, a1 = a1 * scale, a2 = a2 * scale, a3 = a3 * scale;
+        memcpy(p + t0, &a0, sizeof a0);
+        memcpy(p + t0 + 16, &a1, sizeof a1);
+        memcpy(p + t0 + 32, &a2, sizeof a2);
+        memcpy(p + t0 + 48, &a3, sizeof a3);
     }
     for (; t0 < seen; t0 += 16) {
         v16f acc = {0};
         for (int64_t i = 0; i < d; i++) acc = acc + load16(kt + i * ld + t0) * q[i];
-        float s[16];
-        memcpy(s, &acc, sizeof s);
-        for (int64_t t = t0; t < seen && t < t0 + 16; t++) p[t] = s[t - t0] * scale;
+        acc = acc * scale;
+        memcpy(p + t0, &acc, sizeof acc);
     }
     softmax_times(p, seen, vh, dv, out);
 }
 
 /* The keys' cache layout (kv_cache.py: "kt"): per KV head, component-major, (d, ld) with ld
- * the cache's capacity rounded up to 16 (attend_one reads 16 keys a vector). */
-static inline int64_t keys_ld(int64_t cap) { return (cap + 15) / 16 * 16; }
+ * the cache's capacity rounded up to 16 (attend_one reads 16 keys a vector), and to an odd
+ * number of 16s: attend_one reads a block of keys from d rows ld apart, and at a power-of-two
+ * capacity those rows all fell in the same few sets of the L1 cache and evicted each other
+ * (a prefill's attention at a 512-token capacity took 23% longer, at 2048 61%). */
+static inline int64_t keys_ld(int64_t cap) { return ((cap + 15) / 16 | 1) * 16; }
 
 /* q (t, n_heads, d); keys kt (n_kv, d, ldk) and values v (n_kv, cap, dv) with s_len tokens
  * filled, the t new ones last; out (t, n_heads, dv). Query i sees the first s_len - t + i + 1
@@ -1390,8 +1435,9 @@ void cs_softmax_rows(float *x, int64_t rows, int64_t n) {
 }
 
 /* out = 1 / (1 + exp(-x)), elementwise (a router's sigmoid) */
-NO_TRAPS void cs_sigmoid(const float *x, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = 1.0f / (1.0f + exp_any(-x[i]));
+void cs_sigmoid(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i += 16)
+        store16_n(out + i, 1.0f / (1.0f + exp16(-xload16(x, i, n))), n - i);
 }
 
 
@@ -1455,6 +1501,7 @@ uint64_t cs_stream_read(const uint64_t *p, int64_t n_words) {
 }
 
 void cs_set_threads(int n) {
+    cs_threads_set = n;
 #ifdef _OPENMP
     omp_set_num_threads(n);
 #else

@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 
 from cellswarm.errors import BudgetError
+from cellswarm.kernels import keys_ld
 
 CacheSpec = Mapping[str, tuple[int, ...]]  # name -> per-token shape, float32
 _ITEM_BYTES = 4
-# Per-head tensors kept component-major, (heads, d, capacity rounded up to 16): attention's
+# Per-head tensors kept component-major, (heads, d, kernels.keys_ld(capacity)): attention's
 # keys, which the kernels read 16 keys to a vector (kernels.c attend_one), so a decode step
 # never transposes the cache.
 TRANSPOSED = frozenset({"kt"})
-_ALIGN = 16
 
 
 def spec_bytes_per_token(spec: CacheSpec) -> int:
@@ -30,12 +30,22 @@ def spec_bytes_per_token(spec: CacheSpec) -> int:
 
 def _layout(name: str, shape: tuple[int, ...], capacity: int) -> tuple[int, ...]:
     if name in TRANSPOSED:
-        return (shape[0], shape[1], -(-capacity // _ALIGN) * _ALIGN)
+        return (shape[0], shape[1], keys_ld(capacity))
     return (shape[0], capacity, shape[1]) if len(shape) == 2 else (capacity, *shape)
 
 
 def bytes_per_token(specs: Mapping[int, CacheSpec]) -> int:
     return sum(spec_bytes_per_token(s) for s in specs.values())
+
+
+def sequence_bytes(specs: Mapping[int, CacheSpec], capacity: int) -> int:
+    """What one sequence's cache of `capacity` tokens allocates: bytes_per_token x capacity,
+    plus the keys' padding (keys_ld), which a budget must hold too."""
+    return sum(
+        int(np.prod(_layout(name, shape, capacity))) * _ITEM_BYTES
+        for spec in specs.values()
+        for name, shape in spec.items()
+    )
 
 
 def check_room(capacity: int, end: int) -> None:
@@ -113,14 +123,17 @@ class KVCache:
     """All layers' caches for one sequence; `length` is how many tokens are filled."""
 
     def __init__(self, specs: Mapping[int, CacheSpec], capacity: int, budget_bytes: int | None):
-        need = bytes_per_token(specs) * capacity
+        need = sequence_bytes(specs, capacity)
         if budget_bytes is not None and need > budget_bytes:
             per_token = bytes_per_token(specs)
+            fits = budget_bytes // max(per_token, 1)
+            while fits > 0 and sequence_bytes(specs, fits) > budget_bytes:
+                fits -= 1  # the keys' padding: at most a few dozen tokens
             raise BudgetError(
                 f"a sequence of {capacity} tokens needs {need:,} bytes of KV cache "
                 f"({per_token:,} per token) but the budget is {budget_bytes:,} bytes "
                 f"({need - budget_bytes:,} short); shorten the prompt or max tokens, or "
-                f"raise the cache budget (fits {budget_bytes // max(per_token, 1):,} tokens)"
+                f"raise the cache budget (fits {fits:,} tokens)"
             )
         self.capacity = capacity
         self.length = 0

@@ -153,7 +153,7 @@ def load_tiered(
     if not moe_layers:
         raise RequestError(f"layers {model.layers} of {p} hold no routed experts to tier")
     absorbed = config.absorbed_bytes_per_layer() * len(model.layers)
-    reserved = model.kv_bytes_per_token() * context + config.scratch_bytes(
+    reserved = model.kv_sequence_bytes(context) + config.scratch_bytes(
         min(context, PREFILL_CHUNK), context)  # fmt: skip
     slot = sum(infos[f"blk.{moe_layers[0]}.ffn_{q}_exps.weight"].n_bytes for q in PROJ)
     slot //= config.n_experts

@@ -612,7 +612,7 @@ def size_kv(config: StageConfig) -> StageConfig:
     lo, hi = config.layers
     probe: Model = load(config.model, selection=stage_selection(config), tokenizer=False)
     need = shard_need_bytes(probe, replace(config, max_sequences=0))
-    per_seq = probe.kv_bytes_per_token() * config.context
+    per_seq = probe.kv_sequence_bytes(config.context)
     left = int(config.memory_bytes or 0) - sum(need.values())
     fits = left // per_seq if per_seq else config.max_sequences
     if fits < 1:

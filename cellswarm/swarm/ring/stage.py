@@ -1216,7 +1216,7 @@ def shard_need_bytes(model: Model, config: StageConfig) -> dict[str, int]:
     mem = model.memory(batch=prefill_rows(config.context), context=config.context)
     return {
         "weights": mem.weight_bytes,
-        "kv": model.kv_bytes_per_token() * config.context * config.max_sequences,
+        "kv": model.kv_sequence_bytes(config.context) * config.max_sequences,
         "scratch": mem.scratch_bytes,
         "runtime": runtime_overhead_bytes(),
     }
