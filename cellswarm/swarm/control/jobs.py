@@ -480,16 +480,15 @@ class JobQueue:
         if not rows:
             return None
         counts = {s: 0 for s in JOB_STATES}
-        for r in self.db.execute(
-            "SELECT state, COUNT(*) AS n FROM jobs WHERE batch_id=? GROUP BY state", (batch_id,)
-        ):
+        tokens, last_s = 0, float(rows[0]["created_s"])
+        for r in self.db.execute(  # one pass over the batch's rows (it is polled)
+            "SELECT state, COUNT(*) AS n, COALESCE(SUM(n_tokens), 0) AS tokens, "
+            "MAX(updated_s) AS last_s FROM jobs WHERE batch_id=? GROUP BY state", (batch_id,)
+        ):  # fmt: skip
             counts[str(r["state"])] = int(r["n"])
-        tokens = self.db.execute(
-            "SELECT COALESCE(SUM(n_tokens), 0) AS n, MAX(updated_s) AS last_s FROM jobs "
-            "WHERE batch_id=?", (batch_id,)
-        )  # fmt: skip
-        return {**rows[0], "counts": counts, "tokens": int(tokens[0]["n"] or 0),
-                "last_s": float(tokens[0]["last_s"] or rows[0]["created_s"])}  # fmt: skip
+            tokens += int(r["tokens"] or 0)
+            last_s = max(last_s, float(r["last_s"] or 0.0))
+        return {**rows[0], "counts": counts, "tokens": tokens, "last_s": last_s}
 
     def recent_batches(self, limit: int = 10) -> list[dict[str, Any]]:
         """The latest batches with their progress (the dashboard)."""
