@@ -496,7 +496,7 @@ def attend_keys(q: np.ndarray, kt: np.ndarray, v: np.ndarray, scale: float) -> n
     """attend with the keys as the cache keeps them: kt (Hkv, D, ld) component-major, ld a
     multiple of KEYS_ALIGN at least S; v (Hkv, S, Dv) with each (S, Dv) slab contiguous (the
     slabs may sit `cap` rows apart, as in the cache). Each query as a decode step computes
-    it (kernels.c attend_one): the same bits."""
+    it (kernels.c attend_nq): the same bits."""
     lib = _lib
     assert lib is not None
     t, h, d = q.shape

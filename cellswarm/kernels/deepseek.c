@@ -300,7 +300,7 @@ static ds_scratch carve(const ds_layer *L, int64_t cap, float *f, int8_t *q8, in
 
 /* softmax(scale * (q_lat . latent_t + q_rope . k_rope_t)) over the cached tokens, then the
  * probabilities times the latents: one head's attention, entirely in latent space, in
- * attend_one's arithmetic (dot_exact, softmax_parts, the values summed in order of t). */
+ * attend_nq's arithmetic (dot_exact, softmax_parts, the values summed in order of t). */
 static void mla_head(const float *restrict qlat, const float *restrict qrope,
                      const float *restrict lat, const float *restrict kr, int64_t s_len,
                      int64_t n_lat, int64_t n_rope, float scale, float *restrict p,

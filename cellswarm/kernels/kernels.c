@@ -1351,44 +1351,116 @@ static void softmax_times(float *restrict p, int64_t n, const float *restrict v,
  * transposed (kt: row i holds component i of every key, `ld` apart), made once per call for
  * all the heads and queries that share them. The same function for a decode step and for
  * every query of a prefill, so a position's bits are the same however it was computed (a
- * request recovered by prefilling what it had decoded gives the same text). p: scratch of
- * `seen` floats, rounded up to 16. */
-static void attend_one(const float *restrict q, const float *restrict kt, int64_t ld,
-                       const float *restrict vh, int64_t seen, int64_t d, int64_t dv,
-                       float scale, float *restrict p, float *restrict out) {
+ * request recovered by prefilling what it had decoded gives the same text).
+ *
+ * NQ (1..4) query heads of one KV head at one position go together (q's d apart, outs dv
+ * apart, scores lp apart in p: scratch of keys_ld(seen) floats each): each head's arithmetic
+ * is the one above, in the same order, and each key and value is read once for all of them.
+ * Why: at a prefill's few hundred keys a head's keys and values (~240 KB at d = 128) no
+ * longer fit L1, and reading them from L2 once per query head was what attention waited on. */
+static inline __attribute__((always_inline)) void attend_nq(
+    const int NQ, const float *restrict q, const float *restrict kt, int64_t ld,
+    const float *restrict vh, int64_t seen, int64_t d, int64_t dv, float scale,
+    float *restrict p, int64_t lp, float *restrict out) {
     int64_t t0 = 0;
     /* 64 keys at a time where 4 blocks of 16 start before `seen` (rows are ld >= seen
      * rounded up to 16 long): four sums side by side, each key's still over i in order.
-     * Why: one block's sum is a chain of d dependent adds (~3 cycles each), 12 cycles a key
-     * at d = 64, and a prefill's scores were 18% of its time. */
+     * Why: one block's sum is a chain of d dependent adds (~3 cycles each) */
     for (; t0 + 48 < seen; t0 += 64) {
-        v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        v16f a[4][4];
+        for (int j = 0; j < NQ; j++)
+            for (int b = 0; b < 4; b++) a[j][b] = (v16f){0};
         for (int64_t i = 0; i < d; i++) {
-            const float *k = kt + i * ld + t0, qi = q[i];
-            a0 = a0 + load16(k) * qi;
-            a1 = a1 + load16(k + 16) * qi;
-            a2 = a2 + load16(k + 32) * qi;
-            a3 = a3 + load16(k + 48) * qi;
+            const float *k = kt + i * ld + t0;
+            const v16f k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+            for (int j = 0; j < NQ; j++) {
+                const float qi = q[j * d + i];
+                a[j][0] = a[j][0] + k0 * qi;
+                a[j][1] = a[j][1] + k1 * qi;
+                a[j][2] = a[j][2] + k2 * qi;
+                a[j][3] = a[j][3] + k3 * qi;
+            }
         }
         /* whole vectors into p, past `seen` too: p holds keys_ld(seen) >= t0 + 64 floats */
-        a0 = a0 * scale, a1 = a1 * scale, a2 = a2 * scale, a3 = a3 * scale;
-        memcpy(p + t0, &a0, sizeof a0);
-        memcpy(p + t0 + 16, &a1, sizeof a1);
-        memcpy(p + t0 + 32, &a2, sizeof a2);
-        memcpy(p + t0 + 48, &a3, sizeof a3);
+        for (int j = 0; j < NQ; j++)
+            for (int b = 0; b < 4; b++) {
+                const v16f sc = a[j][b] * scale;
+                memcpy(p + j * lp + t0 + 16 * b, &sc, sizeof sc);
+            }
     }
     for (; t0 < seen; t0 += 16) {
-        v16f acc = {0};
-        for (int64_t i = 0; i < d; i++) acc = acc + load16(kt + i * ld + t0) * q[i];
-        acc = acc * scale;
-        memcpy(p + t0, &acc, sizeof acc);
+        v16f a[4];
+        for (int j = 0; j < NQ; j++) a[j] = (v16f){0};
+        for (int64_t i = 0; i < d; i++) {
+            const v16f k = load16(kt + i * ld + t0);
+            for (int j = 0; j < NQ; j++) a[j] = a[j] + k * q[j * d + i];
+        }
+        for (int j = 0; j < NQ; j++) {
+            const v16f sc = a[j] * scale;
+            memcpy(p + j * lp + t0, &sc, sizeof sc);
+        }
     }
-    softmax_times(p, seen, vh, dv, out);
+    float inv[4];
+    for (int j = 0; j < NQ; j++) inv[j] = 1.0f / softmax_parts(p + j * lp, seen);
+    /* the values: 64 at a time in four registers a head, each summed over t in order (the
+     * bits of one running sum per value; a sum kept in `out` went through memory every t) */
+    int64_t c = 0;
+    for (; c + 64 <= dv; c += 64) {
+        v16f a[4][4];
+        for (int j = 0; j < NQ; j++)
+            for (int b = 0; b < 4; b++) a[j][b] = (v16f){0};
+        for (int64_t t = 0; t < seen; t++) {
+            const float *vt = vh + t * dv + c;
+            const v16f v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
+            for (int j = 0; j < NQ; j++) {
+                const float w = p[j * lp + t];
+                a[j][0] = a[j][0] + v0 * w;
+                a[j][1] = a[j][1] + v1 * w;
+                a[j][2] = a[j][2] + v2 * w;
+                a[j][3] = a[j][3] + v3 * w;
+            }
+        }
+        for (int j = 0; j < NQ; j++)
+            for (int b = 0; b < 4; b++) memcpy(out + j * dv + c + 16 * b, &a[j][b], sizeof(v16f));
+    }
+    for (; c + 16 <= dv; c += 16) {
+        v16f a[4];
+        for (int j = 0; j < NQ; j++) a[j] = (v16f){0};
+        for (int64_t t = 0; t < seen; t++) {
+            const v16f vt = load16(vh + t * dv + c);
+            for (int j = 0; j < NQ; j++) a[j] = a[j] + vt * p[j * lp + t];
+        }
+        for (int j = 0; j < NQ; j++) memcpy(out + j * dv + c, &a[j], sizeof(v16f));
+    }
+    for (; c < dv; c++)
+        for (int j = 0; j < NQ; j++) {
+            float a = 0.0f;
+            for (int64_t t = 0; t < seen; t++) a = a + p[j * lp + t] * vh[t * dv + c];
+            out[j * dv + c] = a;
+        }
+    for (int j = 0; j < NQ; j++)
+        for (c = 0; c < dv; c++) out[j * dv + c] = out[j * dv + c] * inv[j];
+}
+
+/* nq query heads of one KV head at one position, four at a time (attend_nq) */
+static void attend_heads(const float *q, int64_t nq, const float *kt, int64_t ld, const float *vh,
+                         int64_t seen, int64_t d, int64_t dv, float scale, float *p, int64_t lp,
+                         float *out) {
+    for (int64_t j = 0; j < nq; j += 4) {
+        const float *qj = q + j * d;
+        float *oj = out + j * dv;
+        switch (nq - j < 4 ? nq - j : 4) {
+        case 1: attend_nq(1, qj, kt, ld, vh, seen, d, dv, scale, p, lp, oj); break;
+        case 2: attend_nq(2, qj, kt, ld, vh, seen, d, dv, scale, p, lp, oj); break;
+        case 3: attend_nq(3, qj, kt, ld, vh, seen, d, dv, scale, p, lp, oj); break;
+        default: attend_nq(4, qj, kt, ld, vh, seen, d, dv, scale, p, lp, oj); break;
+        }
+    }
 }
 
 /* The keys' cache layout (kv_cache.py: "kt"): per KV head, component-major, (d, ld) with ld
- * the cache's capacity rounded up to 16 (attend_one reads 16 keys a vector), and to an odd
- * number of 16s: attend_one reads a block of keys from d rows ld apart, and at a power-of-two
+ * the cache's capacity rounded up to 16 (attention reads 16 keys a vector), and to an odd
+ * number of 16s: attention reads a block of keys from d rows ld apart, and at a power-of-two
  * capacity those rows all fell in the same few sets of the L1 cache and evicted each other
  * (a prefill's attention at a 512-token capacity took 23% longer, at 2048 61%). */
 static inline int64_t keys_ld(int64_t cap) { return ((cap + 15) / 16 | 1) * 16; }
@@ -1399,19 +1471,18 @@ static inline int64_t keys_ld(int64_t cap) { return ((cap + 15) / 16 | 1) * 16; 
 void cs_attend(const float *q, int64_t t, const float *kt, int64_t ldk, const float *v,
                int64_t cap, int64_t n_heads, int64_t n_kv, int64_t s_len, int64_t d, int64_t dv,
                float scale, float *out) {
-    const int64_t g = n_heads / n_kv, jobs = t * n_kv;
+    const int64_t g = n_heads / n_kv, jobs = t * n_kv, lp = keys_ld(s_len);
     const int use = gov_threads_for(t * n_heads * s_len * d);
 #pragma omp parallel num_threads(use) if (use > 1)
     {
-        float *p = (float *)malloc(sizeof(float) * (size_t)keys_ld(s_len));
-        /* (query, KV head) pairs: the query heads that share a KV head one after the other on
-         * one thread, its keys and values in this core's cache for all but the first */
+        float *p = (float *)malloc(sizeof(float) * (size_t)(4 * lp));
+        /* (query, KV head) pairs: the query heads that share a KV head together on one
+         * thread (attend_heads), its keys and values read once for them */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < jobs; j++) {
-            const int64_t i = j / n_kv, kvh = j % n_kv;
-            for (int64_t h = kvh * g; h < (kvh + 1) * g; h++)
-                attend_one(q + (i * n_heads + h) * d, kt + kvh * d * ldk, ldk, v + kvh * cap * dv,
-                           s_len - t + i + 1, d, dv, scale, p, out + (i * n_heads + h) * dv);
+            const int64_t i = j / n_kv, kvh = j % n_kv, h = kvh * g;
+            attend_heads(q + (i * n_heads + h) * d, g, kt + kvh * d * ldk, ldk, v + kvh * cap * dv,
+                         s_len - t + i + 1, d, dv, scale, p, lp, out + (i * n_heads + h) * dv);
         }
         free(p);
     }

@@ -80,7 +80,7 @@ void cs_llama_decode_layers(const llama_layer *const *L, int64_t n, float *x, in
  * the n tokens (the 16-row tiles, or each row kept in L1 for the one-row kernel), RMSNorm,
  * RoPE, the cache write and attention stay per sequence (its own cache, position and
  * capacity). Every value is what cs_llama_decode computes for that token alone — the same
- * functions per row, attention through attend_one — so a sequence's bits do not depend on
+ * functions per row, attention through attend_heads — so a sequence's bits do not depend on
  * which others share the step (tests/test_batch_decode.py). Scratch: cs_llama_scratch_*. */
 
 static int64_t llama_widest(const llama_layer *L) {
@@ -100,9 +100,9 @@ int64_t cs_llama_scratch_qbytes(const llama_layer *L, int64_t n) {
 }
 
 /* attention of every sequence's heads in one parallel loop over (sequence, KV head) pairs:
- * the query heads that share a KV head run one after the other on one thread, so its keys
- * and values come from this core's cache for all but the first (with the pairs as units
- * each query head's read of them went to whichever thread was free: from memory again) */
+ * the query heads that share a KV head together on one thread (attend_heads: its keys and
+ * values read once for them; with (sequence, query head) pairs as units each query head's
+ * read of them went to whichever thread was free, from memory again) */
 static void attend_many(const llama_layer *L, int64_t n, const float *q, float *const *k_st,
                         float *const *v_st, const int64_t *caps, const int64_t *pos, float *att) {
     const int64_t H = L->n_heads, hd = L->head_dim, KV = L->n_kv, g = H / KV;
@@ -112,16 +112,16 @@ static void attend_many(const llama_layer *L, int64_t n, const float *q, float *
         work += H * (pos[i] + 1) * hd;
     }
     const int use = gov_threads_for(work);
+    const int64_t lp = keys_ld(most);
 #pragma omp parallel num_threads(use) if (use > 1)
     {
-        float *p = (float *)malloc(sizeof(float) * (size_t)keys_ld(most));
+        float *p = (float *)malloc(sizeof(float) * (size_t)(4 * lp));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < n * KV; j++) {
-            const int64_t i = j / KV, kvh = j % KV, ldk = keys_ld(caps[i]);
-            for (int64_t h = kvh * g; h < (kvh + 1) * g; h++)
-                attend_one(q + (i * H + h) * hd, k_st[i] + kvh * hd * ldk, ldk,
-                           v_st[i] + kvh * caps[i] * hd, pos[i] + 1, hd, hd, L->scale, p,
-                           att + (i * H + h) * hd);
+            const int64_t i = j / KV, kvh = j % KV, ldk = keys_ld(caps[i]), h = kvh * g;
+            attend_heads(q + (i * H + h) * hd, g, k_st[i] + kvh * hd * ldk, ldk,
+                         v_st[i] + kvh * caps[i] * hd, pos[i] + 1, hd, hd, L->scale, p, lp,
+                         att + (i * H + h) * hd);
         }
         free(p);
     }

@@ -19,7 +19,7 @@ from cellswarm.kernels import keys_ld
 CacheSpec = Mapping[str, tuple[int, ...]]  # name -> per-token shape, float32
 _ITEM_BYTES = 4
 # Per-head tensors kept component-major, (heads, d, kernels.keys_ld(capacity)): attention's
-# keys, which the kernels read 16 keys to a vector (kernels.c attend_one), so a decode step
+# keys, which the kernels read 16 keys to a vector (kernels.c attend_nq), so a decode step
 # never transposes the cache.
 TRANSPOSED = frozenset({"kt"})
 
