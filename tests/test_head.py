@@ -122,6 +122,10 @@ class QuickCoordinator:
     def bodies(self, path: str) -> list[dict[str, Any]]:
         return [b for p, b in self.calls if p == path]
 
+    def results(self) -> list[dict[str, Any]]:
+        """Every result posted, one post carrying one or several."""
+        return [r for b in self.bodies("/v1/jobs/complete") for r in b.get("results", [b])]
+
 
 def job(job_id: str, prompt: list[int], **payload: Any) -> dict[str, Any]:
     return {"job_id": job_id, "fence": 3, "kind": "generate", "tokens": [],
@@ -251,6 +255,27 @@ def test_frontiers_that_arrive_while_one_is_told_go_together() -> None:
     assert all(r["frontier"] for runs in posts for r in runs)
 
 
+def test_results_that_end_while_one_is_posted_go_together() -> None:
+    """A batch of short jobs ending at once costs about one post, not one per job: results
+    that end while a post is out go in the next, each call returns once its result went."""
+    from cellswarm.swarm.node.head import Run
+
+    async def scenario() -> QuickCoordinator:
+        coord = QuickCoordinator([])
+        head = Head(FakeStage(), coord.post, lease_s=1.0)
+        runs = [Run(f"j{i}", 3, "score", {}, []) for i in range(6)]
+        head.runs = {r.job_id: r for r in runs}
+        await asyncio.gather(*(head._finish(r, {"scores": [-1.0], "reason": "scored"})
+                               for r in runs))  # fmt: skip
+        assert head.finished == {} and head.runs == {}
+        return coord
+
+    coord = asyncio.run(scenario())
+    assert len(coord.bodies("/v1/jobs/complete")) == 2  # the first, then the five after it
+    assert sorted(r["job_id"] for r in coord.results()) == [f"j{i}" for i in range(6)]
+    assert all(r["fence"] == 3 and r["result"]["reason"] == "scored" for r in coord.results())
+
+
 class RingStage(FakeStage):
     """Stage 0 of a ring that holds `max_sequences`; it refuses more for room, as Stage does,
     and `finish()` ends the oldest sequence (a token for a generation, a score for a part)."""
@@ -327,7 +352,7 @@ def test_a_full_ring_makes_jobs_wait_and_never_fails_them() -> None:
     coord, stage = Coordinator(jobs), RingStage()
     head = run_ring(coord, stage, ticks=60)
     assert coord.bodies("/v1/jobs/fail") == []
-    done = {b["job_id"]: b["result"] for b in coord.bodies("/v1/jobs/complete")}
+    done = {b["job_id"]: b["result"] for b in coord.results()}
     assert set(done) == {*(f"g{i}" for i in range(6)), "s"}
     assert done["s"] == {"scores": [-1.0] * 5, "reason": "scored"}
     assert stage.most == 2 and head.runs == {}
@@ -338,5 +363,5 @@ def test_a_sequence_stage_0_refuses_for_room_waits_and_is_not_failed() -> None:
     coord, stage = QuickCoordinator([job(f"g{i}", [1, 2]) for i in range(4)]), RingStage(1)
     head = run_ring(coord, stage, ticks=40)
     assert coord.bodies("/v1/jobs/fail") == []
-    assert {b["job_id"] for b in coord.bodies("/v1/jobs/complete")} == {"g0", "g1", "g2", "g3"}
+    assert {b["job_id"] for b in coord.results()} == {"g0", "g1", "g2", "g3"}
     assert head.runs == {}

@@ -192,7 +192,8 @@ def test_a_member_that_does_not_hold_a_lease_cannot_touch_it(
 ) -> None:
     """A joined node (a real session: it holds the cluster token) that is not the job's
     lease holder tries every holder's route on a running job, at every fence it might guess:
-    complete with forged tokens, fail, release, checkpoint (marked at its frontier). Each
+    complete with forged tokens (alone and as a list), fail, release, checkpoint (marked at
+    its frontier); a malformed list of results is one line of error. Each
     is refused ('stale'); its fault reports (a forged step failure of the job, a part
     server, a sender, the next stage) strike nothing and unwire nothing: it runs no step of
     the ring. The job is untouched and finishes with one process's tokens on its first
@@ -209,12 +210,17 @@ def test_a_member_that_does_not_hold_a_lease_cannot_touch_it(
             done = client.call(swarm.url, "/v1/jobs/complete", {
                 **me, **run, "result": {"tokens": [42, 42, 42], "reason": "max_tokens"}})
             assert done["outcome"] == "stale", (fence, done)
+            several = client.call(swarm.url, "/v1/jobs/complete", {**me, "results": [
+                {**run, "result": {"tokens": [42], "reason": "max_tokens"}}] * 2})
+            assert several["outcomes"] == ["stale", "stale"], (fence, several)
             failed = client.call(swarm.url, "/v1/jobs/fail", {**me, **run, "reason": "forged"})
             assert failed["outcome"] == "stale", (fence, failed)
             assert client.call(swarm.url, "/v1/jobs/release", {
                 **me, "runs": [run]})["released"] == 0
             assert client.call(swarm.url, "/v1/jobs/checkpoint", {
                 **me, "runs": [{**run, "tokens": [42], "frontier": True}]})["stale"] == [rid]
+        with pytest.raises(RequestError, match="results: a list of at most"):
+            client.call(swarm.url, "/v1/jobs/complete", {**me, "results": [{"job_id": rid}]})
         epoch = client.call(swarm.url, "/v1/status")["epoch"]
         for kind, detail in [("forward", "forged"), ("part", "worker-0"),
                              ("sender", "worker-0"), ("next", "")] * 3:  # fmt: skip

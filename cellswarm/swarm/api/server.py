@@ -38,6 +38,7 @@ from cellswarm.swarm.control.wire import check_numbers
 
 MAX_WAIT_S = 30.0
 MAX_LEASE_WAIT_S = 1.5  # under the worker's HTTP timeout (worker.HTTP_TIMEOUT_S + wait)
+MAX_RESULTS_PER_POST = 256  # = head.RESULTS_PER_POST: the work one post asks of the core
 
 
 async def node_body(request: Request) -> dict[str, Any]:
@@ -309,10 +310,25 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
 
     @app.post("/v1/jobs/complete")
     async def complete(request: Request) -> dict[str, Any]:
+        """One result (job_id, fence, result), or several ("results": a list of them, at most
+        MAX_RESULTS_PER_POST): each committed on its own, as if posted alone."""
         d = await node_body(request)
-        outcome = await coord.on_core(lambda: coord.complete(
-            node_of(coord, d), str(d["job_id"]), int(d["fence"]), dict(d["result"])))
-        return {"outcome": outcome}
+        if "results" not in d:
+            outcome = await coord.on_core(lambda: coord.complete(
+                node_of(coord, d), str(d["job_id"]), int(d["fence"]), dict(d["result"])))
+            return {"outcome": outcome}
+        results = d["results"]
+        if not isinstance(results, list) or len(results) > MAX_RESULTS_PER_POST or not all(
+            isinstance(r, dict) and isinstance(r.get("job_id"), str)
+            and isinstance(r.get("fence"), int) and isinstance(r.get("result"), dict)
+            for r in results
+        ):  # fmt: skip
+            raise BadRequest(f"results: a list of at most {MAX_RESULTS_PER_POST} objects with "
+                             "job_id, fence and result", param="results")  # fmt: skip
+        items = [(r["job_id"], r["fence"], r["result"]) for r in results]
+        outcomes = await coord.on_core(lambda: [
+            coord.complete(node_of(coord, d), *item) for item in items])  # fmt: skip
+        return {"outcomes": outcomes}
 
     @app.post("/v1/jobs/fail")
     async def fail(request: Request) -> dict[str, Any]:

@@ -48,6 +48,7 @@ CHECKPOINT_EVERY_S = 0.1
 # every tick (50 times a second) cost each head ~70 KB/s of its uplink with nothing queued,
 # which on an oversubscribed rack uplink starved the heartbeats (docs/lab.md).
 LEASE_WAIT_S = 1.0
+RESULTS_PER_POST = 256  # results in one complete post at most (server.MAX_RESULTS_PER_POST)
 
 
 @dataclass
@@ -89,6 +90,9 @@ class Head:
         # runs at their frontier not yet told, and the one post at a time that tells them
         self.at_frontier: dict[str, Run] = {}
         self.frontier_lock = asyncio.Lock()
+        # results not yet posted, and the one post at a time that carries them
+        self.finished: dict[str, dict[str, Any]] = {}
+        self.finish_lock = asyncio.Lock()
 
     @property
     def capacity(self) -> int:
@@ -245,9 +249,19 @@ class Head:
         return active is not None and now - active < self.lease_s
 
     async def _finish(self, run: Run, result: dict[str, Any]) -> None:
+        """The job's result to the coordinator. Results that end while one post is out go
+        together in the next: a batch of short jobs (a labels line is one step) costs about
+        one round trip per post, not one per job."""
         self.runs.pop(run.job_id, None)
-        body = {"job_id": run.job_id, "fence": run.fence, "result": result}
-        await asyncio.to_thread(self._post_quietly, "/v1/jobs/complete", body)
+        self.finished[run.job_id] = {"job_id": run.job_id, "fence": run.fence, "result": result}
+        async with self.finish_lock:
+            if run.job_id not in self.finished:
+                return  # a post made while this one waited for the lock carried it
+            results = list(self.finished.values())
+            self.finished.clear()
+            for at in range(0, len(results), RESULTS_PER_POST):
+                body = {"results": results[at : at + RESULTS_PER_POST]}
+                await asyncio.to_thread(self._post_quietly, "/v1/jobs/complete", body)
 
     async def frontier(self, req: str) -> None:
         """Stage 0 is about to run a step of `req` that its job never completed (its first,

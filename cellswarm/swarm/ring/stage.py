@@ -891,15 +891,19 @@ class Stage:
         ids = np.asarray(first["prompt"], np.int64)
         n = int(first["score_from"])
         lengths = first.get("completions") or [len(ids) - n]
-        rows, start = [], n  # h: scoring_rows, each completion without its last token
+        # the prompt's last row once (it predicts every completion's first token: a labels
+        # line's one-token labels need no other row), then each completion's own rows; each
+        # row's logits are its bits in any batch
+        rows, start = [h[n - 1 : n]], n  # h: scoring_rows, each completion without its last
         for length in lengths:
-            rows += [h[n - 1 : n], h[start : start + length - 1]]
+            rows.append(h[start : start + length - 1])
             start += length - 1
-        logits = self.head(np.concatenate(rows)).astype(np.float64)  # (sum of lengths, vocab)
-        out, at, start = [], 0, n
+        logits = self.head(np.concatenate(rows)).astype(np.float64)  # (1 + own rows, vocab)
+        out, at, start = [], 1, n
         for length in lengths:
-            out.append(log_likelihood(logits[at : at + length], ids[start : start + length]))
-            at, start = at + length, start + length
+            own = np.concatenate([logits[:1], logits[at : at + length - 1]])
+            out.append(log_likelihood(own, ids[start : start + length]))
+            at, start = at + length - 1, start + length
         return out
 
     async def on_scored(self, seq: int, logprobs: list[float]) -> None:
