@@ -213,17 +213,38 @@ def pipeline_rate(path: str, prompts: int, max_batch: int) -> float:
     return (len(stamps) - prompts) / (stamps[-1] - stamps[prompts - 1])
 
 
+def attention_rate(path: str, queries: int = 36, keys: int = 228) -> float:
+    """FLOP/s of the file's attention (kernels.attend: fp32, its own head shapes) for a
+    prefill chunk of `queries` after `keys - queries` cached tokens, at the current threads:
+    the planner's `attention_flops_per_s` (cost.attention_s counts the same flops)."""
+    c = load(path, tokenizer=False).config
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((queries, c.n_heads, c.head_dim)).astype(np.float32)
+    kt = rng.standard_normal((c.n_kv_heads, c.head_dim, kernels.keys_ld(keys)), np.float32)
+    v = rng.standard_normal((c.n_kv_heads, keys, c.head_dim)).astype(np.float32)
+    best = float("inf")
+    for _ in range(5):  # the keys as the cache keeps them (attend_keys): a stage's call
+        t0 = time.perf_counter()
+        kernels.attend_keys(q, kt, v, 0.1)
+        best = min(best, time.perf_counter() - t0)
+    mean_keys = keys - queries + (queries + 1) / 2  # causal: query i sees i + 1 of its own
+    return 4 * queries * mean_keys * c.n_heads * c.head_dim / best
+
+
 def stage_node(path: str) -> tuple[NodeProfile, cost.CostOptions, list[tuple[int, int]]]:
     """A stage process of the local swarm or pipeline as a planner node, for the simulator:
     this machine measured at one thread (a stage's), slowed 1.5x because three stage
-    processes share two cores; its fitted per-sequence cost slowed alike; the 3-stage split."""
+    processes share two cores; its fitted per-sequence cost and its attention rate slowed
+    alike; the 3-stage split."""
     from bench.engine import read_bandwidth_bytes_per_s
 
     kernels.set_threads(1)
     node = host_profile(path, 1, read_bandwidth_bytes_per_s())
     fitted = sequence_overhead(path, node, 1).sequence_layer_s
     split = even_split(api.resolve_model(path).n_layers, 3)
-    return profiles.dilate(node, 1.5), cost.CostOptions(sequence_layer_s=1.5 * fitted), split
+    opts = cost.CostOptions(sequence_layer_s=1.5 * fitted,
+                            attention_flops_per_s=attention_rate(path) / 1.5)  # fmt: skip
+    return profiles.dilate(node, 1.5), opts, split
 
 
 def pipeline_predictions(path: str, prompts: int) -> dict[int, float]:
@@ -353,8 +374,8 @@ def server_classify(exe: str, path: str, items: list[dict],
 
 def classify_prediction(path: str, items: list[dict]) -> float:
     """The simulator's items/s for the classification row: each item a prompt of the tokens
-    the prefix cache does not hold (after the whole 64-token blocks of the instruction,
-    which the simulator does not model) and one step, 32 in flight through `stage_node`s."""
+    the prefix cache does not hold, attending to the instruction's whole 64-token blocks
+    the stages hold (`prefix_tokens`), and one step, 32 in flight through `stage_node`s."""
     from cellswarm.sim.local import predict_local
 
     tok = load(path).tokenizer
@@ -365,7 +386,8 @@ def classify_prediction(path: str, items: list[dict]) -> float:
     own = float(np.mean([len(tok.encode(it["prompt"])) - shared for it in items[:200]]))
     node, opts, split = stage_node(path)
     p = predict_local(split, node=node, in_flight=32, jobs=len(items), tokens=1,
-                      prompt_tokens=round(own), model=path, opts=opts)  # fmt: skip
+                      prompt_tokens=round(own), model=path, opts=opts,
+                      prefix_tokens=shared)  # fmt: skip
     return p.tokens_per_s  # one token an item: items/s
 
 

@@ -370,3 +370,34 @@ def test_a_pass_unpacks_once_and_multiplies_per_sequence(demo_path: Path) -> Non
         4 * inv.n_layers * 1e-5)
     with pytest.raises(cellswarm.RequestError, match=r"unpack_share = 1\.0 must be in"):
         dataclasses.replace(plain, unpack_share=1.0)
+
+
+def test_a_prefill_after_a_cached_prefix_pays_its_attention(demo_path: Path) -> None:
+    """With an attention rate, a prompt's prefill pays each query's attention to the tokens
+    the stages already hold (`context`: a prefix cache's blocks) and to its own prompt up to
+    it: 4 x queries x keys x d_model FLOPs a layer. Without one (the default) nothing changes;
+    the simulator's replica prices every prompt after its `prefix_tokens` so."""
+    import dataclasses
+
+    from cellswarm.planner import cost, profiles
+    from cellswarm.planner.placement import layer_placement
+    from cellswarm.sim.model import ReplicaModel
+    from cellswarm.sim.params import SimParams
+
+    inv = api.resolve_model(str(demo_path))
+    placement = layer_placement(inv, [(0, inv.n_layers)])
+    node, bare = profiles.get_profile("rpi4"), cost.CostOptions()
+    rated = dataclasses.replace(bare, attention_flops_per_s=1e10)
+
+    def prefill_s(opts: cost.CostOptions, prompt: int, context: int = 0) -> float:
+        return cost.pipeline_prefill(inv, placement, node, opts, prompt, context).total_s
+
+    assert prefill_s(bare, 32, context=192) == prefill_s(bare, 32)
+    own = 4 * 32 * (32 + 1) / 2 * inv.d_model / 1e10 * inv.n_layers
+    assert prefill_s(rated, 32) - prefill_s(bare, 32) == pytest.approx(own)
+    held = 4 * 32 * 192 * inv.d_model / 1e10 * inv.n_layers
+    assert prefill_s(rated, 32, context=192) - prefill_s(rated, 32) == pytest.approx(held)
+    params = SimParams()
+    cached = ReplicaModel(inv, placement, node, rated, params, prefix_tokens=192)
+    assert cached.prefill_s(32) == pytest.approx(prefill_s(rated, 32, context=192) + (
+        ReplicaModel(inv, placement, node, rated, params).prefill_s(32) - prefill_s(rated, 32)))

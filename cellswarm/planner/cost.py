@@ -38,6 +38,10 @@ class CostOptions:
     # per sequence per layer in a pass: norms, RoPE, the cache write, residuals (bench.batch
     # fits it: 23 us dense, 78 us with MLA and a router, on a Zen 4 core); 0 here
     sequence_layer_s: float = 0.0
+    # the float attention's rate (FLOP/s, fp32 and no fused multiply-add: not the int8
+    # products'): a prefill's queries against their keys, which a cached prefix makes many
+    # (bench.batch measures it: ~35 GFLOP/s a Zen 4 core); 0 here: not counted
+    attention_flops_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -247,10 +251,23 @@ def _head_step(
     return step
 
 
+def attention_s(inv: ModelInventory, opts: CostOptions, queries: int, keys: float) -> float:
+    """One layer's attention of `queries` against `keys` each (on average): a multiply and
+    an add per query dimension (the query heads span d_model) for the scores and again for
+    the values; 0 when opts has no attention rate."""
+    if opts.attention_flops_per_s <= 0:
+        return 0.0
+    return 4 * queries * keys * inv.d_model / opts.attention_flops_per_s
+
+
 def pipeline_prefill(
-    inv: ModelInventory, placement: Placement, node: Any, opts: CostOptions, prompt: int
-) -> StepTime:
-    """A prompt of `prompt` tokens through one replica in one chunk."""
+    inv: ModelInventory, placement: Placement, node: Any, opts: CostOptions, prompt: int,
+    context: int = 0,
+) -> StepTime:  # fmt: skip
+    """A prompt of `prompt` tokens through one replica in one chunk, after `context` tokens
+    its stages already hold (a prefix cache's blocks): each query attends to those and to
+    the prompt's tokens up to its own."""
+    attend = StepTime(compute_s=attention_s(inv, opts, prompt, context + (prompt + 1) / 2))
     act = prompt * inv.d_model * opts.activation_bytes
     hops = len({s.node for s in placement.slots if s.layers}) + 1
     total = StepTime(network_s=hops * (node.link_rtt_s / 2 + act / node.link_bytes_per_s))
@@ -258,6 +275,7 @@ def pipeline_prefill(
     for layer in range(inv.n_layers):
         nbytes, params = inv.core(layer)
         total += roofline(node, nbytes, pass_flops(node, params * reads, params * prompt))
+        total += attend
         for group in inv.groups(layer):
             n_holders = max(len(holders(placement, layer, group.kind)), 1)
             units = min(group.n_units, prompt * group.used)

@@ -78,6 +78,7 @@ def predict_local(
     profiles_file: Path | None = None,
     network: profiles.NetworkSpec | None = None,
     opts: cost.CostOptions | None = None,
+    prefix_tokens: int = 0,
 ) -> LocalPrediction:
     """Predict a local one-replica swarm's decode tokens/s and p50 latency.
 
@@ -91,6 +92,8 @@ def predict_local(
     model: the model file (default: the demo model, `cellswarm.demo.demo_model_path()`).
     network: the three tiers the stages sit on, numbered in rack order (default: one
     switch, as on one machine). opts: the cost model's options (default: a bare roofline).
+    prefix_tokens: tokens before each prompt that the stages' prefix caches hold (the
+    prompts' shared instruction): attended to, not computed.
     """
     from cellswarm.demo import demo_model_path
 
@@ -105,13 +108,13 @@ def predict_local(
     profile = node if isinstance(node, profiles.NodeProfile) else profiles.get_profile(
         node, profiles_file)
     opts = opts or cost.CostOptions()
-    rmodel = ReplicaModel(inv, placement, profile, opts, params)
+    rmodel = ReplicaModel(inv, placement, profile, opts, params, prefix_tokens=prefix_tokens)
     base = rmodel.base
     per_job = rmodel.prefill_s(prompt_tokens + tokens) + tokens * base.interval(in_flight)
     horizon = (jobs / in_flight + 2) * per_job * 4 + (kill_at_s or 0) + params.lease_s * 10
     sc = Scenario(
         model=inv.name, node=profile.name, count=len(placement.slots) + 1,
-        context=prompt_tokens + tokens,
+        context=prefix_tokens + prompt_tokens + tokens,
         concurrency=in_flight, duration_s=horizon, jobs=jobs, prompt_tokens=prompt_tokens,
         output_tokens=tokens, params=params, samples=2, control=LOCAL_CONTROL,
     )  # fmt: skip

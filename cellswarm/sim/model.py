@@ -51,11 +51,14 @@ class ReplicaModel:
         params: SimParams,
         decode: cost.StepTime | None = None,
         one_box: bool = False,
+        prefix_tokens: int = 0,
     ) -> None:
         """one_box: a tiered single machine (the planner's `tiers`): one node per replica,
-        its decode given by the tier plan; prefill still from the placement's layers."""
+        its decode given by the tier plan; prefill still from the placement's layers.
+        prefix_tokens: every prompt starts with this many tokens the stages' prefix caches
+        hold (a batch's shared instruction): a prefill computes the rest, attending to all."""
         self.inv, self.placement, self.node, self.opts = inv, placement, node, opts
-        self.params = params
+        self.params, self.prefix_tokens = params, prefix_tokens
         self.decode = decode or cost.pipeline_decode(inv, placement, node, opts)
         self.nodes = 1 if one_box else placement.nodes_per_replica
         busy = np.asarray(self.decode.node_busy_s or (self.decode.total_s,), dtype=np.float64)
@@ -95,7 +98,8 @@ class ReplicaModel:
         return float(self._prefill(int(tokens)))
 
     def _prefill_s(self, tokens: int) -> float:
-        step = cost.pipeline_prefill(self.inv, self.placement, self.node, self.opts, tokens)
+        step = cost.pipeline_prefill(self.inv, self.placement, self.node, self.opts, tokens,
+                                     self.prefix_tokens)  # fmt: skip
         p = self.params
         return step.total_s + self.stages * p.step_overhead_s + self.hops * p.hop_overhead_s
 
