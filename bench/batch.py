@@ -32,6 +32,7 @@ The ratios are what to quote. llama.cpp and llama-server are built by bench.peer
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -152,13 +153,17 @@ def predicted_rate(path: str, node: NodeProfile, batch: int, context: int,
 
 def sequence_overhead(path: str, node: NodeProfile, threads: int) -> cost.CostOptions:
     """The planner's one fitted figure, `sequence_layer_s`: a real step of 16 sequences a few
-    tokens into their caches, less what the planner predicts for it without that term, per
-    sequence and layer. Fitted on this one point of each file; every row is predicted at
-    another context (160 tokens, not 36), and all but B=16 at another batch size."""
+    tokens into their caches, less what the planner predicts for it without that term (its
+    attention at the rate `attention_rate` measures), per sequence and layer. Fitted on
+    this one point of each file; every row is predicted at another context (160 tokens, not
+    36), and all but B=16 at another batch size. Returned with that attention rate."""
+    kernels.set_threads(threads)
+    attention = cost.CostOptions(attention_flops_per_s=attention_rate(path, 16, 4 + NTG))
     rate = cellswarm_rates(path, threads, (16,), prompt=4)[16]
-    bare = predicted_rate(path, node, 16, 4 + NTG // 2, cost.CostOptions())
+    bare = predicted_rate(path, node, 16, 4 + NTG // 2, attention)
     layers = api.resolve_model(path).n_layers
-    return cost.CostOptions(sequence_layer_s=max(0.0, (16 / rate - 16 / bare) / (16 * layers)))
+    fitted = max(0.0, (16 / rate - 16 / bare) / (16 * layers))
+    return dataclasses.replace(attention, sequence_layer_s=fitted)
 
 
 def one_process_rows(files: list[tuple[str, str]], threads: int, exe: str,
@@ -176,8 +181,8 @@ def one_process_rows(files: list[tuple[str, str]], threads: int, exe: str,
         node = host_profile(path, threads, bw)
         opts = sequence_overhead(path, node, threads)  # its architecture's own: MLA, a router
         print(f"{label}: host profile {node.flops / 1e9:.0f} GFLOP/s at batch 1, unpack "
-              f"share {node.unpack_share:.2f}; {opts.sequence_layer_s * 1e6:.0f} us a "
-              f"sequence and layer")
+              f"share {node.unpack_share:.2f}; attention {opts.attention_flops_per_s / 1e9:.0f}"
+              f" GFLOP/s; {opts.sequence_layer_s * 1e6:.0f} us a sequence and layer")
         runs = [(cellswarm_rates(path, threads, BATCHES), llama_rates(exe, path, threads,
                                                                        BATCHES))
                 for _ in range(pairs)]  # fmt: skip
@@ -214,21 +219,32 @@ def pipeline_rate(path: str, prompts: int, max_batch: int) -> float:
 
 
 def attention_rate(path: str, queries: int = 36, keys: int = 228) -> float:
-    """FLOP/s of the file's attention (kernels.attend: fp32, its own head shapes) for a
-    prefill chunk of `queries` after `keys - queries` cached tokens, at the current threads:
-    the planner's `attention_flops_per_s` (cost.attention_s counts the same flops)."""
+    """FLOP/s of the file's attention kernel (fp32; its own head shapes: attend_keys, or
+    mla_attend for latent attention) for `queries` after `keys - queries` cached tokens, at
+    the current threads: the planner's `attention_flops_per_s` (cost.attention_s counts the
+    same flops: inventory.attention_macs a query and key)."""
     c = load(path, tokenizer=False).config
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((queries, c.n_heads, c.head_dim)).astype(np.float32)
-    kt = rng.standard_normal((c.n_kv_heads, c.head_dim, kernels.keys_ld(keys)), np.float32)
-    v = rng.standard_normal((c.n_kv_heads, keys, c.head_dim)).astype(np.float32)
+
+    def data(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    if getattr(c, "kv_lora_rank", 0):
+        args = (data(queries, c.n_heads, c.kv_lora_rank), data(queries, c.n_heads, c.qk_rope_dim),
+                data(keys, c.kv_lora_rank), data(keys, c.qk_rope_dim), 0.1)  # fmt: skip
+        call = kernels.mla_attend
+    else:  # the keys as the cache keeps them: a stage's call
+        args = (data(queries, c.n_heads, c.head_dim),
+                data(c.n_kv_heads, c.head_dim, kernels.keys_ld(keys)),
+                data(c.n_kv_heads, keys, c.head_dim), 0.1)  # fmt: skip
+        call = kernels.attend_keys
     best = float("inf")
-    for _ in range(5):  # the keys as the cache keeps them (attend_keys): a stage's call
+    for _ in range(5):
         t0 = time.perf_counter()
-        kernels.attend_keys(q, kt, v, 0.1)
+        call(*args)
         best = min(best, time.perf_counter() - t0)
     mean_keys = keys - queries + (queries + 1) / 2  # causal: query i sees i + 1 of its own
-    return 4 * queries * mean_keys * c.n_heads * c.head_dim / best
+    return 2 * queries * mean_keys * api.resolve_model(path).attention_macs / best
 
 
 def stage_node(path: str) -> tuple[NodeProfile, cost.CostOptions, list[tuple[int, int]]]:

@@ -375,8 +375,9 @@ def test_a_pass_unpacks_once_and_multiplies_per_sequence(demo_path: Path) -> Non
 def test_a_prefill_after_a_cached_prefix_pays_its_attention(demo_path: Path) -> None:
     """With an attention rate, a prompt's prefill pays each query's attention to the tokens
     the stages already hold (`context`: a prefix cache's blocks) and to its own prompt up to
-    it: 4 x queries x keys x d_model FLOPs a layer. Without one (the default) nothing changes;
-    the simulator's replica prices every prompt after its `prefix_tokens` so."""
+    it: 2 x queries x keys x attention_macs FLOPs a layer; a decode pass the slower of its
+    KV reads and that attention. Without one (the default) nothing changes; the simulator's
+    replica prices every prompt after its `prefix_tokens` so."""
     import dataclasses
 
     from cellswarm.planner import cost, profiles
@@ -393,10 +394,18 @@ def test_a_prefill_after_a_cached_prefix_pays_its_attention(demo_path: Path) -> 
         return cost.pipeline_prefill(inv, placement, node, opts, prompt, context).total_s
 
     assert prefill_s(bare, 32, context=192) == prefill_s(bare, 32)
-    own = 4 * 32 * (32 + 1) / 2 * inv.d_model / 1e10 * inv.n_layers
+    assert inv.attention_macs == 2 * inv.d_model  # its 9 heads of 64 span d_model
+    own = 2 * 32 * (32 + 1) / 2 * inv.attention_macs / 1e10 * inv.n_layers
     assert prefill_s(rated, 32) - prefill_s(bare, 32) == pytest.approx(own)
-    held = 4 * 32 * 192 * inv.d_model / 1e10 * inv.n_layers
+    held = 2 * 32 * 192 * inv.attention_macs / 1e10 * inv.n_layers
     assert prefill_s(rated, 32, context=192) - prefill_s(rated, 32) == pytest.approx(held)
+    decode = {o: cost.pipeline_decode(inv, placement, node, o, 16, 300).total_s
+              for o in (bare, rated, dataclasses.replace(bare, attention_flops_per_s=1e8))}
+    assert decode[rated] == decode[bare]  # at 10 GFLOP/s the reads are the slower
+    slow = 2 * 16 * 300 * inv.attention_macs / 1e8 * inv.n_layers
+    kv = 16 * 300 * inv.kv_bytes_per_token_layer * inv.n_layers
+    assert decode[list(decode)[2]] - decode[bare] == pytest.approx(
+        slow - kv / node.effective_bandwidth_bytes_per_s)
     params = SimParams()
     cached = ReplicaModel(inv, placement, node, rated, params, prefix_tokens=192)
     assert cached.prefill_s(32) == pytest.approx(prefill_s(rated, 32, context=192) + (

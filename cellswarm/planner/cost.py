@@ -39,8 +39,9 @@ class CostOptions:
     # fits it: 23 us dense, 78 us with MLA and a router, on a Zen 4 core); 0 here
     sequence_layer_s: float = 0.0
     # the float attention's rate (FLOP/s, fp32 and no fused multiply-add: not the int8
-    # products'): a prefill's queries against their keys, which a cached prefix makes many
-    # (bench.batch measures it: ~35 GFLOP/s a Zen 4 core); 0 here: not counted
+    # products'): a prefill's queries against their keys (a cached prefix makes them many),
+    # a decode pass's against each sequence's context (MLA computes far more on it than it
+    # reads). bench.batch measures it: ~40 GFLOP/s a Zen 4 core. 0 here: not counted
     attention_flops_per_s: float = 0.0
 
 
@@ -172,9 +173,14 @@ def pipeline_decode(
             total += hop(node, act)
         nbytes, params = inv.core(layer)
         core = roofline(node, nbytes * reads, pass_flops(node, params * reads, params * batch))
-        # attention reads each sequence's cache after the products, not beside them; the
-        # per-sequence work around them (norms, RoPE, the cache write, residuals) is serial
-        core += StepTime(memory_s=kv / node.effective_bandwidth_bytes_per_s,
+        # attention reads each sequence's cache after the products, not beside them, and
+        # computes on it (MLA: in latent space, far more than its few bytes): the slower of
+        # the two; the per-sequence work around them (norms, RoPE, the cache write,
+        # residuals) is serial
+        read_s = kv / node.effective_bandwidth_bytes_per_s
+        att_s = attention_s(inv, opts, batch, context)
+        core += StepTime(memory_s=read_s if read_s >= att_s else 0.0,
+                         compute_s=att_s if att_s > read_s else 0.0,
                          software_s=batch * opts.sequence_layer_s)  # fmt: skip
         total += core
         busy[slot.node] += core.total_s
@@ -252,12 +258,11 @@ def _head_step(
 
 
 def attention_s(inv: ModelInventory, opts: CostOptions, queries: int, keys: float) -> float:
-    """One layer's attention of `queries` against `keys` each (on average): a multiply and
-    an add per query dimension (the query heads span d_model) for the scores and again for
-    the values; 0 when opts has no attention rate."""
+    """One layer's float attention of `queries` against `keys` each (on average), at
+    opts.attention_flops_per_s (inv.attention_macs a query and key); 0 without a rate."""
     if opts.attention_flops_per_s <= 0:
         return 0.0
-    return 4 * queries * keys * inv.d_model / opts.attention_flops_per_s
+    return 2 * queries * keys * inv.attention_macs / opts.attention_flops_per_s
 
 
 def pipeline_prefill(

@@ -135,6 +135,19 @@ class ModelInventory:
         return sum(t.nbytes for t in self.tensors)
 
     @property
+    def attention_macs(self) -> int:
+        """Multiply-adds of one query against one key in one layer, scores and values: every
+        head's head_dim twice (llama family); with latent attention (MLA, absorbed as the
+        engine runs it) every head's latent for both and its RoPE part for the score. Without
+        an engine config: query heads spanning d_model."""
+        c = self.config
+        if getattr(c, "kv_lora_rank", 0):
+            return int(c.n_heads * (2 * c.kv_lora_rank + c.qk_rope_dim))
+        if getattr(c, "head_dim", 0) and getattr(c, "n_heads", 0):
+            return int(2 * c.n_heads * c.head_dim)
+        return 2 * self.d_model
+
+    @property
     def total_params(self) -> int:
         return sum(t.params for t in self.tensors)
 
