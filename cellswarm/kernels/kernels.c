@@ -1358,6 +1358,14 @@ static void softmax_times(float *restrict p, int64_t n, const float *restrict v,
  * is the one above, in the same order, and each key and value is read once for all of them.
  * Why: at a prefill's few hundred keys a head's keys and values (~240 KB at d = 128) no
  * longer fit L1, and reading them from L2 once per query head was what attention waited on. */
+/* 64 floats from p as four vectors (an initializer: they stay in registers) */
+#define LOAD64(p) {load16(p), load16((p) + 16), load16((p) + 32), load16((p) + 48)}
+
+/* a[b] = a[b] + x[b] * w, b < 4: four running sums side by side, one step each */
+static inline __attribute__((always_inline)) void add64(v16f *a, const v16f *x, float w) {
+    for (int b = 0; b < 4; b++) a[b] = a[b] + x[b] * w;
+}
+
 static inline __attribute__((always_inline)) void attend_nq(
     const int NQ, const float *restrict q, const float *restrict kt, int64_t ld,
     const float *restrict vh, int64_t seen, int64_t d, int64_t dv, float scale,
@@ -1371,15 +1379,8 @@ static inline __attribute__((always_inline)) void attend_nq(
         for (int j = 0; j < NQ; j++)
             for (int b = 0; b < 4; b++) a[j][b] = (v16f){0};
         for (int64_t i = 0; i < d; i++) {
-            const float *k = kt + i * ld + t0;
-            const v16f k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
-            for (int j = 0; j < NQ; j++) {
-                const float qi = q[j * d + i];
-                a[j][0] = a[j][0] + k0 * qi;
-                a[j][1] = a[j][1] + k1 * qi;
-                a[j][2] = a[j][2] + k2 * qi;
-                a[j][3] = a[j][3] + k3 * qi;
-            }
+            const v16f k[4] = LOAD64(kt + i * ld + t0);
+            for (int j = 0; j < NQ; j++) add64(a[j], k, q[j * d + i]);
         }
         /* whole vectors into p, past `seen` too: p holds keys_ld(seen) >= t0 + 64 floats */
         for (int j = 0; j < NQ; j++)
@@ -1410,15 +1411,8 @@ static inline __attribute__((always_inline)) void attend_nq(
         for (int j = 0; j < NQ; j++)
             for (int b = 0; b < 4; b++) a[j][b] = (v16f){0};
         for (int64_t t = 0; t < seen; t++) {
-            const float *vt = vh + t * dv + c;
-            const v16f v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
-            for (int j = 0; j < NQ; j++) {
-                const float w = p[j * lp + t];
-                a[j][0] = a[j][0] + v0 * w;
-                a[j][1] = a[j][1] + v1 * w;
-                a[j][2] = a[j][2] + v2 * w;
-                a[j][3] = a[j][3] + v3 * w;
-            }
+            const v16f v[4] = LOAD64(vh + t * dv + c);
+            for (int j = 0; j < NQ; j++) add64(a[j], v, p[j * lp + t]);
         }
         for (int j = 0; j < NQ; j++)
             for (int b = 0; b < 4; b++) memcpy(out + j * dv + c + 16 * b, &a[j][b], sizeof(v16f));
