@@ -36,7 +36,8 @@ class CostOptions:
     stage_step_s: float = 0.0
     hop_s: float = 0.0
     # per sequence per layer in a pass: norms, RoPE, the cache write, residuals (bench.batch
-    # fits it: 23 us dense, 78 us with MLA and a router, on a Zen 4 core); 0 here
+    # fits it beside the attention rate below: 19 us dense, 52 us with MLA and a router, on
+    # a Zen 4 core); 0 here
     sequence_layer_s: float = 0.0
     # the float attention's rate (FLOP/s, fp32 and no fused multiply-add: not the int8
     # products'): a prefill's queries against their keys (a cached prefix makes them many),

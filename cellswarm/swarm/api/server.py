@@ -313,22 +313,22 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
         """One result (job_id, fence, result), or several ("results": a list of them, at most
         MAX_RESULTS_PER_POST): each committed on its own, as if posted alone."""
         d = await node_body(request)
-        if "results" not in d:
-            outcome = await coord.on_core(lambda: coord.complete(
-                node_of(coord, d), str(d["job_id"]), int(d["fence"]), dict(d["result"])))
-            return {"outcome": outcome}
-        results = d["results"]
-        if not isinstance(results, list) or len(results) > MAX_RESULTS_PER_POST or not all(
-            isinstance(r, dict) and isinstance(r.get("job_id"), str)
-            and isinstance(r.get("fence"), int) and isinstance(r.get("result"), dict)
-            for r in results
-        ):  # fmt: skip
-            raise BadRequest(f"results: a list of at most {MAX_RESULTS_PER_POST} objects with "
-                             "job_id, fence and result", param="results")  # fmt: skip
-        items = [(r["job_id"], r["fence"], r["result"]) for r in results]
+        one = "results" not in d
+        if one:
+            items = [(str(d["job_id"]), int(d["fence"]), dict(d["result"]))]
+        else:
+            results = d["results"]
+            if not isinstance(results, list) or len(results) > MAX_RESULTS_PER_POST or not all(
+                isinstance(r, dict) and isinstance(r.get("job_id"), str)
+                and isinstance(r.get("fence"), int) and isinstance(r.get("result"), dict)
+                for r in results
+            ):  # fmt: skip
+                raise BadRequest(f"results: a list of at most {MAX_RESULTS_PER_POST} objects "
+                                 "with job_id, fence and result", param="results")  # fmt: skip
+            items = [(r["job_id"], r["fence"], r["result"]) for r in results]
         outcomes = await coord.on_core(lambda: [
             coord.complete(node_of(coord, d), *item) for item in items])  # fmt: skip
-        return {"outcomes": outcomes}
+        return {"outcome": outcomes[0]} if one else {"outcomes": outcomes}
 
     @app.post("/v1/jobs/fail")
     async def fail(request: Request) -> dict[str, Any]:
