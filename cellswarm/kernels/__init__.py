@@ -221,6 +221,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_quantize_act.argtypes = [p, i64, i64, p, p, p]
     lib.cs_matmul_q.argtypes = [i32, p, i64, i64, i64, p, p, p, i64, p]
     lib.cs_matmul_qx.argtypes = [i32, p, i64, i64, i64, p, i64, p]
+    lib.cs_matmul_qx_shared.argtypes = [i32, p, p, p, p, i64, p, i64, p]
     lib.cs_matmul_f.argtypes = [i32, p, i64, i64, p, i64, p]
     lib.cs_dequantize.argtypes = [i32, p, i64, i64, i64, p]
     lib.cs_dequantize_rows.argtypes = [i32, p, i64, i64, i64, p, i64, p]
@@ -277,8 +278,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_repacked.argtypes = [i32]
     lib.cs_repack.argtypes = [i32, p, i64, i64, p]
     lib.cs_repack.restype = None
-    for f in (lib.cs_quantize_act, lib.cs_matmul_q, lib.cs_matmul_qx, lib.cs_matmul_f,
-              lib.cs_dequantize):  # fmt: skip
+    for f in (lib.cs_quantize_act, lib.cs_matmul_q, lib.cs_matmul_qx, lib.cs_matmul_qx_shared,
+              lib.cs_matmul_f, lib.cs_dequantize):  # fmt: skip
         f.restype = None
 
 
@@ -459,6 +460,25 @@ def matmul_args(
         lib.cs_matmul_f(code, ptr, rows, cols, xp, x.shape[0], op)
     else:
         lib.cs_matmul_qx(code, ptr, rows, row_bytes, cols, xp, x.shape[0], op)
+
+
+def matmul_shared(
+    args: Sequence[tuple[int, int, int, int, int]], cols: int, x: np.ndarray,
+    outs: Sequence[np.ndarray],
+) -> None:  # fmt: skip
+    """outs[i] (n, rows_i) = x (n, cols) @ W_i.T for quantized weights (kind 0) that read the
+    same x: x quantized once (kernels.c cs_matmul_qx_shared), each out the bits matmul_args
+    gives it alone."""
+    lib = _lib
+    assert lib is not None and all(a[0] == 0 for a in args)
+    m = len(args)
+    codes = (ctypes.c_int * m)(*(a[1] for a in args))
+    ptrs = (ctypes.c_void_p * m)(*(a[2] for a in args))
+    rows = (ctypes.c_int64 * m)(*(a[3] for a in args))
+    row_bytes = (ctypes.c_int64 * m)(*(a[4] for a in args))
+    out_ptrs = (ctypes.c_void_p * m)(*(o.ctypes.data for o in outs))
+    lib.cs_matmul_qx_shared(m, codes, ptrs, rows, row_bytes, cols, x.ctypes.data, x.shape[0],
+                            out_ptrs)  # fmt: skip
 
 
 def matmul(type_name: str, w: np.ndarray, cols: int, x: np.ndarray, out: np.ndarray) -> None:

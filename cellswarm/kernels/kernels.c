@@ -395,9 +395,10 @@ static void take_outliers(const float *x, int64_t cols, int8_t *xq, float *xd, i
         int64_t best = -1;
         float top = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
+            if (!(xd[b] > top)) continue; /* the passed list only for a block that beats it */
             int skip = 0;
             for (int i = 0; i < n_passed; i++) skip |= passed[i] == b;
-            if (xd[b] > top && !skip) { top = xd[b]; best = b; }
+            if (!skip) { top = xd[b]; best = b; }
         }
         if (best < 0) break;
         float v[32];
@@ -1131,8 +1132,20 @@ void cs_matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int
 
 /* The same, from float activations (any nx): quantized here, each row's outliers taken out
  * and multiplied in float, each row on its own (the same bits however rows are batched). */
+void cs_matmul_qx_shared(int m, const int *fmt, const uint8_t *const *w, const int64_t *rows,
+                         const int64_t *row_bytes, int64_t cols, const float *x, int64_t nx,
+                         float *const *out);
 void cs_matmul_qx(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                   const float *x, int64_t nx, float *out) {
+    cs_matmul_qx_shared(1, &fmt, &w, &rows, &row_bytes, cols, x, nx, &out);
+}
+
+/* out[i] (nx, rows[i]) = x @ W_i.T for m quantized matrices that read the same x (Q, K and V;
+ * gate and up): x quantized once for all, each product the bits of its own cs_matmul_qx. A
+ * prefill quantized each row of its inputs 7 times a layer; 4 now. */
+void cs_matmul_qx_shared(int m, const int *fmt, const uint8_t *const *w, const int64_t *rows,
+                         const int64_t *row_bytes, int64_t cols, const float *x, int64_t nx,
+                         float *const *out) {
     const int64_t nv = nx * cols, nbx = cols / 32;
     int8_t *xq = (int8_t *)malloc((size_t)nv + 1);
     float *xd = (float *)malloc(sizeof(float) * (size_t)(nv / 32 + 1));
@@ -1144,7 +1157,8 @@ void cs_matmul_qx(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, in
         cs_quantize_act(x + k * cols, 1, cols, xq + k * cols, xd + k * nbx, xs + 2 * k * nbx);
         take_outliers(x + k * cols, cols, xq + k * cols, xd + k * nbx, xs + 2 * k * nbx, &ol[k]);
     }
-    matmul_q(fmt, w, rows, row_bytes, cols, xq, xd, xs, nx, ol, out);
+    for (int i = 0; i < m; i++)
+        matmul_q(fmt[i], w[i], rows[i], row_bytes[i], cols, xq, xd, xs, nx, ol, out[i]);
     free(xq);
     free(xd);
     free(xs);

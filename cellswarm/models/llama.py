@@ -68,10 +68,8 @@ class Llama:
         self, p: str, h: np.ndarray, positions: np.ndarray, cache: LayerCache
     ) -> np.ndarray:
         c, w, t = self.config, self.w, h.shape[0]
-        bias = w.optional_vector
-        q = ops.linear(h, w.matrix(p + "attn_q.weight"), bias(p + "attn_q.bias"))
-        k = ops.linear(h, w.matrix(p + "attn_k.weight"), bias(p + "attn_k.bias"))
-        v = ops.linear(h, w.matrix(p + "attn_v.weight"), bias(p + "attn_v.bias"))
+        q, k, v = ops.linears(h, [(w.matrix(p + f"attn_{n}.weight"),
+                                   w.optional_vector(p + f"attn_{n}.bias")) for n in "qkv"])
         q = q.reshape(t, c.n_heads, c.head_dim)  # (T, H, D)
         k = k.reshape(t, c.n_kv_heads, c.head_dim)  # (T, Hkv, D)
         v = v.reshape(t, c.n_kv_heads, c.head_dim)

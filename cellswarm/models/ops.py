@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from cellswarm import kernels
 from cellswarm.quant import PackedMatrix
+from cellswarm.quant.packed import matmul_shared
 
 if TYPE_CHECKING:
     from cellswarm.io.weights import WeightStore
@@ -36,6 +37,15 @@ def linear(x: np.ndarray, w: PackedMatrix, bias: np.ndarray | None = None) -> np
     # x: (T, in) -> (T, out); w is packed, dequantized tile by tile inside matmul.
     y = w.matmul(x)
     return y + bias if bias is not None else y
+
+
+def linears(
+    x: np.ndarray, weights: list[tuple[PackedMatrix, np.ndarray | None]]
+) -> list[np.ndarray]:
+    """linear(x, w, bias) for each (w, bias): x (T, in) read once by all (Q, K and V), its
+    activations quantized once for the lot where the kernels can (the same bits)."""
+    ys = matmul_shared([w for w, _ in weights], x)
+    return [y if b is None else y + b for y, (_, b) in zip(ys, weights, strict=True)]
 
 
 def rope(r: Rope, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -59,7 +69,7 @@ def swiglu(x: np.ndarray, gate: PackedMatrix, up: PackedMatrix, down: PackedMatr
             # one row in C, as the fused DeepSeek layer computes an expert: the same bits
             # whichever node (or cache tier) holds the expert
             return kernels.swiglu1(g[0], u[0], d[0], x[0])[None]
-    gx, ux = gate.matmul(x), up.matmul(x)
+    gx, ux = matmul_shared([gate, up], x)  # x's activations quantized once for both
     if kernels.enabled() and gx.size:  # the fused layers' silu, rows over the threads
         hidden = kernels.silu_mul(gx.reshape(-1, gx.shape[-1]), ux.reshape(-1, ux.shape[-1]))
         return down.matmul(hidden.reshape(gx.shape))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -494,3 +494,19 @@ class PackedExperts:
     def dequantize(self) -> Floats:
         """Every expert as float32 (n_expert, out_features, in_features), e.g. to repack."""
         return dequantize(self.data, self.fmt)
+
+
+def matmul_shared(mats: Sequence[PackedMatrix], x: npt.ArrayLike) -> list[Floats]:
+    """x (n, in) @ W.T for each of `mats`, matrices that read the same input (Q, K and V; gate
+    and up). With the kernels and every matrix in a packed integer format, x is quantized
+    once for all (kernels.matmul_shared); each result is the bits of its own `matmul`."""
+    xs = np.asarray(x, dtype=np.float32)
+    fused = [m._fused for m in mats]
+    args = [f[0] for f in fused if f is not None and f[0][0] == 0]
+    cols = {m.shape[1] for m in mats}
+    if not kernels.enabled() or xs.ndim != 2 or len(args) < len(mats) or cols != {xs.shape[1]}:
+        return [m.matmul(xs) for m in mats]
+    x2 = xs if xs.flags.c_contiguous and xs.flags.writeable else xs.copy()
+    outs = [np.empty((x2.shape[0], m.shape[0]), dtype=np.float32) for m in mats]
+    kernels.matmul_shared(args, xs.shape[1], x2, outs)
+    return outs

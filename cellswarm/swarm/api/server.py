@@ -311,7 +311,7 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
     @app.post("/v1/jobs/complete")
     async def complete(request: Request) -> dict[str, Any]:
         """One result (job_id, fence, result), or several ("results": a list of them, at most
-        MAX_RESULTS_PER_POST): each committed on its own, as if posted alone."""
+        MAX_RESULTS_PER_POST): each with the outcome it would have alone, in one commit."""
         d = await node_body(request)
         one = "results" not in d
         if one:
@@ -326,8 +326,7 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
                 raise BadRequest(f"results: a list of at most {MAX_RESULTS_PER_POST} objects "
                                  "with job_id, fence and result", param="results")  # fmt: skip
             items = [(r["job_id"], r["fence"], r["result"]) for r in results]
-        outcomes = await coord.on_core(lambda: [
-            coord.complete(node_of(coord, d), *item) for item in items])  # fmt: skip
+        outcomes = await coord.on_core(lambda: coord.complete_all(node_of(coord, d), items))
         return {"outcome": outcomes[0]} if one else {"outcomes": outcomes}
 
     @app.post("/v1/jobs/fail")

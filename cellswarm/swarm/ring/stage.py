@@ -899,10 +899,12 @@ class Stage:
             rows.append(h[start : start + length - 1])
             start += length - 1
         logits = self.head(np.concatenate(rows)).astype(np.float64)  # (1 + own rows, vocab)
+        norms = log_norms(logits)  # each row's once: a labels line's labels share row 0's
         out, at, start = [], 1, n
         for length in lengths:
-            own = np.concatenate([logits[:1], logits[at : at + length - 1]])
-            out.append(log_likelihood(own, ids[start : start + length]))
+            own = np.array([0, *range(at, at + length - 1)])  # the rows that predict its tokens
+            picked = logits[own, ids[start : start + length]]
+            out.append(sum_log_probs(picked, norms[own]))
             at, start = at + length - 1, start + length
         return out
 
@@ -1153,20 +1155,33 @@ def scoring_rows(n: int, lengths: list[int]) -> np.ndarray:
 
 
 def log_likelihood(logits: np.ndarray, ids: np.ndarray) -> float:
-    """sum_i log softmax(logits[i])[ids[i]] for logits (C, vocab) float64. With the kernels,
-    exp, log and the sums are their own, in one order: the same bits on every CPU, so two
-    replicas' scores of one job agree exactly (--verify compares them)."""
+    """sum_i log softmax(logits[i])[ids[i]] for logits (C, vocab) float64."""
+    return sum_log_probs(logits[np.arange(len(ids)), ids], log_norms(logits))
+
+
+def log_norms(logits: np.ndarray) -> np.ndarray:
+    """log sum_j exp(logits[i, j]) of each row (C, vocab) float64. With the kernels, exp, log
+    and the sums are their own, in one order: the same bits on every CPU, so two replicas'
+    scores of one job agree exactly (--verify compares them)."""
     from cellswarm import kernels
 
-    top = logits.max(axis=-1, keepdims=True)
-    picked = logits[np.arange(len(ids)), ids]
+    top = logits.max(axis=-1)
     if not kernels.enabled():
-        logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
-        return float((picked - logz).sum())
+        return top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
+    return np.array([float(t) + kernels.natural_log(kernels.sum64(kernels.exp64(row - t)))
+                     for row, t in zip(logits, top, strict=True)])  # fmt: skip
+
+
+def sum_log_probs(picked: np.ndarray, norms: np.ndarray) -> float:
+    """sum_i picked[i] - norms[i]: each scored token's logit less its row's log_norms, summed
+    in order with the kernels (numpy's pairwise order without)."""
+    from cellswarm import kernels
+
+    if not kernels.enabled():
+        return float((picked - norms).sum())
     total = 0.0
-    for i in range(len(ids)):
-        z = float(top[i, 0]) + kernels.natural_log(kernels.sum64(kernels.exp64(logits[i] - top[i])))
-        total += float(picked[i]) - z
+    for x, z in zip(picked.tolist(), norms.tolist(), strict=True):
+        total += x - z
     return total
 
 
