@@ -86,6 +86,9 @@ CREATE TABLE IF NOT EXISTS jobs (
 DROP INDEX IF EXISTS jobs_pick;
 CREATE INDEX IF NOT EXISTS jobs_queue ON jobs(state, priority DESC, created_s, position);
 CREATE INDEX IF NOT EXISTS jobs_batch ON jobs(batch_id, position);
+-- a batch's progress (batch_info, polled) read from the index alone: 2,000 jobs 1.25 ms a
+-- poll from the table's rows, 0.26 ms here
+CREATE INDEX IF NOT EXISTS jobs_progress ON jobs(batch_id, state, n_tokens, updated_s);
 CREATE TABLE IF NOT EXISTS commits (
     job_id TEXT NOT NULL,
     fence INTEGER NOT NULL,
