@@ -90,6 +90,70 @@ def test_sequences_sharing_an_instruction_hit_the_cache_at_every_stage(demo_path
     blocks = len(instruction) // BLOCK_TOKENS
     for st in stats:
         assert st["prefix_hits"] == 5 * blocks and st["prefix_blocks"] >= blocks, st
+    # stage 0 sent stage 1 each later request without the rows stage 1 held
+    assert stats[0]["rows_unsent"] == 5 * blocks * BLOCK_TOKENS and not stats[0]["rows_resent"]
+
+
+@pytest.mark.parametrize("held", ["evicted", "no cache"])
+def test_rows_a_stage_was_not_sent_and_does_not_hold_are_sent_when_it_asks(
+    demo_path: Path, held: str
+) -> None:
+    """Stage 0 sends a first step on without the rows its prefix cache gave; stage 1 lacks
+    them (its cache holds nothing: a one-byte budget evicts every block; or it has none) and
+    asks for them on the link: the step runs on them, and every token is the one-process
+    token. A stage that has no cache says so, and gets every row from then on."""
+    model = cellswarm.load(demo_path)
+    instruction = model.tokenizer.encode("Classify the sentiment of the review. " * 20)
+    prompts = [instruction + model.tokenizer.encode(f" Review {i}: it was fine.")
+               for i in range(4)]  # fmt: skip
+    opts = GenerateOptions(3, stop_ids=frozenset())
+    expected = [model.generate(p, opts).token_ids for p in prompts]
+    budget = {1: 1 if held == "evicted" else 0}
+    with LocalPipeline(str(demo_path), even_split(30, 3), prefix_cache_bytes=budget) as pipe:
+        got = [pipe.generate([{"prompt": p, "max_tokens": 3}])[0].tokens for p in prompts]
+        stats = pipe.stats()
+    assert got == expected
+    rows = len(instruction) // BLOCK_TOKENS * BLOCK_TOKENS
+    asked = 3 if held == "evicted" else 1  # each later request; or the first, then none
+    assert stats[0]["rows_unsent"] == stats[0]["rows_resent"] == asked * rows, stats[0]
+    assert stats[1]["rows_unsent"] == 0 and stats[2]["prefix_hits"] > 0, stats
+
+
+def test_rows_not_sent_that_a_peer_announces_wrong_are_its_fault(demo_path: Path) -> None:
+    """A 'hidden' frame's "cached" that is no whole number of blocks of its prompt, or a
+    'prefix' frame of another size than the rows the step lacks, is malformed: the connection
+    goes and nothing runs. What a peer learns by announcing rows the stage does not hold is a
+    "need" naming its own sequence. The stage serves on."""
+    import asyncio
+
+    from cellswarm.swarm.ring.frames import Frame, read_frame, write_frame
+
+    d = cellswarm.load(demo_path).config.d_model
+    prompt = list(range(100, 100 + BLOCK_TOKENS + 5))
+    first = {"prompt": prompt, "capacity": 256, "req": "r"}
+
+    async def probe(port: int, cached: object, prefix_rows: int | None) -> list[Frame | None]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        rows = np.zeros((5, d), np.float32)
+        fields = {"seq": 7, "pos": 0, "ep": 0, "first": first, "cached": cached}
+        await write_frame(writer, Frame("hidden", fields, rows))
+        got = [await asyncio.wait_for(read_frame(reader), 30)]
+        if prefix_rows is not None:
+            extra = np.zeros((prefix_rows, d), np.float32)
+            await write_frame(writer, Frame("prefix", {"seq": 7, "ep": 0}, extra))
+            got.append(await asyncio.wait_for(read_frame(reader), 30))
+        writer.close()
+        return got
+
+    with LocalPipeline(str(demo_path), even_split(30, 2)) as pipe:
+        port = pipe.configs[1].listen_port
+        assert asyncio.run(probe(port, 5, None)) == [None]  # not a whole block: hung up
+        assert asyncio.run(probe(port, len(prompt), None)) == [None]  # all of it: no row left
+        need, cut = asyncio.run(probe(port, BLOCK_TOKENS, 3))
+        assert need is not None and need.type == "need" and need.fields["seq"] == 7, need
+        assert cut is None  # 3 rows for a step that lacks 64: hung up
+        ids = prompt[:20]
+        assert pipe.generate([{"prompt": ids, "max_tokens": 2}])[0].tokens
 
 
 def test_scoring_fields_a_peer_sends_wrong_are_its_fault_not_the_stage_s(demo_path: Path) -> None:

@@ -69,6 +69,17 @@ class PrefixCache:
                 cache.layer(layer).put(i * self.block, parts)
         return np.concatenate([b.out for b in found]) if found else None
 
+    def outputs(self, tokens: Sequence[int], rows: int) -> list[np.ndarray] | None:
+        """The output rows of the whole blocks that start `tokens` and hold its first `rows`
+        positions (a multiple of the block), one array a block; None unless all are held.
+        A pipeline stage that restored them sends the next stage only the rows after them,
+        and these if that stage turns out not to hold them (swarm/ring/stage.py). No count
+        and no recency: a lookup, not a use."""
+        found = [self._blocks.get(key) for key in block_keys(tokens[:rows], self.block)]
+        if rows % self.block or len(found) != rows // self.block:
+            return None
+        return None if any(b is None for b in found) else [b.out for b in found if b]
+
     def remember(self, tokens: Sequence[int], cache: KVCache, out: np.ndarray) -> None:
         """Keep the whole blocks of `tokens` (computed into `cache`, `out` their output rows)
         that are not kept yet, then evict the least recently used past the budget."""

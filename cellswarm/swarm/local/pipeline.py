@@ -127,7 +127,8 @@ class LocalPipeline:
 
     expert_nodes: move every MoE layer's routed experts to this many part processes
     (swarm/ring/parts.py); vocab_nodes: split the embedding and output head by rows over this
-    many. Part processes are watched and replaced like stages.
+    many. Part processes are watched and replaced like stages. prefix_cache_bytes: stage i's
+    prefix cache budget, where it is not the default.
     """
 
     def __init__(
@@ -136,6 +137,7 @@ class LocalPipeline:
         log_dir: str | None = None, profile: str | None = None,
         crash_after_steps: dict[int, int] | None = None, token_file: str | None = None,
         expert_nodes: int = 0, vocab_nodes: int = 0, max_batch: int = StageConfig.max_batch,
+        prefix_cache_bytes: dict[int, int] | None = None,
     ):  # fmt: skip
         ports = free_ports(len(splits) + expert_nodes + vocab_nodes)
         specs = part_specs(model, expert_nodes, vocab_nodes, ports[len(splits) :])
@@ -160,6 +162,7 @@ class LocalPipeline:
                 peers=("client", f"stage-{(i - 1) % len(splits)}"),
                 parts=tuple(specs),
                 max_batch=max_batch,
+                prefix_cache_bytes=(prefix_cache_bytes or {}).get(i),
             )
             for i, layers in enumerate(splits)
         ]

@@ -97,6 +97,10 @@ def render(worker: Worker) -> str:
         ("prefix_hits", "cellswarm_worker_prefix_cache_hits", "prompt blocks found cached"),
         ("prefix_misses", "cellswarm_worker_prefix_cache_misses", "prompt blocks computed"),
         ("prefix_evictions", "cellswarm_worker_prefix_cache_evictions", "blocks let go (LRU)"),
+        ("rows_unsent", "cellswarm_worker_prefix_rows_unsent", "rows of first steps not sent "
+         "on: the next stage restored them from its own prefix cache"),
+        ("rows_resent", "cellswarm_worker_prefix_rows_resent", "of those, rows the next stage "
+         "did not hold and asked for"),
     ):
         out.append(family(name, "counter", doc, [({}, float(stats.get(key, 0)))]))
     out.append(family("cellswarm_worker_prefix_cache_bytes", "gauge", "bytes of cached "

@@ -31,7 +31,7 @@ import numpy as np
 
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.engine.model import PREFILL_CHUNK, Model
-from cellswarm.engine.prefix_cache import PrefixCache
+from cellswarm.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
@@ -127,7 +127,7 @@ Fault = Callable[[str, str, int, str | None], Awaitable[Any] | None]
 NEEDS: dict[str, tuple[str, ...]] = {
     "generate": ("req", "max_tokens"), "hidden": ("seq", "pos", "ep"),
     "token": ("seq", "token", "ep"), "scored": ("seq", "logprobs", "ep"), "end": ("seq", "ep"),
-    "failed": ("seq", "ep"), "reset": ("epoch",),
+    "failed": ("seq", "ep"), "reset": ("epoch",), "prefix": ("seq", "ep"),
 }  # fmt: skip
 
 
@@ -229,6 +229,15 @@ class Stage:
         self.batches, self.widest_batch = 0, 0  # passes of more than one sequence (stats)
         room = prefix_budget(model, config)
         self.prefix = PrefixCache(room) if room > 0 else None
+        # A first step's rows whose blocks this stage restored go on without them ("cached":
+        # the next stage restores them from its own cache), kept here (the blocks' output
+        # rows, shared with the cache) in case it asks for them ("need"). And the other way:
+        # a first step whose cached rows this stage lacks waits for them ("prefix").
+        self._unsent: dict[int, list[np.ndarray]] = {}
+        self._awaiting: dict[int, Frame] = {}
+        self._next_caches = True  # the next stage said nothing yet of having no prefix cache
+        self._back: asyncio.Task[None] | None = None
+        self.rows_unsent = self.rows_resent = 0  # (stats)
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.log = JsonLog(config.log_dir, config.node_id)
         self.token = load_token(config.token_file) if config.token_file else None
@@ -373,11 +382,20 @@ class Stage:
         ):  # fmt: skip
             raise ProtocolError("a 'scored' frame's logprobs must be a list of numbers")
         d = int(self.model.config.d_model)
-        if frame.type == "hidden" and (
+        if frame.type in ("hidden", "prefix") and (
             a is None or a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != d
         ):
             shape = None if a is None else (a.dtype.name, list(a.shape))
-            raise ProtocolError(f"a 'hidden' frame's array {shape} is not float32 (T, {d})")
+            raise ProtocolError(f"a {frame.type!r} frame's array {shape} is not float32 (T, {d})")
+        if frame.type == "hidden" and "cached" in frame.fields:
+            check_cached(frame.fields)
+            if len(self._awaiting) >= max(1, self.config.max_sequences):  # bounded memory
+                raise ProtocolError("more first steps wait for their rows than the stage "
+                                    "holds sequences")  # fmt: skip
+        waiting = self._awaiting.get(frame.fields["seq"]) if frame.type == "prefix" else None
+        if waiting is not None and a is not None and a.shape[0] != waiting.fields["cached"]:
+            raise ProtocolError(f"a 'prefix' frame of {a.shape[0]} rows for a step sent without "
+                                f"{waiting.fields['cached']}")  # fmt: skip
 
     async def bad_frame(self, peer: str | None, exc: ProtocolError) -> None:
         """A malformed frame is its sender's fault, never ours: the connection goes (its
@@ -410,6 +428,8 @@ class Stage:
         self.samplers.clear()
         self.sequences.clear()
         self._ready.clear()
+        self._unsent.clear()
+        self._awaiting.clear()
 
     async def send_next(self, frame: Frame) -> None:
         if self.emulation is None:
@@ -442,14 +462,15 @@ class Stage:
             host, port, epoch = self.config.next_host, self.config.next_port, self.epoch
             try:
                 if self._next is None:
-                    _, link = await _connect(
+                    back, link = await _connect(
                         host, port, self.token, self.config.node_id,
                         still=lambda: self.epoch == epoch, tls=self.tls,
                     )  # fmt: skip
                     if self.epoch != epoch:  # a reset came while we connected: stale link
                         link.close()
                         return
-                    self._next = link
+                    self._next, self._next_caches = link, True
+                    self._back = asyncio.get_running_loop().create_task(self.read_back(back))
                 t0 = time.perf_counter()
                 data = encode(frame)
                 t1, cpu = time.perf_counter(), time.thread_time()
@@ -465,14 +486,16 @@ class Stage:
     # -- the protocol ----------------------------------------------------------------------
 
     async def handle(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
-        if frame.type in ("hidden", "token", "end", "scored", "failed") and (
+        if frame.type in ("hidden", "token", "end", "scored", "failed", "prefix") and (
             frame.fields.get("ep") != self.epoch
         ):
             return  # sent before the last reset, by or for a layout that no longer exists
         if frame.type == "generate":
             await self.on_generate(frame, lambda out: write_frame(writer, out))
         elif frame.type == "hidden":
-            await self.on_hidden(frame)
+            await self.on_hidden(frame, writer)
+        elif frame.type == "prefix":
+            await self.on_prefix(frame)
         elif frame.type == "token":
             await self.on_token(frame.fields["seq"], int(frame.fields["token"]),
                                 str(frame.fields.get("bits", "")))  # fmt: skip
@@ -530,6 +553,7 @@ class Stage:
             "hop_s": {k: round(v, 6) for k, v in zip(HOP_PARTS, self.hop_s, strict=True)},
             "step_s": self.step_times.as_dict(), "running_s": round(self.running_s(), 2),
             "batches": self.batches, "widest_batch": self.widest_batch,
+            "rows_unsent": self.rows_unsent, "rows_resent": self.rows_resent,
             **(self.prefix.stats() if self.prefix is not None else {}),
         }  # fmt: skip
 
@@ -590,12 +614,48 @@ class Stage:
             await self.on_frontier(s.req)
         return s is not None and self.sequences.get(seq) is s
 
-    async def on_hidden(self, frame: Frame) -> None:
+    async def on_hidden(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
         f = frame.fields
         assert frame.array is not None
         if frame.array.shape[0] == 1 and f.get("first") is None:  # a decode step: batched
             return self.queue_step(f["seq"], frame.array, int(f["pos"]))
-        await self.run_layers(f["seq"], frame.array, int(f["pos"]), f.get("first"))
+        cached = int(f.get("cached", 0))
+        if cached and not (self.prefix and self.prefix.outputs(f["first"]["prompt"], cached)):
+            # sent without rows this stage does not hold (evicted, or no cache here): the
+            # step waits for them, asked of the sender on its own link
+            self._awaiting[f["seq"]] = frame
+            need = {"seq": f["seq"], "ep": self.epoch, "cache": self.prefix is not None}
+            return await write_frame(writer, Frame("need", need))
+        await self.run_layers(f["seq"], frame.array, int(f["pos"]), f.get("first"), cached)
+
+    async def on_prefix(self, frame: Frame) -> None:
+        """The rows a first step was sent without, which this stage asked for: the step runs."""
+        waiting = self._awaiting.pop(frame.fields["seq"], None)
+        if waiting is None or frame.array is None or waiting.array is None:
+            return  # let go meanwhile (an end, a reset)
+        f = waiting.fields
+        h = np.concatenate([frame.array, waiting.array])
+        await self.run_layers(f["seq"], h, int(f["pos"]), f["first"])
+
+    async def read_back(self, reader: asyncio.StreamReader) -> None:
+        """What the next stage says on our link to it: only "need" (a first step's rows that
+        were not sent), at most once a sequence; anything else ends the reading."""
+        while True:
+            try:
+                frame = await read_frame(reader, 0)  # a "need" carries no array
+            except (OSError, ProtocolError):
+                return
+            if frame is None or frame.type != "need" or "seq" not in frame.fields:
+                return
+            if frame.fields.get("ep") != self.epoch:
+                continue
+            if frame.fields.get("cache") is False:  # it keeps no prefix: send it all from now
+                self._next_caches = False
+            rows = self._unsent.pop(frame.fields["seq"], None)
+            if rows is not None:
+                self.rows_resent += sum(r.shape[0] for r in rows)
+                fields = {"seq": frame.fields["seq"], "ep": self.epoch}
+                await self.send_next(Frame("prefix", fields, np.concatenate(rows)))
 
     # -- continuous batching -----------------------------------------------------------------
     # A decode step does not run when its frame arrives: it joins the stage's ready steps,
@@ -688,8 +748,10 @@ class Stage:
             os._exit(1)  # no cleanup, no goodbye: what a power cut looks like to the others
 
     async def run_layers(
-        self, seq: int, h: np.ndarray, pos: int, first: dict[str, Any] | None
+        self, seq: int, h: np.ndarray, pos: int, first: dict[str, Any] | None, cached: int = 0
     ) -> None:
+        """A step of `seq`: h (T, d) at positions pos.. (a first step's: after `cached` rows
+        it was sent without, which this stage holds in its prefix cache)."""
         if first is not None:
             self.caches[seq] = self.model.new_cache(int(first["capacity"]))
             self.requests[seq] = str(first.get("req", ""))
@@ -706,6 +768,7 @@ class Stage:
         embed_s, self._embed_s = self._embed_s, 0.0
         scoring = first is not None and first.get("score_from") is not None
         out: Any = None  # the last stage's: a sampled token, or a score
+        kept = 0  # the rows at the start that this stage's prefix cache gave
         try:
             if self.fail_forward:
                 raise RuntimeError("injected fault: this node's forward pass always fails")
@@ -714,10 +777,10 @@ class Stage:
             ):
                 raise RuntimeError("injected fault: this request's first step always fails")
             done = await self.layers_first(seq, np.ascontiguousarray(h, np.float32), cache,
-                                           first)  # fmt: skip
+                                           first, cached)  # fmt: skip
             if done is None:  # dropped by a reset between two chunks
                 return
-            h = done
+            h, kept = done
             self.steps += 1
             # The last stage's step includes the head and the sampler: the emulated step time
             # counts the head's bytes, so its real time belongs inside the padded window.
@@ -739,7 +802,7 @@ class Stage:
             ms = round(1000 * (t1 - t0), 3)
             self.log.event("step", self.requests.get(seq), stage=self.span, pos=pos,
                            tokens=h.shape[0], ms=ms)  # fmt: skip
-            return await self.step_out(seq, h, pos, first, scoring, out)
+            return await self.step_out(seq, h, pos, first, scoring, out, kept)
         # A decode step is tallied, not logged (a line per token per stage cost more than
         # the frames), and after its result went on: the next stage need not wait for it.
         read_s = dispatch_s = 0.0
@@ -783,8 +846,9 @@ class Stage:
                        self.requests.get(seq))  # fmt: skip
 
     async def layers_first(
-        self, seq: int, h: np.ndarray, cache: KVCache, first: dict[str, Any] | None
-    ) -> np.ndarray | None:
+        self, seq: int, h: np.ndarray, cache: KVCache, first: dict[str, Any] | None,
+        cached: int = 0,
+    ) -> tuple[np.ndarray, int] | None:
         """The layers over a step's rows h (T, d). A scoring sequence's first step with
         several completions (first["completions"]: their lengths, after a prompt of
         first["score_from"] ids) runs the prompt once and then each completion at the
@@ -792,22 +856,27 @@ class Stage:
         sees the prompt's keys and its own, and every row is the bits it gets when that
         completion is scored alone (each row computed alone: the prefill's kernels). h
         holds `scoring_rows`: a completion's last token is not run (it predicts nothing
-        scored), so a one-token label costs no pass at all."""
+        scored), so a one-token label costs no pass at all. h lacks its first `cached` rows
+        when the previous stage sent it without them (on_hidden saw this stage's prefix cache
+        hold them). The output rows, and how many at the start the prefix cache gave."""
         if first is None:
-            return await self.prefill(seq, h, cache)
+            done = await self.prefill(seq, h, cache)
+            return None if done is None else (done, 0)
         lengths = first.get("completions") or []
         base = cache.length
-        n = int(first["score_from"]) if lengths else h.shape[0]  # the prompt's rows
+        n = int(first["score_from"]) if lengths else cached + h.shape[0]  # the prompt's rows
         prompt = list(first.get("prompt") or [])[:n]
         shared = self.prefix if base == 0 and len(prompt) == n else None
         kept = shared.restore(prompt, cache, n - 1) if shared is not None else None
         skip = 0 if kept is None else kept.shape[0]
+        if skip < cached:  # on_hidden found them, and nothing ran between
+            raise RuntimeError(f"the prefix cache gave {skip} rows of the {cached} not sent")
         out, start = [] if kept is None else [kept], skip
         for i, rows in enumerate((n - skip, *(length - 1 for length in lengths))):
             if rows == 0:
                 continue
             cache.length = base + (skip if i == 0 else n)
-            part = await self.prefill(seq, h[start : start + rows], cache)
+            part = await self.prefill(seq, h[start - cached : start - cached + rows], cache)
             if part is None:
                 return None
             out.append(part)
@@ -815,7 +884,7 @@ class Stage:
             if i == 0 and shared is not None:  # the prompt's blocks, for later sequences
                 shared.remember(prompt, cache, np.concatenate(out))
         cache.length = base
-        return np.concatenate(out)
+        return np.concatenate(out), skip
 
     async def prefill(self, seq: int, h: np.ndarray, cache: KVCache) -> np.ndarray | None:
         """The layers over h (T, d), in chunks of PREFILL_CHUNK positions — the engine's own
@@ -861,14 +930,20 @@ class Stage:
 
     async def step_out(
         self, seq: int, h: np.ndarray, pos: int, first: dict[str, Any] | None, scoring: bool,
-        out: Any,
+        out: Any, kept: int = 0,
     ) -> None:  # fmt: skip
-        """A step's result to where it goes: the hidden state to the next stage; the last
-        stage's token or score around the ring to stage 0 (or to itself, when it is both)."""
+        """A step's result to where it goes: the hidden state to the next stage (a first
+        step's without the `kept` rows this stage's prefix cache gave, which the next
+        restores from its own); the last stage's token or score around the ring to stage 0
+        (or to itself, when it is both)."""
         if not self.config.last:
             fields: dict[str, Any] = {"seq": seq, "pos": pos, "ep": self.epoch}
             if first is not None:
                 fields["first"] = first
+                rows = self.prefix.outputs(first["prompt"], kept) if kept and self.prefix else None
+                if rows is not None and self._next_caches:
+                    self._unsent[seq], fields["cached"], h = rows, kept, h[kept:]
+                    self.rows_unsent += kept
             await self.send_next(Frame("hidden", fields, h))
             return
         if scoring:
@@ -1049,6 +1124,8 @@ class Stage:
 
     def _drop(self, seq: int) -> None:
         self.log_decode(seq, pop=True)
+        self._unsent.pop(seq, None)
+        self._awaiting.pop(seq, None)
         self.corrupted.discard(seq)
         self.requests.pop(seq, None)
         self.caches.pop(seq, None)
@@ -1141,6 +1218,17 @@ def load_stage_model(config: StageConfig) -> Model:
     if config.memory_bytes is not None:
         check_budget(model, config)
     return model
+
+
+def check_cached(fields: dict[str, Any]) -> None:
+    """ProtocolError unless a 'hidden' frame's "cached" (the rows it was sent without) is a
+    whole number of prefix blocks within its first step's prompt."""
+    cached, first = fields["cached"], fields.get("first")
+    prompt = first.get("prompt") if isinstance(first, dict) else None
+    if not (type(cached) is int and isinstance(prompt, list) and 0 < cached < len(prompt)
+            and cached % BLOCK_TOKENS == 0):  # fmt: skip
+        raise ProtocolError(f"a 'hidden' frame's cached {str(cached)[:20]} is not a whole "
+                            "number of prefix blocks of its first step's prompt")  # fmt: skip
 
 
 def scoring_rows(n: int, lengths: list[int]) -> np.ndarray:
