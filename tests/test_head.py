@@ -117,14 +117,15 @@ class QuickCoordinator:
         if path == "/v1/jobs/lease":
             jobs, self.jobs = self.jobs, []
             return {"jobs": jobs}
-        return {"stale": []}
+        return {"stale": [], "outcomes": ["done"] * len(body.get("results", []))}
 
     def bodies(self, path: str) -> list[dict[str, Any]]:
         return [b for p, b in self.calls if p == path]
 
     def results(self) -> list[dict[str, Any]]:
         """Every result posted, one post carrying one or several."""
-        return [r for b in self.bodies("/v1/jobs/complete") for r in b.get("results", [b])]
+        return [r for p, b in self.calls for r in b.get("results", [b] if p == "/v1/jobs/complete"
+                                                          else [])]  # fmt: skip
 
 
 def job(job_id: str, prompt: list[int], **payload: Any) -> dict[str, Any]:
@@ -271,9 +272,34 @@ def test_results_that_end_while_one_is_posted_go_together() -> None:
         return coord
 
     coord = asyncio.run(scenario())
-    assert len(coord.bodies("/v1/jobs/complete")) == 2  # the first, then the five after it
+    assert [p for p, _ in coord.calls] == ["/v1/jobs/checkpoint"] * 2  # the first, the 5 after
     assert sorted(r["job_id"] for r in coord.results()) == [f"j{i}" for i in range(6)]
     assert all(r["fence"] == 3 and r["result"]["reason"] == "scored" for r in coord.results())
+
+
+def test_results_and_frontiers_that_come_together_share_a_post() -> None:
+    """A labels line's result and the next line's frontier come at the same moment: one
+    post carries both (the results committed first), not one each."""
+    from cellswarm.swarm.node.head import Run
+
+    async def scenario() -> QuickCoordinator:
+        coord = QuickCoordinator([])
+        head = Head(FakeStage(), coord.post, lease_s=1.0)
+        runs = [Run(f"j{i}", 3, "score", {}, [], saved_s=time.monotonic()) for i in range(4)]
+        head.runs = {r.job_id: r for r in runs}
+        await asyncio.gather(head._finish(runs[0], {"scores": [-1.0], "reason": "scored"}),
+                             head.frontier("j1#0"),
+                             head._finish(runs[2], {"scores": [-2.0], "reason": "scored"}),
+                             head.frontier("j3#0"))  # fmt: skip
+        return coord
+
+    coord = asyncio.run(scenario())
+    posts = coord.bodies("/v1/jobs/checkpoint")
+    assert [p for p, _ in coord.calls] == ["/v1/jobs/checkpoint"] * 2, coord.calls
+    assert [r["job_id"] for r in posts[0]["results"]] == ["j0"] and posts[0]["runs"] == []
+    assert [r["job_id"] for r in posts[1]["results"]] == ["j2"]
+    assert [(r["job_id"], r["frontier"]) for r in posts[1]["runs"]] == [("j1", True),
+                                                                        ("j3", True)]
 
 
 class RingStage(FakeStage):

@@ -192,8 +192,8 @@ def test_a_member_that_does_not_hold_a_lease_cannot_touch_it(
 ) -> None:
     """A joined node (a real session: it holds the cluster token) that is not the job's
     lease holder tries every holder's route on a running job, at every fence it might guess:
-    complete with forged tokens (alone and as a list), fail, release, checkpoint (marked at
-    its frontier); a malformed list of results is one line of error. Each
+    complete with forged tokens (alone, as a list, and with a checkpoint), fail, release,
+    checkpoint (marked at its frontier); a malformed list of results is one line of error. Each
     is refused ('stale'); its fault reports (a forged step failure of the job, a part
     server, a sender, the next stage) strike nothing and unwire nothing: it runs no step of
     the ring. The job is untouched and finishes with one process's tokens on its first
@@ -219,8 +219,12 @@ def test_a_member_that_does_not_hold_a_lease_cannot_touch_it(
                 **me, "runs": [run]})["released"] == 0
             assert client.call(swarm.url, "/v1/jobs/checkpoint", {
                 **me, "runs": [{**run, "tokens": [42], "frontier": True}]})["stale"] == [rid]
-        with pytest.raises(RequestError, match="results: a list of at most"):
-            client.call(swarm.url, "/v1/jobs/complete", {**me, "results": [{"job_id": rid}]})
+            both = client.call(swarm.url, "/v1/jobs/checkpoint", {**me, "runs": [], "results": [
+                {**run, "result": {"tokens": [42], "reason": "max_tokens"}}]})
+            assert both == {"stale": [], "outcomes": ["stale"]}, (fence, both)
+        for path in ("/v1/jobs/complete", "/v1/jobs/checkpoint"):
+            with pytest.raises(RequestError, match="results: a list of at most"):
+                client.call(swarm.url, path, {**me, "runs": [], "results": [{"job_id": rid}]})
         epoch = client.call(swarm.url, "/v1/status")["epoch"]
         for kind, detail in [("forward", "forged"), ("part", "worker-0"),
                              ("sender", "worker-0"), ("next", "")] * 3:  # fmt: skip

@@ -50,6 +50,19 @@ async def node_body(request: Request) -> dict[str, Any]:
     return data
 
 
+def result_items(results: Any) -> list[tuple[str, int, dict[str, Any]]]:
+    """A head's posted results as (job_id, fence, result); BadRequest unless a list of at
+    most MAX_RESULTS_PER_POST objects with those three."""
+    if not isinstance(results, list) or len(results) > MAX_RESULTS_PER_POST or not all(
+        isinstance(r, dict) and isinstance(r.get("job_id"), str)
+        and isinstance(r.get("fence"), int) and isinstance(r.get("result"), dict)
+        for r in results
+    ):  # fmt: skip
+        raise BadRequest(f"results: a list of at most {MAX_RESULTS_PER_POST} objects with "
+                         "job_id, fence and result", param="results")  # fmt: skip
+    return [(r["job_id"], r["fence"], r["result"]) for r in results]
+
+
 def node_of(coord: Coordinator, data: dict[str, Any]) -> Node:
     return coord.authenticate(str(data["node_id"]), str(data["session"]))
 
@@ -304,9 +317,13 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
 
     @app.post("/v1/jobs/checkpoint")
     async def checkpoint(request: Request) -> dict[str, Any]:
+        """Runs' tokens so far ("runs"), and ended jobs' results ("results", as `complete`
+        takes them) committed first: a head's one post for both."""
         d = await node_body(request)
-        return {"stale": await coord.on_core(
-            lambda: coord.checkpoint(node_of(coord, d), list(d.get("runs", []))))}
+        items = result_items(d["results"]) if "results" in d else []
+        stale, outcomes = await coord.on_core(
+            lambda: coord.report(node_of(coord, d), items, list(d.get("runs", []))))
+        return {"stale": stale, **({"outcomes": outcomes} if items else {})}
 
     @app.post("/v1/jobs/complete")
     async def complete(request: Request) -> dict[str, Any]:
@@ -317,15 +334,7 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
         if one:
             items = [(str(d["job_id"]), int(d["fence"]), dict(d["result"]))]
         else:
-            results = d["results"]
-            if not isinstance(results, list) or len(results) > MAX_RESULTS_PER_POST or not all(
-                isinstance(r, dict) and isinstance(r.get("job_id"), str)
-                and isinstance(r.get("fence"), int) and isinstance(r.get("result"), dict)
-                for r in results
-            ):  # fmt: skip
-                raise BadRequest(f"results: a list of at most {MAX_RESULTS_PER_POST} objects "
-                                 "with job_id, fence and result", param="results")  # fmt: skip
-            items = [(r["job_id"], r["fence"], r["result"]) for r in results]
+            items = result_items(d["results"])
         outcomes = await coord.on_core(lambda: coord.complete_all(node_of(coord, d), items))
         return {"outcome": outcomes[0]} if one else {"outcomes": outcomes}
 

@@ -985,6 +985,14 @@ class Coordinator:
                    if replica.isdigit() else [])  # fmt: skip
         return replica, members if node.node_id in members else [str(node.node_id)]
 
+    def report(self, node: Node, items: list[tuple[str, int, dict[str, Any]]],
+               runs: list[dict[str, Any]]) -> tuple[list[str], list[str]]:  # fmt: skip
+        """A head's one post: results (`complete_all`), then checkpoints (`checkpoint`), in
+        one transaction; (the ids it lost, the results' outcomes)."""
+        with self.store.transaction():
+            outcomes = self.complete_all(node, items)
+            return self.checkpoint(node, runs), outcomes
+
     def complete_all(self, node: Node, items: list[tuple[str, int, dict[str, Any]]]) -> list[str]:
         """`complete` of each (job_id, fence, result) a head posted together, in one
         transaction: each outcome is what it would be alone, and the lot costs one commit (an

@@ -87,12 +87,11 @@ class Head:
         self.leasing: asyncio.Task[None] | None = None  # the long poll in flight, if any
         self.forgotten: list[dict[str, Any]] | None = None  # stopped: the jobs it gave back
         self.ring_sequences: int | None = None  # the coordinator's word: what its ring holds
-        # runs at their frontier not yet told, and the one post at a time that tells them
+        # runs at their frontier not yet told, results not yet posted, and the one post at a
+        # time that carries both (with the checkpoints due then)
         self.at_frontier: dict[str, Run] = {}
-        self.frontier_lock = asyncio.Lock()
-        # results not yet posted, and the one post at a time that carries them
         self.finished: dict[str, dict[str, Any]] = {}
-        self.finish_lock = asyncio.Lock()
+        self.report_lock = asyncio.Lock()
 
     @property
     def capacity(self) -> int:
@@ -249,19 +248,27 @@ class Head:
         return active is not None and now - active < self.lease_s
 
     async def _finish(self, run: Run, result: dict[str, Any]) -> None:
-        """The job's result to the coordinator. Results that end while one post is out go
-        together in the next: a batch of short jobs (a labels line is one step) costs about
-        one round trip per post, not one per job."""
+        """The job's result to the coordinator, in the next report (see `_report`)."""
         self.runs.pop(run.job_id, None)
         self.finished[run.job_id] = {"job_id": run.job_id, "fence": run.fence, "result": result}
-        async with self.finish_lock:
-            if run.job_id not in self.finished:
+        await self._report(run.job_id)
+
+    async def _report(self, job_id: str) -> None:
+        """Post the results and frontiers pending (with the checkpoints due), once one that
+        carries `job_id`'s is answered. What comes while a post is out goes together in the
+        next: a batch of short jobs (a labels line is one step, its result and the next
+        line's frontier come together) costs about one round trip a job, not two or three."""
+        async with self.report_lock:
+            if job_id not in self.finished and job_id not in self.at_frontier:
                 return  # a post made while this one waited for the lock carried it
             results = list(self.finished.values())
+            told = tuple(self.at_frontier.values())
             self.finished.clear()
-            for at in range(0, len(results), RESULTS_PER_POST):
+            self.at_frontier.clear()
+            for at in range(RESULTS_PER_POST, len(results), RESULTS_PER_POST):  # (a rare many)
                 body = {"results": results[at : at + RESULTS_PER_POST]}
                 await asyncio.to_thread(self._post_quietly, "/v1/jobs/complete", body)
+            await self._checkpoint(frontier=told, results=results[:RESULTS_PER_POST])
 
     async def frontier(self, req: str) -> None:
         """Stage 0 is about to run a step of `req` that its job never completed (its first,
@@ -275,29 +282,27 @@ class Head:
         if run is None:
             return
         self.at_frontier[run.job_id] = run
-        async with self.frontier_lock:
-            if run.job_id not in self.at_frontier:
-                return  # a post made while this one waited for the lock told it
-            told = list(self.at_frontier.values())
-            self.at_frontier.clear()
-            await self._checkpoint(frontier=tuple(told))
+        await self._report(run.job_id)
 
-    async def _checkpoint(self, due: list[Run] | None = None,
-                          frontier: tuple[Run, ...] = ()) -> None:
+    async def _checkpoint(self, due: list[Run] | None = None, frontier: tuple[Run, ...] = (),
+                          results: list[dict[str, Any]] | None = None) -> None:  # fmt: skip
         """Save the tokens of the runs that progressed, renew those due (only while their
         steps come back), and drop the ones whose lease is gone. `due`: these runs, now.
-        `frontier`: these runs too, at their frontier (see `frontier`)."""
+        `frontier`: these runs too, at their frontier (see `frontier`). `results`: ended
+        jobs' results, committed first in the same post."""
         now = time.monotonic()
         told = {r.job_id for r in frontier}
         if due is None:
             due = [r for r in self.runs.values() if r.job_id in told
                    or (len(r.tokens) != r.saved and now - r.saved_s >= CHECKPOINT_EVERY_S)
                    or (now - r.saved_s > self.lease_s / 3 and self._alive(r, now))]  # fmt: skip
-        if not due:
+        if not due and not results:
             return
-        body = {"runs": [{"job_id": r.job_id, "fence": r.fence, "tokens": list(r.tokens),
-                          **({"frontier": True} if r.job_id in told else {})}
-                         for r in due]}  # fmt: skip
+        body: dict[str, Any] = {
+            "runs": [{"job_id": r.job_id, "fence": r.fence, "tokens": list(r.tokens),
+                      **({"frontier": True} if r.job_id in told else {})} for r in due],
+            **({"results": results} if results else {}),
+        }  # fmt: skip
         answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/checkpoint", body)
         if answer is None:
             return
