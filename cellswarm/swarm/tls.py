@@ -137,7 +137,19 @@ def files(tls_dir: str | Path) -> tuple[str, str, str]:
 
 
 def check_url(url: str, tls_dir: str | Path | None) -> None:
-    """An https URL needs a TLS folder and a TLS folder needs https: say so, not a handshake."""
+    """A coordinator's URL is http(s)://HOST[:PORT]; an https URL needs a TLS folder and a
+    TLS folder needs https: say so, not a handshake (or a silence: urllib's 'unknown url
+    type' was caught as a network error and retried for ever)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url.strip())
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:  # a port that is no number
+        parts, port_ok = urlsplit(""), False
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname or not port_ok:
+        raise RequestError(f"{url!r} is not a coordinator's URL: give http://HOST:PORT "
+                           "(e.g. http://10.0.0.5:8000), https:// with --tls")  # fmt: skip
     https = url.strip().lower().startswith("https://")
     if https and tls_dir is None:
         raise RequestError(f"{url} is https: pass --tls DIR (a node's certificate folder)")

@@ -93,11 +93,15 @@ def wait_wired(url: str, timeout_s: float = 120.0, tls: str | None = None,
     deadline = time.monotonic() + timeout_s
     status: dict[str, Any] = {}
     seen: dict[str, tuple[str, str]] = {}
+    problem = ""  # the coordinator's reason it cannot place the model, last said
     while time.monotonic() < deadline:
         try:
             status = call(url, "/v1/status", timeout_s=5, tls=tls, api_key=api_key)
             if on_change is not None:
                 _tell_changes(status, seen, on_change)
+                if status.get("problem") and status["problem"] != problem:  # once a change
+                    problem = str(status["problem"])
+                    on_change(f"cannot place the model: {problem}")
             if status["wired"]:
                 if on_change is not None:
                     on_change(f"wired: epoch {status.get('epoch')}, {len(seen)} nodes")

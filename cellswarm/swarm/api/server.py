@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -480,6 +481,8 @@ def serve(config: CoordinatorConfig) -> None:
     import uvicorn
 
     raise_open_files()
+    if not logging.getLogger().handlers:  # joins, placements, losses, rewirings: said
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     coord = Coordinator(config)
     if coord.token is None:
         print("warning: no --token-file: any process that can reach this port may join",

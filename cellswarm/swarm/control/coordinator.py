@@ -69,6 +69,7 @@ from cellswarm.swarm.logs import JsonLog, Throttled
 from cellswarm.swarm.ring.stage import reset_stage
 from cellswarm.swarm.settings import CoordinatorConfig
 from cellswarm.swarm.tls import client_context
+from cellswarm.units import format_bytes
 
 log = logging.getLogger("cellswarm.coordinator")
 T = TypeVar("T")
@@ -106,6 +107,7 @@ class Coordinator:
         self.token = load_token(config.token_file) if config.token_file else None
         self.tls = client_context(config.tls_dir) if config.tls_dir else None  # for resets
         self.nonces = Nonces()  # join challenges, each good for one proof (nonces.py)
+        self._joins_said = -1  # >= 0 inside join_many, whose rack's joins are one line
         self.layout: list[Shard] = json.loads(self.store.get_meta("layout", "[]"))
         self.id = f"{config.host}:{config.port}/{uuid.uuid4().hex[:8]}"
         self.leading, self.lead_until = False, 0.0
@@ -225,6 +227,7 @@ class Coordinator:
         gets its own session or its own error; `host` is the relay's address, used for a
         join that does not say its own."""
         answers: list[dict[str, Any]] = []
+        self._joins_said = 0  # a rack's joins are one line (log_join), not a line each
         with self.store.transaction():
             for j in joins:
                 try:
@@ -238,6 +241,10 @@ class Coordinator:
                 except (PermissionError, RequestError, KeyError, TypeError, ValueError) as exc:
                     why = f"a join needs {exc}" if isinstance(exc, KeyError) else str(exc)
                     answers.append({"error": why})
+        if len(joins) > 1:
+            log.info("%d of %d nodes joined through %s", sum("session" in a for a in answers),
+                     len(joins), host)  # fmt: skip
+        self._joins_said = -1
         return answers
 
     def join(self, node_id: str, nonce: str, proof: str, caps: dict[str, Any], host: str) -> str:
@@ -276,6 +283,9 @@ class Coordinator:
             # row spent a job's every attempt: tests/test_jobs_swarm.py's churn test)
             self._drop_work(old, f"{node_id} re-joined: a new process")
         self.log.event("join", None, worker=node_id, memory_bytes=node.memory_bytes)
+        if self._joins_said < 0:  # (join_many says its rack's in one line)
+            log.info("node %s joined from %s with %s", node_id, host,
+                     format_bytes(node.memory_bytes))  # fmt: skip
         return session
 
     def authenticate(self, node_id: str, session: str) -> Node:
@@ -392,7 +402,8 @@ class Coordinator:
         return {"shard": self._shard_for(node), "epoch": epoch, "probe": self._probe(node),
                 "wired": self.wired_epoch == epoch, "lease_s": self.config.lease_s,
                 "now_s": time.time(), "check": self.checkups.ask(node.node_id),
-                "heartbeat_s": self.heartbeat_interval_s()}  # fmt: skip
+                "heartbeat_s": self.heartbeat_interval_s(),
+                **({"problem": self.problem} if self.problem else {})}  # fmt: skip
 
     def metrics_targets(self) -> list[dict[str, Any]]:
         """Prometheus' HTTP service discovery: every node that is not lost, by its state."""
@@ -531,6 +542,7 @@ class Coordinator:
         """The layout changed: a new epoch (so not wired); stage frames of the old one are void."""
         epoch = self.store.next_epoch()
         self.log.event("unwire", None, epoch=epoch, why=why)
+        log.info("rewiring the rings (epoch %d): %s", epoch, why)
 
     # -- placement and wiring --------------------------------------------------------------
 
@@ -601,7 +613,10 @@ class Coordinator:
         nodes = self.store.nodes()
         layout, target, sequences = self._repair(nodes)
         if not target:
-            self.problem = self._why_unplaced(nodes)
+            problem = self._why_unplaced(nodes)
+            if problem and problem != self.problem:  # said once, not every tick
+                log.warning("cannot place the model: %s", problem)
+            self.problem = problem
             return
         self.problem = ""
         current = {n.node_id: n.shard for n in nodes}
@@ -616,6 +631,10 @@ class Coordinator:
             self.store.set_meta("sequences", str(sequences))
         placed = {k: v["layers"] for k, v in target.items() if v is not None}
         self.log.event("placed", None, layout=placed, context=self.context, sequences=sequences)
+        shown = ", ".join(f"{k} {v[0]}..{v[1] - 1}" for k, v in list(placed.items())[:8])
+        more = f" and {len(placed) - 8} more" if len(placed) > 8 else ""
+        log.info("placed the model on %d nodes (%s%s), %d sequences of %d tokens",
+                 len(placed), shown, more, sequences, self.context)  # fmt: skip
         self.unwire("new placement")
 
     def _repair(self, nodes: list[Node]) -> tuple[list[Shard], dict[NodeId, Shard | None], int]:
@@ -811,8 +830,10 @@ class Coordinator:
     def _wired(self, epoch: int, nodes: list[Node]) -> None:
         if self.epoch == epoch:
             self.wired_epoch = epoch
-            self.log.event("wired", None, epoch=epoch, replicas=[
-                [n.node_id for n in ring(nodes, r)] for r in replicas(nodes)])  # fmt: skip
+            rings = [[n.node_id for n in ring(nodes, r)] for r in replicas(nodes)]
+            self.log.event("wired", None, epoch=epoch, replicas=rings)
+            log.info("wired (epoch %d): %s", epoch, "; ".join(" -> ".join(r) for r in rings[:4])
+                     + (f"; and {len(rings) - 4} more rings" if len(rings) > 4 else ""))
 
     async def _wire_replica(self, nodes: list[Node], replica: int, epoch: int) -> bool:
         stages, parts = ring(nodes, replica), part_nodes(nodes, replica)

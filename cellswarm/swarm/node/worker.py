@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
-from cellswarm.errors import BudgetError, CellswarmError, RequestError
+from cellswarm.errors import BudgetError, CellswarmError, RequestError, SwarmError
 from cellswarm.kernels import cache_dir as kernels_cache_dir
 from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.control.beats import NatsBeats
@@ -66,6 +66,9 @@ from cellswarm.swarm.tls import check_url, client_context, server_context, tls_f
 log = logging.getLogger("cellswarm.worker")
 
 HTTP_TIMEOUT_S = 2.0
+JOIN_REFUSALS = 3  # refused proofs in a row before a worker gives up (a wrong token stays wrong)
+SAY_EVERY_S = 60.0  # a warning that retrying may mend, at most once in this long
+GIVE_UP: dict[str, Any] = {}  # the beats' last word to the main loop (Worker.fatal says why)
 
 
 def measure_capabilities(config: WorkerConfig) -> dict[str, Any]:
@@ -121,6 +124,11 @@ class Worker:
         self.caps: dict[str, Any] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loading: asyncio.Task[None] | None = None  # the shard being loaded, if any
+        if not self.urls:
+            raise RequestError("--join names no coordinator: give its URL, e.g. "
+                               "http://10.0.0.5:8000")  # fmt: skip
+        for url in self.urls:
+            check_url(url, config.tls_dir)
         self.bind = parse_address(config.listen or route_source(self.urls[0]), "--listen")
         if self.token is None and not is_loopback(self.bind.host) and not config.insecure:
             raise RequestError(
@@ -131,8 +139,6 @@ class Worker:
         self.advertised = parse_address(config.advertise, "--advertise") if config.advertise \
             else None  # fmt: skip
         self.clock = ClockOffset()  # the coordinator's clock minus ours
-        for url in self.urls:
-            check_url(url, config.tls_dir)
         self.tls = client_context(config.tls_dir) if config.tls_dir else None  # we dial
         self.tls_server = server_context(config.tls_dir) if config.tls_dir else None  # we serve
         self.tls_failure = ""  # the last TLS error said, so it is said once
@@ -141,6 +147,8 @@ class Worker:
         self.metrics_port: int | None = None  # GET /metrics (node/metrics.py), once started
         self.awake = KeepAwake() if config.keep_awake else None  # while steps arrive
         self._beat_now = threading.Event()
+        self._said: tuple[str, float] = ("", 0.0)  # the last warning _say_once said, and when
+        self.fatal = ""  # why the beats gave up (GIVE_UP)
         self.nats: NatsBeats | None = None
         if config.control:  # heartbeats through NATS (control/beats.py)
             self.nats = NatsBeats(config.control, config.node_id, self.token, config.tls_dir)
@@ -308,6 +316,8 @@ class Worker:
         beats.start()
         while True:  # what the beats bring back, in order, on this loop
             answer = await answers.get()
+            if answer is GIVE_UP:
+                raise SwarmError(self.fatal)
             try:
                 await self.apply(answer)
             except Exception:  # a bug in one answer must not end the node
@@ -319,22 +329,40 @@ class Worker:
 
     async def beat_forever(self, heard: Callable[[dict[str, Any]], None]) -> None:
         """The heartbeat thread's loop: join, beat every heartbeat_s, hand each answer to
-        the main loop (`heard`); nothing else runs here."""
-        last_ok = time.monotonic()
+        the main loop (`heard`); nothing else runs here. What stops it joining is said in
+        one line: a refused proof JOIN_REFUSALS times ends the worker (`heard(GIVE_UP)`: a
+        wrong token does not come right); a coordinator that does not answer is said once a
+        minute while the worker keeps trying (it may be starting)."""
+        last_ok, refusals = time.monotonic(), 0
         while True:
+            joining = self.session is None
             try:
-                if self.session is None:
+                if joining:
                     await asyncio.to_thread(self._join)
                 answer = await self._beat()
-            except urllib.error.HTTPError as exc:
-                if exc.code == 401:  # unknown session (a wiped coordinator) or a bad proof
+            except (urllib.error.HTTPError, PermissionError) as exc:
+                # 401 / PermissionError (NATS): a bad proof, or a session the coordinator
+                # no longer knows (it was wiped): join again
+                if isinstance(exc, urllib.error.HTTPError) and exc.code != 401:
+                    self._say_once(f"the coordinator at {self.url} refused a heartbeat: "
+                                   f"{said(exc)}")  # fmt: skip
+                else:
                     self.session = None
-                    log.warning("coordinator refused us: %s", said(exc))
-            except PermissionError as exc:  # the same, said over NATS
-                self.session = None
-                log.warning("coordinator refused us: %s", exc)
+                    why = said(exc) if isinstance(exc, urllib.error.HTTPError) else str(exc)
+                    refusals = refusals + 1 if joining else 0
+                    if refusals >= JOIN_REFUSALS:
+                        self.fatal = (f"the coordinator at {self.url} refused to let "
+                                      f"{self.config.node_id} join {refusals} times ({why}): "
+                                      "is --token-file the cluster's token?")  # fmt: skip
+                        heard(GIVE_UP)
+                        return
+                    log.warning("coordinator %s refused us: %s", self.url, why)
             except (OSError, ValueError) as exc:
                 self._say_tls_failure(exc)
+                if joining:
+                    self._say_once(f"cannot reach the coordinator at {self.url} ({exc}); "
+                                   "trying again, said once a minute while it does not "
+                                   "answer")  # fmt: skip
                 quiet_s = time.monotonic() - last_ok
                 if quiet_s > self.config.stop_after_s and self.session is not None:
                     await self._on_main(self.stop_serving(
@@ -343,7 +371,7 @@ class Worker:
             except Exception:  # a bug in one beat must not end the node: beat again
                 log.exception("heartbeat failed")
             else:
-                last_ok = time.monotonic()
+                last_ok, refusals = time.monotonic(), 0
                 heard(answer)
             await asyncio.to_thread(self._beat_now.wait, self.heartbeat_s)
             self._beat_now.clear()
@@ -353,6 +381,15 @@ class Worker:
         assert self.loop is not None
         with contextlib.suppress(Exception):
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, self.loop))
+
+    def _say_once(self, line: str) -> None:
+        """A warning that retrying may mend: said at once, then once a minute while it lasts
+        (not twice a second: a worker's log is read by a person)."""
+        now = time.monotonic()
+        key = line.split(" (")[0]
+        if key != self._said[0] or now - self._said[1] >= SAY_EVERY_S:
+            log.warning("%s", line)
+            self._said = (key, now)
 
     def _say_tls_failure(self, exc: Exception) -> None:
         """A refused handshake is not an outage: say what it was (once), not just retry."""
@@ -376,9 +413,17 @@ class Worker:
             # restarts its long poll, so 10 a second is plenty
             await asyncio.sleep(0.02 if head is not None and head.runs else 0.1)
 
+    def _say_problem(self, answer: dict[str, Any]) -> None:
+        """A worker left without a shard is told why by its coordinator: said once a
+        minute while it lasts (a budget too small for any shard, too few workers)."""
+        if answer.get("problem") and answer.get("shard") is None:
+            self._say_once(f"{self.config.node_id} holds no shard: the coordinator cannot place "
+                           f"the model ({answer['problem']})")  # fmt: skip
+
     async def apply(self, answer: dict[str, Any]) -> None:
         if answer.get("held"):  # heard while the coordinator's core was busy: nothing new
             return
+        self._say_problem(answer)
         shard = answer.get("shard")
         self.wired = bool(answer.get("wired"))
         self.coordinator_epoch = int(answer.get("epoch", -1))
@@ -642,11 +687,16 @@ def main(config: WorkerConfig) -> None:
 
 
 def said(exc: urllib.error.HTTPError) -> str:
-    """An error answer's first 200 characters: itself read from a socket, maybe cut short."""
+    """An error answer's message (`{"error": {"message"}}`), else its first 200 characters:
+    read from a socket, maybe cut short."""
     try:
-        return exc.read().decode(errors="replace")[:200]
+        text = exc.read().decode(errors="replace")[:200]
     except Exception as cut:  # http.client.IncompleteRead is no OSError
         return f"HTTP {exc.code} ({cut!r})"
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, TypeError, KeyError):
+        return text
 
 
 def flip_a_weight_bit(model: Any) -> str:
