@@ -481,6 +481,7 @@ def serve(config: CoordinatorConfig) -> None:
     import uvicorn
 
     raise_open_files()
+    check_free(config.host, config.port)
     if not logging.getLogger().handlers:  # joins, placements, losses, rewirings: said
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     coord = Coordinator(config)
@@ -505,6 +506,23 @@ def serve(config: CoordinatorConfig) -> None:
         await task
 
     asyncio.run(run())
+
+
+def check_free(host: str, port: int) -> None:
+    """RequestError, one line, if the coordinator could not listen on host:port (uvicorn
+    says so in a traceback, after the coordinator took the lead)."""
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as exc:
+            raise RequestError(f"--listen {host}:{port}: {exc.strerror or exc}; is another "
+                               "coordinator there? give another port") from None  # fmt: skip
 
 
 def _tls(tls_dir: str | None) -> dict[str, Any]:

@@ -149,6 +149,7 @@ class Worker:
         self._beat_now = threading.Event()
         self._said: tuple[str, float] = ("", 0.0)  # the last warning _say_once said, and when
         self.fatal = ""  # why the beats gave up (GIVE_UP)
+        self._problem = ""  # why the coordinator cannot place the model, as last told
         self.nats: NatsBeats | None = None
         if config.control:  # heartbeats through NATS (control/beats.py)
             self.nats = NatsBeats(config.control, config.node_id, self.token, config.tls_dir)
@@ -382,11 +383,12 @@ class Worker:
         with contextlib.suppress(Exception):
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, self.loop))
 
-    def _say_once(self, line: str) -> None:
+    def _say_once(self, line: str, key: str | None = None) -> None:
         """A warning that retrying may mend: said at once, then once a minute while it lasts
-        (not twice a second: a worker's log is read by a person)."""
+        (not twice a second: a worker's log is read by a person); `key` names what lasts
+        (the line up to its parenthesis, the error's details, by default)."""
         now = time.monotonic()
-        key = line.split(" (")[0]
+        key = line.split(" (")[0] if key is None else key
         if key != self._said[0] or now - self._said[1] >= SAY_EVERY_S:
             log.warning("%s", line)
             self._said = (key, now)
@@ -415,10 +417,14 @@ class Worker:
 
     def _say_problem(self, answer: dict[str, Any]) -> None:
         """A worker left without a shard is told why by its coordinator: said once a
-        minute while it lasts (a budget too small for any shard, too few workers)."""
-        if answer.get("problem") and answer.get("shard") is None:
+        minute while it lasts (a budget too small for any shard, too few workers), once it
+        is told the same twice in a row (the first answers after a join may carry the
+        reason from before it came)."""
+        problem = str(answer.get("problem") or "") if answer.get("shard") is None else ""
+        told, self._problem = self._problem, problem
+        if problem and problem == told:
             self._say_once(f"{self.config.node_id} holds no shard: the coordinator cannot place "
-                           f"the model ({answer['problem']})")  # fmt: skip
+                           f"the model ({problem})", key=problem)  # fmt: skip
 
     async def apply(self, answer: dict[str, Any]) -> None:
         if answer.get("held"):  # heard while the coordinator's core was busy: nothing new
