@@ -51,7 +51,7 @@ def test_placeholders_become_psycopg_ones_and_percent_signs_stay_literal() -> No
     assert translate("UPDATE t SET v=? -- why?\nWHERE k=?") == (
         "UPDATE t SET v=%s -- why?\nWHERE k=%s"
     )
-    assert len(split_script(SCHEMA)) == 6
+    assert len(split_script(SCHEMA)) == 7  # tables, indexes and one DROP INDEX
     assert split_script("CREATE TABLE a (x TEXT DEFAULT ';'); -- a; b\n;") == [
         "CREATE TABLE a (x TEXT DEFAULT ';')"
     ]

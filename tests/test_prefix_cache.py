@@ -74,15 +74,23 @@ def test_the_budget_holds_and_a_chain_is_evicted_from_its_end(model: Model) -> N
     assert kept is not None and kept.shape[0] == 2 * BLOCK_TOKENS  # the first two survive
 
 
-def test_sequences_sharing_an_instruction_hit_the_cache_at_every_stage(demo_path: Path) -> None:
-    """A 140-token instruction shared by 6 requests through 2 stages: each stage computes its
-    blocks once, and every request's tokens are the ones it gets alone in one process."""
+def sharing_an_instruction(
+    demo_path: Path, n: int, max_tokens: int
+) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """A 140-token instruction, n requests that start with it, and each one's greedy tokens
+    alone in one process."""
     model = cellswarm.load(demo_path)
     instruction = model.tokenizer.encode("Classify the sentiment of the review. " * 20)
     prompts = [instruction + model.tokenizer.encode(f" Review {i}: it was fine.")
-               for i in range(6)]  # fmt: skip
-    opts = GenerateOptions(4, stop_ids=frozenset())
-    expected = [model.generate(p, opts).token_ids for p in prompts]
+               for i in range(n)]  # fmt: skip
+    opts = GenerateOptions(max_tokens, stop_ids=frozenset())
+    return instruction, prompts, [model.generate(p, opts).token_ids for p in prompts]
+
+
+def test_sequences_sharing_an_instruction_hit_the_cache_at_every_stage(demo_path: Path) -> None:
+    """A 140-token instruction shared by 6 requests through 2 stages: each stage computes its
+    blocks once, and every request's tokens are the ones it gets alone in one process."""
+    instruction, prompts, expected = sharing_an_instruction(demo_path, 6, 4)
     with LocalPipeline(str(demo_path), even_split(30, 2)) as pipe:
         got = [pipe.generate([{"prompt": p, "max_tokens": 4}])[0].tokens for p in prompts]
         stats = pipe.stats()
@@ -102,12 +110,7 @@ def test_rows_a_stage_was_not_sent_and_does_not_hold_are_sent_when_it_asks(
     them (its cache holds nothing: a one-byte budget evicts every block; or it has none) and
     asks for them on the link: the step runs on them, and every token is the one-process
     token. A stage that has no cache says so, and gets every row from then on."""
-    model = cellswarm.load(demo_path)
-    instruction = model.tokenizer.encode("Classify the sentiment of the review. " * 20)
-    prompts = [instruction + model.tokenizer.encode(f" Review {i}: it was fine.")
-               for i in range(4)]  # fmt: skip
-    opts = GenerateOptions(3, stop_ids=frozenset())
-    expected = [model.generate(p, opts).token_ids for p in prompts]
+    instruction, prompts, expected = sharing_an_instruction(demo_path, 4, 3)
     budget = {1: 1 if held == "evicted" else 0}
     with LocalPipeline(str(demo_path), even_split(30, 3), prefix_cache_bytes=budget) as pipe:
         got = [pipe.generate([{"prompt": p, "max_tokens": 3}])[0].tokens for p in prompts]
