@@ -254,3 +254,64 @@ def test_without_workers_the_api_answers_503_and_without_keys_asks_for_none(
                                                     "messages": QUESTION})  # fmt: skip
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "no_ring" and "no live workers" in r.text
+
+
+# -- `generate --coordinator`: the local command's flags and output, over these routes ---------
+
+GENERATE_CASES = [
+    ["The capital of France is", "--max-tokens", "12"],
+    ["Name five famous landmarks in Paris.", "--chat", "--max-tokens", "16"],
+    ["Once upon a time", "--stop", ",", "--stop", ".", "--max-tokens", "24"],
+    ["1,450,7,12", "--ids", "--max-tokens", "8"],
+    ["Once upon a time", "--temperature", "0.9", "--seed", "7", "--top-k", "40", "--top-p",
+     "0.95", "--max-tokens", "12"],
+    ["Once upon a time", "--repeat-penalty", "1.3", "--min-p", "0.05", "--max-tokens", "12"],
+]
+
+
+def _generate(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from cellswarm.cli import main
+
+    capsys.readouterr()
+    code = main(["generate", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("argv", GENERATE_CASES, ids=lambda a: "-".join(a[1:3]))
+def test_generate_on_the_swarm_takes_the_local_flags_and_prints_the_same(
+    argv: list[str], swarm: LocalSwarm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    keys = tmp_path / "key"
+    keys.write_text(KEY + "\n")
+    remote = ["--coordinator", swarm.url, "--api-key-file", str(keys)]
+    here = json.loads(_generate([*argv, "--json"], capsys)[1])
+    there = json.loads(_generate([*argv, "--json", *remote], capsys)[1])
+    assert there["token_ids"] == here["token_ids"] and here["token_ids"]
+    assert there["text"] == here["text"]
+    for key in ("prompt_tokens", "generated_tokens", "stop_reason"):
+        assert there["stats"][key] == here["stats"][key], key
+    # without --json: the text streams to stdout, the same text, the stats on stderr
+    code, out, err = _generate([*argv, *remote], capsys)
+    assert code == 0 and out == here["text"] + "\n"
+    assert "generated" in err
+
+
+def test_generate_on_the_swarm_refuses_what_only_a_local_run_can_do(
+    swarm: LocalSwarm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cellswarm.cli import main
+
+    keys = tmp_path / "key"
+    keys.write_text(KEY + "\n")
+    for flags, says in ((["--quant", "q8_0"], "cellswarm up --quant"),
+                        (["--threads", "2"], "--threads"),
+                        (["--model", "other.gguf"], "serves"),
+                        (["--ids", "--chat"], "drop one")):  # fmt: skip
+        capsys.readouterr()
+        argv = ["generate", "1,2", "--coordinator", swarm.url, "--api-key-file", str(keys)]
+        assert main([*argv, *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err

@@ -17,6 +17,7 @@ class StopText:
         self.shown = ""  # what feed gave so far
         self.text = ""  # all the text so far, cut at a stop string (the answer once it ends)
         self.stopped = False  # a stop string ended it
+        self.stopped_by: str | None = None  # which (the first in the text)
         self.used = 0  # tokens the answer took
         self.tokens: list[int] = []  # every token so far
         self.finish: str | None = None  # the OpenAI API's: "stop" or "length"
@@ -26,9 +27,10 @@ class StopText:
             return ""
         text = self.decode(tokens)
         self.tokens, self.used = list(tokens), len(tokens)
-        cut = min((i for s in self.stops if (i := text.find(s)) >= 0), default=None)
+        cut, by = min(((i, s) for s in self.stops if (i := text.find(s)) >= 0),
+                      default=(None, None))  # fmt: skip
         if cut is not None:
-            self.stopped = True
+            self.stopped, self.stopped_by = True, by
             self.used = self._fewest(tokens)
             self.text = text[:cut]
             return self._advance(text[:cut])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -238,33 +239,110 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 128 + exc.signum
 
 
+# local `generate` flags that shape this process, not the swarm: with --coordinator, each
+# says in one line where the swarm's own setting lives
+LOCAL_ONLY = {
+    "quant": "the swarm serves its file's weights as packed when it started: "
+             "start it with `cellswarm up --quant Q`, or drop --quant",
+    "kv_budget": "each worker's --memory bounds its KV cache: drop --kv-budget",
+    "threads": "each worker sets its own --threads: drop --threads",
+    "dram_budget": "a tiered box runs in one process: drop --coordinator",
+    "slow_tier": "a tiered box runs in one process: drop --coordinator",
+    "slow_bandwidth": "a tiered box runs in one process: drop --coordinator",
+    "routing_stats": "a tiered box runs in one process: drop --coordinator",
+    "numa": "a tiered box runs in one process: drop --coordinator",
+}
+
+
 def generate_remote(args: argparse.Namespace) -> int:
-    """`cellswarm generate --coordinator URL`: the prompt runs on the swarm; tokens stream."""
+    """`cellswarm generate --coordinator URL`: the same flags and output as local `generate`,
+    over the swarm's OpenAI routes (chat template, stop strings and token ids included);
+    text streams as it comes, or one JSON object with --json."""
     from cellswarm.swarm.api import client
 
-    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                "min_p": args.min_p, "repetition_penalty": args.repeat_penalty,
-                "seed": args.seed}  # fmt: skip
-    t0 = time.perf_counter()
+    for name, why in LOCAL_ONLY.items():
+        if getattr(args, name, None) is not None:
+            flag = "--" + name.replace("_", "-")
+            raise RequestError(f"{flag} {getattr(args, name)} with --coordinator: {why}")
     key = api_key(args)
+    card = client.call(args.coordinator, "/v1/models", tls=args.tls, api_key=key)["data"][0]
+    if args.model and Path(args.model).name not in (card["id"], Path(card["id"]).stem):
+        raise RequestError(f"--model {args.model}: the swarm at {args.coordinator} serves "
+                           f"{card['id']}; drop --model or point at its coordinator")  # fmt: skip
     if args.context:
-        check_served_context(args.coordinator, args.context, args.tls, key)
-    rid = client.submit(args.coordinator, {"prompt": args.prompt, "max_tokens": args.max_tokens,
-                                           "sampling": sampling}, args.tls, key)  # fmt: skip
-    result = client.wait(args.coordinator, rid, tls=args.tls, api_key=key)
-    print(result.get("text", ""))
+        check_served_context(args.coordinator, args.context, args.tls, key, card)
+    body, route = _openai_body(args, card["id"])
+    t0 = time.perf_counter()
+    text: list[str] = []
+    ids: list[int] = []
+    finish: dict[str, Any] | None = None
+    rid, usage = "", dict[str, Any]()
+    for chunk in client.events(args.coordinator, route, body, tls=args.tls, api_key=key):
+        rid = rid or str(chunk["id"]).split("-", 1)[-1]
+        usage = chunk.get("usage") or usage
+        for c in chunk["choices"]:
+            piece = (c.get("delta") or {}).get("content") if args.chat else c.get("text")
+            if piece:
+                text.append(piece)
+                if not args.json:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            if c.get("finish_reason"):
+                finish, ids = c, list(c.get("token_ids") or [])
     took_s = time.perf_counter() - t0
-    print(f"[request {rid} | {result['n_tokens']} tokens ({result['reason']}) in {took_s:.2f} s"
-          f" | attempts {result['attempts']}]", file=sys.stderr)  # fmt: skip
-    return 0 if result["state"] == "done" else 1
+    reason = _stop_reason(finish)
+    if args.json:
+        stats = {"prompt_tokens": usage.get("prompt_tokens"), "generated_tokens": len(ids),
+                 "seconds": round(took_s, 4), "stop_reason": reason, "request_id": rid}
+        print(json.dumps({"text": "".join(text), "token_ids": ids, "stats": stats}))
+        return 0
+    print(flush=True)
+    print(f"[request {rid} | prompt {usage.get('prompt_tokens')} tokens | {len(ids)} generated "
+          f"({reason}) in {took_s:.2f} s]", file=sys.stderr)  # fmt: skip
+    return 0
 
 
-def check_served_context(url: str, context: int, tls: str | None, key: str | None) -> None:
+def _openai_body(args: argparse.Namespace, model: str) -> tuple[dict[str, Any], str]:
+    """The OpenAI request local `generate`'s flags make, and its route."""
+    prompt: Any = args.prompt
+    if args.ids:
+        try:
+            prompt = [int(i) for i in args.prompt.split(",")]
+        except ValueError:
+            raise RequestError(f"--ids: {args.prompt!r} is not comma-separated integers") from None
+        if args.chat:
+            raise RequestError("--ids with --chat: token ids are not a message; drop one")
+    body: dict[str, Any] = {
+        "model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+        "repetition_penalty": args.repeat_penalty, "stream": True, "return_token_ids": True,
+        "skip_special_tokens": False,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if args.stop:
+        body["stop"] = list(args.stop)
+    if args.chat:
+        return body | {"messages": [{"role": "user", "content": prompt}]}, "/v1/chat/completions"
+    return body | {"prompt": prompt}, "/v1/completions"
+
+
+def _stop_reason(choice: dict[str, Any] | None) -> str:
+    """Local generate's names for an OpenAI finish: a stop string, an end token, the limit."""
+    if choice is None or choice.get("finish_reason") == "length":
+        return "max_tokens"
+    return "stop_string" if isinstance(choice.get("stop_reason"), str) else "stop_token"
+
+
+def check_served_context(url: str, context: int, tls: str | None, key: str | None,
+                         card: dict[str, Any] | None = None) -> None:  # fmt: skip
     """`generate --coordinator URL --context N`: the swarm must serve at least N tokens a
     sequence (its /v1/models' max_model_len); the request itself is checked there too."""
     from cellswarm.swarm.api import client
 
-    served = client.call(url, "/v1/models", tls=tls, api_key=key)["data"][0].get("max_model_len")
+    card = card or client.call(url, "/v1/models", tls=tls, api_key=key)["data"][0]
+    served = card.get("max_model_len")
     if served is not None and context > int(served):
         raise RequestError(f"--context {context}: the swarm at {url} serves {served} tokens a "
                            f"sequence; start it with a larger --context (cellswarm up --context "

@@ -7,12 +7,13 @@ with `api_key` it sends `Authorization: Bearer KEY` (a coordinator with --api-ke
 from __future__ import annotations
 
 import functools
+import http.client
 import json
 import ssl
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from cellswarm.errors import RequestError, SwarmError
@@ -33,14 +34,50 @@ def call(
         with urllib.request.urlopen(req, timeout=timeout_s, context=tls_context(url, tls)) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = f"HTTP {exc.code}"
-        raise RequestError(f"coordinator at {url}: {message}") from None
+        raise RequestError(f"coordinator at {url}: {_message(exc)}") from None
     except (OSError, ValueError) as exc:
         hint = "is it running?" + (f" Is --tls {tls} of its cluster's CA?" if tls else "")
         raise SwarmError(f"no coordinator answers at {url} ({exc}); {hint}") from None
+
+
+def events(
+    url: str, path: str, data: dict[str, Any], timeout_s: float = 600.0,
+    tls: str | None = None, api_key: str | None = None,
+) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """POST JSON to a server-sent-events route (an OpenAI `stream: true`); each `data:`
+    object as it comes, until `[DONE]`. An error event becomes a RequestError."""
+    head = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if api_key is not None:
+        head["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url.rstrip("/") + path, json.dumps(data).encode(), head)
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout_s, context=tls_context(url, tls))
+    except urllib.error.HTTPError as exc:
+        raise RequestError(f"coordinator at {url}: {_message(exc)}") from None
+    except (OSError, ValueError) as exc:
+        raise SwarmError(f"no coordinator answers at {url} ({exc}); is it running?") from None
+    with resp:
+        while True:
+            try:
+                line = resp.readline()
+            except (OSError, http.client.HTTPException) as exc:
+                raise SwarmError(f"the coordinator at {url} went away mid-answer ({exc}); "
+                                 "ask again once it is back") from None  # fmt: skip
+            if not line or line.strip() == b"data: [DONE]":
+                return
+            if not line.startswith(b"data:"):
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RequestError(f"coordinator at {url}: {chunk['error'].get('message')}")
+            yield chunk
+
+
+def _message(exc: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.loads(exc.read())["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {exc.code}"
 
 
 @functools.lru_cache(maxsize=8)

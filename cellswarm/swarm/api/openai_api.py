@@ -17,7 +17,8 @@ last whole character, so a streamed answer's deltas add up to the non-streamed t
 Options: max_tokens (chat: also max_completion_tokens; default 16 for completions, the rest
 of the context for chat), temperature (default 1, as OpenAI's; 0 is greedy), top_p, seed,
 stop, stream, stream_options, n (1 only). Extensions in the body: top_k, min_p,
-repetition_penalty, and return_token_ids (each choice gets `token_ids`, its tokens). Not
+repetition_penalty, return_token_ids (each choice gets `token_ids`, its tokens) and
+skip_special_tokens (default true: false shows special tokens' text), vLLM's names. Not
 supported, refused with a 400 naming the parameter: n > 1, best_of > 1, echo, suffix,
 logprobs, tools, non-zero presence/frequency penalties, a response_format other than text,
 content parts other than text.
@@ -231,6 +232,8 @@ class Answer:
         else:
             c["text"] = text or ""
         c |= {"logprobs": None, "finish_reason": finish}
+        if finish is not None:  # vLLM's: the stop string that ended it (None: a token, length)
+            c["stop_reason"] = self.stream.stopped_by
         if finish is not None and self.req.return_token_ids:
             c["token_ids"] = self.stream.tokens[: self.stream.used]
         return c
@@ -354,7 +357,8 @@ class OpenAIRoutes:
         stops = _stops(req.stop)
         tok = self.tokenizer()
         job_id = await self.coord.on_core(self.submit, request, prompt, max_tokens, req, route)
-        text = StopText(lambda ids: tok.decode(ids, skip_special=True), stops)
+        skip = req.skip_special_tokens
+        text = StopText(lambda ids: tok.decode(ids, skip_special=skip), stops)
         answer = Answer(self, req, prompt, job_id, route, text)
         if not req.stream:
             return await answer.whole()

@@ -168,6 +168,7 @@ class OpenAICommon(SamplingFields):
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     return_token_ids: bool = False  # an extension (vLLM's name): each choice gets its ids
+    skip_special_tokens: bool = True  # vLLM's too: False shows <|im_end|> and the like
 
 
 class CompletionRequest(OpenAICommon):
