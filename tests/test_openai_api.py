@@ -166,7 +166,19 @@ def test_a_wrong_key_is_refused(swarm: LocalSwarm, model_id: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "says"),
     [
-        ({"n": 2}, openai.BadRequestError, "n=1"),
+        ({"n": 2, "stream": True}, openai.BadRequestError, "not streamed"),
+        ({"n": 65}, openai.BadRequestError, "n"),
+        ({"logprobs": True, "stream": True}, openai.BadRequestError, "logprobs"),
+        ({"top_logprobs": 2}, openai.BadRequestError, "needs logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, openai.BadRequestError, "top_logprobs"),
+        ({"tool_choice": "auto"}, openai.BadRequestError, "tool_choice"),
+        ({"parallel_tool_calls": True}, openai.BadRequestError, "parallel_tool_calls"),
+        ({"reasoning_effort": "low"}, openai.BadRequestError, "reasoning_effort"),
+        ({"logit_bias": {"99999999": 5}}, openai.BadRequestError, "logit_bias"),
+        ({"logit_bias": {"12": 101}}, openai.BadRequestError, "logit_bias"),
+        ({"presence_penalty": 3}, openai.BadRequestError, "presence_penalty"),
+        ({"extra_body": {"mirostat": 2}}, openai.BadRequestError, "Unrecognized request "
+         "argument supplied: mirostat"),
         ({"model": "gpt-4o"}, openai.NotFoundError, "gpt-4o"),
         ({"temperature": -1}, openai.BadRequestError, "temperature"),
         ({"messages": None}, openai.BadRequestError, "messages"),
@@ -202,10 +214,12 @@ def test_bad_chat_parameters_get_openai_errors(
 
 def test_bad_completion_parameters_and_bodies(api: openai.OpenAI, swarm: LocalSwarm,
                                                model_id: str) -> None:  # fmt: skip
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        api.completions.create(model=model_id, prompt="Hi", echo=True)
-    with pytest.raises(openai.BadRequestError, match="one per request"):
-        api.completions.create(model=model_id, prompt=["a", "b"])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        api.completions.create(model=model_id, prompt="Hi", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        api.completions.create(model=model_id, prompt="Hi", best_of=2)
+    with pytest.raises(openai.BadRequestError, match="over 64"):
+        api.completions.create(model=model_id, prompt=["a"] * 65)
     with pytest.raises(openai.BadRequestError, match="token id"):
         api.completions.create(model=model_id, prompt=[1, 10**9])
     with pytest.raises(openai.BadRequestError, match="seed"):  # refused, not queued to die
@@ -315,3 +329,157 @@ def test_generate_on_the_swarm_refuses_what_only_a_local_run_can_do(
         assert main([*argv, *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
+
+
+# -- research: log-probabilities, echo, several choices, penalties, biases ----------------------
+
+
+def _log_softmax(logits: Any) -> Any:
+    import numpy as np
+
+    z = logits.astype(np.float64)
+    top = z.max(axis=-1, keepdims=True)
+    return z - top - np.log(np.exp(z - top).sum(axis=-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def local(demo_path: Path) -> Any:
+    return cellswarm.load(demo_path)
+
+
+def test_logprobs_of_a_greedy_completion_are_the_models_and_each_token_the_top(
+    api: openai.OpenAI, model_id: str, local: Any
+) -> None:
+    prompt = local.tokenizer.encode("The capital of France is")
+    r = api.completions.create(model=model_id, prompt=prompt, max_tokens=6, temperature=0,
+                               logprobs=3, extra_body={"return_token_ids": True})  # fmt: skip
+    c = r.choices[0]
+    made = c.model_extra["token_ids"]
+    lp = c.logprobs
+    assert lp is not None and len(lp.token_logprobs) == len(made) == 6
+    ref = _log_softmax(local.logits(prompt + made))[len(prompt) - 1 : -1]
+    for i, t in enumerate(made):
+        assert abs(lp.token_logprobs[i] - ref[i, t]) < 1e-3
+        top = lp.top_logprobs[i]
+        assert len(top) == 3  # the 3 likeliest, the chosen one among them (greedy)
+        assert lp.token_logprobs[i] == max(top.values())
+    assert lp.tokens == [local.tokenizer.token_text(t) for t in made]
+    assert lp.text_offset[0] == len(local.tokenizer.decode(prompt, skip_special=True))
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(
+    api: openai.OpenAI, model_id: str, local: Any
+) -> None:
+    """lm-evaluation-harness' local-completions: echo, logprobs=1, max_tokens=1, token ids."""
+    ctx = local.tokenizer.encode("Question: is the sky blue? Answer:")
+    cont = local.tokenizer.encode(" yes", add_special=False)
+    r = api.completions.create(model=model_id, prompt=[ctx + cont, ctx], temperature=0,
+                               max_tokens=1, logprobs=1, echo=True, seed=1234)  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1]
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs[0] is None
+    assert len(lp.token_logprobs) == len(ctx + cont) + 1
+    ref = _log_softmax(local.logits(ctx + cont))
+    want = sum(ref[i - 1, t] for i, t in enumerate(ctx + cont) if i >= len(ctx))
+    got = sum(lp.token_logprobs[len(ctx) : -1])
+    assert abs(got - want) < 1e-3
+    assert r.choices[0].text.startswith("Question: is the sky blue? Answer: yes")
+    # max_tokens 0: the prompt alone, scored
+    r0 = api.completions.create(model=model_id, prompt=ctx + cont, max_tokens=0, logprobs=0,
+                                echo=True)  # fmt: skip
+    assert r0.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert r0.usage.completion_tokens == 0
+
+
+def test_n_choices_and_several_prompts_are_each_the_single_request(
+    api: openai.OpenAI, model_id: str
+) -> None:
+    kw: dict[str, Any] = {"model": model_id, "max_tokens": 8, "temperature": 0.9, "seed": 5}
+    r = api.completions.create(prompt=["Once upon a time", "The sea"], n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for k, c in enumerate(r.choices):
+        prompt = ["Once upon a time", "The sea"][k // 2]
+        alone = api.completions.create(prompt=prompt, **{**kw, "seed": 5 + k % 2})
+        assert c.text == alone.choices[0].text
+    assert r.usage.prompt_tokens == sum(
+        api.completions.create(prompt=p, **kw).usage.prompt_tokens
+        for p in ("Once upon a time", "The sea"))  # fmt: skip
+    chat = api.chat.completions.create(model=model_id, messages=QUESTION, n=3, max_tokens=4,
+                                       temperature=0)  # fmt: skip
+    texts = {c.message.content for c in chat.choices}
+    assert len(chat.choices) == 3 and len(texts) == 1  # greedy: the same, three times
+
+
+def test_penalties_and_logit_bias_are_the_engines(
+    api: openai.OpenAI, model_id: str, local: Any
+) -> None:
+    prompt = local.tokenizer.encode("A B A B A B A B")
+    plain = local.generate(prompt, max_tokens=16, stop_ids=[]).token_ids
+    for settings in ({"frequency_penalty": 1.5}, {"presence_penalty": 2.0},
+                     {"logit_bias": {"28": 100}}):  # fmt: skip
+        r = api.completions.create(model=model_id, prompt=prompt, max_tokens=16, temperature=0,
+                                   extra_body={"return_token_ids": True}, **settings)
+        here = local.generate(prompt, max_tokens=16, stop_ids=[], **settings)
+        assert r.choices[0].model_extra["token_ids"] == here.token_ids, settings
+        assert here.token_ids != plain, settings  # each changes what greedy picks here
+    assert here.token_ids == [28] * 16  # a bias of 100 decides every token
+
+
+def test_chat_logprobs_list_each_token_with_its_alternatives(
+    api: openai.OpenAI, model_id: str
+) -> None:
+    r = api.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=5,
+                                    temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert content is not None and len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.logprob == e.top_logprobs[0].logprob
+    assert "".join(e.token for e in content).strip() in (r.choices[0].message.content or "")
+
+
+def test_a_streamed_echo_and_its_usage(api: openai.OpenAI, model_id: str) -> None:
+    chunks = list(api.completions.create(
+        model=model_id, prompt="The capital of France is", max_tokens=4, temperature=0,
+        echo=True, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    whole = api.completions.create(model=model_id, prompt="The capital of France is",
+                                   max_tokens=4, temperature=0, echo=True)  # fmt: skip
+    assert text == whole.choices[0].text and text.startswith("The capital of France is")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+
+def test_the_tokenizer_routes_are_vllms(swarm: LocalSwarm, local: Any) -> None:
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{swarm.url}/tokenize", json={"prompt": "Hello world",
+                                                  "add_special_tokens": False}, headers=h)
+    assert r.json()["tokens"] == local.tokenizer.encode("Hello world", add_special=False)
+    back = httpx.post(f"{swarm.url}/detokenize", json={"tokens": r.json()["tokens"]}, headers=h)
+    assert back.json() == {"prompt": "Hello world"}
+    info = httpx.get(f"{swarm.url}/tokenizer_info", headers=h).json()
+    assert info["eos_token"] and info["chat_template"]
+    assert httpx.get(f"{swarm.url}/tokenizer_info").status_code == 401  # a client route
+
+
+def test_a_batch_completions_line_gives_each_tokens_logprob_and_carries_its_extra_fields(
+    swarm: LocalSwarm, local: Any
+) -> None:
+    from cellswarm.swarm.api import client
+
+    items = [{"id": "q1", "prompt": "The capital of France is", "completions": [" Paris",
+              " a banana"], "gold": " Paris", "source": {"set": "geo"}},
+             {"id": "q2", "prompt": "2 + 2 =", "labels": [" 4", " 5"], "gold": " 4"}]
+    batch = client.call(swarm.url, "/v1/batches", {"items": items}, api_key=KEY)["batch_id"]
+    wait_until(lambda: client.call(swarm.url, f"/v1/batches/{batch}", api_key=KEY)["finished"]
+               == 2, 120)  # fmt: skip
+    rows = client.call(swarm.url, f"/v1/batches/{batch}/results", api_key=KEY)["results"]
+    q1, q2 = sorted(rows, key=lambda r: r["id"])
+    assert q1["extra"] == {"gold": " Paris", "source": {"set": "geo"}}
+    assert q2["extra"] == {"gold": " 4"}
+    for option in (" Paris", " a banana"):
+        per_token = q1["token_logprobs"][option]
+        assert len(per_token) == len(local.tokenizer.encode(option, add_special=False))
+        assert abs(sum(per_token) - q1["scores"][option]) < 1e-9
+    assert isinstance(q1["greedy"][" Paris"], bool)
+    with pytest.raises(Exception, match="did you mean 'max_tokens'"):
+        client.call(swarm.url, "/v1/batches", {"items": [{"prompt": "x", "max_token": 3}]},
+                    api_key=KEY)  # fmt: skip

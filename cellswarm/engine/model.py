@@ -362,7 +362,8 @@ class _Generator:
         self.times[0] = time.perf_counter() - t0
         t0 = time.perf_counter()
         while True:
-            token = sample(logits, self.opts.sampling, self.rng, self.prompt_ids + self.out_ids)
+            token = sample(logits, self.opts.sampling, self.rng, self.prompt_ids + self.out_ids,
+                           len(self.prompt_ids))
             if token in self.stop_ids:
                 self.stop_reason = "stop_token"
                 break

@@ -44,7 +44,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cellswarm.errors import RequestError
 
 DEFAULT_MAX_BODY = 4 * 2**20
-OPENAI_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+OPENAI_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+                   "/detokenize", "/tokenizer_info")
 
 ROUTE_AUTH: dict[tuple[str, str], str] = {
     ("GET", "/healthz"): "open",

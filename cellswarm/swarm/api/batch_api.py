@@ -164,6 +164,9 @@ def _item_job(coord: Any, it: BatchItem, index: int) -> tuple[str, dict[str, Any
     if not prompt:
         raise BadRequest("the prompt makes no tokens; send more text")
     base = {"id": str(index if it.id is None else it.id), "prompt": prompt}
+    if it.extra():
+        base["extra"] = it.extra()
+    limits.ids(it.bias_ids(), "logit_bias")
     options = it.completions if it.completions is not None else it.labels
     if options is not None:
         field = "completions" if it.completions is not None else "labels"
@@ -172,8 +175,9 @@ def _item_job(coord: Any, it: BatchItem, index: int) -> tuple[str, dict[str, Any
         if empty is not None:
             raise BadRequest(f"{field}[{empty}] makes no tokens; give it some text")
         limits.score(prompt, completions, field)
+        detail = {} if it.labels is not None else {"top": 0}  # completions: each token's too
         return "score", {**base, "completions": completions, "options": options,
-                         "labels": it.labels is not None}  # fmt: skip
+                         "labels": it.labels is not None, **detail}  # fmt: skip
     limits.generate(prompt, it.max_tokens)
     sampling = it.sampling()
     SamplingParams(**sampling)  # the engine's own checks, which the ring will run
@@ -185,6 +189,8 @@ def result_row(coord: Any, job: Job) -> dict[str, Any]:
     """A results line: the input's id, its state, and its output or its error."""
     row: dict[str, Any] = {"id": job.payload.get("id", job.position), "state": job.state,
                            "job_id": job.job_id}  # fmt: skip
+    if job.payload.get("extra"):
+        row["extra"] = job.payload["extra"]
     if job.state != "done" or job.result is None:
         row["error"] = job.error or job.state
         return row
@@ -194,6 +200,12 @@ def result_row(coord: Any, job: Job) -> dict[str, Any]:
         row["scores"] = dict(zip(job.payload["options"], scores, strict=True))
         if job.payload.get("labels"):
             row["label"] = job.payload["options"][max(range(len(scores)), key=scores.__getitem__)]
+        if r.get("detail") is not None:  # each token's log-probability; all of it greedy?
+            options = job.payload["options"]
+            row["token_logprobs"] = {o: [e[0] for e in d] for o, d in zip(options, r["detail"],
+                                                                         strict=True)}
+            row["greedy"] = {o: all(e[1] for e in d) for o, d in zip(options, r["detail"],
+                                                                     strict=True)}
         return row
     row["tokens"] = r["tokens"]
     row["output"] = coord.tokenizer.decode(r["tokens"], skip_special=True)

@@ -3,25 +3,32 @@
     GET  /v1/models                the one model: its file name as id, owned_by "cellswarm",
                                    its served context as max_model_len (vLLM's name)
     GET  /v1/models/{id}
-    POST /v1/completions           prompt: a string or token ids (one prompt per request)
+    POST /v1/completions           prompt: a string, token ids, or a list of either
     POST /v1/chat/completions      messages -> the model's chat template (generation prompt on)
+    POST /tokenize, /detokenize; GET /tokenizer_info    vLLM's (lm-eval's remote tokenizer)
 
-Both completion routes submit one job to the coordinator's queue (the same job `/v1/requests`
-makes), then follow its checkpointed tokens: `stream: true` answers with server-sent events
-(`data: {chunk}` lines, then `data: [DONE]`; a chat stream's first delta carries the role,
-and `stream_options.include_usage` adds a last chunk with the usage), otherwise one JSON
-object with `usage` and `finish_reason` ("stop": an end token of the model or a stop string;
-"length": max_tokens). Text is decoded from all tokens so far and handed out only up to the
-last whole character, so a streamed answer's deltas add up to the non-streamed text.
+Each choice is one job of the coordinator's queue (the job `/v1/requests` makes); a request
+has prompts x n choices (at most 64), choice j of a prompt sampling with seed + j. A single
+choice may stream: `stream: true` answers with server-sent events (`data: {chunk}` lines,
+then `data: [DONE]`; a chat stream's first delta carries the role, and
+`stream_options.include_usage` adds a last chunk with the usage); otherwise one JSON object
+with `usage` and each choice's `finish_reason` ("stop": an end token of the model or a stop
+string, which vLLM's `stop_reason` names; "length": max_tokens). Text is decoded from all
+tokens so far and handed out only up to the last whole character, so a streamed answer's
+deltas add up to the non-streamed text.
 
 Options: max_tokens (chat: also max_completion_tokens; default 16 for completions, the rest
-of the context for chat), temperature (default 1, as OpenAI's; 0 is greedy), top_p, seed,
-stop, stream, stream_options, n (1 only). Extensions in the body: top_k, min_p,
-repetition_penalty, return_token_ids (each choice gets `token_ids`, its tokens) and
-skip_special_tokens (default true: false shows special tokens' text), vLLM's names. Not
-supported, refused with a 400 naming the parameter: n > 1, best_of > 1, echo, suffix,
-logprobs, tools, non-zero presence/frequency penalties, a response_format other than text,
-content parts other than text.
+of the context for chat; 0 with echo: the prompt scored alone), temperature (default 1, as
+OpenAI's; 0 is greedy), top_p, seed, stop, n, echo, presence_penalty and frequency_penalty
+(OpenAI's definition, over the output), logit_bias, logprobs (completions: 0..20
+alternatives; chat: logprobs + top_logprobs) — the answer is scored after it is made, by a
+scoring job over the same tokens (the same logits, bit for bit: openai_logprobs.py) — user
+and metadata (logged with the job). Extensions: top_k, min_p, repetition_penalty,
+return_token_ids (each choice's `token_ids`) and skip_special_tokens (vLLM's names).
+Refused with a 400 naming the parameter: a field this server does not know (OpenAI's own
+"Unrecognized request argument supplied"), best_of > 1, suffix, tools and tool_choice other
+than "none", parallel_tool_calls, reasoning_effort, a response_format other than text,
+content parts other than text, several choices or log-probabilities with stream.
 
 Stop strings: the ring stops on token ids only (the tokenizer's end-of-turn tokens, as
 `stop_ids`), so stop strings are applied here: the text is cut before the first occurrence of
@@ -51,6 +58,7 @@ completion's job belongs to its key.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -64,10 +72,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.engine.text import StopText
 from cellswarm.errors import CellswarmError
+from cellswarm.swarm.api.openai_logprobs import chat_logprobs, completion_logprobs
 from cellswarm.swarm.api.schema import (
+    MAX_CHOICES,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     body,
     chat_turns,
 )
@@ -96,31 +108,52 @@ class OpenAIError(Exception):
 # -- requests --------------------------------------------------------------------------------
 
 
-def _unsupported(req: _Common) -> None:
+def _unsupported(req: _Common, prompts: int) -> None:
+    """Refuse, naming it, whatever this server would otherwise silently not do."""
     def refuse(param: str, why: str) -> None:
         raise OpenAIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
 
-    if req.n not in (None, 1):
-        refuse("n", f"{req.n} choices asked; this server makes one choice per request (n=1)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            refuse(name, "not supported (use the repetition_penalty extension)")
+    for name in req.model_extra or {}:  # OpenAI's own words for a field it does not know
+        raise OpenAIError(400, f"Unrecognized request argument supplied: {name[:60]}",
+                          param=name[:60], code="unrecognized_parameter")  # fmt: skip
+    n = req.n or 1
+    if n * prompts > MAX_CHOICES:
+        refuse("n", f"{prompts} prompts x n={n} choices is over {MAX_CHOICES} in one request; "
+               "send fewer, or use a batch (cellswarm batch submit)")
+    if req.stream and n * prompts > 1:
+        refuse("n" if n > 1 else "prompt", "several choices are not streamed; ask without "
+               "stream, or send one request each")
+    if req.stream and _top(req) is not None:
+        refuse("logprobs", "log probabilities come with the whole answer; ask without stream")
+    if req.tool_choice not in (None, "none"):
+        refuse("tool_choice", "tool calls are not supported ('none' only)")
+    if req.parallel_tool_calls is not None:
+        refuse("parallel_tool_calls", "tool calls are not supported")
+    if req.reasoning_effort is not None:
+        refuse("reasoning_effort", "this model has no reasoning setting")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            refuse("echo", "echoing the prompt is not supported")
         if req.best_of not in (None, 1):
-            refuse("best_of", "only 1 is supported")
+            refuse("best_of", "only 1 is supported (use n for several choices)")
         if req.suffix:
             refuse("suffix", "insertion (a suffix) is not supported")
-        if req.logprobs is not None:
-            refuse("logprobs", "log probabilities are not supported")
+        if req.max_tokens == 0 and not req.echo:
+            refuse("max_tokens", "0 makes nothing: ask for 1 or more, or set echo")
     if isinstance(req, ChatRequest):
-        if req.logprobs:
-            refuse("logprobs", "log probabilities are not supported")
+        if req.top_logprobs is not None and not req.logprobs:
+            refuse("top_logprobs", "needs logprobs: true")
         if req.tools:
             refuse("tools", "tool calls are not supported")
         if req.response_format and req.response_format.get("type", "text") != "text":
             refuse("response_format", "only {'type': 'text'} is supported")
+
+
+def _top(req: _Common) -> int | None:
+    """How many alternatives each token's log-probability lists; None: no log-probabilities."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if isinstance(req, ChatRequest) and req.logprobs:
+        return req.top_logprobs or 0
+    return None
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -139,13 +172,18 @@ def _sampling(req: _Common) -> dict[str, Any]:
     return sampling
 
 
+def _prompts(prompt: Any, tok: Any, limits: Any) -> list[list[int]]:
+    """A completion's prompts: a string, token ids, or a list of either (several prompts,
+    each its own choices)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise OpenAIError(400, f"prompt: {len(prompt)} prompts is over {MAX_CHOICES} in one "
+                              "request; use a batch", param="prompt")  # fmt: skip
+        return [_prompt_ids(p, tok, limits) for p in prompt]
+    return [_prompt_ids(prompt, tok, limits)]
+
+
 def _prompt_ids(prompt: Any, tok: Any, limits: Any) -> list[int]:
-    """A completion prompt: a string, token ids, or a one-element list of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise OpenAIError(400, f"prompt: {len(prompt)} prompts given; send one per request",
-                          param="prompt")  # fmt: skip
     if isinstance(prompt, str):
         try:
             prompt.encode("utf-8")
@@ -156,7 +194,8 @@ def _prompt_ids(prompt: Any, tok: Any, limits: Any) -> list[int]:
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
         ids = limits.ids(prompt, "prompt")
     else:
-        raise OpenAIError(400, "prompt must be a string or a list of token ids", param="prompt")
+        raise OpenAIError(400, "prompt must be a string, a list of token ids, or a list of "
+                          "either", param="prompt")  # fmt: skip
     if not ids:
         raise OpenAIError(400, "prompt: the prompt is empty", param="prompt")
     return ids
@@ -209,51 +248,28 @@ async def _follow(coord: Coordinator, job_id: str, stream: StopText) -> AsyncIte
 
 
 class Answer:
-    """One request's answer as OpenAI shapes it: its id and head, its choices (a message or
-    a delta), the finish and usage once the job ends, and SSE events."""
+    """One streamed answer as OpenAI shapes it: its id and head, its deltas as SSE events,
+    the finish and usage once the job ends (several choices and log-probabilities are not
+    streamed: `OpenAIRoutes.whole` answers those)."""
 
     def __init__(self, routes: OpenAIRoutes, req: _Common, prompt: list[int], job_id: str,
-                 route: str, stream: StopText) -> None:  # fmt: skip
+                 route: str, stream: StopText, echo: str = "") -> None:  # fmt: skip
         self.routes, self.req, self.prompt, self.job_id = routes, req, prompt, job_id
-        self.route, self.chat, self.stream = route, route == "chat", stream
-        self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{job_id}",
-                     "object": "chat.completion" if self.chat else "text_completion",
-                     "created": int(time.time()), "model": routes.model_id}  # fmt: skip
+        self.route, self.chat, self.stream, self.echo = route, route == "chat", stream, echo
+        self.head = routes.head(job_id, route)
         self.t0 = time.perf_counter()
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def choice(self, text: str | None, finish: str | None, streaming: bool) -> dict[str, Any]:
+    def choice(self, text: str | None, finish: str | None) -> dict[str, Any]:
         c: dict[str, Any] = {"index": 0}
         if self.chat:
-            message: dict[str, Any] = {} if text is None else {"content": text}
-            if not streaming:
-                message = {"role": "assistant", "content": text}
-            c["delta" if streaming else "message"] = message
+            c["delta"] = {} if text is None else {"content": text}
         else:
             c["text"] = text or ""
         c |= {"logprobs": None, "finish_reason": finish}
-        if finish is not None:  # vLLM's: the stop string that ended it (None: a token, length)
-            c["stop_reason"] = self.stream.stopped_by
-        if finish is not None and self.req.return_token_ids:
-            c["token_ids"] = self.stream.tokens[: self.stream.used]
+        if finish is not None:
+            c |= self.routes.ending(self.req, self.stream)
         return c
-
-    def done(self) -> tuple[str, dict[str, int]]:
-        """The finish reason and usage, logged once the answer ends."""
-        finish, used = str(self.stream.finish), self.stream.used
-        ms = round(1000 * (time.perf_counter() - self.t0), 1)
-        log = self.routes.coord.log
-        log.event("answered", self.job_id, route=self.route, finish_reason=finish,
-                  completion_tokens=used, ms=ms)  # fmt: skip
-        return finish, {"prompt_tokens": len(self.prompt), "completion_tokens": used,
-                        "total_tokens": len(self.prompt) + used}  # fmt: skip
-
-    async def whole(self) -> JSONResponse:
-        coord = self.routes.coord
-        text = "".join([d async for d in _follow(coord, self.job_id, self.stream)])
-        finish, used = self.done()
-        return JSONResponse({**self.head, "choices": [self.choice(text, finish, False)],
-                             "usage": used})  # fmt: skip
 
     def event(self, choices: list[dict[str, Any]], used: dict[str, int] | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -267,9 +283,14 @@ class Answer:
         if self.chat:
             yield self.event([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}])  # fmt: skip
+        if self.echo:
+            yield self.event([self.choice(self.echo, None)])
         try:
-            async for delta in _follow(coord, self.job_id, self.stream):
-                yield self.event([self.choice(delta, None, True)])
+            if self.job_id:
+                async for delta in _follow(coord, self.job_id, self.stream):
+                    yield self.event([self.choice(delta, None)])
+            else:  # max_tokens 0: the echo alone
+                self.stream.finish = "length"
         except OpenAIError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
             return
@@ -278,8 +299,9 @@ class Answer:
             coord.core.submit(_cancel, coord, self.job_id, "the client disconnected",
                               "client disconnected")  # fmt: skip
             raise
-        finish, used = self.done()
-        yield self.event([self.choice(None if self.chat else "", finish, True)])
+        used = self.routes.usage([self.prompt], [self.stream])
+        self.routes.answered(self.job_id, self.route, [self.stream], self.t0)
+        yield self.event([self.choice(None if self.chat else "", str(self.stream.finish))])
         if self.include_usage:
             yield self.event([], used)
         yield "data: [DONE]\n\n"
@@ -327,41 +349,171 @@ class OpenAIRoutes:
         except CellswarmError as exc:
             raise OpenAIError(400, str(exc)) from None
 
+    def head(self, job_id: str, route: str) -> dict[str, Any]:
+        chat = route == "chat"
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_id}  # fmt: skip
+
     def submit(self, request: Request, prompt: list[int], max_tokens: int | None, req: _Common,
-               route: str) -> str:  # fmt: skip
+               route: str, seed_offset: int = 0) -> str:  # fmt: skip
         """The job's id: the request checked against the model first (a bad one is a 400
-        even when no ring is up), then whether a ring can be had at all."""
+        even when no ring is up), then whether a ring can be had at all. Choice j of n
+        samples with seed + j (each choice its own draw, all reproducible)."""
         coord = self.coord
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_TOKENS if route == "completions" else max(
                 coord.context - len(prompt), 1)  # fmt: skip
         coord.limits.generate(prompt, max_tokens, "messages" if route == "chat" else "prompt")
         sampling = _sampling(req)
+        coord.limits.ids(req.bias_ids(), "logit_bias")
+        if seed_offset and sampling.get("seed") is not None:
+            sampling["seed"] = (int(sampling["seed"]) + seed_offset) % 2**64
         stop_ids = sorted(self.tokenizer().stop_ids)
-        if coord.problem:
-            raise OpenAIError(503, f"the swarm cannot serve the model: {coord.problem}",
-                              type="server_error", code="no_ring")  # fmt: skip
+        self.check_ring()
         payload = {"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling,
                    "stop_ids": stop_ids, "text": False}  # fmt: skip
         job = coord.submit(payload, owner=request.state.caller.owner)
         request.state.request_id = job.job_id
+        said = {k: v for k in ("user", "metadata") if (v := getattr(req, k)) is not None}
         coord.log.event("openai", job.job_id, route=route, stream=bool(req.stream),
-                        prompt_tokens=len(prompt), max_tokens=max_tokens)  # fmt: skip
+                        prompt_tokens=len(prompt), max_tokens=max_tokens, **said)  # fmt: skip
         return job.job_id
 
-    async def run(
-        self, request: Request, req: _Common, prompt: list[int], max_tokens: int | None,
-        route: Literal["chat", "completions"],
-    ) -> Response:  # fmt: skip
-        _unsupported(req)
-        stops = _stops(req.stop)
+    def check_ring(self) -> None:
+        if self.coord.problem:
+            raise OpenAIError(503, f"the swarm cannot serve the model: {self.coord.problem}",
+                              type="server_error", code="no_ring")  # fmt: skip
+
+    def submit_score(self, request: Request, ids: list[int], start: int, top: int) -> str:
+        """A scoring job over ids[start:] given ids[:start], each token with its `top`
+        likeliest alternatives."""
+        coord = self.coord
+        coord.limits.score(ids[:start], [ids[start:]], "prompt")
+        self.check_ring()
+        payload = {"prompt": ids[:start], "completions": [ids[start:]], "top": top}
+        job = coord.submit(payload, kind="score", owner=request.state.caller.owner)
+        coord.log.event("openai", job.job_id, route="logprobs", prompt_tokens=len(ids))
+        return job.job_id
+
+    async def detail(self, request: Request, ids: list[int], start: int,
+                     top: int) -> list[Any]:  # fmt: skip
+        """Each token of ids[start:] scored (openai_logprobs.py); [] when there is none."""
+        if start >= len(ids):
+            return []
+        from cellswarm.swarm.api.server import wait_for_job
+
+        job_id = await self.coord.on_core(self.submit_score, request, ids, start, top)
+        while not (job := await wait_for_job(self.coord, job_id, 0, MAX_POLL_S)).terminal:
+            pass
+        if job.state != "done" or not job.result or "detail" not in job.result:
+            raise OpenAIError(500, f"the swarm could not score request {job_id}: "
+                              f"{job.error or job.state}", type="server_error",
+                              code="request_failed")  # fmt: skip
+        return list(job.result["detail"][0])
+
+    def ending(self, req: _Common, stream: StopText) -> dict[str, Any]:
+        """What a choice's last chunk adds: vLLM's stop_reason (the stop string that ended
+        it; None for an end token or the length), and its token ids when asked."""
+        out: dict[str, Any] = {"stop_reason": stream.stopped_by}
+        if req.return_token_ids:
+            out["token_ids"] = stream.tokens[: stream.used]
+        return out
+
+    @staticmethod
+    def usage(prompts: list[list[int]], streams: list[StopText]) -> dict[str, int]:
+        """OpenAI's usage: each prompt counted once (not once per choice)."""
+        p, c = sum(len(x) for x in prompts), sum(s.used for s in streams)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def answered(self, job_id: str, route: str, streams: list[StopText], t0: float) -> None:
+        ms = round(1000 * (time.perf_counter() - t0), 1)
+        self.coord.log.event("answered", job_id, route=route, ms=ms,
+                             finish_reason=",".join(str(s.finish) for s in streams),
+                             completion_tokens=sum(s.used for s in streams))  # fmt: skip
+
+    def text_stream(self, req: _Common, stops: list[str]) -> StopText:
+        tok, skip = self.tokenizer(), req.skip_special_tokens
+        return StopText(lambda ids: tok.decode(ids, skip_special=skip), stops)
+
+    async def one(self, request: Request, req: _Common, prompt: list[int],
+                  max_tokens: int | None, route: str, j: int,
+                  stops: list[str]) -> tuple[str, StopText]:  # fmt: skip
+        """Choice j of a prompt: its job id ("" for an echo alone) and its text, ended."""
+        stream = self.text_stream(req, stops)
+        if max_tokens == 0:
+            stream.finish = "length"
+            return "", stream
+        job_id = await self.coord.on_core(self.submit, request, prompt, max_tokens, req, route, j)
+        async for _ in _follow(self.coord, job_id, stream):
+            pass
+        return job_id, stream
+
+    async def whole(self, request: Request, req: _Common, prompts: list[list[int]],
+                    texts: list[str | None], max_tokens: int | None, route: str,
+                    stops: list[str]) -> JSONResponse:  # fmt: skip
+        """Every choice (prompts x n), in one JSON answer; log-probabilities scored after."""
+        t0, n, top = time.perf_counter(), req.n or 1, _top(req)
+        echo = isinstance(req, CompletionRequest) and bool(req.echo)
+        tasks = [asyncio.ensure_future(self.one(request, req, p, max_tokens, route, j, stops))
+                 for p in prompts for j in range(n)]  # fmt: skip
+        try:
+            done = await asyncio.gather(*tasks)
+        except BaseException:  # one failed, or the client left: the others stop too
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    await self.coord.on_core(_cancel, self.coord, t.result()[0], "a sibling "
+                                             "choice failed", "sibling failed")  # fmt: skip
+            raise
         tok = self.tokenizer()
-        job_id = await self.coord.on_core(self.submit, request, prompt, max_tokens, req, route)
-        skip = req.skip_special_tokens
-        text = StopText(lambda ids: tok.decode(ids, skip_special=skip), stops)
-        answer = Answer(self, req, prompt, job_id, route, text)
+        choices = []
+        for k, (_, stream) in enumerate(done):
+            prompt, made = prompts[k // n], stream.tokens[: stream.used]
+            shown = prompt + made if echo else made
+            given = texts[k // n]
+            prompt_text = given if given is not None else tok.decode(
+                prompt, skip_special=req.skip_special_tokens)  # fmt: skip
+            prefix = prompt_text if echo else ""
+            c: dict[str, Any] = {"index": k}
+            if route == "chat":
+                c["message"] = {"role": "assistant", "content": stream.text}
+            else:
+                c["text"] = prefix + stream.text
+            c["logprobs"] = None
+            if top is not None:
+                start = 1 if echo else len(prompt)
+                detail = await self.detail(request, prompt + made, start, top)
+                c["logprobs"] = (chat_logprobs(tok, made, detail) if route == "chat" else
+                                 completion_logprobs(tok, shown, detail,
+                                                     len(prompt_text) - len(prefix)))  # fmt: skip
+            c |= {"finish_reason": stream.finish, **self.ending(req, stream)}
+            choices.append(c)
+        first = next((j for j, _ in done if j), "")
+        streams = [s for _, s in done]
+        self.answered(first, route, streams, t0)
+        return JSONResponse({**self.head(first or "echo", route), "choices": choices,
+                             "usage": self.usage(prompts, streams)})  # fmt: skip
+
+    async def run(
+        self, request: Request, req: _Common, prompts: list[list[int]],
+        texts: list[str | None], max_tokens: int | None, route: Literal["chat", "completions"],
+    ) -> Response:  # fmt: skip
+        _unsupported(req, len(prompts))
+        stops = _stops(req.stop)
         if not req.stream:
-            return await answer.whole()
+            return await self.whole(request, req, prompts, texts, max_tokens, route, stops)
+        prompt, stream = prompts[0], self.text_stream(req, stops)
+        job_id = ""
+        if max_tokens != 0:
+            job_id = await self.coord.on_core(self.submit, request, prompt, max_tokens, req,
+                                              route)  # fmt: skip
+        echo = ""
+        if isinstance(req, CompletionRequest) and req.echo:
+            echo = texts[0] if texts[0] is not None else self.tokenizer().decode(
+                prompt, skip_special=req.skip_special_tokens)  # fmt: skip
+        answer = Answer(self, req, prompt, job_id, route, stream, echo)
         return StreamingResponse(answer.events(), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})  # fmt: skip
 
@@ -389,8 +541,11 @@ def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
         request: Request, req: Annotated[CompletionRequest, body(CompletionRequest)]
     ) -> Response:
         routes.check_model(req.model)
-        prompt = _prompt_ids(req.prompt, routes.tokenizer(), coord.limits)
-        return await routes.run(request, req, prompt, req.max_tokens, "completions")
+        prompts = _prompts(req.prompt, routes.tokenizer(), coord.limits)
+        given = req.prompt if isinstance(req.prompt, list) and prompts and len(prompts) == len(
+            req.prompt) and not all(type(t) is int for t in req.prompt) else [req.prompt]
+        texts = [p if isinstance(p, str) else None for p in given]
+        return await routes.run(request, req, prompts, texts, req.max_tokens, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
@@ -401,5 +556,49 @@ def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
             prompt = _chat_ids(req.messages, routes.tokenizer(), coord.limits)
         except CellswarmError as exc:  # the template refused the conversation
             raise OpenAIError(400, str(exc), param="messages") from None
-        return await routes.run(request, req, prompt, req.max_completion_tokens or req.max_tokens,
-                                "chat")  # fmt: skip
+        return await routes.run(request, req, [prompt], [None],
+                                req.max_completion_tokens or req.max_tokens, "chat")  # fmt: skip
+
+    add_tokenizer_routes(app, routes)
+
+
+def add_tokenizer_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
+    """vLLM's tokenizer routes (lm-evaluation-harness' "remote" tokenizer uses them):
+
+        POST /tokenize        {"prompt": text, "add_special_tokens": true} or {"messages"}
+                              -> {"count", "max_model_len", "tokens"}
+        POST /detokenize      {"tokens": [...]} -> {"prompt": text}
+        GET  /tokenizer_info  the special tokens and the chat template
+    """
+    coord = routes.coord
+
+    @app.post("/tokenize")
+    async def tokenize(req: Annotated[TokenizeRequest, body(TokenizeRequest)]) -> dict[str, Any]:
+        tok = routes.tokenizer()
+        if req.messages is not None:
+            ids = _chat_ids(req.messages, tok, coord.limits)
+        elif req.prompt is not None:
+            ids = coord.limits.encode(lambda t: tok.encode(t, add_special=req.add_special_tokens),
+                                      req.prompt, "prompt")  # fmt: skip
+        else:
+            raise OpenAIError(400, "send 'prompt' (text) or 'messages'", param="prompt")
+        return {"count": len(ids), "max_model_len": coord.context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(
+        req: Annotated[DetokenizeRequest, body(DetokenizeRequest)]
+    ) -> dict[str, Any]:
+        ids = coord.limits.ids(req.tokens, "tokens")
+        return {"prompt": routes.tokenizer().decode(ids)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        tok = routes.tokenizer()
+
+        def text(i: int | None) -> str | None:
+            return None if i is None else tok.token_text(i)
+
+        return {"tokenizer_class": "cellswarm", "model_max_length": coord.context,
+                "eos_token": text(tok.eos_id), "bos_token": text(tok.bos_id),
+                "pad_token": text(getattr(tok, "pad_id", None)),
+                "chat_template": getattr(tok, "chat_template", None)}  # fmt: skip

@@ -2,7 +2,7 @@
 
     POST /v1/requests            SubmitRequest   prompt (text or ids), max_tokens, sampling, ...
     POST /v1/batches             BatchRequest    items: BatchItem (one line of a JSONL file)
-    POST /v1/completions         CompletionRequest   (OpenAI's fields; unknown ones ignored)
+    POST /v1/completions         CompletionRequest   (OpenAI's fields; unknown ones refused)
     POST /v1/chat/completions    ChatRequest
 
 The models are frozen and strict (no "5" for 5, no true for 1, no NaN): a value the ring
@@ -40,7 +40,9 @@ MAX_TOKEN_ID = 2**31 - 1  # a vocabulary is far smaller; the model's own size is
 MAX_KEY_CHARS = 256  # request ids, idempotency keys, batch names and line ids
 MAX_ITEMS = 100_000  # lines of one batch
 MAX_STOP_IDS = 1024
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
+                 "presence_penalty", "frequency_penalty", "logit_bias")
+MAX_BIASES = 1024  # logit_bias entries (OpenAI allows 300)
 # Text is refused untokenized beyond this many bytes per token of context: no token covers
 # more input bytes than its longest text (x4 for normalization), so such a prompt is over the
 # context for sure, and tokenizing megabytes (seconds, gigabytes) is never needed to say so.
@@ -89,6 +91,19 @@ MinP = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, le=U64_MAX)]
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
+
+
+def _bias_ids(bias: dict[str, float]) -> dict[str, float]:
+    for key in bias:
+        if not (key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+            raise ValueError(f"key {key[:20]!r} is not a token id (OpenAI's shape: "
+                             '{"123": -100})')  # fmt: skip
+    return bias
+
+
+LogitBias = Annotated[dict[str, Bias], Field(max_length=MAX_BIASES), AfterValidator(_bias_ids)]
 
 STRICT = ConfigDict(strict=True, frozen=True, extra="forbid")
 
@@ -105,10 +120,21 @@ class SamplingFields(BaseModel):
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
     seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None  # {"token id": bias}
 
     def sampling(self) -> dict[str, Any]:
-        """The set fields, as the ring takes them (`SamplingParams(**sampling)`)."""
-        return {k: v for k in SAMPLING_KEYS if (v := getattr(self, k)) is not None}
+        """The set fields, as the ring takes them (`SamplingParams(**sampling)`); logit_bias
+        as [id, bias] pairs in id order."""
+        out = {k: v for k in SAMPLING_KEYS if (v := getattr(self, k)) is not None}
+        if self.logit_bias is not None:
+            out["logit_bias"] = sorted([int(t), b] for t, b in self.logit_bias.items())
+        return out
+
+    def bias_ids(self) -> list[int]:
+        """The token ids logit_bias names (checked against the vocabulary by `Limits`)."""
+        return [int(t) for t in self.logit_bias or {}]
 
 
 class Sampling(SamplingFields):
@@ -154,29 +180,39 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound (ring/stage.py MAX_TOP)
+MAX_CHOICES = 64  # choices of one request: prompts x n (each is a job of the queue)
+
+
 class OpenAICommon(SamplingFields):
-    # OpenAI's clients send fields we do not know (user, metadata, ...): ignored, as OpenAI's
-    # own server ignores what a model does not use
-    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+    # A field we do not know is refused by name, as OpenAI's own server does ("Unrecognized
+    # request argument supplied"): never silently ignored (openai_api._unsupported).
+    model_config = ConfigDict(strict=True, frozen=True, extra="allow")
 
     model: str
     max_tokens: MaxTokens | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
-    presence_penalty: float | None = Field(None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    user: Annotated[str, Field(max_length=MAX_KEY_CHARS)] | None = None  # logged with the job
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16)  # logged with the job, as OpenAI's 16 pairs  # fmt: skip
+    # OpenAI's, for tool-calling models: refused by name unless they ask for nothing
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    reasoning_effort: Any = None
     return_token_ids: bool = False  # an extension (vLLM's name): each choice gets its ids
     skip_special_tokens: bool = True  # vLLM's too: False shows <|im_end|> and the like
 
 
 class CompletionRequest(OpenAICommon):
-    prompt: Any  # text, token ids, or a one-element list of either (openai_api._prompt_ids)
+    prompt: Any  # text, token ids, or a list of either (openai_api._prompts)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)] | None = None  # 0: echo only
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 class ChatMessage(BaseModel):
@@ -191,8 +227,27 @@ class ChatRequest(OpenAICommon):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): text, or a conversation through the chat template."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    model: str | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+    tokens: list[TokenId] = Field(max_length=1_000_000)
+    model: str | None = None
 
 
 # -- batches (batch_api.py) -----------------------------------------------------------------------
@@ -200,7 +255,11 @@ class ChatRequest(OpenAICommon):
 
 class BatchItem(SamplingFields):
     """One line of a batch file: generate from `prompt` or `messages`, or score `completions`
-    (log-likelihoods given the prompt) or `labels` (the most likely one)."""
+    (log-likelihoods given the prompt, each token's too) or `labels` (the most likely one).
+    Other fields (a gold label, a source) are the user's: carried to the line's result as
+    `extra`, unless the name looks like a misspelt field of ours (then refused, saying which)."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="allow")
 
     id: Key | int | None = None
     prompt: NonEmptyText | None = None
@@ -215,7 +274,17 @@ class BatchItem(SamplingFields):
             raise ValueError("needs a 'prompt' string or 'messages', not both")
         if self.completions is not None and self.labels is not None:
             raise ValueError("give 'completions' or 'labels', not both")
+        import difflib
+
+        for name in self.model_extra or {}:
+            near = difflib.get_close_matches(name, type(self).model_fields, n=1, cutoff=0.8)
+            if near:
+                raise ValueError(f"{name[:40]!r} is not a field; did you mean {near[0]!r}? "
+                                 "(other fields are carried to the result as 'extra')")
         return self
+
+    def extra(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
 
 
 class BatchRequest(BaseModel):

@@ -444,6 +444,7 @@ def _payload(coord: Coordinator, req: SubmitRequest) -> dict[str, Any]:
     limits.generate(prompt, req.max_tokens)
     sampling = req.sampling.sampling() if req.sampling else {}
     SamplingParams(**sampling)  # the engine's own checks, which the ring will run
+    limits.ids(req.sampling.bias_ids() if req.sampling else [], "logit_bias")
     stop_ids = limits.ids(req.stop_ids or [], "stop_ids")
     if text and not stop_ids:
         stop_ids = sorted(coord.tokenizer.stop_ids)

@@ -193,6 +193,8 @@ class Head:
         fields = {"req": f"{run.job_id}#{i}", "max_tokens": 1, "score_from": len(prompt),
                   "completions": [len(c) for c in completions], "sampling": {},
                   "stop_ids": [], "replay": []}  # fmt: skip
+        if p.get("top") is not None:  # each token's log-probability too
+            fields["top"] = int(p["top"])
         return Frame("generate", fields, np.asarray(ids, np.int64))
 
     async def _emit(self, frame: Frame) -> None:
@@ -208,7 +210,10 @@ class Head:
             run.scores = {i: float(x) for i, x in enumerate(frame.fields["logprobs"])}
             if len(run.scores) == len(run.payload["completions"]):
                 scores = [run.scores[i] for i in range(len(run.scores))]
-                await self._finish(run, {"scores": scores, "reason": "scored"})
+                result = {"scores": scores, "reason": "scored"}
+                if "detail" in frame.fields:
+                    result["detail"] = frame.fields["detail"]
+                await self._finish(run, result)
         elif frame.type == "done" and run.kind == "generate":
             await self._finish(run, {"tokens": list(run.tokens),
                                      "reason": str(frame.fields["reason"]),

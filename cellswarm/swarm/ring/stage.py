@@ -208,7 +208,8 @@ class Stage:
     def __init__(self, config: StageConfig, model: Model) -> None:
         self.config, self.model = config, model
         self.caches: dict[int, KVCache] = {}
-        self.samplers: dict[int, tuple[SamplingParams, np.random.Generator, list[int]]] = {}
+        # a sequence's sampling: its parameters, generator, prompt + tokens, prompt's length
+        self.samplers: dict[int, tuple[SamplingParams, np.random.Generator, list[int], int]] = {}
         self.sequences: dict[int, Sequence] = {}
         self.logit_bits: dict[int, str] = {}  # the last stage: per sequence, its last logits' sha
         self._next: asyncio.StreamWriter | None = None
@@ -381,6 +382,14 @@ class Stage:
             and all(isinstance(x, (int, float)) for x in frame.fields["logprobs"])
         ):  # fmt: skip
             raise ProtocolError("a 'scored' frame's logprobs must be a list of numbers")
+        if frame.type == "scored" and "detail" in frame.fields and not detail_ok(
+            frame.fields["detail"], len(frame.fields["logprobs"])
+        ):
+            raise ProtocolError("a 'scored' frame's detail is not one list of [logprob, greedy, "
+                                "top] a token for each completion")  # fmt: skip
+        top = frame.fields.get("top") if frame.type == "generate" else None
+        if top is not None and not (type(top) is int and 0 <= top <= MAX_TOP):
+            raise ProtocolError(f"a 'generate' frame's top {str(top)[:20]} is not in 0..{MAX_TOP}")
         d = int(self.model.config.d_model)
         if frame.type in ("hidden", "prefix") and (
             a is None or a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != d
@@ -500,8 +509,10 @@ class Stage:
             await self.on_token(frame.fields["seq"], int(frame.fields["token"]),
                                 str(frame.fields.get("bits", "")))  # fmt: skip
         elif frame.type == "scored":
-            await self.on_scored(frame.fields["seq"],
-                                 [float(x) for x in frame.fields["logprobs"]])  # fmt: skip
+            score = {"logprobs": [float(x) for x in frame.fields["logprobs"]]}
+            if "detail" in frame.fields:
+                score["detail"] = frame.fields["detail"]
+            await self.on_scored(frame.fields["seq"], score)
         elif frame.type == "end":
             self.release(frame.fields["seq"])
         elif frame.type == "failed":  # a later stage found the job's data at fault
@@ -599,7 +610,7 @@ class Stage:
         tokens = self.sequences[seq].prompt
         first = {"capacity": need, "sampling": f.get("sampling", {}), "prompt": tokens,
                  "req": f["req"], "score_from": f.get("score_from"),
-                 "completions": lengths}  # fmt: skip
+                 "completions": lengths, "top": f.get("top")}  # fmt: skip
         self.log.event("generate", f["req"], stage=self.span, prompt_tokens=len(tokens),
                        replay=len(self.sequences[seq].replay))  # fmt: skip
         if not self.sequences[seq].replay and not await self.at_frontier(seq):
@@ -948,9 +959,8 @@ class Stage:
             return
         if scoring:
             if self.config.first:
-                return await self.on_scored(seq, list(out))
-            scored = {"seq": seq, "logprobs": list(out), "ep": self.epoch}
-            return await self.send_next(Frame("scored", scored))
+                return await self.on_scored(seq, out)
+            return await self.send_next(Frame("scored", {"seq": seq, "ep": self.epoch, **out}))
         token, bits = int(out), self.logit_bits.pop(seq, "")
         if self.config.first:
             await self.on_token(seq, token, bits)
@@ -958,14 +968,16 @@ class Stage:
             await self.send_next(Frame("token", {"seq": seq, "token": token, "ep": self.epoch,
                                                  "bits": bits}))  # fmt: skip
 
-    def score(self, h: np.ndarray, first: dict[str, Any]) -> list[float]:
+    def score(self, h: np.ndarray, first: dict[str, Any]) -> dict[str, Any]:
         """Log-likelihood of each completion's tokens given the prompt (the tokens from
         `score_from` on, or each of first["completions"] after it): the head over the
         positions that predict them — the prompt's last, then the completion's own but its
-        last — in one call for all (the offline-classification path)."""
+        last — in one call for all (the offline-classification path). With first["top"]
+        (k, 0..MAX_TOP): each token's too, as `detail` (see `token_detail`)."""
         ids = np.asarray(first["prompt"], np.int64)
         n = int(first["score_from"])
         lengths = first.get("completions") or [len(ids) - n]
+        top = first.get("top")
         # the prompt's last row once (it predicts every completion's first token: a labels
         # line's one-token labels need no other row), then each completion's own rows; each
         # row's logits are its bits in any batch
@@ -975,21 +987,24 @@ class Stage:
             start += length - 1
         logits = self.head(np.concatenate(rows)).astype(np.float64)  # (1 + own rows, vocab)
         norms = log_norms(logits)  # each row's once: a labels line's labels share row 0's
-        out, at, start = [], 1, n
+        out, detail, at, start = [], [], 1, n
         for length in lengths:
             own = np.array([0, *range(at, at + length - 1)])  # the rows that predict its tokens
             picked = logits[own, ids[start : start + length]]
             out.append(sum_log_probs(picked, norms[own]))
+            if top is not None:
+                detail.append(token_detail(logits[own], norms[own], ids[start:start + length],
+                                           int(top)))  # fmt: skip
             at, start = at + length - 1, start + length
-        return out
+        return {"logprobs": out} if top is None else {"logprobs": out, "detail": detail}
 
-    async def on_scored(self, seq: int, logprobs: list[float]) -> None:
+    async def on_scored(self, seq: int, score: dict[str, Any]) -> None:
         s = self.sequences.pop(seq, None)
         if s is None:  # dropped by a reset while the score was on the wire
             return
         self.log.event("scored", s.req, stage=self.span,
-                       logprobs=[round(x, 4) for x in logprobs])  # fmt: skip
-        await s.emit(Frame("score", {"req": s.req, "logprobs": logprobs}))
+                       logprobs=[round(x, 4) for x in score["logprobs"]])  # fmt: skip
+        await s.emit(Frame("score", {"req": s.req, **score}))
         self.release(seq)
         if not self.config.last:
             await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
@@ -1031,9 +1046,9 @@ class Stage:
     def sample(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
         if first is not None:
             self.samplers[seq] = new_sampler(first["sampling"], first["prompt"])
-        params, rng, history = self.samplers[seq]  # present: created with the cache
+        params, rng, history, n_prompt = self.samplers[seq]  # present: created with the cache
         try:
-            token = sample(logits, params, rng, history)
+            token = sample(logits, params, rng, history, n_prompt)
         except ValueError as exc:  # the draw refused its probabilities: whose fault?
             if not np.isfinite(logits).all():
                 raise RuntimeError("the head's logits are not finite") from exc  # this node's
@@ -1141,7 +1156,7 @@ class Stage:
 
 def new_sampler(
     sampling: dict[str, Any], prompt: list[int]
-) -> tuple[SamplingParams, np.random.Generator, list[int]]:
+) -> tuple[SamplingParams, np.random.Generator, list[int], int]:
     """A sequence's sampler: its parameters, its seeded generator and the tokens it has seen;
     JobError (the request's fault, named) when the parameters cannot be used."""
     try:
@@ -1153,7 +1168,7 @@ def new_sampler(
     except (TypeError, ValueError) as exc:
         raise JobError(f"sampling seed {params.seed!r}: {exc}; a seed is an integer >= 0"
                        ) from None  # fmt: skip
-    return params, rng, list(prompt)
+    return params, rng, list(prompt), len(prompt)
 
 
 async def _connect(
@@ -1240,6 +1255,36 @@ def scoring_rows(n: int, lengths: list[int]) -> np.ndarray:
         keep.append(np.arange(start, start + length - 1))
         start += length
     return np.concatenate(keep)
+
+
+MAX_TOP = 20  # alternatives a scored token may list (OpenAI's top_logprobs allows 20)
+
+
+def token_detail(logits: np.ndarray, norms: np.ndarray, ids: np.ndarray,
+                 top: int) -> list[list[Any]]:  # fmt: skip
+    """Each scored token as [its log-probability, whether it is the row's argmax (greedy:
+    the first index on ties, as the sampler), the row's `top` likeliest as [id, logprob]
+    pairs] — logits (C, vocab) float64, norms (C,) their log_norms, ids (C,) the tokens.
+    Each log-probability is logit - norm, the terms sum_log_probs adds."""
+    out = []
+    for row, z, t in zip(logits, norms.tolist(), ids.tolist(), strict=True):
+        best = np.argpartition(-row, top - 1)[:top] if top else np.zeros(0, np.int64)
+        best = best[np.lexsort((best, -row[best]))]  # likeliest first, then lower id
+        alts = [[int(i), float(row[i]) - z] for i in best]
+        out.append([float(row[t]) - z, int(np.argmax(row)) == t, alts])
+    return out
+
+
+def detail_ok(detail: Any, completions: int) -> bool:
+    """A peer's `detail` has the shape token_detail makes, one list per completion."""
+    def token(e: Any) -> bool:
+        return (isinstance(e, list) and len(e) == 3 and isinstance(e[0], int | float)
+                and isinstance(e[1], bool) and isinstance(e[2], list) and len(e[2]) <= MAX_TOP
+                and all(isinstance(a, list) and len(a) == 2 and type(a[0]) is int
+                        and isinstance(a[1], int | float) for a in e[2]))  # fmt: skip
+
+    return (isinstance(detail, list) and len(detail) == completions
+            and all(isinstance(c, list) and all(token(e) for e in c) for c in detail))
 
 
 def log_likelihood(logits: np.ndarray, ids: np.ndarray) -> float:
