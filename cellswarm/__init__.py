@@ -1,9 +1,11 @@
 """cellswarm: run language models too large for one machine on swarms of small nodes.
 
 import cellswarm
-model = cellswarm.load("model.gguf")          # or a Hugging Face folder
+model = cellswarm.load("model.gguf")          # or a Hugging Face folder; no path: the demo
 model.logits([1, 2, 3])                        # float32 (3, vocab)
 model.generate("The capital of France is")     # Generation(text, token_ids, stats)
+model("Q: Name a planet. A:", max_tokens=16)   # llama-cpp-python's habits: OpenAI dicts
+swarm = cellswarm.connect("http://127.0.0.1:8470", api_key=None)  # the same, on a swarm
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from cellswarm.errors import (
 if TYPE_CHECKING:
     from cellswarm.engine.model import Model
     from cellswarm.planner.plan import PlanResult
+    from cellswarm.swarm.api.remote import Swarm
 
 __all__ = [
     "BudgetError",
@@ -48,16 +51,49 @@ __all__ = [
     "TokenizerError",
     "UnsupportedArchitectureError",
     "UnsupportedQuantError",
+    "connect",
     "load",
     "plan",
 ]
 
 
-def load(path: str | os.PathLike[str], **options: Any) -> Model:
-    """See `cellswarm.loader.load`; imported lazily so `import cellswarm` stays light."""
+def load(path: str | os.PathLike[str] | None = None, *, n_ctx: int | None = None,
+         n_threads: int | None = None, model_path: str | os.PathLike[str] | None = None,
+         **options: Any) -> Model:  # fmt: skip
+    """A model in this process (see `cellswarm.loader.load` for `quant`, `selection`, ...):
+    `path` (or llama-cpp-python's `model_path`) a .gguf file or Hugging Face folder, none
+    for the demo model; `n_ctx` the context a generation may take (prompt + completion,
+    refused beyond it); `n_threads` the kernels' and BLAS' threads (default: all cores).
+    Imported lazily so `import cellswarm` stays light."""
     from cellswarm.loader import load as _load
 
-    return _load(path, **options)
+    if path is not None and model_path is not None:
+        raise RequestError("give path or model_path, not both")
+    path = path if path is not None else model_path
+    if path is None:
+        from cellswarm.demo import demo_model_path
+
+        path = demo_model_path()
+    if n_threads is not None:
+        from cellswarm import kernels
+
+        if n_threads < 1:
+            raise RequestError(f"n_threads {n_threads} must be at least 1")
+        kernels.set_threads(n_threads)
+    if n_ctx is not None and n_ctx < 1:
+        raise RequestError(f"n_ctx {n_ctx} must be at least 1 token")
+    model = _load(path, **options)
+    model.n_ctx = n_ctx
+    return model
+
+
+def connect(url: str, api_key: str | None = None, tls: str | None = None) -> Swarm:
+    """A running swarm (its coordinator's URL) with the model's methods: `create_completion`,
+    `create_chat_completion`, calling it, `tokenize`, `detokenize` (swarm/api/remote.py);
+    `api_key` one of its --api-key-file keys, `tls` a certificate folder for https."""
+    from cellswarm.swarm.api.remote import Swarm as _Swarm
+
+    return _Swarm(url, api_key=api_key, tls=tls)
 
 
 def plan(model: str, **options: Any) -> PlanResult:

@@ -46,8 +46,11 @@ def load(
     p = Path(path)
     sel = selection or Selection()
     if p.is_dir():
-        return _load_hf(p, quant, sel, kv_budget_bytes, tokenizer)
-    return _load_gguf(p, quant, sel, kv_budget_bytes, tokenizer)
+        model = _load_hf(p, quant, sel, kv_budget_bytes, tokenizer)
+    else:
+        model = _load_gguf(p, quant, sel, kv_budget_bytes, tokenizer)
+    model.name = p.name
+    return model
 
 
 def read_config(path: str | os.PathLike[str]) -> Any:

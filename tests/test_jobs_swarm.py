@@ -20,10 +20,10 @@ import pytest
 
 import cellswarm
 from cellswarm.engine.model import GenerateOptions
+from cellswarm.engine.scoring import log_likelihood
 from cellswarm.errors import RequestError, SwarmError
 from cellswarm.swarm.api import client
 from cellswarm.swarm.local.up import LocalSwarm
-from cellswarm.swarm.ring.stage import log_likelihood
 from tests.waiting import wait_until
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,",

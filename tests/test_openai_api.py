@@ -483,3 +483,62 @@ def test_a_batch_completions_line_gives_each_tokens_logprob_and_carries_its_extr
     with pytest.raises(Exception, match="did you mean 'max_tokens'"):
         client.call(swarm.url, "/v1/batches", {"items": [{"prompt": "x", "max_token": 3}]},
                     api_key=KEY)  # fmt: skip
+
+
+# -- the Python API: llama-cpp-python's habits, here and over a swarm --------------------------
+
+
+def test_the_local_model_has_llama_cpp_pythons_methods(demo_path: Path) -> None:
+    model = cellswarm.load(n_ctx=256, n_threads=1)  # no path: the demo model
+    assert model.name == demo_path.name
+    out = model("The capital of France is", max_tokens=8, temperature=0)
+    assert out["object"] == "text_completion" and out["choices"][0]["finish_reason"] in (
+        "stop", "length")  # fmt: skip
+    assert out["usage"]["completion_tokens"] <= 8
+    chat = model.create_chat_completion(messages=QUESTION, max_tokens=8, temperature=0)
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["choices"][0]["message"]["content"] == model.generate(
+        QUESTION, max_tokens=8, temperature=0).text  # messages to generate, too
+    ids = model.tokenize(b"Hello world")
+    assert model.detokenize(ids).endswith(b"Hello world")
+    chunks = list(model.create_completion("Once upon a time", max_tokens=6, temperature=0,
+                                          stream=True))  # fmt: skip
+    whole = model.create_completion("Once upon a time", max_tokens=6, temperature=0)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    with pytest.raises(cellswarm.RequestError, match="context is 256"):
+        model("x " * 300, max_tokens=8)
+    with pytest.raises(cellswarm.RequestError, match="a prompt is text, token ids, or messages"):
+        model.generate([{"role": "user"}, 3])
+    with pytest.raises(cellswarm.RequestError, match="unknown setting 'mirostat'"):
+        model("hi", mirostat=2)
+
+
+def test_connect_gives_the_same_methods_and_answers_over_the_swarm(
+    swarm: LocalSwarm, local: Any
+) -> None:
+    remote = cellswarm.connect(swarm.url, api_key=KEY)
+    here_model = cellswarm.load()  # the demo model, as a user loads it
+    for method, args in (("create_completion", {"prompt": "The capital of France is"}),
+                         ("create_chat_completion", {"messages": QUESTION})):  # fmt: skip
+        kw = {**args, "max_tokens": 8, "temperature": 0.7, "seed": 3, "logprobs": 2
+              if method == "create_completion" else True}  # fmt: skip
+        here, there = getattr(here_model, method)(**kw), getattr(remote, method)(**kw)
+        assert set(here) == set(there) and here["usage"] == there["usage"], method
+        h, t = here["choices"][0], there["choices"][0]
+        assert h.get("text", h.get("message")) == t.get("text", t.get("message")), method
+        assert h["finish_reason"] == t["finish_reason"]
+        lp_h, lp_t = h["logprobs"], t["logprobs"]
+        if method == "create_completion":
+            assert lp_h["tokens"] == lp_t["tokens"]
+            pairs = zip(lp_h["token_logprobs"], lp_t["token_logprobs"], strict=True)
+            assert max(abs(a - b) for a, b in pairs) < 1e-3
+        else:
+            assert [e["token"] for e in lp_h["content"]] == [e["token"] for e in lp_t["content"]]
+    assert remote.tokenize(b"Hello world") == here_model.tokenize(b"Hello world")
+    assert remote.detokenize([19556, 905]) == here_model.detokenize([19556, 905])
+    assert remote("Once upon a time", max_tokens=4, temperature=0)["choices"][0]["text"] == (
+        here_model("Once upon a time", max_tokens=4, temperature=0)["choices"][0]["text"])
+    chunks = list(remote.create_completion("Once upon a time", max_tokens=4, temperature=0,
+                                           stream=True))  # fmt: skip
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == (
+        here_model("Once upon a time", max_tokens=4, temperature=0)["choices"][0]["text"])

@@ -194,8 +194,9 @@ def test_one_pass_scoring_through_three_stages_gives_each_option_s_own_bits(
     one-token label costs no pass), and every score is the bits of scoring it alone."""
     import asyncio
 
+    from cellswarm.engine.scoring import log_likelihood
     from cellswarm.swarm.ring.frames import Frame, read_frame, write_frame
-    from cellswarm.swarm.ring.stage import log_likelihood, scoring_rows
+    from cellswarm.swarm.ring.stage import scoring_rows
 
     assert scoring_rows(3, [1, 3, 2]).tolist() == [0, 1, 2, 4, 5, 7]
     model = cellswarm.load(demo_path)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cellswarm import kernels
+from cellswarm.engine.completions import Completions
 from cellswarm.engine.memory import MemoryReport, memory_report, peak_rss_bytes
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.engine.text import StopText
@@ -133,7 +134,10 @@ class TextStream:
         return self._gen.result()
 
 
-class Model:
+class Model(Completions):
+    """A loaded model (or shard): its steps, and generation — `generate`/`stream` and
+    llama-cpp-python's OpenAI-shaped methods (completions.py)."""
+
     def __init__(
         self,
         config: FamilyConfig,
@@ -149,6 +153,8 @@ class Model:
         self._tokenizer = tokenizer
         self.selection = selection
         self.kv_budget_bytes = kv_budget_bytes
+        self.name = "model"  # the file's name, set by the loader (OpenAI answers' "model")
+        self.n_ctx: int | None = None  # load(n_ctx=): the context a generation may take
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -274,9 +280,18 @@ class Model:
         ids = self._check_ids(token_ids)
         return self.step(ids, self.new_cache(len(ids)))
 
-    def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[Any], chat: bool = False) -> list[int]:
+        """Text (chat: as one user message), token ids, or messages ({"role", "content"}
+        dicts, through the chat template with the generation prompt)."""
+        if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict)
+                                                              for m in prompt):  # fmt: skip
+            text = self.tokenizer.apply_chat_template(list(prompt))
+            return self.tokenizer.encode(text, add_special=False)
         if not isinstance(prompt, str):
-            return list(self._check_ids(prompt))
+            if any(type(t) is not int and not isinstance(t, np.integer) for t in prompt):
+                raise RequestError("a prompt is text, token ids, or messages ({'role': ..., "
+                                   "'content': ...} dicts)")  # fmt: skip
+            return list(self._check_ids([int(t) for t in prompt]))
         tok = self.tokenizer
         if chat:
             text = tok.apply_chat_template([{"role": "user", "content": prompt}])
@@ -285,7 +300,7 @@ class Model:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[Any],
         options: GenerateOptions | None = None,
         on_text: Callable[[str], None] | None = None,
         chat: bool = False,
@@ -302,7 +317,7 @@ class Model:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[Any],
         options: GenerateOptions | None = None,
         chat: bool = False,
         **settings: Any,
@@ -311,6 +326,8 @@ class Model:
         Pieces are whole UTF-8 characters and never part of a stop string; once the loop
         ends, `.result` is the Generation."""
         opts = options_from(options, settings)
+        if opts.context is None and self.n_ctx is not None:
+            opts = replace(opts, context=self.n_ctx)
         return TextStream(_Generator(self, self.encode_prompt(prompt, chat), opts))
 
     def memory(self, batch: int = 1, context: int | None = None) -> MemoryReport:

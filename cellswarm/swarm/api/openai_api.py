@@ -22,7 +22,7 @@ of the context for chat; 0 with echo: the prompt scored alone), temperature (def
 OpenAI's; 0 is greedy), top_p, seed, stop, n, echo, presence_penalty and frequency_penalty
 (OpenAI's definition, over the output), logit_bias, logprobs (completions: 0..20
 alternatives; chat: logprobs + top_logprobs) — the answer is scored after it is made, by a
-scoring job over the same tokens (the same logits, bit for bit: openai_logprobs.py) — user
+scoring job over the same tokens (the same logits, bit for bit: engine/openai_shapes.py) — user
 and metadata (logged with the job). Extensions: top_k, min_p, repetition_penalty,
 return_token_ids (each choice's `token_ids`) and skip_special_tokens (vLLM's names).
 Refused with a 400 naming the parameter: a field this server does not know (OpenAI's own
@@ -69,10 +69,10 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from cellswarm.engine.openai_shapes import chat_logprobs, completion_logprobs
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.engine.text import StopText
 from cellswarm.errors import CellswarmError
-from cellswarm.swarm.api.openai_logprobs import chat_logprobs, completion_logprobs
 from cellswarm.swarm.api.schema import (
     MAX_CHOICES,
     ChatMessage,
@@ -398,7 +398,7 @@ class OpenAIRoutes:
 
     async def detail(self, request: Request, ids: list[int], start: int,
                      top: int) -> list[Any]:  # fmt: skip
-        """Each token of ids[start:] scored (openai_logprobs.py); [] when there is none."""
+        """Each token of ids[start:] scored (engine/scoring.py token_detail); [] for none."""
         if start >= len(ids):
             return []
         from cellswarm.swarm.api.server import wait_for_job

@@ -1,6 +1,6 @@
 """Log-probabilities in OpenAI's two shapes, from the ring's per-token detail.
 
-The ring scores a sequence's tokens (ring/stage.py `token_detail`): each as [its
+The ring scores a sequence's tokens (engine/scoring.py `token_detail`): each as [its
 log-probability, whether it is the argmax, the row's k likeliest as [id, logprob]]. These
 are the logits the generation saw, bit for bit (a row's logits are the same in any batch),
 so scoring the answer after it is made gives what sampling it gave. The first token of a

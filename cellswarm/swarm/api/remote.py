@@ -1,0 +1,87 @@
+"""`cellswarm.connect(url)`: a running swarm with a local model's llama-cpp-python methods.
+
+    swarm = cellswarm.connect("http://10.0.0.5:8470", api_key="sk-...")
+    swarm("Q: Name the planets. A:", max_tokens=32)          # create_completion
+    swarm.create_chat_completion(messages=[{"role": "user", "content": "Hi"}])
+    swarm.tokenize(b"Hello"), swarm.detokenize([...])
+
+Each method is one call of the swarm's OpenAI routes (openai_api.py), so the answers are
+OpenAI's dicts, the same a local model's methods give (engine/completions.py), with the same
+llama-cpp-python defaults sent explicitly: the same arguments make the same tokens here and
+there. `stream=True` gives the chunks as the routes send them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from cellswarm.engine.completions import DEFAULTS, RENAMED, SAMPLING
+from cellswarm.errors import RequestError
+from cellswarm.swarm.api import client
+
+
+class Swarm:
+    def __init__(self, url: str, api_key: str | None = None, tls: str | None = None) -> None:
+        self.url, self.api_key, self.tls = url.rstrip("/"), api_key, tls
+        card = self._get("/v1/models")["data"][0]
+        self.name, self.n_ctx = str(card["id"]), card.get("max_model_len")
+
+    def _get(self, path: str) -> Any:
+        return client.call(self.url, path, tls=self.tls, api_key=self.api_key)
+
+    def _post(self, path: str, body: dict[str, Any], stream: bool = False) -> Any:
+        if stream:
+            return client.events(self.url, path, body, tls=self.tls, api_key=self.api_key)
+        return client.call(self.url, path, body, timeout_s=600, tls=self.tls,
+                           api_key=self.api_key)  # fmt: skip
+
+    def _body(self, stop: str | Sequence[str] | None, kw: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(kw) - set(SAMPLING))
+        if unknown:
+            raise RequestError(f"unknown setting {unknown[0]!r}; use max_tokens, stop, echo, "
+                               f"logprobs, stream, {', '.join(SAMPLING)}")  # fmt: skip
+        body = {RENAMED.get(k, k): v for k, v in {**DEFAULTS, **kw}.items() if v is not None}
+        if stop:
+            body["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        return {"model": self.name, **body}
+
+    def __call__(self, prompt: str | Sequence[int], **kw: Any) -> Any:
+        return self.create_completion(prompt, **kw)
+
+    def create_completion(
+        self, prompt: str | Sequence[int], max_tokens: int | None = 16,
+        stop: str | Sequence[str] | None = None, echo: bool = False,
+        logprobs: int | None = None, stream: bool = False, **kw: Any,
+    ) -> Any:  # fmt: skip
+        body = {**self._body(stop, kw), "prompt": prompt if isinstance(prompt, str)
+                else list(prompt), "max_tokens": max_tokens, "echo": echo,
+                "stream": stream}  # fmt: skip
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        return self._post("/v1/completions", body, stream)
+
+    def create_chat_completion(
+        self, messages: list[dict[str, Any]], max_tokens: int | None = None,
+        stop: str | Sequence[str] | None = None, logprobs: bool = False,
+        top_logprobs: int | None = None, stream: bool = False, **kw: Any,
+    ) -> Any:  # fmt: skip
+        body = {**self._body(stop, kw), "messages": messages, "stream": stream}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        if logprobs:
+            body |= {"logprobs": True, "top_logprobs": top_logprobs or 0}
+        return self._post("/v1/chat/completions", body, stream)
+
+    def tokenize(self, text: bytes | str, add_bos: bool = True,
+                 special: bool = False) -> list[int]:  # fmt: skip
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        body = {"prompt": text, "add_special_tokens": add_bos}
+        return [int(t) for t in self._post("/tokenize", body)["tokens"]]
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        return str(self._post("/detokenize", {"tokens": list(tokens)})["prompt"]).encode()
+
+    def models(self) -> Iterator[dict[str, Any]]:
+        yield from self._get("/v1/models")["data"]
