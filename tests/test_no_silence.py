@@ -138,3 +138,64 @@ def test_cli_mistakes_are_one_line_not_a_traceback(tmp_path: Path) -> None:
             assert out.returncode == 2, (args, out)
             [line] = out.stderr.strip().splitlines()
             assert line.startswith("cellswarm: error: ") and "Traceback" not in out.stdout, line
+
+
+# Common command-line mistakes, each with what its one line must name. Each runs as a real
+# process (a traceback escapes only there), in parallel pairs.
+MISTAKES: list[tuple[str, str]] = [
+    ("generate", "prompt"),
+    ("generate hi --max-tokens -5", "max_tokens -5"),
+    ("generate hi --max-tokens lots", "'lots'"),
+    ("generate hi --model /nonexistent.gguf", "/nonexistent.gguf"),
+    ("generate hi --model README.md", "not a GGUF file"),
+    ("generate hi --temperature -1", "temperature"),
+    ("generate hi --top-p 0", "top_p"),
+    ("generate hi --threads 0", "--threads 0"),
+    ("generate hi --kv-budget lots", "'lots'"),
+    ("generate hi --quant q9_9", "q9_9"),
+    ("generate a,b --ids", "'a,b'"),
+    ("generate hi --context 1.5", "1.5"),
+    ("generate hi --coordinator ftp://x", "ftp://x"),
+    ("generate hi --coordinator http://127.0.0.1:1", "no coordinator answers"),
+    ("worker --memory lots", "'lots'"),
+    ("worker --join localhost:8470 --memory 64M", "localhost:8470"),
+    ("coordinator --listen nonsense", "nonsense"),
+    ("coordinator --db mysql://x", "mysql://x"),
+    ("coordinator --model /nonexistent.gguf", "/nonexistent.gguf"),
+    ("up --workers 0", "--workers 0"),
+    ("up --workers two", "'two'"),
+    ("up --memory 1X", "'1X'"),
+    ("up --workers 2 --memory 64M", "add workers or memory"),  # before any process starts
+    ("plan", "model"),
+    ("plan nosuchmodel", "nosuchmodel"),
+    ("plan kimi-k3 --node nosuchnode", "nosuchnode"),
+    ("plan kimi-k3 --count -1", "--count -1"),
+    ("batch submit /nonexistent.jsonl", "/nonexistent.jsonl"),
+    ("batch submit README.md --coordinator http://127.0.0.1:1", "not JSON"),
+    ("status --coordinator http://127.0.0.1:1", "no coordinator answers"),
+    ("logs abc --dir /nonexistent", "/nonexistent"),
+    ("verify /nonexistent.gguf", "/nonexistent.gguf"),
+    ("eval --quant q9_9", "model"),
+    ("simulate --hours -1", "--hours"),
+    ("kernels build --nonsense", "--nonsense"),
+    ("lab bogus", "bogus"),
+]
+
+
+def test_common_cli_mistakes_are_one_line_each_never_a_traceback() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run(line: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*CLI, *line.split()], capture_output=True, text=True,
+                              timeout=120, cwd=root, stdin=subprocess.DEVNULL)  # fmt: skip
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(run, [line for line, _ in MISTAKES]))
+    assert len(MISTAKES) >= 30
+    for (line, names), r in zip(MISTAKES, runs, strict=True):
+        said = (r.stdout + r.stderr).strip().splitlines()
+        assert r.returncode != 0, (line, said)
+        assert "Traceback" not in r.stderr, (line, r.stderr)
+        assert len(said) == 1 and names in said[0], (line, said)

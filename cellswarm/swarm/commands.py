@@ -202,6 +202,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         stop_on_signals,
     )
 
+    if args.workers < 1:
+        raise RequestError(f"--workers {args.workers}: a swarm needs at least 1 worker "
+                           "(3 by default: two stages and a spare)")  # fmt: skip
     swarm = LocalSwarm(model=_model(args.model), workers=args.workers, memory=args.memory,
                        state_dir=Path(args.state_dir), profile=args.profile,
                        stages=args.stages, port=args.port, tls_dir=args.tls,
