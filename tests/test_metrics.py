@@ -68,6 +68,14 @@ def test_metrics_parse_and_move_when_work_runs(demo_path: Path, tmp_path: Path) 
         assert after[("cellswarm_jobs", (("state", "done"),))] == 3
         assert after[("cellswarm_jobs", (("state", "queued"),))] == 0
         assert after[("cellswarm_job_duplicate_commits", ())] == 0
+        # the requests, as vLLM counts them: each one's first lease, first token and end
+        assert after[("cellswarm_job_outcomes_total", (("state", "done"),))] == 3
+        for hist in ("cellswarm_request_queue_time_seconds", "cellswarm_e2e_request_latency_"
+                     "seconds", "cellswarm_time_to_first_token_seconds"):  # fmt: skip
+            assert after[(hist + "_count", ())] == 3, hist
+        assert after[("cellswarm_prompt_tokens_total", ())] == 9
+        assert after[("cellswarm_generation_tokens_total", ())] == 18
+        assert after[("cellswarm_num_requests_waiting", ())] == 0
         steps = "cellswarm_node_steps_total"
         assert total(after, steps) > total(before, steps)
         used = per_node(after, "cellswarm_node_memory_used_bytes")

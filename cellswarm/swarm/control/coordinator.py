@@ -62,6 +62,7 @@ from cellswarm.swarm.control.membership import (
     ring,
 )
 from cellswarm.swarm.control.nonces import Nonces
+from cellswarm.swarm.control.request_metrics import RequestMetrics
 from cellswarm.swarm.control.store import Node, NodeId, Store
 from cellswarm.swarm.control.wire import port
 from cellswarm.swarm.local.pipeline import costs_at
@@ -104,6 +105,8 @@ class Coordinator:
         db = open_database(config.db)
         self.store = Store(db)
         self.queue = JobQueue(db, QueueConfig(lease_s=config.lease_s))
+        self.requests = RequestMetrics()  # what /metrics says of requests (vLLM's names)
+        self.queue.on_end = self.requests.ended
         self.token = load_token(config.token_file) if config.token_file else None
         self.tls = client_context(config.tls_dir) if config.tls_dir else None  # for resets
         self.nonces = Nonces()  # join challenges, each good for one proof (nonces.py)
@@ -406,15 +409,18 @@ class Coordinator:
                 **({"problem": self.problem} if self.problem else {})}  # fmt: skip
 
     def metrics_targets(self) -> list[dict[str, Any]]:
-        """Prometheus' HTTP service discovery: every node that is not lost, by its state."""
-        groups: dict[str, list[str]] = {}
-        for n in self.store.nodes():
+        """Prometheus' HTTP service discovery: one group per node that said where its
+        /metrics is, labelled by its id alone — stable while its state changes (a state
+        label split one worker's series in two), and kept once it is lost, so that
+        `up == 0` fires for it (its state is `cellswarm_node_state` on /metrics)."""
+        out = []
+        for n in sorted(self.store.nodes(), key=lambda n: n.node_id):
             port = self.metrics_ports.get(n.node_id)
-            if port and n.state != "lost":
+            if port:
                 host = f"[{n.host}]" if ":" in n.host else n.host
-                groups.setdefault(n.state, []).append(f"{host}:{port}")
-        return [{"targets": sorted(t), "labels": {"job": "cellswarm-worker", "state": s}}
-                for s, t in sorted(groups.items())]  # fmt: skip
+                out.append({"targets": [f"{host}:{port}"],
+                            "labels": {"job": "cellswarm-worker", "node": str(n.node_id)}})
+        return out
 
     def _shard_for(self, node: Node) -> dict[str, Any] | None:
         if node.state != "assigned" or node.shard is None:
@@ -961,7 +967,9 @@ class Coordinator:
         jobs = self.queue.lease(node.node_id, replica, min(n, room), exclusive=n_replicas > 1,
                                 n_replicas=n_replicas, rank=rank)  # fmt: skip
         self._stall_due = self._stall_due or bool(jobs and self.config.stall_core_s)
+        now = time.time()
         for job in jobs:
+            self.requests.leased(job, now)
             self.homes.note(job.payload, replica)
             self.log.event("leased", job.job_id, worker=node.node_id, fence=job.fence,
                            resume=len(job.tokens), attempt=job.attempts + 1)  # fmt: skip
@@ -987,6 +995,9 @@ class Coordinator:
                                                   owner=node.node_id,
                                                   frontier_epoch=self.epoch if r.get("frontier")
                                                   else None)]  # fmt: skip
+        now = time.time()
+        for r in runs:
+            self.requests.tokens(str(r["job_id"]), len(r["tokens"]), now)
         for rid in stale:
             self.log.event("stale", rid, worker=node.node_id, call="checkpoint")
         self.notify()

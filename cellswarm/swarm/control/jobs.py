@@ -153,9 +153,19 @@ QueueConfig = Retry  # the queue's settings are the retry policy (policy.py)
 DEFAULT_CONFIG = QueueConfig()
 
 
+# (state, job id, the job as it was leased or None, tokens it made, when): each job that
+# ends here, as it ends (the coordinator's request metrics count them)
+OnEnd = Callable[[str, str, "Job | None", int, float], None]
+
+
+def _ignore(state: str, job_id: str, job: Job | None, n_tokens: int, now: float) -> None:
+    pass
+
+
 class JobQueue:
     def __init__(self, db: Database, config: QueueConfig = DEFAULT_CONFIG) -> None:
         self.db, self.config = db, config
+        self.on_end: OnEnd = _ignore
         self.db.script(SCHEMA)
         for table, column, decl in MIGRATIONS:
             ensure_column(self.db, table, column, decl)
@@ -361,6 +371,7 @@ class JobQueue:
                     "AND state='leased'", (strikes, error, now, job.job_id, job.fence),
                 ):  # fmt: skip
                     out.append(job.job_id)
+                    self.on_end("dead", job.job_id, job, len(job.tokens), now)
         return out
 
     def strike_replica(
@@ -426,20 +437,27 @@ class JobQueue:
 
     def cancel(self, batch_id: str) -> int:
         now = time.time()
-        return self.db.execute_count(
+        n = self.db.execute_count(
             "UPDATE jobs SET state='cancelled', error='cancelled', updated_s=? "
             "WHERE batch_id=? AND state IN ('queued', 'leased')",
             (now, batch_id),
         )
+        for _ in range(n):
+            self.on_end("cancelled", "", None, 0, now)
+        return n
 
     def cancel_job(self, job_id: str, reason: str = "cancelled") -> bool:
         """One unfinished job -> cancelled (its holder's next checkpoint is refused, and the
         head drops the sequence); False if it had already ended."""
-        return self.db.execute_count(
+        now = time.time()
+        if self.db.execute_count(
             "UPDATE jobs SET state='cancelled', error=?, lease_owner=NULL, "
             "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND state IN ('queued', 'leased')",
-            (reason, time.time(), job_id),
-        ) == 1
+            (reason, now, job_id),
+        ) != 1:  # fmt: skip
+            return False
+        self.on_end("cancelled", job_id, None, 0, now)
+        return True
 
     def retry_failed(self, batch_id: str) -> int:
         """Dead-lettered jobs of a batch go back to the queue with fresh attempts."""
@@ -536,6 +554,7 @@ class JobQueue:
             "INSERT INTO commits(job_id, fence, replica, committed_s) VALUES (?, ?, ?, ?)",
             (job.job_id, job.fence, replica, now),
         )
+        self.on_end("done", job.job_id, job, len(result.get("tokens", [])), now)
 
     def _failed(self, job: Job, reason: str, now: float) -> str:
         attempts = job.attempts + 1
@@ -546,6 +565,8 @@ class JobQueue:
                 (attempts, f"failed {attempts} times; last: {reason}", now, job.job_id,
                  job.fence),
             )
+            if changed:
+                self.on_end("dead", job.job_id, job, len(job.tokens), now)
             return "dead" if changed else "stale"
         # Guarded by fence and state: a holder that completed meanwhile (another coordinator,
         # under PostgreSQL's READ COMMITTED) keeps its result.
@@ -572,6 +593,7 @@ class JobQueue:
                 "UPDATE jobs SET state='dead', runs=?, error=?, updated_s=? WHERE job_id=?",
                 (json.dumps(runs), f"{len(runs)} runs and no two agree", now, job.job_id),
             )
+            self.on_end("dead", job.job_id, job, 0, now)
             return "dead"
         self.db.execute(  # back to the queue, for a run on a replica it has not had yet
             "UPDATE jobs SET state='queued', runs=?, tokens='[]', n_tokens=0, strikes=0, "
