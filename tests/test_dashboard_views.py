@@ -50,19 +50,46 @@ def test_throughput_is_a_rate_and_a_restart_is_not_negative() -> None:
     for at, tokens in ((0.0, 0), (0.2, 5), (1.0, 50), (2.0, 150), (3.0, 10)):
         t.sample(tokens, at)
     assert t.rates() == [50.0, 100.0, 0.0]  # 0.2 s was too soon; the drop is a restart
-    points, now, peak = t.sparkline(width=100, height=10)
-    assert (now, peak) == (0.0, 100.0) and points.split() == ["0.0,5.0", "50.0,0.0", "100.0,10.0"]
+    c = t.chart(range_s=3.0, now_s=3.0)  # the last 3 s, 600 x 120: rates at 1, 2 and 3 s
+    assert (c.latest, c.peak) == (0.0, 100.0)
+    assert c.points.split() == ["200.0,60.0", "400.0,0.0", "600.0,120.0"]
+    assert [label for _, label in c.y_ticks] == ["0 tok/s", "50 tok/s", "100 tok/s"]
+    assert [label for _, label in c.x_ticks] == ["-0.05 min", "-0.0333 min", "-0.0167 min",
+                                                 "now"]  # fmt: skip
 
 
 def test_batches_and_the_queue_and_a_timeline() -> None:
     [b] = views.batch_rows([{"batch_id": "b1", "name": "n", "total": 4, "tokens": 30,
-                             "counts": {"queued": 1, "done": 2, "dead": 1}}])  # fmt: skip
+                             "created_s": 100.0, "last_s": 105.0,
+                             "counts": {"queued": 1, "done": 2, "dead": 1}}], now_s=106.0)
     assert (b.finished, b.pct) == (3, 75.0) and "2 done" in b.detail
+    assert b.segments == [("done", 50.0, 2), ("dead", 25.0, 1), ("queued", 25.0, 1)]
+    assert (b.rate, b.eta) == ("0.50 items/s", "ETA 2 s")
+    [idle] = views.batch_rows([{"batch_id": "b2", "name": "n", "total": 2, "tokens": 0,
+                                "created_s": 100.0, "counts": {"queued": 2}}], now_s=160.0)
+    assert idle.eta == "waiting: nothing has finished yet"
     assert ("retries", 3) in views.queue_rows({"queued": 2}, 3)
     rows = views.timeline_rows([{"ts": 10.0, "node": "c", "event": "submitted", "k": 1},
                                 {"ts": 10.25, "node": "w", "event": "done", "node_ts": 1}])
     assert [(r.at_ms, r.event, r.fields) for r in rows] == [("0.0", "submitted", "k=1"),
                                                             ("250.0", "done", "")]
+    assert [(r.left_pct, r.width_pct, r.lane) for r in rows] == [(0.0, 100.0, 0),
+                                                                 (100.0, 0.4, 1)]  # fmt: skip
+
+
+def test_rings_in_token_order_and_a_bottleneck_in_words() -> None:
+    status = {"nodes": [node("b", "assigned", [15, 30], stage=1, replica=0),
+                        node("a", "assigned", [0, 15], stage=0, replica=0),
+                        node("c", "spare")]}  # fmt: skip
+    [r] = views.rings(status)
+    assert [(v.node_id, v.layers) for v in r.stages] == [("a", "0..14"), ("b", "15..29")]
+    text = views.bottleneck_text({"node_id": "b", "stage": 1, "step_ms": 41.23,
+                                  "times_median": 1.84})  # fmt: skip
+    assert text == "stage 1 on b: 41.2 ms a step (1.8x the median)"
+    rates = views.NodeRates()
+    rates.sample({"nodes": [node("a", "assigned", [0, 15], decode_steps=10)]}, now_s=0.0)
+    rates.sample({"nodes": [node("a", "assigned", [0, 15], decode_steps=40)]}, now_s=2.0)
+    assert rates.rate == {"a": 15.0}
 
 
 def test_a_node_id_never_becomes_markup() -> None:
@@ -70,5 +97,7 @@ def test_a_node_id_never_becomes_markup() -> None:
 
     status = {"epoch": 1, "wired": True, "problem": "", "bottlenecks": [],
               "nodes": [node("<script>alert(1)</script>", "spare")]}  # fmt: skip
-    html = TEMPLATES.get_template("nodes.html").render(status=status, racks=views.racks(status))
+    html = TEMPLATES.get_template("nodes.html").render(
+        status={**status, "context": 64, "sequences": 2}, racks=views.racks(status), rings=[],
+        bottlenecks=[])  # fmt: skip
     assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html

@@ -118,6 +118,7 @@ class Worker:
         self.shard_key: tuple[Any, ...] | None = None
         self.data_port: int | None = None
         self.refused = ""
+        self.fetched: tuple[int, int] | None = None  # a shard's fetch: (bytes done, of total)
         self.probe: tuple[bool, str] | None = None
         self.check: dict[str, Any] | None = None  # a doctor round's answer, for the next beat
         self.echo_s: float | None = None  # the last heartbeat's round trip
@@ -236,8 +237,10 @@ class Worker:
         stats = self.stage.stats() if self.stage else {}
         joules = self.power.joules(float(stats.get("busy_s", 0)), self.awake_s())
         temp = temperature_c()
+        fetched = ({"fetch_done_bytes": self.fetched[0], "fetch_total_bytes": self.fetched[1]}
+                   if self.fetched is not None else {})  # fmt: skip
         return {**stats, **({"energy_j": round(joules, 3)} if joules is not None else {}),
-                **({"temp_c": temp} if temp is not None else {})}
+                **({"temp_c": temp} if temp is not None else {}), **fetched}
 
     def awake_s(self) -> float:
         """Seconds this node has kept the CPUs out of deep sleep (awake.py)."""
@@ -547,8 +550,14 @@ class Worker:
                                 self.tls)  # fmt: skip
 
         manifest = Manifest.from_json(get("/v1/model/manifest"))
+        show = Progress("shard")
+
+        def progress(done: int, total: int) -> None:
+            self.fetched = (done, total)  # the heartbeat carries it (the dashboard's bar)
+            show(done, total)
+
         report = ensure_local(manifest, sel, lambda i: get(f"/v1/model/chunks/{i}"),
-                              self.config.cache_dir, Progress("shard"))  # fmt: skip
+                              self.config.cache_dir, progress)  # fmt: skip
         print(f"FETCHED {report.chunks_fetched} chunks ({report.bytes_fetched:,} bytes), "
               f"{report.chunks_cached} from cache", flush=True)  # fmt: skip
         return report.path

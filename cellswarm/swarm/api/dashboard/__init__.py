@@ -1,9 +1,12 @@
 """The coordinator's dashboard at `/`: server-rendered HTML fragments, refreshed by htmx.
 
 The page itself (`/`) and its static files are open: they hold no data. Each panel is a
-fragment under `/dashboard/` that htmx polls — the node map by rack (state, what each node
-holds, memory against its budget, step time, temperature where known), tokens/s over the
-last minutes, the queue, batches with progress, and one request's timeline from its id. The
+fragment under `/dashboard/` that htmx polls — each ring in token order (node, layers,
+address, tokens/s, heartbeat age), the node map by rack (state, what each node holds, memory
+against its budget, step time, temperature where known, a shard's fetch progress), tokens/s
+and request latency charts with axes over 1, 5 or 15 minutes, the queue, batches (done, dead,
+running and queued in colour, rate, ETA), the requests that ended lately — each a click from
+the waterfall of its events — and a chat box (the OpenAI chat route, static/dashboard.js). The
 fragments are client routes: with `--api-key-file` they need an admin's key, which the page
 asks for once and sends as `Authorization: Bearer` (static/dashboard.js). htmx is vendored
 (static/README.md): nothing is fetched from a CDN. Templates autoescape, so a node id or an
@@ -40,7 +43,7 @@ def render(name: str, **values: Any) -> HTMLResponse:
 
 
 def add_dashboard_routes(app: FastAPI, coord: Coordinator, api_keys: bool) -> None:
-    throughput = views.Throughput()
+    throughput, rates = views.Throughput(), views.NodeRates()
 
     def operator(request: Request) -> HTMLResponse | None:
         caller = request.state.caller
@@ -49,10 +52,17 @@ def add_dashboard_routes(app: FastAPI, coord: Coordinator, api_keys: bool) -> No
                 message="the dashboard needs an admin's API key"), status_code=403)
         return None
 
+    async def looked() -> dict[str, Any]:
+        """The status, with the throughput and each node's rate sampled from it."""
+        status = await coord.on_core(coord.status)
+        throughput.sample(views.tokens_so_far(status))
+        rates.sample(status)
+        return status
+
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
         return render("page.html", model=Path(str(coord.config.model)).name,
-                      coordinator=coord.id)  # fmt: skip
+                      coordinator=coord.id, ranges=views.RANGES_S)  # fmt: skip
 
     @app.get("/static/{name}")
     async def static(name: str) -> Response:
@@ -64,19 +74,27 @@ def add_dashboard_routes(app: FastAPI, coord: Coordinator, api_keys: bool) -> No
     async def nodes(request: Request) -> HTMLResponse:
         if (denied := operator(request)) is not None:
             return denied
-        status = await coord.on_core(coord.status)
-        throughput.sample(views.tokens_so_far(status))
-        return render("nodes.html", status=status, racks=views.racks(status))
+        status = await looked()
+        return render("nodes.html", status=status, racks=views.racks(status, rates),
+                      rings=views.rings(status, rates),
+                      bottlenecks=[views.bottleneck_text(b) for b in status["bottlenecks"]])
 
     @app.get("/dashboard/throughput", response_class=HTMLResponse)
-    async def rate(request: Request) -> HTMLResponse:
+    async def charts(request: Request, range: int = 300) -> HTMLResponse:
         if (denied := operator(request)) is not None:
             return denied
-        status = await coord.on_core(coord.status)
-        tokens = views.tokens_so_far(status)
-        throughput.sample(tokens)
-        points, now, peak = throughput.sparkline()
-        return render("throughput.html", points=points, now=now, peak=peak, tokens=tokens)
+        range_s = range if range in views.RANGES_S else 300
+        status = await looked()
+        recent = list(coord.requests.recent)
+        return render("throughput.html", tokens=views.tokens_so_far(status), range_s=range_s,
+                      ranges=views.RANGES_S, rate=throughput.chart(range_s),
+                      latency=views.latency_chart(recent, range_s))  # fmt: skip
+
+    @app.get("/dashboard/requests", response_class=HTMLResponse)
+    async def recent(request: Request) -> HTMLResponse:
+        if (denied := operator(request)) is not None:
+            return denied
+        return render("requests.html", rows=views.request_rows(list(coord.requests.recent)))
 
     @app.get("/dashboard/queue", response_class=HTMLResponse)
     async def queue(request: Request) -> HTMLResponse:
