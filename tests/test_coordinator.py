@@ -242,6 +242,10 @@ def test_workers_fetch_only_their_shard_once(
         fetched = [_fetched(swarm, i)[-1] for i in range(3)]
         # each a part of the file (the tied embedding serves both ends, so both fetch it)
         assert all(0 < b < 0.7 * size for b in fetched)
+        # and its progress rode on its heartbeats (the dashboard's bar): all of it, now
+        wait_for(lambda: all(
+            (n.get("stats") or {}).get("fetch_total_bytes") == fetched[int(n["node_id"][-1])]
+            == n["stats"].get("fetch_done_bytes") for n in swarm.status()["nodes"]), 20)
         check_results(swarm, submit_all(swarm, list(reference)[:4]), reference)
         swarm.kill("worker-1")
         swarm.start_worker(1)  # back before its heartbeat timeout: the same shard again

@@ -101,3 +101,12 @@ def test_a_node_id_never_becomes_markup() -> None:
         status={**status, "context": 64, "sequences": 2}, racks=views.racks(status), rings=[],
         bottlenecks=[])  # fmt: skip
     assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def test_a_shards_fetch_shows_while_it_runs() -> None:
+    n = node("f", "assigned", [0, 15])
+    n["stats"] = {"fetch_done_bytes": 3 << 20, "fetch_total_bytes": 12 << 20}
+    v = views.node_view(n)
+    assert (v.fetch_pct, v.fetch) == (25.0, "3.0 MiB of 12.0 MiB")
+    n["stats"] = {"fetch_done_bytes": 12 << 20, "fetch_total_bytes": 12 << 20}
+    assert views.node_view(n).fetch_pct is None  # done: no bar
