@@ -300,6 +300,9 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", type=Path, help="write charts to this PNG file")
     p.add_argument("--measure-overhead", action="store_true", help="measure an idle worker")
+    p.add_argument("--vs", metavar="NODE", help="and beside it the same model on this profile "
+                   "(e.g. plan kimi-k3 --node ps3 --count 100000 --vs xeon-optane)")
+    p.add_argument("--vs-count", type=int, default=1, help="how many --vs nodes (default 1)")
     p.set_defaults(func=_cmd_plan)
 
 
@@ -319,6 +322,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         expert_hit_rate=args.hit_rate,
     )  # fmt: skip
     fallback = _smaller_context(result, api)
+    if args.vs:
+        return _plan_vs(args, api, fallback or result, overhead)
     if args.json:
         out = render.as_dict(result)
         if fallback is not None:
@@ -333,6 +338,34 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from cellswarm.planner.plot import plot
 
         plot(fallback or result, args.plot)
+    return 0
+
+
+def _plan_vs(args: argparse.Namespace, api: Any, first: Any, overhead: int | None) -> int:
+    """`plan --vs NODE`: the same model and settings on a second setup, side by side."""
+    from cellswarm.planner import render
+    from cellswarm.units import parse_bytes
+
+    if args.vs_count < 1:
+        raise RequestError(f"--vs-count {args.vs_count} must be at least 1")
+    second = api.plan(
+        args.model, node=args.vs, count=args.vs_count, quant=args.quant, context=args.context,
+        concurrency=args.concurrency, parallel=args.parallel, prompt_tokens=args.prompt,
+        profiles_file=args.profiles, activations=args.activations, runtime_overhead=overhead,
+        dram_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
+        expert_hit_rate=args.hit_rate,
+    )  # fmt: skip
+    second = _smaller_context(second, api) or second
+    if args.json:
+        print(json.dumps({"plans": [render.as_dict(first), render.as_dict(second)]}))
+        return 0
+    from rich.console import Console
+
+    console = Console(width=min(Console().width, 100))
+    console.print(render.side_by_side([first, second]))
+    for p in (first, second):
+        if p.request.node.thermal is not None:
+            console.print(f"{p.request.node.name} thermal: {p.request.node.thermal.line()}")
     return 0
 
 

@@ -18,6 +18,15 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
 
 
+def format_power(watts: float) -> str:
+    """Watts in the unit of the thing: "422 W" a box, "38.4 kW" a room, "12.3 MW" a hall."""
+    for unit, scale in (("W", 1.0), ("kW", 1e3), ("MW", 1e6)):
+        if abs(watts) < 1000 * scale or unit == "MW":
+            value = watts / scale
+            return f"{value:,.0f} {unit}" if unit == "W" else f"{value:,.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

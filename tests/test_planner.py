@@ -410,3 +410,73 @@ def test_a_prefill_after_a_cached_prefix_pays_its_attention(demo_path: Path) -> 
     cached = ReplicaModel(inv, placement, node, rated, params, prefix_tokens=192)
     assert cached.prefill_s(32) == pytest.approx(prefill_s(rated, 32, context=192) + (
         ReplicaModel(inv, placement, node, rated, params).prefill_s(32) - prefill_s(rated, 32)))
+
+
+# -- the planner in the units of the box (issue 34, item 8) ----------------------------------
+
+
+def test_power_is_said_in_the_unit_of_the_thing() -> None:
+    from cellswarm.units import format_power
+
+    assert [format_power(w) for w in (4.5, 422.0, 38_400.0, 29.9e6)] == [
+        "4 W", "422 W", "38.4 kW", "29.9 MW"]  # fmt: skip
+
+
+def test_a_box_with_pmem_gets_its_watts_and_thermal_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cellswarm.cli import main
+
+    assert main(["plan", "kimi-k3", "--node", "xeon-optane"]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())  # rich wraps cells
+    assert "422 W at the nodes" in out and "MW" not in out
+    for said in ("4 x Optane PMem 200", "48-60 W next to the DRAM", "2.4-2.7 m/s",
+                 "throttles at 83 C", "shuts down at 85 C"):  # fmt: skip
+        assert said in out, said
+    assert main(["plan", "kimi-k3", "--node", "rpi4", "--count", "8"]) == 0
+    assert " 0.000 MW" not in capsys.readouterr().out
+
+
+def test_plan_vs_puts_two_setups_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from cellswarm.cli import main
+
+    args = ["plan", "kimi-k3", "--node", "ps3", "--count", "100000", "--vs", "xeon-optane"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "100,000 x ps3" in out and "1 x xeon-optane" in out
+    for row in ("memory, all nodes and tiers", "decode, one stream", "power (with PUE)",
+                "cost per 1M tokens"):  # fmt: skip
+        assert row in out, row
+    assert "MW" in out and "422 W" in out  # a hall and a box, each in its unit
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert main([*args, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert [(p["node"], p["count"]) for p in plans] == [("ps3", 100000), ("xeon-optane", 1)]
+    assert plans[1]["thermal"]["throttle_c"] == 83
+
+
+def test_the_plot_splits_a_tiered_box_and_ticks_whole_nodes(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cellswarm.planner import api, plot
+
+    r = api.plan("kimi-k3", node="xeon-optane")
+    assert r.tiers is not None
+    parts = dict(r.model.weights_by_kind())
+    dram = plot._in_dram(r, parts)
+    assert dram["experts"] == min(parts["experts"], r.tiers.cached_expert_bytes) > 0
+    assert dram["attention"] == parts["attention"]  # pinned
+    fig, ax = plt.subplots()
+    plot._scaling(ax, r)
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    plt.close(fig)
+    plot.plot(r, tmp_path / "k3.png")
+    assert (tmp_path / "k3.png").read_bytes()[:4] == b"\x89PNG"

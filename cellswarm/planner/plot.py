@@ -37,10 +37,33 @@ def _memory(ax: Any, r: PlanResult) -> None:
         r.min_nodes, 1
     )
     names, values = list(parts), [v / 2**30 for v in parts.values()]
-    ax.barh(names, values, color="tab:blue")
+    if r.tiers is None:
+        ax.barh(names, values, color="tab:blue")
+    else:  # a tiered box: each kind split into what DRAM holds and what only the slow tier does
+        fast = [v / 2**30 for v in _in_dram(r, parts).values()]
+        slow = [v - f for v, f in zip(values, fast, strict=True)]
+        ax.barh(names, fast, color="tab:blue", label=r.tiers.dram_name)
+        ax.barh(names, slow, left=fast, color="tab:orange", label=f"{r.tiers.slow_name} only")
+        ax.legend(loc="lower right")
     ax.set_xlabel("GiB (one replica)")
     ax.invert_yaxis()
     ax.set_title("Memory breakdown")
+
+
+def _in_dram(r: PlanResult, parts: dict[str, int]) -> dict[str, int]:
+    """Bytes of each part the DRAM tier holds: pinned kinds whole, the experts up to the
+    expert cache, the KV cache and runtime (they live in DRAM), nothing else."""
+    tp = r.tiers
+    assert tp is not None
+    out = {}
+    for name, size in parts.items():
+        if name in tp.pinned_kinds or name.startswith(("KV", "runtime")):
+            out[name] = size
+        elif name == "experts":
+            out[name] = min(size, tp.cached_expert_bytes)
+        else:
+            out[name] = 0
+    return out
 
 
 def _scaling(ax: Any, r: PlanResult) -> None:
@@ -52,6 +75,9 @@ def _scaling(ax: Any, r: PlanResult) -> None:
         for c in counts
     ]
     ax.plot(counts, tps, marker="o")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole nodes: no tick at 1.5
     ax.set_xlabel("nodes")
     ax.set_ylabel("tokens/s (whole swarm)")
     ax.set_title(f"Throughput, {r.request.concurrency} in flight per replica")

@@ -118,6 +118,40 @@ class MemoryTier:
 
 
 @dataclass(frozen=True)
+class Thermal:
+    """What a box's hot parts ask of its cooling (from the profile's `[NAME.thermal]`): the
+    seed's homelab learned these the hard way for 4 Optane PMem 200 modules."""
+
+    part: str  # "Optane PMem 200"
+    modules: int
+    module_w: tuple[float, float]  # under load, low..high
+    airflow_m_s: tuple[float, float]  # needed across them
+    throttle_c: float  # they slow down above
+    shutdown_c: float  # and stop above
+
+    def __post_init__(self) -> None:
+        where = f"thermal of {self.part!r}"
+        _check_count(where, "modules", self.modules)
+        for name, pair in (("module_w", self.module_w), ("airflow_m_s", self.airflow_m_s)):
+            if len(pair) != 2 or not 0 < pair[0] <= pair[1]:
+                raise RequestError(f"{where}: {name} = {list(pair)} must be [low, high] > 0")
+        if not 0 < self.throttle_c <= self.shutdown_c:
+            raise RequestError(f"{where}: throttle_c must be > 0 and at most shutdown_c")
+
+    def line(self) -> str:
+        lo, hi = (self.modules * w for w in self.module_w)
+        return (f"{self.modules} x {self.part} at {self.module_w[0]:g}-{self.module_w[1]:g} W: "
+                f"{lo:g}-{hi:g} W next to the DRAM; needs {self.airflow_m_s[0]:g}-"
+                f"{self.airflow_m_s[1]:g} m/s of airflow; throttles at {self.throttle_c:g} C, "
+                f"shuts down at {self.shutdown_c:g} C")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"part": self.part, "modules": self.modules, "module_w": list(self.module_w),
+                "airflow_m_s": list(self.airflow_m_s), "throttle_c": self.throttle_c,
+                "shutdown_c": self.shutdown_c}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class NodeProfile:
     """What one node of a kind offers us. `tiers`, when given, lists every memory tier fastest
     first (the first normally being the DRAM that `memory_*` describe); `swap` is an optional
@@ -142,6 +176,7 @@ class NodeProfile:
     # share + B x (1 - share) matvecs' worth. 0: every sequence pays it all (the roofline's
     # FLOPs x B). bench.batch measures it on the host's own kernels (0.6 on a Zen 4 core).
     unpack_share: float = 0.0
+    thermal: Thermal | None = None  # its cooling needs, where the profile knows them
 
     def __post_init__(self) -> None:
         _check_name("node profile", "name", self.name)
@@ -282,7 +317,7 @@ _PROFILE_KEYS: dict[str, tuple[str, Converter]] = {
     "power_busy_w": ("power_busy_w", _as_float),
     "power_idle_w": ("power_idle_w", _as_float),
 }
-_PROFILE_OPTIONAL = ("tiers", "swap", "base", "unpack_share")
+_PROFILE_OPTIONAL = ("tiers", "swap", "base", "unpack_share", "thermal")
 _TIER_KEYS: dict[str, tuple[str, Converter]] = {
     "name": ("name", _as_str),
     "capacity": ("capacity_bytes", _as_capacity),
@@ -364,6 +399,8 @@ def _profile(name: str, raw: Mapping[str, Any], origin: str) -> NodeProfile:
     swap = raw.get("swap", False)
     kwargs["swap"] = None if swap is False else _tier(where, "swap", swap)
     kwargs["unpack_share"] = raw.get("unpack_share", 0.0)
+    if "thermal" in raw:
+        kwargs["thermal"] = _thermal(where, raw["thermal"])
     try:
         return NodeProfile(name=name, **kwargs)
     except RequestError as e:
@@ -371,6 +408,20 @@ def _profile(name: str, raw: Mapping[str, Any], origin: str) -> NodeProfile:
         if origin and msg.startswith(f"node profile {name!r}"):
             msg = where + msg[len(f"node profile {name!r}") :]
         raise RequestError(msg) from None
+
+
+def _thermal(where: str, raw: Any) -> Thermal:
+    keys = ("part", "modules", "module_w", "airflow_m_s", "throttle_c", "shutdown_c")
+    if not isinstance(raw, dict) or set(raw) != set(keys):
+        raise RequestError(f"{where}: thermal must be a table of exactly {', '.join(keys)}")
+    try:
+        return Thermal(str(raw["part"]), int(raw["modules"]),
+                       (float(raw["module_w"][0]), float(raw["module_w"][1])),
+                       (float(raw["airflow_m_s"][0]), float(raw["airflow_m_s"][1])),
+                       float(raw["throttle_c"]), float(raw["shutdown_c"]))  # fmt: skip
+    except (TypeError, ValueError, IndexError):
+        raise RequestError(f"{where}: thermal {raw!r}: module_w and airflow_m_s are [low, "
+                           "high] pairs of numbers, the rest numbers") from None
 
 
 # -- files ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from cellswarm.planner.placement import Slot
 from cellswarm.planner.plan import PlanResult
-from cellswarm.units import format_bytes
+from cellswarm.units import format_bytes, format_power
 
 MAX_PLACEMENT_ROWS = 12
 
@@ -42,6 +42,7 @@ def as_dict(r: PlanResult) -> dict[str, Any]:
         "node_capacity_bytes": r.capacity_bytes,
         "headroom_bytes": _min_headroom(r),
         "aggregate_memory_bytes": req.node.memory_bytes * req.count,
+        "thermal": req.node.thermal.as_dict() if req.node.thermal is not None else None,
         "decode_tokens_per_s": r.decode_tokens_per_s,
         "decode_s": _step(r.decode),
         "throughput_tokens_per_s": r.throughput_tokens_per_s,
@@ -198,9 +199,11 @@ def _speed_table(r: PlanResult) -> Table:
         t.add_row("network: first tier to saturate", r.first_saturated_tier)
     t.add_row(
         "power",
-        f"{r.node_power_w / 1e6:,.3f} MW at the nodes, {r.power_w / 1e6:,.3f} MW with PUE "
+        f"{format_power(r.node_power_w)} at the nodes, {format_power(r.power_w)} with PUE "
         f"{req.power.pue if req.count > 1 else 1.0}",
     )
+    if req.node.thermal is not None:
+        t.add_row("thermal", req.node.thermal.line())
     t.add_row("energy", f"{r.energy_j_per_token:,.1f} J/token")
     t.add_row(
         f"cost at {req.power.price_per_kwh}/kWh", f"{r.cost_per_million_tokens:,.2f} per 1M tokens"
@@ -243,4 +246,26 @@ def _tiers_table(r: PlanResult) -> Table:
         f"{format_bytes(tp.slow_bytes_per_token)} from {tp.slow_name}",
     )
     t.add_row("predicted", f"[bold]{tp.tokens_per_s:,.3f} tokens/s[/]")
+    return t
+
+
+def side_by_side(plans: list[PlanResult]) -> Table:
+    """Two (or more) setups for one model, a column each: what the seed compares — the PS3
+    swarm against the Optane box — in one table."""
+    t = Table("", *(f"{p.request.count:,} x {p.request.node.name}" for p in plans),
+              title=f"{plans[0].model.name}: side by side", title_justify="left")  # fmt: skip
+
+    def row(label: str, cell: Any) -> None:
+        t.add_row(label, *(cell(p) for p in plans))
+
+    row("fits", lambda p: "yes" if p.fits else f"no: {p.problem}")
+    row("memory, all nodes and tiers", lambda p: format_bytes(p.capacity_bytes * p.request.count))
+    row("decode, one stream", lambda p: f"{p.decode_tokens_per_s:,.3f} tokens/s"
+        if p.fits else "-")  # fmt: skip
+    row("throughput", lambda p: f"{p.throughput_tokens_per_s:,.2f} tokens/s" if p.fits else "-")
+    row("bound by", lambda p: p.bound if p.fits else "-")
+    row("power (with PUE)", lambda p: format_power(p.power_w))
+    row("energy", lambda p: f"{p.energy_j_per_token:,.1f} J/token" if p.fits else "-")
+    row(f"cost per 1M tokens at {plans[0].request.power.price_per_kwh}/kWh",
+        lambda p: f"{p.cost_per_million_tokens:,.2f}" if p.fits else "-")  # fmt: skip
     return t
