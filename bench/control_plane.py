@@ -557,7 +557,16 @@ def main() -> None:
         print(f"{'nodes':>7} {'mode':>9} {'join s':>7} {'join p99':>9} {'beat every':>10} "
               f"{'beat p50':>9} {'beat p99':>9} {'refused':>7} {'lost':>5} {'lease p99':>9} "
               f"{'jobs/s':>7} {'CPU':>6} {'RSS MiB':>8}")  # fmt: skip
-    for n, via in ((int(x), v) for x in args.nodes.split(",") for v in args.via.split(",")):
+    vias = [v.strip() for v in args.via.split(",") if v.strip()]
+    if "nats" in vias:
+        from cellswarm.lab.nats import why_not
+
+        if why_not() and len(vias) > 1:  # the default asks for both: run what can run
+            print(f"skipping --via nats: {why_not()}", file=sys.stderr, flush=True)
+            vias.remove("nats")
+        elif why_not():
+            raise SystemExit(f"--via nats: {why_not()}")
+    for n, via in ((int(x), v) for x in args.nodes.split(",") for v in vias):
         r = asyncio.run(step(n, args, via))
         if args.json:
             print(json.dumps(r), flush=True)

@@ -607,9 +607,11 @@ def print_check(res: Mapping[str, Any]) -> None:
     if not res["llama_loads"]:
         print(f"{res['file']:<34} llama.cpp REFUSED it: {res.get('llama_error')}")
         return
-    print(f"{res['file']:<34} {res['agree']}/{res['tokens']} tokens agree "
-          f"(margin {res['margin']:.3f})  llama.cpp {res['llama_text']!r}  "
-          f"cellswarm {res['cells_text']!r}")  # fmt: skip
+    n, of = res["agree"], res["tokens"]
+    said = (f"all {of} tokens agree" if n == of else
+            f"{n} of {of} tokens agree, then the engines part")  # fmt: skip
+    print(f"{res['file']:<34} {said} (first-token margin {res['margin']:.3f})  "
+          f"llama.cpp {res['llama_text']!r}  cellswarm {res['cells_text']!r}")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ perplexity

@@ -311,6 +311,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from cellswarm.planner.overhead import measure_idle_worker_rss_bytes
     from cellswarm.units import format_bytes, parse_bytes
 
+    if args.plot:
+        from cellswarm.evaluate import need_matplotlib
+
+        need_matplotlib()
     overhead = measure_idle_worker_rss_bytes() if args.measure_overhead else None
     if overhead is not None:
         print(f"idle worker RSS, measured now: {overhead:,} bytes ({format_bytes(overhead)})")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cellswarm.errors import CellswarmError
+from cellswarm.errors import CellswarmError, SwarmError
 
 if TYPE_CHECKING:
     from cellswarm.engine.model import Model
@@ -248,8 +248,7 @@ class SwarmDoctor:
         for _ in range(2):
             try:
                 rid = client.submit(self.url, body, tls=self.tls, api_key=self.api_key)
-                outs.append((rid, client.wait(self.url, rid, timeout_s=300, tls=self.tls,
-                                              api_key=self.api_key)))  # fmt: skip
+                outs.append((rid, self._wait(rid)))
             except CellswarmError as exc:
                 self.results.append(Result("request", "short prompt", "FAIL", str(exc),
                                            "read the request's log (`cellswarm logs ID`)"))
@@ -269,6 +268,33 @@ class SwarmDoctor:
             "" if same else "a node computes wrong or nondeterministic numbers: look at "
             "the nodes' matmul and forward lines"))  # fmt: skip
         self.results.append(self._logged(rid))
+
+    def _wait(self, rid: str, timeout_s: float = 300.0, every_s: float = 10.0) -> Any:
+        """The request's end, saying every `every_s` how long it has waited and what the
+        swarm is doing; at once a failure when the coordinator says the model cannot be
+        placed (the request would wait in the queue for ever)."""
+        import sys
+        import time
+
+        from cellswarm.swarm.api import client
+
+        t0 = time.monotonic()
+        while True:
+            try:
+                return client.wait(self.url, rid, timeout_s=every_s, tls=self.tls,
+                                   api_key=self.api_key)  # fmt: skip
+            except SwarmError:
+                waited = time.monotonic() - t0
+                if waited >= timeout_s:
+                    raise
+            status = client.call(self.url, "/v1/status", timeout_s=10, tls=self.tls,
+                                 api_key=self.api_key)  # fmt: skip
+            if status.get("problem"):
+                raise SwarmError(f"request {rid} cannot run: the swarm cannot place the "
+                                 f"model: {status['problem']}")  # fmt: skip
+            ring = "wired" if status.get("wired") else "not wired yet (rewiring)"
+            print(f"doctor: request {rid} waiting {waited:.0f} s; the ring is {ring}",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def _logged(self, rid: str) -> Result:
         import time

@@ -1,6 +1,6 @@
 """`cellswarm eval`: what a quantization costs, and fixed-prompt regression checks.
 
-    cellswarm eval MODEL --quant q8_0,q4_0,q4_k [--text FILE] [--window 256] [--plot F.png]
+    cellswarm eval MODEL --quant q8_0,q5_0,q4_0 [--text FILE] [--window 256] [--plot F.png]
     cellswarm eval MODEL --prompts FILE --golden FILE [--write] [--max-tokens 24]
 
 The first scores a text with the model's weights unpacked to float32 (the reference) and
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ def add_eval_command(sub: Any) -> None:
     p = sub.add_parser("eval", help="quantization cost (perplexity, KL, top-1) and golden "
                        "fixed-prompt checks")  # fmt: skip
     p.add_argument("model", help="a .gguf file or a Hugging Face folder")
-    p.add_argument("--quant", help="comma-separated formats to compare with float32, e.g. "
-                   "q8_0,q4_0,q4_k")  # fmt: skip
+    p.add_argument("--quant", help="comma-separated formats to compare with float32, of those "
+                   "it can make: " + ",".join(quantizable()))  # fmt: skip
     p.add_argument("--text", type=Path, help="text to score (default: a sample shipped here)")
     p.add_argument("--window", type=int, default=256, help="tokens per scored window")
     p.add_argument("--prompts", type=Path, help="fixed prompts, one a line")
@@ -48,7 +49,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise RequestError("eval needs --quant FORMATS or --prompts FILE --golden FILE")
     status = 0
     if args.quant:
-        rows = quant_table(args.model, args.quant.split(","), args.text, args.window)
+        quants = check_quants(args.quant)
+        if args.plot:
+            need_matplotlib()  # before minutes of work, not after
+        rows = quant_table(args.model, quants, args.text, args.window, say=_say)
         print(json.dumps(rows) if args.json else format_table(rows))
         if args.plot:
             plot_quant(rows, args.plot, Path(args.model).name)
@@ -58,7 +62,42 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return status
 
 
-def quant_table(model: str, quants: list[str], text: Path | None, window: int) -> list[dict]:
+def quantizable() -> list[str]:
+    from cellswarm.quant.formats import FORMATS
+
+    return [f.name.lower() for f in FORMATS.values() if f.can_quantize]
+
+
+def check_quants(given: str) -> list[str]:
+    """--quant's formats, each one this command can make (said before any work)."""
+    quants = [q.strip().lower() for q in given.split(",") if q.strip()]
+    can = quantizable()
+    for q in quants:
+        if q not in can:
+            raise RequestError(f"--quant {q}: eval re-quantizes the weights itself and cannot "
+                               f"make {q.upper()}; choose from {','.join(can)} (to score a "
+                               "file made elsewhere, give it as the model)")  # fmt: skip
+    if not quants:
+        raise RequestError("--quant: give formats, e.g. q8_0,q4_0")
+    return quants
+
+
+def need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise RequestError("--plot needs matplotlib: .venv/bin/pip install 'cellswarm[plot]' "
+                           "(or drop --plot)") from None
+
+
+def _say(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
+def quant_table(model: str, quants: list[str], text: Path | None, window: int,
+                say: Any = None) -> list[dict]:  # fmt: skip
     """One row per format, the float32 reference first: the text in windows of `window`
     tokens, each from an empty cache, on the float path (weights dequantized, float
     activations: what the weights' format costs, not the kernels), scored with
@@ -77,12 +116,21 @@ def quant_table(model: str, quants: list[str], text: Path | None, window: int) -
         with kernels.using("numpy"):
             return np.concatenate([m.logits(w) for w in windows])
 
+    t0 = time.monotonic()
+
+    def tell(i: int, what: str) -> None:
+        if say is not None:
+            say(f"eval: {what} ({i} of {len(quants) + 1}, {len(ids):,} tokens in "
+                f"{len(windows)} windows; {time.monotonic() - t0:.0f} s so far)")
+
+    tell(1, "scoring the float32 reference")
     ref = logits(reference)
     del reference
     rows = [_row("f32", compare(ref, ref, np.asarray(ids)))]
-    for q in quants:
-        rows.append(_row(q.strip(), compare(ref, logits(cellswarm.load(model, quant=q.strip())),
-                                            np.asarray(ids))))  # fmt: skip
+    for i, q in enumerate(quants, 2):
+        tell(i, f"re-quantizing to {q} and scoring it")
+        rows.append(_row(q, compare(ref, logits(cellswarm.load(model, quant=q)),
+                                    np.asarray(ids))))  # fmt: skip
     return rows
 
 

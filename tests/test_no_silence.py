@@ -199,3 +199,28 @@ def test_common_cli_mistakes_are_one_line_each_never_a_traceback() -> None:
         assert r.returncode != 0, (line, said)
         assert "Traceback" not in r.stderr, (line, r.stderr)
         assert len(said) == 1 and names in said[0], (line, said)
+
+
+def test_a_stream_that_waits_says_why(demo_path: Path, tmp_path: Path) -> None:
+    """A stage stopped mid-request (SIGSTOP): the OpenAI stream carries a comment every few
+    seconds saying what the swarm is doing, and the answer still comes once it is back."""
+    import signal
+
+    from cellswarm.swarm.api import client
+    from cellswarm.swarm.local.up import LocalSwarm
+
+    with LocalSwarm(str(demo_path), 2, "160M", tmp_path) as swarm:
+        swarm.wait_ready()
+        said: list[str] = []
+        swarm.kill("worker-1", signal.SIGSTOP)
+        timer = threading.Timer(8.0, swarm.kill, ("worker-1", signal.SIGCONT))
+        timer.start()
+        try:
+            body = {"model": demo_path.name, "prompt": "The capital of France is",
+                    "max_tokens": 8, "temperature": 0, "stream": True}  # fmt: skip
+            chunks = list(client.events(swarm.url, "/v1/completions", body, timeout_s=180,
+                                        on_comment=said.append))  # fmt: skip
+        finally:
+            timer.join()
+        assert said and all(line.startswith("waiting 3 s more: ") for line in said), said
+        assert any(c["choices"] and c["choices"][0].get("finish_reason") for c in chunks)

@@ -46,6 +46,8 @@ def add_simulate_command(sub: Any) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="run real local swarms of emulated workers (4, 8, 16; with and without "
                         "a kill), fit the simulator's overheads, print predicted vs measured")
+    p.add_argument("--strict", action="store_true",
+                   help="with --calibrate: exit 1 when a prediction is beyond ±15%%")
     p.add_argument("--calibrate-profile", default="ps3",
                    help="the profile the calibration's workers emulate (default ps3)")
     p.set_defaults(func=cmd_simulate)
@@ -90,7 +92,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(json.dumps(cal.as_dict(), sort_keys=True))
         else:
             render(cal)
-        return 0 if cal.ok else 1
+        # a report, not a gate: it ran and says how far off each prediction is (--strict:
+        # exit 1 when one is beyond the tolerance, for a CI that wants the gate)
+        return 1 if args.strict and not cal.ok else 0
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise RequestError(f"--plot {args.plot}: give a .png file name")
     out, wall, events = timed_simulate(scenario_from_args(args))

@@ -107,23 +107,68 @@ def cmd_watch(args: argparse.Namespace) -> int:
     from cellswarm.swarm.api import client
 
     key = api_key(args)
-    info = client.call(args.coordinator, f"/v1/batches/{args.job}", tls=args.tls, api_key=key)
+
+    def get(path: str) -> Any:
+        return client.call(args.coordinator, path, tls=args.tls, api_key=key)
+
+    info = get(f"/v1/batches/{args.job}")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[detail]}")]  # fmt: skip
+    samples: list[tuple[float, int, int]] = []  # (time, finished, tokens), the last minute
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task(info["name"], total=info["total"], detail="")
         while True:
-            info = client.call(args.coordinator, f"/v1/batches/{args.job}", tls=args.tls,
-                               api_key=key)  # fmt: skip
-            c = info["counts"]
-            eta = "-" if info["eta_s"] is None else f"{info['eta_s']:.0f} s"
-            detail = (f"done {c['done']} failed {c['dead']} cancelled {c['cancelled']} | "
-                      f"{info['tokens_per_s']:.1f} tok/s | ETA {eta}")  # fmt: skip
-            bar.update(task, completed=info["finished"], detail=detail)
+            info = get(f"/v1/batches/{args.job}")
+            now = time.monotonic()
+            samples = [x for x in samples if now - x[0] <= RATE_WINDOW_S]
+            samples.append((now, int(info["finished"]), int(info.get("tokens") or 0)))
+            status = get("/v1/status") if stalled_s(samples) >= STALL_S else None
+            bar.update(task, completed=info["finished"],
+                       detail=watch_detail(info, samples, status))  # fmt: skip
             if info["finished"] >= info["total"]:
                 break
             time.sleep(0.5)
     return 0 if info["counts"]["dead"] == 0 else 1
+
+
+RATE_WINDOW_S = 60.0  # the rate and ETA are over the last minute, not since the start
+STALL_S = 15.0  # no job finished for this long: say why
+
+
+def stalled_s(samples: list[tuple[float, int, int]]) -> float:
+    """How long the finished count has not moved, within the samples kept."""
+    last = samples[-1]
+    moved = [t for t, done, _ in samples if done != last[1]]
+    since = max(moved) if moved else samples[0][0]
+    return last[0] - since
+
+
+def watch_detail(info: dict[str, Any], samples: list[tuple[float, int, int]],
+                 status: dict[str, Any] | None) -> str:  # fmt: skip
+    """`batch watch`'s line: counts, the rate over the last minute and the ETA it gives —
+    or, when nothing has finished for STALL_S, "stalled" and why (the swarm's status)."""
+    c = info["counts"]
+    head = f"done {c['done']} failed {c['dead']} cancelled {c['cancelled']}"
+    (t0, f0, k0), (t1, f1, k1) = samples[0], samples[-1]
+    span = t1 - t0
+    if status is not None and info["finished"] < info["total"]:
+        return f"{head} | stalled {stalled_s(samples):.0f} s: {stall_reason(status, c)}"
+    if span < 1.0:
+        return f"{head} | measuring the rate"
+    rate, tok_s = (f1 - f0) / span, (k1 - k0) / span
+    left = info["total"] - info["finished"]
+    eta = f"ETA {left / rate:.0f} s" if rate > 0 else "ETA -"
+    return f"{head} | {rate:.2f} jobs/s, {tok_s:.1f} tok/s over {span:.0f} s | {eta}"
+
+
+def stall_reason(status: dict[str, Any], counts: dict[str, int]) -> str:
+    if status.get("problem"):
+        return f"the swarm cannot place the model ({status['problem']})"
+    if not status.get("wired"):
+        return "the ring is being rewired (a node was lost or joined); jobs wait, none is spent"
+    if counts.get("leased", 0) == 0 and counts.get("queued", 0) > 0:
+        return "jobs are queued but none is leased: interactive requests go first"
+    return "jobs are running but none has finished (a long prompt or generation)"
 
 
 def cmd_results(args: argparse.Namespace) -> int:

@@ -158,24 +158,40 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def print_status(status: dict[str, Any]) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
+    console = Console()
     wired = "wired" if status["wired"] else "not wired"
-    t = Table(title=f"{status['model']} · epoch {status['epoch']} · ring {wired}")
-    for col in ("node", "address", "state", "holds", "memory (peak of budget)", "heartbeat",
-                "clock", "served", "failures", "note"):  # fmt: skip
-        t.add_column(col)
+    title = f"{status['model']} · epoch {status['epoch']} · ring {wired}"
+    narrow = console.width < 140  # a terminal's 80 columns: each cell two lines, none cut
+    cols = (("node", "holds / address", "memory / heartbeat", "work / clock") if narrow else
+            ("node", "address", "state", "holds", "memory (peak of budget)", "heartbeat",
+             "clock", "served", "failures", "note"))  # fmt: skip
+    t = Table(*cols, title=title, box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD)
     for n in status["nodes"]:
         layers = n.get("holds") or "-"
         mem = f"{format_bytes(n['peak_rss_bytes'])} of {format_bytes(n['memory_bytes'])}"
         state = n["state"]
         if n.get("busy_s", 0) >= 1.0:  # beating from its own thread through a long step
             state += f" (busy: a step for {n['busy_s']:.0f} s)"
-        t.add_row(n["node_id"], n.get("address", ""), state, layers, mem,
-                  f"{n['last_seen_s_ago']:.1f} s ago", _clock(n), str(n["served"]),
-                  str(n["failures"]), n["message"][:60])  # fmt: skip
-    Console().print(t)
+        beat = f"{n['last_seen_s_ago']:.1f} s ago"
+        if narrow:
+            peak, _, unit = format_bytes(n["peak_rss_bytes"]).partition(" ")
+            budget, _, unit2 = format_bytes(n["memory_bytes"]).partition(" ")
+            short = f"{peak} of {budget} {unit}" if unit == unit2 else mem
+            t.add_row(f"{n['node_id']}\n{state}", f"{layers}\n{n.get('address', '')}",
+                      f"{short}\n{beat}", f"served {n['served']}, failed {n['failures']}\n"
+                      f"{_clock(n)}")  # fmt: skip
+        else:
+            t.add_row(n["node_id"], n.get("address", ""), state, layers, mem, beat, _clock(n),
+                      str(n["served"]), str(n["failures"]), n["message"][:60])  # fmt: skip
+    console.print(t)
+    if narrow:  # notes below the table, whole
+        for n in status["nodes"]:
+            if n["message"]:
+                print(f"{n['node_id']}: {n['message'][:200]}")
     if status.get("context"):  # below the table: a title that wraps splits its words
         print(f"context {status['context']:,} tokens a sequence, {status['sequences']} in flight")
     for b in status.get("bottlenecks", []):
@@ -280,7 +296,11 @@ def generate_remote(args: argparse.Namespace) -> int:
     ids: list[int] = []
     finish: dict[str, Any] | None = None
     rid, usage = "", dict[str, Any]()
-    for chunk in client.events(args.coordinator, route, body, tls=args.tls, api_key=key):
+    def waiting(line: str) -> None:  # the coordinator's word while no token comes
+        print(f"[{line}]", file=sys.stderr, flush=True)
+
+    for chunk in client.events(args.coordinator, route, body, tls=args.tls, api_key=key,
+                               on_comment=waiting):
         rid = rid or str(chunk["id"]).split("-", 1)[-1]
         usage = chunk.get("usage") or usage
         for c in chunk["choices"]:

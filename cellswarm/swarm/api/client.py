@@ -43,9 +43,11 @@ def call(
 def events(
     url: str, path: str, data: dict[str, Any], timeout_s: float = 600.0,
     tls: str | None = None, api_key: str | None = None,
+    on_comment: Callable[[str], None] | None = None,
 ) -> Iterator[dict[str, Any]]:  # fmt: skip
     """POST JSON to a server-sent-events route (an OpenAI `stream: true`); each `data:`
-    object as it comes, until `[DONE]`. An error event becomes a RequestError."""
+    object as it comes, until `[DONE]`. An error event becomes a RequestError; a comment
+    line (the coordinator's "waiting ..." while nothing comes) goes to `on_comment`."""
     head = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if api_key is not None:
         head["Authorization"] = f"Bearer {api_key}"
@@ -65,6 +67,8 @@ def events(
                                  "ask again once it is back") from None  # fmt: skip
             if not line or line.strip() == b"data: [DONE]":
                 return
+            if line.startswith(b":") and on_comment is not None:
+                on_comment(line[1:].decode(errors="replace").strip())
             if not line.startswith(b"data:"):
                 continue
             chunk = json.loads(line[5:])

@@ -88,6 +88,16 @@ from cellswarm.swarm.control.coordinator import Coordinator
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_POLL_S = 30.0
+IDLE_S = 3.0  # a stream with no token for this long gets a comment saying why
+
+
+def waiting_for(coord: Coordinator) -> str:
+    """Why a job has no new token: what the swarm is doing."""
+    if coord.problem:
+        return f"the swarm cannot place the model ({coord.problem})"
+    if coord.wired_epoch != coord.epoch:
+        return "the ring is being rewired (a node was lost or joined); the request resumes"
+    return "the ring is busy (queued behind other work, or a long step)"
 
 
 class OpenAIError(Exception):
@@ -215,16 +225,19 @@ def _cancel(coord: Coordinator, job_id: str, reason: str, why: str) -> None:
         coord.log.event("cancelled", job_id, why=why)
 
 
-async def _follow(coord: Coordinator, job_id: str, stream: StopText) -> AsyncIterator[str]:
+async def _follow(coord: Coordinator, job_id: str, stream: StopText,
+                  idle_s: float | None = None) -> AsyncIterator[str]:  # fmt: skip
     """The job's text deltas until it ends or a stop string does; then `stream.finish` is set
-    ("stop"/"length"). A job the swarm gave up on raises
-    a server_error."""
+    ("stop"/"length"). A job the swarm gave up on raises a server_error. With `idle_s`, an
+    empty delta each time that long passes without a token (a stream says it still waits)."""
     from cellswarm.swarm.api.server import wait_for_job
 
     seen = 0
     while True:
-        job = await wait_for_job(coord, job_id, seen, MAX_POLL_S)
+        job = await wait_for_job(coord, job_id, seen, idle_s or MAX_POLL_S)
         tokens = list(job.result.get("tokens", [])) if job.result else list(job.tokens)
+        if idle_s and len(tokens) <= seen and not job.terminal:
+            yield ""
         if job.terminal and job.state != "done":
             why = job.error or job.state
             raise OpenAIError(500, f"the swarm could not finish request {job_id}: {why}",
@@ -287,8 +300,11 @@ class Answer:
             yield self.event([self.choice(self.echo, None)])
         try:
             if self.job_id:
-                async for delta in _follow(coord, self.job_id, self.stream):
-                    yield self.event([self.choice(delta, None)])
+                async for delta in _follow(coord, self.job_id, self.stream, IDLE_S):
+                    # an SSE comment when nothing came for a while: clients skip it, a
+                    # watcher sees the stream alive and why it waits
+                    yield self.event([self.choice(delta, None)]) if delta else (
+                        f": waiting {IDLE_S:.0f} s more: {waiting_for(coord)}\n\n")
             else:  # max_tokens 0: the echo alone
                 self.stream.finish = "length"
         except OpenAIError as exc:
