@@ -193,13 +193,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     opts = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop),
                            context=args.context)  # fmt: skip
     stream = None if args.json else _print_piece
-    prompt: Any = args.prompt
-    if args.ids:
-        try:
-            prompt = [int(i) for i in args.prompt.split(",")]
-        except ValueError:
-            raise RequestError(f"--ids: {args.prompt!r} is not comma-separated integers") from None
-    gen = model.generate(prompt, opts, on_text=stream, chat=args.chat)
+    from cellswarm.swarm.commands import ids_prompt
+
+    gen = model.generate(ids_prompt(args), opts, on_text=stream, chat=args.chat)
     s = gen.stats
     tier_stats = _tier_stats(tiered, args, s.decode_tokens_per_s) if tiered else None
     if args.json:
@@ -309,7 +305,7 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from cellswarm.planner import api, render
     from cellswarm.planner.overhead import measure_idle_worker_rss_bytes
-    from cellswarm.units import format_bytes, parse_bytes
+    from cellswarm.units import format_bytes
 
     if args.plot:
         from cellswarm.evaluate import need_matplotlib
@@ -318,13 +314,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     overhead = measure_idle_worker_rss_bytes() if args.measure_overhead else None
     if overhead is not None:
         print(f"idle worker RSS, measured now: {overhead:,} bytes ({format_bytes(overhead)})")
-    result = api.plan(
-        args.model, node=args.node, count=args.count, quant=args.quant, context=args.context,
-        concurrency=args.concurrency, parallel=args.parallel, prompt_tokens=args.prompt,
-        profiles_file=args.profiles, activations=args.activations, runtime_overhead=overhead,
-        dram_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
-        expert_hit_rate=args.hit_rate,
-    )  # fmt: skip
+    result = _plan_of(args, api, args.node, args.count, overhead)
     fallback = _smaller_context(result, api)
     if args.vs:
         return _plan_vs(args, api, fallback or result, overhead)
@@ -345,20 +335,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_vs(args: argparse.Namespace, api: Any, first: Any, overhead: int | None) -> int:
-    """`plan --vs NODE`: the same model and settings on a second setup, side by side."""
-    from cellswarm.planner import render
+def _plan_of(args: argparse.Namespace, api: Any, node: str, count: int,
+             overhead: int | None) -> Any:  # fmt: skip
+    """The plan `plan`'s flags ask for, on `count` nodes of `node`."""
     from cellswarm.units import parse_bytes
 
-    if args.vs_count < 1:
-        raise RequestError(f"--vs-count {args.vs_count} must be at least 1")
-    second = api.plan(
-        args.model, node=args.vs, count=args.vs_count, quant=args.quant, context=args.context,
+    return api.plan(
+        args.model, node=node, count=count, quant=args.quant, context=args.context,
         concurrency=args.concurrency, parallel=args.parallel, prompt_tokens=args.prompt,
         profiles_file=args.profiles, activations=args.activations, runtime_overhead=overhead,
         dram_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
         expert_hit_rate=args.hit_rate,
     )  # fmt: skip
+
+
+def _plan_vs(args: argparse.Namespace, api: Any, first: Any, overhead: int | None) -> int:
+    """`plan --vs NODE`: the same model and settings on a second setup, side by side."""
+    from cellswarm.planner import render
+
+    if args.vs_count < 1:
+        raise RequestError(f"--vs-count {args.vs_count} must be at least 1")
+    second = _plan_of(args, api, args.vs, args.vs_count, overhead)
     second = _smaller_context(second, api) or second
     if args.json:
         print(json.dumps({"plans": [render.as_dict(first), render.as_dict(second)]}))

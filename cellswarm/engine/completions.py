@@ -32,14 +32,20 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed",
             "presence_penalty", "frequency_penalty", "logit_bias")  # fmt: skip
 
 
-def settings(max_tokens: int | None, stop: str | Sequence[str] | None,
-             kw: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """The engine's generation settings for llama-cpp-python-style keywords."""
+def sampling_settings(kw: dict[str, Any]) -> dict[str, Any]:
+    """llama-cpp-python-style sampling keywords as ours, their defaults filled in (a local
+    model's methods and cellswarm.connect's send the same)."""
     unknown = sorted(set(kw) - set(SAMPLING))
     if unknown:
         raise RequestError(f"unknown setting {unknown[0]!r}; use max_tokens, stop, echo, "
                            f"logprobs, stream, {', '.join(SAMPLING)}")  # fmt: skip
-    out = {RENAMED.get(k, k): v for k, v in {**DEFAULTS, **kw}.items() if v is not None}
+    return {RENAMED.get(k, k): v for k, v in {**DEFAULTS, **kw}.items() if v is not None}
+
+
+def settings(max_tokens: int | None, stop: str | Sequence[str] | None,
+             kw: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """The engine's generation settings for llama-cpp-python-style keywords."""
+    out = sampling_settings(kw)
     out["max_tokens"] = 16 if max_tokens is None else max_tokens
     out["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
     return out

@@ -327,14 +327,9 @@ def generate_remote(args: argparse.Namespace) -> int:
 
 def _openai_body(args: argparse.Namespace, model: str) -> tuple[dict[str, Any], str]:
     """The OpenAI request local `generate`'s flags make, and its route."""
-    prompt: Any = args.prompt
-    if args.ids:
-        try:
-            prompt = [int(i) for i in args.prompt.split(",")]
-        except ValueError:
-            raise RequestError(f"--ids: {args.prompt!r} is not comma-separated integers") from None
-        if args.chat:
-            raise RequestError("--ids with --chat: token ids are not a message; drop one")
+    prompt = ids_prompt(args)
+    if args.ids and args.chat:
+        raise RequestError("--ids with --chat: token ids are not a message; drop one")
     body: dict[str, Any] = {
         "model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
         "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
@@ -349,6 +344,16 @@ def _openai_body(args: argparse.Namespace, model: str) -> tuple[dict[str, Any], 
     if args.chat:
         return body | {"messages": [{"role": "user", "content": prompt}]}, "/v1/chat/completions"
     return body | {"prompt": prompt}, "/v1/completions"
+
+
+def ids_prompt(args: argparse.Namespace) -> Any:
+    """`generate`'s prompt: the text, or with --ids its comma-separated token ids."""
+    if not args.ids:
+        return args.prompt
+    try:
+        return [int(i) for i in args.prompt.split(",")]
+    except ValueError:
+        raise RequestError(f"--ids: {args.prompt!r} is not comma-separated integers") from None
 
 
 def _stop_reason(choice: dict[str, Any] | None) -> str:

@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from cellswarm.engine.completions import DEFAULTS, RENAMED, SAMPLING
-from cellswarm.errors import RequestError
+from cellswarm.engine.completions import sampling_settings
 from cellswarm.swarm.api import client
 
 
@@ -37,11 +36,7 @@ class Swarm:
                            api_key=self.api_key)  # fmt: skip
 
     def _body(self, stop: str | Sequence[str] | None, kw: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(kw) - set(SAMPLING))
-        if unknown:
-            raise RequestError(f"unknown setting {unknown[0]!r}; use max_tokens, stop, echo, "
-                               f"logprobs, stream, {', '.join(SAMPLING)}")  # fmt: skip
-        body = {RENAMED.get(k, k): v for k, v in {**DEFAULTS, **kw}.items() if v is not None}
+        body = sampling_settings(kw)
         if stop:
             body["stop"] = [stop] if isinstance(stop, str) else list(stop)
         return {"model": self.name, **body}
