@@ -320,7 +320,7 @@ def test_generate_on_the_swarm_refuses_what_only_a_local_run_can_do(
 
     keys = tmp_path / "key"
     keys.write_text(KEY + "\n")
-    for flags, says in ((["--quant", "q8_0"], "cellswarm up --quant"),
+    for flags, says in ((["--quant", "q8_0"], "llama-quantize"),
                         (["--threads", "2"], "--threads"),
                         (["--model", "other.gguf"], "serves"),
                         (["--ids", "--chat"], "drop one")):  # fmt: skip

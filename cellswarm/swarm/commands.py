@@ -261,8 +261,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 # local `generate` flags that shape this process, not the swarm: with --coordinator, each
 # says in one line where the swarm's own setting lives
 LOCAL_ONLY = {
-    "quant": "the swarm serves its file's weights as packed when it started: "
-             "start it with `cellswarm up --quant Q`, or drop --quant",
+    "quant": "a swarm serves its model file's weights as stored: make a file of that type "
+             "(llama.cpp's llama-quantize) and start the coordinator with --model on it, or "
+             "drop --quant",
     "kv_budget": "each worker's --memory bounds its KV cache: drop --kv-budget",
     "threads": "each worker sets its own --threads: drop --threads",
     "dram_budget": "a tiered box runs in one process: drop --coordinator",
