@@ -458,6 +458,12 @@ def test_the_tokenizer_routes_are_vllms(swarm: LocalSwarm, local: Any) -> None:
     info = httpx.get(f"{swarm.url}/tokenizer_info", headers=h).json()
     assert info["eos_token"] and info["chat_template"]
     assert httpx.get(f"{swarm.url}/tokenizer_info").status_code == 401  # a client route
+    # bounded work for anyone: a /detokenize of more than 65,536 ids is refused unread
+    big = httpx.post(f"{swarm.url}/detokenize", json={"tokens": [1] * 70_000}, headers=h)
+    assert big.status_code == 400 and "tokens" in big.text
+    r = httpx.post(f"{swarm.url}/v1/completions", headers=h, json={
+        "model": swarm.model.rsplit("/", 1)[-1], "prompt": "hi", "metadata": {"k" * 100: "v"}})
+    assert r.status_code == 400 and "metadata" in r.text
 
 
 def test_a_batch_completions_line_gives_each_tokens_logprob_and_carries_its_extra_fields(

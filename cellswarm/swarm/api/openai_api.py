@@ -591,13 +591,17 @@ def add_tokenizer_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
     @app.post("/tokenize")
     async def tokenize(req: Annotated[TokenizeRequest, body(TokenizeRequest)]) -> dict[str, Any]:
         tok = routes.tokenizer()
-        if req.messages is not None:
-            ids = _chat_ids(req.messages, tok, coord.limits)
-        elif req.prompt is not None:
-            ids = coord.limits.encode(lambda t: tok.encode(t, add_special=req.add_special_tokens),
-                                      req.prompt, "prompt")  # fmt: skip
-        else:
-            raise OpenAIError(400, "send 'prompt' (text) or 'messages'", param="prompt")
+
+        def encode() -> list[int]:  # off the event loop: a long text takes a while
+            if req.messages is not None:
+                return _chat_ids(req.messages, tok, coord.limits)
+            if req.prompt is None:
+                raise OpenAIError(400, "send 'prompt' (text) or 'messages'", param="prompt")
+            return list(coord.limits.encode(
+                lambda t: tok.encode(t, add_special=req.add_special_tokens), req.prompt,
+                "prompt"))  # fmt: skip
+
+        ids = await asyncio.to_thread(encode)
         return {"count": len(ids), "max_model_len": coord.context, "tokens": ids}
 
     @app.post("/detokenize")
@@ -605,7 +609,7 @@ def add_tokenizer_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
         req: Annotated[DetokenizeRequest, body(DetokenizeRequest)]
     ) -> dict[str, Any]:
         ids = coord.limits.ids(req.tokens, "tokens")
-        return {"prompt": routes.tokenizer().decode(ids)}
+        return {"prompt": await asyncio.to_thread(routes.tokenizer().decode, ids)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:

@@ -182,6 +182,7 @@ class StreamOptions(BaseModel):
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound (ring/stage.py MAX_TOP)
 MAX_CHOICES = 64  # choices of one request: prompts x n (each is a job of the queue)
+MAX_DETOKENIZE = 65_536  # token ids one /detokenize decodes
 
 
 class OpenAICommon(SamplingFields):
@@ -196,8 +197,8 @@ class OpenAICommon(SamplingFields):
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: Annotated[str, Field(max_length=MAX_KEY_CHARS)] | None = None  # logged with the job
-    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
-        None, max_length=16)  # logged with the job, as OpenAI's 16 pairs  # fmt: skip
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(
+        max_length=512)]] | None = Field(None, max_length=16)  # logged, OpenAI's 16 pairs
     # OpenAI's, for tool-calling models: refused by name unless they ask for nothing
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -246,7 +247,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
 
-    tokens: list[TokenId] = Field(max_length=1_000_000)
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE)
     model: str | None = None
 
 
