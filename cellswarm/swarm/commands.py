@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cellswarm.errors import RequestError
+from cellswarm.errors import RequestError, SwarmError
 from cellswarm.swarm.settings import (
     CoordinatorConfig,
     WorkerConfig,
@@ -293,6 +293,7 @@ def generate_remote(args: argparse.Namespace) -> int:
         check_served_context(args.coordinator, args.context, args.tls, key, card)
     body, route = _openai_body(args, card["id"])
     t0 = time.perf_counter()
+    wait_placeable(args.coordinator, args.tls, key)
     text: list[str] = []
     ids: list[int] = []
     finish: dict[str, Any] | None = None
@@ -324,6 +325,26 @@ def generate_remote(args: argparse.Namespace) -> int:
     print(f"[request {rid} | prompt {usage.get('prompt_tokens')} tokens | {len(ids)} generated "
           f"({reason}) in {took_s:.2f} s]", file=sys.stderr)  # fmt: skip
     return 0
+
+
+def wait_placeable(url: str, tls: str | None, key: str | None, timeout_s: float = 120.0) -> None:
+    """Until the coordinator can place the model (a swarm just started: its workers are
+    still joining), saying why it waits, once per reason; then the request is queued and
+    waits for the ring like any other. A SwarmError with the last reason after `timeout_s`."""
+    from cellswarm.swarm.api import client
+
+    deadline, said = time.monotonic() + timeout_s, ""
+    while True:
+        problem = str(client.call(url, "/v1/status", tls=tls, api_key=key).get("problem") or "")
+        if not problem:
+            return
+        if time.monotonic() > deadline:
+            raise SwarmError(f"the swarm at {url} cannot place the model after "
+                             f"{timeout_s:.0f} s: {problem}")  # fmt: skip
+        if problem != said:
+            print(f"[waiting for the swarm: {problem}]", file=sys.stderr, flush=True)
+            said = problem
+        time.sleep(0.5)
 
 
 def _openai_body(args: argparse.Namespace, model: str) -> tuple[dict[str, Any], str]:
