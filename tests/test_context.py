@@ -85,20 +85,21 @@ def test_the_demo_model_on_up_s_default_workers_serves_a_long_prompt(
     """3 stages of 256M: 3 sequences (one a stage) of 2,018 tokens — a stage's scratch is a
     512-position prefill chunk's against the whole context, the step that peaks; `--context
     4096` fits 3 workers of 300M with one sequence, not 3 of 256M. `cellswarm up`'s default
-    (3 workers of 256M) fits 2 of them and keeps one spare: 2 sequences of 1,800 tokens."""
+    (3 workers of 256M) fits 2 of them and keeps one spare: 2 sequences of 1,797 tokens (the
+    keys' padding counted, as each worker counts it)."""
     from cellswarm.swarm.local.pipeline import costs_at
     from cellswarm.swarm.local.up import LocalSwarm
 
     at = costs_at(str(demo_path))
     fit = fit_context(at, 3, 256 << 20, 8192, 8)
-    assert fit == ContextFit(2018, 3)
+    assert fit == ContextFit(2013, 3)
     assert fit_context(at, 3, 300 << 20, 8192, 8, 4096) == ContextFit(4096, 1)
     with pytest.raises(BudgetError, match="4,096 tokens does not fit 3 stage"):
         fit_context(at, 3, 256 << 20, 8192, 8, 4096)
     up = LocalSwarm(str(demo_path), 3, "256M", tmp_path, context=None)
-    assert up.fit_to_workers() == ContextFit(1800, 2) == ContextFit(up.context or 0,
+    assert up.fit_to_workers() == ContextFit(1797, 2) == ContextFit(up.context or 0,
                                                                     up.max_sequences)
-    assert fit_context(at, 2, 256 << 20, 8192, 8) == ContextFit(1800, 2)  # the spare's out
+    assert fit_context(at, 2, 256 << 20, 8192, 8) == ContextFit(1797, 2)  # the spare's out
 
 
 # -- the flags ---------------------------------------------------------------------------------
@@ -324,3 +325,22 @@ def test_generate_against_a_swarm_checks_the_context_it_serves(
     with pytest.raises(RequestError) as exc:
         commands.check_served_context("http://swarm", 4096, None, None)
     assert "--context 4096: the swarm at http://swarm serves 256 tokens" in str(exc.value)
+
+
+def test_the_readmes_up_fits_what_each_worker_will_reserve(demo_path: Path, tmp_path: Path) -> None:
+    """`cellswarm up --workers 4 --memory 128M` (the README's): the context `up` fits is one
+    each worker's own budget check accepts — the keys' padding counted on both sides (before,
+    the fit left it out, and two of the three stages refused their layers by ~128 KB)."""
+    import cellswarm
+    from cellswarm.io.weights import Selection
+    from cellswarm.swarm.local.pipeline import costs_at
+    from cellswarm.swarm.local.up import LocalSwarm
+
+    at = costs_at(str(demo_path))
+    shard = cellswarm.load(demo_path, selection=Selection(layers=(0, 3)), tokenizer=False)
+    for context in (100, 688, 689, 1797, 4096):
+        assert 3 * at(context, 1).kv == shard.kv_sequence_bytes(context), context
+    with LocalSwarm(str(demo_path), 4, "128M", tmp_path) as swarm:
+        status = swarm.wait_ready()
+        states = sorted(n["state"] for n in status["nodes"])
+        assert states == ["assigned", "assigned", "assigned", "spare"], status["nodes"]

@@ -476,8 +476,7 @@ class Deepseek2:
         return self.config.absorbed_bytes_per_layer()
 
     def cache_spec(self, layer: int) -> CacheSpec:
-        c = self.config
-        return {"latent": (c.kv_lora_rank,), "k_rope": (c.qk_rope_dim,)}
+        return self.config.cache_spec()
 
     def scratch_bytes(self, n_tokens: int, context: int) -> int:
         return self.config.scratch_bytes(n_tokens, context, self._attn_layers)

@@ -305,6 +305,10 @@ class DeepseekConfig:
     def kv_bytes_per_token_layer(self, item_bytes: int = 4) -> int:
         return (self.kv_lora_rank + self.qk_rope_dim) * item_bytes  # latent + shared RoPE key
 
+    def cache_spec(self) -> dict[str, tuple[int, ...]]:
+        """A layer's KV cache tensors per token: the latent and the shared RoPE key."""
+        return {"latent": (self.kv_lora_rank,), "k_rope": (self.qk_rope_dim,)}
+
     def expected_tensors(self, layers: Iterable[int]) -> dict[str, tuple[int, ...]]:
         """GGUF name -> numpy-order shape of every tensor `layers` and the ends of the model read.
 

@@ -198,8 +198,7 @@ class Llama:
         return self._scratch[1:]
 
     def cache_spec(self, layer: int) -> CacheSpec:
-        c = self.config
-        return {"kt": (c.n_kv_heads, c.head_dim), "v": (c.n_kv_heads, c.head_dim)}
+        return self.config.cache_spec()
 
     def scratch_bytes(self, n_tokens: int, context: int) -> int:
         return self.config.scratch_bytes(n_tokens, context)

@@ -111,6 +111,11 @@ class LlamaConfig:
     def kv_bytes_per_token_layer(self, item_bytes: int = 4) -> int:
         return 2 * self.n_kv_heads * self.head_dim * item_bytes  # K and V
 
+    def cache_spec(self) -> dict[str, tuple[int, ...]]:
+        """A layer's KV cache tensors per token (kv_cache.py lays "kt" out transposed and
+        padded): the one definition the model and a placement's budget use."""
+        return {"kt": (self.n_kv_heads, self.head_dim), "v": (self.n_kv_heads, self.head_dim)}
+
     def to_gguf_metadata(self) -> dict[str, Any]:
         """The inverse of from_gguf: keys as llama.cpp's converter writes them."""
         a = self.arch

@@ -7,6 +7,7 @@ nodes; this module is what it builds on, and what the tests use: real processes,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -46,6 +47,7 @@ def costs_at(
 ) -> Callable[[int, int], StageCosts]:
     """(context tokens, sequences) -> the StageCosts a swarm stage holds, the file's header
     read once (placement.fit_context asks at many contexts)."""
+    from cellswarm.models.kv_cache import sequence_bytes
     from cellswarm.planner.api import resolve_model
     from cellswarm.planner.overhead import runtime_overhead_bytes
 
@@ -54,7 +56,13 @@ def costs_at(
 
     def at(context: int, sequences: int) -> StageCosts:
         fixed = runtime + inv.scratch_bytes(prefill_rows(context), context, 0)  # as a stage
-        return stage_costs_of(inv, context * sequences, fixed, remote_experts, remote_vocab)
+        costs = stage_costs_of(inv, context * sequences, fixed, remote_experts, remote_vocab)
+        # a layer's cache as a stage allocates it, the keys' padding included (the worker
+        # checks its budget with the same bytes: kv_sequence_bytes)
+        spec = getattr(inv.config, "cache_spec", None)
+        if spec is None:
+            return costs
+        return dataclasses.replace(costs, kv=sequence_bytes({0: spec()}, context) * sequences)
 
     return at
 
