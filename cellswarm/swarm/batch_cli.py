@@ -153,6 +153,8 @@ def watch_detail(info: dict[str, Any], samples: list[tuple[float, int, int]],
     span = t1 - t0
     if status is not None and info["finished"] < info["total"]:
         return f"{head} | stalled {stalled_s(samples):.0f} s: {stall_reason(status, c)}"
+    if info["finished"] >= info["total"]:
+        return f"{head} | finished"
     if span < 1.0:
         return f"{head} | measuring the rate"
     rate, tok_s = (f1 - f0) / span, (k1 - k0) / span
