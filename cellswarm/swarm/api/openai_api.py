@@ -453,14 +453,16 @@ class OpenAIRoutes:
         return StopText(lambda ids: tok.decode(ids, skip_special=skip), stops)
 
     async def one(self, request: Request, req: _Common, prompt: list[int],
-                  max_tokens: int | None, route: str, j: int,
-                  stops: list[str]) -> tuple[str, StopText]:  # fmt: skip
-        """Choice j of a prompt: its job id ("" for an echo alone) and its text, ended."""
+                  max_tokens: int | None, route: str, j: int, stops: list[str],
+                  started: list[str]) -> tuple[str, StopText]:  # fmt: skip
+        """Choice j of a prompt: its job id ("" for an echo alone) and its text, ended; the
+        job's id goes into `started` as soon as it is queued."""
         stream = self.text_stream(req, stops)
         if max_tokens == 0:
             stream.finish = "length"
             return "", stream
         job_id = await self.coord.on_core(self.submit, request, prompt, max_tokens, req, route, j)
+        started.append(job_id)
         async for _ in _follow(self.coord, job_id, stream):
             pass
         return job_id, stream
@@ -471,17 +473,18 @@ class OpenAIRoutes:
         """Every choice (prompts x n), in one JSON answer; log-probabilities scored after."""
         t0, n, top = time.perf_counter(), req.n or 1, _top(req)
         echo = isinstance(req, CompletionRequest) and bool(req.echo)
-        tasks = [asyncio.ensure_future(self.one(request, req, p, max_tokens, route, j, stops))
+        started: list[str] = []
+        tasks = [asyncio.ensure_future(self.one(request, req, p, max_tokens, route, j, stops,
+                                                started))
                  for p in prompts for j in range(n)]  # fmt: skip
         try:
             done = await asyncio.gather(*tasks)
-        except BaseException:  # one failed, or the client left: the others stop too
+        except BaseException:  # one failed, or the client left: the others' jobs stop too
             for t in tasks:
                 t.cancel()
-            for t in tasks:
-                if t.done() and not t.cancelled() and t.exception() is None:
-                    await self.coord.on_core(_cancel, self.coord, t.result()[0], "a sibling "
-                                             "choice failed", "sibling failed")  # fmt: skip
+            for job_id in started:  # (one that ended already is not cancelled)
+                self.coord.core.submit(_cancel, self.coord, job_id, "another choice of its "
+                                       "request failed", "sibling failed")  # fmt: skip
             raise
         tok = self.tokenizer()
         choices = []
