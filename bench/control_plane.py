@@ -61,6 +61,7 @@ import numpy as np
 
 from cellswarm.demo import demo_model_path
 from cellswarm.swarm.auth import prove
+from cellswarm.swarm.protocol import PROTOCOL
 
 CONNECTIONS = 64  # keep-alive connections from the simulated nodes (a relay's, a rack's)
 JOIN_CONCURRENCY = 64
@@ -196,7 +197,7 @@ class Racks:
         self.interval_s = interval_s
         self.measuring = False
         self.stop = False
-        self.caps = {"memory_bytes": NODE_MEMORY_BYTES}
+        self.caps = {"memory_bytes": NODE_MEMORY_BYTES, "protocol": PROTOCOL}
         self.nc: Any = None  # a NATS connection: the racks beat through it (--via nats)
         self.seq = time.time_ns() // 1000  # the sealed beats' numbers (control/beats.py)
 
@@ -375,7 +376,8 @@ class Rings:
             status, answer, _ = await self.pool.post("/v1/join", {
                 "node_id": node, "nonce": c["nonce"],
                 "proof": prove(self.token, c["nonce"], node),
-                "capabilities": {"memory_bytes": RING_MEMORY_BYTES}})  # fmt: skip
+                "capabilities": {"memory_bytes": RING_MEMORY_BYTES,
+                                 "protocol": PROTOCOL}})  # fmt: skip
             if status != 200:
                 raise SystemExit(f"ring node {node} could not join: {answer}")
             self.sessions[node] = answer["session"]

@@ -11,6 +11,7 @@ import pytest
 from cellswarm.errors import RequestError
 from cellswarm.swarm.api import client
 from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.swarm.protocol import PROTOCOL
 
 
 def test_heartbeats_live_in_memory_and_reach_the_database_on_change(
@@ -133,7 +134,8 @@ def test_a_racks_heartbeats_in_one_request_each_answered_alone(
             nonce = client.call(swarm.url, "/v1/challenge", {})["nonce"]
             sessions[node] = client.call(swarm.url, "/v1/join", {
                 "node_id": node, "nonce": nonce, "proof": prove(token, nonce, node),
-                "capabilities": {"memory_bytes": 1 << 20}})["session"]  # fmt: skip
+                "capabilities": {"memory_bytes": 1 << 20, "protocol": PROTOCOL},
+            })["session"]  # fmt: skip
         beats = [{"node_id": "r1", "session": sessions["r1"]},
                  {"node_id": "r2", "session": "not-its-session"}, 7,
                  {"node_id": "r2", "session": sessions["r2"], "rss_bytes": 5}]  # fmt: skip
@@ -159,9 +161,10 @@ def test_a_racks_joins_in_one_request_each_proved_alone(demo_path: Path, tmp_pat
         nonce = client.call(swarm.url, "/v1/challenge", {})["nonce"]
         relay = client.call(swarm.url, "/v1/join", {
             "node_id": "relay", "nonce": nonce, "proof": prove(token, nonce, "relay"),
-            "capabilities": {"memory_bytes": 1 << 20}})["session"]  # fmt: skip
+            "capabilities": {"memory_bytes": 1 << 20, "protocol": PROTOCOL},
+        })["session"]  # fmt: skip
         nonces = client.call(swarm.url, "/v1/challenge", {"count": 4})["nonces"]
-        caps = {"memory_bytes": 1 << 20}
+        caps = {"memory_bytes": 1 << 20, "protocol": PROTOCOL}
         joins = [{"node_id": "a", "nonce": nonces[0], "proof": prove(token, nonces[0], "a"),
                   "capabilities": caps},
                  {"node_id": "b", "nonce": nonces[1], "proof": "forged", "capabilities": caps},
@@ -197,7 +200,7 @@ def test_a_node_that_joins_again_drops_its_old_loss_note(demo_path: Path, tmp_pa
     from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 
     coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
-    caps = {"memory_bytes": 1 << 20}
+    caps = {"memory_bytes": 1 << 20, "protocol": PROTOCOL}
     for node_id in ("a", "b"):
         coord.join(node_id, coord.challenge(), "", caps, "127.0.0.1")
     a = coord.store.node("a")
@@ -223,7 +226,8 @@ def test_a_run_is_blamed_on_the_nodes_that_ran_it_not_on_who_holds_its_replica_n
 
     coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
     for node_id in ("bad", "honest"):
-        coord.join(node_id, coord.challenge(), "", {"memory_bytes": 1 << 20}, "127.0.0.1")
+        caps = {"memory_bytes": 1 << 20, "protocol": PROTOCOL}
+        coord.join(node_id, coord.challenge(), "", caps, "127.0.0.1")
     whole = {"role": "stage", "stage": 0, "layers": [0, 30], "replica": 0}
     coord.store.update_node("bad", state="assigned", shard=whole)
     job_id = coord.submit({"prompt": "hi", "max_tokens": 2}).job_id
@@ -249,7 +253,7 @@ def test_a_head_that_joins_again_gives_its_leases_back_unspent(
     from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 
     coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
-    caps = {"memory_bytes": 1 << 20}
+    caps = {"memory_bytes": 1 << 20, "protocol": PROTOCOL}
     whole = {"role": "stage", "stage": 0, "layers": [0, 30], "replica": 0}
     coord.join("head", coord.challenge(), "", caps, "127.0.0.1")
     coord.store.update_node("head", state="assigned", shard=whole)

@@ -20,6 +20,7 @@ from cellswarm.swarm.api import client
 from cellswarm.swarm.auth import prove
 from cellswarm.swarm.local.up import LocalSwarm
 from cellswarm.swarm.logs import timeline
+from cellswarm.swarm.protocol import PROTOCOL
 from cellswarm.units import parse_bytes
 from tests.conftest import greedy_reference
 from tests.test_swarm_parts import PROMPTS as PARTS_PROMPTS
@@ -191,7 +192,7 @@ def _post(url: str, data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 def test_joining_needs_a_fresh_proof_of_the_cluster_token(demo_path: Path, tmp_path: Path) -> None:
     with LocalSwarm(str(demo_path), 0, "120M", tmp_path) as swarm:
         token = swarm.token_file.read_bytes().strip()
-        caps = {"memory_bytes": parse_bytes("1G")}
+        caps = {"memory_bytes": parse_bytes("1G"), "protocol": PROTOCOL}
 
         def join(proof_of: Any, nonce: str | None = None) -> tuple[int, dict[str, Any], str]:
             nonce = nonce or _post(swarm.url + "/v1/challenge", {})[1]["nonce"]
@@ -212,6 +213,34 @@ def test_joining_needs_a_fresh_proof_of_the_cluster_token(demo_path: Path, tmp_p
         intruder = node(swarm, "intruder")  # only the one good join is known, and idle
         assert intruder["served"] == 0 and intruder["failures"] == 0
         # (the coordinator may give it layers: it joined with the token and claims 1 GiB)
+        # a node of another protocol version (or one too old to say it) is refused by name
+        for theirs, says in ((PROTOCOL + 1, f"speaks protocol {PROTOCOL + 1}"),
+                             (None, "no protocol version (an older cellswarm)")):  # fmt: skip
+            caps = {"memory_bytes": parse_bytes("1G"), "protocol": theirs}
+            code, answer, _ = join(lambda n: prove(token, n, "intruder"))
+            message = answer["error"]["message"]
+            assert code == 409 and says in message, message
+            assert f"this coordinator speaks protocol {PROTOCOL}" in message
+            assert "\n" not in message
+
+
+def test_a_worker_of_another_protocol_says_so_and_stops(demo_path: Path, tmp_path: Path) -> None:
+    """A worker that a coordinator refuses for its version stops at once, in one line
+    naming both versions (retrying cannot help), exit 2."""
+    import subprocess
+    import sys
+
+    with LocalSwarm(str(demo_path), 0, "120M", tmp_path) as swarm:
+        code = ("import sys; import cellswarm.swarm.protocol as p; p.PROTOCOL = 99; "
+                "from cellswarm.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-c", code, "worker", "--join", swarm.url, "--memory", "200M",
+             "--token-file", str(swarm.token_file), "--node-id", "old"],
+            capture_output=True, text=True, timeout=120)  # fmt: skip
+        said = [line for line in (run.stdout + run.stderr).splitlines() if "protocol" in line]
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert len(said) == 1 and "speaks protocol 99" in said[0], said
+        assert f"this coordinator speaks protocol {PROTOCOL}" in said[0]
 
 
 def test_bad_requests_get_a_clear_error(demo_path: Path, tmp_path: Path) -> None:

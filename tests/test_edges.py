@@ -27,6 +27,7 @@ from cellswarm.errors import RequestError
 from cellswarm.swarm.api.access import ROUTE_AUTH, first_key, load_keys
 from cellswarm.swarm.auth import prove, write_secret
 from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.swarm.protocol import PROTOCOL
 
 ALICE, BOB, ROOT = "sk-alice-0123456789", "sk-bob-0123456789", "sk-root-0123456789"
 VOCAB = 49152  # the demo model's
@@ -402,7 +403,8 @@ def test_sessions_are_stored_hashed(demo_path: Path, tmp_path: Path) -> None:
         nonce = http.post("/v1/challenge").json()["nonce"]
         session = http.post("/v1/join", json={
             "node_id": "n1", "nonce": nonce, "proof": prove(token, nonce, "n1"),
-            "capabilities": {"memory_bytes": 1000}}).json()["session"]  # fmt: skip
+            "capabilities": {"memory_bytes": 1000, "protocol": PROTOCOL},
+        }).json()["session"]  # fmt: skip
         db = sqlite3.connect(swarm.state_dir / "coordinator.db")
         stored = db.execute("SELECT session FROM nodes WHERE node_id='n1'").fetchone()[0]
         db.close()

@@ -10,6 +10,7 @@ import pytest
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.control.nonces import MAX_ADDRESSES, Nonces
+from cellswarm.swarm.protocol import PROTOCOL
 
 
 def test_a_nonce_is_good_until_a_proof_spends_it_or_it_expires() -> None:
@@ -68,7 +69,8 @@ def test_a_stranger_s_failed_joins_spend_no_nonce(demo_path: Path, tmp_path: Pat
     with LocalSwarm(str(demo_path), 0, "120M", tmp_path) as swarm:
         token = swarm.token_file.read_bytes().strip()
         nonce = client.call(swarm.url, "/v1/challenge", {})["nonce"]
-        join = {"node_id": "m1", "nonce": nonce, "capabilities": {"memory_bytes": 1 << 20}}
+        join = {"node_id": "m1", "nonce": nonce,
+                "capabilities": {"memory_bytes": 1 << 20, "protocol": PROTOCOL}}
         for guess in ("", "00" * 32, prove(b"not the token", nonce, "m1")):
             with pytest.raises(Exception, match="proof does not match"):
                 client.call(swarm.url, "/v1/join", {**join, "proof": guess})

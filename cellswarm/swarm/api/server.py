@@ -36,6 +36,7 @@ from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.control.jobs import Job
 from cellswarm.swarm.control.store import Node
 from cellswarm.swarm.control.wire import check_numbers
+from cellswarm.swarm.protocol import VersionMismatch
 
 MAX_WAIT_S = 30.0
 MAX_LEASE_WAIT_S = 1.5  # under the worker's HTTP timeout (worker.HTTP_TIMEOUT_S + wait)
@@ -372,6 +373,10 @@ def add_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail) if exc.status_code == 413 else (
             f"{request.method} {request.url.path}: {exc.detail}")  # fmt: skip
         return error_response(request.url.path, exc.status_code, message, code)
+
+    @app.exception_handler(VersionMismatch)
+    async def other_version(_: Request, exc: VersionMismatch) -> JSONResponse:
+        return _error(409, str(exc), "VersionMismatch")
 
     @app.exception_handler(PermissionError)
     async def denied(request: Request, exc: PermissionError) -> JSONResponse:

@@ -67,6 +67,7 @@ from cellswarm.swarm.control.store import Node, NodeId, Store
 from cellswarm.swarm.control.wire import port
 from cellswarm.swarm.local.pipeline import costs_at
 from cellswarm.swarm.logs import JsonLog, Throttled
+from cellswarm.swarm.protocol import VersionMismatch, check_version
 from cellswarm.swarm.ring.stage import reset_stage
 from cellswarm.swarm.settings import CoordinatorConfig
 from cellswarm.swarm.tls import client_context
@@ -241,7 +242,8 @@ class Coordinator:
                                         dict(j.get("capabilities") or {}),
                                         str(j.get("host") or host))  # fmt: skip
                     answers.append({"node_id": node_id, "session": session})
-                except (PermissionError, RequestError, KeyError, TypeError, ValueError) as exc:
+                except (PermissionError, RequestError, VersionMismatch, KeyError, TypeError,
+                        ValueError) as exc:  # fmt: skip
                     why = f"a join needs {exc}" if isinstance(exc, KeyError) else str(exc)
                     answers.append({"error": why})
         if len(joins) > 1:
@@ -260,6 +262,7 @@ class Coordinator:
             self.log.event("join_denied", None, worker=node_id)
             raise PermissionError("proof does not match the cluster token")
         self.nonces.spend(nonce, now_s)  # only a proof that held spends one (nonces.py)
+        check_version(caps.get("protocol"), node_id)  # after the proof: strangers learn none
         if int(caps.get("memory_bytes") or 0) <= 0:
             raise RequestError("capabilities.memory_bytes must be a positive byte count")
         old = self.store.node(node_id)

@@ -51,6 +51,7 @@ from cellswarm.swarm.node.net import (
     parse_address,
     route_source,
 )
+from cellswarm.swarm.protocol import PROTOCOL
 from cellswarm.swarm.ring.frames import listen_tls
 from cellswarm.swarm.ring.parts import PartConfig, PartServer, PartSpec, load_part_model
 from cellswarm.swarm.ring.stage import (
@@ -87,6 +88,7 @@ def measure_capabilities(config: WorkerConfig) -> dict[str, Any]:
     caps: dict[str, Any] = {
         "memory_bytes": config.memory_bytes, "profile": config.profile,
         "bandwidth_bytes_per_s": int(bandwidth), "flops": int(flops), "rack": config.rack,
+        "protocol": PROTOCOL,  # the coordinator refuses another version (swarm/protocol)
     }  # fmt: skip
     cgroup = cgroup_memory()  # a supervisor restarted us after the kernel's OOM killer?
     if cgroup:
@@ -347,6 +349,10 @@ class Worker:
             except (urllib.error.HTTPError, PermissionError) as exc:
                 # 401 / PermissionError (NATS): a bad proof, or a session the coordinator
                 # no longer knows (it was wiped): join again
+                if isinstance(exc, urllib.error.HTTPError) and exc.code == 409 and joining:
+                    self.fatal = f"the coordinator at {self.url} refused us: {said(exc)}"
+                    heard(GIVE_UP)  # another protocol version: waiting will not help
+                    return
                 if isinstance(exc, urllib.error.HTTPError) and exc.code != 401:
                     self._say_once(f"the coordinator at {self.url} refused a heartbeat: "
                                    f"{said(exc)}")  # fmt: skip

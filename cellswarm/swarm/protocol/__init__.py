@@ -1,0 +1,26 @@
+"""What every node and the coordinator must agree on to talk: the protocol's version.
+
+Every join carries it (`capabilities.protocol`); a node of another version is refused in one
+line naming both (HTTP 409), and the worker stops with that line rather than retrying: a
+version does not come right by waiting. Bump PROTOCOL when a message between processes
+changes its shape or meaning. This package imports nothing from the swarm (issue 35 grows
+it into the typed messages themselves).
+"""
+
+from __future__ import annotations
+
+PROTOCOL = 1
+
+
+class VersionMismatch(Exception):
+    """A node speaks another protocol version than this coordinator."""
+
+
+def check_version(theirs: object, node_id: str) -> None:
+    """VersionMismatch, in one line naming both versions, unless `theirs` is ours."""
+    if type(theirs) is int and theirs == PROTOCOL:
+        return
+    said = ("no protocol version (an older cellswarm)" if theirs is None
+            else f"protocol {str(theirs)[:20]}")  # fmt: skip
+    raise VersionMismatch(f"node {node_id[:64]} speaks {said}; this coordinator speaks "
+                          f"protocol {PROTOCOL}: run the same cellswarm version on both")
