@@ -19,7 +19,7 @@ next to what it measures):
   one `POST /v1/heartbeats` per rack of `--rack` nodes per interval, as a rack's relay sends
   them (`--direct`: one `POST /v1/heartbeat` per node); with `--via nats` the same batch as
   one NATS request to the coordinators' subject, through a nats-server started for the step
-  (the coordinator runs with `--control`: control/beats.py). `--via http,nats` runs every
+  (the coordinator runs with `--control`: transport/beats.py). `--via http,nats` runs every
   step both ways. Measured for `--seconds` once every rack joined: p50/p99 of a request,
   and any beat refused.
 - false lost: nodes the coordinator calls lost while they beat (every simulated node beats
@@ -199,7 +199,7 @@ class Racks:
         self.stop = False
         self.caps = {"memory_bytes": NODE_MEMORY_BYTES, "protocol": PROTOCOL}
         self.nc: Any = None  # a NATS connection: the racks beat through it (--via nats)
-        self.seq = time.time_ns() // 1000  # the sealed beats' numbers (control/beats.py)
+        self.seq = time.time_ns() // 1000  # the sealed beats' numbers (transport/beats.py)
 
     async def join_one(self, node: str) -> None:
         t0 = time.perf_counter()
@@ -266,10 +266,10 @@ class Racks:
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def _request(self, beats: list[dict[str, Any]]) -> tuple[int, Any, float]:
-        """A rack's beats as a relay sends them on NATS (control/beats.py): its own beat in
+        """A rack's beats as a relay sends them on NATS (transport/beats.py): its own beat in
         its sealed envelope, each other node's sealed by that node; the answers."""
         from cellswarm.swarm.auth import digest
-        from cellswarm.swarm.control.beats import SUBJECT, beat_key, holds, seal, unseal
+        from cellswarm.swarm.transport.beats import SUBJECT, beat_key, holds, seal, unseal
 
         self.seq += 1
         keys = {b["node_id"]: beat_key(self.token, digest(self.sessions[b["node_id"]]))
@@ -383,7 +383,7 @@ class Rings:
             self.sessions[node] = answer["session"]
 
     async def beat(self, node: str, interval: list[float]) -> None:
-        from cellswarm.swarm.control.store import shard_id
+        from cellswarm.swarm.protocol import shard_id
 
         while not self.stop:
             shard = self.shards.get(node)

@@ -136,7 +136,7 @@ class Strangers:
     async def nats(self) -> None:
         import nats
 
-        from cellswarm.swarm.control.beats import SUBJECT
+        from cellswarm.swarm.transport.beats import SUBJECT
 
         nc = await nats.connect(self.nats_url)
         heard: list[bytes] = []

@@ -10,10 +10,10 @@ swarm = cellswarm.connect("http://127.0.0.1:8470", api_key=None)  # the same, on
 
 from __future__ import annotations
 
-__version__ = "0.1.0"  # pyproject.toml reads it; nodes report it (doctor compares)
-
 import os
 from typing import TYPE_CHECKING, Any
+
+from cellswarm.version import __version__ as __version__
 
 # OpenBLAS's threads spin for 2^28 cycles (~0.1 s) after each call before they sleep, holding
 # a core that the fused kernels' OpenMP threads need right after (a prefill's attention runs

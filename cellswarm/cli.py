@@ -390,8 +390,8 @@ def _cmd_logs(args: argparse.Namespace) -> int:
 
     if args.coordinator:
         from cellswarm.swarm.api.access import first_key
+        from cellswarm.swarm.api.client import fetch_timeline
         from cellswarm.swarm.auth import load_token
-        from cellswarm.swarm.control.logship import fetch_timeline
 
         key = first_key(args.api_key_file) if args.api_key_file else None
         token = load_token(args.token_file) if args.token_file else None

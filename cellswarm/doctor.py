@@ -21,35 +21,19 @@ from __future__ import annotations
 import argparse
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cellswarm.errors import CellswarmError, SwarmError
+from cellswarm.swarm.policy import MIN_DISK_BYTES
+from cellswarm.swarm.protocol.checks import Result
 
 if TYPE_CHECKING:
     from cellswarm.engine.model import Model
 
 PROMPT = "The capital of France is"
-MIN_DISK_BYTES = 1 << 30  # the kernel cache, fetched shards and logs want room
-
-
-@dataclass(frozen=True)
-class Result:
-    step: str  # input, environment, request
-    name: str
-    status: str  # PASS, FAIL, SKIP
-    detail: str
-    fix: str = ""
-    node: str = ""  # the node a line is about (doctor --coordinator), else ""
-
-    def line(self) -> str:
-        tail = f" — fix: {self.fix}" if self.fix else ""
-        return f"{self.status:<4} {self.step:<11} {self.name:<22} {self.detail}{tail}"
-
-
 class Doctor:
     """The checks in order; later ones use what earlier ones found (the loaded model)."""
 
@@ -194,8 +178,7 @@ class SwarmDoctor:
 
     def _headers(self) -> dict[str, str]:
         from cellswarm.swarm.api import client
-        from cellswarm.swarm.auth import prove
-        from cellswarm.swarm.control.logship import OPERATOR
+        from cellswarm.swarm.auth import OPERATOR, prove
 
         if self.api_key or self.token is None:
             return {}
@@ -299,7 +282,7 @@ class SwarmDoctor:
     def _logged(self, rid: str) -> Result:
         import time
 
-        from cellswarm.swarm.control.logship import fetch_timeline
+        from cellswarm.swarm.api.client import fetch_timeline
 
         names: set[str] = set()
         for _ in range(50):  # events reach the coordinator's table within a second or two
@@ -342,7 +325,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from cellswarm.swarm.auth import load_token
 
         token = load_token(args.token_file) if args.token_file else None
-        from cellswarm.swarm.commands import api_key
+        from cellswarm.swarm.api.client import api_key
 
         results = SwarmDoctor(args.coordinator, token, api_key(args), args.tls,
                               args.wait).run()  # fmt: skip

@@ -3,29 +3,27 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cellswarm.engine.model import Model
-from cellswarm.errors import RequestError, TokenizerError
+from cellswarm.errors import TokenizerError
 from cellswarm.io import hf_dir
 from cellswarm.io.gguf_file import GGUFFile
-from cellswarm.io.weights import Selection, Tensor, WeightStore, validate
+from cellswarm.io.tokenizer import gguf_tokenizer
+from cellswarm.io.weights import Selection, WeightStore
 from cellswarm.models import (
-    ArchEntry,
-    config_from_gguf,
     config_from_hf,
     config_module_of,
     module_of,
 )
+from cellswarm.models.from_file import check_tensors, gguf_config
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
 
 if TYPE_CHECKING:
     from cellswarm.io.tokenizer import Tokenizer
-    from cellswarm.models import FamilyConfig
 
 
 def load(
@@ -61,10 +59,6 @@ def read_config(path: str | os.PathLike[str]) -> Any:
         return config_from_hf(p / "config.json", hf_dir.read_config(p))[1]
     f = GGUFFile(p)
     return gguf_config(p, f)[1]
-
-
-def gguf_config(path: Path, f: GGUFFile) -> tuple[ArchEntry, Any]:
-    return config_from_gguf(path, f.metadata, {n: f.tensor_shape(n) for n in f.tensor_names()})
 
 
 def _load_gguf(
@@ -103,28 +97,6 @@ def _load_hf(
     return Model(config, module_of(entry).MODEL(config, weights), weights, tok, sel, budget)
 
 
-def check_tensors(
-    source: Path,
-    config: FamilyConfig,
-    sel: Selection,
-    tensors: Mapping[str, Tensor | tuple[int, ...]],
-) -> None:
-    """Refuse at load, not at the first forward, a file lacking a tensor the selected layers
-    need or holding one in another shape than the config implies."""
-    lo, hi = sel.layers or (0, config.n_layers)
-    if not 0 <= lo <= hi <= config.n_layers:
-        raise RequestError(
-            f"selected layers [{lo}, {hi}) do not fit the model's {config.n_layers} layers; "
-            f"pick a range within [0, {config.n_layers})"
-        )
-    if not hasattr(config, "expected_tensors"):
-        return
-    expected = {n: s for n, s in config.expected_tensors(range(lo, hi)).items() if sel.keeps(n)}
-    if "output.weight" not in tensors:  # no head of its own: tied to the embedding
-        expected.pop("output.weight", None)
-    validate(tensors, expected, str(source))
-
-
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """A model's tokenizer alone (no weights): from a GGUF's metadata, or a Hugging Face
     folder's tokenizer.json; TokenizerError when the model has none."""
@@ -141,17 +113,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if "tokenizer.ggml.model" not in meta:
         raise TokenizerError(f"{p} has no tokenizer in its metadata: send token ids")
     return Tokenizer.from_gguf_metadata(meta)
-
-
-def gguf_tokenizer(meta: dict[str, Any], vocab_size: int) -> Tokenizer | None:
-    """The file's own tokenizer; None when it has none (random test models)."""
-    if "tokenizer.ggml.model" not in meta:
-        return None
-    from cellswarm.io.tokenizer import Tokenizer, check_vocab
-
-    tok = Tokenizer.from_gguf_metadata(meta)
-    check_vocab(tok, vocab_size)
-    return tok
 
 
 def _repack(weights: WeightStore, quant: str) -> WeightStore:

@@ -51,8 +51,8 @@ def verify(path: str | os.PathLike[str], scales: bool = True,
     """Check a GGUF file as `load` would, then (scales=True) every block's float fields.
     Raises the ModelFileError a load would, or NonFiniteError naming the tensor and row.
     `progress(bytes_read, bytes_total)` after each tensor (a big file reads for minutes)."""
-    from cellswarm.loader import check_tensors
     from cellswarm.models import config_from_gguf
+    from cellswarm.models.from_file import check_tensors
 
     p = Path(path)
     if p.is_dir():
@@ -87,7 +87,7 @@ def verify_cached(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str
                   ) -> Verified | None:  # fmt: skip
     """`verify`, remembered by path, size and mtime (a coordinator restarting on a file it
     verified reads only its header again); None when the cache answered."""
-    from cellswarm.swarm.node.fetch import default_cache_dir
+    from cellswarm.swarm.transport.fetch import default_cache_dir
 
     p = Path(path).resolve()
     st = p.stat() if p.is_file() else None

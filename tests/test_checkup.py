@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cellswarm.doctor import Result
 from cellswarm.swarm.control import checkup
-from cellswarm.swarm.node import checks
+from cellswarm.swarm.protocol.checks import Result
+from cellswarm.swarm.ring import checks
 
 SEED = 11
 REF = checks.matmul_reference(SEED)

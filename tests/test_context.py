@@ -87,8 +87,8 @@ def test_the_demo_model_on_up_s_default_workers_serves_a_long_prompt(
     4096` fits 3 workers of 300M with one sequence, not 3 of 256M. `cellswarm up`'s default
     (3 workers of 256M) fits 2 of them and keeps one spare: 2 sequences of 1,797 tokens (the
     keys' padding counted, as each worker counts it)."""
-    from cellswarm.swarm.local.pipeline import costs_at
     from cellswarm.swarm.local.up import LocalSwarm
+    from cellswarm.swarm.ring.costs import costs_at
 
     at = costs_at(str(demo_path))
     fit = fit_context(at, 3, 256 << 20, 8192, 8)
@@ -180,11 +180,11 @@ def test_the_coordinator_serves_the_model_s_own_context_by_default(
     demo_path: Path, tmp_path: Path
 ) -> None:
     """A 401-token prompt was refused at the old fixed 256; the demo model takes 8192."""
-    from cellswarm.swarm.api.schema import BadRequest
+    from cellswarm.swarm.api.schema import BadRequest, limits_of
 
     coord = coordinator(demo_path, tmp_path)
     assert coord.context == 8192  # type: ignore[attr-defined]
-    limits = coord.limits  # type: ignore[attr-defined]
+    limits = limits_of(coord)
     assert limits.context == 8192
     limits.generate([1] * 401, 64)
     with pytest.raises(BadRequest) as exc:
@@ -208,7 +208,7 @@ def test_the_placement_keeps_fewer_sequences_rather_than_refuse(
     stage); on 3 or 2 workers of 256M not even one: the context is capped by what their
     budgets leave for KV (fit_context: one sequence a stage); with --context 8192 it is not,
     and status names the context and what fits."""
-    from cellswarm.swarm.local.pipeline import costs_at
+    from cellswarm.swarm.ring.costs import costs_at
 
     at = costs_at(str(demo_path))
     coord = coordinator(demo_path, tmp_path)
@@ -333,8 +333,8 @@ def test_the_readmes_up_fits_what_each_worker_will_reserve(demo_path: Path, tmp_
     the fit left it out, and two of the three stages refused their layers by ~128 KB)."""
     import cellswarm
     from cellswarm.io.weights import Selection
-    from cellswarm.swarm.local.pipeline import costs_at
     from cellswarm.swarm.local.up import LocalSwarm
+    from cellswarm.swarm.ring.costs import costs_at
 
     at = costs_at(str(demo_path))
     shard = cellswarm.load(demo_path, selection=Selection(layers=(0, 3)), tokenizer=False)

@@ -1,4 +1,4 @@
-"""Heartbeats through a real NATS server (`--control nats://...`, control/beats.py): a swarm
+"""Heartbeats through a real NATS server (`--control nats://...`, transport/beats.py): a swarm
 beats through it and serves; with NATS killed it carries on over HTTP, nobody lost.
 
 Without nats-server or nats-py the tests skip, unless CELLSWARM_REQUIRE_NATS=1 (CI installs
@@ -76,12 +76,12 @@ def test_a_stranger_on_every_subject_hears_no_session_and_forges_or_replays_noth
 ) -> None:
     """The worst case: a NATS server anyone may use. A stranger subscribed to every subject
     hears the beats and their answers, but no session (a beat is sealed with a key derived
-    from it, control/beats.py); a heard beat sent again is refused as replayed, an altered
+    from it, transport/beats.py); a heard beat sent again is refused as replayed, an altered
     one (a forged "refused", which used to knock a stage out) as a seal that does not hold,
     and the old unsealed form as not sealed; the worker keeps its shard, the epoch stays."""
     import nats
 
-    from cellswarm.swarm.control.beats import SUBJECT, NatsBeats, unseal
+    from cellswarm.swarm.transport.beats import SUBJECT, NatsBeats, unseal
 
     with LocalSwarm(str(demo_path), 2, "256M", tmp_path, stages=2,
                     control=nats_server.url) as swarm:
@@ -137,7 +137,7 @@ def test_a_node_ignores_an_answer_whose_seal_does_not_hold() -> None:
     a forged one (a shard, an epoch): only an answer sealed with the node's key over its
     beat's number is taken; anything else is no answer (the node beats over HTTP)."""
     from cellswarm.swarm.auth import digest
-    from cellswarm.swarm.control.beats import NatsBeats, beat_key, seal
+    from cellswarm.swarm.transport.beats import NatsBeats, beat_key, seal
 
     beats = NatsBeats("nats://127.0.0.1:1", "n1", b"t" * 32)
     key = beat_key(b"t" * 32, digest("session"))
@@ -171,8 +171,8 @@ def test_with_tls_nats_admits_only_the_cluster(
     import nats.errors
 
     from cellswarm.swarm.auth import write_secret
-    from cellswarm.swarm.control.beats import NATS_USER, connect, nats_password
     from cellswarm.swarm.tls import client_context
+    from cellswarm.swarm.transport.beats import NATS_USER, connect, nats_password
 
     if why_not():
         pytest.skip(why_not())

@@ -86,7 +86,7 @@ def other_version(tmp_path: Path) -> Path:
     root = tmp_path / "other"
     shutil.copytree(Path(doctor.__file__).parent, root / "cellswarm",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-    init = root / "cellswarm" / "__init__.py"
+    init = root / "cellswarm" / "version.py"
     text = init.read_text()
     init.write_text(text.replace('__version__ = "0.1.0"', '__version__ = "0.0.9"'))
     assert '__version__ = "0.0.9"' in init.read_text()

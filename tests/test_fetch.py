@@ -19,7 +19,7 @@ from cellswarm.io.gguf_write import write_gguf
 from cellswarm.io.weights import Selection
 from cellswarm.models.llama_config import LlamaConfig
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
-from cellswarm.swarm.node.fetch import (
+from cellswarm.swarm.transport.fetch import (
     Manifest,
     build_manifest,
     chunks_needed,

@@ -498,7 +498,7 @@ def test_hosts_beat_through_nats_over_tls_and_a_listener_hears_nothing_it_can_us
     process with --control tls://: the workers' heartbeats cross the lab's switches to it
     and the text is one process's. A stranger on the lab's network is refused in plain TCP
     and with the cluster's certificate but no password; even a member subscribed to every
-    subject hears no session, and a heard beat sent again is refused (control/beats.py)."""
+    subject hears no session, and a heard beat sent again is refused (transport/beats.py)."""
     import asyncio
 
     import nats
@@ -506,8 +506,8 @@ def test_hosts_beat_through_nats_over_tls_and_a_listener_hears_nothing_it_can_us
     from prometheus_client.parser import text_string_to_metric_families
 
     from cellswarm.swarm.auth import load_token
-    from cellswarm.swarm.control.beats import SUBJECT, connect
     from cellswarm.swarm.tls import client_context
+    from cellswarm.swarm.transport.beats import SUBJECT, connect
 
     lab.down()  # one lab at a time
     spec = LabSpec(hosts=3, racks=1, memory_bytes=128 << 20)

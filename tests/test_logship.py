@@ -19,8 +19,9 @@ import pytest
 from cellswarm.cli import main as cli
 from cellswarm.swarm.api import client
 from cellswarm.swarm.control.db import Database, open_database
-from cellswarm.swarm.control.logship import EventStore, LogShipper
+from cellswarm.swarm.control.events import EventStore
 from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.swarm.transport.logship import LogShipper
 from tests.waiting import wait_until
 
 # -- the shipper, with a fake sender -------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,3 +125,56 @@ def test_a_layout_shrunk_by_losses_grows_back_when_nodes_return() -> None:
             node(3, 1 << 30), node(4, 1 << 30)]  # fmt: skip
     layout, target = repair(back, layout, split, stages=3)
     assert len(layout) == 3 and sum(s is not None for s in target.values()) == 3
+
+
+def racked(i: int, rack: str, memory: int = 1 << 30) -> Node:
+    return Node(NodeId(f"n{i}"), "spare", "s", {"memory_bytes": memory, "rack": rack}, "h",
+                float(i), 0.0)  # fmt: skip
+
+
+def _split(count: int, memory_bytes: int) -> list[tuple[int, int]]:
+    return [(k * 30 // count, (k + 1) * 30 // count) for k in range(count)]
+
+
+def _rings(target: dict[NodeId, Any], nodes: list[Node]) -> dict[int, list[str]]:
+    rack = {n.node_id: n.rack for n in nodes}
+    rings: dict[int, list[str]] = {}
+    for node_id, shard in sorted(target.items(), key=lambda kv: (kv[1] or {}).get("slot", -1)):
+        if shard is not None:
+            rings.setdefault(int(shard["replica"]), []).append(rack[node_id])
+    return rings
+
+
+def test_a_replica_s_stages_sit_in_one_rack_where_one_can_hold_them() -> None:
+    """Nodes of two racks joined in turn (a, b, a, b, ...): each of two 3-stage replicas is
+    placed on one rack, as the planner's network model assumes; without racks the join order
+    is the layout, as before."""
+    from cellswarm.swarm.control.membership import place
+
+    nodes = [racked(i, "ab"[i % 2]) for i in range(6)]
+    layout, target = place(nodes, _split, stages=3, replicas=2)
+    assert len(layout) == 6
+    assert sorted(_rings(target, nodes).values()) == [["a"] * 3, ["b"] * 3]
+    plain = [node(i, 1 << 30) for i in range(6)]
+    _, target = place(plain, _split, stages=3, replicas=2)
+    assert [target[n.node_id]["slot"] for n in plain] == list(range(6))  # type: ignore[index]
+
+
+def test_racks_too_small_for_a_replica_fill_the_last_ones_and_spares_stay_in_rack() -> None:
+    """Racks of 3, 2 and 1 nodes for two 3-stage replicas: the 3-node rack holds one whole,
+    the rest spans the others. A lost stage is refilled by a spare of its replica's rack when
+    one waits, before an earlier-joined spare of another rack."""
+    from dataclasses import replace
+
+    from cellswarm.swarm.control.membership import place, repair
+
+    nodes = [racked(0, "b"), racked(1, "a"), racked(2, "a"), racked(3, "b"), racked(4, "a"),
+             racked(5, "c")]  # fmt: skip
+    layout, target = place(nodes, _split, stages=3, replicas=2)
+    assert sorted(_rings(target, nodes).values()) == [["a"] * 3, ["b", "b", "c"]]
+    placed = [replace(n, state="assigned", shard=target[n.node_id]) for n in nodes]
+    spares = [racked(6, "c"), racked(7, "a")]
+    lost = next(n for n in placed if n.rack == "a" and n.shard and n.shard["stage"] == 1)
+    live = [replace(n, state="lost", shard=None) if n is lost else n for n in placed] + spares
+    _, after = repair(live, layout, _split, stages=3, replicas=2)
+    assert after[NodeId("n7")] == lost.shard and after[NodeId("n6")] is None

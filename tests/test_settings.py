@@ -1,4 +1,4 @@
-"""The swarm's settings are written once (swarm/settings.py, swarm/control/policy.py):
+"""The swarm's settings are written once (swarm/settings.py, swarm/policy/__init__.py):
 the flags are derived from the config dataclass and give the same config back."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import fields, replace
 
 import pytest
 
-from cellswarm.swarm.control import policy
+from cellswarm.swarm import policy
 from cellswarm.swarm.settings import (
     CoordinatorConfig,
     WorkerConfig,

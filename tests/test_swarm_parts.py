@@ -17,7 +17,8 @@ from cellswarm.io.weights import Selection
 from cellswarm.models.deepseek2 import InProcessExperts, Routing, held_experts_sum
 from cellswarm.models.ops import lm_head
 from cellswarm.planner.placement import even_split
-from cellswarm.swarm.local.pipeline import LocalPipeline, part_specs
+from cellswarm.swarm.local.pipeline import LocalPipeline
+from cellswarm.swarm.ring.costs import part_specs
 from cellswarm.swarm.ring.parts import ExpertParts, VocabParts, pack_routes, unpack_routes
 from cellswarm.swarm.ring.stage import StageConfig, stage_selection
 

@@ -342,7 +342,7 @@ def test_token_files_are_checked(tmp_path: Path) -> None:
 
 
 def test_budget_split_balances_memory_and_each_stage_accepts_its_share(demo_path: Path) -> None:
-    from cellswarm.swarm.local.pipeline import budget_split
+    from cellswarm.swarm.ring.costs import budget_split
 
     splits = budget_split(str(demo_path), 3, 128 << 20, context=256, max_sequences=4)
     assert splits[0][0] == 0 and splits[-1][1] == 30
@@ -396,7 +396,7 @@ def test_a_long_prompt_is_prefilled_in_the_engine_s_chunks_bit_for_bit(demo_path
     """A 1,300-token prompt: each stage prefills it in chunks of PREFILL_CHUNK positions (its
     loop free between two), at the positions the engine's own prefill chunks at: the tokens
     are one process's."""
-    from cellswarm.engine.model import PREFILL_CHUNK
+    from cellswarm.engine import PREFILL_CHUNK
 
     model = cellswarm.load(demo_path)
     text = " ".join(f"item {i} is {i * 7 % 13};" for i in range(260))

@@ -124,7 +124,7 @@ def test_generate_prints_one_line(
 
 def test_an_expert_node_names_its_tensor(tmp_path: Path) -> None:
     """A part server checks its answer before sending it: the node that made the NaN says."""
-    from cellswarm.swarm.local.pipeline import part_specs
+    from cellswarm.swarm.ring.costs import part_specs
     from cellswarm.swarm.ring.parts import PartConfig, PartServer, pack_routes
     from tests.same_bits_models import write_moe
 

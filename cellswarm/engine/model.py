@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cellswarm import kernels
+from cellswarm.engine import PREFILL_CHUNK
 from cellswarm.engine.completions import Completions
 from cellswarm.engine.memory import MemoryReport, memory_report, peak_rss_bytes
 from cellswarm.engine.sampling import SamplingParams, sample
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from cellswarm.io.tokenizer import Tokenizer
     from cellswarm.models import FamilyConfig
 
-PREFILL_CHUNK = 512  # tokens per prefill step: bounds scratch memory for long prompts
 
 
 @dataclass(frozen=True)

@@ -750,3 +750,12 @@ def _text_of(content: Any) -> str:
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     raise RequestError(f"message content must be text or a list of parts, got {content!r}")
+
+
+def gguf_tokenizer(meta: dict[str, Any], vocab_size: int) -> Tokenizer | None:
+    """The file's own tokenizer; None when it has none (random test models)."""
+    if "tokenizer.ggml.model" not in meta:
+        return None
+    tok = Tokenizer.from_gguf_metadata(meta)
+    check_vocab(tok, vocab_size)
+    return tok

@@ -1,6 +1,6 @@
 """Fast kernels: C compiled once on this machine by its own gcc, cached on disk, loaded by ctypes.
 
-Why C through the system compiler rather than a JIT (see ARCHITECTURE.md): a worker on a
+Why C through the system compiler rather than a JIT (see docs/design.md): a worker on a
 256 MB node must not carry LLVM (numba adds ~60 MB resident and seconds of JIT per kernel at
 cold start); gcc exists on every platform a node may be (x86-64, aarch64, ppc64) and
 `-march=native` vectorizes the plain loops for that host; the cached shared object costs

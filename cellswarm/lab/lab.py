@@ -67,7 +67,7 @@ class Lab:
     # hosts (rack by rack), as the planner numbers them
     in_order: bool = False
     # a nats-server on the (first) coordinator's host: every process beats through it
-    # (--control nats://, swarm/control/beats.py)
+    # (--control nats://, swarm/transport/beats.py)
     nats: bool = False
     say: Callable[[str], None] | None = None  # told as processes come up (`lab up` prints)
     topology: Topology = field(init=False)
@@ -426,7 +426,7 @@ class Lab:
             raise LabError("nats needs nats-server on this machine (Debian: apt-get install "
                            "nats-server)")  # fmt: skip
         from cellswarm.swarm.auth import load_token
-        from cellswarm.swarm.control.beats import server_config
+        from cellswarm.swarm.transport.beats import server_config
 
         host = next(h for h in self.topology.hosts if h.role == "coordinator")
         d = self.host_dir(host.name)  # as an operator would: `cellswarm nats config`

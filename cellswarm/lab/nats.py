@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cellswarm.errors import LabError
 from cellswarm.swarm.auth import write_secret
-from cellswarm.swarm.control.beats import server_config
+from cellswarm.swarm.transport.beats import server_config
 
 
 def nats_server_bin() -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SUBNET = "10.77"  # 10.77.0.0/16: infrastructure hosts in .0.x, rack r's hosts in .(r+1).x
@@ -67,7 +68,7 @@ class LabSpec:
     cpu_quota: float | None = None  # cores, None: unlimited
     host_memory: dict[str, int] = field(default_factory=dict)  # host -> memory limit
     slow_hosts: dict[str, float] = field(default_factory=dict)  # host -> CPU quota (cores)
-    # "mix": worker hosts cycle CPU_PATHS (kernel builds, BLAS core types), as a pile of
+    # "mix": worker hosts cycle cpu_paths() (kernel builds, BLAS core types), as a pile of
     # different machines would; "same": every host this machine's native build
     cpus: str = "same"
 
@@ -128,17 +129,43 @@ def cpu_quota_problem(cores: float) -> str | None:
     return None
 
 
-# The CPU paths a mixed lab's worker hosts cycle through (--cpus mix): the kernels built
-# native, for AVX2 and for the portable x86-64 baseline, each with another OpenBLAS core
-# type. Every host compiles its own (its cache starts empty); the results are the same bits
-# (kernels/exact.c), which is what the mixed lab's tests hold it to.
-CPU_PATHS = (("native", "", "SkylakeX"), ("avx2", "-mno-avx512f", "Haswell"),
-             ("x86-64", "-march=x86-64", "Prescott"))  # fmt: skip
+# The CPU paths a mixed lab's worker hosts cycle through (--cpus mix): the kernels built for
+# this CPU, for one a step older and for the portable x86-64 baseline, each with another
+# OpenBLAS core type. Every host compiles its own (its cache starts empty); the results are
+# the same bits (kernels/exact.c), which is what the mixed lab's tests hold it to. The steps
+# depend on the CPU: a core type it lacks the instructions for dies of SIGILL at its first
+# matrix product (SkylakeX on an AMD EPYC without AVX-512).
+AVX512_PATHS = (("native", "", "SkylakeX"), ("avx2", "-mno-avx512f", "Haswell"),
+                ("x86-64", "-march=x86-64", "Prescott"))  # fmt: skip
+AVX2_PATHS = (("native", "", "Haswell"), ("avx", "-mno-avx2 -mno-fma -mno-f16c", "Sandybridge"),
+              ("x86-64", "-march=x86-64", "Prescott"))  # fmt: skip
+OLD_PATHS = (("native", "", "Prescott"), ("x86-64", "-march=x86-64", "Prescott"))
 
 
-def cpu_path(spec: LabSpec, worker_index: int) -> tuple[str, str, str]:
+def cpu_paths(flags: frozenset[str] | None = None) -> tuple[tuple[str, str, str], ...]:
+    """(name, CELLSWARM_CFLAGS, OPENBLAS_CORETYPE) of each path a CPU with `flags` (this
+    machine's when None) can run, its own build first."""
+    have = host_cpu_flags() if flags is None else flags
+    if "avx512f" in have:
+        return AVX512_PATHS
+    return AVX2_PATHS if "avx2" in have else OLD_PATHS
+
+
+def host_cpu_flags() -> frozenset[str]:
+    """This machine's CPU flags (/proc/cpuinfo; none where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((x for x in text.splitlines() if x.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_path(spec: LabSpec, worker_index: int,
+             flags: frozenset[str] | None = None) -> tuple[str, str, str]:  # fmt: skip
     """(name, CELLSWARM_CFLAGS, OPENBLAS_CORETYPE) of worker host `worker_index` (0-based)."""
-    return CPU_PATHS[worker_index % len(CPU_PATHS)] if spec.cpus == "mix" else CPU_PATHS[0]
+    paths = cpu_paths(flags)
+    return paths[worker_index % len(paths)] if spec.cpus == "mix" else paths[0]
 
 
 @dataclass(frozen=True)

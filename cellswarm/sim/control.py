@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.control import policy
+from cellswarm.swarm import policy
 
 
 @dataclass(frozen=True)

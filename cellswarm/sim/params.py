@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from cellswarm.errors import RequestError
 from cellswarm.sim.control import ControlPlane
-from cellswarm.swarm.control import policy
+from cellswarm.swarm import policy
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*(s|m|h|d|y)?\s*$")
 _DURATION_UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "y": 365 * 86400.0}
@@ -48,7 +48,7 @@ class SimParams:
     # than the host running it, so a step takes at least its shard's bytes at this rate
     # (0: no floor — real nodes).
     host_bytes_per_s: float = 0.0
-    lease_s: float = policy.LEASE_S  # the real swarm's policy (swarm/control/policy.py)
+    lease_s: float = policy.LEASE_S  # the real swarm's policy (swarm/policy/__init__.py)
     backoff_s: float = policy.BACKOFF_S
     max_backoff_s: float = policy.MAX_BACKOFF_S
     max_attempts: int = policy.MAX_ATTEMPTS

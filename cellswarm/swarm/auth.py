@@ -20,6 +20,8 @@ from cellswarm.errors import RequestError
 
 NONCE_BYTES = 32
 
+OPERATOR = "operator"  # the peer id an operator (the CLI, doctor) proves the cluster token under
+
 
 def load_token(path: str | os.PathLike[str]) -> bytes:
     p = Path(path)

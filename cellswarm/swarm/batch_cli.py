@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.commands import api_key
+from cellswarm.swarm.api.client import api_key
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 

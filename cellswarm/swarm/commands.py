@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cellswarm.errors import RequestError, SwarmError
+from cellswarm.swarm.api.client import api_key
 from cellswarm.swarm.settings import (
     CoordinatorConfig,
     WorkerConfig,
@@ -133,14 +134,6 @@ def _max_body(text: str) -> int:
     if size < 4096:
         raise RequestError(f"--max-body {text} is under 4K: the workers' own calls need more")
     return size
-
-
-def api_key(args: argparse.Namespace) -> str | None:
-    """The key a client command sends: the first of --api-key-file, if given."""
-    from cellswarm.swarm.api.access import first_key
-
-    path = getattr(args, "api_key_file", None)
-    return first_key(path) if path else None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""`cellswarm nats config`: nats-server's file for `--control` (control/beats.py)."""
+"""`cellswarm nats config`: nats-server's file for `--control` (transport/beats.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def add_nats_commands(sub: Any) -> None:
 
 def cmd_config(args: argparse.Namespace) -> int:
     from cellswarm.swarm.auth import load_token, write_secret
-    from cellswarm.swarm.control.beats import server_config
+    from cellswarm.swarm.transport.beats import server_config
 
     token = load_token(args.token_file) if args.token_file else None
     write_secret(args.out, server_config(args.listen, token, args.tls))

@@ -17,7 +17,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.control.policy import (
+from cellswarm.swarm.policy import (
     HEARTBEAT_S,
     HEARTBEAT_TIMEOUT_S,
     LEASE_S,

@@ -1,6 +1,6 @@
 """A member turned hostile (a real session: it holds the cluster token) on the inner
 protocol's routes: numbers no field could mean are a 400 naming the field, never a 500,
-and the coordinator goes on serving (control/wire.py)."""
+and the coordinator goes on serving (transport/wire.py)."""
 
 from __future__ import annotations
 

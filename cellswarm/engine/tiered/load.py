@@ -10,15 +10,18 @@ from typing import Any
 
 import numpy as np
 
+from cellswarm.engine import PREFILL_CHUNK
 from cellswarm.engine.memory import proc_status
-from cellswarm.engine.model import PREFILL_CHUNK, Model
+from cellswarm.engine.model import Model
 from cellswarm.engine.tiered.cache import PROJ, STREAM_BUFFERS, ExpertCache, TieredExperts
 from cellswarm.engine.tiered.slow import SlowTier, faults
 from cellswarm.errors import RequestError
 from cellswarm.io.gguf_file import GGUFFile, to_tensor
 from cellswarm.io.names import tensor_kind
+from cellswarm.io.tokenizer import gguf_tokenizer
 from cellswarm.io.weights import Selection, WeightStore
 from cellswarm.models import module_of
+from cellswarm.models.from_file import check_tensors, gguf_config
 from cellswarm.quant import PackedExperts
 
 SAFETY_BYTES = 4 << 20  # malloc slack and small Python objects made while running
@@ -132,8 +135,6 @@ def load_tiered(
     anonymous memory in all; see the module docstring. `selection`: a swarm worker's shard
     (its layer range, embedding / head or not), tiered the same way."""
     sel = selection or Selection()
-    from cellswarm.loader import check_tensors, gguf_config, gguf_tokenizer
-
     p = Path(path)
     f = GGUFFile(p)
     entry, config = gguf_config(p, f)

@@ -33,6 +33,7 @@ from cellswarm.swarm.api.schema import (
     NotFound,
     body,
     chat_turns,
+    limits_of,
     parse,
 )
 from cellswarm.swarm.control.jobs import TERMINAL, Job
@@ -154,7 +155,7 @@ def item_id(item: Any, index: int) -> str:
 
 
 def _item_job(coord: Any, it: BatchItem, index: int) -> tuple[str, dict[str, Any]]:
-    tok, limits = coord.tokenizer, coord.limits
+    tok, limits = coord.tokenizer, limits_of(coord)
     if it.messages is not None:
         text = tok.apply_chat_template(chat_turns(it.messages), add_generation_prompt=True)
         prompt = limits.encode(lambda t: tok.encode(t, add_special=False), text, "messages")
@@ -163,7 +164,7 @@ def _item_job(coord: Any, it: BatchItem, index: int) -> tuple[str, dict[str, Any
         prompt = limits.encode(tok.encode, it.prompt, "prompt")
     if not prompt:
         raise BadRequest("the prompt makes no tokens; send more text")
-    base = {"id": str(index if it.id is None else it.id), "prompt": prompt}
+    base: dict[str, Any] = {"id": str(index if it.id is None else it.id), "prompt": prompt}
     if it.extra():
         base["extra"] = it.extra()
     limits.ids(it.bias_ids(), "logit_bias")

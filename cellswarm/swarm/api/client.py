@@ -170,3 +170,37 @@ def _tell_changes(status: dict[str, Any], seen: dict[str, tuple[str, str]],
         holds = f", {now[1]}" if now[1] != "-" else ""
         say(f"node {n['node_id']} {what} ({now[0]}{holds}); "
             f"{sum(x['state'] == 'assigned' for x in nodes)} of {len(nodes)} nodes assigned")
+
+
+def fetch_timeline(url: str, request_id: str, token: bytes | None = None,
+                   api_key: str | None = None, tls: str | None = None,
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """One request's events from a coordinator, as `logs.timeline` reads them from files,
+    and each node's clock correction (offset s, error s) once."""
+    from urllib.parse import quote
+
+    from cellswarm.swarm.auth import OPERATOR, prove
+
+    headers: dict[str, str] = {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    elif token is not None:
+        nonce = str(call(url, "/v1/challenge", {}, tls=tls)["nonce"])
+        headers["X-Cellswarm-Proof"] = f"{nonce}:{prove(token, nonce, OPERATOR)}"
+    answer = call(url, f"/v1/logs/{quote(request_id, safe='')}", tls=tls, headers=headers)
+    events: list[dict[str, Any]] = []
+    clocks: dict[str, Any] = {}
+    for e in answer["events"]:
+        offset, error = e.pop("clock_offset_s", 0.0), e.pop("clock_error_s", None)
+        e.pop("node_ts", None)
+        clocks.setdefault(e["node"], (offset, error))
+        events.append(e)
+    return events, clocks
+
+
+def api_key(args: object) -> str | None:
+    """The key a client command sends: the first of --api-key-file, if given."""
+    from cellswarm.swarm.api.access import first_key
+
+    path = getattr(args, "api_key_file", None)
+    return first_key(path) if path else None

@@ -11,8 +11,7 @@ from fastapi import FastAPI, Request
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.api.schema import NotFound, load_json
-from cellswarm.swarm.auth import verify
-from cellswarm.swarm.control.logship import OPERATOR
+from cellswarm.swarm.auth import OPERATOR, verify
 
 if TYPE_CHECKING:
     from cellswarm.swarm.control.coordinator import Coordinator

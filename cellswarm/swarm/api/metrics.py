@@ -21,9 +21,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-from cellswarm import __version__
 from cellswarm.swarm.control.request_metrics import RequestMetrics
 from cellswarm.swarm.ring.step_times import cumulative
+from cellswarm.version import __version__
 
 if TYPE_CHECKING:
     from cellswarm.swarm.control.coordinator import Coordinator

@@ -82,6 +82,7 @@ from cellswarm.swarm.api.schema import (
     TokenizeRequest,
     body,
     chat_turns,
+    limits_of,
 )
 from cellswarm.swarm.api.schema import OpenAICommon as _Common
 from cellswarm.swarm.control.coordinator import Coordinator
@@ -380,9 +381,9 @@ class OpenAIRoutes:
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_TOKENS if route == "completions" else max(
                 coord.context - len(prompt), 1)  # fmt: skip
-        coord.limits.generate(prompt, max_tokens, "messages" if route == "chat" else "prompt")
+        limits_of(coord).generate(prompt, max_tokens, "messages" if route == "chat" else "prompt")
         sampling = _sampling(req)
-        coord.limits.ids(req.bias_ids(), "logit_bias")
+        limits_of(coord).ids(req.bias_ids(), "logit_bias")
         if seed_offset and sampling.get("seed") is not None:
             sampling["seed"] = (int(sampling["seed"]) + seed_offset) % 2**64
         stop_ids = sorted(self.tokenizer().stop_ids)
@@ -405,7 +406,7 @@ class OpenAIRoutes:
         """A scoring job over ids[start:] given ids[:start], each token with its `top`
         likeliest alternatives."""
         coord = self.coord
-        coord.limits.score(ids[:start], [ids[start:]], "prompt")
+        limits_of(coord).score(ids[:start], [ids[start:]], "prompt")
         self.check_ring()
         payload = {"prompt": ids[:start], "completions": [ids[start:]], "top": top}
         job = coord.submit(payload, kind="score", owner=request.state.caller.owner)
@@ -560,7 +561,7 @@ def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
         request: Request, req: Annotated[CompletionRequest, body(CompletionRequest)]
     ) -> Response:
         routes.check_model(req.model)
-        prompts = _prompts(req.prompt, routes.tokenizer(), coord.limits)
+        prompts = _prompts(req.prompt, routes.tokenizer(), limits_of(coord))
         given = req.prompt if isinstance(req.prompt, list) and prompts and len(prompts) == len(
             req.prompt) and not all(type(t) is int for t in req.prompt) else [req.prompt]
         texts = [p if isinstance(p, str) else None for p in given]
@@ -572,7 +573,7 @@ def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
     ) -> Response:
         routes.check_model(req.model)
         try:
-            prompt = _chat_ids(req.messages, routes.tokenizer(), coord.limits)
+            prompt = _chat_ids(req.messages, routes.tokenizer(), limits_of(coord))
         except CellswarmError as exc:  # the template refused the conversation
             raise OpenAIError(400, str(exc), param="messages") from None
         return await routes.run(request, req, [prompt], [None],
@@ -597,10 +598,10 @@ def add_tokenizer_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
 
         def encode() -> list[int]:  # off the event loop: a long text takes a while
             if req.messages is not None:
-                return _chat_ids(req.messages, tok, coord.limits)
+                return _chat_ids(req.messages, tok, limits_of(coord))
             if req.prompt is None:
                 raise OpenAIError(400, "send 'prompt' (text) or 'messages'", param="prompt")
-            return list(coord.limits.encode(
+            return list(limits_of(coord).encode(
                 lambda t: tok.encode(t, add_special=req.add_special_tokens), req.prompt,
                 "prompt"))  # fmt: skip
 
@@ -611,7 +612,7 @@ def add_tokenizer_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
     async def detokenize(
         req: Annotated[DetokenizeRequest, body(DetokenizeRequest)]
     ) -> dict[str, Any]:
-        ids = coord.limits.ids(req.tokens, "tokens")
+        ids = limits_of(coord).ids(req.tokens, "tokens")
         return {"prompt": await asyncio.to_thread(routes.tokenizer().decode, ids)}
 
     @app.get("/tokenizer_info")

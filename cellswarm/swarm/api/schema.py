@@ -485,7 +485,8 @@ class Limits:
 MAX_OPTIONS = 64
 
 
-def longest_token_bytes(tok: Any) -> int:
-    """The most UTF-8 bytes one token of `tok` stands for (computed once per coordinator)."""
-    return max((len(tok.token_text(i).encode("utf-8", "surrogatepass"))
-                for i in range(int(tok.vocab_size))), default=0)  # fmt: skip
+def limits_of(coord: Any) -> Limits:
+    """What a request to this coordinator is checked against now (its context may change
+    with a re-placement; the model's facts are read once)."""
+    vocab_size, token_bytes = coord.model_facts
+    return Limits(vocab_size, coord.context, coord.config.max_sequences, token_bytes)

@@ -30,13 +30,21 @@ from cellswarm.swarm.api.doctor_api import add_doctor_routes
 from cellswarm.swarm.api.guard import Guarded, bound_handshakes
 from cellswarm.swarm.api.log_api import add_log_routes
 from cellswarm.swarm.api.openai_api import add_openai_routes
-from cellswarm.swarm.api.schema import BadRequest, NotFound, SubmitRequest, invalid, load_json
-from cellswarm.swarm.control.beats import BEAT_ANSWER_S, MAX_BEATS, beat_batch, settled
+from cellswarm.swarm.api.schema import (
+    BadRequest,
+    NotFound,
+    SubmitRequest,
+    invalid,
+    limits_of,
+    load_json,
+)
 from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.control.jobs import Job
 from cellswarm.swarm.control.store import Node
-from cellswarm.swarm.control.wire import check_numbers
 from cellswarm.swarm.protocol import VersionMismatch
+from cellswarm.swarm.protocol.messages import Fault, Heartbeat, decode
+from cellswarm.swarm.transport.beats import BEAT_ANSWER_S, MAX_BEATS, beat_batch, settled
+from cellswarm.swarm.transport.wire import check_numbers
 
 MAX_WAIT_S = 30.0
 MAX_LEASE_WAIT_S = 1.5  # under the worker's HTTP timeout (worker.HTTP_TIMEOUT_S + wait)
@@ -48,7 +56,7 @@ async def node_body(request: Request) -> dict[str, Any]:
     data = load_json(await request.body())
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
-    check_numbers(data)  # control/wire.py: no number a field could not mean
+    check_numbers(data)  # transport/wire.py: no number a field could not mean
     return data
 
 
@@ -71,7 +79,7 @@ def node_of(coord: Coordinator, data: dict[str, Any]) -> Node:
 
 def _beat(coord: Coordinator, d: dict[str, Any]) -> dict[str, Any]:
     """One node's heartbeat (on the core thread): its answer."""
-    answer = coord.heartbeat(node_of(coord, d), d)
+    answer = coord.heartbeat(node_of(coord, d), decode(Heartbeat, d))
     coord.beats_via["http"] += 1
     return answer
 
@@ -118,8 +126,8 @@ def build_app(coord: Coordinator) -> FastAPI:
         task = asyncio.create_task(coord.monitor())
         warm = asyncio.create_task(asyncio.to_thread(coord.warm_up))
         nats = None
-        if coord.config.control:  # beats over NATS too, once it answers (control/beats.py)
-            from cellswarm.swarm.control.beats import subscribe
+        if coord.config.control:  # beats over NATS too, once it answers (transport/beats.py)
+            from cellswarm.swarm.transport.beats import subscribe
 
             nats = await subscribe(coord, coord.config.control)
         yield
@@ -210,19 +218,17 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
     @app.post("/v1/heartbeats")
     async def heartbeats(request: Request) -> dict[str, Any]:
         """Many nodes' heartbeats in one request (a rack's relay: one message per rack per
-        interval instead of one per node); control/beats.py answers it, as it does on NATS."""
+        interval instead of one per node); transport/beats.py answers it, as it does on NATS."""
         return await coord.on_core(beat_batch, coord, await node_body(request), "http")
 
     @app.post("/v1/fault")
     async def fault(request: Request) -> dict[str, Any]:
         d = await node_body(request)
-        epoch = d.get("epoch")
-        job = d.get("job")
 
         def fault() -> None:
-            coord.fault(node_of(coord, d), str(d.get("kind", "forward")),
-                        str(d.get("detail", "")), None if epoch is None else int(epoch),
-                        str(job) if job else None)  # fmt: skip
+            node = node_of(coord, d)  # a stranger hears 401 before any field is read
+            f = decode(Fault, d)
+            coord.fault(node, f.kind, f.detail, f.epoch, f.job or None)
 
         await coord.on_core(fault)
         return {"ok": True}
@@ -235,7 +241,7 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
 
     @app.get("/v1/model/chunks/{index}")
     async def chunk(index: int, request: Request) -> Response:
-        from cellswarm.swarm.node.fetch import read_chunk
+        from cellswarm.swarm.transport.fetch import read_chunk
 
         await coord.on_core(session_node, coord, request)
         m = await asyncio.to_thread(coord.manifest)
@@ -438,7 +444,7 @@ def _reason(job: Job) -> str:
 def _payload(coord: Coordinator, req: SubmitRequest) -> dict[str, Any]:
     """A request as the ring takes it: prompt token ids, max_tokens, sampling, stop ids —
     each checked against the model (vocabulary, context) before it is queued."""
-    limits = coord.limits
+    limits = limits_of(coord)
     text = isinstance(req.prompt, str)
     if isinstance(req.prompt, str):
         prompt = limits.encode(coord.tokenizer.encode, req.prompt, "prompt")

@@ -2,7 +2,7 @@
 by heartbeats, the references they are judged against, and the judgement.
 
 A round asks every live node (spare, assigned, offline) for the checks of
-`swarm/node/checks.py` with a fresh seed; each node's next heartbeat answer carries the ask,
+`swarm/ring/checks.py` with a fresh seed; each node's next heartbeat answer carries the ask,
 the one after brings the result (a node that never answers fails its echo). Judging is a
 pure function of the results and the references, in the seed's order: input (the model's
 tokenizer), then per node echo -> matmul -> forward (a node that fails a step is not judged
@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from cellswarm.doctor import MIN_DISK_BYTES, Result
-from cellswarm.swarm.node.checks import digest_error
+from cellswarm.swarm.policy import MIN_DISK_BYTES
+from cellswarm.swarm.protocol.checks import Result
+from cellswarm.swarm.ring.checks import digest_error
 from cellswarm.units import format_bytes
 
 MATMUL_TOLERANCE = 2e-2  # int8 activations: ~1e-2 of the largest output on random data
@@ -270,7 +271,7 @@ def judge_round(model_path: str, tokenizer_size: int | None, rnd: Round,
                 nodes: list[Any]) -> list[Result]:  # fmt: skip
     """Every line of a round, in the seed's order: input, nodes, environment."""
     from cellswarm.loader import read_config
-    from cellswarm.swarm.node.checks import matmul_here, matmul_reference
+    from cellswarm.swarm.ring.checks import matmul_here, matmul_reference
 
     rows = int(read_config(model_path).vocab_size)
     out = [judge_tokenizer(tokenizer_size, rows)]
@@ -295,7 +296,7 @@ def forward_reference(model_path: str, layers: tuple[int, int], seed: int) -> di
     model, these layers only), digested as a node digests its own."""
     from cellswarm.io.weights import Selection
     from cellswarm.loader import load
-    from cellswarm.swarm.node.checks import forward_digest
+    from cellswarm.swarm.ring.checks import forward_digest
 
     model = load(model_path, selection=Selection(layers=layers, embed=False, head=False),
                  tokenizer=False)  # fmt: skip

@@ -43,7 +43,7 @@ from typing import Any, NewType
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.control.db import Database, Row, ensure_column
-from cellswarm.swarm.control.policy import MAX_ATTEMPTS, POISON_AFTER, Retry
+from cellswarm.swarm.policy import MAX_ATTEMPTS, POISON_AFTER, Retry
 
 JobId = NewType("JobId", str)
 

@@ -10,7 +10,8 @@ and bumps the epoch.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from cellswarm.errors import BudgetError
@@ -124,8 +125,17 @@ def _fill_holes(
             continue
         if not spares:
             return None
-        out[spares.pop(0).node_id] = dict(shard)
+        rack = _rack_of(held.values(), int(shard.get("replica", 0)))
+        spare = min(spares, key=lambda n: n.rack != rack)  # its replica's rack, if one waits
+        spares.remove(spare)
+        out[spare.node_id] = dict(shard)
     return out
+
+
+def _rack_of(held: Iterable[Node], replica: int) -> str | None:
+    """The rack most of a replica's held slots sit in (None: no slot of it is held)."""
+    racks = Counter(n.rack for n in held if int((n.shard or {}).get("replica", 0)) == replica)
+    return racks.most_common(1)[0][0] if racks else None
 
 
 def place(
@@ -134,10 +144,11 @@ def place(
 ) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
     """A fresh layout over the live nodes: `replicas` rings of `stages` stages (or the fewest
     that fit, up to `max_stages`: one a layer) and their part servers, the earliest joined
-    nodes first, the rest spares. ([], {}) when they cannot hold the model. A first placement
-    waits for what was asked; a repair (`shrink`) takes fewer replicas, then fewer stages,
-    rather than stall. O(nodes) per call (a 100,000-node swarm asks on every change): the
-    smallest memory of each prefix of the join order is computed once."""
+    nodes first, the rest spares; within them, each replica's slots go to nodes of one rack
+    where a rack has enough of them (`by_rack`). ([], {}) when they cannot hold the model.
+    A first placement waits for what was asked; a repair (`shrink`) takes fewer replicas,
+    then fewer stages, rather than stall. O(nodes) per call (a 100,000-node swarm asks on
+    every change): the smallest memory of each prefix of the join order is computed once."""
     if not live:
         return [], {}
     order = sorted(live, key=lambda n: (n.joined_s, n.node_id))
@@ -151,7 +162,7 @@ def place(
             need = r * (count + len(parts))
             if need > len(order):
                 continue
-            chosen = order[:need]
+            chosen = by_rack(order[:need], count + len(parts))
             try:
                 split_ = split(count, smallest[need - 1])
             except BudgetError:
@@ -164,6 +175,25 @@ def place(
                 out[node.node_id] = shard
             return layout, out
     return [], {}
+
+
+def by_rack(chosen: Sequence[Node], per_replica: int) -> list[Node]:
+    """`chosen` reordered so that each run of `per_replica` slots (one replica: its stages in
+    ring order, then its part servers) lies in one rack where it can, as the planner's
+    network model assumes (a replica's hops stay under one switch): every rack, in the order
+    its first node joined, gives whole replicas of its nodes first; what is left of every
+    rack (too few for a replica) fills the last replicas, rack by rack. The same nodes, so
+    the same smallest budget; with no racks said, the join order unchanged."""
+    racks: dict[str, list[Node]] = {}
+    for n in chosen:
+        racks.setdefault(n.rack, []).append(n)
+    whole: list[Node] = []
+    rest: list[Node] = []
+    for members in racks.values():
+        cut = len(members) // per_replica * per_replica
+        whole += members[:cut]
+        rest += members[cut:]
+    return whole + rest
 
 
 def bottleneck(steps_s: Sequence[float]) -> tuple[int, float]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NewType
 
 from cellswarm.swarm.control.db import Database, open_database
+from cellswarm.swarm.protocol import shard_id
 
 NodeId = NewType("NodeId", str)
 
@@ -79,6 +80,11 @@ class Node:
         return int(self.capabilities.get("memory_bytes") or 0)
 
     @property
+    def rack(self) -> str:
+        """The rack it said it sits in at its join (`--rack`); "" when it did not say."""
+        return str(self.capabilities.get("rack") or "")
+
+    @property
     def serving(self) -> bool:
         """Loaded the shard it was given and listening for frames."""
         return (
@@ -87,12 +93,6 @@ class Node:
             and self.data_port is not None
             and self.ready == shard_id(self.shard)
         )
-
-
-def shard_id(shard: dict[str, Any]) -> str:
-    """What identifies a shard's content: a worker reports it once loaded."""
-    keys = ("slot", "role", "layers", "first", "last", "spec")
-    return json.dumps({k: shard.get(k) for k in keys}, sort_keys=True)
 
 
 _JSON_NODE = ("capabilities", "shard")

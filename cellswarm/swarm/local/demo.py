@@ -64,10 +64,10 @@ def run(max_tokens: int = 48) -> int:
 
 
 def _whole_model_need(path: Any) -> str:
-    import cellswarm
+    from cellswarm.loader import load
     from cellswarm.swarm.ring.stage import StageConfig, shard_need_bytes
 
-    model: Model = cellswarm.load(path, tokenizer=False)
+    model: Model = load(path, tokenizer=False)
     cfg = StageConfig(str(path), (0, 30), True, True, context=CONTEXT, max_sequences=SEQUENCES)
     return format_bytes(sum(shard_need_bytes(model, cfg).values()))
 

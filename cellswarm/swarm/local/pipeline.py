@@ -7,96 +7,23 @@ nodes; this module is what it builds on, and what the tests use: real processes,
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import socket
 import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import BudgetError, RequestError, SwarmError
-from cellswarm.planner.placement import (
-    StageCosts,
-    balanced_layers,
-    expert_parts,
-    stage_costs_of,
-    vocab_parts,
-)
 from cellswarm.swarm.auth import load_token
-from cellswarm.swarm.ring.frames import Frame, connect, read_frame, write_frame
-from cellswarm.swarm.ring.parts import PartConfig, PartSpec
-from cellswarm.swarm.ring.stage import StageConfig, prefill_rows, reset_stage
-
-
-def stage_costs(
-    model: str, context: int = 512, max_sequences: int = 8,
-    remote_experts: bool = False, remote_vocab: bool = False,
-) -> StageCosts:  # fmt: skip
-    """A model file's StageCosts as a swarm stage holds it: runtime and scratch on every one."""
-    return costs_at(model, remote_experts, remote_vocab)(context, max_sequences)
-
-
-def costs_at(
-    model: str, remote_experts: bool = False, remote_vocab: bool = False
-) -> Callable[[int, int], StageCosts]:
-    """(context tokens, sequences) -> the StageCosts a swarm stage holds, the file's header
-    read once (placement.fit_context asks at many contexts)."""
-    from cellswarm.models.kv_cache import sequence_bytes
-    from cellswarm.planner.api import resolve_model
-    from cellswarm.planner.overhead import runtime_overhead_bytes
-
-    inv = resolve_model(model)
-    runtime = runtime_overhead_bytes()
-
-    def at(context: int, sequences: int) -> StageCosts:
-        fixed = runtime + inv.scratch_bytes(prefill_rows(context), context, 0)  # as a stage
-        costs = stage_costs_of(inv, context * sequences, fixed, remote_experts, remote_vocab)
-        # a layer's cache as a stage allocates it, the keys' padding included (the worker
-        # checks its budget with the same bytes: kv_sequence_bytes)
-        spec = getattr(inv.config, "cache_spec", None)
-        if spec is None:
-            return costs
-        return dataclasses.replace(costs, kv=sequence_bytes({0: spec()}, context) * sequences)
-
-    return at
-
-
-def budget_split(
-    model: str, stages: int, memory_bytes: int, context: int = 512, max_sequences: int = 8,
-    remote_experts: bool = False, remote_vocab: bool = False,
-) -> list[tuple[int, int]]:  # fmt: skip
-    """The coordinator's placement of a model file over `stages` workers of `memory_bytes`
-    (planner/placement.py: balanced_layers); BudgetError if they cannot hold it."""
-    costs = stage_costs(model, context, max_sequences, remote_experts, remote_vocab)
-    return balanced_layers(costs, stages, memory_bytes, Path(model).name)
-
-
-def part_specs(
-    model: str, expert_nodes: int, vocab_nodes: int, ports: Sequence[int]
-) -> list[PartSpec]:
-    """Part servers for a model (planner/placement.py: expert_parts, vocab_parts)."""
-    from cellswarm.loader import read_config
-
-    config = read_config(model)
-    n_experts = int(getattr(config, "n_experts", 0))
-    if expert_nodes and not n_experts:
-        raise RequestError(f"{Path(model).name} has no routed experts to place on expert nodes")
-    if not 0 <= expert_nodes <= max(n_experts, 0):
-        raise RequestError(f"{expert_nodes} expert nodes for {n_experts} experts per layer")
-    moe = [i for i in range(config.n_layers) if n_experts and config.is_moe(i)]
-    experts = expert_parts(moe, n_experts, expert_nodes)
-    specs = [PartSpec(f"experts-{j}", ports[j], experts=e) for j, e in enumerate(experts)]
-    rows = vocab_parts(int(config.vocab_size), vocab_nodes)
-    specs += [
-        PartSpec(f"vocab-{j}", ports[expert_nodes + j], vocab_rows=r) for j, r in enumerate(rows)
-    ]
-    return specs
+from cellswarm.swarm.ring.costs import part_specs
+from cellswarm.swarm.ring.frames import Frame, connect, read_frame, reset_stage, write_frame
+from cellswarm.swarm.ring.parts import PartConfig
+from cellswarm.swarm.ring.stage import StageConfig
 
 
 def free_port() -> int:

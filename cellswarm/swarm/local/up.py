@@ -28,7 +28,8 @@ from cellswarm.lifecycle import DIE_WITH_ENV
 from cellswarm.planner.placement import ContextFit, fit_context
 from cellswarm.swarm.api import client
 from cellswarm.swarm.auth import write_secret
-from cellswarm.swarm.local.pipeline import costs_at, free_port
+from cellswarm.swarm.local.pipeline import free_port
+from cellswarm.swarm.ring.costs import costs_at
 from cellswarm.swarm.settings import CoordinatorConfig, WorkerConfig, to_flags
 from cellswarm.units import parse_bytes
 
@@ -77,7 +78,7 @@ class LocalSwarm:
     # the coordinator, every worker and this object's own calls
     tls_dir: str | None = None
     own_log_dirs: bool = False  # no shared disk: logs-<i> per worker, logs-coordinator
-    control: str | None = None  # nats://HOST:PORT: heartbeats through NATS (control/beats.py)
+    control: str | None = None  # nats://HOST:PORT: heartbeats through NATS (transport/beats.py)
     keep_awake: bool = WorkerConfig.keep_awake  # workers hold a CPU wake-latency bound (awake.py)
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)

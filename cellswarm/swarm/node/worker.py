@@ -36,9 +36,6 @@ from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
 from cellswarm.errors import BudgetError, CellswarmError, RequestError, SwarmError
 from cellswarm.kernels import cache_dir as kernels_cache_dir
 from cellswarm.swarm.auth import load_token, prove
-from cellswarm.swarm.control.beats import NatsBeats
-from cellswarm.swarm.control.logship import LogShipper
-from cellswarm.swarm.control.store import shard_id
 from cellswarm.swarm.node.awake import KeepAwake
 from cellswarm.swarm.node.head import Head
 from cellswarm.swarm.node.metrics import Power
@@ -51,7 +48,9 @@ from cellswarm.swarm.node.net import (
     parse_address,
     route_source,
 )
-from cellswarm.swarm.protocol import PROTOCOL
+from cellswarm.swarm.protocol import PROTOCOL, shard_id
+from cellswarm.swarm.protocol.messages import Fault, Heartbeat, NodeStats, decode, encode
+from cellswarm.swarm.ring.faults import Faults
 from cellswarm.swarm.ring.frames import listen_tls
 from cellswarm.swarm.ring.parts import PartConfig, PartServer, PartSpec, load_part_model
 from cellswarm.swarm.ring.stage import (
@@ -63,6 +62,8 @@ from cellswarm.swarm.ring.stage import (
 )
 from cellswarm.swarm.settings import WorkerConfig
 from cellswarm.swarm.tls import check_url, client_context, server_context, tls_failure
+from cellswarm.swarm.transport.beats import NatsBeats
+from cellswarm.swarm.transport.logship import LogShipper
 
 log = logging.getLogger("cellswarm.worker")
 
@@ -154,7 +155,7 @@ class Worker:
         self.fatal = ""  # why the beats gave up (GIVE_UP)
         self._problem = ""  # why the coordinator cannot place the model, as last told
         self.nats: NatsBeats | None = None
-        if config.control:  # heartbeats through NATS (control/beats.py)
+        if config.control:  # heartbeats through NATS (transport/beats.py)
             self.nats = NatsBeats(config.control, config.node_id, self.token, config.tls_dir)
 
     # -- talking to the coordinator --------------------------------------------------------
@@ -198,24 +199,19 @@ class Worker:
         print(f"JOINED {self.config.node_id}", flush=True)
 
     def _beat_body(self) -> dict[str, Any]:
-        beat: dict[str, Any] = {
-            "node_id": self.config.node_id, "session": self.session, "rss_bytes": rss_bytes(),
-            "peak_rss_bytes": peak_rss_bytes(), **self.data_address(),
-            "ready": self.ready, "sent_s": time.time(), "clock_offset_s": self.clock.offset_s,
-            "clock_error_s": self.clock.error_s,
-            "refused": self.refused or None,
-            "max_sequences": self.stage.config.max_sequences if self.stage else None,
-            "stats": self.stats(), "metrics_port": self.metrics_port,
-        }  # fmt: skip
-        if self.probe is not None:
-            beat["probe_ok"], beat["probe_error"] = self.probe
-            self.probe = None
-        if self.check is not None:
-            beat["check"], self.check = self.check, None
-        return beat
+        probe, self.probe = self.probe or (None, None), None
+        check, self.check = self.check, None
+        return encode(Heartbeat(
+            node_id=self.config.node_id, session=str(self.session), rss_bytes=rss_bytes(),
+            peak_rss_bytes=peak_rss_bytes(), **self.data_address(),
+            ready=self.ready, sent_s=time.time(), clock_offset_s=self.clock.offset_s,
+            clock_error_s=self.clock.error_s, refused=self.refused or None,
+            max_sequences=self.stage.config.max_sequences if self.stage else None,
+            stats=decode(NodeStats, self.stats()), metrics_port=self.metrics_port,
+            probe_ok=probe[0], probe_error=probe[1], check=check))  # fmt: skip
 
     async def _beat(self) -> dict[str, Any]:
-        """One heartbeat and its answer: through NATS with --control (control/beats.py),
+        """One heartbeat and its answer: through NATS with --control (transport/beats.py),
         else — or when NATS does not answer — over HTTP."""
         beat = self._beat_body()
         t0 = time.perf_counter()
@@ -277,8 +273,8 @@ class Worker:
     ) -> asyncio.Future[None] | None:
         """Called by the stage on a failed step (of `epoch`, of request `job`); told to the
         coordinator at once. The call in flight, for a stage that must wait for it."""
-        data = {"node_id": self.config.node_id, "session": self.session, "kind": kind,
-                "detail": detail, "epoch": epoch, "job": job}  # fmt: skip
+        data = encode(Fault(node_id=self.config.node_id, session=str(self.session), kind=kind,
+                            detail=detail, epoch=epoch, job=job))  # fmt: skip
         if self.loop is None:
             return None
         return self.loop.run_in_executor(None, self._post_quietly, "/v1/fault", data)
@@ -502,10 +498,9 @@ class Worker:
         self.stage = Stage(config, model)
         self.stage.on_fault = self.report_fault
         self.stage.log.sink = self.shipper.add  # the local file stays; a thread ships
-        self.stage.fail_forward = c.fail_forward
-        self.stage.fail_token = c.fail_token
-        self.stage.perturb = c.perturb
-        self.stage.stall_once_s = c.stall_step_s
+        if c.fail_forward or c.fail_token is not None or c.perturb or c.stall_step_s:
+            self.stage.faults = Faults(fail_forward=c.fail_forward, fail_token=c.fail_token,
+                                       perturb=c.perturb, stall_once_s=c.stall_step_s)  # tests
         self.stage.on_step = self.awake.touch if self.awake is not None else None
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
         if config.first:
@@ -547,7 +542,7 @@ class Worker:
     def fetch_selection(self, sel: Any) -> Path:
         """This shard's bytes of the model, from the coordinator: only the chunks holding
         its tensors, each checked against the manifest, cached by content hash on disk."""
-        from cellswarm.swarm.node.fetch import Manifest, ensure_local
+        from cellswarm.swarm.transport.fetch import Manifest, ensure_local
 
         headers = {"X-Cellswarm-Session": f"{self.config.node_id}:{self.session}"}
 
@@ -597,8 +592,8 @@ class Worker:
         return await asyncio.to_thread(self.run_probe)
 
     async def run_checks(self, ask: dict[str, Any]) -> dict[str, Any]:
-        """A doctor round (swarm/node/checks.py), run where the steps run, as the probe is."""
-        from cellswarm.swarm.node import checks
+        """A doctor round (swarm/ring/checks.py), run where the steps run, as the probe is."""
+        from cellswarm.swarm.ring import checks
 
         stage, c = self.stage, self.config
         folders = (c.log_dir, c.cache_dir, str(kernels_cache_dir()))

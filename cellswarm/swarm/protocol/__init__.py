@@ -9,6 +9,9 @@ it into the typed messages themselves).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+
 PROTOCOL = 1
 
 
@@ -24,3 +27,9 @@ def check_version(theirs: object, node_id: str) -> None:
             else f"protocol {str(theirs)[:20]}")  # fmt: skip
     raise VersionMismatch(f"node {node_id[:64]} speaks {said}; this coordinator speaks "
                           f"protocol {PROTOCOL}: run the same cellswarm version on both")
+
+
+def shard_id(shard: Mapping[str, object]) -> str:
+    """What identifies a shard's content: a worker reports it once loaded."""
+    keys = ("slot", "role", "layers", "first", "last", "spec")
+    return json.dumps({k: shard.get(k) for k in keys}, sort_keys=True)

@@ -298,3 +298,19 @@ def connect_sync(
         proof = prove(token, str(challenge.fields["nonce"]), peer)
         write_frame_sync(sock, Frame("proof", {"peer": peer, "mac": proof}))
     return sock
+
+
+async def reset_stage(
+    host: str, port: int, fields: dict[str, Any], token: bytes | None, peer: str = "client",
+    timeout_s: float = 5.0, tls: ssl.SSLContext | None = None,
+) -> bool:  # fmt: skip
+    """Send a stage (or part server) a `reset` frame — a new epoch, and with a coordinator
+    the ring's new wiring — and wait for `reset_done`; False if it is silent or gone."""
+    try:
+        reader, writer = await asyncio.wait_for(connect(host, port, token, peer, tls), timeout_s)
+        await write_frame(writer, Frame("reset", fields))
+        answer = await asyncio.wait_for(read_frame(reader), timeout_s)
+        writer.close()
+        return answer is not None and answer.type == "reset_done"
+    except (OSError, TimeoutError, ConnectionError, ProtocolError):
+        return False

@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import ssl
 import sys
 import time
@@ -29,8 +28,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from cellswarm.engine import PREFILL_CHUNK
 from cellswarm.engine.memory import peak_rss_bytes
-from cellswarm.engine.model import PREFILL_CHUNK, Model
+from cellswarm.engine.model import Model
 from cellswarm.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.engine.scoring import MAX_TOP, log_norms, sum_log_probs, token_detail
@@ -41,7 +41,9 @@ from cellswarm.models.deepseek2_config import DeepseekConfig
 from cellswarm.models.kv_cache import KVCache
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.logs import JsonLog
+from cellswarm.swarm.ring.costs import prefill_rows
 from cellswarm.swarm.ring.emulate import Emulation, precise_loop
+from cellswarm.swarm.ring.faults import NO_FAULTS, Faults
 from cellswarm.swarm.ring.frames import (
     Frame,
     accept,
@@ -267,17 +269,10 @@ class Stage:
         # such a step can be the one that kills a node (a replayed one made the same bits
         # before), so only then is the job exposed to a crash of its ring (head.py).
         self.on_frontier: Frontier | None = None
-        self.fail_forward = False  # fault injection for tests: every forward pass raises
-        # fault injection for tests: the first step of a sequence whose prompt holds this
-        # token raises, as a query of death would (a fault the stage cannot tell from its own)
-        self.fail_token: int | None = None
-        # fault injection for tests: this fraction of sequences get wrong tokens (bad RAM)
-        self.perturb = 0.0
-        self.stall_once_s = 0.0  # fault injection for tests: the next step blocks this long
+        # what a test plants (faults.py); a production stage holds none
+        self.faults = Faults(config.crash_after_steps) if config.crash_after_steps else NO_FAULTS
         self.step_since: float | None = None  # when the step running now began (monotonic)
         self.step_times = StepTimes()  # every step's compute time (stats, /metrics)
-        self.corrupted: set[int] = set()
-        self._rng = np.random.default_rng()
         self.connections: set[asyncio.StreamWriter] = set()
         self.vocab: VocabParts | None = None
         self.experts = ExpertParts((), self.token, config.node_id)
@@ -712,11 +707,9 @@ class Stage:
             cache.length = r.pos
         if self.on_step is not None:
             self.on_step()
-        self.crash_if_due()
         t0 = time.perf_counter()
         try:
-            if self.fail_forward:
-                raise RuntimeError("injected fault: this node's forward pass always fails")
+            self.faults.before_step(self.steps)
             h = np.ascontiguousarray(np.concatenate([r.h for r in batch]), np.float32)
             h = await self.compute(self.model.forward_many, h, caches)
             logits = await self.compute(self.head, h) if self.config.last else None
@@ -752,13 +745,6 @@ class Stage:
             parts[3], parts[4] = self._sent_s
             self.tally(r.seq, t0 - r.embed_s, parts)
 
-    def crash_if_due(self) -> None:
-        if (
-            self.config.crash_after_steps is not None
-            and self.steps >= self.config.crash_after_steps
-        ):
-            os._exit(1)  # no cleanup, no goodbye: what a power cut looks like to the others
-
     async def run_layers(
         self, seq: int, h: np.ndarray, pos: int, first: dict[str, Any] | None, cached: int = 0
     ) -> None:
@@ -773,7 +759,6 @@ class Stage:
         cache.length = pos
         if self.on_step is not None:
             self.on_step()
-        self.crash_if_due()
         t0 = time.perf_counter()
         one_row = h.shape[0] == 1
         frame_s, self._frame_s = self._frame_s, None
@@ -782,12 +767,7 @@ class Stage:
         out: Any = None  # the last stage's: a sampled token, or a score
         kept = 0  # the rows at the start that this stage's prefix cache gave
         try:
-            if self.fail_forward:
-                raise RuntimeError("injected fault: this node's forward pass always fails")
-            if self.fail_token is not None and first is not None and (
-                self.fail_token in first.get("prompt", ())
-            ):
-                raise RuntimeError("injected fault: this request's first step always fails")
+            self.faults.before_step(self.steps, first.get("prompt", ()) if first else None)
             done = await self.layers_first(seq, np.ascontiguousarray(h, np.float32), cache,
                                            first, cached)  # fmt: skip
             if done is None:  # dropped by a reset between two chunks
@@ -1015,9 +995,7 @@ class Stage:
         heartbeat (a thread of its own, worker.py) reports the node busy since `step_since`."""
         self.step_since = time.monotonic()
         try:
-            if self.stall_once_s:  # fault injection: one step blocks the loop (tests)
-                stall_s, self.stall_once_s = self.stall_once_s, 0.0
-                time.sleep(stall_s)
+            self.faults.stall()  # a test's stuck node (faults.py)
             if self._cpu is None:
                 return fn(*args)
             return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
@@ -1038,11 +1016,7 @@ class Stage:
         digest = hashlib.sha256(np.ascontiguousarray(logits).tobytes()).hexdigest()
         self.logit_bits[seq] = digest[:16]
         token = self.sample(seq, logits, first)
-        if self.perturb and first is not None and self._rng.random() < self.perturb:
-            self.corrupted.add(seq)  # fault injection: this sequence's output goes bad
-        if seq in self.corrupted:
-            token = (token + 1 + int(self._rng.integers(1000))) % int(self.model.config.vocab_size)
-        return token
+        return self.faults.token(seq, token, first is not None, int(self.model.config.vocab_size))
 
     def sample(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
         if first is not None:
@@ -1142,7 +1116,7 @@ class Stage:
         self.log_decode(seq, pop=True)
         self._unsent.pop(seq, None)
         self._awaiting.pop(seq, None)
-        self.corrupted.discard(seq)
+        self.faults.forget(seq)
         self.requests.pop(seq, None)
         self.caches.pop(seq, None)
         self.samplers.pop(seq, None)
@@ -1200,22 +1174,6 @@ async def _while(still: Callable[[], bool], work: Awaitable[T]) -> T:
         if not still():
             task.cancel()
             raise ConnectionError("rewired while connecting")
-
-
-async def reset_stage(
-    host: str, port: int, fields: dict[str, Any], token: bytes | None, peer: str = "client",
-    timeout_s: float = 5.0, tls: ssl.SSLContext | None = None,
-) -> bool:  # fmt: skip
-    """Send a stage (or part server) a `reset` frame — a new epoch, and with a coordinator
-    the ring's new wiring — and wait for `reset_done`; False if it is silent or gone."""
-    try:
-        reader, writer = await asyncio.wait_for(connect(host, port, token, peer, tls), timeout_s)
-        await write_frame(writer, Frame("reset", fields))
-        answer = await asyncio.wait_for(read_frame(reader), timeout_s)
-        writer.close()
-        return answer is not None and answer.type == "reset_done"
-    except (OSError, TimeoutError, ConnectionError, ProtocolError):
-        return False
 
 
 def load_stage_model(config: StageConfig) -> Model:
@@ -1340,11 +1298,6 @@ def prefix_budget(model: Model, config: StageConfig) -> int:
         return DEFAULT_PREFIX_CACHE_BYTES
     slack = int(config.memory_bytes) - sum(shard_need_bytes(model, config).values())
     return max(0, min(slack // 2, DEFAULT_PREFIX_CACHE_BYTES))
-
-
-def prefill_rows(context: int) -> int:
-    """The most positions one step computes at once: a prefill chunk, or the whole context."""
-    return max(1, min(context, PREFILL_CHUNK))
 
 
 def check_budget(model: Model, config: StageConfig) -> None:

@@ -115,9 +115,9 @@ def environment(folders: Iterable[str | Path | None]) -> dict[str, Any]:
     """This host's facts that make nodes differ: versions, CPU, free memory and disk."""
     import numpy
 
-    import cellswarm
     from cellswarm import kernels
     from cellswarm.engine.memory import available_bytes, cgroup_memory
+    from cellswarm.version import __version__
 
     cgroup = cgroup_memory()
     disks = {}
@@ -132,7 +132,7 @@ def environment(folders: Iterable[str | Path | None]) -> dict[str, Any]:
         except OSError:
             continue
     return {
-        "cellswarm": cellswarm.__version__, "python": platform.python_version(),
+        "cellswarm": __version__, "python": platform.python_version(),
         "numpy": numpy.__version__, "kernels": kernels.backend(),
         "kernel_build": kernels.build_id(), "machine": platform.machine(),
         "os": f"{platform.system()} {platform.release()}", "cpu_flags": cpu_flags(),

@@ -39,7 +39,8 @@ from typing import Any
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.auth import digest
-from cellswarm.swarm.control.wire import check_numbers
+from cellswarm.swarm.protocol.messages import Heartbeat, decode
+from cellswarm.swarm.transport.wire import check_numbers
 
 log = logging.getLogger("cellswarm.beats")
 
@@ -63,7 +64,7 @@ def beat_batch(coord: Any, d: dict[str, Any], via: str) -> dict[str, Any]:
             if not isinstance(beat, dict):
                 raise RequestError("a beat is an object")
             node = coord.authenticate(str(beat["node_id"]), str(beat["session"]))
-            answers.append(coord.heartbeat(node, beat))
+            answers.append(coord.heartbeat(node, decode(Heartbeat, beat)))
         except (PermissionError, KeyError, RequestError) as exc:
             answers.append(_error(exc))
     coord.beats_via[via] += len(answers)
@@ -143,7 +144,7 @@ def sealed_batch(coord: Any, data: bytes) -> bytes:
             else:
                 raise RequestError("a beat in a sealed batch is the sender's object or "
                                    "another node's sealed beat")  # fmt: skip
-            answers.append(coord.heartbeat(node, beat))
+            answers.append(coord.heartbeat(node, decode(Heartbeat, beat)))
         except (PermissionError, KeyError, RequestError) as exc:
             answers.append(_error(exc))
     coord.beats_via["nats"] += len(answers)

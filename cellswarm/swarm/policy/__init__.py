@@ -44,3 +44,5 @@ class Retry:
     def backoff(self, attempts: int) -> float:
         """Seconds to wait after the `attempts`-th failed attempt."""
         return float(min(self.max_backoff_s, self.backoff_s * 2 ** max(attempts - 1, 0)))
+
+MIN_DISK_BYTES = 1 << 30  # the kernel cache, fetched shards and logs want room (doctor)

@@ -1,0 +1,137 @@
+"""The messages between a node and the coordinator, as frozen, typed values (msgspec Structs).
+
+Both ends import this module: the worker builds a value and sends `encode(value)` (JSON-ready
+builtins, defaults left out so a beat stays small); the coordinator's routes turn what
+arrived into the value with `decode(Type, data)` before any handler reads it, so a handler
+reads attributes of known types and never `.get` of a raw dict. A field a message does not
+have, or a value of the wrong type, is refused at the door in one line naming the field (a
+RequestError: HTTP 400). Bounds on numbers (no port of 70,000, no byte count of 1e30) are
+checked before, by transport/wire.py.
+
+Why msgspec and not pydantic (the client edge's): at a 100,000-node swarm's one heartbeat
+interval, encoding and decoding every beat costs msgspec a fraction of pydantic's time
+(`python -m bench.protocol`; the figures are in docs/design.md). A change of shape or meaning
+here bumps PROTOCOL (protocol/__init__.py): a node of another version is refused at its join.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+
+from cellswarm.errors import RequestError
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+              omit_defaults=True, gc=False):  # fmt: skip
+    """Every message: immutable, keyword-built, strict about its fields; untracked by the
+    garbage collector (a message holds no cycle), which halves a beat's decode at 100,000."""
+
+
+class StepHistogram(Message, frozen=True):
+    """A stage's step times as Prometheus buckets (ring/step_times.py): upper bounds (s),
+    the count in each (one more than the bounds: +Inf), and the sum."""
+
+    le: list[float]
+    counts: list[int]
+    sum_s: float
+
+
+class NodeStats(Message, frozen=True):
+    """What a node's stage counted since it started, and the worker's own readings; every
+    field optional (a node without a shard has none of the stage's)."""
+
+    layers: list[int] | None = None
+    memory_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    steps: int | None = None
+    busy_s: float | None = None
+    sequences: int | None = None
+    decode_steps: int | None = None
+    decode_s: float | None = None
+    hop_s: dict[str, float] | None = None  # read, dispatch, compute, encode, send
+    step_s: StepHistogram | None = None
+    running_s: float | None = None
+    batches: int | None = None
+    widest_batch: int | None = None
+    rows_unsent: int | None = None
+    rows_resent: int | None = None
+    prefix_hits: int | None = None  # the prefix cache (engine/prefix_cache.py)
+    prefix_misses: int | None = None
+    prefix_evictions: int | None = None
+    prefix_bytes: int | None = None
+    prefix_blocks: int | None = None
+    energy_j: float | None = None  # the worker's: energy so far, temperature, shard fetch
+    temp_c: float | None = None
+    fetch_done_bytes: int | None = None
+    fetch_total_bytes: int | None = None
+
+
+class Heartbeat(Message, frozen=True):
+    """A node's beat: alive, what it holds and serves, where its peers reach it, its clock,
+    and the answers to what the last beat's answer asked (a probe, a doctor round)."""
+
+    node_id: str
+    session: str = ""  # over HTTP; a sealed NATS beat is proved by its seal instead
+    seq: int | None = None  # a sealed NATS beat's number (replays are refused)
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
+    data_port: int | None = None
+    data_host: str | None = None  # advertised; else the address the beat came from
+    ready: str | None = None  # the shard_id it serves, once loaded
+    sent_s: float | None = None  # its clock when sent (the answer's now_s sets its offset)
+    clock_offset_s: float | None = None  # its estimate of coordinator - node
+    clock_error_s: float | None = None
+    refused: str | None = None  # why it could not hold the shard it was given
+    max_sequences: int | None = None  # what its KV cache was sized for
+    stats: NodeStats | None = None
+    metrics_port: int | None = None
+    probe_ok: bool | None = None  # an offline node's probe, when it ran one
+    probe_error: str | None = None
+    check: dict[str, object] | None = None  # a doctor round's result (ring/checks.py)
+
+
+class Capabilities(Message, frozen=True):
+    """What a node joins with: its budget (what placement packs against), what it measured
+    of itself, its rack, and its protocol version — read from the raw join first, so that a
+    node of another version hears that, not a complaint about a field it has and we lack."""
+
+    memory_bytes: int = 0
+    protocol: int | None = None
+    profile: str | None = None  # a planner profile it runs as (planner/profiles)
+    rack: str | None = None
+    bandwidth_bytes_per_s: int | None = None
+    flops: int | None = None
+    link_bytes_per_s: int | None = None
+    oom_kills: int | None = None  # its memory cgroup's, at start (a supervisor restarted it)
+    cgroup_limit_bytes: int | None = None
+    max_sequences: int | None = None  # set by the coordinator from its beats
+
+
+class Fault(Message, frozen=True):
+    """A stage's failed step, told at once (the job's attempt is judged by it)."""
+
+    node_id: str
+    session: str
+    kind: str = "forward"  # forward, next, part, sender (Coordinator.fault)
+    detail: str = ""
+    epoch: int | None = None  # the wiring's epoch it struck in; a fault of an older one is moot
+    job: str | None = None
+
+
+M = TypeVar("M", bound=Message)
+
+
+def decode(kind: type[M], data: object) -> M:
+    """`data` (parsed JSON) as a `kind`, or a RequestError naming the field."""
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as exc:
+        raise RequestError(f"a {kind.__name__.lower()}: {exc}") from None
+
+
+def encode(message: Message) -> dict[str, object]:
+    """A message as JSON-ready builtins, fields at their default left out."""
+    out: dict[str, object] = msgspec.to_builtins(message)
+    return out
