@@ -90,3 +90,16 @@ def test_a_coordinator_refuses_a_beat_it_cannot_read_and_goes_on(demo_path: Path
         r = httpx.post(f"{swarm.url}/v1/heartbeat", json=base, timeout=30)
         assert r.status_code == 200 and "epoch" in r.json()
 
+
+
+def test_an_answer_says_every_field_and_a_worker_reads_it_typed() -> None:
+    """A heartbeat's answer carries every field, defaults too (what a node reads is always
+    there); a held answer is one with `held` and nothing new."""
+    from cellswarm.swarm.protocol.messages import HeartbeatAnswer
+
+    sent = encode(HeartbeatAnswer(held=True, now_s=1.5, heartbeat_s=0.5))
+    assert set(sent) == {f for f in HeartbeatAnswer.__struct_fields__}
+    assert decode(HeartbeatAnswer, sent) == HeartbeatAnswer(held=True, now_s=1.5, heartbeat_s=0.5)
+    assert decode(HeartbeatAnswer, {"epoch": 3}).shard is None
+    with pytest.raises(RequestError, match="rogue"):
+        decode(HeartbeatAnswer, {"rogue": 1})

@@ -16,7 +16,7 @@ from cellswarm.swarm.control.liveness import Liveness, oom_message
 from cellswarm.swarm.control.state import Beat
 from cellswarm.swarm.control.store import Node, NodeId
 from cellswarm.swarm.protocol import VersionMismatch, check_version
-from cellswarm.swarm.protocol.messages import Capabilities, decode, encode
+from cellswarm.swarm.protocol.messages import Capabilities, HeartbeatAnswer, decode, encode
 from cellswarm.swarm.transport.beats import beat_key, holds, seal
 from cellswarm.units import format_bytes
 
@@ -154,7 +154,8 @@ class Joining(Liveness):
         return kept[1]
 
     def _held(self) -> dict[str, Any]:
-        return {"held": True, "now_s": time.time(), "heartbeat_s": self.heartbeat_interval_s()}
+        return encode(HeartbeatAnswer(held=True, now_s=time.time(),
+                                      heartbeat_s=self.heartbeat_interval_s()))  # fmt: skip
 
     def held_answer(self, node_id: str, session: str) -> dict[str, Any] | None:
         """A heartbeat's answer while the core thread is busy (from the event loop: no

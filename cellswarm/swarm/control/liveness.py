@@ -16,7 +16,7 @@ from cellswarm.swarm.control.membership import ring
 from cellswarm.swarm.control.placing import Placing
 from cellswarm.swarm.control.state import Beat
 from cellswarm.swarm.control.store import Node
-from cellswarm.swarm.protocol.messages import Heartbeat, encode
+from cellswarm.swarm.protocol.messages import Heartbeat, HeartbeatAnswer, encode
 from cellswarm.swarm.transport.wire import port
 
 log = logging.getLogger("cellswarm.coordinator")
@@ -73,11 +73,11 @@ class Liveness(Placing):
         if beat.check is not None:
             self.checkups.take(node.node_id, beat.check)
         epoch = self.epoch
-        return {"shard": self._shard_for(node), "epoch": epoch, "probe": self._probe(node),
-                "wired": self.wired_epoch == epoch, "lease_s": self.config.lease_s,
-                "now_s": time.time(), "check": self.checkups.ask(node.node_id),
-                "heartbeat_s": self.heartbeat_interval_s(),
-                **({"problem": self.problem} if self.problem else {})}  # fmt: skip
+        return encode(HeartbeatAnswer(
+            shard=self._shard_for(node), epoch=epoch, probe=self._probe(node),
+            wired=self.wired_epoch == epoch, lease_s=self.config.lease_s, now_s=time.time(),
+            check=self.checkups.ask(node.node_id), heartbeat_s=self.heartbeat_interval_s(),
+            problem=self.problem))  # fmt: skip
 
     def metrics_targets(self) -> list[dict[str, Any]]:
         """Prometheus' HTTP service discovery: one group per node that said where its

@@ -49,7 +49,14 @@ from cellswarm.swarm.node.net import (
     route_source,
 )
 from cellswarm.swarm.protocol import PROTOCOL, shard_id
-from cellswarm.swarm.protocol.messages import Fault, Heartbeat, NodeStats, decode, encode
+from cellswarm.swarm.protocol.messages import (
+    Fault,
+    Heartbeat,
+    HeartbeatAnswer,
+    NodeStats,
+    decode,
+    encode,
+)
 from cellswarm.swarm.ring.faults import Faults
 from cellswarm.swarm.ring.frames import listen_tls
 from cellswarm.swarm.ring.parts import PartConfig, PartServer, PartSpec, load_part_model
@@ -70,7 +77,8 @@ log = logging.getLogger("cellswarm.worker")
 HTTP_TIMEOUT_S = 2.0
 JOIN_REFUSALS = 3  # refused proofs in a row before a worker gives up (a wrong token stays wrong)
 SAY_EVERY_S = 60.0  # a warning that retrying may mend, at most once in this long
-GIVE_UP: dict[str, Any] = {}  # the beats' last word to the main loop (Worker.fatal says why)
+# the beats' last word to the main loop (Worker.fatal says why); compared by identity
+GIVE_UP = HeartbeatAnswer(held=True, problem="the beats gave up")
 
 
 def measure_capabilities(config: WorkerConfig) -> dict[str, Any]:
@@ -210,7 +218,7 @@ class Worker:
             stats=decode(NodeStats, self.stats()), metrics_port=self.metrics_port,
             probe_ok=probe[0], probe_error=probe[1], check=check))  # fmt: skip
 
-    async def _beat(self) -> dict[str, Any]:
+    async def _beat(self) -> HeartbeatAnswer:
         """One heartbeat and its answer: through NATS with --control (transport/beats.py),
         else — or when NATS does not answer — over HTTP."""
         beat = self._beat_body()
@@ -223,11 +231,12 @@ class Worker:
         self.echo_s = time.perf_counter() - t0
         return self._heard(beat, answer)
 
-    def _heard(self, beat: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-        if answer.get("now_s") is not None:
-            self.clock.add(beat["sent_s"], float(answer["now_s"]), time.time())
-        if answer.get("heartbeat_s"):  # a bigger swarm beats less often
-            self.heartbeat_s = float(answer["heartbeat_s"])
+    def _heard(self, beat: dict[str, Any], said: dict[str, Any]) -> HeartbeatAnswer:
+        answer = decode(HeartbeatAnswer, said)  # typed here, once: apply reads its fields
+        if answer.now_s is not None:
+            self.clock.add(beat["sent_s"], answer.now_s, time.time())
+        if answer.heartbeat_s:  # a bigger swarm beats less often
+            self.heartbeat_s = answer.heartbeat_s
         return answer
 
     def stats(self) -> dict[str, Any]:
@@ -307,10 +316,10 @@ class Worker:
         self.caps = measure_capabilities(self.config)
         self.start_metrics()
         self._leading = asyncio.create_task(self.lead())  # for the process's life
-        answers: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        answers: asyncio.Queue[HeartbeatAnswer] = asyncio.Queue()
         loop = self.loop
 
-        def heard(answer: dict[str, Any]) -> None:  # the beat thread: to this loop
+        def heard(answer: HeartbeatAnswer) -> None:  # the beat thread: to this loop
             loop.call_soon_threadsafe(answers.put_nowait, answer)
 
         beats = threading.Thread(target=lambda: asyncio.run(self.beat_forever(heard)),
@@ -329,7 +338,7 @@ class Worker:
         """The next beat goes at once (a shard was loaded: the coordinator wires the ring)."""
         self._beat_now.set()
 
-    async def beat_forever(self, heard: Callable[[dict[str, Any]], None]) -> None:
+    async def beat_forever(self, heard: Callable[[HeartbeatAnswer], None]) -> None:
         """The heartbeat thread's loop: join, beat every heartbeat_s, hand each answer to
         the main loop (`heard`); nothing else runs here. What stops it joining is said in
         one line: a refused proof JOIN_REFUSALS times ends the worker (`heard(GIVE_UP)`: a
@@ -420,29 +429,29 @@ class Worker:
             # restarts its long poll, so 10 a second is plenty
             await asyncio.sleep(0.02 if head is not None and head.runs else 0.1)
 
-    def _say_problem(self, answer: dict[str, Any]) -> None:
+    def _say_problem(self, answer: HeartbeatAnswer) -> None:
         """A worker left without a shard is told why by its coordinator: said once a
         minute while it lasts (a budget too small for any shard, too few workers), once it
         is told the same twice in a row (the first answers after a join may carry the
         reason from before it came)."""
-        problem = str(answer.get("problem") or "") if answer.get("shard") is None else ""
+        problem = answer.problem if answer.shard is None else ""
         told, self._problem = self._problem, problem
         if problem and problem == told:
             self._say_once(f"{self.config.node_id} holds no shard: the coordinator cannot place "
                            f"the model ({problem})", key=problem)  # fmt: skip
 
-    async def apply(self, answer: dict[str, Any]) -> None:
-        if answer.get("held"):  # heard while the coordinator's core was busy: nothing new
+    async def apply(self, answer: HeartbeatAnswer) -> None:
+        if answer.held:  # heard while the coordinator's core was busy: nothing new
             return
         self._say_problem(answer)
-        shard = answer.get("shard")
-        self.wired = bool(answer.get("wired"))
-        self.coordinator_epoch = int(answer.get("epoch", -1))
-        self.lease_s = float(answer.get("lease_s", self.lease_s))
-        if answer.get("probe"):
+        shard: dict[str, Any] | None = answer.shard
+        self.wired = answer.wired
+        self.coordinator_epoch = answer.epoch
+        self.lease_s = answer.lease_s if answer.lease_s is not None else self.lease_s
+        if answer.probe:
             self.probe = await self.probe_beside_nothing()
-        if answer.get("check"):
-            self.check = await self.run_checks(answer["check"])
+        if answer.check:
+            self.check = await self.run_checks(answer.check)
         if shard is None:
             if self.stage is not None or self.part is not None:
                 await self.stop_serving("the coordinator gave this node no shard")

@@ -92,6 +92,25 @@ class Heartbeat(Message, frozen=True):
     check: dict[str, object] | None = None  # a doctor round's result (ring/checks.py)
 
 
+class HeartbeatAnswer(Message, frozen=True, omit_defaults=False):
+    """The coordinator's answer to a beat: the shard the node should hold (None: none, a
+    spare), the wiring's epoch and whether the whole layout is wired in it, whether to run a
+    probe or a doctor round, the lease, its clock and how often to beat, and why nothing can
+    be placed when nothing can. `held`: heard while its core was busy, nothing new (only
+    `now_s` and `heartbeat_s` are said). Every field is sent, defaults too."""
+
+    held: bool = False
+    shard: dict[str, object] | None = None  # membership.py's shard, with what a stage needs
+    epoch: int = -1
+    wired: bool = False
+    probe: bool = False
+    check: dict[str, object] | None = None  # a doctor round's ask (control/checkup.py)
+    lease_s: float | None = None
+    now_s: float | None = None
+    heartbeat_s: float | None = None
+    problem: str = ""
+
+
 class Capabilities(Message, frozen=True):
     """What a node joins with: its budget (what placement packs against), what it measured
     of itself, its rack, and its protocol version — read from the raw join first, so that a
