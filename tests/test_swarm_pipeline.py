@@ -265,7 +265,8 @@ def test_a_stage_that_keeps_failing_is_marked_offline_and_nothing_hangs(demo_pat
     """Every incarnation of stage 1 dies after its 3rd step: it is replaced twice, marked
     offline at its 3rd failure in a row, and generate() ends with that error (requests get at
     most 3 attempts too, so nothing retries forever)."""
-    with LocalPipeline(str(demo_path), even_split(30, 2), crash_after_steps={1: 3}) as pipe:
+    with LocalPipeline(str(demo_path), even_split(30, 2), crash_after_steps={1: 3},
+                       offline_after=3) as pipe:  # fmt: skip
         with pytest.raises(cellswarm.SwarmError, match=r"stage 1 \(layers 15..29\) failed 3 times"):
             pipe.generate([{"prompt": [1, 2, 3], "max_tokens": 12}])
         assert pipe.restarts == 2

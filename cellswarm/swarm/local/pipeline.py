@@ -19,6 +19,7 @@ import numpy as np
 
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import BudgetError, RequestError, SwarmError
+from cellswarm.swarm import policy
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.ring.costs import part_specs
 from cellswarm.swarm.ring.frames import Frame, connect, read_frame, reset_stage, write_frame
@@ -48,8 +49,6 @@ class Result:
     request_id: str
 
 
-MAX_ATTEMPTS = 3  # per request, in total
-OFFLINE_AFTER = 3  # a stage that fails this many times in a row is marked offline
 
 
 class LocalPipeline:
@@ -73,7 +72,10 @@ class LocalPipeline:
         crash_after_steps: dict[int, int] | None = None, token_file: str | None = None,
         expert_nodes: int = 0, vocab_nodes: int = 0, max_batch: int = StageConfig.max_batch,
         prefix_cache_bytes: dict[int, int] | None = None,
+        max_attempts: int = policy.MAX_ATTEMPTS, offline_after: int = policy.OFFLINE_AFTER,
     ):  # fmt: skip
+        # the swarm's failure policy (swarm/policy/), unless a test asks for other numbers
+        self.max_attempts, self.offline_after = max_attempts, offline_after
         ports = free_ports(len(splits) + expert_nodes + vocab_nodes)
         specs = part_specs(model, expert_nodes, vocab_nodes, ports[len(splits) :])
         self.port = ports[0]
@@ -169,9 +171,9 @@ class LocalPipeline:
             todo = [i for i in range(len(requests)) if i not in reasons]
             for i in todo:
                 attempts[i] += 1
-                if attempts[i] > MAX_ATTEMPTS:
+                if attempts[i] > self.max_attempts:
                     raise SwarmError(
-                        f"request {self._ids[i]} failed {MAX_ATTEMPTS} times (the last after "
+                        f"request {self._ids[i]} failed {self.max_attempts} times (the last after "
                         f"{len(tokens[i])} tokens); giving up on it"
                     )
             try:
@@ -230,7 +232,7 @@ class LocalPipeline:
             if self.part_procs[k].poll() is None:
                 continue
             self.part_failures[k] += 1
-            if self.part_failures[k] >= OFFLINE_AFTER:
+            if self.part_failures[k] >= self.offline_after:
                 raise SwarmError(
                     f"part {part.spec.node_id} failed {self.part_failures[k]} times in a row: "
                     "marked offline, and no spare node can take what it holds"
@@ -245,7 +247,7 @@ class LocalPipeline:
             ):
                 continue
             self.failures[k] += 1
-            if self.failures[k] >= OFFLINE_AFTER:
+            if self.failures[k] >= self.offline_after:
                 raise SwarmError(
                     f"stage {k} (layers {cfg.layers[0]}..{cfg.layers[1] - 1}) failed "
                     f"{self.failures[k]} times in a row: marked offline, and no spare node "
