@@ -21,6 +21,7 @@ import pytest
 
 import cellswarm
 from cellswarm.engine.model import GenerateOptions
+from cellswarm.errors import LabError
 from cellswarm.lab import system
 from cellswarm.lab.lab import Lab
 from cellswarm.lab.nats import why_not as nats_why_not
@@ -625,3 +626,29 @@ def test_down_leaves_nothing(tmp_path: Path) -> None:
     assert not Path("/sys/fs/cgroup/memory/cstest").exists()
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert "cstestop" not in links
+
+
+def test_a_lab_left_by_a_killed_run_is_swept_and_one_in_use_is_refused(tmp_path: Path) -> None:
+    # a run killed mid-lab (SIGKILL: no `finally`, no `down`) leaves its namespaces behind
+    build = (f"from pathlib import Path; from cellswarm.lab.lab import Lab; "
+             f"from cellswarm.lab.topology import LabSpec; "
+             f"Lab(LabSpec(hosts=2, racks=1), Path({str(tmp_path / 'old')!r}), "
+             f"prefix='cstest').up(start=False); print('UP', flush=True); "
+             f"import time; time.sleep(600)")  # fmt: skip
+    builder = subprocess.Popen([sys.executable, "-c", build], stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout is not None and builder.stdout.readline().strip() == "UP"
+        # its builder lives: the lab is in use, and a second one is refused in one line
+        with pytest.raises(LabError, match=r"already up .*lab down --prefix cstest"):
+            Lab(LabSpec(hosts=2, racks=1), tmp_path / "new", prefix="cstest").up(start=False)
+    finally:
+        builder.kill()
+        builder.wait(10)
+    assert system.netns_list("cstest-")  # left behind
+    lab = Lab(LabSpec(hosts=2, racks=1), tmp_path / "new", prefix="cstest")
+    try:
+        lab.up(start=False)
+        assert any("stale lab" in note for note in lab.notes), lab.notes
+    finally:
+        lab.down()
+    assert not system.netns_list("cstest-")

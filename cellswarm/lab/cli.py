@@ -66,6 +66,9 @@ def add_lab_command(sub: Any) -> None:
         p.add_argument("--state-dir", default=DEFAULT_STATE)
         p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
         p.set_defaults(func=func)
+        if name == "down":
+            p.add_argument("--prefix", help="when the lab's folder is lost: sweep every "
+                           "namespace, link and cgroup named with this prefix")  # fmt: skip
     restart = cmds.add_parser("restart", help="stop a host's worker (or coordinator) and "
                               "start it again with the same flags")  # fmt: skip
     restart.add_argument("host", help="the host, e.g. h3")
@@ -275,8 +278,14 @@ def print_status(lab: Any) -> None:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from cellswarm.lab.lab import Lab
+    from cellswarm.lab.lab import Lab, sweep
 
+    if args.prefix is not None and not (Path(args.state_dir) / "lab.json").exists():
+        # the lab's folder is gone (a test's temporary folder, a wiped disk): its names are not
+        gone = sweep(args.prefix)
+        print(f"lab down: {len(gone)} namespaces of prefix {args.prefix!r} swept; no process, "
+              "namespace or cgroup left")  # fmt: skip
+        return 0
     Lab.load(Path(args.state_dir)).down()
     print("lab down: no process, namespace or cgroup left")
     return 0

@@ -120,9 +120,7 @@ class Lab:
         why = self.missing_software() or system.why_not_supported()
         if why:
             raise LabError(why)
-        if system.netns_list(self.prefix + "-"):
-            raise LabError(f"a lab with prefix {self.prefix!r} is already up: "
-                           "run `cellswarm lab down` first")  # fmt: skip
+        self._claim_prefix()
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self._build_network()
@@ -134,6 +132,33 @@ class Lab:
             self.down()
             raise
         return self
+
+    def _claim_prefix(self) -> None:
+        """Namespaces of this prefix that are left over are swept; a lab still in use is not.
+
+        A lab is in use while a process runs in one of its namespaces, or while the process
+        that built it lives (a lab built without starting anything has empty namespaces). A
+        killed test run or a crashed `lab up` leaves neither: its namespaces are swept, with
+        a note, rather than refusing every later lab until someone finds the stale names."""
+        if not system.netns_list(self.prefix + "-"):
+            self._write_owner()
+            return
+        owner = read_owner(self.prefix)
+        busy = [p for ns in system.netns_list(self.prefix + "-") for p in system.netns_pids(ns)]
+        if busy or (owner is not None and owner.alive()):
+            where = f" (its state in {owner.state_dir})" if owner else ""
+            raise LabError(f"a lab with prefix {self.prefix!r} is already up{where}: take it "
+                           f"down with `cellswarm lab down --prefix {self.prefix}`, or use "
+                           "another --prefix")  # fmt: skip
+        sweep(self.prefix)
+        self.notes.append(f"a stale lab with prefix {self.prefix!r} (no process in its "
+                          "namespaces, its builder gone) was swept before this one")  # fmt: skip
+        self._write_owner()
+
+    def _write_owner(self) -> None:
+        OWNERS.mkdir(parents=True, exist_ok=True)
+        me = Owner(os.getpid(), _start_ticks(os.getpid()), str(self.state_dir))
+        (OWNERS / f"{self.prefix}.json").write_text(json.dumps(asdict(me)))
 
     def missing_software(self) -> str | None:
         """What this lab needs that this machine lacks (None: nothing), in one line."""
@@ -548,19 +573,12 @@ class Lab:
         """Every process, namespace and cgroup of this lab's prefix: gone."""
         from cellswarm.lab.postgres import stop_postgres
 
-        namespaces = system.netns_list(self.prefix + "-")
-        for ns in namespaces:
-            for pid in system.netns_pids(ns):
-                _signal(pid, signal.SIGKILL)
-        for pids in self.pids.values():
-            for pid in pids:
-                _signal(pid, signal.SIGKILL)
+        started = [pid for pids in self.pids.values() for pid in pids]
+        for pid in started:
+            _signal(pid, signal.SIGKILL)
+        sweep(self.prefix)  # what runs in its namespaces, and the namespaces
+        _wait_gone(started, 10.0)
         stop_postgres(self)
-        _wait_gone([pid for pids in self.pids.values() for pid in pids], 10.0)
-        for ns in namespaces:
-            system.netns_delete(ns)
-        system.run("ip", "link", "delete", f"{self.prefix}op", check=False)
-        system.cgroup_remove_all(self.prefix)
         (self.state_dir / "lab.json").unlink(missing_ok=True)
 
     def __enter__(self) -> Lab:
@@ -568,6 +586,55 @@ class Lab:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+# who built each lab, by prefix: outside any lab's state folder (a test's folder is gone with
+# the test), so that a later `up` can tell a lab in use from one a killed run left behind
+OWNERS = Path("/run/cellswarm-lab")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The process that built a lab (its pid and start time: pids are reused)."""
+
+    pid: int
+    start_ticks: int
+    state_dir: str
+
+    def alive(self) -> bool:
+        return _alive(self.pid) and _start_ticks(self.pid) == self.start_ticks
+
+
+def read_owner(prefix: str) -> Owner | None:
+    try:
+        return Owner(**json.loads((OWNERS / f"{prefix}.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def sweep(prefix: str) -> list[str]:
+    """Every process, namespace, link and cgroup named with this prefix: gone (no state
+    needed: `lab down --prefix` uses it when the lab's folder is lost). The namespaces swept."""
+    namespaces = system.netns_list(prefix + "-")
+    pids = [p for ns in namespaces for p in system.netns_pids(ns)]
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+    _wait_gone(pids, 10.0)
+    for ns in namespaces:
+        system.netns_delete(ns)
+    system.run("ip", "link", "delete", f"{prefix}op", check=False)
+    system.cgroup_remove_all(prefix)
+    (OWNERS / f"{prefix}.json").unlink(missing_ok=True)
+    return namespaces
+
+
+def _start_ticks(pid: int) -> int:
+    """A process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or -1."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 @dataclass(frozen=True)
