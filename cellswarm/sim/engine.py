@@ -44,6 +44,7 @@ import numpy as np
 from cellswarm.sim.model import ReplicaModel, StepTiming
 from cellswarm.sim.network import TIERS, NetModel
 from cellswarm.sim.params import Scenario
+from cellswarm.swarm.policy import jobs as core
 
 EPS_TOKENS = 1e-6
 
@@ -124,6 +125,7 @@ class Simulator:
     ) -> None:
         self.sc, self.model, self.net = scenario, model, net
         self.p = scenario.params
+        self.rules = self.p.rules
         self.rng = random.Random(scenario.seed)
         self.npr = model.nodes
         self.count = scenario.count
@@ -311,16 +313,19 @@ class Simulator:
         self._enqueue(job)
 
     def _fail_attempt(self, job: Job, reason: str) -> None:
-        del reason  # kept for readers of a trace; the counters say which kind
-        job.attempts += 1
-        if job.attempts >= self.p.max_attempts:
+        """What the real queue does with a failed attempt: the policy core decides."""
+        held = core.Job(state="leased", fence=1, attempts=job.attempts)
+        after, effects = core.apply(held, core.Fail(self.now, 1, reason), self.rules)
+        job.attempts = after.attempts
+        if after.state == "dead":
             job.state = "dead"
             self.c.dead += 1
             return
         job.state = "backoff"
         self.c.retried += 1
         self.n_backoff += 1
-        self.push(self.now + self.p.backoff(job.attempts), "release", job)
+        (retried,) = (e for e in effects if isinstance(e, core.Retried))
+        self.push(retried.at_s, "release", job)
 
     def _orphan(self, seq: Seq) -> None:
         """The holder can no longer renew: the lease runs out lease_s from now."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from cellswarm.errors import RequestError
 from cellswarm.sim.control import ControlPlane
 from cellswarm.swarm import policy
+from cellswarm.swarm.policy.jobs import Rules
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*(s|m|h|d|y)?\s*$")
 _DURATION_UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "y": 365 * 86400.0}
@@ -62,8 +63,11 @@ class SimParams:
         if self.max_attempts < 1 or self.offline_after < 1:
             raise RequestError("max_attempts and offline_after must be at least 1")
 
-    def backoff(self, attempts: int) -> float:
-        return policy.Retry(self.lease_s, self.backoff_s, self.max_backoff_s).backoff(attempts)
+    @property
+    def rules(self) -> Rules:
+        """The policy core's rules (swarm/policy/jobs.py) with these numbers."""
+        retry = policy.Retry(self.lease_s, self.backoff_s, self.max_backoff_s)
+        return Rules(max_attempts=self.max_attempts, retry=retry)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from typing import Any, NewType
 from cellswarm.errors import RequestError
 from cellswarm.swarm.control.db import Database, Row, ensure_column
 from cellswarm.swarm.policy import MAX_ATTEMPTS, POISON_AFTER, Retry
+from cellswarm.swarm.policy import jobs as core
 
 JobId = NewType("JobId", str)
 
@@ -141,6 +142,14 @@ class Job:
     def terminal(self) -> bool:
         return self.state in TERMINAL
 
+    @property
+    def facts(self) -> core.Job:
+        """What the policy core decides on (swarm/policy/jobs.py)."""
+        return core.Job(state=self.state, fence=self.fence,  # type: ignore[arg-type]
+                        attempts=self.attempts, strikes=self.strikes,
+                        n_tokens=len(self.tokens), not_before_s=self.not_before_s,
+                        lease_expires_s=self.lease_expires_s, error=self.error)  # fmt: skip
+
     def lease_view(self) -> dict[str, Any]:
         """What a holder needs: the work, its fence, and the tokens to resume from."""
         return {
@@ -165,6 +174,7 @@ def _ignore(state: str, job_id: str, job: Job | None, n_tokens: int, now: float)
 class JobQueue:
     def __init__(self, db: Database, config: QueueConfig = DEFAULT_CONFIG) -> None:
         self.db, self.config = db, config
+        self.rules = core.Rules(retry=config)
         self.on_end: OnEnd = _ignore
         self.db.script(SCHEMA)
         for table, column, decl in MIGRATIONS:
@@ -339,7 +349,7 @@ class JobQueue:
             )  # fmt: skip
             if not rows:  # (or another coordinator is expiring it right now)
                 return "stale"
-            return self._failed(_job(rows[0]), reason, now)
+            return self._write(_job(rows[0]), core.Fail(now, fence, reason), now)
 
     def strike(
         self, job_ids: Sequence[str], reason: str, now: float | None = None
@@ -358,17 +368,16 @@ class JobQueue:
                 if not rows:
                     continue
                 job = _job(rows[0])
-                strikes = job.strikes + 1
-                if strikes < POISON_AFTER:
+                after, _ = core.apply(job.facts, core.Strike(now, reason), self.rules)
+                if after.state == "leased":
                     self.db.execute("UPDATE jobs SET strikes=? WHERE job_id=? AND fence=?",
-                                    (strikes, job.job_id, job.fence))  # fmt: skip
+                                    (after.strikes, job.job_id, job.fence))  # fmt: skip
                     continue
-                error = (f"quarantined as poison: present at {strikes} node failures in a row "
-                         f"without progress (last: {reason}); check its input before retrying")
                 if self.db.execute_count(
-                    "UPDATE jobs SET state='dead', strikes=?, error=?, lease_owner=NULL, "
+                    "UPDATE jobs SET state=?, strikes=?, error=?, lease_owner=NULL, "
                     "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND fence=? "
-                    "AND state='leased'", (strikes, error, now, job.job_id, job.fence),
+                    "AND state='leased'",
+                    (after.state, after.strikes, after.error, now, job.job_id, job.fence),
                 ):  # fmt: skip
                     out.append(job.job_id)
                     self.on_end("dead", job.job_id, job, len(job.tokens), now)
@@ -413,8 +422,7 @@ class JobQueue:
             )  # fmt: skip
             for row in rows:
                 job = _job(row)
-                self._failed(job, f"lease of {job.lease_owner} expired (attempt "
-                                  f"{job.attempts + 1})", now)  # fmt: skip
+                self._write(job, core.Expire(now, str(job.lease_owner)), now)
         return len(rows)
 
     def extend_replica(self, replica: str, now: float | None = None) -> int:
@@ -556,27 +564,26 @@ class JobQueue:
         )
         self.on_end("done", job.job_id, job, len(result.get("tokens", [])), now)
 
-    def _failed(self, job: Job, reason: str, now: float) -> str:
-        attempts = job.attempts + 1
-        if attempts >= MAX_ATTEMPTS:
-            changed = self.db.execute_count(
-                "UPDATE jobs SET state='dead', attempts=?, error=?, lease_owner=NULL, "
-                "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND fence=? AND state='leased'",
-                (attempts, f"failed {attempts} times; last: {reason}", now, job.job_id,
-                 job.fence),
-            )
-            if changed:
-                self.on_end("dead", job.job_id, job, len(job.tokens), now)
-            return "dead" if changed else "stale"
-        # Guarded by fence and state: a holder that completed meanwhile (another coordinator,
-        # under PostgreSQL's READ COMMITTED) keeps its result.
+    def _write(self, job: Job, event: core.Fail | core.Expire, now: float) -> str:
+        """A failed attempt, as the policy core rules: back to the queue after its backoff,
+        or dead. Guarded by fence and state: a holder that completed meanwhile (another
+        coordinator, under PostgreSQL's READ COMMITTED) keeps its result. The state written,
+        or 'stale'."""
+        after, _ = core.apply(job.facts, event, self.rules)
+        if after == job.facts:  # not a failure of the lease it holds
+            return "stale"
         changed = self.db.execute_count(
-            "UPDATE jobs SET state='queued', attempts=?, error=?, lease_owner=NULL, "
+            "UPDATE jobs SET state=?, attempts=?, error=?, lease_owner=NULL, "
             "lease_expires_s=NULL, not_before_s=?, updated_s=? "
             "WHERE job_id=? AND fence=? AND state='leased'",
-            (attempts, reason, now + self.config.backoff(attempts), now, job.job_id, job.fence),
-        )
-        return "queued" if changed else "stale"
+            (after.state, after.attempts, after.error, after.not_before_s, now, job.job_id,
+             job.fence),
+        )  # fmt: skip
+        if not changed:
+            return "stale"
+        if after.terminal:
+            self.on_end(after.state, job.job_id, job, len(job.tokens), now)
+        return after.state
 
     def _verify_run(
         self, job: Job, result: dict[str, Any], replica: str, nodes: list[str], now: float

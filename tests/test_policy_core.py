@@ -1,0 +1,142 @@
+"""The policy core (swarm/policy/jobs.py) and the real queue (SQLite) agree.
+
+Hypothesis draws one sequence of timed events — leases, checkpoints with and without
+progress, completions, failures, strikes, releases, expiries, cancels, holders' calls under
+an old fence — and both run it: the core as `apply`, the queue as the calls the coordinator
+makes. After every event the job's state, fence, attempts, strikes, backoff and error are the
+same in both. The simulator decides failed attempts with the same `apply` (sim/engine.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cellswarm.swarm.control.db import SQLiteDatabase
+from cellswarm.swarm.control.jobs import JobQueue
+from cellswarm.swarm.policy import Retry
+from cellswarm.swarm.policy import jobs as core
+
+KINDS = ("lease", "checkpoint", "progress", "complete", "fail", "strike", "release",
+         "expire", "cancel")  # fmt: skip
+HOLDER = "h0"
+
+steps = st.lists(
+    st.tuples(st.sampled_from(KINDS), st.floats(0.0, 14.0), st.booleans()),
+    min_size=1, max_size=30,
+)  # fmt: skip
+
+
+def _comparable(job: core.Job) -> tuple[object, ...]:
+    # a completed job's tokens are its result's (the queue stores them); the rest is policy
+    n_tokens = None if job.state == "done" else job.n_tokens
+    return (job.state, job.fence, job.attempts, job.strikes, n_tokens,
+            round(job.not_before_s, 6), job.error if job.state != "done" else "")  # fmt: skip
+
+
+def _model(job: core.Job, kind: str, now: float, stale: bool) -> core.Job:
+    """What the queue's call does, in events: a lease first expires what ran out (lease())."""
+    fence = job.fence - 1 if stale else job.fence
+    events: list[core.Event] = {
+        "lease": [core.Expire(now, HOLDER), core.Lease(now)],
+        "checkpoint": [core.Checkpoint(now, fence, job.n_tokens)],
+        "progress": [core.Checkpoint(now, fence, job.n_tokens + 1)],
+        "complete": [core.Complete(now, fence)],
+        "fail": [core.Fail(now, fence, "a step failed")],
+        "strike": [core.Strike(now, "a node went silent")],
+        "release": [core.Release(now, fence)],
+        "expire": [core.Expire(now, HOLDER)],
+        "cancel": [core.Cancel(now)],
+    }[kind]
+    for event in events:
+        job, _ = core.apply(job, event)
+    return job
+
+
+def _real(queue: JobQueue, job_id: str, kind: str, now: float, stale: bool) -> None:
+    row = queue.get(job_id)
+    assert row is not None
+    fence = row.fence - 1 if stale else row.fence
+    tokens = list(range(len(row.tokens)))
+    if kind == "lease":
+        queue.lease(HOLDER, "r0", now=now)
+    elif kind in ("checkpoint", "progress"):
+        queue.checkpoint(job_id, fence, tokens + ([7] if kind == "progress" else []), now=now)
+    elif kind == "complete":
+        queue.complete(job_id, fence, {"tokens": tokens}, now=now)
+    elif kind == "fail":
+        queue.fail(job_id, fence, "a step failed", now=now)
+    elif kind == "strike":
+        queue.strike([job_id], "a node went silent", now=now)
+    elif kind == "release":
+        queue.release(job_id, fence, now=now)
+    elif kind == "expire":
+        queue.expire(now)
+    else:
+        queue.cancel_job(job_id)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(seq=steps)
+def test_the_core_and_the_sqlite_queue_agree_at_every_step(
+    tmp_path: Path, seq: list[tuple[str, float, bool]]
+) -> None:
+    db = SQLiteDatabase(":memory:")
+    queue = JobQueue(db)
+    job, _ = queue.submit({"prompt": "x"})
+    model, now = job.facts, 1000.0
+    for kind, dt, stale in seq:
+        now += dt
+        model = _model(model, kind, now, stale)
+        _real(queue, job.job_id, kind, now, stale)
+        got = queue.get(job.job_id)
+        assert got is not None
+        assert _comparable(got.facts) == _comparable(model), (kind, now, stale)
+
+
+def test_exactly_one_terminal_state_whatever_arrives_late() -> None:
+    job = core.Job()
+    job, _ = core.apply(job, core.Lease(0.0))
+    done, effects = core.apply(job, core.Complete(1.0, job.fence))
+    assert done.state == "done" and effects == (core.Ended("done", ""),)
+    for late in (core.Fail(2.0, job.fence, "x"), core.Expire(99.0), core.Cancel(3.0),
+                 core.Strike(4.0, "x"), core.Release(5.0, job.fence), core.Lease(6.0)):  # fmt: skip
+        after, effects = core.apply(done, late)
+        assert after == done and effects == (core.Stale(),)
+
+
+def test_a_failed_attempt_backs_off_then_dies_with_its_reason() -> None:
+    rules = core.Rules(max_attempts=3, retry=Retry(lease_s=10.0, backoff_s=0.5))
+    job, t = core.Job(), 0.0
+    for attempt in (1, 2):
+        job, _ = core.apply(job, core.Lease(t), rules)
+        job, effects = core.apply(job, core.Fail(t, job.fence, "boom"), rules)
+        assert job.state == "queued" and effects == (core.Retried(t + 0.5 * 2 ** (attempt - 1)),)
+        assert core.apply(job, core.Lease(t), rules)[1] == (core.Stale(),)  # still backing off
+        t = job.not_before_s
+    job, _ = core.apply(job, core.Lease(t), rules)
+    job, effects = core.apply(job, core.Fail(t, job.fence, "boom"), rules)
+    assert job.state == "dead" and job.error == "failed 3 times; last: boom"
+    assert effects == (core.Ended("dead", "failed 3 times; last: boom"),)
+
+
+def test_progress_clears_strikes_and_poison_is_quarantined() -> None:
+    rules = core.Rules(poison_after=3)
+    job, _ = core.apply(core.Job(), core.Lease(0.0), rules)
+    for _ in range(2):
+        job, _ = core.apply(job, core.Strike(1.0, "silent"), rules)
+    job, _ = core.apply(job, core.Checkpoint(2.0, job.fence, 1), rules)
+    assert job.strikes == 0
+    for _ in range(3):
+        job, _ = core.apply(job, core.Strike(3.0, "silent"), rules)
+    assert job.state == "dead" and job.error.startswith("quarantined as poison: present at 3")
+
+
+@pytest.mark.parametrize("bad", [{"attempts": -1}, {"fence": -2}])
+def test_a_job_with_negative_counters_is_refused(bad: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="never negative"):
+        core.Job(**bad)  # type: ignore[arg-type]
