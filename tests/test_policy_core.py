@@ -15,10 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cellswarm.sim.params import Scenario
+from cellswarm.sim.run import build
 from cellswarm.swarm.control.db import SQLiteDatabase
 from cellswarm.swarm.control.jobs import JobQueue
 from cellswarm.swarm.policy import Retry
 from cellswarm.swarm.policy import jobs as core
+from cellswarm.swarm.policy import nodes as health
 
 KINDS = ("lease", "checkpoint", "progress", "complete", "fail", "strike", "release",
          "expire", "cancel")  # fmt: skip
@@ -140,3 +143,32 @@ def test_progress_clears_strikes_and_poison_is_quarantined() -> None:
 def test_a_job_with_negative_counters_is_refused(bad: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="never negative"):
         core.Job(**bad)  # type: ignore[arg-type]
+
+
+def test_a_node_is_taken_out_for_its_own_failures_in_a_row_not_for_being_lost() -> None:
+    h = health.Health()
+    for _ in range(5):  # killed, rebooted, its rack cut: it comes back each time
+        h, taken = health.apply(h, health.Lost("no heartbeat"), offline_after=2)
+        assert not taken and not h.offline
+    h, taken = health.apply(h, health.Charged("step 3 raised"), offline_after=2)
+    h, _ = health.apply(h, health.Served(), offline_after=2)  # served: the count starts again
+    assert h.consecutive_failures == 0 and h.failures == 6
+    h, _ = health.apply(h, health.Charged("step 3 raised"), offline_after=2)
+    h, taken = health.apply(h, health.Charged("step 4 raised"), offline_after=2)
+    assert h.offline and taken == (health.TakenOffline(
+        "offline after 2 failures in a row: step 4 raised"),)  # fmt: skip
+    assert health.apply(h, health.Served())[0] == h  # out: nothing moves it but its probe
+    back, _ = health.apply(h, health.ProbePassed())
+    assert not back.offline and back.consecutive_failures == 0
+
+
+def test_the_simulator_keeps_lost_nodes_as_the_swarm_does() -> None:
+    # the simulator once took a node out after `offline_after` hardware failures, which the
+    # coordinator never does (a node back from a crash beats, and is a spare again)
+    sc = Scenario(model="mixtral-8x7b", node="rpi4", context=2048, count=400, concurrency=4,
+                  jobs=400, prompt_tokens=64, output_tokens=64, duration_s=4 * 3600,
+                  mtbf_s=3600, mttr_s=600, seed=5)  # fmt: skip
+    sim, _ = build(sc)
+    sim.run()
+    repeat = [h for h in sim.node_health.values() if h.failures >= sc.params.offline_after]
+    assert repeat and sim.c.offline_nodes == 0

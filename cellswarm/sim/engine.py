@@ -27,7 +27,9 @@ prompt + tokens so far (a prefill of that length) under the same lease; a lost h
 renew its leases, so they expire after `lease_s`, which counts as a failed attempt: back to
 the queue after the backoff 0.5 x 2^(n-1) s, dead after 3. No spare left: the replica is
 dissolved (its nodes become spares, its jobs' leases expire) and placed again once enough
-spares exist. A node that failed `offline_after` times is taken out for the run.
+spares exist. A node's health follows swarm/policy/nodes.py, as the coordinator's: a node
+that is lost (it failed, its rack was cut) is not charged, and comes back as a spare once
+repaired; only failures that are its own count toward `offline_after` in a row.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from cellswarm.sim.model import ReplicaModel, StepTiming
 from cellswarm.sim.network import TIERS, NetModel
 from cellswarm.sim.params import Scenario
 from cellswarm.swarm.policy import jobs as core
+from cellswarm.swarm.policy import nodes as health
 
 EPS_TOKENS = 1e-6
 
@@ -139,7 +142,7 @@ class Simulator:
         self.node_replica = [-1] * self.count
         self.node_pos = [0] * self.count
         self.node_failed = [False] * self.count
-        self.node_fail_count = [0] * self.count
+        self.node_health: dict[int, health.Health] = {}  # nodes that ever failed
         self.node_offline = [False] * self.count
         per_switch = net.net.nodes_per_access_switch
         self.per_switch = per_switch
@@ -582,7 +585,7 @@ class Simulator:
             return  # thinning: a node that is down (or out) cannot fail again
         self.c.node_failures += 1
         self.node_failed[n] = True
-        self.node_fail_count[n] += 1
+        self._judge(n, health.Lost("failed"))
         self.down_nodes += 1
         self._node_lost(n)
         self.push(self._exp(self.sc.mttr_s), "node_repair", n)
@@ -596,7 +599,7 @@ class Simulator:
         if self._node_up(n):
             self.c.node_failures += 1
             self.node_failed[n] = True
-            self.node_fail_count[n] += 1
+            self._judge(n, health.Lost("killed"))
             self.down_nodes += 1
             self._node_lost(n)
 
@@ -608,11 +611,16 @@ class Simulator:
         self.down_nodes -= 1
         self._back(n)
 
+    def _judge(self, n: int, event: health.Event) -> None:
+        """The coordinator's verdict on a node (the policy core): taken out, or not."""
+        before = self.node_health.get(n, health.Health())
+        self.node_health[n], taken = health.apply(before, event, self.p.offline_after)
+        if taken and not self.node_offline[n]:
+            self.node_offline[n] = True
+            self.c.offline_nodes += 1
+
     def _back(self, n: int) -> None:
-        if self.node_fail_count[n] >= self.p.offline_after:
-            if not self.node_offline[n]:
-                self.node_offline[n] = True
-                self.c.offline_nodes += 1
+        if self.node_offline[n]:
             return
         self._add_spare(n)
         self._form_replicas()

@@ -16,6 +16,7 @@ from cellswarm.swarm.control.membership import ring
 from cellswarm.swarm.control.placing import Placing
 from cellswarm.swarm.control.state import Beat
 from cellswarm.swarm.control.store import Node
+from cellswarm.swarm.policy import nodes as health
 from cellswarm.swarm.protocol.messages import Heartbeat, HeartbeatAnswer, encode
 from cellswarm.swarm.transport.wire import port
 
@@ -50,7 +51,9 @@ class Liveness(Placing):
             self.unwire(f"{node.node_id} refused its shard")
         if node.state == "offline" and beat.probe_ok is not None:
             if beat.probe_ok:
-                changes.update(state="spare", consecutive_failures=0, message="passed its probe")
+                back, _ = health.apply(node.health, health.ProbePassed())
+                changes.update(state="spare", consecutive_failures=back.consecutive_failures,
+                               message="passed its probe")  # fmt: skip
             else:
                 changes.update(message=f"failed its probe: {beat.probe_error or ''}")
         changes = {k: v for k, v in changes.items() if getattr(node, k) != v}
@@ -154,12 +157,12 @@ class Liveness(Placing):
 
     def _charge(self, node: Node, detail: str) -> None:
         """A failure that is the node's own: offline after `offline_after` in a row."""
-        failures = node.consecutive_failures + 1
-        changes: dict[str, Any] = {"failures": node.failures + 1, "consecutive_failures": failures,
-                                   "message": detail[:200]}  # fmt: skip
-        if failures >= self.config.offline_after:
-            changes.update(state="offline", shard=None,
-                           message=f"offline after {failures} failures in a row: {detail[:160]}")
+        after, effects = health.apply(node.health, health.Charged(detail),
+                                      self.config.offline_after)  # fmt: skip
+        changes: dict[str, Any] = {"failures": after.failures, "message": detail[:200],
+                                   "consecutive_failures": after.consecutive_failures}  # fmt: skip
+        for taken in effects:
+            changes.update(state="offline", shard=None, message=taken.message)
         self.store.update_node(node.node_id, **changes)
         self.unwire(f"{node.node_id} failed: {detail}")
 
@@ -191,8 +194,9 @@ class Liveness(Placing):
     def lose(self, node: Node, why: str) -> None:
         if node.state not in ("assigned", "spare"):
             return
+        after, _ = health.apply(node.health, health.Lost(why), self.config.offline_after)
         self.store.update_node(node.node_id, state="lost", shard=None, data_port=None,
-                               ready=None, message=why, failures=node.failures + 1)
+                               ready=None, message=why, failures=after.failures)
         self.log.event("lost", None, worker=node.node_id, why=why)
         log.warning("node %s lost: %s", node.node_id, why)
         if node.state == "assigned":

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NewType
 
 from cellswarm.swarm.control.db import Database, open_database
+from cellswarm.swarm.policy.nodes import Health
 from cellswarm.swarm.protocol import shard_id
 
 NodeId = NewType("NodeId", str)
@@ -78,6 +79,11 @@ class Node:
     @property
     def memory_bytes(self) -> int:
         return int(self.capabilities.get("memory_bytes") or 0)
+
+    @property
+    def health(self) -> Health:
+        """What the policy core decides on (swarm/policy/nodes.py)."""
+        return Health(self.failures, self.consecutive_failures, self.state == "offline")
 
     @property
     def rack(self) -> str:

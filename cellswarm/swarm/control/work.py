@@ -11,6 +11,7 @@ from cellswarm.swarm.control.jobs import Job
 from cellswarm.swarm.control.membership import replicas, ring
 from cellswarm.swarm.control.store import Node
 from cellswarm.swarm.control.verification import Verification
+from cellswarm.swarm.policy import nodes as health
 
 log = logging.getLogger("cellswarm.coordinator")
 
@@ -129,7 +130,9 @@ class Work(Verification):
                 for nid in members:
                     n = self.store.node(nid)
                     if n is not None:
-                        self.store.update_node(nid, served=n.served + 1, consecutive_failures=0)
+                        well, _ = health.apply(n.health, health.Served())
+                        self.store.update_node(nid, served=n.served + 1,
+                                               consecutive_failures=well.consecutive_failures)
             self._record_votes(job_id)
         elif outcome == "verify":
             self._record_contradiction(job_id)
