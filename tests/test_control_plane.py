@@ -12,6 +12,7 @@ from cellswarm.errors import RequestError
 from cellswarm.swarm.api import client
 from cellswarm.swarm.local.up import LocalSwarm
 from cellswarm.swarm.protocol import PROTOCOL
+from cellswarm.swarm.protocol.messages import Shard
 
 
 def test_heartbeats_live_in_memory_and_reach_the_database_on_change(
@@ -66,7 +67,7 @@ def test_the_store_keeps_its_rows_in_memory_written_through(tmp_path: Path) -> N
     node = Node(NodeId("a"), "spare", "s", {"memory_bytes": 1}, "h", 1.0, 1.0)
     store.put_node(node)
     gen = store.membership
-    store.update_node("a", state="assigned", shard={"slot": 0})
+    store.update_node("a", state="assigned", shard=Shard(slot=0, n=1, role="stage"))
     assert store.membership_changed(gen) and not store.membership_changed(store.membership)
     store.nodes()  # the copy is loaded (without one, any write may be a change)
     gen = store.membership  # a completion's counter or a beat's memory: no placement input
@@ -74,7 +75,7 @@ def test_the_store_keeps_its_rows_in_memory_written_through(tmp_path: Path) -> N
     assert not store.membership_changed(gen) and store.node("a").served == 3  # type: ignore[union-attr]
     raw = sqlite3.connect(tmp_path / "c.db")
     assert raw.execute("SELECT state FROM nodes").fetchall() == [("assigned",)]
-    assert store.node("a") is not None and store.node("a").shard == {"slot": 0}  # type: ignore[union-attr]
+    assert store.node("a") is not None and store.node("a").shard == Shard(slot=0, n=1, role="stage")  # type: ignore[union-attr]
     try:
         with store.transaction():
             store.update_node("a", state="lost")
@@ -228,7 +229,7 @@ def test_a_run_is_blamed_on_the_nodes_that_ran_it_not_on_who_holds_its_replica_n
     for node_id in ("bad", "honest"):
         caps = {"memory_bytes": 1 << 20, "protocol": PROTOCOL}
         coord.join(node_id, coord.challenge(), "", caps, "127.0.0.1")
-    whole = {"role": "stage", "stage": 0, "layers": [0, 30], "replica": 0}
+    whole = Shard(slot=0, n=1, role="stage", stage=0, layers=(0, 30), replica=0)
     coord.store.update_node("bad", state="assigned", shard=whole)
     job_id = coord.submit({"prompt": "hi", "max_tokens": 2}).job_id
     assert len(coord.queue.lease("bad", "0", 1)) == 1
@@ -254,7 +255,7 @@ def test_a_head_that_joins_again_gives_its_leases_back_unspent(
 
     coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
     caps = {"memory_bytes": 1 << 20, "protocol": PROTOCOL}
-    whole = {"role": "stage", "stage": 0, "layers": [0, 30], "replica": 0}
+    whole = Shard(slot=0, n=1, role="stage", stage=0, layers=(0, 30), replica=0)
     coord.join("head", coord.challenge(), "", caps, "127.0.0.1")
     coord.store.update_node("head", state="assigned", shard=whole)
     job_id = coord.submit({"prompt": "hi", "max_tokens": 2}).job_id

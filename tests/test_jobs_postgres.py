@@ -21,6 +21,7 @@ from cellswarm.swarm.control.db import Database, SQLiteDatabase, open_database
 from cellswarm.swarm.control.db_postgres import split_script, translate
 from cellswarm.swarm.control.jobs import MAX_ATTEMPTS, SCHEMA, JobQueue, QueueConfig
 from cellswarm.swarm.control.store import Node, NodeId, Store
+from cellswarm.swarm.protocol.messages import Shard
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -150,9 +151,9 @@ def test_nodes_meta_and_epochs(url: str) -> None:
         a.put_node(node)
         got = b.node("n1")
         assert got == node
-        b.update_node("n1", state="assigned", shard={"slot": 0, "role": "stage"})
+        b.update_node("n1", state="assigned", shard=Shard(slot=0, n=1, role="stage"))
         moved = a.update_node("n1", last_seen_s=5.0)  # does not undo b's assignment
-        assert moved.state == "assigned" and moved.shard == {"slot": 0, "role": "stage"}
+        assert moved.state == "assigned" and moved.shard == Shard(slot=0, n=1, role="stage")
         with pytest.raises(KeyError):
             a.update_node("nobody", last_seen_s=1.0)
         with pytest.raises(ValueError):

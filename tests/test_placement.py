@@ -97,7 +97,7 @@ def test_plan_coordinator_and_simulator_place_the_same_layers(
         # plan places its rows on a node of their own (the fill mode)
         assert planned.slots[-1].layers is None and planned.slots[-1].head_rows
         return
-    assert [tuple(s["layers"]) for s in layout] == [s.layers for s in planned.slots]
+    assert [s.layers for s in layout] == [s.layers for s in planned.slots]
     assert planned == place(inv, memory_mib * 2**20 - runtime - scratch, 256)
     assert planned == layer_placement(inv, [s.layers for s in planned.slots], 256)  # sim's
 
@@ -139,9 +139,9 @@ def _split(count: int, memory_bytes: int) -> list[tuple[int, int]]:
 def _rings(target: dict[NodeId, Any], nodes: list[Node]) -> dict[int, list[str]]:
     rack = {n.node_id: n.rack for n in nodes}
     rings: dict[int, list[str]] = {}
-    for node_id, shard in sorted(target.items(), key=lambda kv: (kv[1] or {}).get("slot", -1)):
+    for node_id, shard in sorted(target.items(), key=lambda kv: kv[1].slot if kv[1] else -1):
         if shard is not None:
-            rings.setdefault(int(shard["replica"]), []).append(rack[node_id])
+            rings.setdefault(shard.replica, []).append(rack[node_id])
     return rings
 
 
@@ -157,7 +157,7 @@ def test_a_replica_s_stages_sit_in_one_rack_where_one_can_hold_them() -> None:
     assert sorted(_rings(target, nodes).values()) == [["a"] * 3, ["b"] * 3]
     plain = [node(i, 1 << 30) for i in range(6)]
     _, target = place(plain, _split, stages=3, replicas=2)
-    assert [target[n.node_id]["slot"] for n in plain] == list(range(6))  # type: ignore[index]
+    assert [target[n.node_id].slot for n in plain] == list(range(6))  # type: ignore[union-attr]
 
 
 def test_racks_too_small_for_a_replica_fill_the_last_ones_and_spares_stay_in_rack() -> None:
@@ -174,7 +174,7 @@ def test_racks_too_small_for_a_replica_fill_the_last_ones_and_spares_stay_in_rac
     assert sorted(_rings(target, nodes).values()) == [["a"] * 3, ["b", "b", "c"]]
     placed = [replace(n, state="assigned", shard=target[n.node_id]) for n in nodes]
     spares = [racked(6, "c"), racked(7, "a")]
-    lost = next(n for n in placed if n.rack == "a" and n.shard and n.shard["stage"] == 1)
+    lost = next(n for n in placed if n.rack == "a" and n.shard and n.shard.stage == 1)
     live = [replace(n, state="lost", shard=None) if n is lost else n for n in placed] + spares
     _, after = repair(live, layout, _split, stages=3, replicas=2)
     assert after[NodeId("n7")] == lost.shard and after[NodeId("n6")] is None

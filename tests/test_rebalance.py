@@ -9,6 +9,7 @@ from cellswarm.planner.placement import StageCosts, time_balanced_split
 from cellswarm.swarm.control.membership import bottleneck
 from cellswarm.swarm.control.rebalance import RingTimes, named_long_enough, plan, ring_times
 from cellswarm.swarm.control.store import Node, NodeId
+from cellswarm.swarm.protocol.messages import Shard
 
 
 def _read(weights: list[int], head: int = 0):  # type: ignore[no-untyped-def]
@@ -54,7 +55,7 @@ def test_bottleneck(steps: list[float], slowest: int, ratio: float) -> None:
 
 
 def _node(name: str, layers: tuple[int, int], memory: int = 1 << 30) -> Node:
-    shard = {"slot": int(name[1:]), "n": 3, "role": "stage", "layers": list(layers)}
+    shard = Shard(slot=int(name[1:]), n=3, role="stage", layers=layers)
     return Node(NodeId(name), "assigned", "s", {"memory_bytes": memory}, "h", 0.0, 0.0, shard)
 
 

@@ -17,7 +17,7 @@ from cellswarm.swarm.control.placing import Placing
 from cellswarm.swarm.control.state import Beat
 from cellswarm.swarm.control.store import Node
 from cellswarm.swarm.policy import nodes as health
-from cellswarm.swarm.protocol.messages import Heartbeat, HeartbeatAnswer, encode
+from cellswarm.swarm.protocol.messages import Assignment, Heartbeat, HeartbeatAnswer, encode
 from cellswarm.swarm.transport.wire import port
 
 log = logging.getLogger("cellswarm.coordinator")
@@ -96,15 +96,13 @@ class Liveness(Placing):
                             "labels": {"job": "cellswarm-worker", "node": str(n.node_id)}})
         return out
 
-    def _shard_for(self, node: Node) -> dict[str, Any] | None:
+    def _shard_for(self, node: Node) -> Assignment | None:
         if node.state != "assigned" or node.shard is None:
             return None
-        c = self.config
-        out = {**node.shard, "model": c.model, "context": self.context,
-               "max_sequences": self.sequences}  # fmt: skip
-        if node.shard["role"] == "stage":
-            out["parts"] = self.part_specs  # what it does not hold; addresses come on wiring
-        return out
+        # a stage is told what it does not hold (its part servers); addresses come on wiring
+        parts = list(self.part_specs) if node.shard.role == "stage" else []
+        return Assignment(shard=node.shard, model=self.config.model, context=self.context,
+                          max_sequences=self.sequences, parts=parts)  # fmt: skip
 
     def _probe(self, node: Node) -> bool:
         if node.state != "offline":
@@ -152,7 +150,7 @@ class Liveness(Placing):
     def _ring_holds(self, node: Node, job_id: str) -> bool:
         """Whether the job is leased to the replica the node is a stage of."""
         job = self.queue.get(job_id)
-        replica = str((node.shard or {}).get("replica", 0))
+        replica = str(node.replica)
         return job is not None and job.state == "leased" and job.lease_replica == replica
 
     def _charge(self, node: Node, detail: str) -> None:
@@ -167,7 +165,7 @@ class Liveness(Placing):
         self.unwire(f"{node.node_id} failed: {detail}")
 
     def _suspect_next(self, node: Node) -> None:
-        nodes = ring(self.placed(), int((node.shard or {}).get("replica", 0)))
+        nodes = ring(self.placed(), node.replica)
         ids = [n.node_id for n in nodes]
         if node.node_id in ids:
             nxt = nodes[(ids.index(node.node_id) + 1) % len(nodes)]
@@ -211,13 +209,13 @@ class Liveness(Placing):
         # replaying steps it had passed, was not: jobs.strike_replica) — once per wiring of
         # the ring: a rack cut off (or a node lost because its neighbour could not reach it)
         # loses several nodes in one failure, not several
-        replica = str((node.shard or {}).get("replica", 0))
+        replica = str(node.replica)
         self.homes.forget(replica)  # its new member starts with an empty prefix cache
         wired = self.wired_epoch
         if self.struck.get(replica) != wired:
             self.struck[replica] = wired
             self._strike_replica(replica, why, wired)
-        if not (node.shard or {}).get("stage"):
+        if not (node.shard and node.shard.stage):
             # a lost head's jobs go back to the queue now, their attempts unspent (the loss
             # is no job's fault)
             for job_id in self.queue.release_owner(node.node_id):

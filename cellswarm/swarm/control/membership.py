@@ -12,23 +12,31 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+
+import msgspec
 
 from cellswarm.errors import BudgetError
 from cellswarm.swarm.control.store import Node, NodeId
+from cellswarm.swarm.protocol.messages import Shard
 
-# A shard: {"slot": i, "n": slots in the layout, "role": "stage" | "part", ...}. A stage
-# shard adds "stage" k, "layers" [lo, hi], "first", "last"; a part shard adds "spec" (what
-# a part server holds: routed experts of some layers, or vocabulary rows; swarm/ring/parts.py).
-Shard = dict[str, Any]
+PartSpecs = Sequence[dict[str, object]]  # what each part server of a replica holds (parts.py)
 # (number of stages, per-node memory) -> layer ranges, or BudgetError if they cannot fit
 Splitter = Callable[[int, int], list[tuple[int, int]]]
 
 PLACEABLE = ("spare", "assigned")
 
 
+def dump_layout(layout: Sequence[Shard]) -> str:
+    """A layout as the text kept in the store's meta table (and compared as a key)."""
+    return msgspec.json.encode(list(layout)).decode()
+
+
+def load_layout(text: str) -> list[Shard]:
+    return msgspec.json.decode(text, type=list[Shard])
+
+
 def shards(
-    split: Sequence[tuple[int, int]], parts: Sequence[dict[str, Any]] = (), replicas: int = 1
+    split: Sequence[tuple[int, int]], parts: PartSpecs = (), replicas: int = 1
 ) -> list[Shard]:
     """Every slot of a layout: per replica, its stages then its part servers."""
     s, per = len(split), len(split) + len(parts)
@@ -36,12 +44,12 @@ def shards(
     out: list[Shard] = []
     for r in range(replicas):
         out += [
-            {"slot": r * per + k, "n": n, "replica": r, "role": "stage", "stage": k,
-             "layers": [lo, hi], "first": k == 0, "last": k == s - 1}
+            Shard(slot=r * per + k, n=n, replica=r, role="stage", stage=k, layers=(lo, hi),
+                  first=k == 0, last=k == s - 1)
             for k, (lo, hi) in enumerate(split)
         ]  # fmt: skip
-        out += [{"slot": r * per + s + j, "n": n, "replica": r, "role": "part",
-                 "spec": dict(spec)} for j, spec in enumerate(parts)]  # fmt: skip
+        out += [Shard(slot=r * per + s + j, n=n, replica=r, role="part", spec=dict(spec))
+                for j, spec in enumerate(parts)]  # fmt: skip
     return out
 
 
@@ -50,35 +58,40 @@ def layout_complete(nodes: Sequence[Node]) -> bool:
     held = [n.shard for n in nodes if n.state == "assigned" and n.shard is not None]
     if not held:
         return False
-    n_slots = int(held[0]["n"])
-    return sorted(int(s["slot"]) for s in held) == list(range(n_slots)) and all(
-        int(s["n"]) == n_slots for s in held
+    n_slots = held[0].n
+    return sorted(s.slot for s in held) == list(range(n_slots)) and all(
+        s.n == n_slots for s in held
     )
 
 
 def _held(nodes: Sequence[Node], role: str, replica: int) -> list[Node]:
     return [n for n in nodes if n.state == "assigned" and n.shard
-            and n.shard["role"] == role and int(n.shard.get("replica", 0)) == replica]  # fmt: skip
+            and n.shard.role == role and n.shard.replica == replica]  # fmt: skip
 
 
 def ring(nodes: Sequence[Node], replica: int = 0) -> list[Node]:
     """The nodes holding a replica's pipeline stages, in stage order."""
-    return sorted(_held(nodes, "stage", replica), key=lambda n: int((n.shard or {})["stage"]))
+    return sorted(_held(nodes, "stage", replica), key=lambda n: _slot(n, "stage"))
 
 
 def part_nodes(nodes: Sequence[Node], replica: int = 0) -> list[Node]:
     """The nodes holding a replica's part servers, in slot order."""
-    return sorted(_held(nodes, "part", replica), key=lambda n: int((n.shard or {})["slot"]))
+    return sorted(_held(nodes, "part", replica), key=lambda n: _slot(n, "slot"))
+
+
+def _slot(node: Node, key: str) -> int:
+    assert node.shard is not None  # held: _held keeps only nodes with a shard
+    return (node.shard.stage or 0) if key == "stage" else node.shard.slot
 
 
 def replicas(nodes: Sequence[Node]) -> list[int]:
-    return sorted({int(n.shard.get("replica", 0)) for n in nodes
+    return sorted({n.shard.replica for n in nodes
                    if n.state == "assigned" and n.shard})  # fmt: skip
 
 
 def repair(
     nodes: Sequence[Node], layout: Sequence[Shard], split: Splitter, stages: int | None,
-    parts: Sequence[dict[str, Any]] = (), replicas: int = 1, max_stages: int | None = None,
+    parts: PartSpecs = (), replicas: int = 1, max_stages: int | None = None,
 ) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
     """The layout and the shard every placeable node should hold (None: a spare). A complete
     layout stays as it is; a hole is filled by a spare with as much memory as the node it
@@ -103,15 +116,15 @@ def repair(
 def _short_of_ask(layout: Sequence[Shard], stages: int | None, replicas: int) -> bool:
     """The layout has fewer rings than `replicas`, or a ring fewer stages than `stages` (a
     repair took fewer rather than stall): once the nodes are back, the full ask is placed."""
-    rings = {int(s.get("replica", 0)) for s in layout if s.get("role") == "stage"}
-    first = sum(1 for s in layout if s.get("role") == "stage" and int(s.get("replica", 0)) == 0)
+    rings = {s.replica for s in layout if s.role == "stage"}
+    first = sum(1 for s in layout if s.role == "stage" and s.replica == 0)
     return len(rings) < replicas or (stages is not None and first < stages)
 
 
 def _fill_holes(
     live: Sequence[Node], layout: Sequence[Shard]
 ) -> dict[NodeId, Shard | None] | None:
-    held = {int(n.shard["slot"]): n for n in live if n.state == "assigned" and n.shard}
+    held = {n.shard.slot: n for n in live if n.state == "assigned" and n.shard}
     if not held:
         return None
     budget = min(n.memory_bytes for n in held.values())  # what a stage was sized for
@@ -121,26 +134,26 @@ def _fill_holes(
     )
     out: dict[NodeId, Shard | None] = {n.node_id: n.shard for n in live}
     for shard in layout:
-        if int(shard["slot"]) in held:
+        if shard.slot in held:
             continue
         if not spares:
             return None
-        rack = _rack_of(held.values(), int(shard.get("replica", 0)))
+        rack = _rack_of(held.values(), shard.replica)
         spare = min(spares, key=lambda n: n.rack != rack)  # its replica's rack, if one waits
         spares.remove(spare)
-        out[spare.node_id] = dict(shard)
+        out[spare.node_id] = shard
     return out
 
 
 def _rack_of(held: Iterable[Node], replica: int) -> str | None:
     """The rack most of a replica's held slots sit in (None: no slot of it is held)."""
-    racks = Counter(n.rack for n in held if int((n.shard or {}).get("replica", 0)) == replica)
+    racks = Counter(n.rack for n in held if n.shard and n.shard.replica == replica)
     return racks.most_common(1)[0][0] if racks else None
 
 
 def place(
     live: Sequence[Node], split: Splitter, stages: int | None, shrink: bool = False,
-    parts: Sequence[dict[str, Any]] = (), replicas: int = 1, max_stages: int | None = None,
+    parts: PartSpecs = (), replicas: int = 1, max_stages: int | None = None,
 ) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
     """A fresh layout over the live nodes: `replicas` rings of `stages` stages (or the fewest
     that fit, up to `max_stages`: one a layer) and their part servers, the earliest joined

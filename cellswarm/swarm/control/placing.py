@@ -5,7 +5,6 @@ context and sequences it serves, and a rebalance by measured step times."""
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -13,11 +12,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from cellswarm.errors import BudgetError
 from cellswarm.planner.placement import StageCosts, balanced_layers, fit_context, fits, too_long
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.election import Election
-from cellswarm.swarm.control.membership import Shard, repair, ring
+from cellswarm.swarm.control.membership import (
+    Shard,
+    dump_layout,
+    load_layout,
+    repair,
+    ring,
+)
 from cellswarm.swarm.control.store import Node, NodeId
 from cellswarm.swarm.ring.costs import costs_at
 
@@ -73,7 +80,7 @@ class Placing(Election):
                 seen[1] == self._reconciled[1]:  # fmt: skip
             return
         self._reconciled = seen
-        self.layout = json.loads(layout_text)
+        self.layout = load_layout(layout_text)
         nodes = self.store.nodes()
         layout, target, sequences = self._repair(nodes)
         if not target:
@@ -91,9 +98,9 @@ class Placing(Election):
                 state = "assigned" if shard is not None else "spare"
                 self.store.update_node(node_id, state=state, shard=shard)
             self.layout = layout
-            self.store.set_meta("layout", json.dumps(layout))
+            self.store.set_meta("layout", dump_layout(layout))
             self.store.set_meta("sequences", str(sequences))
-        placed = {k: v["layers"] for k, v in target.items() if v is not None}
+        placed = {k: list(v.layers or (0, 0)) for k, v in target.items() if v is not None}
         self.log.event("placed", None, layout=placed, context=self.context, sequences=sequences)
         shown = ", ".join(f"{k} {v[0]}..{v[1] - 1}" for k, v in list(placed.items())[:8])
         more = f" and {len(placed) - 8} more" if len(placed) > 8 else ""
@@ -223,7 +230,7 @@ class Placing(Election):
             return  # replicas share one layout: their nodes' speeds would pull it apart
         if self.wired_epoch != self.epoch:
             return
-        key = json.dumps(self.layout, sort_keys=True)
+        key = dump_layout(self.layout)
         if self.store.get_meta("rebalance_decided") == key:
             return
         nodes = ring(self.placed(), 0)
@@ -239,15 +246,16 @@ class Placing(Election):
         if split is None:
             self.store.set_meta("rebalance_decided", key)
             return
-        layout = [dict(sh) for sh in self.layout]
+        layout = list(self.layout)
         with self.store.transaction():
             for node, (lo, hi) in zip(times.nodes, split, strict=True):
-                shard = {**(node.shard or {}), "layers": [lo, hi]}
+                assert node.shard is not None  # a stage of the ring
+                shard = msgspec.structs.replace(node.shard, layers=(lo, hi))
                 self.store.update_node(node.node_id, shard=shard)
-                layout[int(shard["slot"])] = shard
+                layout[shard.slot] = shard
             self.layout = layout
-            self.store.set_meta("layout", json.dumps(layout))
-            self.store.set_meta("rebalance_decided", json.dumps(layout, sort_keys=True))
+            self.store.set_meta("layout", dump_layout(layout))
+            self.store.set_meta("rebalance_decided", dump_layout(layout))
         why = (f"rebalanced by measured step times {times.bottleneck()['steps_ms']} ms: "
                f"layers {[list(r) for r in split]}")  # fmt: skip
         self.log.event("rebalanced", None, steps_ms=times.bottleneck()["steps_ms"],

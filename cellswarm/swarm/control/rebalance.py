@@ -51,7 +51,7 @@ def ring_times(ring: Sequence[Node], stats: dict[str, Any], min_steps: int = 1) 
     steps = []
     for n in ring:
         s = stats.get(n.node_id) or {}
-        layers = list((n.shard or {}).get("layers") or [])
+        layers = list(n.shard.layers or ()) if n.shard else []
         if s.get("layers") != layers or int(s.get("decode_steps") or 0) < max(min_steps, 1):
             return None
         steps.append(float(s["decode_s"]) / int(s["decode_steps"]))
@@ -67,7 +67,7 @@ def named_long_enough(first_named_s: float | None, now_s: float, beat_s: float) 
 def plan(times: RingTimes, costs: StageCosts, gain: float = GAIN) -> list[tuple[int, int]] | None:
     """New layer ranges for the ring, or None when no node is much slower than the others
     (SLOW), the current ranges are as good (within `gain`) or nothing else fits."""
-    ranges = [tuple((n.shard or {})["layers"]) for n in times.nodes]
+    ranges = [n.shard.layers for n in times.nodes if n.shard and n.shard.layers]
     last = len(ranges) - 1
     pairs = enumerate(zip(ranges, times.step_s, strict=True))
     per_byte = [t / max(costs.read(lo, hi, k == last), 1) for k, ((lo, hi), t) in pairs]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import threading
 import time
@@ -23,7 +22,7 @@ from cellswarm.swarm.control.checkup import Checkups
 from cellswarm.swarm.control.db import open_database
 from cellswarm.swarm.control.events import EventStore
 from cellswarm.swarm.control.jobs import JobQueue, QueueConfig
-from cellswarm.swarm.control.membership import Shard
+from cellswarm.swarm.control.membership import Shard, load_layout
 from cellswarm.swarm.control.nonces import Nonces
 from cellswarm.swarm.control.request_metrics import RequestMetrics
 from cellswarm.swarm.control.store import Store
@@ -65,7 +64,7 @@ class CoordinatorState:
         self.tls = client_context(config.tls_dir) if config.tls_dir else None  # for resets
         self.nonces = Nonces()  # join challenges, each good for one proof (nonces.py)
         self._joins_said = -1  # >= 0 inside join_many, whose rack's joins are one line
-        self.layout: list[Shard] = json.loads(self.store.get_meta("layout", "[]"))
+        self.layout: list[Shard] = load_layout(self.store.get_meta("layout", "[]"))
         self.id = f"{config.host}:{config.port}/{uuid.uuid4().hex[:8]}"
         self.leading, self.lead_until = False, 0.0
         self.pulse = asyncio.Event()  # set and replaced whenever a job makes progress

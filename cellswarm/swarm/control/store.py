@@ -9,13 +9,16 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NewType
+
+import msgspec
 
 from cellswarm.swarm.control.db import Database, open_database
 from cellswarm.swarm.policy.nodes import Health
 from cellswarm.swarm.protocol import shard_id
+from cellswarm.swarm.protocol.messages import Shard
 
 NodeId = NewType("NodeId", str)
 
@@ -60,7 +63,7 @@ class Node:
     host: str
     joined_s: float
     last_seen_s: float
-    shard: dict[str, Any] | None = None
+    shard: Shard | None = None
     data_port: int | None = None
     ready: str | None = None
     rss_bytes: int = 0
@@ -84,6 +87,11 @@ class Node:
     def health(self) -> Health:
         """What the policy core decides on (swarm/policy/nodes.py)."""
         return Health(self.failures, self.consecutive_failures, self.state == "offline")
+
+    @property
+    def replica(self) -> int:
+        """The replica its shard belongs to (0 without a shard)."""
+        return self.shard.replica if self.shard else 0
 
     @property
     def rack(self) -> str:
@@ -205,9 +213,9 @@ class Store:
     # -- nodes -----------------------------------------------------------------------------
 
     def put_node(self, node: Node) -> None:
-        row = asdict(node)
+        row = {f.name: getattr(node, f.name) for f in fields(Node)}
         for k in _JSON_NODE:
-            row[k] = None if row[k] is None else json.dumps(row[k])
+            row[k] = _to_json(row[k])
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         updates = ", ".join(f"{c}=excluded.{c}" for c in row if c != "node_id")
@@ -257,8 +265,7 @@ class Store:
             if node is None:
                 raise KeyError(node_id)
             return node
-        values = [json.dumps(v) if k in _JSON_NODE and v is not None else v
-                  for k, v in changes.items()]  # fmt: skip
+        values = [_to_json(v) if k in _JSON_NODE else v for k, v in changes.items()]
         sets = ", ".join(f"{k}=?" for k in changes)
 
         def write() -> Node:
@@ -274,10 +281,14 @@ class Store:
 _NODE_FIELDS = {f.name for f in fields(Node)}
 
 
+def _to_json(value: object) -> str | None:
+    return None if value is None else msgspec.json.encode(value).decode()
+
+
 def _node(row: dict[str, Any]) -> Node:
     d = dict(row)
-    for k in _JSON_NODE:
-        d[k] = None if d[k] is None else json.loads(d[k])
+    d["capabilities"] = json.loads(d["capabilities"]) if d["capabilities"] else {}
+    d["shard"] = msgspec.json.decode(d["shard"], type=Shard) if d["shard"] else None
     d["node_id"] = NodeId(d["node_id"])
     return Node(**d)
 

@@ -23,10 +23,10 @@ class Views(Work):
         now = time.time()
         nodes = [
             {"node_id": n.node_id, "state": n.state,
-             "layers": n.shard.get("layers") if n.shard else None,
+             "layers": list(n.shard.layers) if n.shard and n.shard.layers else None,
              "holds": describe(n.shard),
-             "stage": n.shard.get("stage") if n.shard else None,
-             "replica": n.shard.get("replica") if n.shard else None,
+             "stage": n.shard.stage if n.shard else None,
+             "replica": n.shard.replica if n.shard else None,
              "agreements": n.agreements, "disagreements": n.disagreements,
              "memory_bytes": n.memory_bytes, "rss_bytes": n.rss_bytes,
              "peak_rss_bytes": n.peak_rss_bytes, "last_seen_s_ago": round(now - n.last_seen_s, 2),
@@ -103,10 +103,10 @@ def describe(shard: Shard | None) -> str:
     """A shard in a few words, for the status table."""
     if shard is None:
         return "-"
-    if shard["role"] == "stage":
-        lo, hi = shard["layers"]
+    if shard.role == "stage" and shard.layers:
+        lo, hi = shard.layers
         return f"layers {lo}..{hi - 1}"
-    spec = shard["spec"]
+    spec: dict[str, Any] = shard.spec or {}
     if spec.get("vocab_rows"):
         a, b = spec["vocab_rows"]
         return f"vocab rows {a}..{b - 1}"

@@ -79,7 +79,8 @@ class Wiring(Joining):
                 await self.on_core(self.lose, node, "did not answer its reset")
                 return False
         addressed = [
-            {**(n.shard or {})["spec"], "node_id": n.node_id, "host": n.host, "port": n.data_port}
+            {**((n.shard and n.shard.spec) or {}), "node_id": n.node_id, "host": n.host,
+             "port": n.data_port}
             for n in parts
         ]
         for k in reversed(range(len(stages))):
@@ -152,5 +153,5 @@ class Wiring(Joining):
             running_s = float((self.node_stats.get(n.node_id) or {}).get("running_s") or 0.0)
             if running_s > STUCK_STEP_S:
                 self.lose(n, f"one step running for {running_s:.0f} s: stuck")
-            elif running_s > 0 and n.shard is not None and n.shard.get("role") == "stage":
-                self.queue.extend_replica(str(n.shard.get("replica", 0)))
+            elif running_s > 0 and n.shard is not None and n.shard.role == "stage":
+                self.queue.extend_replica(str(n.shard.replica))

@@ -35,17 +35,17 @@ class Work(Verification):
     def lease(self, node: Node, n: int) -> list[dict[str, Any]]:
         """Jobs for a pipeline head: only stage 0 of a wired replica, and no more than the
         sequences its ring has KV cache for."""
-        shard = node.shard or {}
-        if self.wired_epoch != self.epoch or shard.get("role") != "stage" or shard.get("stage"):
+        shard = node.shard
+        if self.wired_epoch != self.epoch or shard is None or shard.role != "stage" or shard.stage:
             return []
-        stages = ring(self.placed(), int(shard.get("replica", 0)))
+        stages = ring(self.placed(), shard.replica)
         capacity = min(int(s.capabilities.get("max_sequences") or self.sequences)
                        for s in stages)  # fmt: skip
         # a job is one sequence (a scoring job's completions follow its prompt in it)
         room = capacity - self.queue.leased_count(node.node_id)
         if room <= 0:
             return []
-        n_replicas, replica = len(replicas(self.placed())), str(shard.get("replica", 0))
+        n_replicas, replica = len(replicas(self.placed())), str(shard.replica)
         rank = (lambda job: self.homes.rank(job.payload, replica)) if n_replicas > 1 else None
         jobs = self.queue.lease(node.node_id, replica, min(n, room), exclusive=n_replicas > 1,
                                 n_replicas=n_replicas, rank=rank)  # fmt: skip
@@ -61,10 +61,9 @@ class Work(Verification):
     def ring_sequences(self, node: Node) -> int | None:
         """The sequences the ring headed by `node` holds at once: the fewest any of its
         stages has KV cache for (a head admits no more into stage 0)."""
-        shard = node.shard or {}
-        if shard.get("role") != "stage":
+        if node.shard is None or node.shard.role != "stage":
             return None
-        stages = ring(self.placed(), int(shard.get("replica", 0)))
+        stages = ring(self.placed(), node.shard.replica)
         return min((int(s.capabilities.get("max_sequences") or self.config.max_sequences)
                     for s in stages), default=None)  # fmt: skip
 
@@ -95,7 +94,7 @@ class Work(Verification):
         in since, marked it for the evicted node's bits: seen under test)."""
         job = self.queue.get(job_id)
         leased = job.lease_replica if job is not None else None
-        replica = leased if leased is not None else str((node.shard or {}).get("replica", 0))
+        replica = leased if leased is not None else str(node.replica)
         members = ([str(n.node_id) for n in ring(self.placed(), int(replica))]
                    if replica.isdigit() else [])  # fmt: skip
         return replica, members if node.node_id in members else [str(node.node_id)]

@@ -50,6 +50,7 @@ from cellswarm.swarm.node.net import (
 )
 from cellswarm.swarm.protocol import PROTOCOL, shard_id
 from cellswarm.swarm.protocol.messages import (
+    Assignment,
     Fault,
     Heartbeat,
     HeartbeatAnswer,
@@ -444,7 +445,7 @@ class Worker:
         if answer.held:  # heard while the coordinator's core was busy: nothing new
             return
         self._say_problem(answer)
-        shard: dict[str, Any] | None = answer.shard
+        given = answer.shard
         self.wired = answer.wired
         self.coordinator_epoch = answer.epoch
         self.lease_s = answer.lease_s if answer.lease_s is not None else self.lease_s
@@ -452,32 +453,32 @@ class Worker:
             self.probe = await self.probe_beside_nothing()
         if answer.check:
             self.check = await self.run_checks(answer.check)
-        if shard is None:
+        if given is None:
             if self.stage is not None or self.part is not None:
                 await self.stop_serving("the coordinator gave this node no shard")
             self.refused = ""
             return
-        key = (shard_id(shard), shard["model"], shard["context"], shard["max_sequences"])
+        key = (shard_id(given.shard), given.model, given.context, given.max_sequences)
         if key == self.shard_key:
             return
         await self.stop_serving("a new shard")
         self.shard_key = key
         # Loading (a fetch over a slow link, reading a big shard) runs beside the heartbeat:
         # a node that stops beating while it loads looks dead to the coordinator.
-        self.loading = asyncio.create_task(self.load(shard))
+        self.loading = asyncio.create_task(self.load(given))
 
-    async def load(self, shard: dict[str, Any]) -> None:
+    async def load(self, given: Assignment) -> None:
         # What the last shard left only in reference cycles (asyncio's tasks and protocols of
         # its connections, tracebacks) goes before this one loads: the budget counts on it,
         # and a ring that makes little garbage per token may not run the collector for long
         await asyncio.sleep(0)  # the old connections' tasks end (their transports closed)
         gc.collect()
         try:
-            if shard["role"] == "part":
-                await self.start_part(shard)
+            if given.shard.role == "part":
+                await self.start_part(given)
             else:
-                await self.start_serving(shard)
-            self.ready = shard_id(shard)
+                await self.start_serving(given)
+            self.ready = shard_id(given.shard)
         except (CellswarmError, OSError) as exc:  # a budget, a file, a fetch: say which
             await self.stop_serving("could not serve its shard")
             self.refused = str(exc)
@@ -485,15 +486,16 @@ class Worker:
             return
         self.beat_now()  # tell the coordinator at once (it wires the ring)
 
-    async def start_serving(self, shard: dict[str, Any]) -> None:
-        c = self.config
+    async def start_serving(self, given: Assignment) -> None:
+        c, shard = self.config, given.shard
+        if shard.layers is None:
+            raise SwarmError(f"stage shard {shard.slot} names no layers: a coordinator bug")
         config = StageConfig(
-            model=c.model or str(shard["model"]), layers=(int(shard["layers"][0]),
-            int(shard["layers"][1])), first=bool(shard["first"]), last=bool(shard["last"]),
-            threads=c.threads, memory_bytes=c.memory_bytes, context=int(shard["context"]),
-            max_sequences=int(shard["max_sequences"]), log_dir=c.log_dir, node_id=c.node_id,
-            profile=c.profile, token_file=c.token_file, peers=("coordinator",),
-            parts=tuple(PartSpec.from_dict(p) for p in shard.get("parts", ())),
+            model=c.model or given.model, layers=shard.layers, first=shard.first,
+            last=shard.last, threads=c.threads, memory_bytes=c.memory_bytes,
+            context=given.context, max_sequences=given.max_sequences, log_dir=c.log_dir,
+            node_id=c.node_id, profile=c.profile, token_file=c.token_file, peers=("coordinator",),
+            parts=tuple(PartSpec.from_dict(p) for p in given.parts),
             dram_budget_bytes=c.dram_budget_bytes, tls_dir=c.tls_dir,
         )  # fmt: skip
         if c.fetch or c.model is None:
@@ -522,11 +524,11 @@ class Worker:
         log.info("serving layers %s on port %s", config.layers, self.data_port)
         print(f"SERVING {config.layers[0]}..{config.layers[1] - 1} {self.data_port}", flush=True)
 
-    async def start_part(self, shard: dict[str, Any]) -> None:
+    async def start_part(self, given: Assignment) -> None:
         """Serve a part: routed experts of some layers, or vocabulary rows (swarm/ring/parts.py)."""
         c = self.config
-        spec = PartSpec.from_dict({**shard["spec"], "node_id": c.node_id, "port": 0})
-        model_path = c.model or str(shard["model"])
+        spec = PartSpec.from_dict({**(given.shard.spec or {}), "node_id": c.node_id, "port": 0})
+        model_path = c.model or given.model
         if c.fetch or c.model is None:
             path = await asyncio.to_thread(self.fetch_selection, spec.selection())
             model_path = str(path)

@@ -9,10 +9,10 @@ it into the typed messages themselves).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+from cellswarm.swarm.protocol.messages import Shard
 
-PROTOCOL = 1
+# 2: a shard is a typed value (messages.Shard), the beat's answer carries an Assignment
+PROTOCOL = 2
 
 
 class VersionMismatch(Exception):
@@ -29,7 +29,6 @@ def check_version(theirs: object, node_id: str) -> None:
                           f"protocol {PROTOCOL}: run the same cellswarm version on both")
 
 
-def shard_id(shard: Mapping[str, object]) -> str:
+def shard_id(shard: Shard) -> str:
     """What identifies a shard's content: a worker reports it once loaded."""
-    keys = ("slot", "role", "layers", "first", "last", "spec")
-    return json.dumps({k: shard.get(k) for k in keys}, sort_keys=True)
+    return shard.content_id

@@ -16,7 +16,8 @@ here bumps PROTOCOL (protocol/__init__.py): a node of another version is refused
 
 from __future__ import annotations
 
-from typing import TypeVar
+import json
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -92,6 +93,40 @@ class Heartbeat(Message, frozen=True):
     check: dict[str, object] | None = None  # a doctor round's result (ring/checks.py)
 
 
+class Shard(Message, frozen=True):
+    """One slot of a layout (control/membership.py): a stage of a replica's pipeline (its
+    layer range, whether it is the ring's first or last), or a part server (`spec`: routed
+    experts of some layers, or vocabulary rows, as ring/parts.py's PartSpec says it)."""
+
+    slot: int
+    n: int  # slots in the layout
+    role: Literal["stage", "part"]
+    replica: int = 0
+    stage: int | None = None
+    layers: tuple[int, int] | None = None  # [lo, hi) of the model's blocks
+    first: bool = False
+    last: bool = False
+    spec: dict[str, object] | None = None
+
+    @property
+    def content_id(self) -> str:
+        """What identifies what it holds (not which ring): a worker reports it once loaded."""
+        return json.dumps({"slot": self.slot, "role": self.role, "first": self.first,
+                           "last": self.last, "spec": self.spec,
+                           "layers": list(self.layers) if self.layers else None},
+                          sort_keys=True)  # fmt: skip
+
+
+class Assignment(Message, frozen=True):
+    """What a node is told to hold: its shard, and what running it needs to know."""
+
+    shard: Shard
+    model: str
+    context: int
+    max_sequences: int
+    parts: list[dict[str, object]] = msgspec.field(default_factory=list)  # a stage's parts
+
+
 class HeartbeatAnswer(Message, frozen=True, omit_defaults=False):
     """The coordinator's answer to a beat: the shard the node should hold (None: none, a
     spare), the wiring's epoch and whether the whole layout is wired in it, whether to run a
@@ -100,7 +135,7 @@ class HeartbeatAnswer(Message, frozen=True, omit_defaults=False):
     `now_s` and `heartbeat_s` are said). Every field is sent, defaults too."""
 
     held: bool = False
-    shard: dict[str, object] | None = None  # membership.py's shard, with what a stage needs
+    shard: Assignment | None = None
     epoch: int = -1
     wired: bool = False
     probe: bool = False
