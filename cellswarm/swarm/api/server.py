@@ -42,7 +42,19 @@ from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.control.jobs import Job
 from cellswarm.swarm.control.store import Node
 from cellswarm.swarm.protocol import VersionMismatch
-from cellswarm.swarm.protocol.messages import Fault, Heartbeat, decode
+from cellswarm.swarm.protocol.messages import (
+    FailReport,
+    Fault,
+    Heartbeat,
+    JobResult,
+    LeaseAnswer,
+    LeaseAsk,
+    M,
+    ReleaseAsk,
+    Report,
+    decode,
+    encode,
+)
 from cellswarm.swarm.transport.beats import BEAT_ANSWER_S, MAX_BEATS, beat_batch, settled
 from cellswarm.swarm.transport.wire import check_numbers
 
@@ -60,17 +72,23 @@ async def node_body(request: Request) -> dict[str, Any]:
     return data
 
 
-def result_items(results: Any) -> list[tuple[str, int, dict[str, Any]]]:
-    """A head's posted results as (job_id, fence, result); BadRequest unless a list of at
-    most MAX_RESULTS_PER_POST objects with those three."""
-    if not isinstance(results, list) or len(results) > MAX_RESULTS_PER_POST or not all(
-        isinstance(r, dict) and isinstance(r.get("job_id"), str)
-        and isinstance(r.get("fence"), int) and isinstance(r.get("result"), dict)
-        for r in results
-    ):  # fmt: skip
+def as_message(kind: type[M], data: dict[str, Any]) -> M:
+    """A node's body as its typed message (protocol/messages.py), the proof of who sent it
+    (node_id, session: read by `node_of`) left aside."""
+    return decode(kind, {k: v for k, v in data.items() if k not in ("node_id", "session")})
+
+
+def result_items(results: Any) -> list[JobResult]:
+    """A head's posted results; BadRequest unless a list of at most MAX_RESULTS_PER_POST
+    objects with job_id, fence and result."""
+    if not isinstance(results, list) or len(results) > MAX_RESULTS_PER_POST:
         raise BadRequest(f"results: a list of at most {MAX_RESULTS_PER_POST} objects with "
                          "job_id, fence and result", param="results")  # fmt: skip
-    return [(r["job_id"], r["fence"], r["result"]) for r in results]
+    try:
+        return [decode(JobResult, r) for r in results]
+    except RequestError:
+        raise BadRequest(f"results: a list of at most {MAX_RESULTS_PER_POST} objects with "
+                         "job_id, fence and result", param="results") from None  # fmt: skip
 
 
 def node_of(coord: Coordinator, data: dict[str, Any]) -> Node:
@@ -310,10 +328,11 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
     """A pipeline head's: lease, checkpoint, complete, fail, release."""
 
     @app.post("/v1/jobs/lease")
-    async def lease(request: Request) -> dict[str, Any]:
+    async def lease(request: Request) -> dict[str, object]:
         d = await node_body(request)
-        node, n = await coord.on_core(node_of, coord, d), int(d.get("n", 1))
-        wait_s = min(max(float(d.get("wait_s", 0.0)), 0.0), MAX_LEASE_WAIT_S)
+        node = await coord.on_core(node_of, coord, d)
+        ask = as_message(LeaseAsk, d)
+        n, wait_s = ask.n, min(max(ask.wait_s, 0.0), MAX_LEASE_WAIT_S)
         deadline = time.monotonic() + wait_s
         while not (jobs := await coord.on_core(coord.lease, node, n)) and \
                 time.monotonic() < deadline:  # fmt: skip
@@ -321,7 +340,8 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
             # every 0.5 s (another coordinator sharing the database may have queued one)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(coord.pulse.wait(), 0.5)
-        return {"jobs": jobs, "ring_sequences": await coord.on_core(coord.ring_sequences, node)}
+        sequences = await coord.on_core(coord.ring_sequences, node)
+        return encode(LeaseAnswer(jobs=jobs, ring_sequences=sequences))
 
     @app.post("/v1/jobs/checkpoint")
     async def checkpoint(request: Request) -> dict[str, Any]:
@@ -329,8 +349,9 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
         takes them) committed first: a head's one post for both."""
         d = await node_body(request)
         items = result_items(d["results"]) if "results" in d else []
+        runs = as_message(Report, {"runs": d.get("runs", [])}).runs
         stale, outcomes = await coord.on_core(
-            lambda: coord.report(node_of(coord, d), items, list(d.get("runs", []))))
+            lambda: coord.report(node_of(coord, d), items, runs))
         return {"stale": stale, **({"outcomes": outcomes} if items else {})}
 
     @app.post("/v1/jobs/complete")
@@ -339,26 +360,24 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
         MAX_RESULTS_PER_POST): each with the outcome it would have alone, in one commit."""
         d = await node_body(request)
         one = "results" not in d
-        if one:
-            items = [(str(d["job_id"]), int(d["fence"]), dict(d["result"]))]
-        else:
-            items = result_items(d["results"])
+        items = [as_message(JobResult, d)] if one else result_items(d["results"])
         outcomes = await coord.on_core(lambda: coord.complete_all(node_of(coord, d), items))
         return {"outcome": outcomes[0]} if one else {"outcomes": outcomes}
 
     @app.post("/v1/jobs/fail")
     async def fail(request: Request) -> dict[str, Any]:
         d = await node_body(request)
+        said = as_message(FailReport, d)
         outcome = await coord.on_core(lambda: coord.fail(
-            node_of(coord, d), str(d["job_id"]), int(d["fence"]), str(d["reason"]),
-            str(d.get("fault", "job"))))  # fmt: skip
+            node_of(coord, d), said.job_id, said.fence, said.reason, said.fault))
         return {"outcome": outcome}
 
     @app.post("/v1/jobs/release")
     async def release(request: Request) -> dict[str, Any]:
         d = await node_body(request)
+        runs = as_message(ReleaseAsk, d).runs
         return {"released": await coord.on_core(
-            lambda: coord.release(node_of(coord, d), list(d.get("runs", []))))}
+            lambda: coord.release(node_of(coord, d), runs))}
 
 
 def add_error_handlers(app: FastAPI) -> None:

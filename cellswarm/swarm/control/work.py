@@ -12,6 +12,7 @@ from cellswarm.swarm.control.membership import replicas, ring
 from cellswarm.swarm.control.store import Node
 from cellswarm.swarm.control.verification import Verification
 from cellswarm.swarm.policy import nodes as health
+from cellswarm.swarm.protocol.messages import JobLease, JobRef, JobResult, RunState
 
 log = logging.getLogger("cellswarm.coordinator")
 
@@ -32,7 +33,7 @@ class Work(Verification):
             self.notify()  # a head waiting in a long poll takes it now
         return job
 
-    def lease(self, node: Node, n: int) -> list[dict[str, Any]]:
+    def lease(self, node: Node, n: int) -> list[JobLease]:
         """Jobs for a pipeline head: only stage 0 of a wired replica, and no more than the
         sequences its ring has KV cache for."""
         shard = node.shard
@@ -56,7 +57,8 @@ class Work(Verification):
             self.homes.note(job.payload, replica)
             self.log.event("leased", job.job_id, worker=node.node_id, fence=job.fence,
                            resume=len(job.tokens), attempt=job.attempts + 1)  # fmt: skip
-        return [j.lease_view() for j in jobs]
+        return [JobLease(job_id=j.job_id, kind=j.kind, payload=j.payload, fence=j.fence,
+                         tokens=j.tokens, attempt=j.attempts + 1) for j in jobs]  # fmt: skip
 
     def ring_sequences(self, node: Node) -> int | None:
         """The sequences the ring headed by `node` holds at once: the fewest any of its
@@ -67,19 +69,17 @@ class Work(Verification):
         return min((int(s.capabilities.get("max_sequences") or self.config.max_sequences)
                     for s in stages), default=None)  # fmt: skip
 
-    def checkpoint(self, node: Node, runs: list[dict[str, Any]]) -> list[str]:
+    def checkpoint(self, node: Node, runs: list[RunState]) -> list[str]:
         """Tokens so far of a head's jobs (renewing their leases); the ids it lost. One
         transaction for the lot: a commit (an fsync) per post, not per job."""
         with self.store.transaction():
-            stale = [str(r["job_id"]) for r in runs
-                     if not self.queue.checkpoint(str(r["job_id"]), int(r["fence"]),
-                                                  [int(t) for t in r["tokens"]],
-                                                  owner=node.node_id,
-                                                  frontier_epoch=self.epoch if r.get("frontier")
+            stale = [r.job_id for r in runs
+                     if not self.queue.checkpoint(r.job_id, r.fence, r.tokens, owner=node.node_id,
+                                                  frontier_epoch=self.epoch if r.frontier
                                                   else None)]  # fmt: skip
         now = time.time()
         for r in runs:
-            self.requests.tokens(str(r["job_id"]), len(r["tokens"]), now)
+            self.requests.tokens(r.job_id, len(r.tokens), now)
         for rid in stale:
             self.log.event("stale", rid, worker=node.node_id, call="checkpoint")
         self.notify()
@@ -99,22 +99,21 @@ class Work(Verification):
                    if replica.isdigit() else [])  # fmt: skip
         return replica, members if node.node_id in members else [str(node.node_id)]
 
-    def report(self, node: Node, items: list[tuple[str, int, dict[str, Any]]],
-               runs: list[dict[str, Any]]) -> tuple[list[str], list[str]]:  # fmt: skip
+    def report(self, node: Node, items: list[JobResult],
+               runs: list[RunState]) -> tuple[list[str], list[str]]:  # fmt: skip
         """A head's one post: results (`complete_all`), then checkpoints (`checkpoint`), in
         one transaction; (the ids it lost, the results' outcomes)."""
         with self.store.transaction():
             outcomes = self.complete_all(node, items)
             return self.checkpoint(node, runs), outcomes
 
-    def complete_all(self, node: Node,
-                     items: list[tuple[str, int, dict[str, Any]]]) -> list[str]:  # fmt: skip
+    def complete_all(self, node: Node, items: list[JobResult]) -> list[str]:
         """`complete` of each (job_id, fence, result) a head posted together, in one
         transaction: each outcome is what it would be alone, and the lot costs one commit (an
         fsync) where it cost three a job (the job, its ring's nodes, its events). A failure
         commits none: the head's post failed, and the leases run out as for a lost post."""
         with self.store.transaction():
-            return [self.complete(node, *item) for item in items]
+            return [self.complete(node, r.job_id, r.fence, dict(r.result)) for r in items]
 
     def complete(self, node: Node, job_id: str, fence: int,
                  result: dict[str, Any]) -> str:  # fmt: skip
@@ -149,12 +148,12 @@ class Work(Verification):
         self.notify()
         return outcome
 
-    def release(self, node: Node, runs: list[dict[str, Any]]) -> int:
+    def release(self, node: Node, runs: list[JobRef]) -> int:
         """A head stopped serving: its jobs go back to the queue unharmed (no attempt)."""
         released = 0
         for r in runs:
-            if self.queue.release(str(r["job_id"]), int(r["fence"]), owner=node.node_id):
+            if self.queue.release(r.job_id, r.fence, owner=node.node_id):
                 released += 1
-                self.log.event("released", str(r["job_id"]), worker=node.node_id)
+                self.log.event("released", r.job_id, worker=node.node_id)
         self.notify()
         return released

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from cellswarm.swarm.protocol.messages import LeaseAnswer, LeaseAsk, decode, encode
 from cellswarm.swarm.ring.frames import Frame
 
 log = logging.getLogger("cellswarm.head")
@@ -120,18 +121,17 @@ class Head:
         await self._checkpoint()
 
     async def _lease(self, free: int) -> None:
-        body = {"n": free, "wait_s": LEASE_WAIT_S}
-        answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/lease", body)
-        if answer and answer.get("ring_sequences"):
-            self.ring_sequences = int(answer["ring_sequences"])
+        body = encode(LeaseAsk(n=free, wait_s=LEASE_WAIT_S))
+        said = await asyncio.to_thread(self._post_quietly, "/v1/jobs/lease", body)
+        answer = decode(LeaseAnswer, said) if said is not None else LeaseAnswer()
+        if answer.ring_sequences:
+            self.ring_sequences = answer.ring_sequences
         if self.forgotten is not None:  # it stopped serving while we waited: give all back
-            brought = [{"job_id": str(v["job_id"]), "fence": int(v["fence"])}
-                       for v in (answer or {}).get("jobs", [])]  # fmt: skip
+            brought = [{"job_id": v.job_id, "fence": v.fence} for v in answer.jobs]
             self._release([*self.forgotten, *brought])
             return
-        for view in (answer or {}).get("jobs", []):
-            run = Run(str(view["job_id"]), int(view["fence"]), str(view["kind"]),
-                      dict(view["payload"]), [int(t) for t in view["tokens"]])  # fmt: skip
+        for view in answer.jobs:
+            run = Run(view.job_id, view.fence, view.kind, dict(view.payload), list(view.tokens))
             if self.runs.pop(run.job_id, None) is not None:  # our older lease of it expired:
                 await self.stage.cancel_request(run.job_id)  # its sequences must not feed this
             self.runs[run.job_id] = run

@@ -146,6 +146,74 @@ class HeartbeatAnswer(Message, frozen=True, omit_defaults=False):
     problem: str = ""
 
 
+# -- a pipeline head and the job queue (api/server.py's head routes, node/head.py) -------------
+
+
+class JobRef(Message, frozen=True):
+    """A job under the fence of one lease of it (every holder's call names both)."""
+
+    job_id: str
+    fence: int
+
+
+class RunState(Message, frozen=True):
+    """A held job's tokens so far; `frontier`: its ring is about to run a step it never
+    completed (from then on a failure there may be the job's doing: jobs.strike_replica)."""
+
+    job_id: str
+    fence: int
+    tokens: list[int]
+    frontier: bool = False
+
+
+class JobResult(Message, frozen=True):
+    """What a run of a job made: its tokens, their reason to stop, scores (the queue keeps
+    it as the client will read it; its shape is the API's, api/schema.py)."""
+
+    job_id: str
+    fence: int
+    result: dict[str, object]
+
+
+class LeaseAsk(Message, frozen=True):
+    n: int = 1  # free sequences of the ring
+    wait_s: float = 0.0  # a long poll: answer at once with jobs, or after this with none
+
+
+class JobLease(Message, frozen=True):
+    """A leased job: the work, its fence, and the tokens to resume from."""
+
+    job_id: str
+    kind: str
+    payload: dict[str, object]
+    fence: int
+    tokens: list[int] = msgspec.field(default_factory=list)
+    attempt: int = 1
+
+
+class LeaseAnswer(Message, frozen=True):
+    jobs: list[JobLease] = msgspec.field(default_factory=list)
+    ring_sequences: int | None = None  # what the ring holds at once (the fewest KV slots)
+
+
+class Report(Message, frozen=True):
+    """A head's one post: results (committed first), then the checkpoints due."""
+
+    runs: list[RunState] = msgspec.field(default_factory=list)
+    results: list[JobResult] = msgspec.field(default_factory=list)
+
+
+class FailReport(Message, frozen=True):
+    job_id: str
+    fence: int
+    reason: str
+    fault: str = "job"  # "job": its own data failed a stage; else a node's (no attempt spent)
+
+
+class ReleaseAsk(Message, frozen=True):
+    runs: list[JobRef] = msgspec.field(default_factory=list)
+
+
 class Capabilities(Message, frozen=True):
     """What a node joins with: its budget (what placement packs against), what it measured
     of itself, its rack, and its protocol version — read from the raw join first, so that a
