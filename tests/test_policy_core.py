@@ -5,6 +5,7 @@ progress, completions, failures, strikes, releases, expiries, cancels, holders' 
 an old fence — and both run it: the core as `apply`, the queue as the calls the coordinator
 makes. After every event the job's state, fence, attempts, strikes, backoff and error are the
 same in both. The simulator decides failed attempts with the same `apply` (sim/engine.py).
+A node's health likewise: the core (swarm/policy/nodes.py) beside the real coordinator.
 """
 
 from __future__ import annotations
@@ -172,3 +173,53 @@ def test_the_simulator_keeps_lost_nodes_as_the_swarm_does() -> None:
     sim.run()
     repeat = [h for h in sim.node_health.values() if h.failures >= sc.params.offline_after]
     assert repeat and sim.c.offline_nodes == 0
+
+
+NODE_KINDS = ("charged", "lost", "back", "probe_passed", "placed")
+
+
+def test_the_core_and_the_real_coordinator_judge_a_node_alike(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """Random sequences of a node's own failures (a fault it reports), losses, returns,
+    probes and placements, through the coordinator's own entry points (SQLite), beside the
+    core's `apply` on the same events: the same counts and the same verdict at every step."""
+    from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
+    from cellswarm.swarm.protocol import PROTOCOL
+    from cellswarm.swarm.protocol.messages import Heartbeat, Shard
+
+    coord = Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db")))
+    whole = Shard(slot=0, n=1, role="stage", stage=0, layers=(0, 30))
+    caps = {"memory_bytes": 1 << 20, "protocol": PROTOCOL}
+    examples = iter(range(10**6))
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(kinds=st.lists(st.sampled_from(NODE_KINDS), min_size=1, max_size=25))
+    def agree(kinds: list[str]) -> None:
+        node_id = f"n{next(examples)}"
+        session = coord.join(node_id, coord.challenge(), "", caps, "127.0.0.1")
+        model = health.Health()
+        for kind in kinds:
+            node = coord.store.node(node_id)
+            assert node is not None
+            if kind == "charged":  # a step of its own failed, in the current wiring
+                coord.fault(node, "forward", "a step raised", epoch=coord.epoch)
+                if node.state == "assigned":
+                    model, _ = health.apply(model, health.Charged("a step raised"),
+                                            coord.config.offline_after)  # fmt: skip
+            elif kind == "lost":
+                coord.lose(node, "no heartbeat")
+                if node.state in ("assigned", "spare"):
+                    model, _ = health.apply(model, health.Lost("no heartbeat"))
+            elif kind in ("back", "probe_passed"):  # it beats again (with its probe's result)
+                probe = True if kind == "probe_passed" else None
+                coord.heartbeat(node, Heartbeat(node_id=node_id, session=session,
+                                                probe_ok=probe))  # fmt: skip
+                if node.state == "offline" and probe:
+                    model, _ = health.apply(model, health.ProbePassed())
+            elif node.state == "spare":  # placement gives it the shard
+                coord.store.update_node(node_id, state="assigned", shard=whole)
+            got = coord.store.node(node_id)
+            assert got is not None and got.health == model, (kinds, got, model)
+
+    agree()
