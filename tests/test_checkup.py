@@ -10,6 +10,7 @@ import pytest
 
 from cellswarm.swarm.control import checkup
 from cellswarm.swarm.protocol.checks import Result
+from cellswarm.swarm.protocol.messages import CheckAsk, CheckResult
 from cellswarm.swarm.ring import checks
 
 SEED = 11
@@ -112,12 +113,12 @@ def test_many_nodes_read_as_their_failures() -> None:
 def test_a_round_is_asked_until_answered_and_old_answers_are_ignored() -> None:
     rounds = checkup.Checkups()
     r = rounds.start(["a", "b"])
-    assert rounds.ask("a") == {"round": r.round_id, "seed": r.seed}
+    assert rounds.ask("a") == CheckAsk(round=r.round_id, seed=r.seed)
     assert rounds.ask("z") is None
-    rounds.take("a", {"round": "stale", "env": {}})
+    rounds.take("a", CheckResult(round="stale", env={}))
     assert rounds.ask("a") is not None and not r.complete
-    rounds.take("a", {"round": r.round_id})
-    rounds.take("b", {"round": r.round_id})
+    rounds.take("a", CheckResult(round=r.round_id))
+    rounds.take("b", CheckResult(round=r.round_id))
     assert r.complete and rounds.ask("a") is None
 
 

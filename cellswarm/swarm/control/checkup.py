@@ -18,10 +18,12 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from cellswarm.swarm.policy import MIN_DISK_BYTES
 from cellswarm.swarm.protocol.checks import Result
+from cellswarm.swarm.protocol.messages import CheckAsk, CheckResult
 from cellswarm.swarm.ring.checks import digest_error
 from cellswarm.units import format_bytes
 
@@ -42,7 +44,7 @@ class Round:
     seed: int
     asked: set[str]
     started_s: float = field(default_factory=time.monotonic)
-    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)  # judged as plain data
 
     @property
     def complete(self) -> bool:
@@ -61,17 +63,17 @@ class Checkups:
         self.rounds[r.round_id] = r
         return r
 
-    def ask(self, node_id: str) -> dict[str, Any] | None:
+    def ask(self, node_id: str) -> CheckAsk | None:
         """What to put in this node's heartbeat answer: the oldest round it has not answered."""
         for r in self.rounds.values():
             if node_id in r.asked and node_id not in r.results:
-                return {"round": r.round_id, "seed": r.seed}
+                return CheckAsk(round=r.round_id, seed=r.seed)
         return None
 
-    def take(self, node_id: str, result: dict[str, Any]) -> None:
-        r = self.rounds.get(str(result.get("round")))
+    def take(self, node_id: str, result: CheckResult) -> None:
+        r = self.rounds.get(str(result.round))
         if r is not None and node_id in r.asked:
-            r.results[node_id] = result
+            r.results[node_id] = msgspec.to_builtins(result)
 
     def _forget_old(self, max_age_s: float = 600.0) -> None:
         now = time.monotonic()

@@ -51,6 +51,8 @@ from cellswarm.swarm.node.net import (
 from cellswarm.swarm.protocol import PROTOCOL, shard_id
 from cellswarm.swarm.protocol.messages import (
     Assignment,
+    CheckAsk,
+    CheckResult,
     Fault,
     Heartbeat,
     HeartbeatAnswer,
@@ -132,7 +134,7 @@ class Worker:
         self.refused = ""
         self.fetched: tuple[int, int] | None = None  # a shard's fetch: (bytes done, of total)
         self.probe: tuple[bool, str] | None = None
-        self.check: dict[str, Any] | None = None  # a doctor round's answer, for the next beat
+        self.check: CheckResult | None = None  # a doctor round's answer, for the next beat
         self.echo_s: float | None = None  # the last heartbeat's round trip
         self.caps: dict[str, Any] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -602,7 +604,7 @@ class Worker:
             return await self.stage.compute(self.run_probe)
         return await asyncio.to_thread(self.run_probe)
 
-    async def run_checks(self, ask: dict[str, Any]) -> dict[str, Any]:
+    async def run_checks(self, ask: CheckAsk) -> CheckResult:
         """A doctor round (swarm/ring/checks.py), run where the steps run, as the probe is."""
         from cellswarm.swarm.ring import checks
 
@@ -610,13 +612,13 @@ class Worker:
         folders = (c.log_dir, c.cache_dir, str(kernels_cache_dir()))
 
         def run() -> dict[str, Any]:
-            return checks.run(int(ask["seed"]), stage.model if stage else None, folders,
-                              c.perturb)  # fmt: skip
+            return checks.run(ask.seed, stage.model if stage else None, folders, c.perturb)
 
         out = await stage.compute(run) if stage is not None else await asyncio.to_thread(run)
         out["env"]["rss_bytes"] = rss_bytes()
         layers = list(stage.config.layers) if stage is not None else None
-        return {**out, "round": ask.get("round"), "echo_s": self.echo_s, "layers": layers}
+        return decode(CheckResult, {**out, "round": ask.round, "echo_s": self.echo_s,
+                                    "layers": layers})  # fmt: skip
 
     def run_probe(self) -> tuple[bool, str]:
         """A health check an offline node must pass to get a shard again: one forward step

@@ -69,6 +69,27 @@ class NodeStats(Message, frozen=True):
     fetch_total_bytes: int | None = None
 
 
+class CheckAsk(Message, frozen=True):
+    """A doctor round asked of a node in a heartbeat's answer (control/checkup.py)."""
+
+    round: str
+    seed: int
+
+
+class CheckResult(Message, frozen=True):
+    """A node's answer to a round, in its next beat (ring/checks.py runs it): the facts of
+    its host, its matmul and forward step on the round's input, or the error it hit; its
+    echo to the coordinator and the layers it holds."""
+
+    round: str | None = None
+    env: dict[str, object] = msgspec.field(default_factory=dict)
+    matmul: list[float] | None = None
+    forward: dict[str, object] | None = None  # a digest of one step (checks.forward_digest)
+    error: str | None = None
+    echo_s: float | None = None
+    layers: list[int] | None = None
+
+
 class Heartbeat(Message, frozen=True):
     """A node's beat: alive, what it holds and serves, where its peers reach it, its clock,
     and the answers to what the last beat's answer asked (a probe, a doctor round)."""
@@ -90,7 +111,7 @@ class Heartbeat(Message, frozen=True):
     metrics_port: int | None = None
     probe_ok: bool | None = None  # an offline node's probe, when it ran one
     probe_error: str | None = None
-    check: dict[str, object] | None = None  # a doctor round's result (ring/checks.py)
+    check: CheckResult | None = None  # a doctor round's result (ring/checks.py)
 
 
 class Shard(Message, frozen=True):
@@ -139,7 +160,7 @@ class HeartbeatAnswer(Message, frozen=True, omit_defaults=False):
     epoch: int = -1
     wired: bool = False
     probe: bool = False
-    check: dict[str, object] | None = None  # a doctor round's ask (control/checkup.py)
+    check: CheckAsk | None = None  # a doctor round's ask (control/checkup.py)
     lease_s: float | None = None
     now_s: float | None = None
     heartbeat_s: float | None = None
