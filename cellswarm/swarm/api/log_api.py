@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from cellswarm.errors import RequestError
 from cellswarm.swarm.api.schema import NotFound, load_json
 from cellswarm.swarm.auth import OPERATOR, verify
+from cellswarm.swarm.protocol.messages import LogBatch, decode_body
 
 if TYPE_CHECKING:
     from cellswarm.swarm.control.coordinator import Coordinator
@@ -28,14 +29,16 @@ def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> 
         d = load_json(await request.body())
         if not isinstance(d, dict) or not isinstance(d.get("events"), list):
             raise RequestError("a log batch is an object with a list of events")
-        node = await coord.on_core(coord.authenticate, str(d["node_id"]), str(d["session"]))
-        if d.get("clock_offset_s") is not None:  # as a heartbeat reports it
-            coord.node_clock[node.node_id] = (float(d["clock_offset_s"]),
-                                              float(d.get("clock_error_s") or 0.0))  # fmt: skip
+        node = await coord.on_core(coord.authenticate, str(d.get("node_id")),
+                                   str(d.get("session")))  # fmt: skip
+        batch = decode_body(LogBatch, d)  # after the proof: a stranger hears 401 first
+        if batch.clock_offset_s is not None:  # as a heartbeat reports it
+            coord.node_clock[node.node_id] = (batch.clock_offset_s,
+                                              batch.clock_error_s or 0.0)  # fmt: skip
         offset_s, error_s = coord.node_clock.get(node.node_id, (0.0, None))
-        added = await asyncio.to_thread(coord.events.insert, node.node_id, str(d["run"]),
-                                        d["events"], offset_s, error_s)  # fmt: skip
-        return {"acked": len(d["events"]), "added": added}
+        added = await asyncio.to_thread(coord.events.insert, node.node_id, batch.run,
+                                        batch.events, offset_s, error_s)  # fmt: skip
+        return {"acked": len(batch.events), "added": added}
 
     def operator(request: Request, request_id: str) -> None:
         require_operator(coord, request, api_keys, request_id)

@@ -49,10 +49,10 @@ from cellswarm.swarm.protocol.messages import (
     JobResult,
     LeaseAnswer,
     LeaseAsk,
-    M,
     ReleaseAsk,
     Report,
     decode,
+    decode_body,
     encode,
 )
 from cellswarm.swarm.transport.beats import BEAT_ANSWER_S, MAX_BEATS, beat_batch, settled
@@ -70,12 +70,6 @@ async def node_body(request: Request) -> dict[str, Any]:
         raise RequestError("the request body must be a JSON object")
     check_numbers(data)  # transport/wire.py: no number a field could not mean
     return data
-
-
-def as_message(kind: type[M], data: dict[str, Any]) -> M:
-    """A node's body as its typed message (protocol/messages.py), the proof of who sent it
-    (node_id, session: read by `node_of`) left aside."""
-    return decode(kind, {k: v for k, v in data.items() if k not in ("node_id", "session")})
 
 
 def result_items(results: Any) -> list[JobResult]:
@@ -325,13 +319,15 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
 
 
 def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
-    """A pipeline head's: lease, checkpoint, complete, fail, release."""
+    """A pipeline head's: lease, checkpoint, complete, fail, release. Each proves its
+    session before its fields are read (and again on the core, with the action: the node's
+    state then is what the action sees)."""
 
     @app.post("/v1/jobs/lease")
     async def lease(request: Request) -> dict[str, object]:
         d = await node_body(request)
         node = await coord.on_core(node_of, coord, d)
-        ask = as_message(LeaseAsk, d)
+        ask = decode_body(LeaseAsk, d)
         n, wait_s = ask.n, min(max(ask.wait_s, 0.0), MAX_LEASE_WAIT_S)
         deadline = time.monotonic() + wait_s
         while not (jobs := await coord.on_core(coord.lease, node, n)) and \
@@ -348,8 +344,9 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
         """Runs' tokens so far ("runs"), and ended jobs' results ("results", as `complete`
         takes them) committed first: a head's one post for both."""
         d = await node_body(request)
+        await coord.on_core(node_of, coord, d)  # a stranger hears 401 before a field is read
         items = result_items(d["results"]) if "results" in d else []
-        runs = as_message(Report, {"runs": d.get("runs", [])}).runs
+        runs = decode_body(Report, {"runs": d.get("runs", [])}).runs
         stale, outcomes = await coord.on_core(
             lambda: coord.report(node_of(coord, d), items, runs))
         return {"stale": stale, **({"outcomes": outcomes} if items else {})}
@@ -359,15 +356,17 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
         """One result (job_id, fence, result), or several ("results": a list of them, at most
         MAX_RESULTS_PER_POST): each with the outcome it would have alone, in one commit."""
         d = await node_body(request)
+        await coord.on_core(node_of, coord, d)
         one = "results" not in d
-        items = [as_message(JobResult, d)] if one else result_items(d["results"])
+        items = [decode_body(JobResult, d)] if one else result_items(d["results"])
         outcomes = await coord.on_core(lambda: coord.complete_all(node_of(coord, d), items))
         return {"outcome": outcomes[0]} if one else {"outcomes": outcomes}
 
     @app.post("/v1/jobs/fail")
     async def fail(request: Request) -> dict[str, Any]:
         d = await node_body(request)
-        said = as_message(FailReport, d)
+        await coord.on_core(node_of, coord, d)
+        said = decode_body(FailReport, d)
         outcome = await coord.on_core(lambda: coord.fail(
             node_of(coord, d), said.job_id, said.fence, said.reason, said.fault))
         return {"outcome": outcome}
@@ -375,7 +374,8 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
     @app.post("/v1/jobs/release")
     async def release(request: Request) -> dict[str, Any]:
         d = await node_body(request)
-        runs = as_message(ReleaseAsk, d).runs
+        await coord.on_core(node_of, coord, d)
+        runs = decode_body(ReleaseAsk, d).runs
         return {"released": await coord.on_core(
             lambda: coord.release(node_of(coord, d), runs))}
 

@@ -56,6 +56,7 @@ from cellswarm.swarm.protocol.messages import (
     Fault,
     Heartbeat,
     HeartbeatAnswer,
+    LogBatch,
     NodeStats,
     decode,
     encode,
@@ -302,10 +303,10 @@ class Worker:
         if self.session is None:
             raise OSError("not joined: the batch waits")
         try:
-            self._post("/v1/logs", {
-                "node_id": self.config.node_id, "session": self.session, "run": self.shipper.run,
-                "clock_offset_s": self.clock.offset_s, "clock_error_s": self.clock.error_s,
-                "events": events})  # fmt: skip
+            batch = LogBatch(run=self.shipper.run, events=events,
+                             clock_offset_s=self.clock.offset_s, clock_error_s=self.clock.error_s)
+            self._post("/v1/logs", {"node_id": self.config.node_id, "session": self.session,
+                                    **encode(batch)})  # fmt: skip
         except urllib.error.HTTPError as exc:
             if exc.code == 401 or exc.code >= 500:
                 raise  # a session it no longer knows (we join again), or a passing fault

@@ -235,6 +235,16 @@ class ReleaseAsk(Message, frozen=True):
     runs: list[JobRef] = msgspec.field(default_factory=list)
 
 
+class LogBatch(Message, frozen=True):
+    """A node's shipped events (transport/logship.py): each a log line of its own fields
+    (swarm/logs.py), with the process run they came from and its clock's offset."""
+
+    run: str
+    events: list[dict[str, object]]
+    clock_offset_s: float | None = None
+    clock_error_s: float | None = None
+
+
 class Capabilities(Message, frozen=True):
     """What a node joins with: its budget (what placement packs against), what it measured
     of itself, its rack, and its protocol version — read from the raw join first, so that a
@@ -272,6 +282,12 @@ def decode(kind: type[M], data: object) -> M:
         return msgspec.convert(data, kind)
     except msgspec.ValidationError as exc:
         raise RequestError(f"a {kind.__name__.lower()}: {exc}") from None
+
+
+def decode_body(kind: type[M], data: dict[str, object]) -> M:
+    """A node's request body as its message, the proof of who sent it (node_id, session,
+    read by the route's authentication) left aside."""
+    return decode(kind, {k: v for k, v in data.items() if k not in ("node_id", "session")})
 
 
 def encode(message: Message) -> dict[str, object]:
