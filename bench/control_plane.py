@@ -62,6 +62,7 @@ import numpy as np
 from cellswarm.demo import demo_model_path
 from cellswarm.swarm.auth import prove
 from cellswarm.swarm.protocol import PROTOCOL
+from cellswarm.swarm.protocol.messages import Assignment, Shard, decode
 
 CONNECTIONS = 64  # keep-alive connections from the simulated nodes (a relay's, a rack's)
 JOIN_CONCURRENCY = 64
@@ -336,7 +337,7 @@ class Rings:
         self.pool, self.port, self.token = pool, port, token
         self.ids = [f"ring-{r}-{k}" for r in range(replicas) for k in range(2)]
         self.sessions: dict[str, str] = {}
-        self.shards: dict[str, dict[str, Any]] = {}
+        self.shards: dict[str, Shard] = {}  # what each was given (the beat's Assignment)
         self.data_ports: dict[str, int] = {}
         self.wired = asyncio.Event()
         self.lease_times: list[float] = []
@@ -394,7 +395,7 @@ class Rings:
                 "sent_s": time.time()})  # fmt: skip
             if status == 200:
                 if answer.get("shard"):
-                    self.shards[node] = answer["shard"]
+                    self.shards[node] = decode(Assignment, answer["shard"]).shard
                 if answer.get("wired"):
                     self.wired.set()
                 interval[0] = float(answer.get("heartbeat_s") or interval[0])
@@ -403,7 +404,8 @@ class Rings:
     async def head(self, node: str) -> None:
         """Lease (a long poll), complete each job at once; the leases' latency kept."""
         while not self.stop:
-            if (self.shards.get(node) or {}).get("stage") != 0:
+            shard = self.shards.get(node)
+            if shard is None or shard.stage != 0:
                 await asyncio.sleep(0.2)
                 continue
             t0 = time.perf_counter()
@@ -440,7 +442,7 @@ async def step(n: int, args: argparse.Namespace, via: str) -> dict[str, Any]:
         coord = Coordinator(Path(tmp), port, args.heartbeat, args.timeout, args.rings,
                             nats_url)  # fmt: skip
         pool = Pool("127.0.0.1", port, CONNECTIONS)
-        rings = None
+        rings, racks = None, None
         try:
             await pool.open()
             token = coord.token.read_bytes().strip()
@@ -469,7 +471,7 @@ async def step(n: int, args: argparse.Namespace, via: str) -> dict[str, Any]:
         finally:
             if rings is not None:
                 await rings.close()
-            if racks.nc is not None:
+            if racks is not None and racks.nc is not None:
                 await racks.nc.close()
             pool.close()
             coord.stop()
