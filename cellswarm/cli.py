@@ -283,7 +283,8 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("plan", help="will a model run on N nodes of a kind, how fast, what power")
     p.add_argument("model", help="a preset (kimi-k3, ...), a .gguf file or a Hugging Face folder")
     p.add_argument("--node", default="ps3", help="node profile (ps3, rpi4, xeon-optane, ...)")
-    p.add_argument("--count", type=int, default=1, help="how many nodes")
+    p.add_argument("--count", type=int, help="how many nodes (default 1, or the --topology "
+                   "file's hosts)")  # fmt: skip
     p.add_argument("--quant", help="GGUF type (q4_0, q8_0, ...) or bits per weight (1.74)")
     p.add_argument("--context", type=int, default=4096, help="tokens of context per sequence")
     p.add_argument("--concurrency", type=int, default=1, help="sequences in flight per replica")
@@ -299,6 +300,10 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--vs", metavar="NODE", help="and beside it the same model on this profile "
                    "(e.g. plan kimi-k3 --node ps3 --count 100000 --vs xeon-optane)")
     p.add_argument("--vs-count", type=int, default=1, help="how many --vs nodes (default 1)")
+    p.add_argument("--stages", type=int, help="exactly this many pipeline stages, as "
+                   "`cellswarm up --stages` places them (default: the fewest that fit)")
+    p.add_argument("--topology", type=Path, help="the network of a `cellswarm lab` topology "
+                   "file (racks, host rate, oversubscription): what the lab would measure")
     p.set_defaults(func=_cmd_plan)
 
 
@@ -314,7 +319,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     overhead = measure_idle_worker_rss_bytes() if args.measure_overhead else None
     if overhead is not None:
         print(f"idle worker RSS, measured now: {overhead:,} bytes ({format_bytes(overhead)})")
-    result = _plan_of(args, api, args.node, args.count, overhead)
+    network, hosts = _topology_network(args.topology)
+    args.network = network
+    result = _plan_of(args, api, args.node, args.count or hosts or 1, overhead)
     fallback = _smaller_context(result, api)
     if args.vs:
         return _plan_vs(args, api, fallback or result, overhead)
@@ -345,8 +352,20 @@ def _plan_of(args: argparse.Namespace, api: Any, node: str, count: int,
         concurrency=args.concurrency, parallel=args.parallel, prompt_tokens=args.prompt,
         profiles_file=args.profiles, activations=args.activations, runtime_overhead=overhead,
         dram_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
-        expert_hit_rate=args.hit_rate,
+        expert_hit_rate=args.hit_rate, stages=args.stages, network=args.network,
     )  # fmt: skip
+
+
+def _topology_network(path: Path | None) -> tuple[Any, int | None]:
+    """The planner's NetworkSpec of a lab topology file and its worker hosts (None, None
+    without one): the lab builds that file's racks and links, `plan` predicts them."""
+    if path is None:
+        return None, None
+    from cellswarm.lab.cli import spec_of_file
+    from cellswarm.lab.topology import build
+
+    spec = spec_of_file(path)
+    return build(spec).network_spec(), int(spec.hosts)
 
 
 def _plan_vs(args: argparse.Namespace, api: Any, first: Any, overhead: int | None) -> int:

@@ -111,6 +111,14 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         raise RequestError(f"lab: {exc}") from None
 
 
+def spec_of_file(path: Path) -> Any:
+    """The LabSpec that `lab up --topology PATH` builds (every flag at its default): what
+    `cellswarm plan --topology PATH` predicts for."""
+    parser = argparse.ArgumentParser(prog="cellswarm")
+    add_lab_command(parser.add_subparsers())
+    return spec_from_args(parser.parse_args(["lab", "up", "--topology", str(path)]))
+
+
 def _read_topology(path: Path) -> dict[str, Any]:
     import tomllib
 

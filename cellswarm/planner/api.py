@@ -15,6 +15,7 @@ from cellswarm.planner.overhead import control_traffic, runtime_overhead_bytes, 
 from cellswarm.planner.placement import place
 from cellswarm.planner.plan import PlanRequest, PlanResult
 from cellswarm.planner.plan import plan as _plan
+from cellswarm.planner.profiles import NetworkSpec
 
 ACTIVATION_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 
@@ -65,6 +66,9 @@ def plan(
     expert_hit_rate: float | None = None,
     activations: str = "f32",
     runtime_overhead: int | None = None,
+    stages: int | None = None,
+    network: NetworkSpec | None = None,
+    heartbeat_s: float | None = None,
 ) -> PlanResult:
     """Will `model` run on `count` nodes of kind `node`, how fast, at what power? Pure."""
     inv = model if isinstance(model, ModelInventory) else resolve_model(model, quant)
@@ -82,12 +86,13 @@ def plan(
         runtime_overhead_bytes=runtime_overhead_bytes()
         if runtime_overhead is None
         else runtime_overhead,
-        network=profiles.load_network(profiles_file),
+        network=network or profiles.load_network(profiles_file),
         power=profiles.load_power(profiles_file),
         cost=software_cost(CostOptions(activation_bytes=ACTIVATION_BYTES[activations])),
-        control=control_traffic(),
+        control=control_traffic(heartbeat_s),
         dram_bytes=dram_bytes,
         expert_hit_rate=expert_hit_rate,
+        stages=stages,
     )
     return _plan(inv, req)
 

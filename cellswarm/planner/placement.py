@@ -542,13 +542,32 @@ def layer_placement(
 
 
 def place(
-    inv: ModelInventory, capacity_bytes: int, kv_tokens: int, separate_experts: bool = False
+    inv: ModelInventory, capacity_bytes: int, kv_tokens: int, separate_experts: bool = False,
+    stages: int | None = None,
 ) -> Placement:
     """A plan's placement: the swarm's own (the fewest balanced contiguous stages, as the
-    coordinator places) when whole layers fit a node, else the fill mode that splits a
-    layer's feed-forward units and the vocabulary rows over nodes (place_pipeline)."""
+    coordinator places; exactly `stages` of them when asked, as `cellswarm up --stages`
+    does) when whole layers fit a node, else the fill mode that splits a layer's
+    feed-forward units and the vocabulary rows over nodes (place_pipeline)."""
+    if stages is not None:
+        return _place_stages(inv, capacity_bytes, kv_tokens, stages)
     if not separate_experts and capacity_bytes > 0:
         split = fewest_stages(stage_costs_of(inv, kv_tokens, 0), capacity_bytes)
         if split is not None:
             return layer_placement(inv, split, kv_tokens)
     return place_pipeline(inv, capacity_bytes, kv_tokens, separate_experts)
+
+
+def _place_stages(inv: ModelInventory, capacity_bytes: int, kv_tokens: int,
+                  stages: int) -> Placement:  # fmt: skip
+    """`stages` balanced contiguous stages: the split the coordinator places when its
+    --stages asks for them (control/placing.py: balanced_layers on the same costs; the
+    fixed bytes a node also holds are taken out of `capacity_bytes` here, added there)."""
+    if not 1 <= stages <= inv.n_layers:
+        raise RequestError(f"--stages {stages}: give 1 to {inv.n_layers} (the model's layers)")
+    try:
+        split = balanced_layers(stage_costs_of(inv, kv_tokens, 0), stages,
+                                max(capacity_bytes, 0), inv.name)  # fmt: skip
+    except BudgetError as exc:
+        return Placement((), capacity_bytes, str(exc).replace("--memory is", "a node gives"))
+    return layer_placement(inv, split, kv_tokens)

@@ -36,6 +36,7 @@ class PlanRequest:
     control: ControlTraffic = field(default_factory=ControlTraffic)  # (`network` is a field)
     dram_bytes: int | None = None  # tiered boxes: DRAM given to weights (None: the tier's size)
     expert_hit_rate: float | None = None  # tiered boxes: None = what fits in DRAM
+    stages: int | None = None  # exactly this many pipeline stages (`up --stages`): None, fewest
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -44,6 +45,8 @@ class PlanRequest:
             raise RequestError("--context, --concurrency and --prompt must be at least 1")
         if self.parallel not in PARALLEL_MODES:
             raise RequestError(f"--parallel {self.parallel!r}: choose one of {PARALLEL_MODES}")
+        if self.stages is not None and self.parallel != "pipeline":
+            raise RequestError(f"--stages is for --parallel pipeline, not {self.parallel}")
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ def plan(inv: ModelInventory, req: PlanRequest) -> PlanResult:
     capacity = node.memory_bytes - req.runtime_overhead_bytes - scratch
     if req.parallel == "tensor":
         return _plan_tensor(inv, req, scratch, capacity, kv_tokens)
-    placement = place(inv, max(capacity, 0), kv_tokens, req.parallel == "expert")
+    placement = place(inv, max(capacity, 0), kv_tokens, req.parallel == "expert", req.stages)
     tiers = plan_tiers(inv, req, scratch) if node.tiers else None
     problem = placement.problem if tiers is None else tiers.problem
     if capacity <= 0:
