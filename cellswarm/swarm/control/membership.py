@@ -1,29 +1,30 @@
-"""Who holds which shard: the coordinator's placement decisions as pure functions.
-
-A layout is a list of stages (layer ranges, in ring order); each live stage is held by one
-node. When a node is lost, a spare takes its shard unchanged (cheapest: nobody else reloads);
-without a spare the layout is recomputed over the nodes that are left. The functions take
-node records and return the shards each node should hold; the coordinator stores the result
-and bumps the epoch.
+"""Who holds which shard, as the coordinator reads and keeps it: the layout as stored text,
+a replica's ring in stage order, its part servers, the slowest stage. The decisions
+themselves (placement, spares, repair) are the policy core's (policy/placement.py), which
+the simulator runs too; they are re-exported here for the coordinator's modules.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 
 import msgspec
 
-from cellswarm.errors import BudgetError
-from cellswarm.swarm.control.store import Node, NodeId
+from cellswarm.swarm.control.store import Node
+from cellswarm.swarm.policy.placement import (
+    PLACEABLE,
+    PartSpecs,
+    Splitter,
+    by_rack,
+    layout_complete,
+    place,
+    repair,
+    shards,
+)
 from cellswarm.swarm.protocol.messages import Shard
 
-PartSpecs = Sequence[dict[str, object]]  # what each part server of a replica holds (parts.py)
-# (number of stages, per-node memory) -> layer ranges, or BudgetError if they cannot fit
-Splitter = Callable[[int, int], list[tuple[int, int]]]
-
-PLACEABLE = ("spare", "assigned")
+__all__ = ["PLACEABLE", "PartSpecs", "Shard", "Splitter", "by_rack", "layout_complete", "place",
+           "repair", "shards"]  # fmt: skip
 
 
 def dump_layout(layout: Sequence[Shard]) -> str:
@@ -33,35 +34,6 @@ def dump_layout(layout: Sequence[Shard]) -> str:
 
 def load_layout(text: str) -> list[Shard]:
     return msgspec.json.decode(text, type=list[Shard])
-
-
-def shards(
-    split: Sequence[tuple[int, int]], parts: PartSpecs = (), replicas: int = 1
-) -> list[Shard]:
-    """Every slot of a layout: per replica, its stages then its part servers."""
-    s, per = len(split), len(split) + len(parts)
-    n = per * replicas
-    out: list[Shard] = []
-    for r in range(replicas):
-        out += [
-            Shard(slot=r * per + k, n=n, replica=r, role="stage", stage=k, layers=(lo, hi),
-                  first=k == 0, last=k == s - 1)
-            for k, (lo, hi) in enumerate(split)
-        ]  # fmt: skip
-        out += [Shard(slot=r * per + s + j, n=n, replica=r, role="part", spec=dict(spec))
-                for j, spec in enumerate(parts)]  # fmt: skip
-    return out
-
-
-def layout_complete(nodes: Sequence[Node]) -> bool:
-    """Every slot of the current layout is held by exactly one assigned node."""
-    held = [n.shard for n in nodes if n.state == "assigned" and n.shard is not None]
-    if not held:
-        return False
-    n_slots = held[0].n
-    return sorted(s.slot for s in held) == list(range(n_slots)) and all(
-        s.n == n_slots for s in held
-    )
 
 
 def _held(nodes: Sequence[Node], role: str, replica: int) -> list[Node]:
@@ -87,126 +59,6 @@ def _slot(node: Node, key: str) -> int:
 def replicas(nodes: Sequence[Node]) -> list[int]:
     return sorted({n.shard.replica for n in nodes
                    if n.state == "assigned" and n.shard})  # fmt: skip
-
-
-def repair(
-    nodes: Sequence[Node], layout: Sequence[Shard], split: Splitter, stages: int | None,
-    parts: PartSpecs = (), replicas: int = 1, max_stages: int | None = None,
-) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
-    """The layout and the shard every placeable node should hold (None: a spare). A complete
-    layout stays as it is; a hole is filled by a spare with as much memory as the node it
-    replaces; otherwise the model is placed from scratch. ([], {}) if nothing fits yet."""
-    live = [n for n in nodes if n.state in PLACEABLE]
-    current = {n.node_id: n.shard for n in live}
-    if layout and layout_complete(live):
-        if _short_of_ask(layout, stages, replicas):  # a repair shrank it: grow back when
-            grown = place(live, split, stages, parts=parts, replicas=replicas,  # it can
-                          max_stages=max_stages)  # fmt: skip
-            if grown[1]:
-                return grown
-        return list(layout), current
-    if layout:
-        filled = _fill_holes(live, layout)
-        if filled is not None:
-            return list(layout), filled
-    return place(live, split, stages, shrink=bool(layout), parts=parts, replicas=replicas,
-                 max_stages=max_stages)
-
-
-def _short_of_ask(layout: Sequence[Shard], stages: int | None, replicas: int) -> bool:
-    """The layout has fewer rings than `replicas`, or a ring fewer stages than `stages` (a
-    repair took fewer rather than stall): once the nodes are back, the full ask is placed."""
-    rings = {s.replica for s in layout if s.role == "stage"}
-    first = sum(1 for s in layout if s.role == "stage" and s.replica == 0)
-    return len(rings) < replicas or (stages is not None and first < stages)
-
-
-def _fill_holes(
-    live: Sequence[Node], layout: Sequence[Shard]
-) -> dict[NodeId, Shard | None] | None:
-    held = {n.shard.slot: n for n in live if n.state == "assigned" and n.shard}
-    if not held:
-        return None
-    budget = min(n.memory_bytes for n in held.values())  # what a stage was sized for
-    spares = sorted(
-        (n for n in live if n.state == "spare" and n.memory_bytes >= budget),
-        key=lambda n: (n.joined_s, n.node_id),
-    )
-    out: dict[NodeId, Shard | None] = {n.node_id: n.shard for n in live}
-    for shard in layout:
-        if shard.slot in held:
-            continue
-        if not spares:
-            return None
-        rack = _rack_of(held.values(), shard.replica)
-        spare = min(spares, key=lambda n: n.rack != rack)  # its replica's rack, if one waits
-        spares.remove(spare)
-        out[spare.node_id] = shard
-    return out
-
-
-def _rack_of(held: Iterable[Node], replica: int) -> str | None:
-    """The rack most of a replica's held slots sit in (None: no slot of it is held)."""
-    racks = Counter(n.rack for n in held if n.shard and n.shard.replica == replica)
-    return racks.most_common(1)[0][0] if racks else None
-
-
-def place(
-    live: Sequence[Node], split: Splitter, stages: int | None, shrink: bool = False,
-    parts: PartSpecs = (), replicas: int = 1, max_stages: int | None = None,
-) -> tuple[list[Shard], dict[NodeId, Shard | None]]:
-    """A fresh layout over the live nodes: `replicas` rings of `stages` stages (or the fewest
-    that fit, up to `max_stages`: one a layer) and their part servers, the earliest joined
-    nodes first, the rest spares; within them, each replica's slots go to nodes of one rack
-    where a rack has enough of them (`by_rack`). ([], {}) when they cannot hold the model.
-    A first placement waits for what was asked; a repair (`shrink`) takes fewer replicas,
-    then fewer stages, rather than stall. O(nodes) per call (a 100,000-node swarm asks on
-    every change): the smallest memory of each prefix of the join order is computed once."""
-    if not live:
-        return [], {}
-    order = sorted(live, key=lambda n: (n.joined_s, n.node_id))
-    smallest = list(itertools.accumulate((n.memory_bytes for n in order), min))
-    if stages:  # what was asked; a repair steps down from it rather than jump to the fewest
-        counts = [stages, *(range(stages - 1, 0, -1) if shrink else [])]
-    else:
-        counts = list(range(1, min(len(order), max_stages or len(order)) + 1))
-    for r in range(replicas, 0 if shrink else replicas - 1, -1):
-        for count in counts:
-            need = r * (count + len(parts))
-            if need > len(order):
-                continue
-            chosen = by_rack(order[:need], count + len(parts))
-            try:
-                split_ = split(count, smallest[need - 1])
-            except BudgetError:
-                continue
-            if len(split_) != count:  # e.g. more nodes than layers: not this many stages
-                continue
-            layout = shards(split_, parts, r)
-            out: dict[NodeId, Shard | None] = {n.node_id: None for n in order}
-            for node, shard in zip(chosen, layout, strict=True):
-                out[node.node_id] = shard
-            return layout, out
-    return [], {}
-
-
-def by_rack(chosen: Sequence[Node], per_replica: int) -> list[Node]:
-    """`chosen` reordered so that each run of `per_replica` slots (one replica: its stages in
-    ring order, then its part servers) lies in one rack where it can, as the planner's
-    network model assumes (a replica's hops stay under one switch): every rack, in the order
-    its first node joined, gives whole replicas of its nodes first; what is left of every
-    rack (too few for a replica) fills the last replicas, rack by rack. The same nodes, so
-    the same smallest budget; with no racks said, the join order unchanged."""
-    racks: dict[str, list[Node]] = {}
-    for n in chosen:
-        racks.setdefault(n.rack, []).append(n)
-    whole: list[Node] = []
-    rest: list[Node] = []
-    for members in racks.values():
-        cut = len(members) // per_replica * per_replica
-        whole += members[:cut]
-        rest += members[cut:]
-    return whole + rest
 
 
 def bottleneck(steps_s: Sequence[float]) -> tuple[int, float]:
