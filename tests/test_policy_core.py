@@ -16,11 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cellswarm.sim.engine import Replica, Simulator
 from cellswarm.sim.params import Scenario
 from cellswarm.sim.run import build
 from cellswarm.swarm.control.db import SQLiteDatabase
 from cellswarm.swarm.control.jobs import JobQueue
-from cellswarm.swarm.policy import Retry
+from cellswarm.swarm.policy import Retry, placement
 from cellswarm.swarm.policy import jobs as core
 from cellswarm.swarm.policy import nodes as health
 
@@ -223,3 +224,82 @@ def test_the_core_and_the_real_coordinator_judge_a_node_alike(
             assert got is not None and got.health == model, (kinds, got, model)
 
     agree()
+
+
+class _Checked(Simulator):
+    """A simulator that asks the placement core (policy/placement.py: repair, on a snapshot
+    of its nodes) for every hole it fills from a spare, and records both answers."""
+
+    compared: list[tuple[int | None, int | None]]
+
+    def _choose_spare(self, rep: Replica, pos: int) -> int | None:
+        slot = rep.idx * self.npr + pos
+        members = self.members()
+        held = {m.shard.slot for m in members if m.shard is not None}
+        live = {r.idx for r in self.replicas if r.state != "gone"}
+        holes = {s.slot for s in self.layout if s.replica in live} - held
+        chose = super()._choose_spare(rep, pos)
+        if holes == {slot} and len(live) == len(self.replicas):  # one hole: one decision
+            layout, out = placement.repair(members, self.layout, self.split, self.npr,
+                                           replicas=len(self.replicas))  # fmt: skip
+            if layout == self.layout:  # a spare fills it (else the core places anew)
+                core_pick = next(n for n, s in out.items() if s is not None and s.slot == slot)
+                self.compared.append((core_pick, chose))
+        return chose
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(("node", "node", "back", "back", "rack", "rack_back")),
+                          st.integers(0, 10**6)), min_size=1, max_size=40),
+       st.integers(20, 60))  # fmt: skip
+def test_the_simulator_fills_a_hole_with_the_spare_the_core_picks(
+    ops: list[tuple[str, int]], replicas: int
+) -> None:
+    """Rack-aware spares (the replica's own rack first, then the earliest joined): the
+    simulator's O(log n) choice is the core's, on 400 nodes in racks of 16."""
+    sc = Scenario(model="mixtral-8x7b", node="rpi4", context=2048, count=400, concurrency=4,
+                  jobs=10, prompt_tokens=64, output_tokens=64, duration_s=600,
+                  network=(("nodes_per_access_switch", 16),))  # fmt: skip
+    base, result = build(sc)
+    req = result.request
+    sim = _Checked(sc, base.model, base.net, replicas, req.power,
+                   (req.node.power_busy_w, req.node.power_idle_w))  # fmt: skip
+    sim.compared = []
+    assert {len(set(sim.per_switch and n // 16 for n in r.nodes)) for r in sim.replicas} == {1}
+    for op, x in ops:
+        if op == "node":  # a node holding a slot (where a choice is made)
+            held = [n for r in sim.replicas if r.state != "gone" for n in r.nodes
+                    if sim._node_up(n)]  # fmt: skip
+            sim.fail_node(held[x % len(held)] if held else x % sim.count)
+        elif op == "back":
+            down = [n for n in range(sim.count) if sim.node_failed[n]]
+            if down:
+                sim._on_node_repair(down[x % len(down)])
+        elif op == "rack":
+            sim.fail_rack(x % sim.switches)
+        else:
+            cut = [k for k in range(sim.switches) if sim.switch_down[k]]
+            if cut:
+                sim._on_rack_repair(cut[x % len(cut)])
+        assert sim.lost_jobs() == 0
+    assert all(core_pick == chose for core_pick, chose in sim.compared), sim.compared
+
+
+def test_the_spare_check_compares_something() -> None:
+    """The property above is not vacuous: single failures with spares are compared, and a
+    spare from the replica's own rack is preferred to an earlier one elsewhere."""
+    sc = Scenario(model="mixtral-8x7b", node="rpi4", context=2048, count=400, concurrency=4,
+                  jobs=10, prompt_tokens=64, output_tokens=64, duration_s=600,
+                  network=(("nodes_per_access_switch", 16),))  # fmt: skip
+    base, result = build(sc)
+    req = result.request
+    sim = _Checked(sc, base.model, base.net, 38, req.power,
+                   (req.node.power_busy_w, req.node.power_idle_w))  # fmt: skip
+    sim.compared = []
+    # 38 replicas of 4 in racks of 16: rack 9 holds replicas 36 and 37, then spares 152..159
+    sim.fail_node(1)  # rack 0 has no spare: the earliest joined, 152, takes the hole
+    assert sim.replicas[0].nodes[1] == 152
+    sim._on_node_repair(1)  # node 1 is back: a spare, the earliest joined of all
+    sim.fail_node(149)  # replica 37, rack 9: a spare of its own rack, not node 1
+    assert sim.replicas[37].nodes[1] == 153
+    assert len(sim.compared) == 2 and all(a == b for a, b in sim.compared), sim.compared

@@ -37,17 +37,20 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from cellswarm.errors import BudgetError
 from cellswarm.sim.model import ReplicaModel, StepTiming
 from cellswarm.sim.network import TIERS, NetModel
 from cellswarm.sim.params import Scenario
 from cellswarm.swarm.policy import jobs as core
 from cellswarm.swarm.policy import nodes as health
+from cellswarm.swarm.policy import placement
+from cellswarm.swarm.protocol.messages import Shard
 
 EPS_TOKENS = 1e-6
 
@@ -91,6 +94,19 @@ class Replica:
     # its stages are busy with earlier prefills until then: a prompt goes through the ring
     # in one chunk, a stage at a time, so prefills pipeline but never overlap on a stage
     prefill_free_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Member:
+    """A simulated node as the placement core reads it (policy/placement.py: Member): nodes
+    join in index order, all of one memory, and sit in rack index // nodes per switch."""
+
+    node_id: int
+    state: str
+    shard: Shard | None
+    memory_bytes: int
+    joined_s: float
+    rack: str
 
 
 @dataclass
@@ -149,7 +165,8 @@ class Simulator:
         self.switches = -(-self.count // per_switch)
         self.switch_down = [False] * self.switches
         self.speed = self._speeds()
-        self.spares: list[int] = []
+        self.spares: list[int] = []  # a heap: the earliest joined first
+        self.rack_spares: list[list[int]] = [[] for _ in range(self.switches)]  # per rack
         self.is_spare = [False] * self.count
         self.n_spares = 0
         self.down_nodes = 0
@@ -198,9 +215,41 @@ class Simulator:
                 speed[i] = self.sc.slow_speed
         return speed
 
+    def members(self) -> list[Member]:
+        """The placeable nodes as the placement core sees them: up and not taken offline,
+        holding their replica's slot or spare (a lost node is neither)."""
+        out = []
+        for n in range(self.count):
+            if not self._node_up(n) or self.node_offline[n]:
+                continue
+            r = self.node_replica[n]
+            held = r >= 0 and self.replicas[r].state != "gone"
+            shard = self.layout[r * self.npr + self.node_pos[n]] if held else None
+            out.append(Member(n, "assigned" if held else "spare", shard, 1, float(n),
+                              str(n // self.per_switch)))  # fmt: skip
+        return out
+
+    def split(self, stages: int, _memory_bytes: int) -> list[tuple[int, int]]:
+        """The placement core's splitter: the simulated model is placed at one depth (its
+        ReplicaModel's), so any other is "does not fit"."""
+        if stages != self.npr:
+            raise BudgetError(f"the simulated replica has {self.npr} slots, not {stages}")
+        return [(k, k + 1) for k in range(self.npr)]
+
     def _place_initial(self, replicas: int) -> None:
-        for r in range(replicas):
-            nodes = list(range(r * self.npr, (r + 1) * self.npr))
+        """The replicas as the coordinator places them (policy/placement.py: place): the
+        earliest joined nodes, a replica's slots within one rack where a rack has room."""
+        self.layout: list[Shard] = []
+        chosen: dict[int, list[int]] = {}
+        if replicas:
+            self.layout, out = placement.place(
+                [Member(n, "spare", None, 1, float(n), str(n // self.per_switch))
+                 for n in range(self.count)], self.split, self.npr, replicas=replicas)  # fmt: skip
+            for n, shard in out.items():
+                if shard is not None:
+                    chosen.setdefault(shard.replica, [0] * self.npr)[shard.slot % self.npr] = n
+        for r in range(len(chosen)):
+            nodes = chosen[r]
             rep = Replica(r, nodes)
             self.replicas.append(rep)
             self.in_hungry.append(False)
@@ -210,8 +259,10 @@ class Simulator:
             rep.state = "up"
             self.live += 1
             self._set_busy(rep, True)
-        for n in range(replicas * self.npr, self.count):
-            self._add_spare(n)
+        placed = {n for nodes in chosen.values() for n in nodes}
+        for n in range(self.count):
+            if n not in placed:
+                self._add_spare(n)
         self.slowdown = self.net.slowdown(self.live)
         for rep in self.replicas:
             rep.interval = rep.timing.interval(1) * self.slowdown if rep.timing else math.inf
@@ -495,7 +546,7 @@ class Simulator:
         if rep.state == "gone":
             return
         self._take_down(rep, head_lost=pos == 0)
-        spare = self._pop_spare()
+        spare = self._choose_spare(rep, pos)
         if spare is None:
             self._dissolve(rep)
             return
@@ -562,11 +613,27 @@ class Simulator:
             self.is_spare[n] = True
             self.n_spares += 1
             heapq.heappush(self.spares, n)
+            heapq.heappush(self.rack_spares[n // self.per_switch], n)
 
-    def _pop_spare(self) -> int | None:
-        while self.spares:
-            n = heapq.heappop(self.spares)
-            if self.is_spare[n]:
+    def _choose_spare(self, rep: Replica, pos: int) -> int | None:
+        """The spare the coordinator gives the hole at `pos` (policy/placement.py:
+        _fill_holes): the earliest joined in the rack most of the replica's other slots sit
+        in, else the earliest joined anywhere. O(log n) here where the core walks the
+        spares; tests/test_policy_core.py checks the two choose alike."""
+        held = Counter(n // self.per_switch for k, n in enumerate(rep.nodes)
+                       if k != pos and self._node_up(n))  # fmt: skip
+        if held:
+            spare = self._pop_spare(self.rack_spares[held.most_common(1)[0][0]])
+            if spare is not None:
+                return spare
+        return self._pop_spare(self.spares)
+
+    def _pop_spare(self, heap: list[int] | None = None) -> int | None:
+        heap = self.spares if heap is None else heap
+        while heap:
+            n = heapq.heappop(heap)
+            # a spare on a rack that is going down is not taken (its loss is counted next)
+            if self.is_spare[n] and self._node_up(n):
                 self.is_spare[n] = False
                 self.n_spares -= 1
                 return n
@@ -581,14 +648,19 @@ class Simulator:
         assert self.sc.mtbf_s is not None
         self.push(self._exp(self.sc.mtbf_s / self.count), "node_fail")
         n = self.rng.randrange(self.count)
+        if self.fail_node(n):
+            self.push(self._exp(self.sc.mttr_s), "node_repair", n)
+
+    def fail_node(self, n: int) -> bool:
+        """Node `n` fails (False: it is down or out already, and cannot fail again)."""
         if not self._node_up(n) or self.node_offline[n]:
-            return  # thinning: a node that is down (or out) cannot fail again
+            return False
         self.c.node_failures += 1
         self.node_failed[n] = True
         self._judge(n, health.Lost("failed"))
         self.down_nodes += 1
         self._node_lost(n)
-        self.push(self._exp(self.sc.mttr_s), "node_repair", n)
+        return True
 
     def schedule_kill(self, t: float, position: int, replica: int = 0) -> None:
         """Kill the node holding `position` of `replica` at time t (no repair)."""

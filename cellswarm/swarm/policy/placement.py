@@ -130,7 +130,7 @@ def _fill_holes(
             continue
         if not spares:
             return None
-        rack = _rack_of(held.values(), shard.replica)
+        rack = _rack_of((held[k] for k in sorted(held)), shard.replica)
         spare = min(spares, key=lambda n: n.rack != rack)  # its replica's rack, if one waits
         spares.remove(spare)
         out[spare.node_id] = shard
@@ -138,7 +138,8 @@ def _fill_holes(
 
 
 def _rack_of(held: Iterable[Member[K]], replica: int) -> str | None:
-    """The rack most of a replica's held slots sit in (None: no slot of it is held)."""
+    """The rack most of a replica's held slots sit in (None: no slot of it is held); of
+    racks holding as many, the first in `held`'s order (slot order: deterministic)."""
     racks = Counter(n.rack for n in held if n.shard and n.shard.replica == replica)
     return racks.most_common(1)[0][0] if racks else None
 
