@@ -7,16 +7,21 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.api.client import api_key
 
+if TYPE_CHECKING:
+    from cellswarm.swarm.api.client import Status
+    from cellswarm.swarm.protocol.jsonvalue import JsonObject
+
 DEFAULT_URL = "http://127.0.0.1:8470"
 
 
-def add_batch_commands(sub: Any) -> None:
+def add_batch_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     b = sub.add_parser("batch", help="batch jobs: submit a JSONL file, watch it, get results")
     bsub = b.add_subparsers(dest="batch_command", required=True)
     s = bsub.add_parser("submit", help="submit FILE.jsonl; prints the batch's job id")
@@ -44,13 +49,23 @@ def add_batch_commands(sub: Any) -> None:
         p.add_argument("--api-key-file", help="a coordinator with keys: send this file's first key")
 
 
-def read_items(path: Path) -> list[dict[str, Any]]:
+class BatchProgress(TypedDict):
+    """The fields of GET /v1/batches/ID (api/batch_api.py `progress`) that `watch` reads."""
+
+    name: str
+    total: int
+    finished: int
+    tokens: int
+    counts: dict[str, int]  # jobs by state: queued, leased, done, dead, cancelled
+
+
+def read_items(path: Path) -> list[JsonObject]:
     """The batch file's objects, one a line (blank lines skipped). A line that is not UTF-8,
     not JSON or not an object, or that repeats an earlier line's id, is refused naming its
     line number — every such line, not only the first."""
     if not path.is_file():
         raise RequestError(f"batch file {path} does not exist")
-    items: list[dict[str, Any]] = []
+    items: list[JsonObject] = []
     bad: list[str] = []
     ids: dict[str, int] = {}
     for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
@@ -108,8 +123,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     key = api_key(args)
 
-    def get(path: str) -> Any:
-        return client.call(args.coordinator, path, tls=args.tls, api_key=key)
+    def get(path: str) -> BatchProgress:
+        info: BatchProgress = client.call(args.coordinator, path, tls=args.tls, api_key=key)
+        return info
+
+    def status() -> Status:
+        answer: Status = client.call(args.coordinator, "/v1/status", tls=args.tls, api_key=key)
+        return answer
 
     info = get(f"/v1/batches/{args.job}")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -122,9 +142,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
             now = time.monotonic()
             samples = [x for x in samples if now - x[0] <= RATE_WINDOW_S]
             samples.append((now, int(info["finished"]), int(info.get("tokens") or 0)))
-            status = get("/v1/status") if stalled_s(samples) >= STALL_S else None
+            stall = status() if stalled_s(samples) >= STALL_S else None
             bar.update(task, completed=info["finished"],
-                       detail=watch_detail(info, samples, status))  # fmt: skip
+                       detail=watch_detail(info, samples, stall))  # fmt: skip
             if info["finished"] >= info["total"]:
                 break
             time.sleep(0.5)
@@ -143,8 +163,8 @@ def stalled_s(samples: list[tuple[float, int, int]]) -> float:
     return last[0] - since
 
 
-def watch_detail(info: dict[str, Any], samples: list[tuple[float, int, int]],
-                 status: dict[str, Any] | None) -> str:  # fmt: skip
+def watch_detail(info: BatchProgress, samples: list[tuple[float, int, int]],
+                 status: Mapping[str, object] | None) -> str:  # fmt: skip
     """`batch watch`'s line: counts, the rate over the last minute and the ETA it gives —
     or, when nothing has finished for STALL_S, "stalled" and why (the swarm's status)."""
     c = info["counts"]
@@ -163,7 +183,7 @@ def watch_detail(info: dict[str, Any], samples: list[tuple[float, int, int]],
     return f"{head} | {rate:.2f} jobs/s, {tok_s:.1f} tok/s over {span:.0f} s | {eta}"
 
 
-def stall_reason(status: dict[str, Any], counts: dict[str, int]) -> str:
+def stall_reason(status: Mapping[str, object], counts: Mapping[str, int]) -> str:
     if status.get("problem"):
         return f"the swarm cannot place the model ({status['problem']})"
     if not status.get("wired"):

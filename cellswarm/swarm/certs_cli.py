@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 
-def add_certs_commands(sub: Any) -> None:
+def add_certs_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c = sub.add_parser("certs", help="TLS: a cluster CA and node certificates for --tls")
     csub = c.add_subparsers(dest="certs_command", required=True)
     i = csub.add_parser("init", help="make the cluster CA: DIR/ca.pem and DIR/ca.key (0600)")

@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cellswarm.errors import RequestError, SwarmError
 from cellswarm.swarm.api.client import api_key
@@ -21,10 +21,14 @@ from cellswarm.swarm.settings import (
 )
 from cellswarm.units import format_bytes, parse_bytes
 
+if TYPE_CHECKING:
+    from cellswarm.swarm.api.client import ModelCard, NodeRow, Status
+    from cellswarm.swarm.protocol.jsonvalue import JsonObject, JsonValue
+
 DEFAULT_URL = "http://127.0.0.1:8470"
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from cellswarm.swarm.batch_cli import add_batch_commands
 
     add_batch_commands(sub)
@@ -150,7 +154,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_status(status: dict[str, Any]) -> None:
+def print_status(status: Status) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -194,7 +198,7 @@ def print_status(status: dict[str, Any]) -> None:
         print(f"cannot place the model: {status['problem']}")
 
 
-def _clock(node: dict[str, Any]) -> str:
+def _clock(node: NodeRow) -> str:
     """The node's clock against the coordinator's, e.g. '+1.2 ms ±0.3'."""
     offset, error = node.get("clock_offset_s"), node.get("clock_error_s")
     if offset is None:
@@ -278,7 +282,8 @@ def generate_remote(args: argparse.Namespace) -> int:
             flag = "--" + name.replace("_", "-")
             raise RequestError(f"{flag} {getattr(args, name)} with --coordinator: {why}")
     key = api_key(args)
-    card = client.call(args.coordinator, "/v1/models", tls=args.tls, api_key=key)["data"][0]
+    card: ModelCard = client.call(args.coordinator, "/v1/models", tls=args.tls,
+                                  api_key=key)["data"][0]  # fmt: skip
     if args.model and Path(args.model).name not in (card["id"], Path(card["id"]).stem):
         raise RequestError(f"--model {args.model}: the swarm at {args.coordinator} serves "
                            f"{card['id']}; drop --model or point at its coordinator")  # fmt: skip
@@ -289,24 +294,24 @@ def generate_remote(args: argparse.Namespace) -> int:
     wait_placeable(args.coordinator, args.tls, key)
     text: list[str] = []
     ids: list[int] = []
-    finish: dict[str, Any] | None = None
-    rid, usage = "", dict[str, Any]()
+    finish: JsonObject | None = None
+    rid, usage = "", _object(None)
     def waiting(line: str) -> None:  # the coordinator's word while no token comes
         print(f"[{line}]", file=sys.stderr, flush=True)
 
     for chunk in client.events(args.coordinator, route, body, tls=args.tls, api_key=key,
                                on_comment=waiting):
         rid = rid or str(chunk["id"]).split("-", 1)[-1]
-        usage = chunk.get("usage") or usage
-        for c in chunk["choices"]:
-            piece = (c.get("delta") or {}).get("content") if args.chat else c.get("text")
+        usage = _object(chunk.get("usage")) or usage
+        for c in _objects(chunk["choices"]):
+            piece = _object(c.get("delta")).get("content") if args.chat else c.get("text")
             if piece:
-                text.append(piece)
+                text.append(str(piece))
                 if not args.json:
-                    sys.stdout.write(piece)
+                    sys.stdout.write(str(piece))
                     sys.stdout.flush()
             if c.get("finish_reason"):
-                finish, ids = c, list(c.get("token_ids") or [])
+                finish, ids = c, _ints(c.get("token_ids") or [])
     took_s = time.perf_counter() - t0
     reason = _stop_reason(finish)
     if args.json:
@@ -340,12 +345,35 @@ def wait_placeable(url: str, tls: str | None, key: str | None, timeout_s: float 
         time.sleep(0.5)
 
 
-def _openai_body(args: argparse.Namespace, model: str) -> tuple[dict[str, Any], str]:
+def _object(value: JsonValue | None) -> JsonObject:
+    """An object of a streamed chunk; {} for one that is null or absent."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _objects(value: JsonValue) -> list[JsonObject]:
+    """A chunk's list of objects (its choices)."""
+    if not isinstance(value, list):
+        raise TypeError(f"expected a JSON list, got {type(value).__name__}")
+    return [_object(v) for v in value]
+
+
+def _ints(value: JsonValue) -> list[int]:
+    """A chunk's token ids."""
+    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+        raise TypeError(f"expected a list of token ids, got {value!r}")
+    return [v for v in value if isinstance(v, int)]
+
+
+def _openai_body(args: argparse.Namespace, model: str) -> tuple[dict[str, object], str]:
     """The OpenAI request local `generate`'s flags make, and its route."""
     prompt = ids_prompt(args)
     if args.ids and args.chat:
         raise RequestError("--ids with --chat: token ids are not a message; drop one")
-    body: dict[str, Any] = {
+    body: dict[str, object] = {
         "model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
         "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
         "repetition_penalty": args.repeat_penalty, "stream": True, "return_token_ids": True,
@@ -361,7 +389,7 @@ def _openai_body(args: argparse.Namespace, model: str) -> tuple[dict[str, Any], 
     return body | {"prompt": prompt}, "/v1/completions"
 
 
-def ids_prompt(args: argparse.Namespace) -> Any:
+def ids_prompt(args: argparse.Namespace) -> str | list[int]:
     """`generate`'s prompt: the text, or with --ids its comma-separated token ids."""
     if not args.ids:
         return args.prompt
@@ -371,7 +399,7 @@ def ids_prompt(args: argparse.Namespace) -> Any:
         raise RequestError(f"--ids: {args.prompt!r} is not comma-separated integers") from None
 
 
-def _stop_reason(choice: dict[str, Any] | None) -> str:
+def _stop_reason(choice: JsonObject | None) -> str:
     """Local generate's names for an OpenAI finish: a stop string, an end token, the limit."""
     if choice is None or choice.get("finish_reason") == "length":
         return "max_tokens"
@@ -379,12 +407,13 @@ def _stop_reason(choice: dict[str, Any] | None) -> str:
 
 
 def check_served_context(url: str, context: int, tls: str | None, key: str | None,
-                         card: dict[str, Any] | None = None) -> None:  # fmt: skip
+                         card: ModelCard | None = None) -> None:  # fmt: skip
     """`generate --coordinator URL --context N`: the swarm must serve at least N tokens a
     sequence (its /v1/models' max_model_len); the request itself is checked there too."""
     from cellswarm.swarm.api import client
 
-    card = card or client.call(url, "/v1/models", tls=tls, api_key=key)["data"][0]
+    if not card:
+        card = client.call(url, "/v1/models", tls=tls, api_key=key)["data"][0]
     served = card.get("max_model_len")
     if served is not None and context > int(served):
         raise RequestError(f"--context {context}: the swarm at {url} serves {served} tokens a "

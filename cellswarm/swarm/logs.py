@@ -13,9 +13,11 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
+
+from cellswarm.swarm.protocol.jsonvalue import JsonObject
 
 
 class Throttled:
@@ -42,16 +44,17 @@ class JsonLog:
         self._file: TextIO | None = None
         self.dropped = 0  # events a full disk (or another write error) kept out of the file
         self._full = Throttled(logging.getLogger("cellswarm.logs"))
-        self.sink: Callable[[dict[str, Any]], None] | None = None  # e.g. LogShipper.add
+        self.sink: Callable[[dict[str, object]], None] | None = None  # e.g. LogShipper.add
         if directory is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
             self._file = (Path(directory) / f"{node}.jsonl").open("a", buffering=1)
 
-    def event(self, event: str, request_id: str | None = None, **fields: Any) -> None:
+    def event(self, event: str, request_id: str | None = None, **fields: object) -> None:
         if self._file is None and self.sink is None:
             return
-        line = {"ts": round(time.time(), 6), "node": self.node, "request_id": request_id,
-                "event": event, **fields}  # fmt: skip
+        line: dict[str, object] = {"ts": round(time.time(), 6), "node": self.node,
+                                   "request_id": request_id, "event": event,
+                                   **fields}  # fmt: skip
         if self._file is not None:
             try:
                 self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
@@ -63,7 +66,7 @@ class JsonLog:
             self.sink(line)
 
 
-def timeline(directory: str | Path, request_id: str) -> list[dict[str, Any]]:
+def timeline(directory: str | Path, request_id: str) -> list[JsonObject]:
     """Every node's events for one request, in time order."""
     events = []
     for path in sorted(Path(directory).glob("*.jsonl")):
@@ -78,13 +81,13 @@ def timeline(directory: str | Path, request_id: str) -> list[dict[str, Any]]:
     return sorted(events, key=lambda e: (e["ts"], e["node"]))
 
 
-def format_timeline(events: list[dict[str, Any]],
-                    clocks: dict[str, tuple[float, float | None]] | None = None) -> str:
+def format_timeline(events: Sequence[Mapping[str, object]],
+                    clocks: Mapping[str, tuple[float, float | None]] | None = None) -> str:
     """One line per event, ms since the first; `clocks` (node -> the offset its times were
     corrected by, and its error bound, in s) heads the timeline, once per node."""
     if not events:
         return "no events for that request id"
-    t0 = events[0]["ts"]
+    t0 = _seconds(events[0])
     rows = []
     for node, (offset_s, error_s) in sorted((clocks or {}).items()):
         bound = "" if error_s is None else f" +- {1000 * error_s:.2f} ms"
@@ -92,5 +95,14 @@ def format_timeline(events: list[dict[str, Any]],
     for e in events:
         extra = {k: v for k, v in e.items() if k not in ("ts", "node", "request_id", "event")}
         detail = " ".join(f"{k}={v}" for k, v in extra.items())
-        rows.append(f"{1000 * (e['ts'] - t0):10.2f} ms  {e['node']:<10} {e['event']:<10} {detail}")
+        rows.append(f"{1000 * (_seconds(e) - t0):10.2f} ms  {e['node']:<10} {e['event']:<10} "
+                    f"{detail}")
     return "\n".join(rows)
+
+
+def _seconds(event: Mapping[str, object]) -> float:
+    """An event's time: unix seconds, a JSON number."""
+    ts = event["ts"]
+    if not isinstance(ts, int | float):
+        raise TypeError(f"an event's ts is {type(ts).__name__}, not a number")
+    return ts

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 
-def add_nats_commands(sub: Any) -> None:
+def add_nats_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     n = sub.add_parser("nats", help="NATS for --control: a nats-server configuration")
     nsub = n.add_subparsers(dest="nats_command", required=True)
     c = nsub.add_parser("config", help="write nats-server's configuration (user and "

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import socket
 import uuid
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import TypeVar
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.policy import (
@@ -28,15 +29,18 @@ from cellswarm.units import parse_bytes
 
 _PARSERS = {"int": int, "float": float, "str": str}
 
+T = TypeVar("T")
+
 
 def setting(
-    default: Any, flag: str, help: str, *, size: bool = False, required: bool = False,
-    parse: Any = None,
-) -> Any:  # fmt: skip
+    default: T, flag: str, help: str, *, size: bool = False, required: bool = False,
+    parse: Callable[[str], object] | None = None,
+) -> T:  # fmt: skip
     """A field a command-line flag sets (its help says the default itself). `size`: bytes,
     given as "256M" and the like; `required`: the flag must be given (the field has no
-    default); `parse`: the value's own parser (one that raises RequestError says what is
-    wrong in one line); a help of argparse.SUPPRESS hides a test hook."""
+    default: `default` only gives the field's type); `parse`: the value's own parser (one
+    that raises RequestError says what is wrong in one line); a help of argparse.SUPPRESS
+    hides a test hook. Typed as the field's value, as dataclasses' `field` is."""
     meta = {"flag": flag, "help": help, "size": size, "required": required, "parse": parse}
     return field(metadata=meta) if required else field(default=default, metadata=meta)
 
@@ -112,9 +116,9 @@ class CoordinatorConfig:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    join: str = setting(None, "--join", "the coordinator's URL, or URL1,URL2,... (fails over "
+    join: str = setting("", "--join", "the coordinator's URL, or URL1,URL2,... (fails over "
                         "in order)", required=True)  # fmt: skip
-    memory_bytes: int = setting(None, "--memory", "hard memory budget, e.g. 256M", size=True,
+    memory_bytes: int = setting(0, "--memory", "hard memory budget, e.g. 256M", size=True,
                                 required=True)  # fmt: skip
     node_id: str = setting("", "--node-id", "a stable name (default: host + random)")
     rack: str | None = setting(None, "--rack", "the rack (access switch) it sits in: the "
@@ -187,7 +191,7 @@ def check_count(value: int, flag: str, example: str) -> int:
     return value
 
 
-def _flagged(cls: type) -> list[Any]:
+def _flagged(cls: type) -> list[Field[object]]:
     return [f for f in fields(cls) if "flag" in f.metadata]
 
 
@@ -210,12 +214,12 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                             metavar=flag.removeprefix("--").upper().replace("-", "_"))  # fmt: skip
 
 
-def from_args(cls: type, args: argparse.Namespace, **rest: Any) -> Any:
+def from_args(cls: type[T], args: argparse.Namespace, **rest: object) -> T:
     """`cls` from the options add_flags made; the fields given as `rest` win."""
     return cls(**{**{f.name: getattr(args, f.name) for f in _flagged(cls)}, **rest})
 
 
-def to_flags(config: Any) -> list[str]:
+def to_flags(config: object) -> list[str]:
     """The options that give `config`'s flagged fields to another process's add_flags
     (a None field is left to its default, which is None)."""
     out: list[str] = []

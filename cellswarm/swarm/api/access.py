@@ -30,10 +30,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
@@ -244,7 +243,8 @@ class Edge:
             await error_response(path, 413, too_large(self.max_body),
                                  code="body_too_large")(scope, receive, send_with_id)  # fmt: skip
 
-    def _admit(self, scope: Scope, headers: Headers, state: dict[str, Any]) -> Any:
+    def _admit(self, scope: Scope, headers: Headers,
+               state: MutableMapping[str, object]) -> JSONResponse | None:  # fmt: skip
         """Sets state["caller"]; a 401 response for a client route without a good key."""
         if not self.keys:
             state["caller"] = ANYONE

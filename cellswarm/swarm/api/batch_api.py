@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, Request
 
@@ -31,19 +31,24 @@ from cellswarm.swarm.api.schema import (
     BatchItem,
     BatchRequest,
     NotFound,
+    Reply,
     body,
     chat_turns,
     limits_of,
     parse,
 )
 from cellswarm.swarm.control.jobs import TERMINAL, Job
+from cellswarm.swarm.protocol.jsonvalue import JsonObject
+
+if TYPE_CHECKING:
+    from cellswarm.swarm.control.coordinator import Coordinator
 
 
-def add_batch_routes(app: FastAPI, coord: Any) -> None:
+def add_batch_routes(app: FastAPI, coord: Coordinator) -> None:
     @app.post("/v1/batches")
     async def submit(
         request: Request, req: Annotated[BatchRequest, body(BatchRequest)]
-    ) -> dict[str, Any]:
+    ) -> Reply:
         caller: Caller = request.state.caller
         refuse_duplicates(req.items)
         # tokenizing up to --max-body of prompts takes a while: not on the event loop, which
@@ -61,24 +66,24 @@ def add_batch_routes(app: FastAPI, coord: Any) -> None:
         return {"batch_id": batch_id, "total": len(jobs)}
 
     @app.get("/v1/batches/{batch_id}")
-    async def info(request: Request, batch_id: str) -> dict[str, Any]:
+    async def info(request: Request, batch_id: str) -> Reply:
         return await asyncio.to_thread(batch_progress, coord, batch_id, request.state.caller)
 
     @app.get("/v1/batches/{batch_id}/results")
-    async def results(request: Request, batch_id: str) -> dict[str, Any]:
-        def rows() -> list[dict[str, Any]]:  # decoding a big batch's texts: off the loop
+    async def results(request: Request, batch_id: str) -> Reply:
+        def rows() -> list[JsonObject]:  # decoding a big batch's texts: off the loop
             _known(coord, batch_id, request.state.caller)
             return [result_row(coord, job) for job in coord.queue.batch(batch_id)]
 
         return {"results": await asyncio.to_thread(rows)}
 
     @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel(request: Request, batch_id: str) -> dict[str, Any]:
+    async def cancel(request: Request, batch_id: str) -> Reply:
         await asyncio.to_thread(_known, coord, batch_id, request.state.caller)
         return {"cancelled": await coord.on_core(coord.queue.cancel, batch_id)}
 
     @app.post("/v1/batches/{batch_id}/retry-failed")
-    async def retry(request: Request, batch_id: str) -> dict[str, Any]:
+    async def retry(request: Request, batch_id: str) -> Reply:
         await asyncio.to_thread(_known, coord, batch_id, request.state.caller)
         requeued = await coord.on_core(coord.queue.retry_failed, batch_id)
         coord.notify()
@@ -91,16 +96,15 @@ def _batch_id(key: str, owner: str | None = None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _known(coord: Any, batch_id: str, caller: Caller) -> dict[str, Any]:
+def _known(coord: Coordinator, batch_id: str, caller: Caller) -> dict[str, object]:
     info = coord.queue.batch_info(batch_id)
-    if info is None or not caller.sees(info.get("owner")):
+    owner = None if info is None else info.get("owner")
+    if info is None or not caller.sees(owner if isinstance(owner, str) else None):
         raise NotFound(f"no batch {batch_id!r}", param="batch_id")
-    info = dict(info)
-    info.pop("owner", None)
-    return info
+    return {k: v for k, v in info.items() if k != "owner"}
 
 
-def refuse_duplicates(items: list[Any]) -> None:
+def refuse_duplicates(items: list[object]) -> None:
     """Each line's id names its result: two lines with one id are refused, naming them."""
     first: dict[str, int] = {}
     clashes: list[tuple[int, int, str]] = []
@@ -118,11 +122,11 @@ def refuse_duplicates(items: list[Any]) -> None:
                          "every line its own id", param="items")  # fmt: skip
 
 
-def batch_progress(coord: Any, batch_id: str, caller: Caller) -> dict[str, Any]:
+def batch_progress(coord: Coordinator, batch_id: str, caller: Caller) -> JsonObject:
     return progress(_known(coord, batch_id, caller), time.time())
 
 
-def progress(info: dict[str, Any], now_s: float) -> dict[str, Any]:
+def progress(info: dict[str, Any], now_s: float) -> JsonObject:
     """A batch's counts as progress: finished, elapsed, tokens/s, ETA. A finished batch's
     clock stopped at its last job's end (its tokens/s stays what it was)."""
     counts = info["counts"]
@@ -136,7 +140,7 @@ def progress(info: dict[str, Any], now_s: float) -> dict[str, Any]:
             "tokens_per_s": round(info["tokens"] / elapsed_s, 2), "eta_s": eta_s}  # fmt: skip
 
 
-def item_job(coord: Any, item: Any, index: int) -> tuple[str, dict[str, Any]]:
+def item_job(coord: Coordinator, item: object, index: int) -> tuple[str, dict[str, object]]:
     """One line of a batch file as (kind, payload), or BadRequest naming the line."""
     where = f"line {index + 1} (id {item_id(item, index)[:60]!r})"
     if not isinstance(item, dict):
@@ -150,11 +154,11 @@ def item_job(coord: Any, item: Any, index: int) -> tuple[str, dict[str, Any]]:
         raise BadRequest(f"{where}: {exc}", param="items") from None
 
 
-def item_id(item: Any, index: int) -> str:
+def item_id(item: object, index: int) -> str:
     return str(item.get("id", index)) if isinstance(item, dict) else str(index)
 
 
-def _item_job(coord: Any, it: BatchItem, index: int) -> tuple[str, dict[str, Any]]:
+def _item_job(coord: Coordinator, it: BatchItem, index: int) -> tuple[str, dict[str, object]]:
     tok, limits = coord.tokenizer, limits_of(coord)
     if it.messages is not None:
         text = tok.apply_chat_template(chat_turns(it.messages), add_generation_prompt=True)
@@ -164,7 +168,7 @@ def _item_job(coord: Any, it: BatchItem, index: int) -> tuple[str, dict[str, Any
         prompt = limits.encode(tok.encode, it.prompt, "prompt")
     if not prompt:
         raise BadRequest("the prompt makes no tokens; send more text")
-    base: dict[str, Any] = {"id": str(index if it.id is None else it.id), "prompt": prompt}
+    base: dict[str, object] = {"id": str(index if it.id is None else it.id), "prompt": prompt}
     if it.extra():
         base["extra"] = it.extra()
     limits.ids(it.bias_ids(), "logit_bias")
@@ -186,9 +190,9 @@ def _item_job(coord: Any, it: BatchItem, index: int) -> tuple[str, dict[str, Any
                         "stop_ids": sorted(tok.stop_ids), "text": True}  # fmt: skip
 
 
-def result_row(coord: Any, job: Job) -> dict[str, Any]:
+def result_row(coord: Coordinator, job: Job) -> JsonObject:
     """A results line: the input's id, its state, and its output or its error."""
-    row: dict[str, Any] = {"id": job.payload.get("id", job.position), "state": job.state,
+    row: JsonObject = {"id": job.payload.get("id", job.position), "state": job.state,
                            "job_id": job.job_id}  # fmt: skip
     if job.payload.get("extra"):
         row["extra"] = job.payload["extra"]

@@ -13,18 +13,104 @@ import ssl
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NotRequired, TypedDict
 
 from cellswarm.errors import RequestError, SwarmError
+from cellswarm.swarm.protocol.jsonvalue import JsonObject
+
+
+class NodeRow(TypedDict):
+    """One node of GET /v1/status (control/views.py `status`)."""
+
+    node_id: str
+    state: str
+    layers: list[int] | None
+    holds: str
+    stage: int | None
+    replica: int | None
+    agreements: int
+    disagreements: int
+    memory_bytes: int
+    rss_bytes: int
+    peak_rss_bytes: int
+    last_seen_s_ago: float
+    served: int
+    failures: int
+    message: str
+    profile: str | None
+    serving: bool
+    rack: str | None
+    stats: JsonObject | None  # its latest heartbeat's stage counters
+    busy_s: float
+    address: str
+    clock_offset_s: float | None
+    clock_error_s: float | None
+
+
+class Bottleneck(TypedDict):
+    """A ring's slowest stage (control/rebalance.py `RingTimes.bottleneck`)."""
+
+    node_id: str
+    stage: int
+    step_ms: float
+    times_median: float
+    steps_ms: list[float]
+
+
+class Status(TypedDict):
+    """GET /v1/status: the swarm as its coordinator sees it (control/views.py `status`)."""
+
+    epoch: int
+    wired: bool
+    problem: str
+    context: int
+    sequences: int
+    bottlenecks: list[Bottleneck]
+    coordinator: str
+    leader: bool
+    model: str
+    nodes: list[NodeRow]
+
+
+class ModelCard(TypedDict):
+    """The model a swarm serves, as GET /v1/models lists it (api/openai_api.py `card`)."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    max_model_len: int | None  # its served context, None with no model header to read
+    meta: JsonObject
+
+
+class ModelList(TypedDict):
+    """GET /v1/models."""
+
+    object: str
+    data: list[ModelCard]
+
+
+class Progress(TypedDict):
+    """GET /v1/requests/ID (api/server.py `progress`); from `wait`, with all its tokens."""
+
+    request_id: str
+    state: str
+    reason: str | None
+    tokens: list[int]
+    n_tokens: int
+    attempts: int
+    text: NotRequired[str]  # at its end, when it was sent as text
 
 
 def call(
-    url: str, path: str, data: dict[str, Any] | None = None, timeout_s: float = 35.0,
-    tls: str | None = None, headers: dict[str, str] | None = None, api_key: str | None = None,
+    url: str, path: str, data: Mapping[str, object] | None = None, timeout_s: float = 35.0,
+    tls: str | None = None, headers: Mapping[str, str] | None = None, api_key: str | None = None,
 ) -> Any:  # fmt: skip
     """GET (data None) or POST JSON; a coordinator's error becomes a RequestError carrying
-    its message; an unreachable one a SwarmError naming the URL."""
+    its message; an unreachable one a SwarmError naming the URL. The answer is whatever JSON
+    the route sends (its callers, many, read the route's fields they know: `Status`,
+    `Progress` here for the routes this module waits on)."""
     body = None if data is None else json.dumps(data).encode()
     head = {"Content-Type": "application/json", **(headers or {})}
     if api_key is not None:
@@ -41,10 +127,10 @@ def call(
 
 
 def events(
-    url: str, path: str, data: dict[str, Any], timeout_s: float = 600.0,
+    url: str, path: str, data: Mapping[str, object], timeout_s: float = 600.0,
     tls: str | None = None, api_key: str | None = None,
     on_comment: Callable[[str], None] | None = None,
-) -> Iterator[dict[str, Any]]:  # fmt: skip
+) -> Iterator[JsonObject]:  # fmt: skip
     """POST JSON to a server-sent-events route (an OpenAI `stream: true`); each `data:`
     object as it comes, until `[DONE]`. An error event becomes a RequestError; a comment
     line (the coordinator's "waiting ..." while nothing comes) goes to `on_comment`."""
@@ -94,7 +180,7 @@ def tls_context(url: str, tls: str | None) -> ssl.SSLContext | None:
     return client_context(tls) if tls else None
 
 
-def submit(url: str, request: dict[str, Any], tls: str | None = None,
+def submit(url: str, request: Mapping[str, object], tls: str | None = None,
            api_key: str | None = None) -> str:  # fmt: skip
     return str(call(url, "/v1/requests", request, tls=tls, api_key=api_key)["request_id"])
 
@@ -103,15 +189,15 @@ def wait(
     url: str, request_id: str, on_tokens: Callable[[list[int]], None] | None = None,
     timeout_s: float = 600.0, patience_s: float = 60.0, tls: str | None = None,
     api_key: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> Progress:  # fmt: skip
     """Long-poll until the request ends; its final state with all its tokens. `on_tokens` gets
     each new batch as it comes. Rides out a coordinator restart (`patience_s` without one)."""
     tokens: list[int] = []
     deadline, last_ok = time.monotonic() + timeout_s, time.monotonic()
     while time.monotonic() < deadline:
         try:
-            r = call(url, f"/v1/requests/{request_id}?after={len(tokens)}&wait_s=10", tls=tls,
-                     api_key=api_key)  # fmt: skip
+            r: Progress = call(url, f"/v1/requests/{request_id}?after={len(tokens)}&wait_s=10",
+                               tls=tls, api_key=api_key)  # fmt: skip
         except SwarmError:
             if time.monotonic() - last_ok > patience_s:
                 raise
@@ -128,11 +214,11 @@ def wait(
 
 def wait_wired(url: str, timeout_s: float = 120.0, tls: str | None = None,
                api_key: str | None = None,
-               on_change: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+               on_change: Callable[[str], None] | None = None) -> Status:  # fmt: skip
     """Until the coordinator reports a wired ring; its status. `on_change` is told each node
     that joins or changes what it does, one line each (what `up` shows while it waits)."""
     deadline = time.monotonic() + timeout_s
-    status: dict[str, Any] = {}
+    status: Status | None = None
     seen: dict[str, tuple[str, str]] = {}
     problem = ""  # the coordinator's reason it cannot place the model, last said
     while time.monotonic() < deadline:
@@ -151,13 +237,13 @@ def wait_wired(url: str, timeout_s: float = 120.0, tls: str | None = None,
             pass
         time.sleep(0.1)
     nodes = ", ".join(f"{n['node_id']} {n['state']} {n['message']}"
-                      for n in status.get("nodes", []))  # fmt: skip
+                      for n in (status.get("nodes", []) if status is not None else []))  # fmt: skip
     raise SwarmError(
         f"the swarm at {url} was not ready after {timeout_s:.0f} s: {nodes or 'no nodes'}"
     )
 
 
-def _tell_changes(status: dict[str, Any], seen: dict[str, tuple[str, str]],
+def _tell_changes(status: Status, seen: dict[str, tuple[str, str]],
                   say: Callable[[str], None]) -> None:  # fmt: skip
     nodes = status.get("nodes", [])
     for n in nodes:
@@ -174,7 +260,7 @@ def _tell_changes(status: dict[str, Any], seen: dict[str, tuple[str, str]],
 
 def fetch_timeline(url: str, request_id: str, token: bytes | None = None,
                    api_key: str | None = None, tls: str | None = None,
-                   ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+                   ) -> tuple[list[JsonObject], dict[str, tuple[float, float | None]]]:  # fmt: skip
     """One request's events from a coordinator, as `logs.timeline` reads them from files,
     and each node's clock correction (offset s, error s) once."""
     from urllib.parse import quote
@@ -188,8 +274,8 @@ def fetch_timeline(url: str, request_id: str, token: bytes | None = None,
         nonce = str(call(url, "/v1/challenge", {}, tls=tls)["nonce"])
         headers["X-Cellswarm-Proof"] = f"{nonce}:{prove(token, nonce, OPERATOR)}"
     answer = call(url, f"/v1/logs/{quote(request_id, safe='')}", tls=tls, headers=headers)
-    events: list[dict[str, Any]] = []
-    clocks: dict[str, Any] = {}
+    events: list[JsonObject] = []
+    clocks: dict[str, tuple[float, float | None]] = {}
     for e in answer["events"]:
         offset, error = e.pop("clock_offset_s", 0.0), e.pop("clock_error_s", None)
         e.pop("node_ts", None)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
 from cellswarm.errors import TokenizerError
 from cellswarm.swarm.api.log_api import require_operator
-from cellswarm.swarm.api.schema import load_json
+from cellswarm.swarm.api.schema import Reply, load_json
 from cellswarm.swarm.control.checkup import Round, judge_round
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ DEFAULT_WAIT_S, MAX_WAIT_S = 20.0, 120.0
 
 def add_doctor_routes(app: FastAPI, coord: Coordinator, api_keys: bool) -> None:
     @app.post("/v1/doctor")
-    async def doctor(request: Request) -> dict[str, Any]:
+    async def doctor(request: Request) -> Reply:
         await coord.on_core(require_operator, coord, request, api_keys)
         body = load_json(await request.body() or b"{}")
         wait_s = DEFAULT_WAIT_S

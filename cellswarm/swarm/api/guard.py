@@ -18,7 +18,9 @@ import logging
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.config import Config
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
+from uvicorn.server import ServerState
 
 log = logging.getLogger("cellswarm.guard")
 
@@ -35,8 +37,9 @@ class Guarded(H11Protocol):
     waiting: ClassVar[OrderedDict[Guarded, None]] = OrderedDict()  # no head yet, oldest first
     per_address: ClassVar[dict[str, int]] = {}
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:  # fmt: skip
+        super().__init__(config, server_state, app_state, _loop)
         self._head_timer: asyncio.TimerHandle | None = None
         self._address = ""
 
@@ -80,7 +83,7 @@ class Guarded(H11Protocol):
             self._head_timer.cancel()
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._no_head, self.cycle)
 
-    def _no_head(self, since: Any) -> None:
+    def _no_head(self, since: RequestResponseCycle | None) -> None:
         """No new request head since the timer was armed, and none in progress: close."""
         idle = since is None or since.response_complete
         if self.cycle is since and idle and not self.transport.is_closing():

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.api.schema import NotFound, load_json
+from cellswarm.swarm.api.schema import NotFound, Reply, load_json
 from cellswarm.swarm.auth import OPERATOR, verify
 from cellswarm.swarm.protocol.messages import LogBatch, decode_body
 
@@ -25,7 +25,7 @@ def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> 
     coordinator has neither a token nor API keys). access.Edge has read the key."""
 
     @app.post("/v1/logs")
-    async def ship(request: Request) -> dict[str, Any]:
+    async def ship(request: Request) -> Reply:
         d = load_json(await request.body())
         if not isinstance(d, dict) or not isinstance(d.get("events"), list):
             raise RequestError("a log batch is an object with a list of events")
@@ -44,7 +44,7 @@ def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> 
         require_operator(coord, request, api_keys, request_id)
 
     @app.get("/v1/logs/{request_id}")
-    async def timeline(request_id: str, request: Request) -> dict[str, Any]:
+    async def timeline(request_id: str, request: Request) -> Reply:
         await coord.on_core(operator, request, request_id)
         events = await asyncio.to_thread(coord.events.timeline, request_id)
         return {"request_id": request_id, "events": events}

@@ -9,8 +9,8 @@ so a scrape costs a few queries and nothing is counted twice. Counters are the n
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -21,6 +21,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from cellswarm.swarm.api.dashboard.views import mapping, number, objects
 from cellswarm.swarm.control.request_metrics import RequestMetrics
 from cellswarm.swarm.ring.step_times import cumulative
 from cellswarm.version import __version__
@@ -41,7 +42,9 @@ class SwarmCollector:
     def collect(self) -> Iterator[Metric]:
         status = self.coord.status()
         yield from swarm_metrics(status)
-        yield from node_metrics(status["nodes"], self.coord.sequences)
+        nodes = status["nodes"]
+        assert isinstance(nodes, list)  # status(): the node table, an object per node
+        yield from node_metrics([n for n in nodes if isinstance(n, dict)], self.coord.sequences)
         ledger = self.coord.queue.ledger()
         yield from queue_metrics(ledger, self.coord.queue.retries())
         yield from request_metrics(self.coord.requests, ledger)
@@ -58,14 +61,16 @@ def render(coord: Coordinator) -> bytes:
     return bytes(generate_latest(registry))
 
 
-def swarm_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+def swarm_metrics(status: Mapping[str, object]) -> Iterator[Metric]:
     yield _gauge("cellswarm_epoch", "placement epoch (it moves on every re-placement)",
-                 status["epoch"])  # fmt: skip
-    yield _gauge("cellswarm_wired", "1 when every ring of this epoch is wired", status["wired"])
-    yield _gauge("cellswarm_leader", "1 on the coordinator that leads", status["leader"])
+                 number(status["epoch"]))  # fmt: skip
+    yield _gauge("cellswarm_wired", "1 when every ring of this epoch is wired",
+                 number(status["wired"]))  # fmt: skip
+    yield _gauge("cellswarm_leader", "1 on the coordinator that leads", number(status["leader"]))
     states = GaugeMetricFamily("cellswarm_nodes", "nodes by state", labels=["state"])
+    nodes = objects(status["nodes"])
     for state in NODE_STATES:
-        states.add_metric([state], sum(n["state"] == state for n in status["nodes"]))
+        states.add_metric([state], sum(n["state"] == state for n in nodes))
     yield states
 
 
@@ -125,7 +130,7 @@ def request_metrics(r: RequestMetrics, ledger: dict[str, int]) -> Iterator[Metri
                                   "python": platform.python_version()})  # fmt: skip
 
 
-def node_metrics(nodes: list[dict[str, Any]], max_sequences: int) -> Iterator[Metric]:
+def node_metrics(nodes: Sequence[Mapping[str, object]], max_sequences: int) -> Iterator[Metric]:
     """Per node: state, memory against its budget, and its stage's counters."""
     kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
     fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
@@ -143,36 +148,37 @@ def node_metrics(nodes: list[dict[str, Any]], max_sequences: int) -> Iterator[Me
                            labels=["node"])  # fmt: skip
     for n in nodes:
         _add_node(fams, n)
-        stats = n.get("stats") or {}
+        stats = mapping(n.get("stats"))
         if "sequences" in stats and max_sequences:
-            kv.add_metric([str(n["node_id"])], float(stats["sequences"]) / max_sequences)
-        hist = (n.get("stats") or {}).get("step_s")
+            kv.add_metric([str(n["node_id"])], number(stats["sequences"]) / max_sequences)
+        hist = stats.get("step_s")
         if hist:
-            buckets, total = cumulative(hist)
+            buckets, total = cumulative(mapping(hist, "step_s"))
             steps.add_metric([str(n["node_id"])], buckets, total)
     yield from fams.values()
     yield steps
     yield kv
 
 
-def _add_node(fams: dict[str, GaugeMetricFamily | CounterMetricFamily], n: dict[str, Any]) -> None:
+def _add_node(fams: dict[str, GaugeMetricFamily | CounterMetricFamily],
+              n: Mapping[str, object]) -> None:  # fmt: skip
     node = [str(n["node_id"])]
     for state in NODE_STATES:
         fams["state"].add_metric([*node, state], float(n["state"] == state))
-    fams["budget"].add_metric(node, n["memory_bytes"])
-    fams["rss"].add_metric(node, n["rss_bytes"])
-    fams["peak"].add_metric(node, n["peak_rss_bytes"])
-    fams["seen"].add_metric(node, n["last_seen_s_ago"])
-    fams["failures"].add_metric(node, n["failures"])
-    fams["served"].add_metric(node, n["served"])
-    stats = n.get("stats") or {}
+    fams["budget"].add_metric(node, number(n["memory_bytes"]))
+    fams["rss"].add_metric(node, number(n["rss_bytes"]))
+    fams["peak"].add_metric(node, number(n["peak_rss_bytes"]))
+    fams["seen"].add_metric(node, number(n["last_seen_s_ago"]))
+    fams["failures"].add_metric(node, number(n["failures"]))
+    fams["served"].add_metric(node, number(n["served"]))
+    stats = mapping(n.get("stats"))
     for key in ("steps", "decode_steps", "decode_s", "busy_s", "sequences", "energy_j", "batches",
                 "prefix_hits", "prefix_misses", "prefix_bytes"):
         if key in stats:
-            fams[key].add_metric(node, float(stats[key]))
+            fams[key].add_metric(node, number(stats[key]))
 
-    for part, seconds in (stats.get("hop_s") or {}).items():
-        fams["hop_s"].add_metric([*node, str(part)], float(seconds))
+    for part, seconds in mapping(stats.get("hop_s"), "hop_s").items():
+        fams["hop_s"].add_metric([*node, str(part)], number(seconds))
 
 
 def queue_metrics(ledger: dict[str, int], retries: int) -> Iterator[Metric]:

@@ -69,16 +69,19 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cellswarm.engine.openai_shapes import chat_logprobs, completion_logprobs
+from cellswarm.engine.openai_shapes import Detail, chat_logprobs, completion_logprobs
 from cellswarm.engine.sampling import SamplingParams
 from cellswarm.engine.text import StopText
 from cellswarm.errors import CellswarmError
+from cellswarm.io.tokenizer import Tokenizer
 from cellswarm.swarm.api.schema import (
     MAX_CHOICES,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    Limits,
+    Reply,
     TokenizeRequest,
     body,
     chat_turns,
@@ -86,6 +89,7 @@ from cellswarm.swarm.api.schema import (
 )
 from cellswarm.swarm.api.schema import OpenAICommon as _Common
 from cellswarm.swarm.control.coordinator import Coordinator
+from cellswarm.swarm.protocol.jsonvalue import JsonObject, JsonValue
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_POLL_S = 30.0
@@ -108,7 +112,7 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type, param, code)  # fmt: skip
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JsonObject:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}  # fmt: skip
 
@@ -183,7 +187,7 @@ def _sampling(req: _Common) -> dict[str, Any]:
     return sampling
 
 
-def _prompts(prompt: Any, tok: Any, limits: Any) -> list[list[int]]:
+def _prompts(prompt: object, tok: Tokenizer, limits: Limits) -> list[list[int]]:
     """A completion's prompts: a string, token ids, or a list of either (several prompts,
     each its own choices)."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
@@ -194,7 +198,7 @@ def _prompts(prompt: Any, tok: Any, limits: Any) -> list[list[int]]:
     return [_prompt_ids(prompt, tok, limits)]
 
 
-def _prompt_ids(prompt: Any, tok: Any, limits: Any) -> list[int]:
+def _prompt_ids(prompt: object, tok: Tokenizer, limits: Limits) -> list[int]:
     if isinstance(prompt, str):
         try:
             prompt.encode("utf-8")
@@ -212,7 +216,7 @@ def _prompt_ids(prompt: Any, tok: Any, limits: Any) -> list[int]:
     return ids
 
 
-def _chat_ids(messages: list[ChatMessage], tok: Any, limits: Any) -> list[int]:
+def _chat_ids(messages: list[ChatMessage], tok: Tokenizer, limits: Limits) -> list[int]:
     text = tok.apply_chat_template(chat_turns(messages), add_generation_prompt=True)
     # the template wrote BOS if it wants one
     return list(limits.encode(lambda t: tok.encode(t, add_special=False), text, "messages"))
@@ -274,8 +278,8 @@ class Answer:
         self.t0 = time.perf_counter()
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def choice(self, text: str | None, finish: str | None) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0}
+    def choice(self, text: str | None, finish: str | None) -> JsonObject:
+        c: JsonObject = {"index": 0}
         if self.chat:
             c["delta"] = {} if text is None else {"content": text}
         else:
@@ -285,9 +289,9 @@ class Answer:
             c |= self.routes.ending(self.req, self.stream)
         return c
 
-    def event(self, choices: list[dict[str, Any]], used: dict[str, int] | None = None) -> str:
+    def event(self, choices: list[JsonValue], used: JsonObject | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        chunk: dict[str, Any] = {**self.head, "object": obj, "choices": choices}
+        chunk: JsonObject = {**self.head, "object": obj, "choices": choices}
         if self.include_usage:
             chunk["usage"] = used
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
@@ -338,7 +342,7 @@ class OpenAIRoutes:
         self.created = created
         self.trained: int | None = None  # the model's own context (GGUF context_length)
 
-    def card(self) -> dict[str, Any]:
+    def card(self) -> JsonObject:
         """The model object. Its served context (prompt + completion, the most a request may
         ask) under the names clients read: vLLM's `max_model_len`, and llama.cpp's `meta`
         (n_ctx served, n_ctx_train the model's own, which --context may lower)."""
@@ -360,13 +364,13 @@ class OpenAIRoutes:
                               f"`{self.model_id}`", param="model",
                               code="model_not_found")  # fmt: skip
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         try:
             return self.coord.tokenizer
         except CellswarmError as exc:
             raise OpenAIError(400, str(exc)) from None
 
-    def head(self, job_id: str, route: str) -> dict[str, Any]:
+    def head(self, job_id: str, route: str) -> JsonObject:
         chat = route == "chat"
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
                 "object": "chat.completion" if chat else "text_completion",
@@ -414,7 +418,7 @@ class OpenAIRoutes:
         return job.job_id
 
     async def detail(self, request: Request, ids: list[int], start: int,
-                     top: int) -> list[Any]:  # fmt: skip
+                     top: int) -> Detail:  # fmt: skip
         """Each token of ids[start:] scored (engine/scoring.py token_detail); [] for none."""
         if start >= len(ids):
             return []
@@ -429,16 +433,16 @@ class OpenAIRoutes:
                               code="request_failed")  # fmt: skip
         return list(job.result["detail"][0])
 
-    def ending(self, req: _Common, stream: StopText) -> dict[str, Any]:
+    def ending(self, req: _Common, stream: StopText) -> JsonObject:
         """What a choice's last chunk adds: vLLM's stop_reason (the stop string that ended
         it; None for an end token or the length), and its token ids when asked."""
-        out: dict[str, Any] = {"stop_reason": stream.stopped_by}
+        out: JsonObject = {"stop_reason": stream.stopped_by}
         if req.return_token_ids:
-            out["token_ids"] = stream.tokens[: stream.used]
+            out["token_ids"] = [*stream.tokens[: stream.used]]
         return out
 
     @staticmethod
-    def usage(prompts: list[list[int]], streams: list[StopText]) -> dict[str, int]:
+    def usage(prompts: list[list[int]], streams: list[StopText]) -> JsonObject:
         """OpenAI's usage: each prompt counted once (not once per choice)."""
         p, c = sum(len(x) for x in prompts), sum(s.used for s in streams)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
@@ -488,7 +492,7 @@ class OpenAIRoutes:
                                        "request failed", "sibling failed")  # fmt: skip
             raise
         tok = self.tokenizer()
-        choices = []
+        choices: list[JsonValue] = []
         for k, (_, stream) in enumerate(done):
             prompt, made = prompts[k // n], stream.tokens[: stream.used]
             shown = prompt + made if echo else made
@@ -496,7 +500,7 @@ class OpenAIRoutes:
             prompt_text = given if given is not None else tok.decode(
                 prompt, skip_special=req.skip_special_tokens)  # fmt: skip
             prefix = prompt_text if echo else ""
-            c: dict[str, Any] = {"index": k}
+            c: JsonObject = {"index": k}
             if route == "chat":
                 c["message"] = {"role": "assistant", "content": stream.text}
             else:
@@ -548,11 +552,11 @@ def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
         return exc.response()
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models() -> Reply:
         return {"object": "list", "data": [routes.card()]}
 
     @app.get("/v1/models/{name:path}")
-    async def model(name: str) -> dict[str, Any]:
+    async def model(name: str) -> Reply:
         routes.check_model(name)
         return routes.card()
 
@@ -593,7 +597,7 @@ def add_tokenizer_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
     coord = routes.coord
 
     @app.post("/tokenize")
-    async def tokenize(req: Annotated[TokenizeRequest, body(TokenizeRequest)]) -> dict[str, Any]:
+    async def tokenize(req: Annotated[TokenizeRequest, body(TokenizeRequest)]) -> Reply:
         tok = routes.tokenizer()
 
         def encode() -> list[int]:  # off the event loop: a long text takes a while
@@ -611,12 +615,12 @@ def add_tokenizer_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
     @app.post("/detokenize")
     async def detokenize(
         req: Annotated[DetokenizeRequest, body(DetokenizeRequest)]
-    ) -> dict[str, Any]:
+    ) -> Reply:
         ids = limits_of(coord).ids(req.tokens, "tokens")
         return {"prompt": await asyncio.to_thread(routes.tokenizer().decode, ids)}
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict[str, Any]:
+    async def tokenizer_info() -> Reply:
         tok = routes.tokenizer()
 
         def text(i: int | None) -> str | None:

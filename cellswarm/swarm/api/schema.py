@@ -18,11 +18,11 @@ The body itself is capped before it is read (access.py, `--max-body`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeAlias, TypeVar
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, params
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -32,8 +32,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from cellswarm.errors import RequestError
+
+if TYPE_CHECKING:
+    from cellswarm.swarm.control.coordinator import Coordinator
 
 U64_MAX = 2**64 - 1
 MAX_TOKEN_ID = 2**31 - 1  # a vocabulary is far smaller; the model's own size is checked later
@@ -47,6 +51,13 @@ MAX_BIASES = 1024  # logit_bias entries (OpenAI allows 300)
 # more input bytes than its longest text (x4 for normalization), so such a prompt is over the
 # context for sure, and tokenizing megabytes (seconds, gigabytes) is never needed to say so.
 TEXT_SLACK = 4
+
+# What a route hands FastAPI to send as a JSON object. Not jsonvalue's `JsonObject`: FastAPI
+# makes a route's return annotation its response model, and pydantic cannot build one from
+# that recursive alias (the route would answer 500). A mapping of objects is validated and
+# serialized as `dict[str, Any]` was (the same bytes on the wire), and takes a JsonObject,
+# a TypedDict or a coordinator's dict alike.
+Reply: TypeAlias = Mapping[str, object]
 
 
 class BadRequest(RequestError):
@@ -141,7 +152,7 @@ class Sampling(SamplingFields):
     """`/v1/requests`' "sampling" object."""
 
 
-def _prompt(value: Any) -> Any:
+def _prompt(value: object) -> str | list[int]:
     """A prompt is text or a non-empty list of token ids; say which item is wrong."""
     if isinstance(value, str):
         if not value:
@@ -200,15 +211,15 @@ class OpenAICommon(SamplingFields):
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(
         max_length=512)]] | None = Field(None, max_length=16)  # logged, OpenAI's 16 pairs
     # OpenAI's, for tool-calling models: refused by name unless they ask for nothing
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    reasoning_effort: Any = None
+    tool_choice: object = None
+    parallel_tool_calls: object = None
+    reasoning_effort: object = None
     return_token_ids: bool = False  # an extension (vLLM's name): each choice gets its ids
     skip_special_tokens: bool = True  # vLLM's too: False shows <|im_end|> and the like
 
 
 class CompletionRequest(OpenAICommon):
-    prompt: Any  # text, token ids, or a list of either (openai_api._prompts)
+    prompt: object  # text, token ids, or a list of either (openai_api._prompts)
     max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)] | None = None  # 0: echo only
     echo: bool | None = False
     best_of: int | None = None
@@ -221,7 +232,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[dict[str, Any]] | None = None
+    content: Text | list[dict[str, object]] | None = None
 
 
 class ChatRequest(OpenAICommon):
@@ -229,8 +240,8 @@ class ChatRequest(OpenAICommon):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[object] | None = None
+    response_format: dict[str, object] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -284,7 +295,7 @@ class BatchItem(SamplingFields):
                                  "(other fields are carried to the result as 'extra')")
         return self
 
-    def extra(self) -> dict[str, Any]:
+    def extra(self) -> dict[str, object]:
         return dict(self.model_extra or {})
 
 
@@ -294,13 +305,13 @@ class BatchRequest(BaseModel):
 
     model_config = STRICT
 
-    items: list[Any] = Field(min_length=1, max_length=MAX_ITEMS)
+    items: list[object] = Field(min_length=1, max_length=MAX_ITEMS)
     name: Key | None = None
     verify_fraction: Fraction | None = None
     idempotency_key: Key | None = None
 
 
-def chat_turns(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def chat_turns(messages: Sequence[ChatMessage]) -> list[dict[str, object]]:
     """Messages as a chat template takes them: text parts joined, "developer" as "system"."""
     turns = []
     for i, m in enumerate(messages):
@@ -331,7 +342,7 @@ def _unicode_or_bad(text: str, field: str) -> None:
 M = TypeVar("M", bound=BaseModel)
 
 
-def body(model: type[M]) -> Any:
+def body(model: type[M]) -> params.Depends:
     """A route's JSON body as `model` (a FastAPI dependency: `Annotated[Model, body(Model)]`).
     Read and checked here rather than by FastAPI, so that every edge answers bad bytes, bad
     JSON and bad fields with the same one-line 400, whatever the Content-Type said."""
@@ -342,7 +353,7 @@ def body(model: type[M]) -> Any:
     return Depends(read)
 
 
-def parse(model: type[M], data: Any, where: str = "") -> M:
+def parse(model: type[M], data: object, where: str = "") -> M:
     """`data` (decoded JSON) as `model`, or BadRequest naming the first bad field."""
     try:
         return model.model_validate(data)
@@ -350,9 +361,10 @@ def parse(model: type[M], data: Any, where: str = "") -> M:
         raise invalid(exc.errors(), where) from None
 
 
-def load_json(raw: bytes) -> Any:
-    """A request body as JSON; BadRequest (never a traceback) for anything else: bytes that
-    are not UTF-8, NaN and Infinity (not JSON), nesting deeper than Python recurses."""
+def load_json(raw: bytes) -> object:
+    """A request body as JSON (whatever value it holds: the caller narrows it); BadRequest
+    (never a traceback) for anything else: bytes that are not UTF-8, NaN and Infinity (not
+    JSON), nesting deeper than Python recurses."""
     if not raw.strip():
         raise BadRequest("The request body is empty; send a JSON object")
     try:
@@ -372,23 +384,23 @@ def load_json(raw: bytes) -> Any:
         raise BadRequest(f"The request body is not valid JSON ({exc})") from None
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise BadRequest(f"The request body holds {name}, which is not a JSON number; send a "
                      "finite number")  # fmt: skip
 
 
-def invalid(errors: Sequence[Any], where: str = "") -> BadRequest:
+def invalid(errors: Sequence[ErrorDetails], where: str = "") -> BadRequest:
     """Pydantic's (or FastAPI's) validation errors as one line: the first error's field, what
     is wrong with it and the value sent, and how many more there are."""
-    errors = [{**e, "loc": _loc(e["loc"])} for e in errors]
-    first: dict[str, Any] = errors[0] if errors else {"type": "", "loc": [], "msg": "?"}
+    found = [(_loc(e["loc"]), e) for e in errors]  # (its field's path, the error)
+    none: ErrorDetails = {"type": "", "loc": (), "msg": "?", "input": None}
+    first_loc, first = found[0] if found else ([], none)
     if first["type"] == "json_invalid":
         why = (first.get("ctx") or {}).get("error", "")
         return BadRequest(f"The request body is not valid JSON ({why}); send a JSON object")
     # a value no branch of a union took fails in each: the deepest error says the most
-    first = max((e for e in errors if e["loc"][:1] == first["loc"][:1]),
-                key=lambda e: len(e["loc"]), default=first)  # fmt: skip
-    loc: list[str] = first["loc"]
+    loc, first = max((f for f in found if f[0][:1] == first_loc[:1]),
+                     key=lambda f: len(f[0]), default=(first_loc, first))  # fmt: skip
     if not loc and not where and first["type"] != "value_error":
         if first["type"] == "missing":
             return BadRequest("The request body is missing; send a JSON object")
@@ -397,14 +409,14 @@ def invalid(errors: Sequence[Any], where: str = "") -> BadRequest:
     msg = str(first["msg"]).removeprefix("Value error, ")
     shown = first["type"] not in ("missing", "value_error")
     value = f" (got {_shown(first.get('input'))})" if shown else ""
-    others = len({tuple(e["loc"][:1]) for e in errors}) - 1  # other fields (not union branches)
+    others = len({tuple(x[:1]) for x, _ in found}) - 1  # other fields (not union branches)
     more = f" (and {others} more problems)" if others > 0 else ""
     head = ": ".join(x for x in (where, field) if x)
     return BadRequest(f"{head}: {msg}{value}{more}" if head else f"{msg}{more}",
                       param=loc[0] if loc else None)  # fmt: skip
 
 
-def _loc(loc: Sequence[Any]) -> list[str]:
+def _loc(loc: Iterable[int | str]) -> list[str]:
     """A field's path without FastAPI's "body" and pydantic's union branch tags
     ("str", "list[int]", "function-after[...]")."""
     return [str(x) for x in loc if not (isinstance(x, str) and (x in _TAGS or "[" in x))]
@@ -414,7 +426,7 @@ _TAGS = frozenset({"body", "query", "path",  # FastAPI's
                    "str", "int", "float", "bool", "dict", "list", "none"})  # fmt: skip
 
 
-def _shown(value: Any, limit: int = 60) -> str:
+def _shown(value: object, limit: int = 60) -> str:
     """A value in a message, cut short: an error must not echo a megabyte back."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -485,7 +497,7 @@ class Limits:
 MAX_OPTIONS = 64
 
 
-def limits_of(coord: Any) -> Limits:
+def limits_of(coord: Coordinator) -> Limits:
     """What a request to this coordinator is checked against now (its context may change
     with a re-placement; the model's facts are read once)."""
     vocab_size, token_bytes = coord.model_facts

@@ -13,8 +13,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Annotated, TypedDict
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +33,7 @@ from cellswarm.swarm.api.openai_api import add_openai_routes
 from cellswarm.swarm.api.schema import (
     BadRequest,
     NotFound,
+    Reply,
     SubmitRequest,
     invalid,
     limits_of,
@@ -42,6 +43,7 @@ from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 from cellswarm.swarm.control.jobs import Job
 from cellswarm.swarm.control.store import Node
 from cellswarm.swarm.protocol import VersionMismatch
+from cellswarm.swarm.protocol.jsonvalue import JsonObject, JsonValue
 from cellswarm.swarm.protocol.messages import (
     FailReport,
     Fault,
@@ -63,7 +65,7 @@ MAX_LEASE_WAIT_S = 1.5  # under the worker's HTTP timeout (worker.HTTP_TIMEOUT_S
 MAX_RESULTS_PER_POST = 256  # = head.RESULTS_PER_POST: the work one post asks of the core
 
 
-async def node_body(request: Request) -> dict[str, Any]:
+async def node_body(request: Request) -> dict[str, object]:
     """A node's body (the workers' routes keep their plain-dict protocol)."""
     data = load_json(await request.body())
     if not isinstance(data, dict):
@@ -72,7 +74,7 @@ async def node_body(request: Request) -> dict[str, Any]:
     return data
 
 
-def result_items(results: Any) -> list[JobResult]:
+def result_items(results: object) -> list[JobResult]:
     """A head's posted results; BadRequest unless a list of at most MAX_RESULTS_PER_POST
     objects with job_id, fence and result."""
     if not isinstance(results, list) or len(results) > MAX_RESULTS_PER_POST:
@@ -85,11 +87,11 @@ def result_items(results: Any) -> list[JobResult]:
                          "job_id, fence and result", param="results") from None  # fmt: skip
 
 
-def node_of(coord: Coordinator, data: dict[str, Any]) -> Node:
+def node_of(coord: Coordinator, data: Mapping[str, object]) -> Node:
     return coord.authenticate(str(data["node_id"]), str(data["session"]))
 
 
-def _beat(coord: Coordinator, d: dict[str, Any]) -> dict[str, Any]:
+def _beat(coord: Coordinator, d: dict[str, object]) -> Reply:
     """One node's heartbeat (on the core thread): its answer."""
     answer = coord.heartbeat(node_of(coord, d), decode(Heartbeat, d))
     coord.beats_via["http"] += 1
@@ -105,7 +107,7 @@ def session_node(coord: Coordinator, request: Request) -> Node:
 DEFAULT_POWER_PROFILE = "laptop"  # whose watts a node without --profile is estimated at
 
 
-def power_of(caps: dict[str, Any]) -> list[Any]:
+def power_of(caps: Mapping[str, object]) -> list[JsonValue]:
     """[busy W, idle W, profile] for a node's energy estimate: its --profile's figures, else a
     laptop's (the estimate says which)."""
     return list(_power(str(caps.get("profile") or DEFAULT_POWER_PROFILE)))
@@ -125,11 +127,23 @@ def _power(profile: str) -> tuple[float, float, str]:
     return (p.power_busy_w, p.power_idle_w, p.name)
 
 
-def joined(coord: Coordinator, answer: dict[str, Any], join: dict[str, Any]) -> dict[str, Any]:
+def joined(coord: Coordinator, answer: Mapping[str, JsonValue],
+           join: Mapping[str, object]) -> JsonObject:  # fmt: skip
     """A join's answer: its session, how often to beat, and its energy estimate's watts."""
+    caps = join.get("capabilities") or {}
+    assert isinstance(caps, Mapping)  # its join was answered: coord.join took it as one
     return {**answer, "heartbeat_s": coord.heartbeat_interval_s(),
             "heartbeat_timeout_s": coord.heartbeat_timeout_s(),
-            "power_w": power_of(join.get("capabilities") or {})}  # fmt: skip
+            "power_w": power_of(caps)}  # fmt: skip
+
+
+def capabilities(join: Mapping[str, object]) -> dict[str, object]:
+    """A join's capabilities as `dict()` makes them of what it sent (an object, or key-value
+    pairs; a TypeError or ValueError, a 400, for anything else)."""
+    caps = join.get("capabilities") or {}
+    if not isinstance(caps, Iterable):
+        raise TypeError(f"{type(caps).__name__!r} object is not iterable")  # as dict() says
+    return dict(caps)
 
 
 def build_app(coord: Coordinator) -> FastAPI:
@@ -179,7 +193,7 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
     """A node's: the challenge, joining, heartbeats, faults, and the model's bytes."""
 
     @app.post("/v1/challenge")
-    async def challenge(request: Request) -> dict[str, Any]:
+    async def challenge(request: Request) -> Reply:
         """A nonce for a join's proof; `{"count": n}`: n of them (a rack's relay)."""
         d = await node_body(request) if await request.body() else {}
         count = d.get("count", 1)
@@ -191,16 +205,16 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
         return {"nonce": nonces[0], "nonces": nonces}
 
     @app.post("/v1/join")
-    async def join(request: Request) -> dict[str, Any]:
+    async def join(request: Request) -> Reply:
         d = await node_body(request)
         host = request.client.host if request.client else "127.0.0.1"
         session = await coord.on_core(coord.join, str(d["node_id"]), str(d["nonce"]),
-                                      str(d.get("proof", "")), dict(d.get("capabilities") or {}),
+                                      str(d.get("proof", "")), capabilities(d),
                                       host)  # fmt: skip
         return joined(coord, {"session": session}, d)
 
     @app.post("/v1/joins")
-    async def joins(request: Request) -> dict[str, Any]:
+    async def joins(request: Request) -> Reply:
         """A rack's joins in one request, sent by its relay (a joined node, checked first as
         for /v1/heartbeats); each join carries its own proof and gets its own answer."""
         d = await node_body(request)
@@ -215,7 +229,7 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
                             for j, a in zip(joins, answers, strict=True)]}  # fmt: skip
 
     @app.post("/v1/heartbeat")
-    async def heartbeat(request: Request) -> dict[str, Any]:
+    async def heartbeat(request: Request) -> Reply:
         d = await node_body(request)
         beat = asyncio.get_running_loop().run_in_executor(coord.core, _beat, coord, d)
         try:
@@ -228,13 +242,13 @@ def add_node_routes(app: FastAPI, coord: Coordinator) -> None:
             return held
 
     @app.post("/v1/heartbeats")
-    async def heartbeats(request: Request) -> dict[str, Any]:
+    async def heartbeats(request: Request) -> Reply:
         """Many nodes' heartbeats in one request (a rack's relay: one message per rack per
         interval instead of one per node); transport/beats.py answers it, as it does on NATS."""
         return await coord.on_core(beat_batch, coord, await node_body(request), "http")
 
     @app.post("/v1/fault")
-    async def fault(request: Request) -> dict[str, Any]:
+    async def fault(request: Request) -> Reply:
         d = await node_body(request)
 
         def fault() -> None:
@@ -267,11 +281,11 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
     """A client's: health, status, submitting a request and following it."""
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
+    async def healthz() -> Reply:
         return {"ok": True}
 
     @app.get("/v1/status")
-    async def status() -> dict[str, Any]:
+    async def status() -> Reply:
         return await coord.on_core(coord.status)
 
     @app.get("/metrics")
@@ -282,14 +296,14 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
         return Response(await coord.on_core(render, coord), media_type=CONTENT_TYPE)
 
     @app.get("/v1/metrics/targets")
-    async def metrics_targets() -> list[dict[str, Any]]:
+    async def metrics_targets() -> Sequence[Reply]:
         """Every worker's /metrics, in Prometheus' http_sd_configs format."""
         return await coord.on_core(coord.metrics_targets)
 
     @app.post("/v1/requests")
     async def submit(
         request: Request, req: Annotated[SubmitRequest, schema.body(SubmitRequest)]
-    ) -> dict[str, Any]:
+    ) -> Reply:
         caller: Caller = request.state.caller
         payload = await asyncio.to_thread(_payload, coord, req)  # tokenizing: not on the core
         job = await coord.on_core(functools.partial(
@@ -301,7 +315,7 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
     async def progress(
         request: Request, request_id: str, after: Annotated[int, Query(ge=0)] = 0,
         wait_s: Annotated[float, Query(ge=0, allow_inf_nan=False)] = 0.0,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> Reply:  # fmt: skip
         await coord.on_core(owned_job, coord, request.state.caller, request_id)
         job = await wait_for_job(coord, request_id, after, wait_s)
         tokens = job.tokens if job.result is None else list(job.result.get("tokens", []))
@@ -314,7 +328,7 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
         return out
 
     @app.get("/v1/ledger")
-    async def ledger() -> dict[str, Any]:
+    async def ledger() -> Reply:
         return await coord.on_core(coord.queue.ledger)
 
 
@@ -340,7 +354,7 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
         return encode(LeaseAnswer(jobs=jobs, ring_sequences=sequences))
 
     @app.post("/v1/jobs/checkpoint")
-    async def checkpoint(request: Request) -> dict[str, Any]:
+    async def checkpoint(request: Request) -> Reply:
         """Runs' tokens so far ("runs"), and ended jobs' results ("results", as `complete`
         takes them) committed first: a head's one post for both."""
         d = await node_body(request)
@@ -352,7 +366,7 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
         return {"stale": stale, **({"outcomes": outcomes} if items else {})}
 
     @app.post("/v1/jobs/complete")
-    async def complete(request: Request) -> dict[str, Any]:
+    async def complete(request: Request) -> Reply:
         """One result (job_id, fence, result), or several ("results": a list of them, at most
         MAX_RESULTS_PER_POST): each with the outcome it would have alone, in one commit."""
         d = await node_body(request)
@@ -363,7 +377,7 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
         return {"outcome": outcomes[0]} if one else {"outcomes": outcomes}
 
     @app.post("/v1/jobs/fail")
-    async def fail(request: Request) -> dict[str, Any]:
+    async def fail(request: Request) -> Reply:
         d = await node_body(request)
         await coord.on_core(node_of, coord, d)
         said = decode_body(FailReport, d)
@@ -372,7 +386,7 @@ def add_head_routes(app: FastAPI, coord: Coordinator) -> None:
         return {"outcome": outcome}
 
     @app.post("/v1/jobs/release")
-    async def release(request: Request) -> dict[str, Any]:
+    async def release(request: Request) -> Reply:
         d = await node_body(request)
         await coord.on_core(node_of, coord, d)
         runs = decode_body(ReleaseAsk, d).runs
@@ -460,7 +474,7 @@ def _reason(job: Job) -> str:
     return job.error
 
 
-def _payload(coord: Coordinator, req: SubmitRequest) -> dict[str, Any]:
+def _payload(coord: Coordinator, req: SubmitRequest) -> dict[str, object]:
     """A request as the ring takes it: prompt token ids, max_tokens, sampling, stop ids —
     each checked against the model (vocabulary, context) before it is queued."""
     limits = limits_of(coord)
@@ -556,7 +570,18 @@ def check_free(host: str, port: int) -> None:
                                "coordinator there? give another port") from None  # fmt: skip
 
 
-def _tls(tls_dir: str | None) -> dict[str, Any]:
+class TLSOptions(TypedDict, total=False):
+    """uvicorn.Config's TLS options."""
+
+    ssl_certfile: str
+    ssl_keyfile: str
+    ssl_ca_certs: str
+    ssl_cert_reqs: int
+    ssl_version: int
+    ssl_ciphers: str
+
+
+def _tls(tls_dir: str | None) -> TLSOptions:
     """uvicorn's options for mutual TLS: our certificate, and a client's required (tls.py)."""
     if tls_dir is None:
         return {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
 
 # = engine/prefix_cache.BLOCK_TOKENS (tests/test_affinity.py checks): a prompt whose shared
 # start is shorter than one block is cached nowhere, so it has no home.
@@ -29,7 +28,7 @@ MOST_PREFIXES = 4096  # remembered at once (LRU): a batch seldom has more distin
 HERE, NOWHERE, ELSEWHERE = 0, 1, 2  # ranks: lower is leased first
 
 
-def prefix_key(payload: Mapping[str, Any]) -> bytes | None:
+def prefix_key(payload: Mapping[str, object]) -> bytes | None:
     """The first whole block of a job's prompt, hashed; None for a shorter prompt."""
     prompt = payload.get("prompt")
     if not isinstance(prompt, list) or len(prompt) <= AFFINITY_TOKENS:
@@ -45,7 +44,7 @@ class PrefixHomes:
         self.most = most
         self._homes: OrderedDict[bytes, set[str]] = OrderedDict()
 
-    def rank(self, payload: Mapping[str, Any], replica: str) -> int:
+    def rank(self, payload: Mapping[str, object], replica: str) -> int:
         """HERE: `replica` holds the job's prefix; NOWHERE: nobody does (or it has none);
         ELSEWHERE: another replica does."""
         key = prefix_key(payload)
@@ -54,7 +53,7 @@ class PrefixHomes:
             return NOWHERE
         return HERE if replica in homes else ELSEWHERE
 
-    def note(self, payload: Mapping[str, Any], replica: str) -> None:
+    def note(self, payload: Mapping[str, object], replica: str) -> None:
         """`replica` was leased the job: from now on it holds the job's prefix."""
         key = prefix_key(payload)
         if key is None:

@@ -15,17 +15,25 @@ from __future__ import annotations
 import secrets
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
+from cellswarm.swarm.control.store import whole_of
 from cellswarm.swarm.policy import MIN_DISK_BYTES
 from cellswarm.swarm.protocol.checks import Result
 from cellswarm.swarm.protocol.messages import CheckAsk, CheckResult
 from cellswarm.swarm.ring.checks import digest_error
 from cellswarm.units import format_bytes
+
+if TYPE_CHECKING:
+    from cellswarm.swarm.control.store import Node
+
+# A node's answer as plain data (msgspec.to_builtins of its CheckResult), as judged here.
+Answer = Mapping[str, object]
 
 MATMUL_TOLERANCE = 2e-2  # int8 activations: ~1e-2 of the largest output on random data
 FORWARD_TOLERANCE = 5e-2  # a shard's step on another node's kernels: ~1e-3; a wrong one: ~1
@@ -44,7 +52,7 @@ class Round:
     seed: int
     asked: set[str]
     started_s: float = field(default_factory=time.monotonic)
-    results: dict[str, dict[str, Any]] = field(default_factory=dict)  # judged as plain data
+    results: dict[str, dict[str, object]] = field(default_factory=dict)  # judged as plain data
 
     @property
     def complete(self) -> bool:
@@ -94,8 +102,8 @@ def judge_tokenizer(tokens: int | None, rows: int) -> Result:
                   "(ids past the embedding index nothing)")  # fmt: skip
 
 
-def judge_node(node_id: str, state: str, result: dict[str, Any] | None, matmul_ref: np.ndarray,
-               forward_ref: dict[str, Any] | None,
+def judge_node(node_id: str, state: str, result: Answer | None, matmul_ref: np.ndarray,
+               forward_ref: Mapping[str, object] | None,
                own: np.ndarray | None = None) -> list[Result]:  # fmt: skip
     """One node's staged bring-up: echo, then matmul, then forward; a failed step skips the
     ones after it (they would only repeat it). `own`: the coordinator's kernels' product,
@@ -104,8 +112,8 @@ def judge_node(node_id: str, state: str, result: dict[str, Any] | None, matmul_r
                                                           forward_ref, own)]  # fmt: skip
 
 
-def _bring_up(node_id: str, state: str, result: dict[str, Any] | None, matmul_ref: np.ndarray,
-              forward_ref: dict[str, Any] | None,
+def _bring_up(node_id: str, state: str, result: Answer | None, matmul_ref: np.ndarray,
+              forward_ref: Mapping[str, object] | None,
               own: np.ndarray | None) -> list[Result]:  # fmt: skip
     who = f"{node_id} ({state})"
     if result is None:
@@ -125,30 +133,31 @@ def _bring_up(node_id: str, state: str, result: dict[str, Any] | None, matmul_re
     return out
 
 
-def _echo(node_id: str, who: str, result: dict[str, Any]) -> Result:
-    rtt = result.get("echo_s")
-    if rtt is None:
+def _echo(node_id: str, who: str, result: Answer) -> Result:
+    got = result.get("echo_s")
+    if got is None:
         return Result("node", f"{node_id} echo", "PASS", f"{who} answered (no round trip yet)")
-    ok = float(rtt) <= ECHO_SLOW_S
+    rtt = _number(got)
+    ok = rtt <= ECHO_SLOW_S
     return Result("node", f"{node_id} echo", "PASS" if ok else "FAIL",
-                  f"{who} heartbeat round trip {float(rtt) * 1e3:.1f} ms",
+                  f"{who} heartbeat round trip {rtt * 1e3:.1f} ms",
                   "" if ok else "a slow link or an overloaded coordinator: leases and "
                   "liveness need round trips well under a second")  # fmt: skip
 
 
-def _exact(result: dict[str, Any]) -> bool:
+def _exact(result: Answer) -> bool:
     """Both sides ran the C kernels: their numbers must be the same bits (kernels/exact.c)."""
     from cellswarm import kernels
 
-    return kernels.enabled() and result.get("env", {}).get("kernels") == "c"
+    return kernels.enabled() and _env(result).get("kernels") == "c"
 
 
-def _matmul(node_id: str, who: str, result: dict[str, Any], ref: np.ndarray,
+def _matmul(node_id: str, who: str, result: Answer, ref: np.ndarray,
             own: np.ndarray | None = None) -> Result:  # fmt: skip
-    got = np.asarray(result.get("matmul") or [], np.float64)
+    got = np.asarray(_list(result.get("matmul")), np.float64)
     err = float(np.abs(got - ref).max() / max(float(np.abs(ref).max()), 1e-12)) \
         if got.shape == ref.shape else float("inf")  # fmt: skip
-    kind = result.get("env", {}).get("kernels", "?")
+    kind = _env(result).get("kernels", "?")
     if own is not None and _exact(result):
         ok = got.shape == own.shape and np.array_equal(got.astype(np.float32), own)
         how = "the same bits as the coordinator's" if ok else "other bits than the coordinator's"
@@ -161,11 +170,13 @@ def _matmul(node_id: str, who: str, result: dict[str, Any], ref: np.ndarray,
                   "CELLSWARM_KERNELS=numpy; take it out of the swarm until it passes")  # fmt: skip
 
 
-def _forward(node_id: str, who: str, result: dict[str, Any],
-             ref: dict[str, Any] | None) -> Result:  # fmt: skip
+def _forward(node_id: str, who: str, result: Answer,
+             ref: Mapping[str, object] | None) -> Result:  # fmt: skip
     got = result.get("forward")
     if got is None or ref is None:
         return Result("node", f"{node_id} forward", "PASS", f"{who} holds no layers (a spare)")
+    if not isinstance(got, Mapping):
+        raise TypeError(f"a node's forward digest is {type(got).__name__}, not an object")
     err = digest_error(got, ref)
     if _exact(result) and ref.get("bits"):
         ok = got.get("bits") == ref["bits"] and err <= FORWARD_TOLERANCE
@@ -179,8 +190,47 @@ def _forward(node_id: str, who: str, result: dict[str, Any],
                   "check its kernels")  # fmt: skip
 
 
-def _span(layers: Any) -> str:
-    return f"{layers[0]}..{int(layers[1]) - 1}" if layers else "-"
+def _span(layers: object) -> str:
+    if not layers:
+        return "-"
+    lo, hi = _sequence(layers)[:2]
+    return f"{lo}..{_whole(hi) - 1}"
+
+
+# -- a node's answer as plain data, narrowed where it is read --------------------------------
+
+
+def _env(result: Answer) -> Mapping[str, object]:
+    """The facts of a node's host in its answer (CheckResult.env: always an object)."""
+    env = result.get("env", {})
+    if not isinstance(env, Mapping):
+        raise TypeError(f"a node's env is {type(env).__name__}, not an object")
+    return env
+
+
+def _sequence(value: object) -> list[object] | tuple[object, ...]:
+    if not isinstance(value, list | tuple):
+        raise TypeError(f"{type(value).__name__} where a list was expected")
+    return value
+
+
+def _list(value: object) -> list[object] | tuple[object, ...]:
+    """A list of the answer, [] for one null or empty (`value or []`)."""
+    return _sequence(value) if value else []
+
+
+def _number(value: object) -> float:
+    """A number of the answer, as `float()` reads it."""
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"{value!r} is not a number")
+    return float(value)
+
+
+def _whole(value: object) -> int:
+    """A number of the answer, as `int()` reads it."""
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"{value!r} is not a number")
+    return int(value)
 
 
 def collapse(results: list[Result], limit: int = 8) -> list[Result]:
@@ -205,47 +255,58 @@ def collapse(results: list[Result], limit: int = 8) -> list[Result]:
     return out
 
 
-def judge_environment(envs: dict[str, dict[str, Any]], budgets: dict[str, int]) -> list[Result]:
+def judge_environment(envs: Mapping[str, Mapping[str, object]],
+                      budgets: Mapping[str, int]) -> list[Result]:  # fmt: skip
     """Each node's room (memory for its budget, disk), OOM kills, then what differs."""
     out: list[Result] = []
     for node_id, env in sorted(envs.items()):
         out += [replace(r, node=node_id) for r in _room(node_id, env, budgets.get(node_id))]
     for key in SAME_EVERYWHERE:
         out.append(_same(key, {n: str(e.get(key)) for n, e in envs.items()}))
-    flags = {n: ",".join(e.get("cpu_flags") or []) or "-" for n, e in envs.items()}
+    flags = {n: ",".join(map(_text, _list(e.get("cpu_flags")))) or "-" for n, e in envs.items()}
     out.append(_same("cpu_flags", flags, fix="nodes with fewer CPU features run slower "
                      "kernels: place by the measured speed, or group alike nodes"))  # fmt: skip
     return out
 
 
-def _room(node_id: str, env: dict[str, Any], budget: int | None) -> list[Result]:
+def _text(value: object) -> str:
+    """A text of the answer (a CPU flag): str.join takes nothing else."""
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not text")
+    return value
+
+
+def _room(node_id: str, env: Mapping[str, object], budget: int | None) -> list[Result]:
     out = []
-    free = env.get("memory_available_bytes")
-    rss = int(env.get("rss_bytes") or 0)
-    if free is not None and budget:
-        ok = int(free) + rss >= budget
+    got = env.get("memory_available_bytes")
+    rss = _whole(env.get("rss_bytes") or 0)
+    if got is not None and budget:
+        free = _whole(got)
+        ok = free + rss >= budget
         out.append(Result("environment", f"{node_id} memory", "PASS" if ok else "FAIL",
-                          f"--memory {format_bytes(budget)}; {format_bytes(int(free))} "
+                          f"--memory {format_bytes(budget)}; {format_bytes(free)} "
                           f"available beside its {format_bytes(rss)}",
                           "" if ok else "the host cannot give the budget: lower --memory or "
                           "free memory there"))  # fmt: skip
     limit = env.get("cgroup_limit_bytes")
-    if limit and budget and budget > int(limit):
+    if limit and budget and budget > _whole(limit):
         out.append(Result("environment", f"{node_id} cgroup", "FAIL",
                           f"--memory {format_bytes(budget)} is over its memory cgroup's limit "
-                          f"{format_bytes(int(limit))}", "the kernel would kill it before its "
+                          f"{format_bytes(_whole(limit))}", "the kernel would kill it before its "
                           "budget is reached: give --memory below the cgroup's limit"))  # fmt: skip
     disks = env.get("disk_free_bytes") or {}
+    if not isinstance(disks, Mapping):
+        raise TypeError(f"disk_free_bytes is {type(disks).__name__}, not an object")
     if disks:
-        where, least = min(disks.items(), key=lambda kv: kv[1])
+        where, least = min(((k, _whole(v)) for k, v in disks.items()), key=lambda kv: kv[1])
         ok = least >= MIN_DISK_BYTES
         out.append(Result("environment", f"{node_id} disk", "PASS" if ok else "FAIL",
                           f"{format_bytes(least)} free at {where}",
                           "" if ok else f"free space there (at least "
                           f"{format_bytes(MIN_DISK_BYTES)}): logs and fetched shards need "
                           "it"))  # fmt: skip
-    kills = int(env.get("oom_kills_cgroup") or 0)
-    seen = int(env.get("oom_kills") or 0)
+    kills = _whole(env.get("oom_kills_cgroup") or 0)
+    seen = _whole(env.get("oom_kills") or 0)
     out.append(Result("environment", f"{node_id} oom kills", "PASS" if kills == 0 else "FAIL",
                       f"{kills} in its memory cgroup; {seen} in the host's kernel log",
                       "" if kills == 0 else "the kernel killed processes of this node for "
@@ -270,7 +331,7 @@ def _same(key: str, values: dict[str, str], fix: str = "") -> Result:
 
 
 def judge_round(model_path: str, tokenizer_size: int | None, rnd: Round,
-                nodes: list[Any]) -> list[Result]:  # fmt: skip
+                nodes: Sequence[Node]) -> list[Result]:  # fmt: skip
     """Every line of a round, in the seed's order: input, nodes, environment."""
     from cellswarm.loader import read_config
     from cellswarm.swarm.ring.checks import matmul_here, matmul_reference
@@ -279,21 +340,27 @@ def judge_round(model_path: str, tokenizer_size: int | None, rnd: Round,
     out = [judge_tokenizer(tokenizer_size, rows)]
     matmul_ref = matmul_reference(rnd.seed)
     own = np.asarray(matmul_here(rnd.seed), np.float32)  # this process's kernels' bits
-    refs: dict[tuple[int, int], dict[str, Any]] = {}
+    refs: dict[tuple[int, int], dict[str, object]] = {}
     for n in sorted(nodes, key=lambda n: n.node_id):
         result = rnd.results.get(n.node_id)
-        layers = tuple(result["layers"]) if result and result.get("layers") else None
+        layers = _layers(result.get("layers")) if result and result.get("layers") else None
         if layers is not None and layers not in refs:
-            refs[layers] = forward_reference(model_path, (int(layers[0]), int(layers[1])),
-                                             rnd.seed)  # fmt: skip
+            refs[layers] = forward_reference(model_path, layers, rnd.seed)
         out += judge_node(n.node_id, n.state, result, matmul_ref,
                           refs.get(layers) if layers else None, own)  # fmt: skip
-    envs = {k: r["env"] for k, r in rnd.results.items() if isinstance(r.get("env"), dict)}
-    budgets = {n.node_id: int(n.capabilities.get("memory_bytes") or 0) for n in nodes}
+    envs = {k: env for k, r in rnd.results.items() if isinstance(env := r.get("env"), dict)}
+    budgets: dict[str, int] = {n.node_id: whole_of(n.capabilities, "memory_bytes")
+                               for n in nodes}  # fmt: skip
     return collapse(out + judge_environment(envs, budgets))
 
 
-def forward_reference(model_path: str, layers: tuple[int, int], seed: int) -> dict[str, Any]:
+def _layers(value: object) -> tuple[int, int]:
+    """The layers [lo, hi) a node holds, as its answer gave them."""
+    lo, hi = _sequence(value)
+    return _whole(lo), _whole(hi)
+
+
+def forward_reference(model_path: str, layers: tuple[int, int], seed: int) -> dict[str, object]:
     """The coordinator's own step of layers lo..hi-1 on the round's input (its copy of the
     model, these layers only), digested as a node digests its own."""
     from cellswarm.io.weights import Selection

@@ -13,11 +13,15 @@ import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Protocol, TypeAlias
 
 from cellswarm.errors import DatabaseDamagedError, StorageFullError
 
-Row = dict[str, Any]
+# What a column holds, as the drivers return it: TEXT, INTEGER/BIGINT, DOUBLE PRECISION, BLOB
+# or NULL. A row is a dict of them by column name; readers narrow each column (text, integer...).
+SqlValue: TypeAlias = str | int | float | bytes | None
+Row: TypeAlias = dict[str, SqlValue]
+Params: TypeAlias = Sequence[object]  # a statement's parameters (the drivers adapt them)
 
 
 class Database(Protocol):
@@ -25,9 +29,9 @@ class Database(Protocol):
     skip_locked: str  # appended to a SELECT that picks rows to lease
     for_update: str  # appended to a SELECT whose rows the transaction then changes
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
+    def execute(self, sql: str, params: Params = ()) -> list[Row]: ...
 
-    def execute_count(self, sql: str, params: Sequence[Any] = ()) -> int: ...
+    def execute_count(self, sql: str, params: Params = ()) -> int: ...
 
     def transaction(self) -> contextlib.AbstractContextManager[None]: ...
 
@@ -95,11 +99,11 @@ class SQLiteDatabase(NestedTransactions):
         self._lock = threading.RLock()  # one connection, shared by the loop and its threads
         self._depth = 0
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    def execute(self, sql: str, params: Params = ()) -> list[Row]:
         with self._lock, self._full():
             return [dict(r) for r in self.conn.execute(sql, tuple(params)).fetchall()]
 
-    def execute_count(self, sql: str, params: Sequence[Any] = ()) -> int:
+    def execute_count(self, sql: str, params: Params = ()) -> int:
         with self._lock, self._full():
             return int(self.conn.execute(sql, tuple(params)).rowcount)
 
@@ -180,6 +184,61 @@ def ensure_column(db: Database, table: str, column: str, decl: str) -> None:
     with db.transaction():
         if column not in {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+
+
+def integer(value: SqlValue) -> int:
+    """A number column (a COUNT, a SUM) as an int; NULL is a TypeError, as int(None) is."""
+    if value is None:
+        raise TypeError("a NULL where a number was due")
+    return int(value)
+
+
+def text(row: Row, key: str) -> str:
+    """A TEXT NOT NULL column."""
+    value = row[key]
+    if not isinstance(value, str):
+        raise TypeError(f"column {key} is {type(value).__name__}, not text")
+    return value
+
+
+def maybe_text(row: Row, key: str) -> str | None:
+    """A TEXT column that may be NULL (a column a row lacks reads as NULL)."""
+    value = row.get(key)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"column {key} is {type(value).__name__}, not text")
+    return value
+
+
+def whole(row: Row, key: str) -> int:
+    """An INTEGER NOT NULL column."""
+    value = row[key]
+    if not isinstance(value, int):
+        raise TypeError(f"column {key} is {type(value).__name__}, not an integer")
+    return value
+
+
+def maybe_whole(row: Row, key: str) -> int | None:
+    """An INTEGER column that may be NULL."""
+    value = row[key]
+    if value is not None and not isinstance(value, int):
+        raise TypeError(f"column {key} is {type(value).__name__}, not an integer")
+    return value
+
+
+def real(row: Row, key: str) -> float:
+    """A DOUBLE PRECISION NOT NULL column (an int that SQLite kept as one is a number too)."""
+    value = row[key]
+    if not isinstance(value, int | float):
+        raise TypeError(f"column {key} is {type(value).__name__}, not a number")
+    return value
+
+
+def maybe_real(row: Row, key: str) -> float | None:
+    """A DOUBLE PRECISION column that may be NULL."""
+    value = row[key]
+    if value is not None and not isinstance(value, int | float):
+        raise TypeError(f"column {key} is {type(value).__name__}, not a number")
+    return value
 
 
 def open_database(url: str) -> Database:

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from cellswarm.errors import RequestError, StorageFullError
-from cellswarm.swarm.control.db import NestedTransactions, Row
+from cellswarm.swarm.control.db import NestedTransactions, Params, Row
+
+if TYPE_CHECKING:
+    from psycopg import Connection, Cursor
+    from psycopg.rows import DictRow
 
 
 def translate(sql: str) -> str:
@@ -101,14 +105,14 @@ class PostgresDatabase(NestedTransactions):
         self._depth = 0
         self.conn = self._connect()
 
-    def _connect(self) -> Any:
+    def _connect(self) -> Connection[DictRow]:
         try:
             return self._psycopg.connect(self.url, autocommit=True, row_factory=self._row_factory)
         except self._psycopg.OperationalError as exc:
             where = self.url.split("@")[-1]
             raise RequestError(f"cannot reach PostgreSQL at {where}: {exc}") from exc
 
-    def _cursor(self, sql: str, params: Sequence[Any]) -> Any:
+    def _cursor(self, sql: str, params: Params) -> Cursor[DictRow]:
         """Run one statement. A connection that broke (the server restarted, the backend was
         ended) fails the statement it broke under, and is opened again for the next one."""
         if self.conn.broken and not self._depth:
@@ -121,12 +125,12 @@ class PostgresDatabase(NestedTransactions):
                 f"({str(exc).strip()}); free space there (nothing acknowledged is lost)"
             ) from exc
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    def execute(self, sql: str, params: Params = ()) -> list[Row]:
         with self._lock:
             cur = self._cursor(sql, params)
             return [dict(r) for r in cur.fetchall()] if cur.description else []
 
-    def execute_count(self, sql: str, params: Sequence[Any] = ()) -> int:
+    def execute_count(self, sql: str, params: Params = ()) -> int:
         with self._lock:
             return int(self._cursor(sql, params).rowcount)
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import TypedDict
 
+from cellswarm.swarm.control.db import text
 from cellswarm.swarm.control.state import CoordinatorState
 
 log = logging.getLogger("cellswarm.coordinator")
@@ -50,7 +51,7 @@ class Election(CoordinatorState):
                 if not rows:  # another coordinator is electing right now: keep our term
                     leading = self.leading and now < self.lead_until
                 else:
-                    held = json.loads(rows[0]["value"]) or None
+                    held = json.loads(text(rows[0], "value")) or None
                     term = elect(held, self.id, now, self.config.leader_ttl_s)
                     if term != held:
                         self.store.set_meta("leader", json.dumps(term))
@@ -74,7 +75,14 @@ class Election(CoordinatorState):
         log.info("rewiring the rings (epoch %d): %s", epoch, why)
 
 
-def elect(held: dict[str, Any] | None, me: str, now: float, ttl_s: float) -> dict[str, Any]:
+class Term(TypedDict):
+    """The leader's term, as the `leader` row of `meta` holds it (JSON)."""
+
+    id: str
+    until: float
+
+
+def elect(held: Term | None, me: str, now: float, ttl_s: float) -> Term:
     """The leader's term after `me` asks for it at `now`: renewed if `me` holds it, taken if
     nobody does or its term ran out, else unchanged. (Terms are wall-clock times: the
     coordinators' clocks must agree to well within `ttl_s`.)"""

@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.control.db import Database
+from cellswarm.swarm.control.db import Database, integer, text
 from cellswarm.swarm.transport.logship import BASE_KEYS, Event
 
 log = logging.getLogger("cellswarm.logship")
@@ -93,20 +92,20 @@ class EventStore:
         rows = self.db.execute("SELECT * FROM events WHERE request_id=? ORDER BY ts, node, seq",
                                (request_id,))  # fmt: skip
         return [{"ts": r["ts"], "node": r["node"], "request_id": r["request_id"],
-                 "event": r["event"], **json.loads(r["fields"]), "node_ts": r["node_ts"],
+                 "event": r["event"], **json.loads(text(r, "fields")), "node_ts": r["node_ts"],
                  "clock_offset_s": r["offset_s"], "clock_error_s": r["error_s"]}
                 for r in rows]  # fmt: skip
 
     def count(self, node: str | None = None) -> int:
         if node is None:
-            return int(self.db.execute("SELECT COUNT(*) AS n FROM events")[0]["n"])
-        return int(
+            return integer(self.db.execute("SELECT COUNT(*) AS n FROM events")[0]["n"])
+        return integer(
             self.db.execute("SELECT COUNT(*) AS n FROM events WHERE node=?", (node,))[0]["n"]
         )
 
 
-def _row(node: str, run: str, e: Any, offset_s: float, error_s: float | None,
-         now: float) -> tuple[Any, ...]:  # fmt: skip
+def _row(node: str, run: str, e: object, offset_s: float, error_s: float | None,
+         now: float) -> tuple[object, ...]:  # fmt: skip
     if (
         not isinstance(e, dict)
         or not isinstance(e.get("seq"), int)

@@ -37,14 +37,25 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import Any, NewType, NotRequired, TypedDict
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.control.db import Database, Row, ensure_column
+from cellswarm.swarm.control.db import (
+    Database,
+    Row,
+    ensure_column,
+    integer,
+    maybe_real,
+    maybe_text,
+    real,
+    text,
+    whole,
+)
 from cellswarm.swarm.policy import MAX_ATTEMPTS, POISON_AFTER, Retry
 from cellswarm.swarm.policy import jobs as core
+from cellswarm.swarm.protocol.jsonvalue import JsonObject
 
 JobId = NewType("JobId", str)
 
@@ -111,6 +122,17 @@ MIGRATIONS = (("jobs", "owner", "TEXT"), ("batches", "owner", "TEXT"),
               ("jobs", "frontier_epoch", "INTEGER"))  # fmt: skip
 
 
+Result = Mapping[str, object]  # what a run of a job made (messages.JobResult.result)
+
+
+class Run(TypedDict):
+    """A verification run of a job, as `runs` keeps it (JSON)."""
+
+    replica: str
+    nodes: NotRequired[list[str]]  # recorded since runs are told apart by their nodes
+    result: Result
+
+
 @dataclass(frozen=True)
 class Job:
     job_id: JobId
@@ -135,7 +157,7 @@ class Job:
     result: dict[str, Any] | None = None
     error: str = ""
     verify: int = 0
-    runs: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
     owner: str | None = None  # the submitting API key's hash; None: submitted without keys
 
     @property
@@ -150,7 +172,7 @@ class Job:
                         n_tokens=len(self.tokens), not_before_s=self.not_before_s,
                         lease_expires_s=self.lease_expires_s, error=self.error)  # fmt: skip
 
-    def lease_view(self) -> dict[str, Any]:
+    def lease_view(self) -> dict[str, object]:
         """What a holder needs: the work, its fence, and the tokens to resume from."""
         return {
             "job_id": self.job_id, "kind": self.kind, "payload": self.payload,
@@ -183,7 +205,7 @@ class JobQueue:
     # -- submitting --------------------------------------------------------------------------
 
     def submit(
-        self, payload: dict[str, Any], kind: str = "generate", idem_key: str | None = None,
+        self, payload: Mapping[str, object], kind: str = "generate", idem_key: str | None = None,
         batch_id: str | None = None, position: int = 0, priority: int = 0, verify: int = 0,
         owner: str | None = None,
     ) -> tuple[Job, bool]:  # fmt: skip
@@ -203,7 +225,7 @@ class JobQueue:
         return _job(found[0]), False
 
     def submit_batch(
-        self, name: str, items: Sequence[tuple[str, dict[str, Any]]],
+        self, name: str, items: Sequence[tuple[str, Mapping[str, object]]],
         verify_fraction: float = 0.0, batch_id: str | None = None, owner: str | None = None,
     ) -> str:  # fmt: skip
         """A batch of (kind, payload) in input order; its id. The same `batch_id` twice is
@@ -222,7 +244,7 @@ class JobQueue:
             (batch_id, name, len(items), time.time(), owner),
         )
         have = self.db.execute("SELECT COUNT(*) AS n FROM jobs WHERE batch_id=?", (batch_id,))
-        if int(have[0]["n"]) >= len(items):
+        if integer(have[0]["n"]) >= len(items):
             return batch_id
         for start in range(0, len(items), BATCH_CHUNK):
             with self.db.transaction():
@@ -235,7 +257,7 @@ class JobQueue:
         return batch_id
 
     def _insert(
-        self, payload: dict[str, Any], kind: str, idem_key: str | None, batch_id: str | None,
+        self, payload: Mapping[str, object], kind: str, idem_key: str | None, batch_id: str | None,
         position: int, priority: int, verify: int, owner: str | None,
     ) -> JobId | None:  # fmt: skip
         """A new queued job's id; None when its key was taken (the job exists)."""
@@ -316,7 +338,7 @@ class JobQueue:
         ) == 1  # fmt: skip
 
     def complete(
-        self, job_id: str, fence: int, result: dict[str, Any], replica: str = "",
+        self, job_id: str, fence: int, result: Result, replica: str = "",
         nodes: Sequence[str] = (), now: float | None = None, owner: str | None = None,
     ) -> str:  # fmt: skip
         """'done', 'verify' (kept; another replica runs it next) or 'stale' (refused: not
@@ -480,7 +502,7 @@ class JobQueue:
         rows = self.db.execute(
             "SELECT COUNT(*) AS n FROM jobs WHERE state='leased' AND lease_owner=?", (owner,)
         )
-        return int(rows[0]["n"])
+        return integer(rows[0]["n"])
 
     def release_owner(self, owner: str, now: float | None = None) -> list[str]:
         """Every job leased to `owner` back to the queue unharmed (its holder was lost: not
@@ -492,7 +514,7 @@ class JobQueue:
                 + self.db.for_update, (owner,),
             )  # fmt: skip
             return [str(r["job_id"]) for r in rows
-                    if self.release(str(r["job_id"]), int(r["fence"]), now)]  # fmt: skip
+                    if self.release(str(r["job_id"]), integer(r["fence"]), now)]  # fmt: skip
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -504,22 +526,27 @@ class JobQueue:
         rows = self.db.execute("SELECT * FROM jobs WHERE batch_id=? ORDER BY position", (batch_id,))
         return [_job(r) for r in rows]
 
-    def batch_info(self, batch_id: str) -> dict[str, Any] | None:
+    def batch_info(self, batch_id: str) -> JsonObject | None:
+        """A batch's row, its jobs' counts by state, their tokens and when one last moved."""
         rows = self.db.execute("SELECT * FROM batches WHERE batch_id=?", (batch_id,))
         if not rows:
             return None
+        batch = rows[0]
         counts = {s: 0 for s in JOB_STATES}
-        tokens, last_s = 0, float(rows[0]["created_s"])
+        tokens, last_s = 0, float(real(batch, "created_s"))
         for r in self.db.execute(  # one pass over the batch's rows (it is polled)
             "SELECT state, COUNT(*) AS n, COALESCE(SUM(n_tokens), 0) AS tokens, "
             "MAX(updated_s) AS last_s FROM jobs WHERE batch_id=? GROUP BY state", (batch_id,)
         ):  # fmt: skip
-            counts[str(r["state"])] = int(r["n"])
+            counts[str(r["state"])] = integer(r["n"])
             tokens += int(r["tokens"] or 0)
             last_s = max(last_s, float(r["last_s"] or 0.0))
-        return {**rows[0], "counts": counts, "tokens": tokens, "last_s": last_s}
+        return {"batch_id": text(batch, "batch_id"), "name": text(batch, "name"),
+                "total": whole(batch, "total"), "created_s": real(batch, "created_s"),
+                "owner": maybe_text(batch, "owner"), "counts": dict(counts), "tokens": tokens,
+                "last_s": last_s}  # fmt: skip
 
-    def recent_batches(self, limit: int = 10) -> list[dict[str, Any]]:
+    def recent_batches(self, limit: int = 10) -> list[JsonObject]:
         """The latest batches with their progress (the dashboard)."""
         rows = self.db.execute("SELECT batch_id FROM batches ORDER BY created_s DESC LIMIT ?",
                                (int(limit),))  # fmt: skip
@@ -530,7 +557,7 @@ class JobQueue:
         """Jepsen-style counts: every job terminal once, results committed once."""
         states = {s: 0 for s in JOB_STATES}
         for r in self.db.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state"):
-            states[str(r["state"])] = int(r["n"])
+            states[str(r["state"])] = integer(r["n"])
         dup = self.db.execute(
             "SELECT COUNT(*) AS n FROM (SELECT job_id FROM commits GROUP BY job_id "
             "HAVING COUNT(*) > 1) AS d"
@@ -539,30 +566,30 @@ class JobQueue:
             "SELECT COUNT(*) AS n FROM jobs WHERE state='done' AND job_id NOT IN "
             "(SELECT job_id FROM commits)"
         )
-        return {**states, "duplicates": int(dup[0]["n"]),
-                "done_without_commit": int(done_without[0]["n"])}  # fmt: skip
+        return {**states, "duplicates": integer(dup[0]["n"]),
+                "done_without_commit": integer(done_without[0]["n"])}  # fmt: skip
 
     def retries(self) -> int:
         """Leases beyond each job's first: how often a job had to be run again."""
         rows = self.db.execute(
             "SELECT COALESCE(SUM(leases - 1), 0) AS n FROM jobs WHERE leases > 1"
         )
-        return int(rows[0]["n"])
+        return integer(rows[0]["n"])
 
     # -- transitions inside a transaction ---------------------------------------------------
 
-    def _commit(self, job: Job, result: dict[str, Any], replica: str, now: float) -> None:
+    def _commit(self, job: Job, result: Result, replica: str, now: float) -> None:
         self.db.execute(
             "UPDATE jobs SET state='done', result=?, tokens=?, n_tokens=?, lease_owner=NULL, "
             "lease_expires_s=NULL, updated_s=? WHERE job_id=? AND fence=? AND state='leased'",
             (json.dumps(result), json.dumps(result.get("tokens", [])),
-             len(result.get("tokens", [])), now, job.job_id, job.fence),
+             n_tokens(result), now, job.job_id, job.fence),
         )  # fmt: skip
         self.db.execute(
             "INSERT INTO commits(job_id, fence, replica, committed_s) VALUES (?, ?, ?, ?)",
             (job.job_id, job.fence, replica, now),
         )
-        self.on_end("done", job.job_id, job, len(result.get("tokens", [])), now)
+        self.on_end("done", job.job_id, job, n_tokens(result), now)
 
     def _write(self, job: Job, event: core.Fail | core.Expire, now: float) -> str:
         """A failed attempt, as the policy core rules: back to the queue after its backoff,
@@ -586,9 +613,9 @@ class JobQueue:
         return after.state
 
     def _verify_run(
-        self, job: Job, result: dict[str, Any], replica: str, nodes: list[str], now: float
+        self, job: Job, result: Result, replica: str, nodes: list[str], now: float
     ) -> str:
-        runs = [*job.runs, {"replica": replica, "nodes": nodes, "result": result}]
+        runs: list[Run] = [*job.runs, {"replica": replica, "nodes": nodes, "result": result}]
         winner = _majority(runs)
         if winner is not None:
             self._commit(job, {**winner["result"], "runs": len(runs)}, replica, now)
@@ -618,7 +645,16 @@ def _chosen(batch_id: str, position: int, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
-def _majority(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+def n_tokens(result: Mapping[str, object], key: str = "tokens") -> int:
+    """The tokens a result (or a payload's prompt) holds: len() of its `key`, [] when it has
+    none (a TypeError when it has no length, as len() says)."""
+    tokens = result.get(key, [])
+    if not isinstance(tokens, Sized):
+        raise TypeError(f"object of type {type(tokens).__name__!r} has no len()")
+    return len(tokens)
+
+
+def _majority(runs: list[Run]) -> Run | None:
     """The first result two independent runs agree on (_apart)."""
     for i, a in enumerate(runs):
         for b in runs[i + 1 :]:
@@ -627,7 +663,7 @@ def _majority(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
-def _apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _apart(a: Run, b: Run) -> bool:
     """Two runs are independent evidence when no node computed both: a node that is wrong the
     same way every time (a bad weight, a broken kernel) must not outvote the others with its
     own second run. A replica whose bad node was replaced is new evidence, so the nodes
@@ -637,11 +673,11 @@ def _apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.get("replica") is None or a.get("replica") != b.get("replica")
 
 
-def _evidence(runs: list[dict[str, Any]]) -> int:
+def _evidence(runs: list[Run]) -> int:
     """Runs that told something new: a rerun on the same nodes with the same result does not
     (the queue sends a verification run back to a replica when it has no other), so it does
     not bring a job nearer to "no two agree" — the total is capped at twice MAX_RUNS."""
-    seen: list[tuple[list[str], str, dict[str, Any]]] = []
+    seen: list[tuple[list[str], str, Result]] = []
     for r in runs:
         key = (sorted(r.get("nodes") or []), str(r.get("replica")), r["result"])
         if not any(k[:2] == key[:2] and same_result(k[2], key[2]) for k in seen):
@@ -649,7 +685,7 @@ def _evidence(runs: list[dict[str, Any]]) -> int:
     return len(seen)
 
 
-def inconsistent(runs: list[dict[str, Any]]) -> list[str]:
+def inconsistent(runs: list[Run]) -> list[str]:
     """The nodes of the latest run if an earlier run of the same job on exactly those nodes
     gave another result: every correct node computes the same bits for the same input on any
     CPU (issue 32), so a node set that contradicts itself has a broken node in it — no third
@@ -665,7 +701,7 @@ def inconsistent(runs: list[dict[str, Any]]) -> list[str]:
     return []
 
 
-def same_result(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def same_result(a: Result, b: Result) -> bool:
     """Two runs' results agree: tokens and scores equal, and the bits of the logits the last
     token came from (a node whose weights or arithmetic are off in the last bit gives other
     bits long before it gives another token; every correct node gives these)."""
@@ -691,17 +727,20 @@ def _held_by(owner: str | None) -> tuple[str, tuple[str, ...]]:
     return ("", ()) if owner is None else (" AND lease_owner=?", (owner,))
 
 
-def _job(row: Row) -> Job:
-    d = dict(row)
+def _job(d: Row) -> Job:
+    result = maybe_text(d, "result")
     return Job(
-        job_id=JobId(d["job_id"]), kind=d["kind"], payload=json.loads(d["payload"]),
-        state=d["state"], created_s=d["created_s"], updated_s=d["updated_s"],
-        idem_key=d["idem_key"], batch_id=d["batch_id"], position=d["position"],
-        priority=d["priority"], attempts=d["attempts"], strikes=d["strikes"],
-        leases=d["leases"], fence=d["fence"],
-        lease_owner=d["lease_owner"], lease_replica=d["lease_replica"],
-        lease_expires_s=d["lease_expires_s"], not_before_s=d["not_before_s"],
-        tokens=json.loads(d["tokens"]),
-        result=None if d["result"] is None else json.loads(d["result"]),
-        error=d["error"], verify=d["verify"], runs=json.loads(d["runs"]), owner=d.get("owner"),
+        job_id=JobId(text(d, "job_id")), kind=text(d, "kind"),
+        payload=json.loads(text(d, "payload")), state=text(d, "state"),
+        created_s=real(d, "created_s"), updated_s=real(d, "updated_s"),
+        idem_key=maybe_text(d, "idem_key"), batch_id=maybe_text(d, "batch_id"),
+        position=whole(d, "position"), priority=whole(d, "priority"),
+        attempts=whole(d, "attempts"), strikes=whole(d, "strikes"),
+        leases=whole(d, "leases"), fence=whole(d, "fence"),
+        lease_owner=maybe_text(d, "lease_owner"), lease_replica=maybe_text(d, "lease_replica"),
+        lease_expires_s=maybe_real(d, "lease_expires_s"),
+        not_before_s=real(d, "not_before_s"), tokens=json.loads(text(d, "tokens")),
+        result=None if result is None else json.loads(result),
+        error=text(d, "error"), verify=whole(d, "verify"), runs=json.loads(text(d, "runs")),
+        owner=maybe_text(d, "owner"),
     )  # fmt: skip

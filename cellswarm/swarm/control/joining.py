@@ -7,8 +7,8 @@ import hmac
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.auth import digest, verify
@@ -16,6 +16,7 @@ from cellswarm.swarm.control.liveness import Liveness, oom_message
 from cellswarm.swarm.control.state import Beat
 from cellswarm.swarm.control.store import Node, NodeId
 from cellswarm.swarm.protocol import VersionMismatch, check_version
+from cellswarm.swarm.protocol.jsonvalue import JsonObject
 from cellswarm.swarm.protocol.messages import Capabilities, HeartbeatAnswer, decode, encode
 from cellswarm.swarm.transport.beats import beat_key, holds, seal
 from cellswarm.units import format_bytes
@@ -35,12 +36,12 @@ class Joining(Liveness):
         per address)."""
         return self.nonces.issue(count, address, time.monotonic())
 
-    def join_many(self, joins: list[Any], host: str) -> list[dict[str, Any]]:
+    def join_many(self, joins: list[object], host: str) -> list[JsonObject]:
         """A rack's joins in one transaction (one commit, not one each: 100,000 joins one
         by one were ~300 a second on SQLite). Each proves the token over its own nonce and
         gets its own session or its own error; `host` is the relay's address, used for a
         join that does not say its own."""
-        answers: list[dict[str, Any]] = []
+        answers: list[JsonObject] = []
         self._joins_said = 0  # a rack's joins are one line (log_join), not a line each
         with self.store.transaction():
             for j in joins:
@@ -62,7 +63,7 @@ class Joining(Liveness):
         self._joins_said = -1
         return answers
 
-    def join(self, node_id: str, nonce: str, proof: str, caps: dict[str, Any],
+    def join(self, node_id: str, nonce: str, proof: str, caps: dict[str, object],
              host: str) -> str:  # fmt: skip
         """A session for a node that proved the cluster token over a fresh nonce."""
         now_s = time.monotonic()
@@ -114,7 +115,7 @@ class Joining(Liveness):
         self.sessions[node_id] = node.session
         return node
 
-    def authenticate_sealed(self, beat: dict[str, Any], mac: str,
+    def authenticate_sealed(self, beat: Mapping[str, object], mac: str,
                             raw: bytes) -> tuple[Node, bytes, int]:  # fmt: skip
         """The node of a sealed NATS beat (transport/beats.py), its beat key and sequence
         number: the seal holds under the key of the node's session and the number is past
@@ -132,7 +133,7 @@ class Joining(Liveness):
         self.sessions[node_id] = node.session
         return node, key, seq
 
-    def held_sealed(self, env: dict[str, Any], mac: str, raw: bytes) -> bytes | None:
+    def held_sealed(self, env: Mapping[str, object], mac: str, raw: bytes) -> bytes | None:
         """held_answer for a sealed NATS beat of one node (from the event loop: no
         database), sealed; None for anything else (a relay's batch waits for the core)."""
         node_id, seq, beats = str(env.get("node_id")), env.get("seq"), env.get("beats")
@@ -153,11 +154,11 @@ class Joining(Liveness):
                                               beat_key(self.token, session_digest))  # fmt: skip
         return kept[1]
 
-    def _held(self) -> dict[str, Any]:
+    def _held(self) -> dict[str, object]:
         return encode(HeartbeatAnswer(held=True, now_s=time.time(),
                                       heartbeat_s=self.heartbeat_interval_s()))  # fmt: skip
 
-    def held_answer(self, node_id: str, session: str) -> dict[str, Any] | None:
+    def held_answer(self, node_id: str, session: str) -> dict[str, object] | None:
         """A heartbeat's answer while the core thread is busy (from the event loop: no
         database): "heard you, nothing new" for a node whose session was good last time,
         so a slow fsync or placement pass never makes a node give up on its coordinator;

@@ -8,15 +8,18 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+
+import msgspec
 
 from cellswarm.errors import StorageFullError
 from cellswarm.swarm.control.membership import ring
 from cellswarm.swarm.control.placing import Placing
 from cellswarm.swarm.control.state import Beat
-from cellswarm.swarm.control.store import Node
+from cellswarm.swarm.control.store import Node, whole_of
 from cellswarm.swarm.policy import nodes as health
+from cellswarm.swarm.protocol.jsonvalue import JsonObject
 from cellswarm.swarm.protocol.messages import Assignment, Heartbeat, HeartbeatAnswer, encode
 from cellswarm.swarm.transport.wire import port
 
@@ -26,7 +29,7 @@ class Liveness(Placing):
     """Heartbeats, faults, losses and strikes (a part of Coordinator)."""
 
 
-    def heartbeat(self, node: Node, beat: Heartbeat) -> dict[str, Any]:
+    def heartbeat(self, node: Node, beat: Heartbeat) -> dict[str, object]:
         """Record what the node reports; answer with its shard and whether to run a probe.
 
         What changes every beat (when it was seen, its memory) is kept in memory; the
@@ -36,7 +39,7 @@ class Liveness(Placing):
         most of an idle coordinator's work."""
         now = time.time()
         live = Beat(now, beat.rss_bytes, beat.peak_rss_bytes, now)
-        changes: dict[str, Any] = {"data_port": port(beat.data_port, "data_port"),
+        changes: dict[str, object] = {"data_port": port(beat.data_port, "data_port"),
                                    "ready": beat.ready}  # fmt: skip
         if beat.data_host:  # what the node advertises; else the address it came from
             changes["host"] = beat.data_host
@@ -70,7 +73,9 @@ class Liveness(Placing):
         else:
             live = replace(live, written_s=written.written_s)
         self.beats[node.node_id] = live
-        self.node_stats[node.node_id] = encode(beat.stats) if beat.stats is not None else None
+        # encode's JSON builtins (to_builtins), kept as the JSON status shows
+        self.node_stats[node.node_id] = (msgspec.to_builtins(beat.stats)
+                                         if beat.stats is not None else None)  # fmt: skip
         if beat.metrics_port:
             self.metrics_ports[node.node_id] = beat.metrics_port
         if beat.check is not None:
@@ -82,12 +87,12 @@ class Liveness(Placing):
             check=self.checkups.ask(node.node_id), heartbeat_s=self.heartbeat_interval_s(),
             problem=self.problem))  # fmt: skip
 
-    def metrics_targets(self) -> list[dict[str, Any]]:
+    def metrics_targets(self) -> list[JsonObject]:
         """Prometheus' HTTP service discovery: one group per node that said where its
         /metrics is, labelled by its id alone — stable while its state changes (a state
         label split one worker's series in two), and kept once it is lost, so that
         `up == 0` fires for it (its state is `cellswarm_node_state` on /metrics)."""
-        out = []
+        out: list[JsonObject] = []
         for n in sorted(self.store.nodes(), key=lambda n: n.node_id):
             port = self.metrics_ports.get(n.node_id)
             if port:
@@ -157,7 +162,7 @@ class Liveness(Placing):
         """A failure that is the node's own: offline after `offline_after` in a row."""
         after, effects = health.apply(node.health, health.Charged(detail),
                                       self.config.offline_after)  # fmt: skip
-        changes: dict[str, Any] = {"failures": after.failures, "message": detail[:200],
+        changes: dict[str, object] = {"failures": after.failures, "message": detail[:200],
                                    "consecutive_failures": after.consecutive_failures}  # fmt: skip
         for taken in effects:
             changes.update(state="offline", shard=None, message=taken.message)
@@ -236,13 +241,14 @@ class Liveness(Placing):
             self.notify()
 
 
-def oom_message(before: dict[str, Any], now: dict[str, Any]) -> str:
+def oom_message(before: Mapping[str, object], now: Mapping[str, object]) -> str:
     """Why a node came back, when its memory cgroup counts an OOM kill it did not have
     before: the kernel killed its last process for going over the limit."""
-    kills, seen = int(now.get("oom_kills") or 0), int(before.get("oom_kills") or 0)
+    kills, seen = whole_of(now, "oom_kills"), whole_of(before, "oom_kills")
     if kills <= seen:
         return ""
     limit = now.get("cgroup_limit_bytes")
-    where = f"its cgroup limit of {int(limit):,} bytes" if limit else "its memory limit"
+    where = (f"its cgroup limit of {whole_of(now, 'cgroup_limit_bytes'):,} bytes" if limit
+             else "its memory limit")  # fmt: skip
     return (f"killed by the kernel for memory ({kills - seen} OOM kill(s) over {where}; "
-            f"its --memory is {int(now.get('memory_bytes') or 0):,}): lower --memory")
+            f"its --memory is {whole_of(now, 'memory_bytes'):,}): lower --memory")

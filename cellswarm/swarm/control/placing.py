@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -263,7 +262,7 @@ class Placing(Election):
         log.warning(why)
         self.unwire(why)
 
-    def _part_specs(self) -> list[dict[str, Any]]:
+    def _part_specs(self) -> list[dict[str, object]]:
         """What each part server holds (addresses come at wiring time)."""
         from cellswarm.swarm.ring.costs import part_specs
 

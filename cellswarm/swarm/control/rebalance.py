@@ -12,13 +12,13 @@ noise cannot make it oscillate; a new placement (a node lost, a rejoin) starts o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from cellswarm.planner.placement import StageCosts, time_balanced_split
 from cellswarm.swarm.control.membership import bottleneck
-from cellswarm.swarm.control.store import Node
+from cellswarm.swarm.control.store import Node, whole_of
+from cellswarm.swarm.protocol.jsonvalue import JsonObject
 
 MIN_STEPS = 24  # decode steps each stage must have measured before anything is decided
 STATUS_MIN_STEPS = MIN_STEPS // 2  # ... before status names a bottleneck (the first steps
@@ -38,24 +38,36 @@ class RingTimes:
     nodes: tuple[Node, ...]  # in ring order
     step_s: tuple[float, ...]  # measured seconds per decode step, per stage
 
-    def bottleneck(self) -> dict[str, Any]:
+    def bottleneck(self) -> JsonObject:
         k, ratio = bottleneck(self.step_s)
         return {"node_id": self.nodes[k].node_id, "stage": k,
                 "step_ms": round(1000 * self.step_s[k], 3), "times_median": round(ratio, 2),
                 "steps_ms": [round(1000 * s, 3) for s in self.step_s]}  # fmt: skip
 
 
-def ring_times(ring: Sequence[Node], stats: dict[str, Any], min_steps: int = 1) -> RingTimes | None:
+def ring_times(ring: Sequence[Node], stats: Mapping[str, Mapping[str, object] | None],
+               min_steps: int = 1) -> RingTimes | None:  # fmt: skip
     """Each stage's measured step time, when every stage has reported at least `min_steps`
     decode steps of the layers it holds now (a stage's counters start with its shard)."""
     steps = []
     for n in ring:
         s = stats.get(n.node_id) or {}
         layers = list(n.shard.layers or ()) if n.shard else []
-        if s.get("layers") != layers or int(s.get("decode_steps") or 0) < max(min_steps, 1):
+        if s.get("layers") != layers or whole_of(s, "decode_steps") < max(min_steps, 1):
             return None
-        steps.append(float(s["decode_s"]) / int(s["decode_steps"]))
+        steps.append(seconds_of(s, "decode_s", None) / whole_of(s, "decode_steps"))
     return RingTimes(tuple(ring), tuple(steps)) if ring else None
+
+
+def seconds_of(stats: Mapping[str, object] | None, key: str,
+               default: float | None = 0.0) -> float:
+    """A number of a node's stats as a float: `default` when it lacks it or it is 0 (None:
+    a KeyError when it lacks it)."""
+    stats = stats or {}
+    value = stats[key] if default is None else stats.get(key) or default
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"stat {key} is {type(value).__name__}, not a number")
+    return float(value)
 
 
 def named_long_enough(first_named_s: float | None, now_s: float, beat_s: float) -> bool:

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cellswarm.planner.placement import StageCosts
 from cellswarm.swarm.auth import load_token
@@ -31,6 +31,11 @@ from cellswarm.swarm.settings import CoordinatorConfig
 from cellswarm.swarm.tls import client_context
 from cellswarm.swarm.transport.beats import check_control_url
 from cellswarm.swarm.transport.logship import LogShipper
+
+if TYPE_CHECKING:
+    from cellswarm.io.tokenizer import Tokenizer
+    from cellswarm.swarm.protocol.jsonvalue import JsonObject
+    from cellswarm.swarm.transport.fetch import Manifest
 
 log = logging.getLogger("cellswarm.coordinator")
 
@@ -79,7 +84,7 @@ class CoordinatorState:
         self.log_shipper = LogShipper(lambda b: self.events.insert(PEER_ID, self.log_shipper.run,
                                                                    b))  # fmt: skip
         self.log.sink = self.log_shipper.add
-        self._tokenizer: Any = None
+        self._tokenizer: Tokenizer | None = None
         self._limits: tuple[int, int] | None = None
         self._limits_lock = threading.Lock()  # warm_up's thread and a request may race
         self._costs_at: Callable[[int, int], StageCosts] | None = None  # pipeline.costs_at
@@ -89,9 +94,10 @@ class CoordinatorState:
         self._timeouts_checked_s = 0.0  # when check_timeouts last walked the nodes
         self.beats_via: dict[str, int] = {"http": 0, "nats": 0}  # heartbeats by transport
         self._splits: dict[tuple[int, int, int, int], list[tuple[int, int]] | str] = {}  # str: why
-        self._manifest: Any = None
-        self.part_specs: list[dict[str, Any]] = []  # set by Coordinator (placing.py)
-        self.node_stats: dict[str, Any] = {}  # the latest stage stats each node reported
+        self._manifest: Manifest | None = None
+        self.part_specs: list[dict[str, object]] = []  # set by Coordinator (placing.py)
+        # the latest stage stats each node reported (NodeStats, as JSON builtins)
+        self.node_stats: dict[str, JsonObject | None] = {}
         self.named_since: tuple[str, float] | None = None  # (layout, monotonic s) status
         # first named its bottleneck: rebalance waits until it has been named a while
         self.metrics_ports: dict[str, int] = {}  # where each node serves GET /metrics

@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, NewType
+from typing import NewType
 
 import msgspec
 
-from cellswarm.swarm.control.db import Database, open_database
+from cellswarm.swarm.control.db import (
+    Database,
+    Row,
+    integer,
+    maybe_text,
+    maybe_whole,
+    open_database,
+    real,
+    text,
+    whole,
+)
 from cellswarm.swarm.policy.nodes import Health
 from cellswarm.swarm.protocol import shard_id
 from cellswarm.swarm.protocol.messages import Shard
@@ -59,7 +69,7 @@ class Node:
     node_id: NodeId
     state: str
     session: str
-    capabilities: dict[str, Any]
+    capabilities: dict[str, object]  # what it joined with (messages.Capabilities, encoded)
     host: str
     joined_s: float
     last_seen_s: float
@@ -81,7 +91,7 @@ class Node:
 
     @property
     def memory_bytes(self) -> int:
-        return int(self.capabilities.get("memory_bytes") or 0)
+        return whole_of(self.capabilities, "memory_bytes")
 
     @property
     def health(self) -> Health:
@@ -208,7 +218,7 @@ class Store:
             "WHERE key='epoch' RETURNING value"
         )
         self._meta.pop("epoch", None)
-        return int(rows[0]["value"])
+        return integer(rows[0]["value"])
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -252,7 +262,7 @@ class Store:
             return list(rows.values())
         return [_node(r) for r in self.db.execute("SELECT * FROM nodes ORDER BY joined_s, node_id")]
 
-    def update_node(self, node_id: str, **changes: Any) -> Node:
+    def update_node(self, node_id: str, **changes: object) -> Node:
         """One UPDATE of just these columns: a coordinator recording a heartbeat never
         overwrites what another one (the leader placing shards) wrote in the meantime."""
         unknown = set(changes) - _NODE_FIELDS
@@ -285,11 +295,36 @@ def _to_json(value: object) -> str | None:
     return None if value is None else msgspec.json.encode(value).decode()
 
 
-def _node(row: dict[str, Any]) -> Node:
-    d = dict(row)
-    d["capabilities"] = json.loads(d["capabilities"]) if d["capabilities"] else {}
-    d["shard"] = msgspec.json.decode(d["shard"], type=Shard) if d["shard"] else None
-    d["node_id"] = NodeId(d["node_id"])
-    return Node(**d)
+def whole_of(caps: Mapping[str, object], key: str, default: int = 0) -> int:
+    """A number among a node's capabilities (`default` when it lacks it, or it is 0)."""
+    value = caps.get(key) or default
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"capability {key} is {type(value).__name__}, not a number")
+    return int(value)
+
+
+def text_of(caps: Mapping[str, object], key: str) -> str | None:
+    """A text among a node's capabilities (its profile, its rack), or None."""
+    value = caps.get(key)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"capability {key} is {type(value).__name__}, not text")
+    return value
+
+
+def _node(row: Row) -> Node:
+    caps, shard = text(row, "capabilities"), maybe_text(row, "shard")
+    return Node(
+        node_id=NodeId(text(row, "node_id")), state=text(row, "state"),
+        session=text(row, "session"), capabilities=json.loads(caps) if caps else {},
+        host=text(row, "host"), joined_s=real(row, "joined_s"),
+        last_seen_s=real(row, "last_seen_s"),
+        shard=msgspec.json.decode(shard, type=Shard) if shard else None,
+        data_port=maybe_whole(row, "data_port"), ready=maybe_text(row, "ready"),
+        rss_bytes=whole(row, "rss_bytes"), peak_rss_bytes=whole(row, "peak_rss_bytes"),
+        served=whole(row, "served"), failures=whole(row, "failures"),
+        consecutive_failures=whole(row, "consecutive_failures"),
+        agreements=whole(row, "agreements"), disagreements=whole(row, "disagreements"),
+        message=text(row, "message"),
+    )  # fmt: skip
 
 

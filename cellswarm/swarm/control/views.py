@@ -6,11 +6,17 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.membership import Shard, ring
+from cellswarm.swarm.control.store import text_of
 from cellswarm.swarm.control.work import Work
+from cellswarm.swarm.protocol.jsonvalue import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    from cellswarm.io.tokenizer import Tokenizer
+    from cellswarm.swarm.transport.fetch import Manifest
 
 log = logging.getLogger("cellswarm.coordinator")
 
@@ -19,9 +25,9 @@ class Views(Work):
     """Status and the model's facts (a part of Coordinator)."""
 
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JsonObject:
         now = time.time()
-        nodes = [
+        nodes: list[JsonValue] = [
             {"node_id": n.node_id, "state": n.state,
              "layers": list(n.shard.layers) if n.shard and n.shard.layers else None,
              "holds": describe(n.shard),
@@ -31,10 +37,10 @@ class Views(Work):
              "memory_bytes": n.memory_bytes, "rss_bytes": n.rss_bytes,
              "peak_rss_bytes": n.peak_rss_bytes, "last_seen_s_ago": round(now - n.last_seen_s, 2),
              "served": n.served, "failures": n.failures, "message": n.message,
-             "profile": n.capabilities.get("profile"), "serving": n.serving,
-             "rack": n.capabilities.get("rack"),
+             "profile": text_of(n.capabilities, "profile"), "serving": n.serving,
+             "rack": text_of(n.capabilities, "rack"),
              "stats": self.node_stats.get(n.node_id),
-             "busy_s": float((self.node_stats.get(n.node_id) or {}).get("running_s") or 0.0),
+             "busy_s": rebalance.seconds_of(self.node_stats.get(n.node_id), "running_s"),
              "address": f"{n.host}:{n.data_port}" if n.data_port else n.host,
              "clock_offset_s": self._clock(n.node_id)[0],
              "clock_error_s": self._clock(n.node_id)[1]}
@@ -54,7 +60,7 @@ class Views(Work):
         """How far the node's clock is behind ours (s; negative: ahead), and the error."""
         return self.node_clock.get(node_id, (None, None))
 
-    def manifest(self) -> Any:
+    def manifest(self) -> Manifest:
         """The model file's content id and chunk hashes, for workers that fetch their shard
         (hashed once, then cached by path, size and mtime)."""
         if self._manifest is None:
@@ -64,7 +70,7 @@ class Views(Work):
         return self._manifest
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             from cellswarm.loader import load_tokenizer
 
@@ -106,10 +112,15 @@ def describe(shard: Shard | None) -> str:
     if shard.role == "stage" and shard.layers:
         lo, hi = shard.layers
         return f"layers {lo}..{hi - 1}"
-    spec: dict[str, Any] = shard.spec or {}
-    if spec.get("vocab_rows"):
-        a, b = spec["vocab_rows"]
+    spec: dict[str, object] = shard.spec or {}
+    rows = spec.get("vocab_rows")
+    if rows:
+        if not isinstance(rows, list | tuple):
+            raise TypeError(f"vocab_rows is {type(rows).__name__}, not a pair")
+        a, b = rows
         return f"vocab rows {a}..{b - 1}"
     experts = spec.get("experts", {})
+    if not isinstance(experts, dict):
+        raise TypeError(f"experts is {type(experts).__name__}, not a mapping")
     per_layer = len(next(iter(experts.values()), []))
     return f"{per_layer} experts x {len(experts)} layers"

@@ -11,9 +11,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 from cellswarm.errors import StorageFullError
+from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.joining import Joining
 from cellswarm.swarm.control.membership import layout_complete, part_nodes, replicas, ring
 from cellswarm.swarm.control.state import PEER_ID
@@ -23,6 +24,7 @@ from cellswarm.swarm.ring.frames import reset_stage
 log = logging.getLogger("cellswarm.coordinator")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 # The leader's watch (timeouts, placement, wiring, lease expiry): 4 a second reacts well
 # within a heartbeat timeout; 10 a second was a third of an idle coordinator's CPU.
 MONITOR_TICK_S = 0.25
@@ -92,20 +94,20 @@ class Wiring(Joining):
                 return False
         return True
 
-    async def _reset(self, node: Node, fields: dict[str, Any]) -> bool:
+    async def _reset(self, node: Node, fields: dict[str, object]) -> bool:
         assert node.data_port is not None
         if self.epoch != fields["epoch"]:  # a newer epoch (maybe a newer leader's): stop;
             return True  # a stale reset must never take a stage back to an older epoch
         return await reset_stage(node.host, node.data_port, fields, self.token, PEER_ID,
                                  tls=self.tls)  # fmt: skip
 
-    async def on_core(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the core thread, awaited. Every database write and placement pass
-        runs there, one at a time, so the event loop that receives heartbeats never waits
-        on an fsync or a placement; and the calls run in arrival order, so a beat that came
-        while the core was busy is recorded before the next timeout check looks."""
+    async def on_core(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`fn(*args, **kwargs)` on the core thread, awaited. Every database write and
+        placement pass runs there, one at a time, so the event loop that receives heartbeats
+        never waits on an fsync or a placement; and the calls run in arrival order, so a beat
+        that came while the core was busy is recorded before the next timeout check looks."""
         return await asyncio.get_running_loop().run_in_executor(
-            self.core, functools.partial(fn, *args))  # fmt: skip
+            self.core, functools.partial(fn, *args, **kwargs))  # fmt: skip
 
     async def monitor(self) -> None:
         self.loop, self.loop_thread = asyncio.get_running_loop(), threading.get_ident()
@@ -150,7 +152,7 @@ class Wiring(Joining):
             beat = self.beats.get(n.node_id)
             if beat is None or now - beat.seen_s > fresh_s:  # a silent node says nothing now
                 continue
-            running_s = float((self.node_stats.get(n.node_id) or {}).get("running_s") or 0.0)
+            running_s = rebalance.seconds_of(self.node_stats.get(n.node_id), "running_s")
             if running_s > STUCK_STEP_S:
                 self.lose(n, f"one step running for {running_s:.0f} s: stuck")
             elif running_s > 0 and n.shard is not None and n.shard.role == "stage":

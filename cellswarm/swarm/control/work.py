@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
 
-from cellswarm.swarm.control.jobs import Job
+from cellswarm.swarm.control.jobs import Job, n_tokens
 from cellswarm.swarm.control.membership import replicas, ring
-from cellswarm.swarm.control.store import Node
+from cellswarm.swarm.control.store import Node, whole_of
 from cellswarm.swarm.control.verification import Verification
 from cellswarm.swarm.policy import nodes as health
 from cellswarm.swarm.protocol.messages import JobLease, JobRef, JobResult, RunState
@@ -21,14 +21,14 @@ class Work(Verification):
     """The job routes' side of the coordinator (a part of Coordinator)."""
 
 
-    def submit(self, payload: dict[str, Any], request_id: str | None = None,
+    def submit(self, payload: Mapping[str, object], request_id: str | None = None,
                kind: str = "generate", owner: str | None = None) -> Job:  # fmt: skip
         """An interactive request: a job ahead of batch work. `request_id` is its
         idempotency key (the same id twice is the same job); `owner` the hash of the API key
         that submitted it (access.py)."""
         job, new = self.queue.submit(payload, kind, request_id, priority=1, owner=owner)
         if new:
-            self.log.event("submitted", job.job_id, prompt_tokens=len(payload.get("prompt", [])),
+            self.log.event("submitted", job.job_id, prompt_tokens=n_tokens(payload, "prompt"),
                            key=request_id)  # fmt: skip
             self.notify()  # a head waiting in a long poll takes it now
         return job
@@ -40,7 +40,7 @@ class Work(Verification):
         if self.wired_epoch != self.epoch or shard is None or shard.role != "stage" or shard.stage:
             return []
         stages = ring(self.placed(), shard.replica)
-        capacity = min(int(s.capabilities.get("max_sequences") or self.sequences)
+        capacity = min(whole_of(s.capabilities, "max_sequences", self.sequences)
                        for s in stages)  # fmt: skip
         # a job is one sequence (a scoring job's completions follow its prompt in it)
         room = capacity - self.queue.leased_count(node.node_id)
@@ -66,7 +66,7 @@ class Work(Verification):
         if node.shard is None or node.shard.role != "stage":
             return None
         stages = ring(self.placed(), node.shard.replica)
-        return min((int(s.capabilities.get("max_sequences") or self.config.max_sequences)
+        return min((whole_of(s.capabilities, "max_sequences", self.config.max_sequences)
                     for s in stages), default=None)  # fmt: skip
 
     def checkpoint(self, node: Node, runs: list[RunState]) -> list[str]:
@@ -116,13 +116,13 @@ class Work(Verification):
             return [self.complete(node, r.job_id, r.fence, dict(r.result)) for r in items]
 
     def complete(self, node: Node, job_id: str, fence: int,
-                 result: dict[str, Any]) -> str:  # fmt: skip
+                 result: dict[str, object]) -> str:  # fmt: skip
         replica, members = self._run_nodes(node, job_id)
         outcome = self.queue.complete(job_id, fence, result, replica, members,
                                       owner=node.node_id)  # fmt: skip
         self.log.event("completed" if outcome != "stale" else "stale", job_id,
                        worker=node.node_id, outcome=outcome,
-                       tokens=len(result.get("tokens", [])))  # fmt: skip
+                       tokens=n_tokens(result))  # fmt: skip
         if outcome == "done":
             with self.store.transaction():
                 for nid in members:

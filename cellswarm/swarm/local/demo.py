@@ -7,14 +7,20 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from cellswarm.engine.model import Model
 from cellswarm.units import format_bytes
+
+if TYPE_CHECKING:
+    from cellswarm.io.tokenizer import Tokenizer
+    from cellswarm.swarm.api.client import Status
+    from cellswarm.swarm.local.up import LocalSwarm
 
 STAGES, SPARES = 3, 1
 BUDGET = "128M"  # per worker: below what the whole demo model needs in one process
@@ -63,7 +69,7 @@ def run(max_tokens: int = 48) -> int:
     return 0 if same else 1
 
 
-def _whole_model_need(path: Any) -> str:
+def _whole_model_need(path: Path) -> str:
     from cellswarm.loader import load
     from cellswarm.swarm.ring.stage import StageConfig, shard_need_bytes
 
@@ -72,15 +78,15 @@ def _whole_model_need(path: Any) -> str:
     return format_bytes(sum(shard_need_bytes(model, cfg).values()))
 
 
-def _stage_holder(status: dict[str, Any], stage: int) -> str:
+def _stage_holder(status: Status, stage: int) -> str:
     return next(n["node_id"] for n in status["nodes"] if n["stage"] == stage)
 
 
-def _state_of(status: dict[str, Any], node_id: str) -> str:
+def _state_of(status: Status, node_id: str) -> str:
     return next(n["state"] for n in status["nodes"] if n["node_id"] == node_id)
 
 
-def _streamer(tok: Any) -> Any:
+def _streamer(tok: Tokenizer) -> Callable[[list[int]], None]:
     tokens: list[int] = []
     shown = [0]
 
@@ -95,7 +101,8 @@ def _streamer(tok: Any) -> Any:
     return show
 
 
-def _killer(tok: Any, swarm: Any, victim: str, after: int) -> Any:
+def _killer(tok: Tokenizer, swarm: LocalSwarm, victim: str,
+            after: int) -> Callable[[list[int]], None]:  # fmt: skip
     show, seen = _streamer(tok), [0]
 
     def step(new: list[int]) -> None:
@@ -108,13 +115,16 @@ def _killer(tok: Any, swarm: Any, victim: str, after: int) -> Any:
     return step
 
 
-def _node_table(status: dict[str, Any], tokens: int, elapsed: float) -> Table:
+def _node_table(status: Status, tokens: int, elapsed: float) -> Table:
+    from cellswarm.swarm.control.rebalance import seconds_of
+
     title = f"{tokens} tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s)"
     t = Table("worker", "state", "holds", "memory (peak of budget)", "ms / decode step",
               title=title)  # fmt: skip
     for n in status["nodes"]:
         s = n.get("stats") or {}
-        ms = 1000 * s.get("decode_s", 0) / max(s.get("decode_steps", 0), 1) if s else None
+        ms = (1000 * seconds_of(s, "decode_s") / max(seconds_of(s, "decode_steps"), 1)
+              if s else None)  # fmt: skip
         t.add_row(
             n["node_id"], n["state"], n["holds"],
             f"{format_bytes(n['peak_rss_bytes'])} of {format_bytes(n['memory_bytes'])}",

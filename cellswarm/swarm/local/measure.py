@@ -14,12 +14,14 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from cellswarm.swarm.api import client
+from cellswarm.swarm.api.client import NodeRow
 from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.swarm.protocol.jsonvalue import JsonObject
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3,"]
 
@@ -40,7 +42,7 @@ class LocalRun:
     p50_latency_s: float
     kill_at_s: float | None  # when the worker was killed, after the batch was submitted
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -60,9 +62,7 @@ def measure_local(
         rebalance=False,  # the split measured is the split predicted
     ) as swarm:  # fmt: skip
         status = swarm.wait_ready(timeout_s=300)
-        stages = sorted((n for n in status["nodes"] if n["stage"] is not None),
-                        key=lambda n: n["stage"])  # fmt: skip
-        split = tuple((int(n["layers"][0]), int(n["layers"][1])) for n in stages)
+        split = tuple(_layers(n) for n in _stages(status["nodes"]))
         warm = client.submit(swarm.url, {"prompt": PROMPTS[0], "max_tokens": 2})
         client.wait(swarm.url, warm)  # first touch of every page, kernels built: not measured
         t0 = time.time()
@@ -86,30 +86,55 @@ def measure_local(
 
 
 def batch_timings(
-    events: list[dict[str, Any]], results: list[dict[str, Any]], t0: float
+    events: Sequence[Mapping[str, object]], results: Sequence[Mapping[str, object]], t0: float
 ) -> tuple[list[float], float, int]:
     """From the coordinator's events: each job's latency (submitted to completed), the
     makespan from t0 to the last completion, and the tokens generated."""
-    submitted = {e["request_id"]: e["ts"] for e in events if e["event"] == "submitted"}
-    done = {e["request_id"]: e["ts"] for e in events
+    submitted = {e["request_id"]: _seconds(e["ts"]) for e in events
+                 if e["event"] == "submitted"}  # fmt: skip
+    done = {e["request_id"]: _seconds(e["ts"]) for e in events
             if e["event"] == "completed" and e.get("outcome") == "done"}  # fmt: skip
     ids = [r["job_id"] for r in results]
     latencies = [done[i] - submitted.get(i, t0) for i in ids]
-    return latencies, max(done[i] for i in ids) - t0, sum(len(r["tokens"]) for r in results)
+    return latencies, max(done[i] for i in ids) - t0, sum(_count(r["tokens"]) for r in results)
+
+
+def _seconds(ts: object) -> float:
+    """An event's time (unix seconds, a JSON number)."""
+    if not isinstance(ts, int | float):
+        raise TypeError(f"an event's ts is {type(ts).__name__}, not a number")
+    return ts
+
+
+def _count(tokens: object) -> int:
+    """How many tokens a result holds (its JSON list of ids)."""
+    if not isinstance(tokens, list):
+        raise TypeError(f"a result's tokens are {type(tokens).__name__}, not a list")
+    return len(tokens)
+
+
+def _stages(nodes: list[NodeRow]) -> list[NodeRow]:
+    """The nodes holding a stage of the ring, in stage order."""
+    staged = [(n["stage"], n) for n in nodes if n["stage"] is not None]
+    return [n for _, n in sorted(staged, key=lambda sn: sn[0])]
+
+
+def _layers(n: NodeRow) -> tuple[int, int]:
+    if n["layers"] is None:
+        raise TypeError(f"stage node {n['node_id']} holds no layers")
+    return int(n["layers"][0]), int(n["layers"][1])
 
 
 def _kill_mid_batch(swarm: LocalSwarm, batch: str) -> float:
     """SIGKILL the worker of the ring's middle stage once a few tokens are out; when."""
     while client.call(swarm.url, f"/v1/batches/{batch}")["tokens"] < 4:
         time.sleep(0.02)
-    status = swarm.status()
-    stages = sorted((n for n in status["nodes"] if n["stage"] is not None),
-                    key=lambda n: n["stage"])  # fmt: skip
+    stages = _stages(swarm.status()["nodes"])
     victim = stages[len(stages) // 2]["node_id"]
     swarm.kill(victim)
     return time.time()
 
 
-def _coordinator_events(log_dir: Path) -> list[dict[str, Any]]:
+def _coordinator_events(log_dir: Path) -> list[JsonObject]:
     path = Path(log_dir) / "coordinator.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

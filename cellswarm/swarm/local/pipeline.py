@@ -11,9 +11,9 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import numpy as np
 
@@ -21,10 +21,21 @@ from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import BudgetError, RequestError, SwarmError
 from cellswarm.swarm import policy
 from cellswarm.swarm.auth import load_token
+from cellswarm.swarm.protocol.dataplane import Done, TokenOut, read
 from cellswarm.swarm.ring.costs import part_specs
 from cellswarm.swarm.ring.frames import Frame, connect, read_frame, reset_stage, write_frame
 from cellswarm.swarm.ring.parts import PartConfig
 from cellswarm.swarm.ring.stage import StageConfig
+
+
+class StageRequest(TypedDict):
+    """A request `LocalPipeline.generate` sends to stage 0."""
+
+    prompt: Sequence[int] | np.ndarray  # token ids
+    max_tokens: int
+    sampling: NotRequired[SamplingParams]  # greedy when absent
+    stop_ids: NotRequired[Iterable[int]]
+    request_id: NotRequired[str]  # a random one when absent
 
 
 def free_port() -> int:
@@ -135,15 +146,15 @@ class LocalPipeline:
                 raise BudgetError(line.removeprefix("REFUSED ").strip())
             raise RuntimeError(f"a stage failed to start (said {line!r})")
 
-    def stats(self) -> list[dict[str, Any]]:
+    def stats(self) -> list[dict[str, object]]:
         """Each stage's layers, budget, peak RSS, steps and busy seconds."""
         return asyncio.run(self._stats([c.listen_port for c in self.configs]))
 
-    def part_stats(self) -> list[dict[str, Any]]:
+    def part_stats(self) -> list[dict[str, object]]:
         """Each part server's weight bytes by kind, peak RSS and requests answered."""
         return asyncio.run(self._stats([c.spec.port for c in self.part_configs]))
 
-    async def _stats(self, ports: list[int]) -> list[dict[str, Any]]:
+    async def _stats(self, ports: list[int]) -> list[dict[str, object]]:
         out = []
         for port in ports:
             reader, writer = await connect("127.0.0.1", port, self.token)
@@ -154,7 +165,7 @@ class LocalPipeline:
         return out
 
     def generate(
-        self, requests: Sequence[dict[str, Any]], on_token: Callable[[int, int], None] | None = None
+        self, requests: Sequence[StageRequest], on_token: Callable[[int, int], None] | None = None
     ) -> list[Result]:
         """Each request: prompt (token ids), max_tokens, sampling (SamplingParams fields),
         stop_ids. All are sent at once, so they are in flight together. on_token(request
@@ -162,7 +173,7 @@ class LocalPipeline:
         self._on_token = on_token
         return asyncio.run(self._generate(requests))
 
-    async def _generate(self, requests: Sequence[dict[str, Any]]) -> list[Result]:
+    async def _generate(self, requests: Sequence[StageRequest]) -> list[Result]:
         self._ids = [str(r.get("request_id") or uuid.uuid4().hex[:12]) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         reasons: dict[int, str] = {}
@@ -185,7 +196,7 @@ class LocalPipeline:
         return [Result(tokens[i], reasons[i], self._ids[i]) for i in range(len(requests))]
 
     async def _round(
-        self, requests: Sequence[dict[str, Any]], todo: list[int], tokens: list[list[int]],
+        self, requests: Sequence[StageRequest], todo: list[int], tokens: list[list[int]],
         reasons: dict[int, str],
     ) -> None:  # fmt: skip
         """Send the unfinished requests (prompt + tokens so far) and read until all are done
@@ -197,13 +208,13 @@ class LocalPipeline:
             index = {rid: i for i, rid in enumerate(self._ids)}
             while any(i not in reasons for i in todo):
                 frame = await self._read_watching(reader)
-                i = index[frame.fields["req"]]
+                i = index[str(frame.fields["req"])]
                 if frame.type == "token":
-                    tokens[i].append(int(frame.fields["token"]))
+                    tokens[i].append(read(TokenOut, frame.fields).token)
                     if self._on_token is not None:
                         self._on_token(i, tokens[i][-1])
                 elif frame.type == "done":
-                    reasons[i] = frame.fields["reason"]
+                    reasons[i] = read(Done, frame.fields).reason
                 elif frame.type == "error":
                     raise RequestError(f"request {i}: {frame.fields['message']}")
         finally:
@@ -276,7 +287,7 @@ class LocalPipeline:
         self.close()
 
 
-def _request_frame(request: dict[str, Any], done: list[int], request_id: str) -> Frame:
+def _request_frame(request: StageRequest, done: list[int], request_id: str) -> Frame:
     """A request, resumed after `done` tokens: stage 0 prefills the prompt and replays those
     tokens one decode step each — the same computations as the first time, so the cache, the
     sampler and the continuation are identical (a one-shot prefill of prompt + done would

@@ -21,12 +21,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from types import FrameType
+from typing import TextIO
 
 from cellswarm.errors import SwarmError
 from cellswarm.lifecycle import DIE_WITH_ENV
 from cellswarm.planner.placement import ContextFit, fit_context
 from cellswarm.swarm.api import client
+from cellswarm.swarm.api.client import Status
 from cellswarm.swarm.auth import write_secret
 from cellswarm.swarm.local.pipeline import free_port
 from cellswarm.swarm.ring.costs import costs_at
@@ -232,7 +234,7 @@ class LocalSwarm:
         self.close()
 
     def wait_ready(self, timeout_s: float = 120.0,
-                   on_change: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+                   on_change: Callable[[str], None] | None = None) -> Status:  # fmt: skip
         return client.wait_wired(self.url, timeout_s, tls=self.tls_dir, api_key=self.api_key,
                                  on_change=on_change)  # fmt: skip
 
@@ -273,8 +275,10 @@ class LocalSwarm:
         say(f"the coordinator exited ({describe_exit(code)}): stopping the swarm")
         return 1
 
-    def status(self) -> dict[str, Any]:
-        return dict(client.call(self.url, "/v1/status", tls=self.tls_dir, api_key=self.api_key))
+    def status(self) -> Status:
+        status: Status = client.call(self.url, "/v1/status", tls=self.tls_dir,
+                                     api_key=self.api_key)  # fmt: skip
+        return status
 
     @property
     def api_key(self) -> str | None:
@@ -338,7 +342,7 @@ def stop_on_signals() -> Iterator[None]:
     """SIGTERM, SIGINT and SIGHUP raise Stopped in the main thread; the first one only: the
     cleanup that follows must not be cut short by a second."""
 
-    def on_signal(signum: int, _frame: Any) -> None:
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         ignore_stop_signals()
         raise Stopped(signum)
 

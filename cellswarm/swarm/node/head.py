@@ -33,14 +33,37 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
-from cellswarm.swarm.protocol.messages import LeaseAnswer, LeaseAsk, decode, encode
+from cellswarm.swarm.protocol.dataplane import (
+    Done,
+    ErrorOut,
+    Generate,
+    Sampling,
+    ScoreOut,
+    TokenOut,
+    read,
+)
+from cellswarm.swarm.protocol.messages import (
+    FailReport,
+    JobRef,
+    JobResult,
+    LeaseAnswer,
+    LeaseAsk,
+    ReleaseAsk,
+    RunState,
+    decode,
+    encode,
+)
 from cellswarm.swarm.ring.frames import Frame
+
+if TYPE_CHECKING:
+    from cellswarm.swarm.ring.stage import Stage
 
 log = logging.getLogger("cellswarm.head")
 
@@ -59,7 +82,7 @@ class Run:
     job_id: str
     fence: int
     kind: str
-    payload: dict[str, Any]
+    payload: dict[str, Any]  # the API's job, as the queue keeps it (api/schema.py)
     tokens: list[int]
     sent_epoch: int = -1  # the ring epoch it was last sent into
     starting: bool = False  # being sent into the ring right now
@@ -76,22 +99,22 @@ class Run:
         return 1
 
 
-Post = Callable[[str, dict[str, Any]], dict[str, Any]]
+Post = Callable[[str, Mapping[str, object]], dict[str, object]]
 
 
 class Head:
-    def __init__(self, stage: Any, post: Post, lease_s: float) -> None:
+    def __init__(self, stage: Stage, post: Post, lease_s: float) -> None:
         self.stage = stage  # this worker's stage 0
         self.post = post  # blocking HTTP POST to the coordinator (run in a thread)
         self.lease_s = lease_s
         self.runs: dict[str, Run] = {}
         self.leasing: asyncio.Task[None] | None = None  # the long poll in flight, if any
-        self.forgotten: list[dict[str, Any]] | None = None  # stopped: the jobs it gave back
+        self.forgotten: list[JobRef] | None = None  # stopped: the jobs it gave back
         self.ring_sequences: int | None = None  # the coordinator's word: what its ring holds
         # runs at their frontier not yet told, results not yet posted, and the one post at a
         # time that carries both (with the checkpoints due then)
         self.at_frontier: dict[str, Run] = {}
-        self.finished: dict[str, dict[str, Any]] = {}
+        self.finished: dict[str, JobResult] = {}
         self.report_lock = asyncio.Lock()
 
     @property
@@ -127,7 +150,7 @@ class Head:
         if answer.ring_sequences:
             self.ring_sequences = answer.ring_sequences
         if self.forgotten is not None:  # it stopped serving while we waited: give all back
-            brought = [{"job_id": v.job_id, "fence": v.fence} for v in answer.jobs]
+            brought = [JobRef(job_id=v.job_id, fence=v.fence) for v in answer.jobs]
             self._release([*self.forgotten, *brought])
             return
         for view in answer.jobs:
@@ -183,19 +206,19 @@ class Head:
         it has; a scoring job's completion i, prompt + completion, scored at the end."""
         p = run.payload
         if run.kind != "score":
-            fields = {"req": run.job_id, "max_tokens": p["max_tokens"],
-                      "sampling": p.get("sampling", {}), "stop_ids": p.get("stop_ids", []),
-                      "replay": list(run.tokens)}  # fmt: skip
-            return Frame("generate", fields, np.asarray(p["prompt"], np.int64))
+            generate = Generate(req=run.job_id, max_tokens=int(p["max_tokens"]),
+                                sampling=read(Sampling, p.get("sampling", {}), "sampling"),
+                                stop_ids=[int(t) for t in p.get("stop_ids", [])],
+                                replay=list(run.tokens))  # fmt: skip
+            return Frame.of(generate, np.asarray(p["prompt"], np.int64))
         prompt = [int(t) for t in p["prompt"]]
         completions = [[int(t) for t in c] for c in p["completions"]]
         ids = prompt + [t for c in completions for t in c]
-        fields = {"req": f"{run.job_id}#{i}", "max_tokens": 1, "score_from": len(prompt),
-                  "completions": [len(c) for c in completions], "sampling": {},
-                  "stop_ids": [], "replay": []}  # fmt: skip
-        if p.get("top") is not None:  # each token's log-probability too
-            fields["top"] = int(p["top"])
-        return Frame("generate", fields, np.asarray(ids, np.int64))
+        top = p.get("top")  # each token's log-probability too
+        score = Generate(req=f"{run.job_id}#{i}", max_tokens=1, score_from=len(prompt),
+                         completions=[len(c) for c in completions],
+                         top=None if top is None else int(top))  # fmt: skip
+        return Frame.of(score, np.asarray(ids, np.int64))
 
     async def _emit(self, frame: Frame) -> None:
         """Frames stage 0 sends its client: tokens, done, error, score."""
@@ -204,25 +227,27 @@ class Head:
         run = self.runs.get(job_id)
         if run is None:
             return
-        if frame.type == "token":
-            run.tokens.append(int(frame.fields["token"]))
-        elif frame.type == "score":
-            run.scores = {i: float(x) for i, x in enumerate(frame.fields["logprobs"])}
+        if frame.type == TokenOut.kind:
+            run.tokens.append(read(TokenOut, frame.fields).token)
+        elif frame.type == ScoreOut.kind:
+            score = read(ScoreOut, frame.fields)
+            run.scores = dict(enumerate(score.logprobs))
             if len(run.scores) == len(run.payload["completions"]):
                 scores = [run.scores[i] for i in range(len(run.scores))]
-                result = {"scores": scores, "reason": "scored"}
-                if "detail" in frame.fields:
-                    result["detail"] = frame.fields["detail"]
+                result: dict[str, object] = {"scores": scores, "reason": "scored"}
+                if score.detail is not None:
+                    result["detail"] = fields_of_detail(score)
                 await self._finish(run, result)
-        elif frame.type == "done" and run.kind == "generate":
-            await self._finish(run, {"tokens": list(run.tokens),
-                                     "reason": str(frame.fields["reason"]),
-                                     "bits": str(frame.fields.get("bits", ""))[:16]})  # fmt: skip
-        elif frame.type == "error" and frame.fields.get("fault") == "room":
-            run.waiting.insert(0, int(part or 0))  # the ring was full after all: it waits
-        elif frame.type == "error":
-            fault = str(frame.fields.get("fault", "job"))  # stage 0 says whose
-            await self._fail(run, str(frame.fields["message"]), fault)
+        elif frame.type == Done.kind and run.kind == "generate":
+            done = read(Done, frame.fields)
+            await self._finish(run, {"tokens": list(run.tokens), "reason": done.reason,
+                                     "bits": done.bits[:16]})  # fmt: skip
+        elif frame.type == ErrorOut.kind:
+            error = read(ErrorOut, frame.fields)
+            if error.fault == "room":
+                run.waiting.insert(0, int(part or 0))  # the ring was full after all: it waits
+            else:  # stage 0 says whose
+                await self._fail(run, error.message, error.fault)
 
     async def _fail(self, run: Run, reason: str, fault: str = "job") -> None:
         """This attempt of the job is over (the coordinator counts it, and dead-letters the
@@ -230,7 +255,8 @@ class Head:
         if self.runs.pop(run.job_id, None) is None:
             return  # ended meanwhile
         await self.stage.cancel_request(run.job_id)
-        body = {"job_id": run.job_id, "fence": run.fence, "reason": reason, "fault": fault}
+        said = FailReport(job_id=run.job_id, fence=run.fence, reason=reason, fault=fault)
+        body = msgspec.structs.asdict(said)  # every field: its fault said, "job" too
         await asyncio.to_thread(self._post_quietly, "/v1/jobs/fail", body)
 
     async def _fail_dropped(self) -> None:
@@ -252,10 +278,10 @@ class Head:
             active = max(active or 0.0, self.stage.activity() or 0.0)
         return active is not None and now - active < self.lease_s
 
-    async def _finish(self, run: Run, result: dict[str, Any]) -> None:
+    async def _finish(self, run: Run, result: dict[str, object]) -> None:
         """The job's result to the coordinator, in the next report (see `_report`)."""
         self.runs.pop(run.job_id, None)
-        self.finished[run.job_id] = {"job_id": run.job_id, "fence": run.fence, "result": result}
+        self.finished[run.job_id] = JobResult(job_id=run.job_id, fence=run.fence, result=result)
         await self._report(run.job_id)
 
     async def _report(self, job_id: str) -> None:
@@ -271,7 +297,7 @@ class Head:
             self.finished.clear()
             self.at_frontier.clear()
             for at in range(RESULTS_PER_POST, len(results), RESULTS_PER_POST):  # (a rare many)
-                body = {"results": results[at : at + RESULTS_PER_POST]}
+                body = {"results": [encode(r) for r in results[at : at + RESULTS_PER_POST]]}
                 await asyncio.to_thread(self._post_quietly, "/v1/jobs/complete", body)
             await self._checkpoint(frontier=told, results=results[:RESULTS_PER_POST])
 
@@ -290,7 +316,7 @@ class Head:
         await self._report(run.job_id)
 
     async def _checkpoint(self, due: list[Run] | None = None, frontier: tuple[Run, ...] = (),
-                          results: list[dict[str, Any]] | None = None) -> None:  # fmt: skip
+                          results: list[JobResult] | None = None) -> None:  # fmt: skip
         """Save the tokens of the runs that progressed, renew those due (only while their
         steps come back), and drop the ones whose lease is gone. `due`: these runs, now.
         `frontier`: these runs too, at their frontier (see `frontier`). `results`: ended
@@ -303,22 +329,24 @@ class Head:
                    or (now - r.saved_s > self.lease_s / 3 and self._alive(r, now))]  # fmt: skip
         if not due and not results:
             return
-        body: dict[str, Any] = {
-            "runs": [{"job_id": r.job_id, "fence": r.fence, "tokens": list(r.tokens),
-                      **({"frontier": True} if r.job_id in told else {})} for r in due],
-            **({"results": results} if results else {}),
-        }  # fmt: skip
+        runs = [RunState(job_id=r.job_id, fence=r.fence, tokens=list(r.tokens),
+                         frontier=r.job_id in told) for r in due]  # fmt: skip
+        body: dict[str, object] = {"runs": [encode(r) for r in runs]}  # a Report's
+        if results:
+            body["results"] = [encode(r) for r in results]
         answer = await asyncio.to_thread(self._post_quietly, "/v1/jobs/checkpoint", body)
         if answer is None:
             return
         for r in due:  # (a frontier is no progress: the run's first token is not held back)
             r.saved, r.saved_s = len(r.tokens), r.saved_s if r.job_id in told else now
-        for job_id in answer.get("stale", []):  # the lease went elsewhere, or it was cancelled
+        stale = answer.get("stale")
+        for job_id in stale if isinstance(stale, list) else []:  # the lease went elsewhere,
+            # or it was cancelled
             log.warning("lost the lease of job %s; dropping it", job_id)
             self.runs.pop(str(job_id), None)
             await self.stage.cancel_request(str(job_id))  # and stop spending the ring on it
 
-    def _post_quietly(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    def _post_quietly(self, path: str, body: Mapping[str, object]) -> dict[str, object] | None:
         """A lost call is safe: checkpoints are retried, a lost result's lease expires and
         the job runs again (its next result is committed once)."""
         try:
@@ -333,12 +361,19 @@ class Head:
         long poll still in flight is let land first — the coordinator may still lease to it,
         and a poll dropped with what it brings left those jobs leased to nobody until their
         leases ran out — and what it brings goes back with the rest."""
-        self.forgotten = [{"job_id": r.job_id, "fence": r.fence} for r in self.runs.values()]
+        self.forgotten = [JobRef(job_id=r.job_id, fence=r.fence) for r in self.runs.values()]
         self.runs.clear()
         if self.leasing is None or self.leasing.done():
             self._release(self.forgotten)
 
-    def _release(self, runs: list[dict[str, Any]]) -> None:
+    def _release(self, runs: list[JobRef]) -> None:
         if runs:  # in a thread: the caller is stopping and must not wait for an answer
-            threading.Thread(target=self._post_quietly, args=("/v1/jobs/release", {"runs": runs}),
+            body = encode(ReleaseAsk(runs=runs))
+            threading.Thread(target=self._post_quietly, args=("/v1/jobs/release", body),
                              daemon=True).start()  # fmt: skip
+
+
+def fields_of_detail(score: ScoreOut) -> list[object]:
+    """A score's per-token detail as the job's result holds it (JSON lists)."""
+    return [[[lp, greedy, [list(a) for a in alts]] for lp, greedy, alts in c]
+            for c in score.detail or []]  # fmt: skip

@@ -18,9 +18,11 @@ import socket
 import socketserver
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from cellswarm.engine.memory import peak_rss_bytes, rss_bytes
+from cellswarm.swarm.protocol.messages import NodeStats, StepHistogram
 from cellswarm.swarm.ring.step_times import cumulative
 
 if TYPE_CHECKING:
@@ -65,7 +67,7 @@ def family(name: str, kind: str, doc: str, samples: list[Sample]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def histogram(name: str, doc: str, hist: dict[str, Any]) -> str:
+def histogram(name: str, doc: str, hist: StepHistogram | Mapping[str, object]) -> str:
     buckets, total = cumulative(hist)
     samples: list[Sample] = [({"__name__": f"{name}_bucket", "le": le}, n) for le, n in buckets]
     samples += [({"__name__": f"{name}_sum"}, total),
@@ -75,7 +77,7 @@ def histogram(name: str, doc: str, hist: dict[str, Any]) -> str:
 
 def render(worker: Worker) -> str:
     w = worker
-    stats: dict[str, Any] = w.stage.stats() if w.stage is not None else {}
+    stats = w.stage.stats() if w.stage is not None else NodeStats()
     out = [
         family("cellswarm_worker_memory_budget_bytes", "gauge", "the --memory budget",
                [({}, float(w.config.memory_bytes))]),
@@ -86,7 +88,7 @@ def render(worker: Worker) -> str:
         family("cellswarm_worker_serving", "gauge", "1 while it serves a shard",
                [({}, float(w.ready is not None))]),
         family("cellswarm_worker_sequences", "gauge", "sequences in flight",
-               [({}, float(stats.get("sequences", 0)))]),
+               [({}, float(stats.sequences or 0))]),
     ]  # fmt: skip
     for key, name, doc in (
         ("steps", "cellswarm_worker_steps", "forward steps of its stage"),
@@ -102,20 +104,26 @@ def render(worker: Worker) -> str:
         ("rows_resent", "cellswarm_worker_prefix_rows_resent", "of those, rows the next stage "
          "did not hold and asked for"),
     ):
-        out.append(family(name, "counter", doc, [({}, float(stats.get(key, 0)))]))
+        out.append(family(name, "counter", doc, [({}, float(counter(stats, key)))]))
     out.append(family("cellswarm_worker_prefix_cache_bytes", "gauge", "bytes of cached "
-                      "prompt blocks", [({}, float(stats.get("prefix_bytes", 0)))]))  # fmt: skip
-    hops = [({"part": str(p)}, float(s)) for p, s in (stats.get("hop_s") or {}).items()]
+                      "prompt blocks", [({}, float(stats.prefix_bytes or 0))]))  # fmt: skip
+    hops = [({"part": str(p)}, float(s)) for p, s in (stats.hop_s or {}).items()]
     out.append(family("cellswarm_worker_hop_seconds", "counter", "time per part of a hop", hops))
-    if stats.get("step_s"):
+    if stats.step_s:
         out.append(histogram("cellswarm_worker_step_seconds", "compute time per step",
-                             stats["step_s"]))  # fmt: skip
-    joules = w.power.joules(float(stats.get("busy_s", 0.0)), w.awake_s())
+                             stats.step_s))  # fmt: skip
+    joules = w.power.joules(float(stats.busy_s or 0.0), w.awake_s())
     if joules is not None:
         out.append(family("cellswarm_worker_energy_joules", "counter", "estimated energy: busy "
                           "time (and time kept awake) at busy power, the rest at idle",
                           [({"profile": w.power.source}, joules)]))  # fmt: skip
     return "".join(out)
+
+
+def counter(stats: NodeStats, key: str) -> float:
+    """One of the stage's counters by name (0 when it has none)."""
+    value = getattr(stats, key)
+    return float(value) if isinstance(value, int | float) else 0.0
 
 
 def serve(worker: Worker, host: str, port: int) -> int:

@@ -25,15 +25,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
+import msgspec
 import numpy as np
 
 from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
+from cellswarm.engine.model import Model
 from cellswarm.errors import BudgetError, CellswarmError, RequestError, SwarmError
+from cellswarm.io.weights import Selection
 from cellswarm.kernels import cache_dir as kernels_cache_dir
 from cellswarm.swarm.auth import load_token, prove
 from cellswarm.swarm.node.awake import KeepAwake
@@ -49,6 +51,7 @@ from cellswarm.swarm.node.net import (
     route_source,
 )
 from cellswarm.swarm.protocol import PROTOCOL, shard_id
+from cellswarm.swarm.protocol.jsonvalue import JsonObject
 from cellswarm.swarm.protocol.messages import (
     Assignment,
     CheckAsk,
@@ -85,7 +88,7 @@ SAY_EVERY_S = 60.0  # a warning that retrying may mend, at most once in this lon
 GIVE_UP = HeartbeatAnswer(held=True, problem="the beats gave up")
 
 
-def measure_capabilities(config: WorkerConfig) -> dict[str, Any]:
+def measure_capabilities(config: WorkerConfig) -> JsonObject:
     """What the coordinator places by: the budget, and a quick measure of this host's memory
     bandwidth and compute (8 MiB, so the measurement itself stays far inside the budget)."""
     a = np.ones(2 << 20, np.float32)
@@ -98,7 +101,7 @@ def measure_capabilities(config: WorkerConfig) -> dict[str, Any]:
     for _ in range(8):
         m @ m
     flops = 8 * 2 * 256**3 / (time.perf_counter() - t0)
-    caps: dict[str, Any] = {
+    caps: JsonObject = {
         "memory_bytes": config.memory_bytes, "profile": config.profile,
         "bandwidth_bytes_per_s": int(bandwidth), "flops": int(flops), "rack": config.rack,
         "protocol": PROTOCOL,  # the coordinator refuses another version (swarm/protocol)
@@ -130,14 +133,14 @@ class Worker:
         self.coordinator_epoch = -1  # ... in this epoch
         self.ready: str | None = None  # the shard_id of what it serves
         self.server: asyncio.Server | None = None
-        self.shard_key: tuple[Any, ...] | None = None
+        self.shard_key: tuple[str, str, int, int] | None = None  # shard_id, model, context, seqs
         self.data_port: int | None = None
         self.refused = ""
         self.fetched: tuple[int, int] | None = None  # a shard's fetch: (bytes done, of total)
         self.probe: tuple[bool, str] | None = None
         self.check: CheckResult | None = None  # a doctor round's answer, for the next beat
         self.echo_s: float | None = None  # the last heartbeat's round trip
-        self.caps: dict[str, Any] = {}
+        self.caps: JsonObject = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loading: asyncio.Task[None] | None = None  # the shard being loaded, if any
         if not self.urls:
@@ -176,7 +179,7 @@ class Worker:
     def url(self) -> str:
         return self.urls[self.current]
 
-    def _post(self, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, data: Mapping[str, object]) -> dict[str, object]:
         """POST to the current coordinator; one that does not answer is skipped for the
         next in the list (coordinators sharing a database accept each other's sessions)."""
         failure: OSError | None = None
@@ -185,8 +188,10 @@ class Worker:
             req = urllib.request.Request(self.urls[i] + path, json.dumps(data).encode(),
                                          {"Content-Type": "application/json"})  # fmt: skip
             try:
-                timeout_s = HTTP_TIMEOUT_S + float(data.get("wait_s", 0.0))  # a long poll
-                out: dict[str, Any] = json.loads(fetch_answer(req, timeout_s, self.tls))
+                wait_s = data.get("wait_s", 0.0)  # a long poll
+                timeout_s = HTTP_TIMEOUT_S + (float(wait_s) if isinstance(wait_s, int | float)
+                                              else 0.0)  # fmt: skip
+                out: dict[str, object] = json.loads(fetch_answer(req, timeout_s, self.tls))
             except urllib.error.HTTPError:
                 raise  # it answered: its answer stands
             except OSError as exc:
@@ -200,58 +205,66 @@ class Worker:
         raise failure
 
     def _join(self) -> None:
-        nonce = self._post("/v1/challenge", {})["nonce"]
+        nonce = str(self._post("/v1/challenge", {})["nonce"])
         proof = prove(self.token, nonce, self.config.node_id) if self.token else ""
         answer = self._post("/v1/join", {"node_id": self.config.node_id, "nonce": nonce,
                                          "proof": proof, "capabilities": self.caps})  # fmt: skip
         self.session = str(answer["session"])
-        self.heartbeat_s = float(answer.get("heartbeat_s", self.heartbeat_s))
-        if answer.get("power_w"):
-            self.power.set(*answer["power_w"])
+        heartbeat_s = answer.get("heartbeat_s", self.heartbeat_s)
+        if not isinstance(heartbeat_s, int | float):
+            raise ValueError(f"the join's answer: heartbeat_s {str(heartbeat_s)[:20]}")
+        self.heartbeat_s = float(heartbeat_s)
+        power = answer.get("power_w")
+        if power:
+            if not (isinstance(power, list) and len(power) == 3):
+                raise ValueError(f"the join's answer: power_w {str(power)[:60]}")
+            self.power.set(*power)
         print(f"JOINED {self.config.node_id}", flush=True)
 
-    def _beat_body(self) -> dict[str, Any]:
+    def _beat_body(self) -> Heartbeat:
         probe, self.probe = self.probe or (None, None), None
         check, self.check = self.check, None
-        return encode(Heartbeat(
+        data_port, data_host = self.data_address()
+        return Heartbeat(
             node_id=self.config.node_id, session=str(self.session), rss_bytes=rss_bytes(),
-            peak_rss_bytes=peak_rss_bytes(), **self.data_address(),
+            peak_rss_bytes=peak_rss_bytes(), data_port=data_port, data_host=data_host,
             ready=self.ready, sent_s=time.time(), clock_offset_s=self.clock.offset_s,
             clock_error_s=self.clock.error_s, refused=self.refused or None,
             max_sequences=self.stage.config.max_sequences if self.stage else None,
-            stats=decode(NodeStats, self.stats()), metrics_port=self.metrics_port,
-            probe_ok=probe[0], probe_error=probe[1], check=check))  # fmt: skip
+            stats=self.stats(), metrics_port=self.metrics_port,
+            probe_ok=probe[0], probe_error=probe[1], check=check)  # fmt: skip
 
     async def _beat(self) -> HeartbeatAnswer:
         """One heartbeat and its answer: through NATS with --control (transport/beats.py),
         else — or when NATS does not answer — over HTTP."""
         beat = self._beat_body()
+        body = encode(beat)
         t0 = time.perf_counter()
         answer = None
         if self.nats is not None:
-            answer = await self.nats.beat(beat, max(0.2, self.heartbeat_s))
+            answer = await self.nats.beat(body, max(0.2, self.heartbeat_s))
         if answer is None:
-            answer = await asyncio.to_thread(self._post, "/v1/heartbeat", beat)
+            answer = await asyncio.to_thread(self._post, "/v1/heartbeat", body)
         self.echo_s = time.perf_counter() - t0
         return self._heard(beat, answer)
 
-    def _heard(self, beat: dict[str, Any], said: dict[str, Any]) -> HeartbeatAnswer:
+    def _heard(self, beat: Heartbeat, said: Mapping[str, object]) -> HeartbeatAnswer:
         answer = decode(HeartbeatAnswer, said)  # typed here, once: apply reads its fields
-        if answer.now_s is not None:
-            self.clock.add(beat["sent_s"], answer.now_s, time.time())
+        if answer.now_s is not None and beat.sent_s is not None:
+            self.clock.add(beat.sent_s, answer.now_s, time.time())
         if answer.heartbeat_s:  # a bigger swarm beats less often
             self.heartbeat_s = answer.heartbeat_s
         return answer
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> NodeStats:
         """Its stage's counters (none without one) and its energy so far."""
-        stats = self.stage.stats() if self.stage else {}
-        joules = self.power.joules(float(stats.get("busy_s", 0)), self.awake_s())
-        temp = temperature_c()
-        fetched = ({"fetch_done_bytes": self.fetched[0], "fetch_total_bytes": self.fetched[1]}
-                   if self.fetched is not None else {})  # fmt: skip
-        return {**stats, **({"energy_j": round(joules, 3)} if joules is not None else {}),
-                **({"temp_c": temp} if temp is not None else {}), **fetched}
+        stats = self.stage.stats() if self.stage else NodeStats()
+        joules = self.power.joules(float(stats.busy_s or 0), self.awake_s())
+        done, total = self.fetched if self.fetched is not None else (None, None)
+        return msgspec.structs.replace(
+            stats, energy_j=round(joules, 3) if joules is not None else None,
+            temp_c=temperature_c(), fetch_done_bytes=done, fetch_total_bytes=total,
+        )  # fmt: skip
 
     def awake_s(self) -> float:
         """Seconds this node has kept the CPUs out of deep sleep (awake.py)."""
@@ -267,18 +280,19 @@ class Worker:
             raise RequestError(f"--metrics {self.config.metrics!r}: cannot listen ({exc}); "
                                "give a free [HOST:]PORT, or 'off'") from None  # fmt: skip
 
-    def data_address(self) -> dict[str, Any]:
-        """Where peers reach this node's data port: the advertised address, else the bound
-        one (a wildcard bind leaves the host to the coordinator: the address we came from)."""
+    def data_address(self) -> tuple[int | None, str | None]:
+        """Where peers reach this node's data port (port, host): the advertised address, else
+        the bound one (a wildcard bind leaves the host to the coordinator, None: the address
+        we came from)."""
         if self.data_port is None:
-            return {"data_port": None}
+            return None, None
         adv = self.advertised
         host = adv.host if adv else self.bind.host
         port = adv.port if adv and adv.port else self.data_port
         wildcard = host in ("0.0.0.0", "::", "")
-        return {"data_port": port, **({} if wildcard else {"data_host": host})}
+        return port, None if wildcard else host
 
-    def _post_session(self, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    def _post_session(self, path: str, data: Mapping[str, object]) -> dict[str, object]:
         return self._post(path, {**data, "node_id": self.config.node_id, "session": self.session})
 
     def report_fault(
@@ -292,13 +306,13 @@ class Worker:
             return None
         return self.loop.run_in_executor(None, self._post_quietly, "/v1/fault", data)
 
-    def _post_quietly(self, path: str, data: dict[str, Any]) -> None:
+    def _post_quietly(self, path: str, data: Mapping[str, object]) -> None:
         try:
             self._post(path, data)
         except (OSError, ValueError) as exc:
             log.warning("could not tell the coordinator %s: %s", path, exc)
 
-    def _ship_logs(self, events: list[dict[str, Any]]) -> None:
+    def _ship_logs(self, events: list[dict[str, object]]) -> None:
         """The shipper's thread: one batch; raises unless the coordinator took it."""
         if self.session is None:
             raise OSError("not joined: the batch waits")
@@ -395,7 +409,7 @@ class Worker:
             await asyncio.to_thread(self._beat_now.wait, self.heartbeat_s)
             self._beat_now.clear()
 
-    async def _on_main(self, work: Coroutine[Any, Any, None]) -> None:
+    async def _on_main(self, work: Coroutine[object, object, None]) -> None:
         """Run `work` on the main loop and wait for it (from the heartbeat thread)."""
         assert self.loop is not None
         with contextlib.suppress(Exception):
@@ -553,7 +567,7 @@ class Worker:
     def fetch(self, config: StageConfig) -> Path:
         return self.fetch_selection(stage_selection(config))
 
-    def fetch_selection(self, sel: Any) -> Path:
+    def fetch_selection(self, sel: Selection) -> Path:
         """This shard's bytes of the model, from the coordinator: only the chunks holding
         its tensors, each checked against the manifest, cached by content hash on disk."""
         from cellswarm.swarm.transport.fetch import Manifest, ensure_local
@@ -612,14 +626,14 @@ class Worker:
         stage, c = self.stage, self.config
         folders = (c.log_dir, c.cache_dir, str(kernels_cache_dir()))
 
-        def run() -> dict[str, Any]:
+        def run() -> CheckResult:
             return checks.run(ask.seed, stage.model if stage else None, folders, c.perturb)
 
         out = await stage.compute(run) if stage is not None else await asyncio.to_thread(run)
-        out["env"]["rss_bytes"] = rss_bytes()
         layers = list(stage.config.layers) if stage is not None else None
-        return decode(CheckResult, {**out, "round": ask.round, "echo_s": self.echo_s,
-                                    "layers": layers})  # fmt: skip
+        return msgspec.structs.replace(out, env={**out.env, "rss_bytes": rss_bytes()},
+                                       round=ask.round, echo_s=self.echo_s,
+                                       layers=layers)  # fmt: skip
 
     def run_probe(self) -> tuple[bool, str]:
         """A health check an offline node must pass to get a shard again: one forward step
@@ -665,7 +679,7 @@ def temperature_c() -> float | None:
         return None
 
 
-def check_part_budget(model: Any, memory_bytes: int, spec: PartSpec) -> None:
+def check_part_budget(model: Model, memory_bytes: int, spec: PartSpec) -> None:
     """A part holds weights only (no KV cache): they and the runtime must fit the budget."""
     from cellswarm.planner.overhead import runtime_overhead_bytes
 
@@ -681,7 +695,6 @@ def check_part_budget(model: Any, memory_bytes: int, spec: PartSpec) -> None:
 def size_kv(config: StageConfig) -> StageConfig:
     """How many sequences' KV cache fit in what the budget leaves after weights, scratch and
     runtime: at most what the coordinator asked for, at least one, or BudgetError."""
-    from cellswarm.engine.model import Model
     from cellswarm.loader import load
 
     lo, hi = config.layers
@@ -729,7 +742,7 @@ def said(exc: urllib.error.HTTPError) -> str:
         return text
 
 
-def flip_a_weight_bit(model: Any) -> str:
+def flip_a_weight_bit(model: Model) -> str:
     """Test hook (--flip-bit): one bit of one quantized weight of this shard flipped, in this
     process's copy: a node whose memory or file went bad by one bit. The text it writes often
     stays the same; the logits' bits do not, which --verify compares. -> the tensor's name."""

@@ -23,11 +23,17 @@ import hashlib
 import os
 import platform
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
+
+from cellswarm.swarm.protocol.messages import CheckResult
+
+if TYPE_CHECKING:
+    from cellswarm.engine.model import Model
 
 MATMUL_SHAPE = (64, 256)  # rows, cols: 16 KiB of Q8_0, microseconds on any node
 PROJECTIONS = 16  # a forward step's output is sent as this many fixed projections + its norm
@@ -64,12 +70,12 @@ def hidden_input(seed: int, d_model: int) -> np.ndarray:
     return np.random.default_rng(seed + 1).standard_normal((1, d_model)).astype(np.float32)
 
 
-def bits(values: Any) -> str:
+def bits(values: npt.ArrayLike) -> str:
     """The sha256 of float32 values' bytes, 16 hex digits."""
     return hashlib.sha256(np.ascontiguousarray(values, np.float32).tobytes()).hexdigest()[:16]
 
 
-def digest(out: np.ndarray, seed: int) -> dict[str, Any]:
+def digest(out: np.ndarray, seed: int) -> dict[str, object]:
     """A forward step's output (1, n) as its bits' sha256, its norm and PROJECTIONS
     projections onto fixed +-1 vectors (how far, when the bits differ), ~250 bytes."""
     v = np.asarray(out, np.float64).reshape(-1)
@@ -78,16 +84,19 @@ def digest(out: np.ndarray, seed: int) -> dict[str, Any]:
             "proj": [float(p) for p in signs @ v / np.sqrt(v.size)]}  # fmt: skip
 
 
-def digest_error(got: dict[str, Any], want: dict[str, Any]) -> float:
+def digest_error(got: Mapping[str, object], want: Mapping[str, object]) -> float:
     """Relative distance of two digests (0 equal; int8 rounding gives ~1e-3..1e-2)."""
     if got.get("n") != want.get("n"):
         return float("inf")
     a, b = np.asarray(got["proj"], np.float64), np.asarray(want["proj"], np.float64)
-    scale = max(float(np.linalg.norm(b)), float(want["norm"]) * 1e-3, 1e-12)
+    norm = want["norm"]
+    if not isinstance(norm, int | float):
+        raise TypeError(f"a digest's norm is a number, not {str(norm)[:20]}")
+    scale = max(float(np.linalg.norm(b)), float(norm) * 1e-3, 1e-12)
     return float(np.linalg.norm(a - b) / scale)
 
 
-def forward_digest(model: Any, seed: int, perturb: float = 0.0) -> dict[str, Any]:
+def forward_digest(model: Model, seed: int, perturb: float = 0.0) -> dict[str, object]:
     """One forward step of `model`'s layers (a stage's shard) at position 0 on the fixed
     hidden state, digested (times 1 + perturb: tests). The cache is the step's own: nothing
     of a request is touched."""
@@ -97,21 +106,23 @@ def forward_digest(model: Any, seed: int, perturb: float = 0.0) -> dict[str, Any
     return digest(out * np.float32(1 + perturb) if perturb else out, seed)
 
 
-def run(seed: int, model: Any | None, folders: Iterable[str | Path | None],
-        perturb: float = 0.0) -> dict[str, Any]:  # fmt: skip
-    """Everything a node answers for one round (its worker adds the echo and its layers).
-    `perturb` (tests: a node whose arithmetic is wrong) scales its numbers by 1 + perturb."""
-    out: dict[str, Any] = {"env": environment(folders)}
+def run(seed: int, model: Model | None, folders: Iterable[str | Path | None],
+        perturb: float = 0.0) -> CheckResult:  # fmt: skip
+    """Everything a node answers for one round (its worker adds the round, the echo and
+    its layers). `perturb` (tests: a node whose arithmetic is wrong) scales its numbers by
+    1 + perturb."""
+    env = environment(folders)
+    matmul = forward = None
     try:
-        out["matmul"] = [v * (1 + perturb) for v in matmul_here(seed)]
+        matmul = [v * (1 + perturb) for v in matmul_here(seed)]
         if model is not None:
-            out["forward"] = forward_digest(model, seed, perturb)
+            forward = forward_digest(model, seed, perturb)
     except Exception as exc:  # whatever breaks, the doctor says so (and which node)
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    return out
+        return CheckResult(env=env, matmul=matmul, error=f"{type(exc).__name__}: {exc}")
+    return CheckResult(env=env, matmul=matmul, forward=forward)
 
 
-def environment(folders: Iterable[str | Path | None]) -> dict[str, Any]:
+def environment(folders: Iterable[str | Path | None]) -> dict[str, object]:
     """This host's facts that make nodes differ: versions, CPU, free memory and disk."""
     import numpy
 

@@ -18,13 +18,15 @@ import socket
 import ssl
 import struct
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import msgpack
 import numpy as np
 
 from cellswarm.errors import ProtocolError
+from cellswarm.swarm.protocol.dataplane import DataMessage, PartReset, Reset, ResetDone, fields
 
 MAGIC = b"CSF1"
 PREFIX = struct.Struct("<4sIQI")  # magic, header bytes, payload bytes, crc32
@@ -41,13 +43,21 @@ MAX_DIMS = 8  # an array's dimensions in a frame (activations are 2-D)
 
 @dataclass(frozen=True)
 class Frame:
+    """A frame as it travels: its type, its header's other fields (as msgpack decoded them:
+    a handler reads them as a typed message, protocol/dataplane.read), maybe an array."""
+
     type: str
-    fields: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, object] = field(default_factory=dict)
     array: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, message: DataMessage, array: np.ndarray | None = None) -> Frame:
+        """The frame a typed message travels as (its fields at their default left out)."""
+        return cls(message.kind, fields(message), array)
 
 
 def encode(frame: Frame, max_payload: int = MAX_PAYLOAD_BYTES) -> bytes:
-    header: dict[str, Any] = {"type": frame.type}
+    header: dict[str, object] = {"type": frame.type}
     header.update(frame.fields)
     a = frame.array
     if a is None:
@@ -90,7 +100,7 @@ def decode(prefix: bytes, body: bytes) -> Frame:
     return Frame(header.pop("type"), header, _array(header, body, n_head))
 
 
-def _array(header: dict[str, Any], body: bytes, offset: int) -> np.ndarray | None:
+def _array(header: dict[str, object], body: bytes, offset: int) -> np.ndarray | None:
     """The payload (body[offset:]) as the array the header names, a view of `body`."""
     dtype, shape = header.pop("dtype", None), header.pop("shape", None)
     n_payload = len(body) - offset
@@ -100,8 +110,8 @@ def _array(header: dict[str, Any], body: bytes, offset: int) -> np.ndarray | Non
         return None
     # Anything may stand here (msgpack decodes lists, maps, floats, huge ints): only a known
     # dtype name and a list of non-negative int sizes reach numpy.
-    sizes = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-    if not isinstance(dtype, str) or dtype not in DTYPES or not sizes or len(shape) > MAX_DIMS:
+    if (not isinstance(dtype, str) or dtype not in DTYPES or not isinstance(shape, list)
+            or not all(type(n) is int and n >= 0 for n in shape) or len(shape) > MAX_DIMS):
         raise ProtocolError(
             f"frame names dtype {_short(dtype)} / shape {_short(shape)}; expected f32|i64 and a "
             f"list of at most {MAX_DIMS} sizes"
@@ -118,7 +128,7 @@ def _array(header: dict[str, Any], body: bytes, offset: int) -> np.ndarray | Non
     return np.ndarray(shape, DTYPES[dtype], body, offset)  # a view of `body`, read-only
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     """A header value for a one-line message, cut at 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -207,7 +217,12 @@ TLS_HANDSHAKE_TIMEOUT_S = 10.0
 _unproven: collections.OrderedDict[int, asyncio.StreamWriter] = collections.OrderedDict()
 
 
-def listen_tls(tls: ssl.SSLContext | None) -> dict[str, Any]:
+class TlsOptions(TypedDict, total=False):
+    ssl: ssl.SSLContext
+    ssl_handshake_timeout: float
+
+
+def listen_tls(tls: ssl.SSLContext | None) -> TlsOptions:
     """asyncio.start_server's TLS options: the context, and a bounded handshake with it."""
     return {"ssl": tls, "ssl_handshake_timeout": TLS_HANDSHAKE_TIMEOUT_S} if tls else {}
 
@@ -301,16 +316,19 @@ def connect_sync(
 
 
 async def reset_stage(
-    host: str, port: int, fields: dict[str, Any], token: bytes | None, peer: str = "client",
+    host: str, port: int, reset: Reset | PartReset | Mapping[str, object], token: bytes | None,
+    peer: str = "client",
     timeout_s: float = 5.0, tls: ssl.SSLContext | None = None,
 ) -> bool:  # fmt: skip
     """Send a stage (or part server) a `reset` frame — a new epoch, and with a coordinator
-    the ring's new wiring — and wait for `reset_done`; False if it is silent or gone."""
+    the ring's new wiring — and wait for `reset_done`; False if it is silent or gone.
+    `reset`: its message (a Reset, a part server's PartReset), or their fields."""
+    frame = Frame.of(reset) if isinstance(reset, DataMessage) else Frame(Reset.kind, dict(reset))
     try:
         reader, writer = await asyncio.wait_for(connect(host, port, token, peer, tls), timeout_s)
-        await write_frame(writer, Frame("reset", fields))
+        await write_frame(writer, frame)
         answer = await asyncio.wait_for(read_frame(reader), timeout_s)
         writer.close()
-        return answer is not None and answer.type == "reset_done"
+        return answer is not None and answer.type == ResetDone.kind
     except (OSError, TimeoutError, ConnectionError, ProtocolError):
         return False

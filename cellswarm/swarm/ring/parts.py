@@ -37,8 +37,9 @@ import ssl
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -49,6 +50,17 @@ from cellswarm.errors import CellswarmError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection, non_finite
 from cellswarm.models.ops import head_matrix
 from cellswarm.swarm.auth import load_token
+from cellswarm.swarm.protocol.dataplane import (
+    ExpertsAsk,
+    LogitsAsk,
+    PartAddress,
+    PartReset,
+    PartStats,
+    ResetDone,
+    RowsAsk,
+    Stats,
+    read,
+)
 from cellswarm.swarm.ring.frames import (
     Frame,
     accept,
@@ -60,6 +72,9 @@ from cellswarm.swarm.ring.frames import (
     write_frame,
     write_frame_sync,
 )
+
+if TYPE_CHECKING:
+    from cellswarm.models.deepseek2 import Routing
 
 log = logging.getLogger("cellswarm.parts")
 
@@ -86,19 +101,30 @@ class PartSpec:
         if bad:
             raise RequestError(f"part {self.node_id}: expert ids {bad[:3]} outside 0..4095")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["experts"] = {str(k): list(v) for k, v in self.experts.items()}  # JSON keys: str
         return d
 
+    def to_wire(self) -> PartAddress:
+        return PartAddress(node_id=self.node_id, port=self.port, host=self.host,
+                           experts={str(k): list(v) for k, v in self.experts.items()},
+                           vocab_rows=self.vocab_rows)  # fmt: skip
+
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> PartSpec:
-        rows = raw.get("vocab_rows")
-        return cls(
-            node_id=str(raw["node_id"]), port=int(raw["port"]), host=str(raw.get("host", "")),
-            experts={int(k): tuple(int(e) for e in v) for k, v in raw.get("experts", {}).items()},
-            vocab_rows=None if rows is None else (int(rows[0]), int(rows[1])),
-        )  # fmt: skip
+    def from_wire(cls, p: PartAddress) -> PartSpec:
+        return cls(node_id=p.node_id, port=p.port, host=p.host,
+                   experts={int(k): tuple(v) for k, v in p.experts.items()},
+                   vocab_rows=p.vocab_rows)  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, object]) -> PartSpec:
+        """From its JSON (to_dict's, or a placement's spec with an address); RequestError
+        naming the field that does not read as a PartAddress."""
+        try:
+            return cls.from_wire(msgspec.convert(raw, PartAddress))
+        except msgspec.ValidationError as exc:
+            raise RequestError(f"a part's address: {exc}") from None
 
     def selection(self) -> Selection:
         """Only what this part serves: expert stacks, or the vocabulary rows (embedding and
@@ -188,32 +214,35 @@ class PartServer:
     def answer(self, frame: Frame) -> Frame:
         """One request, one answer; the computation blocks the loop, as a stage's does."""
         f, a = frame.fields, frame.array
-        if frame.type == "stats":
-            return Frame("stats", self.stats())
-        if frame.type == "reset":  # nothing per sequence to forget; maybe new callers
-            if "peers" in f:
-                self.config = replace(self.config, peers=tuple(f["peers"]))
-            return Frame("reset_done", {})
+        if frame.type == Stats.kind:
+            return Frame(Stats.kind, dict(msgspec.to_builtins(self.stats())))
+        if frame.type == PartReset.kind:  # nothing per sequence to forget; maybe new callers
+            reset = read(PartReset, f, frame.type)
+            if reset.peers is not None:
+                self.config = replace(self.config, peers=tuple(reset.peers))
+            return Frame.of(ResetDone())
         if a is None:
             raise ProtocolError(f"a {frame.type!r} request carries no array")
         self.requests += 1
         if self.on_step is not None:
             self.on_step()
-        if frame.type == "experts":
-            rows = self.expert_rows(int(f["layer"]), a, int(f["k"]))
-            return Frame("expert_rows", {}, rows)
-        if frame.type == "logits":  # unrefined: the caller refines the merged top rows
+        if frame.type == ExpertsAsk.kind:
+            ask = read(ExpertsAsk, f, frame.type)
+            return Frame("expert_rows", {}, self.expert_rows(ask.layer, a, ask.k))
+        if frame.type == LogitsAsk.kind:  # unrefined: the caller refines the merged top rows
             # computed in the whole head's row blocks, so a logit has the same bits on any
             # split of the rows (PackedMatrix.matmul's rows_of)
-            total = int(f.get("rows", self.model.config.vocab_size))
+            rows = read(LogitsAsk, f, frame.type).rows
+            total = int(self.model.config.vocab_size) if rows is None else rows
             head = head_matrix(self.model.weights, self._head)
             logits = head.matmul(a, rows_of=(self._row0, total))
             if not np.isfinite(logits).all():  # one pass, as the stage's own head does
                 raise non_finite(f"vocab rows {self.config.spec.vocab_rows}",
                                  self.model.weights, [self._head])  # fmt: skip
             return Frame("logits_out", {}, logits)
-        if frame.type == "rows":  # dequantized rows by global id: embedding, or head rows
-            name = "token_embd.weight" if f.get("tensor") == "embed" else self._head
+        if frame.type == RowsAsk.kind:  # dequantized rows by global id: embedding, or head rows
+            tensor = read(RowsAsk, f, frame.type).tensor
+            name = "token_embd.weight" if tensor == "embed" else self._head
             local = a.astype(np.int64) - self._row0
             return Frame("rows_out", {}, head_matrix(self.model.weights, name).take_rows(local))
         raise ProtocolError(f"a part server does not answer {frame.type!r} frames")
@@ -241,12 +270,12 @@ class PartServer:
             raise non_finite(f"layer {layer}'s routed experts", self.model.weights, names)
         return rows
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "node": self.config.spec.node_id, "requests": self.requests,
-            "weights_by_kind": weights_by_kind(self.model.weights),
-            "weight_bytes": self.model.weights.nbytes(), "peak_rss_bytes": peak_rss_bytes(),
-        }  # fmt: skip
+    def stats(self) -> PartStats:
+        return PartStats(
+            node=self.config.spec.node_id, requests=self.requests,
+            weights_by_kind=weights_by_kind(self.model.weights),
+            weight_bytes=self.model.weights.nbytes(), peak_rss_bytes=peak_rss_bytes(),
+        )  # fmt: skip
 
 
 def load_part_model(config: PartConfig) -> Model:
@@ -346,7 +375,7 @@ class ExpertParts:
         return set() if table is None else set(np.nonzero(table >= 0)[0].tolist())
 
     def scatter(
-        self, layer: int, h: np.ndarray, routing: Any
+        self, layer: int, h: np.ndarray, routing: Routing
     ) -> Callable[[], dict[int, np.ndarray]]:
         ids, k = routing.expert_ids, routing.expert_ids.shape[1]  # (T, k)
         table = self.holder.get(layer)
@@ -356,8 +385,7 @@ class ExpertParts:
             rows = np.nonzero((by_slot == i).any(axis=1))[0]  # tokens routed to client i
             mine = np.where(by_slot[rows] == i, ids[rows], -1)  # other holders' slots: -1
             packed = pack_routes(h[rows], mine, routing.weights[rows])
-            fields = {"layer": layer, "k": k}
-            self.clients[i].send(Frame("experts", fields, packed))
+            self.clients[i].send(Frame.of(ExpertsAsk(layer=layer, k=k), packed))
             experts, counts = np.unique(mine[mine >= 0], return_counts=True)
             sent.append((i, experts.tolist(), counts))
 
@@ -405,7 +433,7 @@ class VocabParts:
         the concatenation is bit-identical to one node's head, wherever the rows split."""
         h = np.ascontiguousarray(x, dtype=np.float32)
         for c in self.clients:
-            c.send(Frame("logits", {"rows": int(self.bounds[-1])}, h))
+            c.send(Frame.of(LogitsAsk(rows=int(self.bounds[-1])), h))
         return np.concatenate([c.receive("logits_out") for c in self.clients], axis=1)
 
     def take_rows(self, ids: npt.ArrayLike, tensor: str = "head") -> np.ndarray:
@@ -416,7 +444,7 @@ class VocabParts:
             raise ProtocolError(f"token id outside the vocabulary 0..{self.bounds[-1] - 1}")
         asked = [i for i in range(len(self.clients)) if (part == i).any()]
         for i in asked:
-            self.clients[i].send(Frame("rows", {"tensor": tensor}, index[part == i]))
+            self.clients[i].send(Frame.of(RowsAsk(tensor=tensor), index[part == i]))
         out: np.ndarray | None = None
         for i in asked:
             rows = self.clients[i].receive("rows_out")

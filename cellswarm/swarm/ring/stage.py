@@ -24,8 +24,9 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
+import msgspec
 import numpy as np
 
 from cellswarm.engine import PREFILL_CHUNK
@@ -41,6 +42,31 @@ from cellswarm.models.deepseek2_config import DeepseekConfig
 from cellswarm.models.kv_cache import KVCache
 from cellswarm.swarm.auth import load_token
 from cellswarm.swarm.logs import JsonLog
+from cellswarm.swarm.protocol.dataplane import (
+    Done,
+    End,
+    ErrorOut,
+    Failed,
+    First,
+    Generate,
+    Hidden,
+    Need,
+    Prefix,
+    Reset,
+    ResetDone,
+    Sampling,
+    Score,
+    Scored,
+    ScoreOut,
+    Stats,
+    Token,
+    TokenDetail,
+    TokenOut,
+    fields,
+    read,
+)
+from cellswarm.swarm.protocol.messages import NodeStats
+from cellswarm.swarm.protocol.messages import encode as encode_message
 from cellswarm.swarm.ring.costs import prefill_rows
 from cellswarm.swarm.ring.emulate import Emulation, precise_loop
 from cellswarm.swarm.ring.faults import NO_FAULTS, Faults
@@ -123,15 +149,17 @@ Emit = Callable[[Frame], Awaitable[None]]
 # (request id) -> awaited before stage 0 runs a step its request never completed before
 Frontier = Callable[[str], Awaitable[None]]
 # (kind, detail, epoch, request id or None) -> maybe something to await: the report sent
-Fault = Callable[[str, str, int, str | None], Awaitable[Any] | None]
+Fault = Callable[[str, str, int, str | None], Awaitable[object] | None]
 
-# What each frame a peer sends must carry; one without is the sender's fault (ProtocolError),
-# as is an array of the wrong kind: neither may make this node fail a step.
-NEEDS: dict[str, tuple[str, ...]] = {
-    "generate": ("req", "max_tokens"), "hidden": ("seq", "pos", "ep"),
-    "token": ("seq", "token", "ep"), "scored": ("seq", "logprobs", "ep"), "end": ("seq", "ep"),
-    "failed": ("seq", "ep"), "reset": ("epoch",), "prefix": ("seq", "ep"),
-}  # fmt: skip
+# What a peer may send a stage, by frame type (protocol/dataplane.py): a frame that does not
+# read as its message is the sender's fault (ProtocolError), as is an array of the wrong
+# kind: neither may make this node fail a step. Another type is ignored.
+Incoming = Generate | Hidden | Prefix | Token | Scored | End | Failed | Stats | Reset
+INCOMING: dict[str, type[Incoming]] = {
+    m.kind: m for m in (Generate, Hidden, Prefix, Token, Scored, End, Failed, Stats, Reset)
+}
+# What a stage sends the next one (all of one epoch: `ep`)
+Onward = Hidden | Prefix | Token | Scored | End | Failed
 
 
 # A decode step's time at a stage, in parts: its frame read (decoded and checked), handed on
@@ -156,15 +184,15 @@ class DecodeTally:
     max_s: float = 0.0  # the longest step (compute)
     parts: list[float] = field(default_factory=lambda: [0.0] * len(HOP_PARTS))
 
-    def event(self) -> dict[str, Any]:
+    def event(self) -> dict[str, float]:
         n = self.steps
-        fields: dict[str, Any] = {
+        out: dict[str, float] = {
             "steps": n, "span_ms": round(1000 * (self.last_s - self.first_s), 3),
             "max_ms": round(1000 * self.max_s, 3),
         }  # fmt: skip
         for name, total in zip(HOP_PARTS, self.parts, strict=True):
-            fields[f"{name}_us"] = round(1e6 * total / n, 1)
-        return fields
+            out[f"{name}_us"] = round(1e6 * total / n, 1)
+        return out
 
 
 class NextStageLost(ConnectionError):
@@ -219,7 +247,7 @@ class Stage:
         self._next_lock = asyncio.Lock()
         # Emulated link: frames booked on the wire, delivered at their arrival time by a
         # writer task, so the stage computes while they are "in flight" (emulate.py).
-        self._wire: asyncio.Queue[tuple[float, Frame]] = asyncio.Queue()
+        self._wire: asyncio.Queue[tuple[float, Onward, np.ndarray | None]] = asyncio.Queue()
         self._wire_task: asyncio.Task[None] | None = None
         # ... and computes on a thread of its own, one step at a time, so that the loop is
         # free to deliver those frames while a step runs, as a NIC does beside a CPU.
@@ -238,7 +266,7 @@ class Stage:
         # rows, shared with the cache) in case it asks for them ("need"). And the other way:
         # a first step whose cached rows this stage lacks waits for them ("prefix").
         self._unsent: dict[int, list[np.ndarray]] = {}
-        self._awaiting: dict[int, Frame] = {}
+        self._awaiting: dict[int, tuple[Hidden, np.ndarray]] = {}
         self._next_caches = True  # the next stage said nothing yet of having no prefix cache
         self._back: asyncio.Task[None] | None = None
         self.rows_unsent = self.rows_resent = 0  # (stats)
@@ -333,11 +361,12 @@ class Stage:
                         break
                     got_s = time.perf_counter()
                     frame = decode(*raw)
-                    self.check_frame(frame)
+                    message = self.check_frame(frame)
                 except ProtocolError as exc:
                     return await self.bad_frame(peer, exc)
                 self._frame_s = (got_s, time.perf_counter())
-                await self.handle(frame, writer)
+                if message is not None:
+                    await self.handle(message, frame.array, writer)
         except Exception as exc:  # a bug of ours: log it, drop this connection, serve on
             self.unexpected(exc, "connection dropped")
         finally:
@@ -346,7 +375,7 @@ class Stage:
 
     def fault(
         self, kind: str, detail: str, epoch: int, req: str | None = None
-    ) -> Awaitable[Any] | None:
+    ) -> Awaitable[object] | None:
         return None if self.on_fault is None else self.on_fault(kind, detail, epoch, req)
 
     def unexpected(self, exc: Exception, what: str) -> None:
@@ -358,49 +387,45 @@ class Stage:
         else:
             self.fault("forward", f"{type(exc).__name__}: {exc}", self.epoch)
 
-    def check_frame(self, frame: Frame) -> None:
-        """ProtocolError unless the frame carries what its type needs (NEEDS) and an array
-        of the right kind: what a peer sends wrong is the peer's fault, found before a step."""
-        missing = [k for k in NEEDS.get(frame.type, ()) if k not in frame.fields]
-        if missing:
-            raise ProtocolError(f"a {frame.type!r} frame without {', '.join(missing)}")
+    def check_frame(self, frame: Frame) -> Incoming | None:
+        """The frame as its typed message (None: a type a stage does not take); ProtocolError
+        unless it reads as one and carries an array of the right kind: what a peer sends
+        wrong is the peer's fault, found before a step."""
+        kind = INCOMING.get(frame.type)
+        if kind is None:
+            return None
         a = frame.array
-        if frame.type == "generate" and (a is None or a.dtype != np.int64 or a.ndim != 1):
+        if kind is Generate and (a is None or a.dtype != np.int64 or a.ndim != 1):
             raise ProtocolError("a 'generate' frame's prompt must be a 1-D array of i64 ids")
-        lengths = frame.fields.get("completions") if frame.type == "generate" else None
-        if lengths is not None and not (
-            isinstance(lengths, list) and len(lengths) <= 4096
-            and all(type(n) is int for n in lengths)
-        ):  # fmt: skip
-            raise ProtocolError("a 'generate' frame's completions must be a list of lengths")
-        if frame.type == "scored" and not (
-            isinstance(frame.fields["logprobs"], list) and len(frame.fields["logprobs"]) <= 4096
-            and all(isinstance(x, (int, float)) for x in frame.fields["logprobs"])
-        ):  # fmt: skip
-            raise ProtocolError("a 'scored' frame's logprobs must be a list of numbers")
-        if frame.type == "scored" and "detail" in frame.fields and not detail_ok(
-            frame.fields["detail"], len(frame.fields["logprobs"])
+        message = read(kind, frame.fields, frame.type)
+        if isinstance(message, Scored) and message.detail is not None and not detail_ok(
+            message.detail, len(message.logprobs)
         ):
             raise ProtocolError("a 'scored' frame's detail is not one list of [logprob, greedy, "
                                 "top] a token for each completion")  # fmt: skip
-        top = frame.fields.get("top") if frame.type == "generate" else None
-        if top is not None and not (type(top) is int and 0 <= top <= MAX_TOP):
+        top = message.top if isinstance(message, Generate) else None
+        if top is not None and not 0 <= top <= MAX_TOP:
             raise ProtocolError(f"a 'generate' frame's top {str(top)[:20]} is not in 0..{MAX_TOP}")
         d = int(self.model.config.d_model)
-        if frame.type in ("hidden", "prefix") and (
+        if isinstance(message, Hidden | Prefix) and (
             a is None or a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != d
         ):
             shape = None if a is None else (a.dtype.name, list(a.shape))
             raise ProtocolError(f"a {frame.type!r} frame's array {shape} is not float32 (T, {d})")
-        if frame.type == "hidden" and "cached" in frame.fields:
-            check_cached(frame.fields)
+        first = message.first if isinstance(message, Hidden) else None
+        if first is not None and first.completions and first.score_from is None:
+            raise ProtocolError("a 'hidden' frame's first step has completions but no "
+                                "score_from")  # fmt: skip
+        if isinstance(message, Hidden) and message.cached is not None:
+            check_cached(message)
             if len(self._awaiting) >= max(1, self.config.max_sequences):  # bounded memory
                 raise ProtocolError("more first steps wait for their rows than the stage "
                                     "holds sequences")  # fmt: skip
-        waiting = self._awaiting.get(frame.fields["seq"]) if frame.type == "prefix" else None
-        if waiting is not None and a is not None and a.shape[0] != waiting.fields["cached"]:
+        waiting = self._awaiting.get(message.seq) if isinstance(message, Prefix) else None
+        if waiting is not None and a is not None and a.shape[0] != waiting[0].cached:
             raise ProtocolError(f"a 'prefix' frame of {a.shape[0]} rows for a step sent without "
-                                f"{waiting.fields['cached']}")  # fmt: skip
+                                f"{waiting[0].cached}")  # fmt: skip
+        return message
 
     async def bad_frame(self, peer: str | None, exc: ProtocolError) -> None:
         """A malformed frame is its sender's fault, never ours: the connection goes (its
@@ -436,33 +461,32 @@ class Stage:
         self._unsent.clear()
         self._awaiting.clear()
 
-    async def send_next(self, frame: Frame) -> None:
+    async def send_next(self, message: Onward, array: np.ndarray | None = None) -> None:
         if self.emulation is None:
-            return await self.write_next(frame)
-        arrives = self.emulation.depart(0 if frame.array is None else frame.array.nbytes)
-        self._wire.put_nowait((arrives, frame))
+            return await self.write_next(message, array)
+        arrives = self.emulation.depart(0 if array is None else array.nbytes)
+        self._wire.put_nowait((arrives, message, array))
         if self._wire_task is None or self._wire_task.done():
             self._wire_task = asyncio.get_running_loop().create_task(self._deliver())
 
     async def _deliver(self) -> None:
         """The emulated link: each frame to the next stage at its arrival time, in order."""
         while True:
-            arrives, frame = await self._wire.get()
+            arrives, message, array = await self._wire.get()
             if (wait := arrives - time.perf_counter()) > 0:
                 await asyncio.sleep(wait)
             try:
-                await self.write_next(frame)
+                await self.write_next(message, array)
             except NextStageLost as exc:  # what serve() does when a send fails in a step
                 log.exception("stage %s: next stage lost", self.config.layers)
                 self.fault("next", f"{type(exc).__name__}: {exc}", exc.epoch)
 
-    async def write_next(self, frame: Frame) -> None:
+    async def write_next(self, message: Onward, array: np.ndarray | None = None) -> None:
         """Send to the next stage. A frame of an older epoch is dropped (its layout is gone);
         a failure names the address and epoch it was for, so a reset that rewired the ring
         meanwhile never gets a healthy new neighbour blamed."""
-        ep = frame.fields.get("ep", self.epoch)
         async with self._next_lock:
-            if ep != self.epoch:
+            if message.ep != self.epoch:
                 return
             host, port, epoch = self.config.next_host, self.config.next_port, self.epoch
             try:
@@ -477,7 +501,7 @@ class Stage:
                     self._next, self._next_caches = link, True
                     self._back = asyncio.get_running_loop().create_task(self.read_back(back))
                 t0 = time.perf_counter()
-                data = encode(frame)
+                data = encode(Frame.of(message, array))
                 t1, cpu = time.perf_counter(), time.thread_time()
                 self._next.write(data)
                 await self._next.drain()
@@ -490,49 +514,51 @@ class Stage:
 
     # -- the protocol ----------------------------------------------------------------------
 
-    async def handle(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
-        if frame.type in ("hidden", "token", "end", "scored", "failed", "prefix") and (
-            frame.fields.get("ep") != self.epoch
+    async def handle(
+        self, message: Incoming, array: np.ndarray | None, writer: asyncio.StreamWriter
+    ) -> None:
+        if isinstance(message, Hidden | Token | End | Scored | Failed | Prefix) and (
+            message.ep != self.epoch
         ):
             return  # sent before the last reset, by or for a layout that no longer exists
-        if frame.type == "generate":
-            await self.on_generate(frame, lambda out: write_frame(writer, out))
-        elif frame.type == "hidden":
-            await self.on_hidden(frame, writer)
-        elif frame.type == "prefix":
-            await self.on_prefix(frame)
-        elif frame.type == "token":
-            await self.on_token(frame.fields["seq"], int(frame.fields["token"]),
-                                str(frame.fields.get("bits", "")))  # fmt: skip
-        elif frame.type == "scored":
-            score = {"logprobs": [float(x) for x in frame.fields["logprobs"]]}
-            if "detail" in frame.fields:
-                score["detail"] = frame.fields["detail"]
-            await self.on_scored(frame.fields["seq"], score)
-        elif frame.type == "end":
-            self.release(frame.fields["seq"])
-        elif frame.type == "failed":  # a later stage found the job's data at fault
-            await self.fail_request(frame.fields["seq"], str(frame.fields.get("message", "")))
-        elif frame.type == "stats":
-            await write_frame(writer, Frame("stats", self.stats()))
-        elif frame.type == "reset":  # the layout changed under us: forget every sequence
-            await self.reset(frame, writer)
+        if isinstance(message, Generate):
+            assert array is not None  # (check_frame)
+            await self.start(message, array, lambda out: write_frame(writer, out))
+        elif isinstance(message, Hidden):
+            assert array is not None  # (check_frame)
+            await self.on_hidden(message, array, writer)
+        elif isinstance(message, Prefix):
+            await self.on_prefix(message, array)
+        elif isinstance(message, Token):
+            await self.on_token(message.seq, message.token, message.bits)
+        elif isinstance(message, Scored):
+            await self.on_scored(message.seq, Score(logprobs=message.logprobs,
+                                                    detail=message.detail))  # fmt: skip
+        elif isinstance(message, End):
+            self.release(message.seq)
+        elif isinstance(message, Failed):  # a later stage found the job's data at fault
+            await self.fail_request(message.seq, message.message)
+        elif isinstance(message, Stats):
+            await write_frame(writer, Frame(Stats.kind, encode_message(self.stats())))
+        elif isinstance(message, Reset):  # the layout changed under us: forget every sequence
+            await self.reset(message, writer)
 
-    async def reset(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
+    async def reset(self, r: Reset, writer: asyncio.StreamWriter) -> None:
         """A new layout epoch: forget every sequence; a coordinator also sends the ring's new
         wiring (the next stage's address, who may connect) with it."""
-        f = frame.fields
-        epoch = int(f["epoch"])
+        epoch = r.epoch
         for req in {*self.requests.values(), *(s.req for s in self.sequences.values())}:
             self.log.event("reset", req, stage=self.span, epoch=epoch)
-        if "next_port" in f:
+        if r.next_port is not None:
+            if r.next_host is None:
+                raise ProtocolError("a 'reset' frame with a next_port names no next_host")
             self.config = replace(
-                self.config, next_host=str(f["next_host"]), next_port=int(f["next_port"]),
-                peers=tuple(f.get("peers", self.config.peers)),
+                self.config, next_host=r.next_host, next_port=r.next_port,
+                peers=tuple(self.config.peers if r.peers is None else r.peers),
             )  # fmt: skip
-        if f.get("parts"):  # the part servers' addresses in this layout
+        if r.parts:  # the part servers' addresses in this layout
             self.config = replace(
-                self.config, parts=tuple(PartSpec.from_dict(p) for p in f["parts"])
+                self.config, parts=tuple(PartSpec.from_wire(p) for p in r.parts)
             )
             self.connect_parts()
         self.epoch = epoch
@@ -548,66 +574,71 @@ class Stage:
         self.experts.close()  # and so may a part server
         if self.vocab is not None:
             self.vocab.close()
-        await write_frame(writer, Frame("reset_done", {}))
+        await write_frame(writer, Frame.of(ResetDone()))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> NodeStats:
         c = self.config
-        return {
-            "layers": list(c.layers), "memory_bytes": c.memory_bytes,
-            "peak_rss_bytes": peak_rss_bytes(), "steps": self.steps,
-            "busy_s": round(self.busy_s, 4), "sequences": len(self.caches),
-            "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 4),
-            "hop_s": {k: round(v, 6) for k, v in zip(HOP_PARTS, self.hop_s, strict=True)},
-            "step_s": self.step_times.as_dict(), "running_s": round(self.running_s(), 2),
-            "batches": self.batches, "widest_batch": self.widest_batch,
-            "rows_unsent": self.rows_unsent, "rows_resent": self.rows_resent,
-            **(self.prefix.stats() if self.prefix is not None else {}),
-        }  # fmt: skip
+        stats = NodeStats(
+            layers=list(c.layers), memory_bytes=c.memory_bytes,
+            peak_rss_bytes=peak_rss_bytes(), steps=self.steps,
+            busy_s=round(self.busy_s, 4), sequences=len(self.caches),
+            decode_steps=self.decode_steps, decode_s=round(self.decode_s, 4),
+            hop_s={k: round(v, 6) for k, v in zip(HOP_PARTS, self.hop_s, strict=True)},
+            step_s=self.step_times.histogram(), running_s=round(self.running_s(), 2),
+            batches=self.batches, widest_batch=self.widest_batch,
+            rows_unsent=self.rows_unsent, rows_resent=self.rows_resent,
+        )  # fmt: skip
+        if self.prefix is None:
+            return stats
+        return msgspec.structs.replace(stats, **self.prefix.stats())
 
     async def on_generate(self, frame: Frame, emit: Emit) -> None:
-        f, prompt = frame.fields, frame.array
-        assert prompt is not None
+        """A `generate` frame from a client in this process (the head): its request starts."""
+        assert frame.array is not None
+        await self.start(read(Generate, frame.fields, frame.type), frame.array, emit)
+
+    async def start(self, f: Generate, prompt: np.ndarray, emit: Emit) -> None:
+        """A request's first step (stage 0): its sequence made, its prompt embedded."""
         c, vocab = self.config, int(self.model.config.vocab_size)
         bad = None
         if len(prompt) == 0 or int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
             bad = "the prompt has " + ("an empty prompt" if len(prompt) == 0
                                        else f"token ids outside 0..{vocab - 1}")  # fmt: skip
-        lengths = [int(n) for n in f.get("completions") or ()]
+        lengths = list(f.completions or ())
         # scoring in one pass: the prompt, then each completion after it (Stage.layers_first)
-        if lengths and (min(lengths) < 1 or f.get("score_from") is None
-                        or int(f["score_from"]) + sum(lengths) != len(prompt)
-                        or int(f["score_from"]) < 1):  # fmt: skip
+        if lengths and (min(lengths) < 1 or f.score_from is None
+                        or f.score_from + sum(lengths) != len(prompt)
+                        or f.score_from < 1):  # fmt: skip
             bad = f"completions {lengths} do not follow a prompt in {len(prompt)} ids"
         if bad is not None:
-            await emit(Frame("error", {"req": f["req"], "message": bad, "fault": "job"}))
+            await emit(Frame.of(ErrorOut(req=f.req, message=bad, fault="job")))
             return
-        need = (int(f["score_from"]) + max(lengths) + 1 if lengths
-                else len(prompt) + int(f["max_tokens"]))  # fmt: skip
+        need = (f.score_from + max(lengths) + 1 if lengths and f.score_from is not None
+                else len(prompt) + f.max_tokens)  # fmt: skip
         # KV for `context` x `max_sequences` tokens is what the budget was checked for: a
         # request longer than the context is the job's fault; a full stage is nobody's (the
         # head keeps the sequence waiting: "room")
         if c.memory_bytes is not None and need > c.context:
             why = f"request needs {need} tokens of context but the stage reserves {c.context}"
-            await emit(Frame("error", {"req": f["req"], "message": why, "fault": "job"}))
+            await emit(Frame.of(ErrorOut(req=f.req, message=why, fault="job")))
             return
         if c.memory_bytes is not None and len(self.sequences) >= c.max_sequences:
             why = f"{len(self.sequences)} of {c.max_sequences} sequences in flight"
-            await emit(Frame("error", {"req": f["req"], "message": why, "fault": "room"}))
+            await emit(Frame.of(ErrorOut(req=f.req, message=why, fault="room")))
             return
         self._seq_ids += 1
         seq = self._seq_ids
         self.sequences[seq] = Sequence(
-            f["req"], emit, [int(t) for t in prompt], int(f["max_tokens"]),
-            frozenset(int(t) for t in f.get("stop_ids", ())),
-            replay=[int(t) for t in f.get("replay", ())],
+            f.req, emit, [int(t) for t in prompt], f.max_tokens, frozenset(f.stop_ids),
+            replay=list(f.replay),
         )  # fmt: skip
-        rows = scoring_rows(int(f["score_from"]), lengths) if lengths else slice(None)
+        rows = scoring_rows(f.score_from, lengths) if lengths and f.score_from is not None \
+            else slice(None)  # fmt: skip
         h = self.embed(np.asarray(prompt, dtype=np.int64)[rows])
         tokens = self.sequences[seq].prompt
-        first = {"capacity": need, "sampling": f.get("sampling", {}), "prompt": tokens,
-                 "req": f["req"], "score_from": f.get("score_from"),
-                 "completions": lengths, "top": f.get("top")}  # fmt: skip
-        self.log.event("generate", f["req"], stage=self.span, prompt_tokens=len(tokens),
+        first = First(capacity=need, sampling=f.sampling, prompt=tokens, req=f.req,
+                      score_from=f.score_from, completions=lengths, top=f.top)  # fmt: skip
+        self.log.event("generate", f.req, stage=self.span, prompt_tokens=len(tokens),
                        replay=len(self.sequences[seq].replay))  # fmt: skip
         if not self.sequences[seq].replay and not await self.at_frontier(seq):
             return
@@ -621,28 +652,26 @@ class Stage:
             await self.on_frontier(s.req)
         return s is not None and self.sequences.get(seq) is s
 
-    async def on_hidden(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
-        f = frame.fields
-        assert frame.array is not None
-        if frame.array.shape[0] == 1 and f.get("first") is None:  # a decode step: batched
-            return self.queue_step(f["seq"], frame.array, int(f["pos"]))
-        cached = int(f.get("cached", 0))
-        if cached and not (self.prefix and self.prefix.outputs(f["first"]["prompt"], cached)):
+    async def on_hidden(self, f: Hidden, h: np.ndarray, writer: asyncio.StreamWriter) -> None:
+        if h.shape[0] == 1 and f.first is None:  # a decode step: batched
+            return self.queue_step(f.seq, h, f.pos)
+        cached = f.cached or 0
+        if cached and not (self.prefix and f.first is not None
+                           and self.prefix.outputs(f.first.prompt, cached)):  # fmt: skip
             # sent without rows this stage does not hold (evicted, or no cache here): the
             # step waits for them, asked of the sender on its own link
-            self._awaiting[f["seq"]] = frame
-            need = {"seq": f["seq"], "ep": self.epoch, "cache": self.prefix is not None}
-            return await write_frame(writer, Frame("need", need))
-        await self.run_layers(f["seq"], frame.array, int(f["pos"]), f.get("first"), cached)
+            self._awaiting[f.seq] = (f, h)
+            need = Need(seq=f.seq, ep=self.epoch, cache=self.prefix is not None)
+            return await write_frame(writer, Frame.of(need))
+        await self.run_layers(f.seq, h, f.pos, f.first, cached)
 
-    async def on_prefix(self, frame: Frame) -> None:
+    async def on_prefix(self, f: Prefix, rows: np.ndarray | None) -> None:
         """The rows a first step was sent without, which this stage asked for: the step runs."""
-        waiting = self._awaiting.pop(frame.fields["seq"], None)
-        if waiting is None or frame.array is None or waiting.array is None:
+        waiting = self._awaiting.pop(f.seq, None)
+        if waiting is None or rows is None:
             return  # let go meanwhile (an end, a reset)
-        f = waiting.fields
-        h = np.concatenate([frame.array, waiting.array])
-        await self.run_layers(f["seq"], h, int(f["pos"]), f["first"])
+        hidden, h = waiting
+        await self.run_layers(hidden.seq, np.concatenate([rows, h]), hidden.pos, hidden.first)
 
     async def read_back(self, reader: asyncio.StreamReader) -> None:
         """What the next stage says on our link to it: only "need" (a first step's rows that
@@ -652,17 +681,20 @@ class Stage:
                 frame = await read_frame(reader, 0)  # a "need" carries no array
             except (OSError, ProtocolError):
                 return
-            if frame is None or frame.type != "need" or "seq" not in frame.fields:
+            if frame is None or frame.type != Need.kind:
                 return
-            if frame.fields.get("ep") != self.epoch:
+            try:
+                need = read(Need, frame.fields, frame.type)
+            except ProtocolError:
+                return
+            if need.ep != self.epoch:
                 continue
-            if frame.fields.get("cache") is False:  # it keeps no prefix: send it all from now
+            if not need.cache:  # it keeps no prefix: send it all from now
                 self._next_caches = False
-            rows = self._unsent.pop(frame.fields["seq"], None)
+            rows = self._unsent.pop(need.seq, None)
             if rows is not None:
                 self.rows_resent += sum(r.shape[0] for r in rows)
-                fields = {"seq": frame.fields["seq"], "ep": self.epoch}
-                await self.send_next(Frame("prefix", fields, np.concatenate(rows)))
+                await self.send_next(Prefix(seq=need.seq, ep=self.epoch), np.concatenate(rows))
 
     # -- continuous batching -----------------------------------------------------------------
     # A decode step does not run when its frame arrives: it joins the stage's ready steps,
@@ -729,7 +761,7 @@ class Stage:
         self.decode_s, self.decode_steps = self.decode_s + t1 - t0, self.decode_steps + len(batch)
         for i, (r, cache) in enumerate(zip(batch, caches, strict=True)):
             cache.length = r.pos + 1
-            out: Any = None
+            out: int | None = None
             if logits is not None:
                 try:
                     out = self.pick(r.seq, logits[i], None)
@@ -746,13 +778,13 @@ class Stage:
             self.tally(r.seq, t0 - r.embed_s, parts)
 
     async def run_layers(
-        self, seq: int, h: np.ndarray, pos: int, first: dict[str, Any] | None, cached: int = 0
+        self, seq: int, h: np.ndarray, pos: int, first: First | None, cached: int = 0
     ) -> None:
         """A step of `seq`: h (T, d) at positions pos.. (a first step's: after `cached` rows
         it was sent without, which this stage holds in its prefix cache)."""
         if first is not None:
-            self.caches[seq] = self.model.new_cache(int(first["capacity"]))
-            self.requests[seq] = str(first.get("req", ""))
+            self.caches[seq] = self.model.new_cache(first.capacity)
+            self.requests[seq] = first.req
         cache = self.caches.get(seq)
         if cache is None:  # dropped by a reset while this frame was on the wire
             return
@@ -763,11 +795,11 @@ class Stage:
         one_row = h.shape[0] == 1
         frame_s, self._frame_s = self._frame_s, None
         embed_s, self._embed_s = self._embed_s, 0.0
-        scoring = first is not None and first.get("score_from") is not None
-        out: Any = None  # the last stage's: a sampled token, or a score
+        scoring = first is not None and first.score_from is not None
+        out: int | Score | None = None  # the last stage's: a sampled token, or a score
         kept = 0  # the rows at the start that this stage's prefix cache gave
         try:
-            self.faults.before_step(self.steps, first.get("prompt", ()) if first else None)
+            self.faults.before_step(self.steps, first.prompt if first else None)
             done = await self.layers_first(seq, np.ascontiguousarray(h, np.float32), cache,
                                            first, cached)  # fmt: skip
             if done is None:  # dropped by a reset between two chunks
@@ -838,7 +870,7 @@ class Stage:
                        self.requests.get(seq))  # fmt: skip
 
     async def layers_first(
-        self, seq: int, h: np.ndarray, cache: KVCache, first: dict[str, Any] | None,
+        self, seq: int, h: np.ndarray, cache: KVCache, first: First | None,
         cached: int = 0,
     ) -> tuple[np.ndarray, int] | None:
         """The layers over a step's rows h (T, d). A scoring sequence's first step with
@@ -854,10 +886,11 @@ class Stage:
         if first is None:
             done = await self.prefill(seq, h, cache)
             return None if done is None else (done, 0)
-        lengths = first.get("completions") or []
+        lengths = first.completions
         base = cache.length
-        n = int(first["score_from"]) if lengths else cached + h.shape[0]  # the prompt's rows
-        prompt = list(first.get("prompt") or [])[:n]
+        n = first.score_from if lengths and first.score_from is not None \
+            else cached + h.shape[0]  # the prompt's rows  # fmt: skip
+        prompt = list(first.prompt)[:n]
         shared = self.prefix if base == 0 and len(prompt) == n else None
         kept = shared.restore(prompt, cache, n - 1) if shared is not None else None
         skip = 0 if kept is None else kept.shape[0]
@@ -921,44 +954,46 @@ class Stage:
             self.log.event("decode", self.requests.get(seq), stage=self.span, **t.event())
 
     async def step_out(
-        self, seq: int, h: np.ndarray, pos: int, first: dict[str, Any] | None, scoring: bool,
-        out: Any, kept: int = 0,
+        self, seq: int, h: np.ndarray, pos: int, first: First | None, scoring: bool,
+        out: int | Score | None, kept: int = 0,
     ) -> None:  # fmt: skip
         """A step's result to where it goes: the hidden state to the next stage (a first
         step's without the `kept` rows this stage's prefix cache gave, which the next
         restores from its own); the last stage's token or score around the ring to stage 0
         (or to itself, when it is both)."""
         if not self.config.last:
-            fields: dict[str, Any] = {"seq": seq, "pos": pos, "ep": self.epoch}
+            cached = None
             if first is not None:
-                fields["first"] = first
-                rows = self.prefix.outputs(first["prompt"], kept) if kept and self.prefix else None
+                rows = self.prefix.outputs(first.prompt, kept) if kept and self.prefix else None
                 if rows is not None and self._next_caches:
-                    self._unsent[seq], fields["cached"], h = rows, kept, h[kept:]
+                    self._unsent[seq], cached, h = rows, kept, h[kept:]
                     self.rows_unsent += kept
-            await self.send_next(Frame("hidden", fields, h))
+            hidden = Hidden(seq=seq, pos=pos, ep=self.epoch, first=first, cached=cached)
+            await self.send_next(hidden, h)
             return
-        if scoring:
+        if isinstance(out, Score):
             if self.config.first:
                 return await self.on_scored(seq, out)
-            return await self.send_next(Frame("scored", {"seq": seq, "ep": self.epoch, **out}))
+            return await self.send_next(Scored(seq=seq, ep=self.epoch, logprobs=out.logprobs,
+                                               detail=out.detail))  # fmt: skip
+        assert out is not None  # the last stage's step made a token (or a score: above)
         token, bits = int(out), self.logit_bits.pop(seq, "")
         if self.config.first:
             await self.on_token(seq, token, bits)
         else:
-            await self.send_next(Frame("token", {"seq": seq, "token": token, "ep": self.epoch,
-                                                 "bits": bits}))  # fmt: skip
+            await self.send_next(Token(seq=seq, token=token, ep=self.epoch, bits=bits))
 
-    def score(self, h: np.ndarray, first: dict[str, Any]) -> dict[str, Any]:
+    def score(self, h: np.ndarray, first: First) -> Score:
         """Log-likelihood of each completion's tokens given the prompt (the tokens from
         `score_from` on, or each of first["completions"] after it): the head over the
         positions that predict them — the prompt's last, then the completion's own but its
         last — in one call for all (the offline-classification path). With first["top"]
         (k, 0..MAX_TOP): each token's too, as `detail` (see `token_detail`)."""
-        ids = np.asarray(first["prompt"], np.int64)
-        n = int(first["score_from"])
-        lengths = first.get("completions") or [len(ids) - n]
-        top = first.get("top")
+        ids = np.asarray(first.prompt, np.int64)
+        assert first.score_from is not None  # a scoring sequence's (run_layers)
+        n = first.score_from
+        lengths = first.completions or [len(ids) - n]
+        top = first.top
         # the prompt's last row once (it predicts every completion's first token: a labels
         # line's one-token labels need no other row), then each completion's own rows; each
         # row's logits are its bits in any batch
@@ -968,29 +1003,32 @@ class Stage:
             start += length - 1
         logits = self.head(np.concatenate(rows)).astype(np.float64)  # (1 + own rows, vocab)
         norms = log_norms(logits)  # each row's once: a labels line's labels share row 0's
-        out, detail, at, start = [], [], 1, n
+        out: list[float] = []
+        detail: list[list[TokenDetail]] = []
+        at, start = 1, n
         for length in lengths:
             own = np.array([0, *range(at, at + length - 1)])  # the rows that predict its tokens
             picked = logits[own, ids[start : start + length]]
             out.append(sum_log_probs(picked, norms[own]))
             if top is not None:
-                detail.append(token_detail(logits[own], norms[own], ids[start:start + length],
-                                           int(top)))  # fmt: skip
+                each = token_detail(logits[own], norms[own], ids[start:start + length], top)
+                detail.append([(float(lp), bool(greedy), [(int(i), float(x)) for i, x in alts])
+                               for lp, greedy, alts in each])  # fmt: skip
             at, start = at + length - 1, start + length
-        return {"logprobs": out} if top is None else {"logprobs": out, "detail": detail}
+        return Score(logprobs=out, detail=None if top is None else detail)
 
-    async def on_scored(self, seq: int, score: dict[str, Any]) -> None:
+    async def on_scored(self, seq: int, score: Score) -> None:
         s = self.sequences.pop(seq, None)
         if s is None:  # dropped by a reset while the score was on the wire
             return
         self.log.event("scored", s.req, stage=self.span,
-                       logprobs=[round(x, 4) for x in score["logprobs"]])  # fmt: skip
-        await s.emit(Frame("score", {"req": s.req, **score}))
+                       logprobs=[round(x, 4) for x in score.logprobs])  # fmt: skip
+        await s.emit(Frame.of(ScoreOut(req=s.req, logprobs=score.logprobs, detail=score.detail)))
         self.release(seq)
         if not self.config.last:
-            await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
+            await self.send_next(End(seq=seq, ep=self.epoch))
 
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+    async def compute(self, fn: Callable[..., T], *args: object) -> T:
         """fn(*args) here, or on the compute thread of an emulated node. While it runs, the
         heartbeat (a thread of its own, worker.py) reports the node busy since `step_since`."""
         self.step_since = time.monotonic()
@@ -1007,10 +1045,10 @@ class Stage:
         since = self.step_since
         return time.monotonic() - since if since is not None else 0.0
 
-    def head_sample(self, seq: int, h: np.ndarray, first: dict[str, Any] | None) -> int:
+    def head_sample(self, seq: int, h: np.ndarray, first: First | None) -> int:
         return self.pick(seq, self.head(h[-1:])[-1], first)
 
-    def pick(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
+    def pick(self, seq: int, logits: np.ndarray, first: First | None) -> int:
         """The next token of `seq` from its last position's logits (vocab,): the sampler,
         the logits' digest for --verify, and the test hook that corrupts outputs."""
         digest = hashlib.sha256(np.ascontiguousarray(logits).tobytes()).hexdigest()
@@ -1018,9 +1056,9 @@ class Stage:
         token = self.sample(seq, logits, first)
         return self.faults.token(seq, token, first is not None, int(self.model.config.vocab_size))
 
-    def sample(self, seq: int, logits: np.ndarray, first: dict[str, Any] | None) -> int:
+    def sample(self, seq: int, logits: np.ndarray, first: First | None) -> int:
         if first is not None:
-            self.samplers[seq] = new_sampler(first["sampling"], first["prompt"])
+            self.samplers[seq] = new_sampler(first.sampling, first.prompt)
         params, rng, history, n_prompt = self.samplers[seq]  # present: created with the cache
         try:
             token = sample(logits, params, rng, history, n_prompt)
@@ -1045,7 +1083,7 @@ class Stage:
             return await self.finish(seq, "stop_token")
         s.tokens.append(token)
         if not replaying:
-            await s.emit(Frame("token", {"req": s.req, "token": token}))
+            await s.emit(Frame.of(TokenOut(req=s.req, token=token)))
         if len(s.tokens) >= s.max_tokens:
             return await self.finish(seq, "max_tokens")
         if replaying and not s.replay and self.on_frontier is not None:  # replayed up to
@@ -1062,10 +1100,10 @@ class Stage:
         self.log_decode(seq, pop=True)
         s = self.sequences.pop(seq)
         self.log.event("done", s.req, stage=self.span, reason=reason, tokens=len(s.tokens))
-        await s.emit(Frame("done", {"req": s.req, "reason": reason, "bits": s.bits}))
+        await s.emit(Frame.of(Done(req=s.req, reason=reason, bits=s.bits)))
         self.release(seq)
         if not self.config.last:
-            await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
+            await self.send_next(End(seq=seq, ep=self.epoch))
 
     async def fail_request(self, seq: int, message: str) -> None:
         """The job's own data failed a step (here, or at a later stage that said so with a
@@ -1073,16 +1111,15 @@ class Stage:
         its client (the head: that job's attempt failed). No node is at fault."""
         if not self.config.first:
             self._drop(seq)
-            return await self.send_next(Frame("failed", {"seq": seq, "message": message,
-                                                         "ep": self.epoch}))  # fmt: skip
+            return await self.send_next(Failed(seq=seq, ep=self.epoch, message=message))
         s = self.sequences.pop(seq, None)
         if s is None:  # dropped by a reset or cancelled meanwhile
             return
         self.log.event("failed", s.req, stage=self.span, why=message[:200])
-        await s.emit(Frame("error", {"req": s.req, "message": message, "fault": "job"}))
+        await s.emit(Frame.of(ErrorOut(req=s.req, message=message, fault="job")))
         self.release(seq)
         if not self.config.last:  # the stages before the one that failed hold it too
-            await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
+            await self.send_next(End(seq=seq, ep=self.epoch))
 
     def activity(self, req: str | None = None) -> float | None:
         """When a step of the request (or of a scoring job's `req#i`; without one, of any
@@ -1105,7 +1142,7 @@ class Stage:
             self.log.event("cancelled", s.req, stage=self.span)
             self.release(seq)
             if not self.config.last:
-                await self.send_next(Frame("end", {"seq": seq, "ep": self.epoch}))
+                await self.send_next(End(seq=seq, ep=self.epoch))
         return len(seqs)
 
     @property
@@ -1125,19 +1162,18 @@ class Stage:
     def release(self, seq: int) -> None:
         self._drop(seq)
         if not self.config.last and not self.config.first:
-            end = Frame("end", {"seq": seq, "ep": self.epoch})
-            asyncio.get_running_loop().create_task(self.send_next(end))
+            asyncio.get_running_loop().create_task(self.send_next(End(seq=seq, ep=self.epoch)))
 
 
 def new_sampler(
-    sampling: dict[str, Any], prompt: list[int]
+    sampling: Sampling, prompt: list[int]
 ) -> tuple[SamplingParams, np.random.Generator, list[int], int]:
     """A sequence's sampler: its parameters, its seeded generator and the tokens it has seen;
     JobError (the request's fault, named) when the parameters cannot be used."""
     try:
-        params = SamplingParams(**sampling)
+        params = sampling_params(sampling)
     except (TypeError, ValueError, RequestError) as exc:
-        raise JobError(f"sampling {sampling}: {exc}") from None
+        raise JobError(f"sampling {fields(sampling)}: {exc}") from None
     try:
         rng = np.random.default_rng(params.seed)
     except (TypeError, ValueError) as exc:
@@ -1149,7 +1185,7 @@ def new_sampler(
 async def _connect(
     host: str, port: int, token: bytes | None, peer: str, attempts: int = 20,
     still: Callable[[], bool] = lambda: True, tls: ssl.SSLContext | None = None,
-) -> tuple[Any, Any]:
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Connect, retrying for about a second (a replacement may be starting), while `still`."""
     for _ in range(attempts):
         if not still():
@@ -1194,12 +1230,11 @@ def load_stage_model(config: StageConfig) -> Model:
     return model
 
 
-def check_cached(fields: dict[str, Any]) -> None:
+def check_cached(hidden: Hidden) -> None:
     """ProtocolError unless a 'hidden' frame's "cached" (the rows it was sent without) is a
     whole number of prefix blocks within its first step's prompt."""
-    cached, first = fields["cached"], fields.get("first")
-    prompt = first.get("prompt") if isinstance(first, dict) else None
-    if not (type(cached) is int and isinstance(prompt, list) and 0 < cached < len(prompt)
+    cached, first = hidden.cached, hidden.first
+    if not (cached is not None and first is not None and 0 < cached < len(first.prompt)
             and cached % BLOCK_TOKENS == 0):  # fmt: skip
         raise ProtocolError(f"a 'hidden' frame's cached {str(cached)[:20]} is not a whole "
                             "number of prefix blocks of its first step's prompt")  # fmt: skip
@@ -1216,16 +1251,30 @@ def scoring_rows(n: int, lengths: list[int]) -> np.ndarray:
     return np.concatenate(keep)
 
 
-def detail_ok(detail: Any, completions: int) -> bool:
-    """A peer's `detail` has the shape token_detail makes, one list per completion."""
-    def token(e: Any) -> bool:
-        return (isinstance(e, list) and len(e) == 3 and isinstance(e[0], int | float)
-                and isinstance(e[1], bool) and isinstance(e[2], list) and len(e[2]) <= MAX_TOP
-                and all(isinstance(a, list) and len(a) == 2 and type(a[0]) is int
-                        and isinstance(a[1], int | float) for a in e[2]))  # fmt: skip
+def detail_ok(detail: list[list[TokenDetail]], completions: int) -> bool:
+    """A peer's `detail` (its types read: protocol/dataplane.TokenDetail) is one list per
+    completion, each token's top at most MAX_TOP long, as token_detail makes it."""
+    return len(detail) == completions and all(len(e[2]) <= MAX_TOP for c in detail for e in c)
 
-    return (isinstance(detail, list) and len(detail) == completions
-            and all(isinstance(c, list) and all(token(e) for e in c) for c in detail))
+
+def sampling_params(s: Sampling) -> SamplingParams:
+    """The sampler's parameters: those set, over the engine's defaults (greedy)."""
+    d = SamplingParams  # its fields' defaults (class attributes of the dataclass)
+    return SamplingParams(
+        temperature=d.temperature if s.temperature is None else s.temperature,
+        top_k=d.top_k if s.top_k is None else s.top_k,
+        top_p=d.top_p if s.top_p is None else s.top_p,
+        min_p=d.min_p if s.min_p is None else s.min_p,
+        repetition_penalty=_or(s.repetition_penalty, d.repetition_penalty),
+        seed=s.seed,
+        presence_penalty=_or(s.presence_penalty, d.presence_penalty),
+        frequency_penalty=_or(s.frequency_penalty, d.frequency_penalty),
+        logit_bias=d.logit_bias if s.logit_bias is None else tuple(s.logit_bias),
+    )
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def stage_selection(config: StageConfig) -> Selection:

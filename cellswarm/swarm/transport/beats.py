@@ -28,21 +28,62 @@ with the cluster's certificates (`server_config` writes nats-server's file for b
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.auth import digest
 from cellswarm.swarm.protocol.messages import Heartbeat, decode
 from cellswarm.swarm.transport.wire import check_numbers
 
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+
 log = logging.getLogger("cellswarm.beats")
+T = TypeVar("T")
+
+
+class _Node(Protocol):
+    @property
+    def node_id(self) -> str: ...
+
+
+N = TypeVar("N", bound=_Node)  # the coordinator's record of a node (control/store.py: Node)
+
+
+class _TlsConfig(Protocol):
+    @property
+    def tls_dir(self) -> str | None: ...
+
+
+class Coordinator(Protocol[N]):
+    """What answering beats needs of the coordinator (control/coordinator.py): a seam, so
+    transport imports nothing of control (tests/test_layers.py)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def token(self) -> bytes | None: ...
+    @property
+    def config(self) -> _TlsConfig: ...
+    @property
+    def core(self) -> concurrent.futures.Executor: ...
+    @property
+    def beats_via(self) -> dict[str, int]: ...
+    def authenticate(self, node_id: str, session: str) -> N: ...
+    def authenticate_sealed(self, beat: Mapping[str, object], mac: str,
+                            raw: bytes) -> tuple[N, bytes, int]: ...  # fmt: skip
+    def held_sealed(self, env: Mapping[str, object], mac: str, raw: bytes) -> bytes | None: ...
+    def heartbeat(self, node: N, beat: Heartbeat) -> dict[str, object]: ...
 
 SUBJECT = "cellswarm.beats"
 QUEUE_GROUP = "coordinators"
@@ -54,11 +95,11 @@ MAC_HEX = 64  # a seal's length: SHA-256 in hex
 BEAT_ANSWER_S = 1.0
 
 
-def beat_batch(coord: Any, d: dict[str, Any], via: str) -> dict[str, Any]:
+def beat_batch(coord: Coordinator[N], d: Mapping[str, object], via: str) -> dict[str, object]:
     """The answers to a batch of beats that came `via` http (counted per beat in the
     coordinator's metrics); raises PermissionError for a stranger sender."""
     coord.authenticate(str(d["node_id"]), str(d["session"]))
-    answers: list[dict[str, Any]] = []
+    answers: list[object] = []
     for beat in _beats(d):
         try:
             if not isinstance(beat, dict):
@@ -71,7 +112,7 @@ def beat_batch(coord: Any, d: dict[str, Any], via: str) -> dict[str, Any]:
     return {"answers": answers}
 
 
-def _beats(d: dict[str, Any]) -> list[Any]:
+def _beats(d: Mapping[str, object]) -> list[object]:
     beats = d.get("beats")
     if not isinstance(beats, list) or len(beats) > MAX_BEATS:
         raise RequestError(f"a heartbeat batch is an object with a list of at most "
@@ -79,7 +120,7 @@ def _beats(d: dict[str, Any]) -> list[Any]:
     return beats
 
 
-def _error(exc: Exception) -> dict[str, Any]:
+def _error(exc: Exception) -> dict[str, object]:
     return {"error": f"a beat needs {exc}" if isinstance(exc, KeyError) else str(exc)}
 
 
@@ -99,12 +140,12 @@ def nats_password(token: bytes) -> str:
     return hmac.new(token, b"cellswarm nats password", hashlib.sha256).hexdigest()
 
 
-def seal(key: bytes, body: dict[str, Any]) -> bytes:
+def seal(key: bytes, body: Mapping[str, object]) -> bytes:
     data = json.dumps(body, separators=(",", ":")).encode()
     return hmac.new(key, data, hashlib.sha256).hexdigest().encode() + b"\n" + data
 
 
-def unseal(data: bytes) -> tuple[str, bytes, dict[str, Any]]:
+def unseal(data: bytes) -> tuple[str, bytes, dict[str, object]]:
     """(seal, the bytes it covers, their JSON object) of a sealed message; RequestError
     when it is not one. Whether the seal holds needs the key: `holds`."""
     mac, sep, raw = data.partition(b"\n")
@@ -120,7 +161,7 @@ def unseal(data: bytes) -> tuple[str, bytes, dict[str, Any]]:
     return mac.decode("ascii", "replace"), raw, body
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number")
 
 
@@ -128,12 +169,12 @@ def holds(key: bytes, mac: str, raw: bytes) -> bool:
     return hmac.compare_digest(hmac.new(key, raw, hashlib.sha256).hexdigest(), mac)
 
 
-def sealed_batch(coord: Any, data: bytes) -> bytes:
+def sealed_batch(coord: Coordinator[N], data: bytes) -> bytes:
     """The sealed answer to a sealed batch from NATS (on the core thread). PermissionError
     for a sender whose seal or sequence does not hold — it cannot be answered sealed."""
     mac, raw, env = unseal(data)
     sender, key, seq = coord.authenticate_sealed(env, mac, raw)
-    answers: list[dict[str, Any]] = []
+    answers: list[object] = []
     for beat in _beats(env):
         try:
             if isinstance(beat, dict) and beat.get("node_id") == sender.node_id:
@@ -163,7 +204,7 @@ def check_control_url(url: str, tls_dir: str | Path | None = None) -> str:
 
 
 async def connect(url: str, name: str, token: bytes | None, tls_dir: str | Path | None,
-                  within_s: float, **options: Any) -> Any:  # fmt: skip
+                  within_s: float, connect_timeout: int = 2) -> Client:  # fmt: skip
     """A NATS connection as a member, or ConnectionError/OSError within `within_s`: the
     cluster's user and password when there is a token, mutual TLS with --tls, reconnecting
     on its own once made (nats-py would retry a first connect forever: bounded here). With
@@ -190,13 +231,13 @@ async def connect(url: str, name: str, token: bytes | None, tls_dir: str | Path 
     async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per retry otherwise
         log.debug("NATS at %s: %s", url, exc)
 
-    if token:
-        options.update(user=NATS_USER, password=password)
-    if tls_dir is not None:
-        options["tls"] = client_context(tls_dir)
+    tls = client_context(tls_dir) if tls_dir is not None else None
     try:
         await asyncio.wait_for(nc.connect(url, name=name, error_cb=quiet,
-                                          max_reconnect_attempts=-1, **options),
+                                          max_reconnect_attempts=-1,
+                                          connect_timeout=connect_timeout,
+                                          user=NATS_USER if token else None,
+                                          password=password if token else None, tls=tls),
                                within_s)  # fmt: skip
     except TimeoutError:
         why = nc._err
@@ -207,17 +248,17 @@ async def connect(url: str, name: str, token: bytes | None, tls_dir: str | Path 
     return nc
 
 
-async def subscribe(coord: Any, url: str) -> Any:
+async def subscribe(coord: Coordinator[N], url: str) -> asyncio.Task[None]:
     """Answer beats arriving on NATS (in the coordinators' queue group), connecting in
     the background until NATS answers (a NATS outage at start is one like any other: the
     coordinator serves HTTP meanwhile); the task, cancelled at shutdown."""
     return asyncio.create_task(_subscribed(coord, url))
 
 
-async def _subscribed(coord: Any, url: str) -> None:
+async def _subscribed(coord: Coordinator[N], url: str) -> None:
     import nats.errors
 
-    async def handle(msg: Any) -> None:
+    async def handle(msg: Msg) -> None:
         await msg.respond(await answer(coord, msg.data))
 
     tls_dir = coord.config.tls_dir
@@ -240,7 +281,7 @@ async def _subscribed(coord: Any, url: str) -> None:
             await nc.close()
 
 
-async def answer(coord: Any, data: bytes) -> bytes:
+async def answer(coord: Coordinator[N], data: bytes) -> bytes:
     """What the coordinator replies to one NATS message: sealed answers, "held" ones when
     the core is busy longer than BEAT_ANSWER_S, or an unsealed error (which a node takes
     for no answer, and beats over HTTP, where a real refusal is said)."""
@@ -257,13 +298,13 @@ async def answer(coord: Any, data: bytes) -> bytes:
             work.add_done_callback(settled)
             return held
     except PermissionError as exc:
-        reply: dict[str, Any] = {"error": str(exc), "status": 401}
+        reply: dict[str, object] = {"error": str(exc), "status": 401}
     except (RequestError, KeyError, ValueError, TypeError) as exc:
         reply = {"error": f"bad heartbeat batch: {exc}", "status": 400}
     return json.dumps(reply, separators=(",", ":")).encode()
 
 
-def settled(work: asyncio.Future[Any]) -> None:
+def settled(work: asyncio.Future[T]) -> None:
     """A held beat's own outcome, read so that its error (a session gone since) is not
     reported as never retrieved: the node hears of it on its next beat."""
     if not work.cancelled():
@@ -283,12 +324,12 @@ class NatsBeats:
                  tls_dir: str | Path | None = None) -> None:  # fmt: skip
         self.url, self.name = check_control_url(url, tls_dir), name
         self.token, self.tls_dir = token, tls_dir
-        self.nc: Any = None
+        self.nc: Client | None = None
         self.failed_at = -float("inf")
         self.seq = time.time_ns() // 1000  # grows across restarts too; each beat adds one
         self.said = ""  # the last complaint logged, so it is logged once
 
-    async def beat(self, beat: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+    async def beat(self, beat: Mapping[str, object], timeout_s: float) -> dict[str, object] | None:
         import nats.errors
 
         try:
@@ -311,7 +352,7 @@ class NatsBeats:
             return None
         return self._answer(key, msg.data)
 
-    def _answer(self, key: bytes, data: bytes) -> dict[str, Any] | None:
+    def _answer(self, key: bytes, data: bytes) -> dict[str, object] | None:
         try:
             mac, raw, reply = unseal(data)
         except RequestError:  # a refusal (said unsealed) or not the coordinator at all
@@ -320,7 +361,10 @@ class NatsBeats:
         if not holds(key, mac, raw) or reply.get("seq") != self.seq:
             self._say(f"an answer on {self.url} whose seal does not hold: ignored")
             return None
-        answer: dict[str, Any] = reply["answers"][0]
+        answers = reply.get("answers")
+        answer = answers[0] if isinstance(answers, list) and answers else None
+        if not isinstance(answer, dict):  # (its seal held: the coordinator's own bug)
+            raise TypeError(f"a sealed answer on {self.url} holds no beat's answer")
         if "error" in answer:
             raise PermissionError(str(answer["error"]))
         self.said = ""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -25,6 +25,7 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from cellswarm.swarm.api.dashboard import views
 from cellswarm.swarm.api.schema import NotFound
+from cellswarm.swarm.protocol.jsonvalue import JsonObject
 
 if TYPE_CHECKING:
     from cellswarm.swarm.control.coordinator import Coordinator
@@ -38,7 +39,7 @@ TEMPLATES = jinja2.Environment(
 )  # fmt: skip
 
 
-def render(name: str, **values: Any) -> HTMLResponse:
+def render(name: str, **values: object) -> HTMLResponse:
     return HTMLResponse(TEMPLATES.get_template(name).render(**values))
 
 
@@ -52,7 +53,7 @@ def add_dashboard_routes(app: FastAPI, coord: Coordinator, api_keys: bool) -> No
                 message="the dashboard needs an admin's API key"), status_code=403)
         return None
 
-    async def looked() -> dict[str, Any]:
+    async def looked() -> JsonObject:
         """The status, with the throughput and each node's rate sampled from it."""
         status = await coord.on_core(coord.status)
         throughput.sample(views.tokens_so_far(status))
@@ -77,7 +78,7 @@ def add_dashboard_routes(app: FastAPI, coord: Coordinator, api_keys: bool) -> No
         status = await looked()
         return render("nodes.html", status=status, racks=views.racks(status, rates),
                       rings=views.rings(status, rates),
-                      bottlenecks=[views.bottleneck_text(b) for b in status["bottlenecks"]])
+                      bottlenecks=views.bottleneck_texts(status))
 
     @app.get("/dashboard/throughput", response_class=HTMLResponse)
     async def charts(request: Request, range: int = 300) -> HTMLResponse:

@@ -6,10 +6,62 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cellswarm.swarm.control.request_metrics import Ended
 
 STATE_ORDER = ("assigned", "spare", "offline", "refused", "lost")
+
+
+# -- the status's JSON values, as the views read them ---------------------------------------
+
+
+def objects(value: object, what: str = "nodes") -> list[Mapping[str, object]]:
+    """A list of objects of the status (its nodes, its bottlenecks)."""
+    if not isinstance(value, list | tuple):
+        raise TypeError(f"{what} is {type(value).__name__}, not a list")
+    return [mapping(v, what) for v in value]
+
+
+def mapping(value: object, what: str = "stats") -> Mapping[str, object]:
+    """An object of the status (a node, its stats); {} for one that is null or empty."""
+    if not value:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{what} is {type(value).__name__}, not an object")
+    return value
+
+
+def number(value: object) -> float:
+    """A JSON number (or numeric text) as `float()` reads it."""
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"{value!r} is not a number")
+    return float(value)
+
+
+def whole(value: object) -> int:
+    """A JSON number (or numeric text) as `int()` reads it."""
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"{value!r} is not a number")
+    return int(value)
+
+
+def layer_pair(layers: object) -> tuple[object, int]:
+    """A node's "layers" [lo, hi): lo as it came, hi (exclusive) a whole number."""
+    if not isinstance(layers, list | tuple):
+        raise TypeError(f"layers is {type(layers).__name__}, not a pair")
+    return layers[0], whole(layers[1])
+
+
+def layer_span(layers: object) -> str:
+    """"lo..hi-1" of a node's layers; "" when it holds none."""
+    if not layers:
+        return ""
+    lo, hi = layer_pair(layers)
+    return f"{lo}..{hi - 1}"
 
 
 @dataclass(frozen=True)
@@ -44,10 +96,10 @@ class NodeRates:
         self.last: dict[str, tuple[float, int]] = {}
         self.rate: dict[str, float] = {}
 
-    def sample(self, status: dict[str, Any], now_s: float | None = None) -> None:
+    def sample(self, status: Mapping[str, object], now_s: float | None = None) -> None:
         now_s = time.monotonic() if now_s is None else now_s
-        for n in status["nodes"]:
-            node, steps = str(n["node_id"]), int((n.get("stats") or {}).get("decode_steps") or 0)
+        for n in objects(status["nodes"]):
+            node, steps = str(n["node_id"]), whole(mapping(n.get("stats")).get("decode_steps") or 0)
             before = self.last.get(node)
             if before is None or steps < before[1]:
                 self.last[node] = (now_s, steps)
@@ -56,10 +108,10 @@ class NodeRates:
                 self.last[node] = (now_s, steps)
 
 
-def racks(status: dict[str, Any], rates: NodeRates | None = None) -> list[RackView]:
+def racks(status: Mapping[str, object], rates: NodeRates | None = None) -> list[RackView]:
     """Nodes grouped by rack (a node's --rack), else by host; each group in state order."""
     groups: dict[str, list[NodeView]] = {}
-    for n in status["nodes"]:
+    for n in objects(status["nodes"]):
         view = node_view(n, rates)
         rack = n.get("rack") or f"host {str(n.get('address') or '?').rsplit(':', 1)[0]}"
         groups.setdefault(str(rack), []).append(view)
@@ -68,26 +120,27 @@ def racks(status: dict[str, Any], rates: NodeRates | None = None) -> list[RackVi
             for name, nodes in sorted(groups.items())]  # fmt: skip
 
 
-def node_view(n: dict[str, Any], rates: NodeRates | None = None) -> NodeView:
+def node_view(n: Mapping[str, object], rates: NodeRates | None = None) -> NodeView:
     """One node as the map and the ring show it."""
     from cellswarm.units import format_bytes
 
-    stats, node = n.get("stats") or {}, str(n["node_id"])
+    stats, node = mapping(n.get("stats")), str(n["node_id"])
     lo_hi = n.get("layers")
-    budget, rss = int(n.get("memory_bytes") or 0), int(n.get("rss_bytes") or 0)
-    steps = int(stats.get("decode_steps") or 0)
+    budget, rss = whole(n.get("memory_bytes") or 0), whole(n.get("rss_bytes") or 0)
+    steps = whole(stats.get("decode_steps") or 0)
     rate = rates.rate.get(node) if rates is not None else None
-    done, total = int(stats.get("fetch_done_bytes") or 0), int(stats.get("fetch_total_bytes") or 0)
+    done = whole(stats.get("fetch_done_bytes") or 0)
+    total = whole(stats.get("fetch_total_bytes") or 0)
     fetching = total > 0 and done < total
     return NodeView(
         node_id=node, state=str(n["state"]), holds=str(n.get("holds") or "-"),
-        layers=f"{lo_hi[0]}..{int(lo_hi[1]) - 1}" if lo_hi else "",
+        layers=layer_span(lo_hi),
         memory_pct=100.0 * rss / budget if budget else 0.0,
         memory=f"{format_bytes(rss)} of {format_bytes(budget)}" if budget else format_bytes(rss),
-        step_ms=f"{1e3 * float(stats['decode_s']) / steps:.1f} ms" if steps else "-",
-        temp=f"{float(stats['temp_c']):.0f} C" if stats.get("temp_c") is not None else "",
+        step_ms=f"{1e3 * number(stats['decode_s']) / steps:.1f} ms" if steps else "-",
+        temp=f"{number(stats['temp_c']):.0f} C" if stats.get("temp_c") is not None else "",
         message=str(n.get("message") or ""), address=str(n.get("address") or ""),
-        beat=f"{float(n.get('last_seen_s_ago') or 0):.1f} s ago",
+        beat=f"{number(n.get('last_seen_s_ago') or 0):.1f} s ago",
         tok_s="-" if rate is None else f"{rate:.1f}",
         fetch_pct=100.0 * done / total if fetching else None,
         fetch=f"{format_bytes(done)} of {format_bytes(total)}" if fetching else "",
@@ -102,31 +155,37 @@ class RingView:
     stages: list[NodeView]
 
 
-def rings(status: dict[str, Any], rates: NodeRates | None = None) -> list[RingView]:
+def rings(status: Mapping[str, object], rates: NodeRates | None = None) -> list[RingView]:
     by_replica: dict[int, list[tuple[int, NodeView]]] = {}
-    for n in status["nodes"]:
+    for n in objects(status["nodes"]):
         if n.get("state") == "assigned" and n.get("stage") is not None:
-            by_replica.setdefault(int(n.get("replica") or 0), []).append(
-                (int(n["stage"]), node_view(n, rates)))  # fmt: skip
+            by_replica.setdefault(whole(n.get("replica") or 0), []).append(
+                (whole(n["stage"]), node_view(n, rates)))  # fmt: skip
     return [RingView(r, [v for _, v in sorted(stages, key=lambda x: x[0])])
             for r, stages in sorted(by_replica.items())]  # fmt: skip
 
 
-def bottleneck_text(b: dict[str, Any]) -> str:
+def bottleneck_text(b: Mapping[str, object]) -> str:
     """A ring's slowest stage in words: "stage 1 on worker-2: 41.2 ms a step (1.8x the
     median)"."""
-    return (f"stage {b.get('stage')} on {b.get('node_id')}: {float(b.get('step_ms') or 0):.1f} "
-            f"ms a step ({float(b.get('times_median') or 0):.1f}x the median)")
+    return (f"stage {b.get('stage')} on {b.get('node_id')}: {number(b.get('step_ms') or 0):.1f} "
+            f"ms a step ({number(b.get('times_median') or 0):.1f}x the median)")
 
 
-def tokens_so_far(status: dict[str, Any]) -> int:
+def bottleneck_texts(status: Mapping[str, object]) -> list[str]:
+    """Each ring's slowest stage in words (`bottleneck_text`)."""
+    return [bottleneck_text(b) for b in objects(status["bottlenecks"], "bottlenecks")]
+
+
+def tokens_so_far(status: Mapping[str, object]) -> int:
     """Tokens the swarm has produced: decode steps of the nodes holding a ring's last layer."""
-    ends = [int(n["layers"][1]) for n in status["nodes"] if n.get("layers")]
+    nodes = objects(status["nodes"])
+    ends = [layer_pair(n["layers"])[1] for n in nodes if n.get("layers")]
     if not ends:
         return 0
     last = max(ends)
-    return sum(int((n.get("stats") or {}).get("decode_steps") or 0) for n in status["nodes"]
-               if n.get("layers") and int(n["layers"][1]) == last)  # fmt: skip
+    return sum(whole(mapping(n.get("stats")).get("decode_steps") or 0) for n in nodes
+               if n.get("layers") and layer_pair(n["layers"])[1] == last)  # fmt: skip
 
 
 RANGES_S = (60, 300, 900)  # the charts' time ranges: 1, 5, 15 minutes
@@ -187,7 +246,7 @@ class Throughput:
         return chart(self.series(), now_s, range_s, "tok/s")
 
 
-def latency_chart(recent: list[Any], range_s: float, now_s: float | None = None) -> Chart:
+def latency_chart(recent: Sequence[Ended], range_s: float, now_s: float | None = None) -> Chart:
     """End-to-end seconds of the requests done lately, by when they ended (wall clock)."""
     now_s = time.time() if now_s is None else now_s
     done = [(e.ended_s, e.e2e_s) for e in recent if e.state == "done" and e.e2e_s is not None]
@@ -205,7 +264,7 @@ class RequestView:
     batch: str
 
 
-def request_rows(recent: list[Any], limit: int = 15,
+def request_rows(recent: Sequence[Ended], limit: int = 15,
                  now_s: float | None = None) -> list[RequestView]:  # fmt: skip
     """The requests that ended lately, newest first."""
     now_s = time.time() if now_s is None else now_s
@@ -240,17 +299,18 @@ class BatchView:
     eta: str  # "ETA 40 s", "finished", "waiting: nothing ran yet"
 
 
-def batch_rows(infos: list[dict[str, Any]], now_s: float | None = None) -> list[BatchView]:
+def batch_rows(infos: Sequence[Mapping[str, object]],
+               now_s: float | None = None) -> list[BatchView]:  # fmt: skip
     now_s = time.time() if now_s is None else now_s
     out = []
     for b in infos:
-        c, total = b["counts"], int(b["total"])
-        finished = sum(int(c.get(s, 0)) for s in ("done", "dead", "cancelled"))
+        c, total = mapping(b["counts"], "counts"), whole(b["total"])
+        finished = sum(whole(c.get(s, 0)) for s in ("done", "dead", "cancelled"))
         detail = ", ".join(f"{n} {s}" for s, n in c.items() if n)
-        segments = [(s, 100.0 * int(c.get(s, 0)) / total if total else 0.0, int(c.get(s, 0)))
+        segments = [(s, 100.0 * whole(c.get(s, 0)) / total if total else 0.0, whole(c.get(s, 0)))
                     for s in BATCH_STATES if c.get(s)]  # fmt: skip
-        end_s = float(b.get("last_s") or now_s) if finished >= total else now_s
-        elapsed = max(end_s - float(b.get("created_s") or end_s), 1e-3)
+        end_s = number(b.get("last_s") or now_s) if finished >= total else now_s
+        elapsed = max(end_s - number(b.get("created_s") or end_s), 1e-3)
         rate = finished / elapsed
         left = total - finished
         eta = ("finished" if not left else f"ETA {left / rate:.0f} s" if rate > 0
@@ -273,19 +333,19 @@ class EventView:
     lane: int = 0  # the node's colour
 
 
-def timeline_rows(events: list[dict[str, Any]]) -> list[EventView]:
+def timeline_rows(events: Sequence[Mapping[str, object]]) -> list[EventView]:
     """A request's events in time order, each a bar from it to the next (a waterfall: the
     hops from the coordinator through each stage and back)."""
     if not events:
         return []
-    t0 = float(events[0]["ts"])
-    span = max(float(events[-1]["ts"]) - t0, 1e-6)
+    t0 = number(events[0]["ts"])
+    span = max(number(events[-1]["ts"]) - t0, 1e-6)
     skip = {"ts", "node", "request_id", "event", "node_ts", "clock_offset_s", "clock_error_s"}
     lanes: dict[str, int] = {}
     out = []
     for i, e in enumerate(events):
-        at = float(e["ts"]) - t0
-        nxt = float(events[i + 1]["ts"]) - t0 if i + 1 < len(events) else at
+        at = number(e["ts"]) - t0
+        nxt = number(events[i + 1]["ts"]) - t0 if i + 1 < len(events) else at
         lane = lanes.setdefault(str(e["node"]), len(lanes) % 6)
         out.append(EventView(f"{1e3 * at:.1f}", str(e["node"]), str(e["event"]),
                              " ".join(f"{k}={v}" for k, v in e.items() if k not in skip),
