@@ -13,12 +13,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import ParamSpec, TypeVar
 
+import msgspec
+
 from cellswarm.errors import StorageFullError
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.joining import Joining
 from cellswarm.swarm.control.membership import layout_complete, part_nodes, replicas, ring
 from cellswarm.swarm.control.state import PEER_ID
 from cellswarm.swarm.control.store import Node
+from cellswarm.swarm.protocol.dataplane import PartAddress, PartReset, Reset
 from cellswarm.swarm.ring.frames import reset_stage
 
 log = logging.getLogger("cellswarm.coordinator")
@@ -77,28 +80,28 @@ class Wiring(Joining):
         stages, parts = ring(nodes, replica), part_nodes(nodes, replica)
         callers = [PEER_ID, *(n.node_id for n in stages)]
         for node in parts:
-            if not await self._reset(node, {"epoch": epoch, "peers": callers}):
+            if not await self._reset(node, PartReset(epoch=epoch, peers=callers)):
                 await self.on_core(self.lose, node, "did not answer its reset")
                 return False
-        addressed = [
-            {**((n.shard and n.shard.spec) or {}), "node_id": n.node_id, "host": n.host,
-             "port": n.data_port}
+        addressed = [  # a part's spec (ring/parts.py: PartSpec) and where it listens
+            msgspec.convert({**((n.shard and n.shard.spec) or {}), "node_id": n.node_id,
+                             "host": n.host, "port": n.data_port}, PartAddress)
             for n in parts
-        ]
+        ]  # fmt: skip
         for k in reversed(range(len(stages))):
             node, nxt, prev = stages[k], stages[(k + 1) % len(stages)], stages[k - 1]
-            fields = {"epoch": epoch, "next_host": nxt.host, "next_port": nxt.data_port,
-                      "peers": [PEER_ID, prev.node_id], "parts": addressed}  # fmt: skip
-            if not await self._reset(node, fields):
+            reset = Reset(epoch=epoch, next_host=nxt.host, next_port=nxt.data_port,
+                          peers=[PEER_ID, prev.node_id], parts=addressed)  # fmt: skip
+            if not await self._reset(node, reset):
                 await self.on_core(self.lose, node, "did not answer its reset")
                 return False
         return True
 
-    async def _reset(self, node: Node, fields: dict[str, object]) -> bool:
+    async def _reset(self, node: Node, reset: Reset | PartReset) -> bool:
         assert node.data_port is not None
-        if self.epoch != fields["epoch"]:  # a newer epoch (maybe a newer leader's): stop;
+        if self.epoch != reset.epoch:  # a newer epoch (maybe a newer leader's): stop;
             return True  # a stale reset must never take a stage back to an older epoch
-        return await reset_stage(node.host, node.data_port, fields, self.token, PEER_ID,
+        return await reset_stage(node.host, node.data_port, reset, self.token, PEER_ID,
                                  tls=self.tls)  # fmt: skip
 
     async def on_core(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

@@ -21,7 +21,7 @@ from cellswarm.engine.sampling import SamplingParams
 from cellswarm.errors import BudgetError, RequestError, SwarmError
 from cellswarm.swarm import policy
 from cellswarm.swarm.auth import load_token
-from cellswarm.swarm.protocol.dataplane import Done, TokenOut, read
+from cellswarm.swarm.protocol.dataplane import Done, Reset, TokenOut, read
 from cellswarm.swarm.ring.costs import part_specs
 from cellswarm.swarm.ring.frames import Frame, connect, read_frame, reset_stage, write_frame
 from cellswarm.swarm.ring.parts import PartConfig
@@ -254,7 +254,7 @@ class LocalPipeline:
             self.restarts += 1
         for k, cfg in enumerate(self.configs):
             if self.procs[k].poll() is None and await reset_stage(
-                "127.0.0.1", cfg.listen_port, {"epoch": self.epoch}, self.token
+                "127.0.0.1", cfg.listen_port, Reset(epoch=self.epoch), self.token
             ):
                 continue
             self.failures[k] += 1
@@ -269,7 +269,7 @@ class LocalPipeline:
             self.procs[k] = self._spawn(cfg)
             self._await_ready(self.procs[k])
             self.restarts += 1
-            if not await reset_stage("127.0.0.1", cfg.listen_port, {"epoch": self.epoch},
+            if not await reset_stage("127.0.0.1", cfg.listen_port, Reset(epoch=self.epoch),
                                      self.token):  # fmt: skip
                 raise ConnectionError(f"the replacement stage for layers {cfg.layers} is silent")
 

@@ -18,7 +18,6 @@ import socket
 import ssl
 import struct
 import zlib
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -316,14 +315,14 @@ def connect_sync(
 
 
 async def reset_stage(
-    host: str, port: int, reset: Reset | PartReset | Mapping[str, object], token: bytes | None,
+    host: str, port: int, reset: Reset | PartReset, token: bytes | None,
     peer: str = "client",
     timeout_s: float = 5.0, tls: ssl.SSLContext | None = None,
 ) -> bool:  # fmt: skip
     """Send a stage (or part server) a `reset` frame — a new epoch, and with a coordinator
     the ring's new wiring — and wait for `reset_done`; False if it is silent or gone.
-    `reset`: its message (a Reset, a part server's PartReset), or their fields."""
-    frame = Frame.of(reset) if isinstance(reset, DataMessage) else Frame(Reset.kind, dict(reset))
+    `reset`: its message (a Reset, a part server's PartReset)."""
+    frame = Frame.of(reset)
     try:
         reader, writer = await asyncio.wait_for(connect(host, port, token, peer, tls), timeout_s)
         await write_frame(writer, frame)
