@@ -25,6 +25,7 @@ import numpy as np
 from cellswarm.swarm.control.store import whole_of
 from cellswarm.swarm.policy import MIN_DISK_BYTES
 from cellswarm.swarm.protocol.checks import Result
+from cellswarm.swarm.protocol.jsonvalue import number, whole
 from cellswarm.swarm.protocol.messages import CheckAsk, CheckResult
 from cellswarm.swarm.ring.checks import digest_error
 from cellswarm.units import format_bytes
@@ -137,7 +138,7 @@ def _echo(node_id: str, who: str, result: Answer) -> Result:
     got = result.get("echo_s")
     if got is None:
         return Result("node", f"{node_id} echo", "PASS", f"{who} answered (no round trip yet)")
-    rtt = _number(got)
+    rtt = number(got)
     ok = rtt <= ECHO_SLOW_S
     return Result("node", f"{node_id} echo", "PASS" if ok else "FAIL",
                   f"{who} heartbeat round trip {rtt * 1e3:.1f} ms",
@@ -194,7 +195,7 @@ def _span(layers: object) -> str:
     if not layers:
         return "-"
     lo, hi = _sequence(layers)[:2]
-    return f"{lo}..{_whole(hi) - 1}"
+    return f"{lo}..{whole(hi) - 1}"
 
 
 # -- a node's answer as plain data, narrowed where it is read --------------------------------
@@ -217,20 +218,6 @@ def _sequence(value: object) -> list[object] | tuple[object, ...]:
 def _list(value: object) -> list[object] | tuple[object, ...]:
     """A list of the answer, [] for one null or empty (`value or []`)."""
     return _sequence(value) if value else []
-
-
-def _number(value: object) -> float:
-    """A number of the answer, as `float()` reads it."""
-    if not isinstance(value, int | float | str):
-        raise TypeError(f"{value!r} is not a number")
-    return float(value)
-
-
-def _whole(value: object) -> int:
-    """A number of the answer, as `int()` reads it."""
-    if not isinstance(value, int | float | str):
-        raise TypeError(f"{value!r} is not a number")
-    return int(value)
 
 
 def collapse(results: list[Result], limit: int = 8) -> list[Result]:
@@ -279,9 +266,9 @@ def _text(value: object) -> str:
 def _room(node_id: str, env: Mapping[str, object], budget: int | None) -> list[Result]:
     out = []
     got = env.get("memory_available_bytes")
-    rss = _whole(env.get("rss_bytes") or 0)
+    rss = whole(env.get("rss_bytes") or 0)
     if got is not None and budget:
-        free = _whole(got)
+        free = whole(got)
         ok = free + rss >= budget
         out.append(Result("environment", f"{node_id} memory", "PASS" if ok else "FAIL",
                           f"--memory {format_bytes(budget)}; {format_bytes(free)} "
@@ -289,24 +276,24 @@ def _room(node_id: str, env: Mapping[str, object], budget: int | None) -> list[R
                           "" if ok else "the host cannot give the budget: lower --memory or "
                           "free memory there"))  # fmt: skip
     limit = env.get("cgroup_limit_bytes")
-    if limit and budget and budget > _whole(limit):
+    if limit and budget and budget > whole(limit):
         out.append(Result("environment", f"{node_id} cgroup", "FAIL",
                           f"--memory {format_bytes(budget)} is over its memory cgroup's limit "
-                          f"{format_bytes(_whole(limit))}", "the kernel would kill it before its "
+                          f"{format_bytes(whole(limit))}", "the kernel would kill it before its "
                           "budget is reached: give --memory below the cgroup's limit"))  # fmt: skip
     disks = env.get("disk_free_bytes") or {}
     if not isinstance(disks, Mapping):
         raise TypeError(f"disk_free_bytes is {type(disks).__name__}, not an object")
     if disks:
-        where, least = min(((k, _whole(v)) for k, v in disks.items()), key=lambda kv: kv[1])
+        where, least = min(((k, whole(v)) for k, v in disks.items()), key=lambda kv: kv[1])
         ok = least >= MIN_DISK_BYTES
         out.append(Result("environment", f"{node_id} disk", "PASS" if ok else "FAIL",
                           f"{format_bytes(least)} free at {where}",
                           "" if ok else f"free space there (at least "
                           f"{format_bytes(MIN_DISK_BYTES)}): logs and fetched shards need "
                           "it"))  # fmt: skip
-    kills = _whole(env.get("oom_kills_cgroup") or 0)
-    seen = _whole(env.get("oom_kills") or 0)
+    kills = whole(env.get("oom_kills_cgroup") or 0)
+    seen = whole(env.get("oom_kills") or 0)
     out.append(Result("environment", f"{node_id} oom kills", "PASS" if kills == 0 else "FAIL",
                       f"{kills} in its memory cgroup; {seen} in the host's kernel log",
                       "" if kills == 0 else "the kernel killed processes of this node for "
@@ -357,7 +344,7 @@ def judge_round(model_path: str, tokenizer_size: int | None, rnd: Round,
 def _layers(value: object) -> tuple[int, int]:
     """The layers [lo, hi) a node holds, as its answer gave them."""
     lo, hi = _sequence(value)
-    return _whole(lo), _whole(hi)
+    return whole(lo), whole(hi)
 
 
 def forward_reference(model_path: str, layers: tuple[int, int], seed: int) -> dict[str, object]:

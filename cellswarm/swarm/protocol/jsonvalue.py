@@ -18,3 +18,17 @@ JsonObject: TypeAlias = dict[str, JsonValue]
 JsonReadable: TypeAlias = (JsonScalar | Sequence["JsonReadable"]
                            | Mapping[str, "JsonReadable"])  # fmt: skip
 JsonMapping: TypeAlias = Mapping[str, JsonReadable]
+
+
+def number(value: object) -> float:
+    """A JSON number (or numeric text) as `float()` reads it; TypeError for anything else."""
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"{value!r} is not a number")
+    return float(value)
+
+
+def whole(value: object) -> int:
+    """A JSON number (or numeric text) as `int()` reads it; TypeError for anything else."""
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"{value!r} is not a number")
+    return int(value)

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cellswarm.swarm.protocol.jsonvalue import number, whole
+
 if TYPE_CHECKING:
     from cellswarm.swarm.control.request_metrics import Ended
 
@@ -33,20 +35,6 @@ def mapping(value: object, what: str = "stats") -> Mapping[str, object]:
     if not isinstance(value, Mapping):
         raise TypeError(f"{what} is {type(value).__name__}, not an object")
     return value
-
-
-def number(value: object) -> float:
-    """A JSON number (or numeric text) as `float()` reads it."""
-    if not isinstance(value, int | float | str):
-        raise TypeError(f"{value!r} is not a number")
-    return float(value)
-
-
-def whole(value: object) -> int:
-    """A JSON number (or numeric text) as `int()` reads it."""
-    if not isinstance(value, int | float | str):
-        raise TypeError(f"{value!r} is not a number")
-    return int(value)
 
 
 def layer_pair(layers: object) -> tuple[object, int]:
