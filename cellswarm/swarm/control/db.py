@@ -203,10 +203,7 @@ def text(row: Row, key: str) -> str:
 
 def maybe_text(row: Row, key: str) -> str | None:
     """A TEXT column that may be NULL (a column a row lacks reads as NULL)."""
-    value = row.get(key)
-    if value is not None and not isinstance(value, str):
-        raise TypeError(f"column {key} is {type(value).__name__}, not text")
-    return value
+    return None if row.get(key) is None else text(row, key)
 
 
 def whole(row: Row, key: str) -> int:
@@ -219,10 +216,7 @@ def whole(row: Row, key: str) -> int:
 
 def maybe_whole(row: Row, key: str) -> int | None:
     """An INTEGER column that may be NULL."""
-    value = row[key]
-    if value is not None and not isinstance(value, int):
-        raise TypeError(f"column {key} is {type(value).__name__}, not an integer")
-    return value
+    return None if row[key] is None else whole(row, key)
 
 
 def real(row: Row, key: str) -> float:
@@ -235,10 +229,7 @@ def real(row: Row, key: str) -> float:
 
 def maybe_real(row: Row, key: str) -> float | None:
     """A DOUBLE PRECISION column that may be NULL."""
-    value = row[key]
-    if value is not None and not isinstance(value, int | float):
-        raise TypeError(f"column {key} is {type(value).__name__}, not a number")
-    return value
+    return None if row[key] is None else real(row, key)
 
 
 def open_database(url: str) -> Database:
