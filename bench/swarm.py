@@ -10,9 +10,9 @@
    real stages (which share this machine's 2 cores), then on stages emulating a Raspberry
    Pi 4 and a PS3 (swarm/ring/emulate.py: compute padded by sleeping, links that send while the
    node computes). Emulated stages get the layers that even out their emulated step times
-   (`balanced_split`): the demo model's tied 49152-row head weighs ~8 layers, so an even
-   split by layer count leaves the last stage the bottleneck (0.60 of S x one at 4 stages
-   by construction). The planner's figure is for its own placement, by memory.
+   (planner/cost.py `emulated_split`): the demo model's tied 49152-row head weighs ~8
+   layers, so an even split by layer count leaves the last stage the bottleneck (0.60 of
+   S x one at 4 stages by construction). The planner's figure is for its own placement, by memory.
 
 What remains between a measurement and the planner's figure:
 * per-hop software overhead: ~0.3 ms on loopback between real stages, ~0.6 ms beside an
@@ -39,9 +39,9 @@ import numpy as np
 from cellswarm import kernels
 from cellswarm.demo import demo_model_path
 from cellswarm.loader import load
+from cellswarm.planner.cost import emulated_split
 from cellswarm.planner.placement import even_split
 from cellswarm.swarm.local.pipeline import LocalPipeline
-from cellswarm.swarm.ring.emulate import balanced_split
 
 PROMPT = list(range(100, 108))
 CONTEXT = 512
@@ -62,7 +62,7 @@ def swarm_decode(
     path: str, stages: int, sequences: int, tokens: int, profile: str | None = None
 ) -> float:
     """Tokens/s over all sequences, from the first token to the last (prefill excluded)."""
-    split = balanced_split(path, stages, profile) if profile else even_split(30, stages)
+    split = emulated_split(path, stages, profile) if profile else even_split(30, stages)
     with LocalPipeline(path, split, profile=profile) as pipe:
         pipe.generate([{"prompt": PROMPT, "max_tokens": 2}])  # warm: pages, kernels
         stamps: list[float] = []
@@ -134,7 +134,7 @@ def main() -> None:
             p_many = planner_prediction(path, profile, stages, stages)
             print(f"{stages:>6} {one:>9.1f} [{p_one:>5.1f}] {'':>9} {many:>10.1f} [{p_many:>5.1f}]"
                   f" {many / (stages * one):>12.2f} [{p_many / (stages * p_one):.2f}]"
-                  f"  layers {balanced_split(path, stages, profile)}")  # fmt: skip
+                  f"  layers {emulated_split(path, stages, profile)}")  # fmt: skip
 
 
 if __name__ == "__main__":

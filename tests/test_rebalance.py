@@ -3,9 +3,12 @@ planner/placement.time_balanced_split): pure functions, checked with tables."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
-from cellswarm.planner.placement import StageCosts, time_balanced_split
+from cellswarm.planner.placement import StageCosts, cost_balanced_split, time_balanced_split
 from cellswarm.swarm.control.membership import bottleneck
 from cellswarm.swarm.control.rebalance import RingTimes, named_long_enough, plan, ring_times
 from cellswarm.swarm.control.store import Node, NodeId
@@ -44,6 +47,55 @@ def test_memory_limits_what_a_fast_node_may_take() -> None:
     assert split == [(0, 3), (3, 8)]
     assert time_balanced_split(8, _read([1] * 8), [1, 1], lambda k, lo, hi: hi - lo <= 3) is None
     assert time_balanced_split(2, _read([1, 1]), [1, 1, 1], _always) is None  # more stages
+
+
+def test_the_slack_is_shared_not_left_on_the_last_stages() -> None:
+    # 12 layers on 5 equal stages: 3 at most (the slowest), and then 3 3 2 2 2, not the
+    # greedy fill's 3 3 3 2 1; a head of 2 layers' weight: its stage keeps 1 layer
+    def cost(head: int):  # type: ignore[no-untyped-def]
+        return lambda k, lo, hi, last: hi - lo + (head if last else 0)
+
+    assert cost_balanced_split(12, 5, cost(0)) == [(0, 3), (3, 6), (6, 8), (8, 10), (10, 12)]
+    assert cost_balanced_split(12, 4, cost(2)) == [(0, 4), (4, 8), (8, 11), (11, 12)]
+
+
+def test_the_split_is_the_fastest_and_then_the_most_even_of_all() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        _against_every_split(rng, n, rng.randint(1, n))
+
+
+def _against_every_split(rng: random.Random, n: int, stages: int) -> None:
+    """cost_balanced_split against all splits of n layers into `stages`: the least slowest
+    stage, and of those, the least sum of squared stage times (random weights, head, node
+    speeds and room)."""
+    weights = [rng.choice([0.5, 1, 1, 2, 3, 5]) for _ in range(n)]
+    head, speed = rng.choice([0, 1, 4]), [rng.choice([0.3, 1, 1, 2, 5]) for _ in range(stages)]
+    room = [rng.choice([3, 5, n]) for _ in range(stages)]
+
+    def cost(k: int, lo: int, hi: int, last: bool) -> float:
+        return speed[k] * (sum(weights[lo:hi]) + (head if last else 0))
+
+    def fits(k: int, lo: int, hi: int) -> bool:
+        return hi - lo <= room[k]
+
+    def times(split: list[tuple[int, int]]) -> list[float]:
+        return [cost(k, lo, hi, k == stages - 1) for k, (lo, hi) in enumerate(split)]
+
+    every = [list(itertools.pairwise((0, *cuts, n)))
+             for cuts in itertools.combinations(range(1, n), stages - 1)]  # fmt: skip
+    every = [s for s in every if all(fits(k, lo, hi) for k, (lo, hi) in enumerate(s))]
+    split = cost_balanced_split(n, stages, cost, fits)
+    if not every:
+        assert split is None
+        return
+    assert split is not None
+    fastest = min(max(times(s)) for s in every)
+    assert max(times(split)) == pytest.approx(fastest, rel=1e-9)
+    even = min(sum(t * t for t in times(s)) for s in every
+               if max(times(s)) <= fastest * (1 + 1e-9))  # fmt: skip
+    assert sum(t * t for t in times(split)) == pytest.approx(even, rel=1e-9)
 
 
 @pytest.mark.parametrize(

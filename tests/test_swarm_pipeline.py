@@ -385,9 +385,9 @@ def test_a_random_llama_over_up_to_8_stages_equals_one_process(tmp_path: Path, s
 def test_balanced_split_evens_out_emulated_step_times(demo_path: Path) -> None:
     """The demo model's tied head weighs several layers: the last stage gets fewer layers,
     and no stage's emulated step is far from the others'."""
-    from cellswarm.swarm.ring.emulate import balanced_split
+    from cellswarm.planner.cost import emulated_split
 
-    split = balanced_split(str(demo_path), 4, "rpi4")
+    split = emulated_split(str(demo_path), 4, "rpi4")
     assert split[0][0] == 0 and split[-1][1] == 30
     assert all(a[1] == b[0] for a, b in itertools.pairwise(split))
     assert split[-1][1] - split[-1][0] < 30 // 4

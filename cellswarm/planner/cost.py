@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cellswarm.planner.inventory import ModelInventory, UnitGroup
-from cellswarm.planner.placement import Placement, Slot
+from cellswarm.planner.placement import Placement, Range, Slot, cost_balanced_split
 
 
 @dataclass(frozen=True)
@@ -317,6 +317,35 @@ def serial_path(inv: ModelInventory, placement: Placement) -> tuple[int, int]:
     if len(placement.slots) > 1:
         hops += 1
     return len(path), hops
+
+
+def emulated_split(model: str, n_stages: int, profile_name: str) -> list[Range]:
+    """Contiguous layer ranges for `n_stages` nodes of a profile that even out their
+    emulated step times (swarm/ring/emulate.py: Emulation.step_s(1), a roofline of the bytes
+    a step reads and the parameters it multiplies; the head's on the last stage) — the
+    slowest stage bounds a full pipeline, and an even split by layer count leaves the last
+    stage, its layers plus the output head (for a small model with a big vocabulary several
+    layers' worth), far slower than the others. cost_balanced_split on that cost."""
+    from cellswarm.planner.api import resolve_model  # api imports this module
+    from cellswarm.planner.profiles import get_profile
+
+    inv, node = resolve_model(model), get_profile(profile_name)
+    if not 1 <= n_stages <= inv.n_layers:
+        raise ValueError(f"{n_stages} stages for {inv.n_layers} layers")
+    nbytes, params = [0], [0]  # running totals over the layers
+    for i in range(inv.n_layers):
+        nbytes.append(nbytes[-1] + sum(t.nbytes for t in inv.layer_tensors(i)))
+        params.append(params[-1] + sum(t.params for t in inv.layer_tensors(i)))
+    head_bytes, head_params = head_cost(inv)
+
+    def step_s(k: int, lo: int, hi: int, last: bool) -> float:
+        b = nbytes[hi] - nbytes[lo] + (head_bytes if last else 0)
+        n = params[hi] - params[lo] + (head_params if last else 0)
+        return roofline(node, b, 2 * n).total_s
+
+    split = cost_balanced_split(inv.n_layers, n_stages, step_s)
+    assert split is not None  # no memory limit: some split always exists
+    return split
 
 
 # -- tensor parallel --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ they do not fit one; a layer's attention never is (that would be tensor parallel
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -441,49 +442,116 @@ def too_long(
             "add workers or memory")  # fmt: skip
 
 
+StageCost = Callable[[int, int, int, bool], float]  # (stage, lo, hi, last) -> seconds a step
+StageFits = Callable[[int, int, int], bool]  # (stage, lo, hi) -> whether its node holds it
+
+
+def cost_balanced_split(
+    n_layers: int, n_stages: int, cost: StageCost, fits: StageFits | None = None,
+    even: bool = True,
+) -> list[Range] | None:
+    """Contiguous layer ranges for `n_stages` stages, in ring order, whose slowest stage is
+    as fast as can be (a pipeline's rate is its slowest stage's): stage k holding layers
+    [lo, hi) takes `cost(k, lo, hi, last)` seconds a step (`last`: it holds the head too)
+    and must fit its node, `fits(k, lo, hi)` (always, without it); every stage gets a layer.
+    None when no split fits. Of the splits that fast, the most even: the least sum of the
+    stages' squared times, not all the slack on the last stages as a greedy fill from the
+    front leaves it (ties, to a part in 1e12: the earlier stages get more layers); with
+    `even` False, the greedy fill's own (each stage as many layers as it may take).
+
+    `cost` and `fits` must be monotone: a stage is never faster, nor fits where a part of
+    it does not, for holding more layers. The slowest stage's time T is bisected, each
+    probe deciding exactly from the back whether every stage can stay within it (stage k
+    may start at layer p when its fewest layers from p reach a start of stage k + 1 within
+    T): n_stages x n_layers cost calls a probe, some 40 probes. The even split at T is a
+    dynamic programme over only the ends each stage may reach within T: n_stages x n_layers
+    x the layers a stage holds within T (about n_layers / n_stages), not a full n_stages x
+    n_layers^2."""
+    if not 1 <= n_stages <= n_layers:
+        return None
+    last = n_stages - 1
+    holds = fits or (lambda k, lo, hi: True)
+
+    def secs(k: int, lo: int, hi: int) -> float:
+        return cost(k, lo, hi, k == last)
+
+    def starts(k: int) -> range:  # stage k's first layer, leaving one for each other stage
+        return range(k, n_layers - last + k) if k else range(1)
+
+    def within(t: float) -> float | None:
+        """The slowest stage of a split with every stage within t — from the front, each
+        stage's fewest layers from which the later stages still can be — or None when no
+        split keeps within t."""
+        may = [False] * n_layers + [True]  # [p]: the stages after this one can start at p
+        firsts = []  # per stage, from the last: [p] the first start of the next stage > p
+        for k in range(last, -1, -1):
+            first, nxt = [n_layers + 1] * (n_layers + 1), n_layers + 1
+            for p in range(n_layers, -1, -1):
+                first[p], nxt = nxt, (p if may[p] else nxt)
+            firsts.append(first)
+            may = [False] * (n_layers + 1)
+            for p in starts(k):
+                q = first[p]
+                may[p] = q <= n_layers and secs(k, p, q) <= t and holds(k, p, q)
+        if not may[0]:
+            return None
+        lo, worst = 0, 0.0
+        for k, first in enumerate(reversed(firsts)):
+            worst, lo = max(worst, secs(k, lo, first[lo])), first[lo]
+        return worst
+
+    top = max(max(secs(k, 0, n_layers), cost(k, 0, n_layers, False)) for k in range(n_stages))
+    t = within(top)
+    if t is None:
+        return None
+    lo_t = 0.0
+    while t - lo_t > 1e-12 * t:  # t: always a feasible split's own slowest stage
+        mid = (lo_t + t) / 2
+        worst = within(mid)
+        lo_t, t = (lo_t, worst) if worst is not None else (mid, t)
+
+    # the most even split within t: best[k][p], the least sum of squared times of stages
+    # k.. holding layers [p, n); end[k][p], where stage k then ends
+    best = [dict.fromkeys(starts(k), math.inf) for k in range(n_stages)] + [{n_layers: 0.0}]
+    end = [dict.fromkeys(starts(k), -1) for k in range(n_stages)]
+    for k in range(last, -1, -1):
+        for p in starts(k):
+            options = []
+            for q in range(p + 1, n_layers - last + k + 1) if k < last else (n_layers,):
+                s = secs(k, p, q)
+                if s > t or not holds(k, p, q):
+                    break
+                if best[k + 1].get(q, math.inf) < math.inf:
+                    options.append((s * s + best[k + 1][q], q))
+            if options:
+                least = min(v for v, _ in options)
+                near = [q for v, q in options if v <= least * (1 + 1e-12) or not even]
+                best[k][p], end[k][p] = least, max(near)
+    assert best[0][0] < math.inf  # t is a split's own slowest stage
+    split, lo = [], 0
+    for k in range(n_stages):
+        split.append((lo, end[k][lo]))
+        lo = end[k][lo]
+    return split
+
+
 def time_balanced_split(
     n_layers: int,
     read: Callable[[int, int, bool], float],
     seconds_per_byte: Sequence[float],
     fits: Callable[[int, int, int], bool],
 ) -> list[tuple[int, int]] | None:
-    """Contiguous layer ranges for the stages of a ring, in ring order, that make the
-    slowest stage as fast as can be: stage k's step takes seconds_per_byte[k] x
-    read(lo, hi, last) (measured speed x bytes its decode step reads), and must fit its
-    node (`fits(k, lo, hi)`). None when no split fits. A slow node ends up with fewer
-    layers, a fast one with more: the pipeline's rate is its slowest stage's.
-
-    Binary search on the step time T: greedily give each stage as many layers as keep it
-    within T (leaving one for each stage after it) — the greedy fill is the best for the
-    stages that follow, so T is feasible exactly when it ends with every layer placed."""
-    stages = len(seconds_per_byte)
-    if stages == 0 or stages > n_layers:
-        return None
-
-    def split_within(t: float) -> list[tuple[int, int]] | None:
-        out, lo = [], 0
-        for k in range(stages):
-            last = k == stages - 1
-            hi = n_layers if last else lo + 1
-            if not last:
-                while (hi < n_layers - (stages - k - 1)
-                       and seconds_per_byte[k] * read(lo, hi + 1, False) <= t
-                       and fits(k, lo, hi + 1)):  # fmt: skip
-                    hi += 1
-            if seconds_per_byte[k] * read(lo, hi, last) > t or not fits(k, lo, hi):
-                return None
-            out.append((lo, hi))
-            lo = hi
-        return out
-
-    top = max(seconds_per_byte) * read(0, n_layers, True)
-    if split_within(top) is None:
-        return None
-    lo_t, hi_t = 0.0, top
-    for _ in range(60):  # to well under a part in 1e15 of the slowest stage's time
-        mid = (lo_t + hi_t) / 2
-        lo_t, hi_t = (lo_t, mid) if split_within(mid) is not None else (mid, hi_t)
-    return split_within(hi_t)
+    """Layer ranges for the stages of a ring by measured speed (rebalance.py): stage k's
+    step takes seconds_per_byte[k] x read(lo, hi, last), the bytes its decode step reads at
+    its node's measured speed, and must fit its node (`fits(k, lo, hi)`) — the slowest
+    stage as fast as can be (cost_balanced_split), so a slow node ends up with fewer
+    layers, a fast one with more; each stage as many as it may take, in ring order (the
+    split a rebalance has always made: what a ring runs changes only when its slowest
+    stage's time does). None when no split fits."""
+    return cost_balanced_split(
+        n_layers, len(seconds_per_byte),
+        lambda k, lo, hi, last: seconds_per_byte[k] * read(lo, hi, last), fits, even=False,
+    )  # fmt: skip
 
 
 def expert_parts(

@@ -3,8 +3,9 @@ byte-balanced split assumed (a throttled CPU, a busy or older host) gets new lay
 over the same nodes, fewer layers on the slow one.
 
     stage stats (decode seconds / steps, per node) -> seconds per byte read, per node
-    -> time_balanced_split (membership.py) -> worth it? (predicted slowest step <= GAIN x
-    measured) -> the coordinator stores the new layout, the nodes reload, the ring rewires
+    -> time_balanced_split (planner/placement.py) -> worth it? (predicted slowest step
+    <= GAIN x measured) -> the coordinator stores the new layout, the nodes reload, the
+    ring rewires
 
 Decided once per layout: measured again after a rebalance, the ring is left as it is, so
 noise cannot make it oscillate; a new placement (a node lost, a rejoin) starts over.
