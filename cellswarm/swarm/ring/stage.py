@@ -24,12 +24,12 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import TypeVar
 
 import msgspec
 import numpy as np
 
-from cellswarm.engine import PREFILL_CHUNK
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.engine.model import Model
 from cellswarm.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
@@ -83,6 +83,7 @@ from cellswarm.swarm.ring.frames import (
     write_frame,
 )
 from cellswarm.swarm.ring.parts import ExpertParts, PartLost, PartSpec, VocabParts
+from cellswarm.swarm.ring.step import Rows, step
 from cellswarm.swarm.ring.step_times import StepTimes
 from cellswarm.swarm.tls import client_context, server_context
 
@@ -715,131 +716,119 @@ class Stage:
             await asyncio.sleep(0)  # frames that came with this one join its batch
             n = max(1, self.config.max_batch)
             batch, self._ready = self._ready[:n], self._ready[n:]
-            live = [r for r in batch if r.seq in self.caches]  # not let go meanwhile
             try:
-                if len(live) == 1:
-                    await self.run_one(live[0])
-                elif live:
-                    await self.run_batch(live)
+                await self.run_batch(batch)
             except Exception as exc:  # as serve() does with a frame's: the loop serves on
                 self.unexpected(exc, "decode steps dropped")
 
-    async def run_one(self, r: Ready) -> None:
-        self._frame_s, self._embed_s = r.frame_s, r.embed_s
-        await self.run_layers(r.seq, r.h, r.pos, None)
-
     async def run_batch(self, batch: list[Ready]) -> None:
-        """One decode step of each sequence of `batch` as one pass over the layers (and the
-        head, at the last stage). Anything wrong in the shared pass runs each sequence alone
-        instead (run_layers), where a fault is told apart from a job's and attributed: the
-        shared pass has no side effect that a step alone does not redo (its cache entries are
-        rewritten; sampling comes after it)."""
-        caches = [self.caches[r.seq] for r in batch]
-        for r, cache in zip(batch, caches, strict=True):
-            cache.length = r.pos
-        if self.on_step is not None:
-            self.on_step()
-        t0 = time.perf_counter()
+        """One decode step of each sequence of `batch` still held, as one pass over the
+        layers (and the head, at the last stage). Anything wrong in a shared pass runs each
+        sequence alone instead, where a fault is told apart from a job's and attributed: the
+        shared pass has no side effect that a step alone does not redo (its cache entries
+        are rewritten; sampling comes after it)."""
+        batch = [r for r in batch if r.seq in self.caches]  # not let go meanwhile
+        if not batch:
+            return
+        t0 = self.step_starts()
         try:
             self.faults.before_step(self.steps)
-            h = np.ascontiguousarray(np.concatenate([r.h for r in batch]), np.float32)
-            h = await self.compute(self.model.forward_many, h, caches)
-            logits = await self.compute(self.head, h) if self.config.last else None
-        except Exception:
+            rows = [Rows(r.h, self.caches[r.seq], r.pos) for r in batch]
+            head = self.head if self.config.last else None
+            done = await step(self.model, rows, self.compute, head)
+        except Exception as exc:
+            if len(batch) == 1:
+                return await self.step_failed(batch[0].seq, exc)
             log.info("stage %s: a batch of %d failed; each alone", self.config.layers,
                      len(batch), exc_info=True)  # fmt: skip
             for r in batch:
-                await self.run_one(r)
+                await self.run_batch([r])
             return
-        if self.emulation is not None:
-            await self.emulation.pad(t0, len(batch))
-        t1 = time.perf_counter()
-        self.steps += len(batch)
-        self.batches, self.widest_batch = self.batches + 1, max(self.widest_batch, len(batch))
-        self.busy_s += t1 - t0
-        self.step_times.observe(t1 - t0)
-        self.decode_s, self.decode_steps = self.decode_s + t1 - t0, self.decode_steps + len(batch)
-        for i, (r, cache) in enumerate(zip(batch, caches, strict=True)):
-            cache.length = r.pos + 1
-            out: int | None = None
-            if logits is not None:
+        assert done is not None  # (only a prompt's chunks wait, and see a sequence go)
+        h, logits = done
+        outs: list[int | Exception | None] = [None] * len(batch)
+        if logits is not None:  # the sampler is part of the step; its failure, its sequence's
+            for i, r in enumerate(batch):
                 try:
-                    out = self.pick(r.seq, logits[i], None)
+                    outs[i] = self.pick(r.seq, logits[i], None)
                 except Exception as exc:
-                    await self.step_failed(r.seq, exc)
-                    continue
-            read_s = dispatch_s = 0.0
-            if r.frame_s is not None:
-                read_s, dispatch_s = r.frame_s[1] - r.frame_s[0], t0 - r.frame_s[1] - r.embed_s
-            parts = [read_s, dispatch_s, t1 - t0 + r.embed_s, 0.0, 0.0]
-            self._sent_s = (0.0, 0.0)
-            await self.step_out(r.seq, h[i : i + 1], r.pos, None, False, out)
-            parts[3], parts[4] = self._sent_s
-            self.tally(r.seq, t0 - r.embed_s, parts)
+                    outs[i] = exc
+        t1 = await self.step_done(t0, len(batch), steps=len(batch), decode=True)
+        for i, (r, out) in enumerate(zip(batch, outs, strict=True)):
+            if isinstance(out, Exception):
+                await self.step_failed(r.seq, out)
+            else:
+                await self.decode_out(r, h[i : i + 1], out, t0, t1)
 
     async def run_layers(
         self, seq: int, h: np.ndarray, pos: int, first: First | None, cached: int = 0
     ) -> None:
-        """A step of `seq`: h (T, d) at positions pos.. (a first step's: after `cached` rows
-        it was sent without, which this stage holds in its prefix cache)."""
+        """A step of `seq` other than a decode step: h (T, d) at positions pos.. (a first
+        step's: after `cached` rows it was sent without, which this stage holds in its
+        prefix cache), logged as it is."""
         if first is not None:
             self.caches[seq] = self.model.new_cache(first.capacity)
             self.requests[seq] = first.req
         cache = self.caches.get(seq)
         if cache is None:  # dropped by a reset while this frame was on the wire
             return
-        cache.length = pos
-        if self.on_step is not None:
-            self.on_step()
-        t0 = time.perf_counter()
-        one_row = h.shape[0] == 1
-        frame_s, self._frame_s = self._frame_s, None
-        embed_s, self._embed_s = self._embed_s, 0.0
+        self._frame_s, self._embed_s = None, 0.0  # a decode step's (queue_step), not this one's
         scoring = first is not None and first.score_from is not None
-        out: int | Score | None = None  # the last stage's: a sampled token, or a score
-        kept = 0  # the rows at the start that this stage's prefix cache gave
+        one_row = h.shape[0] == 1  # (a one-token prompt's counts as a decode step)
+        t0 = self.step_starts()
         try:
             self.faults.before_step(self.steps, first.prompt if first else None)
-            done = await self.layers_first(seq, np.ascontiguousarray(h, np.float32), cache,
-                                           first, cached)  # fmt: skip
+            done = await self.layers_first(seq, h, pos, cache, first, cached)
             if done is None:  # dropped by a reset between two chunks
                 return
-            h, kept = done
-            self.steps += 1
-            # The last stage's step includes the head and the sampler: the emulated step time
-            # counts the head's bytes, so its real time belongs inside the padded window.
-            if self.config.last:
-                out = await (self.compute(self.score, h, first) if scoring and first is not None
-                             else self.compute(self.head_sample, seq, h, first))  # fmt: skip
+            h, made, kept = done  # the last stage's: logits (of the last row) to sample, or a score
+            out = self.pick(seq, made[-1], first) if isinstance(made, np.ndarray) else made
         except Exception as exc:
             return await self.step_failed(seq, exc)
+        t1 = await self.step_done(t0, h.shape[0], decode=one_row)
+        self.log.event("step", self.requests.get(seq), stage=self.span, pos=pos,
+                       tokens=h.shape[0], ms=round(1000 * (t1 - t0), 3))  # fmt: skip
+        await self.step_out(seq, h, pos, first, scoring, out, kept)
+
+    def step_starts(self) -> float:
+        """A step begins (node/awake.py hears of it): when."""
+        if self.on_step is not None:
+            self.on_step()
+        return time.perf_counter()
+
+    async def step_done(self, t0: float, rows: int, steps: int = 1, decode: bool = False) -> float:
+        """A step (a batch: `steps` of them) that started at t0 has computed its `rows`: padded
+        to the emulated node's time, counted (decode: as decode steps); when it ended. The
+        last stage's step includes the head and the sampler: the emulated step time counts
+        the head's bytes, so its real time belongs inside the padded window."""
         if self.emulation is not None:
-            await self.emulation.pad(t0, h.shape[0])
+            await self.emulation.pad(t0, rows)
         t1 = time.perf_counter()
+        self.steps += steps
         self.busy_s += t1 - t0
         self.step_times.observe(t1 - t0)
-        if one_row:
-            self.decode_s += t1 - t0
-            self.decode_steps += 1
-        cache.length = pos + h.shape[0]
-        if not one_row or first is not None:  # a prefill (or a replay's): logged as it is
-            ms = round(1000 * (t1 - t0), 3)
-            self.log.event("step", self.requests.get(seq), stage=self.span, pos=pos,
-                           tokens=h.shape[0], ms=ms)  # fmt: skip
-            return await self.step_out(seq, h, pos, first, scoring, out, kept)
-        # A decode step is tallied, not logged (a line per token per stage cost more than
-        # the frames), and after its result went on: the next stage need not wait for it.
+        if decode:
+            self.decode_s, self.decode_steps = self.decode_s + t1 - t0, self.decode_steps + steps
+        if steps > 1:
+            self.batches, self.widest_batch = self.batches + 1, max(self.widest_batch, steps)
+        return t1
+
+    async def decode_out(self, r: Ready, h: np.ndarray, out: int | None, t0: float,
+                         t1: float) -> None:  # fmt: skip
+        """A decode step's result on its way (step_out); its time tallied by part, not logged
+        (a line per token per stage cost more than the frames), and after its result went
+        on: the next stage need not wait for it."""
         read_s = dispatch_s = 0.0
-        if frame_s is not None:  # started by a frame (not by this process's own last step)
-            read_s, dispatch_s = frame_s[1] - frame_s[0], t0 - frame_s[1] - embed_s
-        parts = [read_s, dispatch_s, t1 - t0 + embed_s, 0.0, 0.0]
+        if r.frame_s is not None:  # started by a frame (not by this process's own last step)
+            read_s, dispatch_s = r.frame_s[1] - r.frame_s[0], t0 - r.frame_s[1] - r.embed_s
+        parts = [read_s, dispatch_s, t1 - t0 + r.embed_s, 0.0, 0.0]
         if self.config.first and self.config.last:  # nothing goes out; the token may end it
-            self.tally(seq, t0 - embed_s, parts)
-            return await self.step_out(seq, h, pos, first, scoring, out)
+            self.tally(r.seq, t0 - r.embed_s, parts)
+            return await self.step_out(r.seq, h, r.pos, None, False, out)
         self._sent_s = (0.0, 0.0)
-        await self.step_out(seq, h, pos, first, scoring, out)
+        await self.step_out(r.seq, h, r.pos, None, False, out)
         parts[3], parts[4] = self._sent_s
-        self.tally(seq, t0 - embed_s, parts)
+        self.tally(r.seq, t0 - r.embed_s, parts)
 
     async def step_failed(self, seq: int, exc: Exception) -> None:
         """A step of `seq` raised: the job's data (JobError) fails that job and the stage
@@ -870,64 +859,51 @@ class Stage:
                        self.requests.get(seq))  # fmt: skip
 
     async def layers_first(
-        self, seq: int, h: np.ndarray, cache: KVCache, first: First | None,
+        self, seq: int, h: np.ndarray, pos: int, cache: KVCache, first: First | None,
         cached: int = 0,
-    ) -> tuple[np.ndarray, int] | None:
-        """The layers over a step's rows h (T, d). A scoring sequence's first step with
+    ) -> tuple[np.ndarray, np.ndarray | Score | None, int] | None:
+        """The compute (`step`) of a step other than a decode step, over its rows h (T, d) at
+        positions pos..: the output rows, the last stage's logits of the last row (or a
+        scoring sequence's Score), and how many rows at the start the prefix cache gave;
+        None if a reset dropped the sequence meanwhile. A scoring sequence's first step with
         several completions (first["completions"]: their lengths, after a prompt of
         first["score_from"] ids) runs the prompt once and then each completion at the
-        positions after it, the cache cut back to the prompt before each: every completion
-        sees the prompt's keys and its own, and every row is the bits it gets when that
-        completion is scored alone (each row computed alone: the prefill's kernels). h
-        holds `scoring_rows`: a completion's last token is not run (it predicts nothing
-        scored), so a one-token label costs no pass at all. h lacks its first `cached` rows
-        when the previous stage sent it without them (on_hidden saw this stage's prefix cache
-        hold them). The output rows, and how many at the start the prefix cache gave."""
-        if first is None:
-            done = await self.prefill(seq, h, cache)
-            return None if done is None else (done, 0)
-        lengths = first.completions
-        base = cache.length
-        n = first.score_from if lengths and first.score_from is not None \
-            else cached + h.shape[0]  # the prompt's rows  # fmt: skip
-        prompt = list(first.prompt)[:n]
-        shared = self.prefix if base == 0 and len(prompt) == n else None
-        kept = shared.restore(prompt, cache, n - 1) if shared is not None else None
-        skip = 0 if kept is None else kept.shape[0]
-        if skip < cached:  # on_hidden found them, and nothing ran between
-            raise RuntimeError(f"the prefix cache gave {skip} rows of the {cached} not sent")
-        out, start = [] if kept is None else [kept], skip
-        for i, rows in enumerate((n - skip, *(length - 1 for length in lengths))):
-            if rows == 0:
-                continue
-            cache.length = base + (skip if i == 0 else n)
-            part = await self.prefill(seq, h[start - cached : start - cached + rows], cache)
-            if part is None:
-                return None
-            out.append(part)
-            start += rows
-            if i == 0 and shared is not None:  # the prompt's blocks, for later sequences
-                shared.remember(prompt, cache, np.concatenate(out))
-        cache.length = base
-        return np.concatenate(out), skip
-
-    async def prefill(self, seq: int, h: np.ndarray, cache: KVCache) -> np.ndarray | None:
-        """The layers over h (T, d), in chunks of PREFILL_CHUNK positions — the engine's own
-        (Model.step), so the bits are one process's — with the loop free between two: the
-        other sequences' frames are served while a long prompt's prefill runs. None when a
-        reset dropped the sequence meanwhile."""
-        if h.shape[0] <= PREFILL_CHUNK:
-            return await self.compute(self.model.forward, h, cache)
-        pos, out = cache.length, []
-        for start in range(0, h.shape[0], PREFILL_CHUNK):
-            out.append(await self.compute(self.model.forward, h[start:start + PREFILL_CHUNK],
-                                          cache))  # fmt: skip
-            cache.length += out[-1].shape[0]
-            await asyncio.sleep(0)
-            if self.caches.get(seq) is not cache:
-                return None
-        cache.length = pos
-        return np.concatenate(out)
+        positions after it: every completion sees the prompt's keys and its own, and every
+        row is the bits it gets when that completion is scored alone (each row computed
+        alone: the prefill's kernels). h holds `scoring_rows`: a completion's last token is
+        not run (it predicts nothing scored), so a one-token label costs no pass at all. h
+        lacks its first `cached` rows when the previous stage sent it without them
+        (on_hidden saw this stage's prefix cache hold them)."""
+        groups, kept, shared, prompt = [Rows(h, cache, pos)], None, None, []
+        if first is not None:
+            lengths = first.completions
+            n = first.score_from if lengths and first.score_from is not None \
+                else cached + h.shape[0]  # the prompt's rows  # fmt: skip
+            prompt = list(first.prompt)[:n]
+            shared = self.prefix if pos == 0 and len(prompt) == n else None
+            kept = shared.restore(prompt, cache, n - 1) if shared is not None else None
+            skip = 0 if kept is None else kept.shape[0]
+            if skip < cached:  # on_hidden found them, and nothing ran between
+                raise RuntimeError(f"the prefix cache gave {skip} rows of the {cached} not sent")
+            # the prompt's rows after those, then each completion's at the positions after
+            # the prompt (the cache cut back to it: Rows.pos)
+            groups, start = [], skip - cached
+            for at, rows in ((skip, n - skip), *((n, length - 1) for length in lengths)):
+                if rows:
+                    groups.append(Rows(h[start : start + rows], cache, pos + at))
+                start += rows
+        head: Callable[[np.ndarray], np.ndarray | Score] | None = None
+        if self.config.last and first is not None and first.score_from is not None:
+            head = partial(self.score, first=first)
+        elif self.config.last:  # the sampler comes after (Stage.pick)
+            head = lambda out: self.head(out[-1:])  # noqa: E731
+        done = await step(self.model, groups, self.compute, head, kept,
+                          alive=lambda: self.caches.get(seq) is cache)  # fmt: skip
+        if done is None:
+            return None
+        if shared is not None:  # the prompt's blocks, for later sequences
+            shared.remember(prompt, cache, done[0][: len(prompt)])
+        return done[0], done[1], 0 if kept is None else kept.shape[0]
 
     def tally(self, seq: int, start_s: float, parts: list[float]) -> None:
         """Add a decode step to its sequence's tally (and log it every DECODE_LOG_EVERY)."""
@@ -1045,8 +1021,6 @@ class Stage:
         since = self.step_since
         return time.monotonic() - since if since is not None else 0.0
 
-    def head_sample(self, seq: int, h: np.ndarray, first: First | None) -> int:
-        return self.pick(seq, self.head(h[-1:])[-1], first)
 
     def pick(self, seq: int, logits: np.ndarray, first: First | None) -> int:
         """The next token of `seq` from its last position's logits (vocab,): the sampler,
