@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from cellswarm.swarm.node.head import LEASE_WAIT_S, Head
+from cellswarm.swarm.protocol.messages import JobOutput
 
 
 class FakeStage:
@@ -266,7 +267,7 @@ def test_results_that_end_while_one_is_posted_go_together() -> None:
         head = Head(FakeStage(), coord.post, lease_s=1.0)
         runs = [Run(f"j{i}", 3, "score", {}, []) for i in range(6)]
         head.runs = {r.job_id: r for r in runs}
-        await asyncio.gather(*(head._finish(r, {"scores": [-1.0], "reason": "scored"})
+        await asyncio.gather(*(head._finish(r, JobOutput(scores=[-1.0], reason="scored"))
                                for r in runs))  # fmt: skip
         assert head.finished == {} and head.runs == {}
         return coord
@@ -287,9 +288,9 @@ def test_results_and_frontiers_that_come_together_share_a_post() -> None:
         head = Head(FakeStage(), coord.post, lease_s=1.0)
         runs = [Run(f"j{i}", 3, "score", {}, [], saved_s=time.monotonic()) for i in range(4)]
         head.runs = {r.job_id: r for r in runs}
-        await asyncio.gather(head._finish(runs[0], {"scores": [-1.0], "reason": "scored"}),
+        await asyncio.gather(head._finish(runs[0], JobOutput(scores=[-1.0], reason="scored")),
                              head.frontier("j1#0"),
-                             head._finish(runs[2], {"scores": [-2.0], "reason": "scored"}),
+                             head._finish(runs[2], JobOutput(scores=[-2.0], reason="scored")),
                              head.frontier("j3#0"))  # fmt: skip
         return coord
 

@@ -10,6 +10,7 @@ A node's health likewise: the core (swarm/policy/nodes.py) beside the real coord
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from cellswarm.swarm.control.jobs import JobQueue
 from cellswarm.swarm.policy import Retry, placement
 from cellswarm.swarm.policy import jobs as core
 from cellswarm.swarm.policy import nodes as health
+from cellswarm.swarm.protocol.messages import Shard
 
 KINDS = ("lease", "checkpoint", "progress", "complete", "fail", "strike", "release",
          "expire", "cancel")  # fmt: skip
@@ -303,3 +305,70 @@ def test_the_spare_check_compares_something() -> None:
     sim.fail_node(149)  # replica 37, rack 9: a spare of its own rack, not node 1
     assert sim.replicas[37].nodes[1] == 153
     assert len(sim.compared) == 2 and all(a == b for a, b in sim.compared), sim.compared
+
+
+class _Agreeing(Simulator):
+    """A simulator that, at every change of who is placeable (nodes lost, a node back),
+    asks the placement core what the coordinator would make of it — `repair` over the
+    simulator's own members, run until it changes nothing more, as the coordinator's
+    reconcile does tick after tick — and checks that its O(log n) mending made the same:
+    the same layout, every node the same shard."""
+
+    agreed: int
+
+    def _settled(self) -> tuple[list[Shard], dict[int, Shard | None]]:
+        members, layout = self.members(), self.live_layout()
+        for _ in range(4):
+            new_layout, out = placement.repair(members, layout, self.split, self.npr,
+                                               replicas=len(self.replicas))  # fmt: skip
+            if not out:
+                break
+            moved = [replace(m, state="assigned" if out[m.node_id] else "spare",
+                             shard=out[m.node_id]) for m in members]  # fmt: skip
+            if moved == members and new_layout == layout:
+                break
+            members, layout = moved, new_layout
+        return layout, {m.node_id: m.shard for m in members}
+
+    def _check(self, expected: tuple[list[Shard], dict[int, Shard | None]]) -> None:
+        got = (self.live_layout(), {m.node_id: m.shard for m in self.members()})
+        assert got == expected, (self.now, self.c)
+        self.agreed += 1
+
+    def _lose(self, nodes: list[int]) -> None:
+        expected = self._settled()  # the lost nodes are down already: not members
+        super()._lose(nodes)
+        self._check(expected)
+
+    def _back(self, nodes: list[int]) -> None:
+        expected = self._settled()  # they are up again: spares, to the core
+        super()._back(nodes)
+        self._check(expected)
+
+
+@pytest.mark.parametrize(("count", "replicas"), [(400, 60), (400, 90), (16, 3)])
+def test_the_simulated_swarm_is_placed_as_the_core_places_it_all_day(
+    count: int, replicas: int
+) -> None:
+    """A day of seeded node and rack failures and repairs (racks of 16; a node is down a
+    third of the time): 400 nodes holding 60 or 90 replicas of 4, or 16 holding 3, so that
+    spares run out and replicas are dropped and formed again, and the last one waits for
+    nodes. After each change the simulator's replicas — up, loading or dropped, which node
+    holds which slot — are what the policy core makes of the same nodes. So the simulated
+    availability over the day is the core's, and its spares, drops and re-formed replicas
+    are the coordinator's."""
+    sc = Scenario(model="mixtral-8x7b", node="rpi4", context=2048, count=count,
+                  concurrency=4, jobs=20, prompt_tokens=64, output_tokens=64,
+                  duration_s=86_400, mtbf_s=4 * 3600, mttr_s=2 * 3600, rack_mtbf_s=6 * 3600,
+                  rack_mttr_s=1800, seed=11,
+                  network=(("nodes_per_access_switch", 16),))  # fmt: skip
+    base, result = build(sc)
+    req = result.request
+    sim = _Agreeing(sc, base.model, base.net, replicas, req.power,
+                    (req.node.power_busy_w, req.node.power_idle_w))  # fmt: skip
+    sim.agreed = 0
+    sim.run()
+    c = sim.c
+    assert sim.agreed > 100 and sim.lost_jobs() == 0
+    assert c.replacements and c.replicas_dissolved and c.replicas_formed, c  # not vacuous
+    assert c.core_placements > 0 or count > 16  # the last replica waited: the core asked

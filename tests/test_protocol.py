@@ -104,3 +104,65 @@ def test_an_answer_says_every_field_and_a_worker_reads_it_typed() -> None:
     assert decode(HeartbeatAnswer, {"epoch": 3}).shard is None
     with pytest.raises(RequestError, match="rogue"):
         decode(HeartbeatAnswer, {"rogue": 1})
+
+
+def test_a_part_shard_and_an_assignment_carry_typed_holdings_and_addresses() -> None:
+    """A part server's shard holds a PartHolding (no raw dict): it round-trips, keeps the
+    layer keys in decimal as PartAddress does, and names the same content id however it was
+    built; a stage's assignment names its part servers as PartAddresses."""
+    from cellswarm.swarm.protocol.dataplane import PartAddress
+    from cellswarm.swarm.protocol.messages import Assignment, PartHolding, Shard
+    from cellswarm.swarm.ring.parts import PartSpec
+
+    holding = PartSpec("experts-0", 0, experts={3: (1, 5), 10: (0,)}).holding()
+    assert holding == PartHolding(experts={"3": [1, 5], "10": [0]})
+    shard = Shard(slot=2, n=3, role="part", spec=holding)
+    sent = encode(shard)
+    assert sent["spec"] == {"experts": {"3": [1, 5], "10": [0]}}
+    assert decode(Shard, sent) == shard
+    again = Shard(slot=2, n=3, role="part", spec=PartHolding(experts={"10": [0], "3": [1, 5]}))
+    assert again.content_id == shard.content_id
+    assert Shard(slot=2, n=3, role="part", spec=PartHolding(vocab_rows=(0, 9))).content_id \
+        != shard.content_id  # fmt: skip
+    with pytest.raises(RequestError, match="spec"):
+        decode(Shard, {**sent, "spec": {"experts": {"3": [1]}, "node_id": "x"}})
+    part = holding.at("n7", "10.0.0.7", 9001)
+    assert part == PartAddress(node_id="n7", host="10.0.0.7", port=9001,
+                               experts={"3": [1, 5], "10": [0]})  # fmt: skip
+    assert PartSpec.from_wire(part).experts == {3: (1, 5), 10: (0,)}
+    given = Assignment(shard=shard, model="m", context=8, max_sequences=1, parts=[part])
+    assert decode(Assignment, encode(given)).parts == [part]
+
+
+def test_a_check_result_carries_typed_host_facts_and_digest() -> None:
+    """A doctor round's answer: its host's facts (every key sent, null where unreadable) and
+    its forward step's digest as typed values, round-tripping through a beat."""
+    import numpy as np
+
+    from cellswarm.swarm.protocol.messages import CheckResult, ForwardDigest, HostFacts
+    from cellswarm.swarm.ring import checks
+
+    env = checks.environment([None])
+    assert isinstance(env, HostFacts) and env.cellswarm and env.pid > 0
+    digest = checks.forward_of(np.ones((1, 4), np.float32), 3)
+    assert isinstance(digest, ForwardDigest) and digest.n == 4 and len(digest.proj) == 16
+    result = CheckResult(round="r1", env=env, matmul=[1.0], forward=digest)
+    sent = encode(result)
+    assert set(sent["env"]) == set(HostFacts.__struct_fields__)  # every key, as before
+    assert decode(Heartbeat, {"node_id": "n", "check": sent}).check == result
+    assert checks.digest(np.ones((1, 4), np.float32), 3) == sent["forward"]
+
+
+def test_a_layout_an_older_protocol_stored_is_placed_again() -> None:
+    """PROTOCOL 2 kept a placeholder address beside a part server's experts: a coordinator
+    upgraded over its database reads such a layout as none (and places the nodes again)
+    rather than fail to start."""
+    from cellswarm.swarm.control.membership import load_layout
+
+    old = ('[{"slot": 0, "n": 2, "role": "stage", "stage": 0, "layers": [0, 30], '
+           '"first": true, "last": true}, {"slot": 1, "n": 2, "role": "part", "spec": '
+           '{"node_id": "experts-0", "port": 0, "host": "127.0.0.1", "experts": {"1": [0]}, '
+           '"vocab_rows": null}}]')  # fmt: skip
+    assert load_layout(old) == []
+    assert len(load_layout(old.replace('"node_id": "experts-0", "port": 0, "host": '
+                                       '"127.0.0.1", ', ""))) == 2  # fmt: skip

@@ -26,18 +26,23 @@ while the spare loads its shard: bytes / link bandwidth) and the head replays ea
 prompt + tokens so far (a prefill of that length) under the same lease; a lost head cannot
 renew its leases, so they expire after `lease_s`, which counts as a failed attempt: back to
 the queue after the backoff 0.5 x 2^(n-1) s, dead after 3. No spare left: the replica is
-dissolved (its nodes become spares, its jobs' leases expire) and placed again once enough
-spares exist. A node's health follows swarm/policy/nodes.py, as the coordinator's: a node
-that is lost (it failed, its rack was cut) is not charged, and comes back as a spare once
-repaired; only failures that are its own count toward `offline_after` in a row.
+dropped (its nodes become spares, its jobs' leases expire; never the last one, which waits)
+and formed again once enough spares exist — policy/placement.py's repair, which this loop
+runs hole by hole in O(log n) and asks itself where that does not reach (`_mend`); the two
+agree after every change over a day of failures (tests/test_policy_core.py). A node's
+health follows swarm/policy/nodes.py, as the coordinator's: a node that is lost (it
+failed, its rack was cut) is not charged, and comes back as a spare once repaired; only
+failures that are its own count toward `offline_after` in a row.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +58,7 @@ from cellswarm.swarm.policy import placement
 from cellswarm.swarm.protocol.messages import Shard
 
 EPS_TOKENS = 1e-6
+HOLE = -1  # a slot of a replica no node holds (its node was lost; no spare yet)
 
 
 @dataclass
@@ -122,6 +128,7 @@ class Counters:
     replacements: int = 0
     replicas_dissolved: int = 0
     replicas_formed: int = 0
+    core_placements: int = 0  # decisions the simulator asked the placement core itself
     offline_nodes: int = 0
     replays: int = 0
     replay_s: float = 0.0
@@ -169,6 +176,7 @@ class Simulator:
         self.rack_spares: list[list[int]] = [[] for _ in range(self.switches)]  # per rack
         self.is_spare = [False] * self.count
         self.n_spares = 0
+        self.holes: set[int] = set()  # slots (replica x nodes + position) no node holds
         self.down_nodes = 0
         self.busy_nodes = 0
         self.jobs: list[Job] = []
@@ -218,16 +226,19 @@ class Simulator:
     def members(self) -> list[Member]:
         """The placeable nodes as the placement core sees them: up and not taken offline,
         holding their replica's slot or spare (a lost node is neither)."""
-        out = []
-        for n in range(self.count):
-            if not self._node_up(n) or self.node_offline[n]:
-                continue
-            r = self.node_replica[n]
-            held = r >= 0 and self.replicas[r].state != "gone"
-            shard = self.layout[r * self.npr + self.node_pos[n]] if held else None
-            out.append(Member(n, "assigned" if held else "spare", shard, 1, float(n),
-                              str(n // self.per_switch)))  # fmt: skip
-        return out
+        return [self._member(n) for n in range(self.count)
+                if self._node_up(n) and not self.node_offline[n]]  # fmt: skip
+
+    def _member(self, n: int) -> Member:
+        r = self.node_replica[n]
+        held = r >= 0 and self.replicas[r].state != "gone"
+        shard = self.layout[r * self.npr + self.node_pos[n]] if held else None
+        return Member(n, "assigned" if held else "spare", shard, 1, float(n),
+                      str(n // self.per_switch))  # fmt: skip
+
+    def live_layout(self) -> list[Shard]:
+        """The layout as the coordinator keeps it: the slots of the replicas not dropped."""
+        return [s for s in self.layout if self.replicas[s.replica].state != "gone"]
 
     def split(self, stages: int, _memory_bytes: int) -> list[tuple[int, int]]:
         """The placement core's splitter: the simulated model is placed at one depth (its
@@ -534,29 +545,85 @@ class Simulator:
         if was_up:
             self._set_live(-1)
 
-    def _node_lost(self, n: int) -> None:
-        if self.is_spare[n]:
-            self.is_spare[n] = False
-            self.n_spares -= 1
-        r = self.node_replica[n]
-        if r < 0:
+    def _lose(self, nodes: list[int]) -> None:
+        """Nodes are gone (failed, or their rack cut): each leaves a hole in its replica,
+        which stops; then the holes are mended as the coordinator mends them."""
+        for n in nodes:
+            if self.is_spare[n]:
+                self.is_spare[n] = False
+                self.n_spares -= 1
+            r = self.node_replica[n]
+            if r < 0:
+                continue
+            rep, pos = self.replicas[r], self.node_pos[n]
+            self.node_replica[n] = -1
+            rep.nodes[pos] = HOLE
+            self.holes.add(r * self.npr + pos)
+            self._take_down(rep, head_lost=pos == 0)
+        self._mend()
+        self._form_replicas()  # replicas dropped for a hole may leave enough spares for one
+
+    # -- placement: the policy core's (policy/placement.py: repair), O(log n) a hole ---------
+
+    def _mend(self) -> None:
+        """Every hole, in slot order: a spare takes it (`_choose_spare`), or its replica is
+        dropped (`_dissolve`) while another is left. When the core would do anything else
+        (the last replica cannot be mended, or nothing is held at all) it is asked itself:
+        rare, and O(nodes) (`_adopt`)."""
+        if not self.holes:
             return
-        rep, pos = self.replicas[r], self.node_pos[n]
-        self.node_replica[n] = -1
-        if rep.state == "gone":
+        order = sorted(self.holes)
+        if not self._mendable(order):
+            self._adopt(*self._core_repair())
             return
-        self._take_down(rep, head_lost=pos == 0)
-        spare = self._choose_spare(rep, pos)
-        if spare is None:
-            self._dissolve(rep)
+        touched: dict[int, Replica] = {}
+        for slot in order:
+            r, pos = divmod(slot, self.npr)
+            rep = self.replicas[r]
+            if rep.state == "gone":  # dropped for an earlier hole of it
+                continue
+            spare = self._choose_spare(rep, pos)
+            if spare is None:
+                self._dissolve(rep)
+                continue
+            self._hold(rep, pos, spare)
+            self.c.replacements += 1
+            touched[r] = rep
+            rep.ready_at = max(rep.ready_at, self.now + self.detect_s
+                               + self.p.replace_overhead_s + self.model.load_s(pos))  # fmt: skip
+        for rep in touched.values():
+            if rep.state != "gone":
+                self._ready_when_loaded(rep)
+
+    def _mendable(self, order: list[int]) -> bool:
+        """Whether the holes `order` (slots, ascending) are all mended by spares and drops,
+        as the core mends them, without dropping the last replica: counts only."""
+        spares = self.n_spares
+        rings = sum(1 for rep in self.replicas if rep.state != "gone")
+        if rings * self.npr == len(order):  # nothing held: the core places anew
+            return False
+        for _, group in itertools.groupby(order, key=lambda slot: slot // self.npr):
+            holes = len(list(group))
+            if spares >= holes:
+                spares -= holes
+            elif rings > 1:  # dropped: what it held (and was just given) becomes spares
+                rings -= 1
+                spares += self.npr - holes
+            else:
+                return False
+        return True
+
+    def _hold(self, rep: Replica, pos: int, n: int) -> None:
+        rep.nodes[pos] = n
+        self.node_replica[n], self.node_pos[n] = rep.idx, pos
+        self.holes.discard(rep.idx * self.npr + pos)
+
+    def _ready_when_loaded(self, rep: Replica) -> None:
+        """A replica whose every slot is held again is up once its shards are loaded."""
+        if HOLE in rep.nodes:
             return
-        rep.nodes[pos] = spare
-        self.node_replica[spare], self.node_pos[spare] = r, pos
-        self.c.replacements += 1
-        rep.ready_at = max(rep.ready_at, self.now + self.detect_s + self.p.replace_overhead_s
-                           + self.model.load_s(pos))  # fmt: skip
         rep.timing = self._timing(rep)
-        self.push(rep.ready_at, "replica_up", (r, rep.gen))
+        self.push(rep.ready_at, "replica_up", (rep.idx, rep.gen))
 
     def _dissolve(self, rep: Replica) -> None:
         for s in rep.seqs:
@@ -565,8 +632,9 @@ class Simulator:
         rep.state = "gone"
         self._set_busy(rep, False)
         self.c.replicas_dissolved += 1
-        for n in rep.nodes:
-            if self.node_replica[n] == rep.idx:
+        for pos, n in enumerate(rep.nodes):
+            self.holes.discard(rep.idx * self.npr + pos)
+            if n != HOLE and self.node_replica[n] == rep.idx:
                 self.node_replica[n] = -1
                 self._add_spare(n)
 
@@ -585,26 +653,82 @@ class Simulator:
         self._update(rep)
 
     def _form_replicas(self) -> None:
-        """Enough spares for a whole replica: place one again where one was dissolved."""
+        """A layout with every slot held and a replica's worth of spares waiting: a dropped
+        replica is formed again, the lowest first, from the earliest joined spares in rack
+        order (placement: _grow). A layout the core placed smaller is placed anew by it."""
         if self.control_saturated:  # the coordinator cannot keep its nodes: none is placed
+            return
+        if self.holes or self.n_spares < self.npr:
+            return
+        if self.layout[0].n != self.npr * len(self.replicas):
+            self._adopt(*self._core_repair())
             return
         for rep in self.replicas:
             if rep.state != "gone" or self.n_spares < self.npr:
                 continue
-            nodes = [self._pop_spare() for _ in range(self.npr)]
-            rep.nodes = [n for n in nodes if n is not None]
+            popped = [self._pop_spare() for _ in range(self.npr)]
+            picked = [self._member(n) for n in popped if n is not None]
+            rep.nodes = [m.node_id for m in placement.by_rack(picked, self.npr)]
             for pos, n in enumerate(rep.nodes):
-                self.node_replica[n], self.node_pos[n] = rep.idx, pos
-            rep.state, rep.gen = "loading", rep.gen + 1
-            rep.ready_at = (
-                self.now
-                + self.p.replace_overhead_s
-                + max(self.model.load_s(pos) for pos in range(self.npr))
-            )
-            rep.timing = self._timing(rep)
-            self._set_busy(rep, True)
+                self._hold(rep, pos, n)
+            self._load(rep, range(self.npr))
             self.c.replicas_formed += 1
-            self.push(rep.ready_at, "replica_up", (rep.idx, rep.gen))
+
+    def _load(self, rep: Replica, positions: Iterable[int]) -> None:
+        """`rep` loads the shards at `positions` (all at once: the slowest bounds it)."""
+        rep.state, rep.gen = "loading", rep.gen + 1
+        rep.ready_at = self.now + self.p.replace_overhead_s + max(
+            (self.model.load_s(pos) for pos in positions), default=0.0)  # fmt: skip
+        self._set_busy(rep, True)
+        self._ready_when_loaded(rep)
+
+    # -- placement by the core itself (rare: O(nodes) a call) -------------------------------
+
+    def _core_repair(self) -> tuple[list[Shard], dict[int, Shard | None]]:
+        self.c.core_placements += 1
+        return placement.repair(self.members(), self.live_layout(), self.split, self.npr,
+                                replicas=len(self.replicas))  # fmt: skip
+
+    def _adopt(self, layout: list[Shard], out: dict[int, Shard | None]) -> None:
+        """Apply a placement of the core: a replica it left out is dropped; one whose nodes
+        moved stops and loads the shards that moved; every node it gives none is a spare.
+        Nothing placed ({}): nothing moves (the coordinator waits, its holes open)."""
+        if not out:
+            return
+        if layout[0].n != len(self.layout):  # placed anew, with fewer replicas: the slots
+            self.layout = placement.shards(self.split(self.npr, 1), replicas=layout[0].n
+                                           // self.npr)  # fmt: skip
+        rings: dict[int, list[int]] = {}
+        for n, shard in out.items():
+            if shard is not None:
+                rings.setdefault(shard.replica, [HOLE] * self.npr)[shard.slot % self.npr] = n
+        for rep in self.replicas:
+            new = rings.get(rep.idx)
+            if new is None:
+                if rep.state != "gone":
+                    self._dissolve(rep)
+                continue
+            old = rep.nodes if rep.state != "gone" else [HOLE] * self.npr
+            if new == old:
+                continue
+            if rep.state != "gone":
+                self._take_down(rep, head_lost=new[0] != old[0])
+            for pos, n in enumerate(old):
+                if n != HOLE and self.node_replica[n] == rep.idx and new[pos] != n:
+                    self.node_replica[n] = -1
+            for pos, n in enumerate(new):
+                if n == HOLE:
+                    self.holes.add(rep.idx * self.npr + pos)
+                else:
+                    if self.is_spare[n]:
+                        self.is_spare[n] = False
+                        self.n_spares -= 1
+                    self._hold(rep, pos, n)
+            rep.nodes = new
+            self._load(rep, [pos for pos in range(self.npr) if new[pos] != old[pos]])
+        for n, shard in out.items():
+            if shard is None and self.node_replica[n] < 0:
+                self._add_spare(n)
 
     # -- spares -----------------------------------------------------------------------------
 
@@ -621,7 +745,7 @@ class Simulator:
         in, else the earliest joined anywhere. O(log n) here where the core walks the
         spares; tests/test_policy_core.py checks the two choose alike."""
         held = Counter(n // self.per_switch for k, n in enumerate(rep.nodes)
-                       if k != pos and self._node_up(n))  # fmt: skip
+                       if k != pos and n != HOLE)  # fmt: skip
         if held:
             spare = self._pop_spare(self.rack_spares[held.most_common(1)[0][0]])
             if spare is not None:
@@ -659,7 +783,7 @@ class Simulator:
         self.node_failed[n] = True
         self._judge(n, health.Lost("failed"))
         self.down_nodes += 1
-        self._node_lost(n)
+        self._lose([n])
         return True
 
     def schedule_kill(self, t: float, position: int, replica: int = 0) -> None:
@@ -668,12 +792,12 @@ class Simulator:
 
     def _on_kill(self, arg: tuple[int, int]) -> None:
         n = self.replicas[arg[0]].nodes[arg[1]]
-        if self._node_up(n):
+        if n != HOLE and self._node_up(n):
             self.c.node_failures += 1
             self.node_failed[n] = True
             self._judge(n, health.Lost("killed"))
             self.down_nodes += 1
-            self._node_lost(n)
+            self._lose([n])
 
     def _on_node_repair(self, n: int) -> None:
         self.node_failed[n] = False
@@ -681,7 +805,7 @@ class Simulator:
         if self.switch_down[n // self.per_switch]:
             return
         self.down_nodes -= 1
-        self._back(n)
+        self._back([n])
 
     def _judge(self, n: int, event: health.Event) -> None:
         """The coordinator's verdict on a node (the policy core): taken out, or not."""
@@ -691,10 +815,12 @@ class Simulator:
             self.node_offline[n] = True
             self.c.offline_nodes += 1
 
-    def _back(self, n: int) -> None:
-        if self.node_offline[n]:
-            return
-        self._add_spare(n)
+    def _back(self, nodes: list[int]) -> None:
+        """Nodes are up again (repaired, their rack back): spares, at once."""
+        for n in nodes:
+            if not self.node_offline[n]:
+                self._add_spare(n)
+        self._mend()
         self._form_replicas()
 
     def _on_rack_fail(self, _: Any) -> None:
@@ -711,16 +837,15 @@ class Simulator:
         up = [n for n in nodes if not self.node_failed[n]]
         self.switch_down[sw] = True
         self.down_nodes += len(up)
-        for n in up:
-            self._node_lost(n)
+        self._lose(up)
         self.push(self._exp(self.sc.rack_mttr_s), "rack_repair", sw)
 
     def _on_rack_repair(self, sw: int) -> None:
         self.switch_down[sw] = False
-        for n in range(sw * self.per_switch, min((sw + 1) * self.per_switch, self.count)):
-            if not self.node_failed[n]:
-                self.down_nodes -= 1
-                self._back(n)
+        nodes = range(sw * self.per_switch, min((sw + 1) * self.per_switch, self.count))
+        up = [n for n in nodes if not self.node_failed[n]]
+        self.down_nodes -= len(up)
+        self._back(up)
 
     # -- observation ------------------------------------------------------------------------
 

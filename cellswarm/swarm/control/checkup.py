@@ -356,4 +356,5 @@ def forward_reference(model_path: str, layers: tuple[int, int], seed: int) -> di
 
     model = load(model_path, selection=Selection(layers=layers, embed=False, head=False),
                  tokenizer=False)  # fmt: skip
-    return forward_digest(model, seed)
+    plain: dict[str, object] = msgspec.to_builtins(forward_digest(model, seed))
+    return plain

@@ -105,7 +105,8 @@ class Liveness(Placing):
         if node.state != "assigned" or node.shard is None:
             return None
         # a stage is told what it does not hold (its part servers); addresses come on wiring
-        parts = list(self.part_specs) if node.shard.role == "stage" else []
+        parts = ([h.at(f"part-{j}", "", 0) for j, h in enumerate(self.part_specs)]
+                 if node.shard.role == "stage" else [])  # fmt: skip
         return Assignment(shard=node.shard, model=self.config.model, context=self.context,
                           max_sequences=self.sequences, parts=parts)  # fmt: skip
 

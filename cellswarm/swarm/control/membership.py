@@ -33,7 +33,12 @@ def dump_layout(layout: Sequence[Shard]) -> str:
 
 
 def load_layout(text: str) -> list[Shard]:
-    return msgspec.json.decode(text, type=list[Shard])
+    """The stored layout; one an older protocol wrote (a shard of another shape) is no
+    layout: the nodes are placed again, as on a first start."""
+    try:
+        return msgspec.json.decode(text, type=list[Shard])
+    except msgspec.ValidationError:
+        return []
 
 
 def _held(nodes: Sequence[Node], role: str, replica: int) -> list[Node]:

@@ -25,6 +25,7 @@ from cellswarm.swarm.control.membership import (
     ring,
 )
 from cellswarm.swarm.control.store import Node, NodeId
+from cellswarm.swarm.protocol.messages import PartHolding
 from cellswarm.swarm.ring.costs import costs_at
 
 log = logging.getLogger("cellswarm.coordinator")
@@ -262,11 +263,11 @@ class Placing(Election):
         log.warning(why)
         self.unwire(why)
 
-    def _part_specs(self) -> list[dict[str, object]]:
+    def _part_specs(self) -> list[PartHolding]:
         """What each part server holds (addresses come at wiring time)."""
         from cellswarm.swarm.ring.costs import part_specs
 
         c = self.config
         n = c.expert_nodes + c.vocab_nodes
         specs = part_specs(c.model, c.expert_nodes, c.vocab_nodes, [0] * n) if n else []
-        return [s.to_dict() for s in specs]
+        return [s.holding() for s in specs]

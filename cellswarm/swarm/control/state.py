@@ -27,6 +27,7 @@ from cellswarm.swarm.control.nonces import Nonces
 from cellswarm.swarm.control.request_metrics import RequestMetrics
 from cellswarm.swarm.control.store import Store
 from cellswarm.swarm.logs import JsonLog, Throttled
+from cellswarm.swarm.protocol.messages import PartHolding
 from cellswarm.swarm.settings import CoordinatorConfig
 from cellswarm.swarm.tls import client_context
 from cellswarm.swarm.transport.beats import check_control_url
@@ -95,7 +96,7 @@ class CoordinatorState:
         self.beats_via: dict[str, int] = {"http": 0, "nats": 0}  # heartbeats by transport
         self._splits: dict[tuple[int, int, int, int], list[tuple[int, int]] | str] = {}  # str: why
         self._manifest: Manifest | None = None
-        self.part_specs: list[dict[str, object]] = []  # set by Coordinator (placing.py)
+        self.part_specs: list[PartHolding] = []  # set by Coordinator (placing.py)
         # the latest stage stats each node reported (NodeStats, as JSON builtins)
         self.node_stats: dict[str, JsonObject | None] = {}
         self.named_since: tuple[str, float] | None = None  # (layout, monotonic s) status

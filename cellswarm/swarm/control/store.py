@@ -311,6 +311,14 @@ def text_of(caps: Mapping[str, object], key: str) -> str | None:
     return value
 
 
+def _shard(text: str | None) -> Shard | None:
+    """A node's stored shard; one of an older protocol's shape is none (placed again)."""
+    try:
+        return msgspec.json.decode(text, type=Shard) if text else None
+    except msgspec.ValidationError:
+        return None
+
+
 def _node(row: Row) -> Node:
     caps, shard = text(row, "capabilities"), maybe_text(row, "shard")
     return Node(
@@ -318,7 +326,7 @@ def _node(row: Row) -> Node:
         session=text(row, "session"), capabilities=json.loads(caps) if caps else {},
         host=text(row, "host"), joined_s=real(row, "joined_s"),
         last_seen_s=real(row, "last_seen_s"),
-        shard=msgspec.json.decode(shard, type=Shard) if shard else None,
+        shard=_shard(shard),
         data_port=maybe_whole(row, "data_port"), ready=maybe_text(row, "ready"),
         rss_bytes=whole(row, "rss_bytes"), peak_rss_bytes=whole(row, "peak_rss_bytes"),
         served=whole(row, "served"), failures=whole(row, "failures"),

@@ -13,6 +13,7 @@ from cellswarm.swarm.control.membership import Shard, ring
 from cellswarm.swarm.control.store import text_of
 from cellswarm.swarm.control.work import Work
 from cellswarm.swarm.protocol.jsonvalue import JsonObject, JsonValue
+from cellswarm.swarm.protocol.messages import PartHolding
 
 if TYPE_CHECKING:
     from cellswarm.io.tokenizer import Tokenizer
@@ -112,15 +113,10 @@ def describe(shard: Shard | None) -> str:
     if shard.role == "stage" and shard.layers:
         lo, hi = shard.layers
         return f"layers {lo}..{hi - 1}"
-    spec: dict[str, object] = shard.spec or {}
-    rows = spec.get("vocab_rows")
-    if rows:
-        if not isinstance(rows, list | tuple):
-            raise TypeError(f"vocab_rows is {type(rows).__name__}, not a pair")
-        a, b = rows
+    spec = shard.spec or PartHolding()
+    if spec.vocab_rows:
+        a, b = spec.vocab_rows
         return f"vocab rows {a}..{b - 1}"
-    experts = spec.get("experts", {})
-    if not isinstance(experts, dict):
-        raise TypeError(f"experts is {type(experts).__name__}, not a mapping")
+    experts = spec.experts
     per_layer = len(next(iter(experts.values()), []))
     return f"{per_layer} experts x {len(experts)} layers"

@@ -13,9 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import ParamSpec, TypeVar
 
-import msgspec
-
-from cellswarm.errors import StorageFullError
+from cellswarm.errors import StorageFullError, SwarmError
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.joining import Joining
 from cellswarm.swarm.control.membership import layout_complete, part_nodes, replicas, ring
@@ -62,7 +60,7 @@ class Wiring(Joining):
             return None
         nodes = self.placed()
         live = [n for n in nodes if n.state in ("assigned", "spare")]
-        if not layout_complete(live):
+        if not layout_complete(live, self.layout):
             return None
         if not all(n.serving for n in live if n.state == "assigned"):
             return None
@@ -83,11 +81,7 @@ class Wiring(Joining):
             if not await self._reset(node, PartReset(epoch=epoch, peers=callers)):
                 await self.on_core(self.lose, node, "did not answer its reset")
                 return False
-        addressed = [  # a part's spec (ring/parts.py: PartSpec) and where it listens
-            msgspec.convert({**((n.shard and n.shard.spec) or {}), "node_id": n.node_id,
-                             "host": n.host, "port": n.data_port}, PartAddress)
-            for n in parts
-        ]  # fmt: skip
+        addressed = [part_address(n) for n in parts]
         for k in reversed(range(len(stages))):
             node, nxt, prev = stages[k], stages[(k + 1) % len(stages)], stages[k - 1]
             reset = Reset(epoch=epoch, next_host=nxt.host, next_port=nxt.data_port,
@@ -160,3 +154,12 @@ class Wiring(Joining):
                 self.lose(n, f"one step running for {running_s:.0f} s: stuck")
             elif running_s > 0 and n.shard is not None and n.shard.role == "stage":
                 self.queue.extend_replica(str(n.shard.replica))
+
+
+def part_address(node: Node) -> PartAddress:
+    """A part server's holding (its shard's spec) and where it listens, as its stages are
+    told in the wiring's reset (ring/parts.py: PartSpec.from_wire)."""
+    shard = node.shard
+    if shard is None or shard.spec is None or node.data_port is None:
+        raise SwarmError(f"part node {node.node_id} holds no part or has no port: a bug")
+    return shard.spec.at(node.node_id, node.host, node.data_port)

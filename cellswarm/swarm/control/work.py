@@ -12,7 +12,7 @@ from cellswarm.swarm.control.membership import replicas, ring
 from cellswarm.swarm.control.store import Node, whole_of
 from cellswarm.swarm.control.verification import Verification
 from cellswarm.swarm.policy import nodes as health
-from cellswarm.swarm.protocol.messages import JobLease, JobRef, JobResult, RunState
+from cellswarm.swarm.protocol.messages import JobLease, JobRef, JobResult, RunState, encode
 
 log = logging.getLogger("cellswarm.coordinator")
 
@@ -113,7 +113,7 @@ class Work(Verification):
         fsync) where it cost three a job (the job, its ring's nodes, its events). A failure
         commits none: the head's post failed, and the leases run out as for a lost post."""
         with self.store.transaction():
-            return [self.complete(node, r.job_id, r.fence, dict(r.result)) for r in items]
+            return [self.complete(node, r.job_id, r.fence, encode(r.result)) for r in items]
 
     def complete(self, node: Node, job_id: str, fence: int,
                  result: dict[str, object]) -> str:  # fmt: skip

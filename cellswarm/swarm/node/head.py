@@ -51,6 +51,7 @@ from cellswarm.swarm.protocol.dataplane import (
 )
 from cellswarm.swarm.protocol.messages import (
     FailReport,
+    JobOutput,
     JobRef,
     JobResult,
     LeaseAnswer,
@@ -234,14 +235,12 @@ class Head:
             run.scores = dict(enumerate(score.logprobs))
             if len(run.scores) == len(run.payload["completions"]):
                 scores = [run.scores[i] for i in range(len(run.scores))]
-                result: dict[str, object] = {"scores": scores, "reason": "scored"}
-                if score.detail is not None:
-                    result["detail"] = fields_of_detail(score)
-                await self._finish(run, result)
+                await self._finish(run, JobOutput(scores=scores, reason="scored",
+                                                  detail=score.detail))  # fmt: skip
         elif frame.type == Done.kind and run.kind == "generate":
             done = read(Done, frame.fields)
-            await self._finish(run, {"tokens": list(run.tokens), "reason": done.reason,
-                                     "bits": done.bits[:16]})  # fmt: skip
+            await self._finish(run, JobOutput(tokens=list(run.tokens), reason=done.reason,
+                                              bits=done.bits[:16]))  # fmt: skip
         elif frame.type == ErrorOut.kind:
             error = read(ErrorOut, frame.fields)
             if error.fault == "room":
@@ -278,7 +277,7 @@ class Head:
             active = max(active or 0.0, self.stage.activity() or 0.0)
         return active is not None and now - active < self.lease_s
 
-    async def _finish(self, run: Run, result: dict[str, object]) -> None:
+    async def _finish(self, run: Run, result: JobOutput) -> None:
         """The job's result to the coordinator, in the next report (see `_report`)."""
         self.runs.pop(run.job_id, None)
         self.finished[run.job_id] = JobResult(job_id=run.job_id, fence=run.fence, result=result)
@@ -371,9 +370,3 @@ class Head:
             body = encode(ReleaseAsk(runs=runs))
             threading.Thread(target=self._post_quietly, args=("/v1/jobs/release", body),
                              daemon=True).start()  # fmt: skip
-
-
-def fields_of_detail(score: ScoreOut) -> list[object]:
-    """A score's per-token detail as the job's result holds it (JSON lists)."""
-    return [[[lp, greedy, [list(a) for a in alts]] for lp, greedy, alts in c]
-            for c in score.detail or []]  # fmt: skip

@@ -61,6 +61,7 @@ from cellswarm.swarm.protocol.messages import (
     HeartbeatAnswer,
     LogBatch,
     NodeStats,
+    PartHolding,
     decode,
     encode,
 )
@@ -512,7 +513,7 @@ class Worker:
             last=shard.last, threads=c.threads, memory_bytes=c.memory_bytes,
             context=given.context, max_sequences=given.max_sequences, log_dir=c.log_dir,
             node_id=c.node_id, profile=c.profile, token_file=c.token_file, peers=("coordinator",),
-            parts=tuple(PartSpec.from_dict(p) for p in given.parts),
+            parts=tuple(PartSpec.from_wire(p) for p in given.parts),
             dram_budget_bytes=c.dram_budget_bytes, tls_dir=c.tls_dir,
         )  # fmt: skip
         if c.fetch or c.model is None:
@@ -544,7 +545,8 @@ class Worker:
     async def start_part(self, given: Assignment) -> None:
         """Serve a part: routed experts of some layers, or vocabulary rows (swarm/ring/parts.py)."""
         c = self.config
-        spec = PartSpec.from_dict({**(given.shard.spec or {}), "node_id": c.node_id, "port": 0})
+        holding = given.shard.spec or PartHolding()
+        spec = PartSpec.from_wire(holding.at(c.node_id, "127.0.0.1", 0))  # it binds _bind's
         model_path = c.model or given.model
         if c.fetch or c.model is None:
             path = await asyncio.to_thread(self.fetch_selection, spec.selection())
@@ -631,8 +633,8 @@ class Worker:
 
         out = await stage.compute(run) if stage is not None else await asyncio.to_thread(run)
         layers = list(stage.config.layers) if stage is not None else None
-        return msgspec.structs.replace(out, env={**out.env, "rss_bytes": rss_bytes()},
-                                       round=ask.round, echo_s=self.echo_s,
+        env = msgspec.structs.replace(out.env, rss_bytes=rss_bytes())
+        return msgspec.structs.replace(out, env=env, round=ask.round, echo_s=self.echo_s,
                                        layers=layers)  # fmt: skip
 
     def run_probe(self) -> tuple[bool, str]:

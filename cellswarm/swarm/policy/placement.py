@@ -4,9 +4,12 @@ both run.
 
 A layout is a list of stages (layer ranges, in ring order) and part servers per replica;
 each slot is held by one member. When a member is lost, a spare takes its shard unchanged
-(cheapest: nobody else reloads), from the replica's own rack when one waits there; without a
-spare the layout is placed again over the members that are left (fewer stages, then fewer
-replicas, rather than stall), and grown back to what was asked once members return.
+(cheapest: nobody else reloads), from the replica's own rack when one waits there. Without a
+spare, a replica whose hole cannot be filled is dropped — its members become spares for the
+other replicas' holes, and every other replica keeps its shards (none reloads) — and once
+enough spares wait, a dropped replica is formed again from them. The last replica is never
+dropped: the layout is placed again over the members that are left (fewer stages rather
+than stall) and grown back to what was asked once members return.
 
 A member is anything with a node id, a state, the shard it holds, its memory, when it joined
 and its rack: the store's `Node` for the coordinator, a light record for the simulator.
@@ -16,11 +19,13 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol, TypeVar
 
+import msgspec
+
 from cellswarm.errors import BudgetError
-from cellswarm.swarm.protocol.messages import Shard
+from cellswarm.swarm.protocol.messages import PartHolding, Shard
 
 K = TypeVar("K", bound=Hashable)  # a member's id: the store's NodeId, the simulator's index
 K_co = TypeVar("K_co", bound=Hashable, covariant=True)
@@ -45,7 +50,7 @@ class Member(Protocol[K_co]):
 
 M = TypeVar("M", bound=Member[Hashable])
 
-PartSpecs = Sequence[dict[str, object]]  # what each part server of a replica holds (parts.py)
+PartSpecs = Sequence[PartHolding]  # what each part server of a replica holds (parts.py)
 # (number of stages, per-node memory) -> layer ranges, or BudgetError if they cannot fit
 Splitter = Callable[[int, int], list[tuple[int, int]]]
 
@@ -65,20 +70,20 @@ def shards(
                   first=k == 0, last=k == s - 1)
             for k, (lo, hi) in enumerate(split)
         ]  # fmt: skip
-        out += [Shard(slot=r * per + s + j, n=n, replica=r, role="part", spec=dict(spec))
+        out += [Shard(slot=r * per + s + j, n=n, replica=r, role="part", spec=spec)
                 for j, spec in enumerate(parts)]  # fmt: skip
     return out
 
 
-def layout_complete(nodes: Sequence[Member[K]]) -> bool:
-    """Every slot of the current layout is held by exactly one assigned node."""
+def layout_complete(nodes: Sequence[Member[K]], layout: Sequence[Shard] | None = None) -> bool:
+    """Every slot of the current layout (`layout`: its slots; else all `n` of the shards
+    held) is held by exactly one assigned node."""
     held = [n.shard for n in nodes if n.state == "assigned" and n.shard is not None]
     if not held:
         return False
     n_slots = held[0].n
-    return sorted(s.slot for s in held) == list(range(n_slots)) and all(
-        s.n == n_slots for s in held
-    )
+    want = sorted(s.slot for s in layout) if layout is not None else list(range(n_slots))
+    return sorted(s.slot for s in held) == want and all(s.n == n_slots for s in held)
 
 
 def repair(
@@ -86,21 +91,21 @@ def repair(
     parts: PartSpecs = (), replicas: int = 1, max_stages: int | None = None,
 ) -> tuple[list[Shard], dict[K, Shard | None]]:
     """The layout and the shard every placeable node should hold (None: a spare). A complete
-    layout stays as it is; a hole is filled by a spare with as much memory as the node it
-    replaces; otherwise the model is placed from scratch. ([], {}) if nothing fits yet."""
+    layout stays as it is (grown back to the ask when a repair shrank it); a hole is filled
+    by a spare with as much memory as the node it replaces, or its replica dropped (never the
+    last); otherwise the model is placed from scratch. ([], {}) if nothing fits yet."""
     live = [n for n in nodes if n.state in PLACEABLE]
     current = {n.node_id: n.shard for n in live}
-    if layout and layout_complete(live):
+    if layout and layout_complete(live, layout):
         if _short_of_ask(layout, stages, replicas):  # a repair shrank it: grow back when
-            grown = place(live, split, stages, parts=parts, replicas=replicas,  # it can
-                          max_stages=max_stages)  # fmt: skip
+            grown = _grow(live, layout, split, stages, parts, replicas, max_stages)  # it can
             if grown[1]:
                 return grown
         return list(layout), current
     if layout:
         filled = _fill_holes(live, layout)
         if filled is not None:
-            return list(layout), filled
+            return filled
     return place(live, split, stages, shrink=bool(layout), parts=parts, replicas=replicas,
                  max_stages=max_stages)
 
@@ -109,38 +114,94 @@ def _short_of_ask(layout: Sequence[Shard], stages: int | None, replicas: int) ->
     """The layout has fewer rings than `replicas`, or a ring fewer stages than `stages` (a
     repair took fewer rather than stall): once the nodes are back, the full ask is placed."""
     rings = {s.replica for s in layout if s.role == "stage"}
-    first = sum(1 for s in layout if s.role == "stage" and s.replica == 0)
-    return len(rings) < replicas or (stages is not None and first < stages)
+    return len(rings) < replicas or (stages is not None and _stages(layout) < stages)
+
+
+def _stages(layout: Sequence[Shard]) -> int:
+    """Stages per ring (every ring of a layout has as many)."""
+    one = min(s.replica for s in layout)
+    return sum(1 for s in layout if s.role == "stage" and s.replica == one)
+
+
+def _grow(
+    live: Sequence[Member[K]], layout: Sequence[Shard], split: Splitter, stages: int | None,
+    parts: PartSpecs, replicas: int, max_stages: int | None,
+) -> tuple[list[Shard], dict[K, Shard | None]]:
+    """Back toward the ask: a layout with every ring of it and fewer stages is placed anew
+    (every stage's layers change); one that dropped rings gets them back, the lowest first,
+    each from the earliest joined spares once a ring's worth waits (no other node moves)."""
+    per = len(layout) // len({s.replica for s in layout})
+    if (stages is not None and _stages(layout) < stages) or layout[0].n != per * replicas:
+        return place(live, split, stages, parts=parts, replicas=replicas, max_stages=max_stages)
+    budget = min(n.memory_bytes for n in live if n.state == "assigned")
+    spares = _spares(live, budget)
+    present = {s.replica for s in layout}
+    template = [s for s in layout if s.replica == min(present)]
+    out: dict[K, Shard | None] = {n.node_id: n.shard for n in live}
+    grown = list(layout)
+    for r in range(replicas):
+        if r in present or len(spares) < per:
+            continue
+        ring = [msgspec.structs.replace(s, replica=r, slot=r * per + s.slot % per)
+                for s in template]  # fmt: skip
+        chosen, spares = by_rack(spares[:per], per), spares[per:]
+        for node, shard in zip(chosen, ring, strict=True):
+            out[node.node_id] = shard
+        grown += ring
+    if len(grown) == len(layout):
+        return [], {}
+    return sorted(grown, key=lambda s: s.slot), out
+
+
+def _spares(live: Sequence[Member[K]], budget: int) -> list[Member[K]]:
+    """The spares that can hold a slot sized for `budget`, the earliest joined first."""
+    return sorted((n for n in live if n.state == "spare" and n.memory_bytes >= budget),
+                  key=lambda n: (n.joined_s, n.node_id))  # fmt: skip
 
 
 def _fill_holes(
     live: Sequence[Member[K]], layout: Sequence[Shard]
-) -> dict[K, Shard | None] | None:
-    held = {n.shard.slot: n for n in live if n.state == "assigned" and n.shard}
-    if not held:
+) -> tuple[list[Shard], dict[K, Shard | None]] | None:
+    """Every hole, in slot order, gets a spare — from the rack most of its replica's slots
+    sit in where one waits there, else the earliest joined. A hole no spare is left for
+    drops its replica: the nodes that held (or were just given) its other slots become
+    spares for the holes after it. None when that would drop the last ring (the caller
+    places anew, or waits)."""
+    by_replica: dict[int, dict[int, Member[K]]] = {}  # replica -> slot -> its holder
+    replica_of = {s.slot: s.replica for s in layout}
+    for n in live:
+        if n.state == "assigned" and n.shard and n.shard.slot in replica_of:
+            by_replica.setdefault(replica_of[n.shard.slot], {})[n.shard.slot] = n
+    if not by_replica:
         return None
-    budget = min(n.memory_bytes for n in held.values())  # what a stage was sized for
-    spares = sorted(
-        (n for n in live if n.state == "spare" and n.memory_bytes >= budget),
-        key=lambda n: (n.joined_s, n.node_id),
-    )
+    budget = min(n.memory_bytes for ring in by_replica.values() for n in ring.values())
+    spares = _spares(live, budget)  # ^ what a stage was sized for
     out: dict[K, Shard | None] = {n.node_id: n.shard for n in live}
+    dropped: set[int] = set()
     for shard in layout:
-        if shard.slot in held:
+        ring = by_replica.setdefault(shard.replica, {})
+        if shard.slot in ring or shard.replica in dropped:
             continue
-        if not spares:
+        if spares:
+            rack = _rack_of(ring)
+            spare = min(spares, key=lambda n: n.rack != rack)  # its replica's rack, if one waits
+            spares.remove(spare)
+            out[spare.node_id], ring[shard.slot] = shard, spare
+            continue
+        if len(set(replica_of.values()) - dropped) == 1:
             return None
-        rack = _rack_of((held[k] for k in sorted(held)), shard.replica)
-        spare = min(spares, key=lambda n: n.rack != rack)  # its replica's rack, if one waits
-        spares.remove(spare)
-        out[spare.node_id] = shard
-    return out
+        dropped.add(shard.replica)
+        for node in ring.values():
+            out[node.node_id] = None
+            spares.append(node)
+        spares.sort(key=lambda n: (n.joined_s, n.node_id))
+    return [s for s in layout if s.replica not in dropped], out
 
 
-def _rack_of(held: Iterable[Member[K]], replica: int) -> str | None:
-    """The rack most of a replica's held slots sit in (None: no slot of it is held); of
-    racks holding as many, the first in `held`'s order (slot order: deterministic)."""
-    racks = Counter(n.rack for n in held if n.shard and n.shard.replica == replica)
+def _rack_of(ring: dict[int, Member[K]]) -> str | None:
+    """The rack most of a replica's held slots sit in (None: none is held); of racks
+    holding as many, the one of the lowest slot (deterministic)."""
+    racks = Counter(ring[k].rack for k in sorted(ring))
     return racks.most_common(1)[0][0] if racks else None
 
 

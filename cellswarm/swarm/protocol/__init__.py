@@ -12,7 +12,9 @@ from __future__ import annotations
 from cellswarm.swarm.protocol.messages import Shard
 
 # 2: a shard is a typed value (messages.Shard), the beat's answer carries an Assignment
-PROTOCOL = 2
+# 3: a part server's shard holds a PartHolding (its experts or vocabulary rows, no longer a
+#    placeholder address beside them): its `spec`, and so the shard id a node reports, differ
+PROTOCOL = 3
 
 
 class VersionMismatch(Exception):

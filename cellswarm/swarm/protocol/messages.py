@@ -22,6 +22,7 @@ from typing import Literal, TypeVar
 import msgspec
 
 from cellswarm.errors import RequestError
+from cellswarm.swarm.protocol.dataplane import PartAddress, TokenDetail
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
@@ -76,15 +77,47 @@ class CheckAsk(Message, frozen=True):
     seed: int
 
 
+class HostFacts(Message, frozen=True, omit_defaults=False):
+    """The facts of a node's host that make nodes differ (ring/checks.py: environment):
+    versions, CPU, free memory and disk, OOM kills; its worker adds its RSS. Sent whole,
+    every key (null where unreadable)."""
+
+    cellswarm: str = ""
+    python: str = ""
+    numpy: str = ""
+    kernels: str = ""  # "c" or "numpy"
+    kernel_build: str = ""
+    machine: str = ""
+    os: str = ""
+    cpu_flags: list[str] = msgspec.field(default_factory=list)
+    memory_available_bytes: int | None = None
+    disk_free_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # folder -> free
+    oom_kills_cgroup: int = 0  # in its own memory cgroup
+    cgroup_limit_bytes: int | None = None
+    oom_kills: int = 0  # anyone's on its host, as the kernel log says
+    pid: int = 0
+    rss_bytes: int | None = None
+
+
+class ForwardDigest(Message, frozen=True):
+    """One forward step's output (1, n) as its bits' sha256 (16 hex digits), its norm and
+    its projections onto fixed +-1 vectors (ring/checks.py: digest)."""
+
+    n: int
+    bits: str
+    norm: float
+    proj: list[float]
+
+
 class CheckResult(Message, frozen=True):
     """A node's answer to a round, in its next beat (ring/checks.py runs it): the facts of
     its host, its matmul and forward step on the round's input, or the error it hit; its
     echo to the coordinator and the layers it holds."""
 
     round: str | None = None
-    env: dict[str, object] = msgspec.field(default_factory=dict)
+    env: HostFacts = HostFacts()
     matmul: list[float] | None = None
-    forward: dict[str, object] | None = None  # a digest of one step (checks.forward_digest)
+    forward: ForwardDigest | None = None  # a digest of one step (checks.forward_digest)
     error: str | None = None
     echo_s: float | None = None
     layers: list[int] | None = None
@@ -114,10 +147,24 @@ class Heartbeat(Message, frozen=True):
     check: CheckResult | None = None  # a doctor round's result (ring/checks.py)
 
 
+class PartHolding(Message, frozen=True):
+    """What a part server holds (ring/parts.py's PartSpec, less where it listens): routed
+    experts by layer (keys: the layer, in decimal, as dataplane.PartAddress has them), or
+    vocabulary rows [a, b)."""
+
+    experts: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    vocab_rows: tuple[int, int] | None = None
+
+    def at(self, node_id: str, host: str, port: int) -> PartAddress:
+        """This holding at an address: what a stage is told of its part server."""
+        return PartAddress(node_id=node_id, host=host, port=port, experts=self.experts,
+                           vocab_rows=self.vocab_rows)  # fmt: skip
+
+
 class Shard(Message, frozen=True):
     """One slot of a layout (control/membership.py): a stage of a replica's pipeline (its
     layer range, whether it is the ring's first or last), or a part server (`spec`: routed
-    experts of some layers, or vocabulary rows, as ring/parts.py's PartSpec says it)."""
+    experts of some layers, or vocabulary rows)."""
 
     slot: int
     n: int  # slots in the layout
@@ -127,13 +174,13 @@ class Shard(Message, frozen=True):
     layers: tuple[int, int] | None = None  # [lo, hi) of the model's blocks
     first: bool = False
     last: bool = False
-    spec: dict[str, object] | None = None
+    spec: PartHolding | None = None  # a part server's
 
     @property
     def content_id(self) -> str:
         """What identifies what it holds (not which ring): a worker reports it once loaded."""
         return json.dumps({"slot": self.slot, "role": self.role, "first": self.first,
-                           "last": self.last, "spec": self.spec,
+                           "last": self.last, "spec": msgspec.to_builtins(self.spec),
                            "layers": list(self.layers) if self.layers else None},
                           sort_keys=True)  # fmt: skip
 
@@ -145,7 +192,8 @@ class Assignment(Message, frozen=True):
     model: str
     context: int
     max_sequences: int
-    parts: list[dict[str, object]] = msgspec.field(default_factory=list)  # a stage's parts
+    # a stage's part servers: what each holds (their addresses come with the wiring's reset)
+    parts: list[PartAddress] = msgspec.field(default_factory=list)
 
 
 class HeartbeatAnswer(Message, frozen=True, omit_defaults=False):
@@ -187,13 +235,25 @@ class RunState(Message, frozen=True):
     frontier: bool = False
 
 
+class JobOutput(Message, frozen=True):
+    """What a run of a job made, as the queue keeps it for the client (api/server.py,
+    openai_api.py read it): a generation's tokens, their reason to stop and the last
+    logits' digest; a scoring job's log-likelihood of each completion, and with `top` each
+    token's detail (one list per completion). Only what was set travels."""
+
+    tokens: list[int] | None = None
+    reason: str | None = None  # stop_token, max_tokens; "scored"
+    bits: str | None = None
+    scores: list[float] | None = None
+    detail: list[list[TokenDetail]] | None = None
+
+
 class JobResult(Message, frozen=True):
-    """What a run of a job made: its tokens, their reason to stop, scores (the queue keeps
-    it as the client will read it; its shape is the API's, api/schema.py)."""
+    """What a run of a job made, under the fence of the lease it ran by."""
 
     job_id: str
     fence: int
-    result: dict[str, object]
+    result: JobOutput
 
 
 class LeaseAsk(Message, frozen=True):

@@ -27,10 +27,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from cellswarm.swarm.protocol.messages import CheckResult
+from cellswarm.swarm.protocol.messages import CheckResult, ForwardDigest, HostFacts
 
 if TYPE_CHECKING:
     from cellswarm.engine.model import Model
@@ -75,13 +76,19 @@ def bits(values: npt.ArrayLike) -> str:
     return hashlib.sha256(np.ascontiguousarray(values, np.float32).tobytes()).hexdigest()[:16]
 
 
-def digest(out: np.ndarray, seed: int) -> dict[str, object]:
+def forward_of(out: np.ndarray, seed: int) -> ForwardDigest:
     """A forward step's output (1, n) as its bits' sha256, its norm and PROJECTIONS
     projections onto fixed +-1 vectors (how far, when the bits differ), ~250 bytes."""
     v = np.asarray(out, np.float64).reshape(-1)
     signs = np.random.default_rng(seed + 2).integers(0, 2, (PROJECTIONS, v.size)) * 2 - 1
-    return {"n": int(v.size), "bits": bits(out), "norm": float(np.linalg.norm(v)),
-            "proj": [float(p) for p in signs @ v / np.sqrt(v.size)]}  # fmt: skip
+    return ForwardDigest(n=int(v.size), bits=bits(out), norm=float(np.linalg.norm(v)),
+                         proj=[float(p) for p in signs @ v / np.sqrt(v.size)])  # fmt: skip
+
+
+def digest(out: np.ndarray, seed: int) -> dict[str, object]:
+    """forward_of's digest as plain data, as the coordinator judges it (control/checkup.py)."""
+    plain: dict[str, object] = msgspec.to_builtins(forward_of(out, seed))
+    return plain
 
 
 def digest_error(got: Mapping[str, object], want: Mapping[str, object]) -> float:
@@ -96,14 +103,14 @@ def digest_error(got: Mapping[str, object], want: Mapping[str, object]) -> float
     return float(np.linalg.norm(a - b) / scale)
 
 
-def forward_digest(model: Model, seed: int, perturb: float = 0.0) -> dict[str, object]:
+def forward_digest(model: Model, seed: int, perturb: float = 0.0) -> ForwardDigest:
     """One forward step of `model`'s layers (a stage's shard) at position 0 on the fixed
     hidden state, digested (times 1 + perturb: tests). The cache is the step's own: nothing
     of a request is touched."""
     cache = model.new_cache(1)
     x = hidden_input(seed, int(model.config.d_model))
     out = model.forward(x, cache)
-    return digest(out * np.float32(1 + perturb) if perturb else out, seed)
+    return forward_of(out * np.float32(1 + perturb) if perturb else out, seed)
 
 
 def run(seed: int, model: Model | None, folders: Iterable[str | Path | None],
@@ -122,7 +129,7 @@ def run(seed: int, model: Model | None, folders: Iterable[str | Path | None],
     return CheckResult(env=env, matmul=matmul, forward=forward)
 
 
-def environment(folders: Iterable[str | Path | None]) -> dict[str, object]:
+def environment(folders: Iterable[str | Path | None]) -> HostFacts:
     """This host's facts that make nodes differ: versions, CPU, free memory and disk."""
     import numpy
 
@@ -142,17 +149,17 @@ def environment(folders: Iterable[str | Path | None]) -> dict[str, object]:
             disks[str(folder)] = shutil.disk_usage(p).free
         except OSError:
             continue
-    return {
-        "cellswarm": __version__, "python": platform.python_version(),
-        "numpy": numpy.__version__, "kernels": kernels.backend(),
-        "kernel_build": kernels.build_id(), "machine": platform.machine(),
-        "os": f"{platform.system()} {platform.release()}", "cpu_flags": cpu_flags(),
-        "memory_available_bytes": available_bytes(), "disk_free_bytes": disks,
-        "oom_kills_cgroup": cgroup.get("oom_kills", 0),  # this node's own
-        "cgroup_limit_bytes": cgroup.get("limit_bytes"),
-        "oom_kills": kernel_log_oom_kills(),  # anyone's on this host (where readable)
-        "pid": os.getpid(),
-    }  # fmt: skip
+    return HostFacts(
+        cellswarm=__version__, python=platform.python_version(),
+        numpy=numpy.__version__, kernels=kernels.backend(),
+        kernel_build=kernels.build_id(), machine=platform.machine(),
+        os=f"{platform.system()} {platform.release()}", cpu_flags=cpu_flags(),
+        memory_available_bytes=available_bytes(), disk_free_bytes=disks,
+        oom_kills_cgroup=cgroup.get("oom_kills", 0),  # this node's own
+        cgroup_limit_bytes=cgroup.get("limit_bytes"),
+        oom_kills=kernel_log_oom_kills(),  # anyone's on this host (where readable)
+        pid=os.getpid(),
+    )  # fmt: skip
 
 
 def cpu_flags() -> list[str]:

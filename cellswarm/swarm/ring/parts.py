@@ -61,6 +61,7 @@ from cellswarm.swarm.protocol.dataplane import (
     Stats,
     read,
 )
+from cellswarm.swarm.protocol.messages import PartHolding
 from cellswarm.swarm.ring.frames import (
     Frame,
     accept,
@@ -106,10 +107,13 @@ class PartSpec:
         d["experts"] = {str(k): list(v) for k, v in self.experts.items()}  # JSON keys: str
         return d
 
-    def to_wire(self) -> PartAddress:
-        return PartAddress(node_id=self.node_id, port=self.port, host=self.host,
-                           experts={str(k): list(v) for k, v in self.experts.items()},
+    def holding(self) -> PartHolding:
+        """What it holds, without where it listens: a layout's part shard (Shard.spec)."""
+        return PartHolding(experts={str(k): list(v) for k, v in self.experts.items()},
                            vocab_rows=self.vocab_rows)  # fmt: skip
+
+    def to_wire(self) -> PartAddress:
+        return self.holding().at(self.node_id, self.host, self.port)
 
     @classmethod
     def from_wire(cls, p: PartAddress) -> PartSpec:
