@@ -674,11 +674,12 @@ class Simulator:
             self._load(rep, range(self.npr))
             self.c.replicas_formed += 1
 
-    def _load(self, rep: Replica, positions: Iterable[int]) -> None:
-        """`rep` loads the shards at `positions` (all at once: the slowest bounds it)."""
+    def _load(self, rep: Replica, positions: Iterable[int], detect_s: float = 0.0) -> None:
+        """`rep` loads the shards at `positions` at once, `detect_s` after now (a loss is
+        seen that late; a node back or a replica formed of spares, at once)."""
         rep.state, rep.gen = "loading", rep.gen + 1
-        rep.ready_at = self.now + self.p.replace_overhead_s + max(
-            (self.model.load_s(pos) for pos in positions), default=0.0)  # fmt: skip
+        rep.ready_at = (self.now + detect_s + self.p.replace_overhead_s
+                        + self.model.load_all_s(positions))  # fmt: skip
         self._set_busy(rep, True)
         self._ready_when_loaded(rep)
 
@@ -708,10 +709,11 @@ class Simulator:
                 if rep.state != "gone":
                     self._dissolve(rep)
                 continue
-            old = rep.nodes if rep.state != "gone" else [HOLE] * self.npr
+            held = rep.state != "gone"
+            old = list(rep.nodes) if held else [HOLE] * self.npr
             if new == old:
                 continue
-            if rep.state != "gone":
+            if held:
                 self._take_down(rep, head_lost=new[0] != old[0])
             for pos, n in enumerate(old):
                 if n != HOLE and self.node_replica[n] == rep.idx and new[pos] != n:
@@ -725,7 +727,8 @@ class Simulator:
                         self.n_spares -= 1
                     self._hold(rep, pos, n)
             rep.nodes = new
-            self._load(rep, [pos for pos in range(self.npr) if new[pos] != old[pos]])
+            self._load(rep, [pos for pos in range(self.npr) if new[pos] != old[pos]],
+                       self.detect_s if held else 0.0)  # fmt: skip
         for n, shard in out.items():
             if shard is None and self.node_replica[n] < 0:
                 self._add_spare(n)

@@ -9,6 +9,7 @@ busy/s on its part, so the token waits busy x (1/s - 1) longer and the bottlenec
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -106,3 +107,8 @@ class ReplicaModel:
     def load_s(self, position: int) -> float:
         """A spare fetching one position's shard over its own link."""
         return self.shard_bytes[position] / self.node.link_bytes_per_s
+
+    def load_all_s(self, positions: Iterable[int]) -> float:
+        """Shards fetched at once, each by its node over its own link: the slowest bounds
+        them (a model whose fetches share one path adds them up instead)."""
+        return max(map(self.load_s, positions), default=0.0)
