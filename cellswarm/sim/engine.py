@@ -549,9 +549,7 @@ class Simulator:
         """Nodes are gone (failed, or their rack cut): each leaves a hole in its replica,
         which stops; then the holes are mended as the coordinator mends them."""
         for n in nodes:
-            if self.is_spare[n]:
-                self.is_spare[n] = False
-                self.n_spares -= 1
+            self._unspare(n)
             r = self.node_replica[n]
             if r < 0:
                 continue
@@ -722,9 +720,7 @@ class Simulator:
                 if n == HOLE:
                     self.holes.add(rep.idx * self.npr + pos)
                 else:
-                    if self.is_spare[n]:
-                        self.is_spare[n] = False
-                        self.n_spares -= 1
+                    self._unspare(n)
                     self._hold(rep, pos, n)
             rep.nodes = new
             self._load(rep, [pos for pos in range(self.npr) if new[pos] != old[pos]],
@@ -755,14 +751,20 @@ class Simulator:
                 return spare
         return self._pop_spare(self.spares)
 
+    def _unspare(self, n: int) -> None:
+        """`n` is no longer a spare (it holds a slot now, or it is gone); its heap entries
+        are skipped when popped."""
+        if self.is_spare[n]:
+            self.is_spare[n] = False
+            self.n_spares -= 1
+
     def _pop_spare(self, heap: list[int] | None = None) -> int | None:
         heap = self.spares if heap is None else heap
         while heap:
             n = heapq.heappop(heap)
             # a spare on a rack that is going down is not taken (its loss is counted next)
             if self.is_spare[n] and self._node_up(n):
-                self.is_spare[n] = False
-                self.n_spares -= 1
+                self._unspare(n)
                 return n
         return None
 
