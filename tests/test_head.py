@@ -156,10 +156,22 @@ def test_a_job_the_head_cannot_start_is_failed_at_once_not_renewed() -> None:
     failed = {b["job_id"]: b for b in coord.bodies("/v1/jobs/fail")}
     assert set(failed) == {"bad", "nomax"}
     assert "OverflowError" in failed["bad"]["reason"] and failed["bad"]["fence"] == 3
-    assert "KeyError" in failed["nomax"]["reason"] and failed["nomax"]["fault"] == "job"
+    assert "max_tokens" in failed["nomax"]["reason"] and failed["nomax"]["fault"] == "job"
     assert list(head.runs) == ["good"]
     renewed = {r["job_id"] for b in coord.bodies("/v1/jobs/checkpoint") for r in b["runs"]}
     assert renewed == {"good"}
+
+
+def test_a_job_whose_work_does_not_decode_fails_alone() -> None:
+    """The lease is typed (JobWork): a job whose work has a field of the wrong type or one no
+    head knows fails that attempt, named, while the jobs beside it in the same lease run."""
+    coord, stage = QuickCoordinator([job("text", "hello"), job("good", [1, 2]),
+                                     job("odd", [1], colour="red")]), FakeStage()  # fmt: skip
+    head = run_head(coord, stage, ticks=30)
+    failed = {b["job_id"]: b for b in coord.bodies("/v1/jobs/fail")}
+    assert set(failed) == {"text", "odd"} and list(head.runs) == ["good"]
+    assert "prompt" in failed["text"]["reason"] and "colour" in failed["odd"]["reason"]
+    assert failed["text"]["fence"] == 3 and failed["odd"]["fault"] == "job"
 
 
 def test_an_error_frame_fails_the_job_and_a_dropped_or_stalled_run_is_not_renewed() -> None:

@@ -6,19 +6,25 @@ from the swarm."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec.inspect as mi
 import pytest
 
 from cellswarm.errors import RequestError
 from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.swarm.protocol.dataplane import DataMessage, Sampling
 from cellswarm.swarm.protocol.messages import (
     Heartbeat,
+    JobWork,
+    LogEvent,
     Message,
     NodeStats,
     StepHistogram,
     decode,
+    decode_leases,
     encode,
 )
 from tests.members import join
@@ -61,6 +67,65 @@ def test_messages_are_frozen_and_no_message_is_a_dict() -> None:
     for cls in Message.__subclasses__():
         assert cls.__struct_config__.frozen and cls.__struct_config__.forbid_unknown_fields
         assert not issubclass(cls, dict)
+
+
+def _untyped(t: mi.Type, path: str, seen: set[type]) -> Iterator[str]:
+    """Where in a message's type an untyped value (Any, object) may sit."""
+    if isinstance(t, mi.AnyType):
+        yield path
+    elif isinstance(t, mi.StructType) and t.cls not in seen:
+        seen.add(t.cls)
+        for f in t.fields:
+            yield from _untyped(f.type, f"{path}.{f.name}", seen)
+    elif isinstance(t, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType):
+        yield from _untyped(t.item_type, f"{path}[]", seen)
+    elif isinstance(t, mi.DictType):
+        yield from _untyped(t.value_type, f"{path}{{}}", seen)
+    elif isinstance(t, mi.UnionType | mi.TupleType):
+        for item in t.types if isinstance(t, mi.UnionType) else t.item_types:
+            yield from _untyped(item, path, seen)
+
+
+def test_no_message_holds_an_untyped_value_anywhere_in_it() -> None:
+    """Not a `dict[str, object]`, not Any, in any field at any depth: every message between
+    the swarm's processes, control plane and data plane."""
+    def every(cls: type) -> Iterator[type]:
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from every(sub)
+
+    kinds = [*every(Message), *every(DataMessage)]
+    assert len(kinds) > 40
+    assert [p for k in kinds for p in _untyped(mi.type_info(k), k.__name__, set())] == []
+
+
+def test_a_lease_carries_only_the_work_and_a_bad_job_fails_alone() -> None:
+    stored = {"prompt": [1, 2], "max_tokens": 4, "sampling": {"temperature": 0.5},
+              "stop_ids": [2], "text": True, "id": "row-7", "extra": {"k": [1]}}  # fmt: skip
+    work = JobWork.of(stored)  # the client's own fields stay with the queue
+    assert work == JobWork(prompt=[1, 2], max_tokens=4, sampling=Sampling(temperature=0.5),
+                           stop_ids=[2])  # fmt: skip
+    with pytest.raises(RequestError, match="prompt"):
+        JobWork.of({"prompt": "hello", "max_tokens": 4})
+    good = {"job_id": "a", "kind": "generate", "fence": 1, "payload": encode(work)}
+    bad = {"job_id": "b", "kind": "generate", "fence": 2, "payload": {"prompt": [1.5]}}
+    answer, failed = decode_leases({"jobs": [bad, good], "ring_sequences": 4})
+    assert [j.job_id for j in answer.jobs] == ["a"] and answer.ring_sequences == 4
+    [(ref, why)] = failed
+    assert (ref.job_id, ref.fence) == ("b", 2) and "payload.prompt" in why
+    with pytest.raises(RequestError, match="job_id"):  # no job to fail: the answer is bad
+        decode_leases({"jobs": [{"fence": 1}]})
+
+
+def test_a_log_line_travels_typed_its_own_fields_nested() -> None:
+    line = {"ts": 12.5, "node": "w1", "request_id": "r", "event": "step", "seq": 3,
+            "ms": 1.25, "layers": [0, 1], "ok": True}  # fmt: skip
+    event = LogEvent.of(line)
+    assert (event.seq, event.ts, event.event, event.request_id) == (3, 12.5, "step", "r")
+    assert event.fields == {"ms": 1.25, "layers": "[0,1]", "ok": True}  # a list as its JSON
+    assert decode(LogEvent, encode(event)) == event
+    with pytest.raises(RequestError, match="seq"):
+        LogEvent.of({"ts": 1.0, "event": "step"})
 
 
 def test_the_protocol_package_imports_nothing_from_the_swarm() -> None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping, Sequence
 
-from cellswarm.errors import RequestError
 from cellswarm.swarm.control.db import Database, integer, text
-from cellswarm.swarm.transport.logship import BASE_KEYS, Event
+from cellswarm.swarm.protocol.messages import LogEvent
+from cellswarm.swarm.transport.logship import Event
 
 log = logging.getLogger("cellswarm.logship")
 
@@ -55,9 +56,10 @@ class EventStore:
         self._last_prune = 0.0
         db.script(SCHEMA)
 
-    def insert(self, node: str, run: str, events: list[Event], offset_s: float = 0.0,
-               error_s: float | None = None) -> int:  # fmt: skip
-        """Store a batch (each event once per node, run and seq); how many were new ones."""
+    def insert(self, node: str, run: str, events: Sequence[LogEvent | Mapping[str, object]],
+               offset_s: float = 0.0, error_s: float | None = None) -> int:  # fmt: skip
+        """Store a batch (each event once per node, run and seq); how many were new ones.
+        A node's come typed (LogBatch); the coordinator's own shipper hands its lines."""
         now = time.time()
         rows = [_row(node, run, e, offset_s, error_s, now) for e in events]
         added = 0
@@ -104,28 +106,9 @@ class EventStore:
         )
 
 
-def _row(node: str, run: str, e: object, offset_s: float, error_s: float | None,
-         now: float) -> tuple[object, ...]:  # fmt: skip
-    if (
-        not isinstance(e, dict)
-        or not isinstance(e.get("seq"), int)
-        or not isinstance(e.get("ts"), int | float)
-        or not isinstance(e.get("event"), str)
-    ):
-        raise RequestError("each shipped event needs an integer seq, a number ts and an event")
-    rid = e.get("request_id")
-    fields = {k: v for k, v in e.items() if k not in BASE_KEYS}
-    ts = float(e["ts"])
-    return (
-        node,
-        run,
-        int(e["seq"]),
-        None if rid is None else str(rid),
-        e["event"],
-        ts,
-        offset_s,
-        error_s,
-        ts + offset_s,
-        now,
-        json.dumps(fields, separators=(",", ":")),
-    )
+def _row(node: str, run: str, line: LogEvent | Mapping[str, object], offset_s: float,
+         error_s: float | None, now: float) -> tuple[object, ...]:  # fmt: skip
+    e = line if isinstance(line, LogEvent) else LogEvent.of(line)
+    fields = json.dumps(e.fields, separators=(",", ":"))
+    return (node, run, e.seq, e.request_id, e.event, e.ts, offset_s, error_s, e.ts + offset_s,
+            now, fields)  # fmt: skip

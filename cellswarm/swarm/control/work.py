@@ -7,12 +7,20 @@ import logging
 import time
 from collections.abc import Mapping
 
+from cellswarm.errors import RequestError
 from cellswarm.swarm.control.jobs import Job, n_tokens
 from cellswarm.swarm.control.membership import replicas, ring
 from cellswarm.swarm.control.store import Node, whole_of
 from cellswarm.swarm.control.verification import Verification
 from cellswarm.swarm.policy import nodes as health
-from cellswarm.swarm.protocol.messages import JobLease, JobRef, JobResult, RunState, encode
+from cellswarm.swarm.protocol.messages import (
+    JobLease,
+    JobRef,
+    JobResult,
+    JobWork,
+    RunState,
+    encode,
+)
 
 log = logging.getLogger("cellswarm.coordinator")
 
@@ -57,8 +65,16 @@ class Work(Verification):
             self.homes.note(job.payload, replica)
             self.log.event("leased", job.job_id, worker=node.node_id, fence=job.fence,
                            resume=len(job.tokens), attempt=job.attempts + 1)  # fmt: skip
-        return [JobLease(job_id=j.job_id, kind=j.kind, payload=j.payload, fence=j.fence,
-                         tokens=j.tokens, attempt=j.attempts + 1) for j in jobs]  # fmt: skip
+        leases = []
+        for j in jobs:
+            try:  # the queue keeps the client's payload; the lease carries the work in it
+                work = JobWork.of(j.payload)
+            except RequestError as exc:  # a stored payload of no shape a head runs: the
+                self.fail(node, j.job_id, j.fence, f"its work: {exc}")  # attempt is its own
+                continue
+            leases.append(JobLease(job_id=j.job_id, kind=j.kind, payload=work, fence=j.fence,
+                                   tokens=j.tokens, attempt=j.attempts + 1))  # fmt: skip
+        return leases
 
     def ring_sequences(self, node: Node) -> int | None:
         """The sequences the ring headed by `node` holds at once: the fewest any of its

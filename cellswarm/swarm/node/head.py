@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -54,11 +54,12 @@ from cellswarm.swarm.protocol.messages import (
     JobOutput,
     JobRef,
     JobResult,
+    JobWork,
     LeaseAnswer,
     LeaseAsk,
     ReleaseAsk,
     RunState,
-    decode,
+    decode_leases,
     encode,
 )
 from cellswarm.swarm.ring.frames import Frame
@@ -83,7 +84,7 @@ class Run:
     job_id: str
     fence: int
     kind: str
-    payload: dict[str, Any]  # the API's job, as the queue keeps it (api/schema.py)
+    work: JobWork  # what the head runs of the job's payload
     tokens: list[int]
     sent_epoch: int = -1  # the ring epoch it was last sent into
     starting: bool = False  # being sent into the ring right now
@@ -147,7 +148,10 @@ class Head:
     async def _lease(self, free: int) -> None:
         body = encode(LeaseAsk(n=free, wait_s=LEASE_WAIT_S))
         said = await asyncio.to_thread(self._post_quietly, "/v1/jobs/lease", body)
-        answer = decode(LeaseAnswer, said) if said is not None else LeaseAnswer()
+        answer, bad = decode_leases(said) if said is not None else (LeaseAnswer(), [])
+        for ref, why in bad:  # its work did not decode: that attempt fails, the rest run
+            log.warning("job %s cannot start: %s", ref.job_id, why)
+            await self._report_failure(ref, f"the head could not start it: {why}")
         if answer.ring_sequences:
             self.ring_sequences = answer.ring_sequences
         if self.forgotten is not None:  # it stopped serving while we waited: give all back
@@ -155,7 +159,7 @@ class Head:
             self._release([*self.forgotten, *brought])
             return
         for view in answer.jobs:
-            run = Run(view.job_id, view.fence, view.kind, dict(view.payload), list(view.tokens))
+            run = Run(view.job_id, view.fence, view.kind, view.payload, list(view.tokens))
             if self.runs.pop(run.job_id, None) is not None:  # our older lease of it expired:
                 await self.stage.cancel_request(run.job_id)  # its sequences must not feed this
             self.runs[run.job_id] = run
@@ -205,20 +209,19 @@ class Head:
     def _frame(run: Run, i: int) -> Frame:
         """The `generate` frame of the run's sequence i: a generation (i = 0) from the tokens
         it has; a scoring job's completion i, prompt + completion, scored at the end."""
-        p = run.payload
+        w = run.work
         if run.kind != "score":
-            generate = Generate(req=run.job_id, max_tokens=int(p["max_tokens"]),
-                                sampling=read(Sampling, p.get("sampling", {}), "sampling"),
-                                stop_ids=[int(t) for t in p.get("stop_ids", [])],
+            if w.max_tokens is None:
+                raise ValueError("a generation without max_tokens (the API always sets it)")
+            generate = Generate(req=run.job_id, max_tokens=w.max_tokens,
+                                sampling=w.sampling or Sampling(), stop_ids=list(w.stop_ids),
                                 replay=list(run.tokens))  # fmt: skip
-            return Frame.of(generate, np.asarray(p["prompt"], np.int64))
-        prompt = [int(t) for t in p["prompt"]]
-        completions = [[int(t) for t in c] for c in p["completions"]]
-        ids = prompt + [t for c in completions for t in c]
-        top = p.get("top")  # each token's log-probability too
-        score = Generate(req=f"{run.job_id}#{i}", max_tokens=1, score_from=len(prompt),
-                         completions=[len(c) for c in completions],
-                         top=None if top is None else int(top))  # fmt: skip
+            return Frame.of(generate, np.asarray(w.prompt, np.int64))
+        if w.completions is None:
+            raise ValueError("a scoring job without completions (the API always sets them)")
+        ids = w.prompt + [t for c in w.completions for t in c]
+        score = Generate(req=f"{run.job_id}#{i}", max_tokens=1, score_from=len(w.prompt),
+                         completions=[len(c) for c in w.completions], top=w.top)  # fmt: skip
         return Frame.of(score, np.asarray(ids, np.int64))
 
     async def _emit(self, frame: Frame) -> None:
@@ -233,7 +236,7 @@ class Head:
         elif frame.type == ScoreOut.kind:
             score = read(ScoreOut, frame.fields)
             run.scores = dict(enumerate(score.logprobs))
-            if len(run.scores) == len(run.payload["completions"]):
+            if len(run.scores) == len(run.work.completions or ()):
                 scores = [run.scores[i] for i in range(len(run.scores))]
                 await self._finish(run, JobOutput(scores=scores, reason="scored",
                                                   detail=score.detail))  # fmt: skip
@@ -254,7 +257,10 @@ class Head:
         if self.runs.pop(run.job_id, None) is None:
             return  # ended meanwhile
         await self.stage.cancel_request(run.job_id)
-        said = FailReport(job_id=run.job_id, fence=run.fence, reason=reason, fault=fault)
+        await self._report_failure(JobRef(job_id=run.job_id, fence=run.fence), reason, fault)
+
+    async def _report_failure(self, ref: JobRef, reason: str, fault: str = "job") -> None:
+        said = FailReport(job_id=ref.job_id, fence=ref.fence, reason=reason, fault=fault)
         body = msgspec.structs.asdict(said)  # every field: its fault said, "job" too
         await asyncio.to_thread(self._post_quietly, "/v1/jobs/fail", body)
 

@@ -60,6 +60,7 @@ from cellswarm.swarm.protocol.messages import (
     Heartbeat,
     HeartbeatAnswer,
     LogBatch,
+    LogEvent,
     NodeStats,
     PartHolding,
     decode,
@@ -318,7 +319,7 @@ class Worker:
         if self.session is None:
             raise OSError("not joined: the batch waits")
         try:
-            batch = LogBatch(run=self.shipper.run, events=events,
+            batch = LogBatch(run=self.shipper.run, events=[LogEvent.of(e) for e in events],
                              clock_offset_s=self.clock.offset_s, clock_error_s=self.clock.error_s)
             self._post("/v1/logs", {"node_id": self.config.node_id, "session": self.session,
                                     **encode(batch)})  # fmt: skip

@@ -3,8 +3,9 @@
 Every join carries it (`capabilities.protocol`); a node of another version is refused in one
 line naming both (HTTP 409), and the worker stops with that line rather than retrying: a
 version does not come right by waiting. Bump PROTOCOL when a message between processes
-changes its shape or meaning. This package imports nothing from the swarm (issue 35 grows
-it into the typed messages themselves).
+changes its shape or meaning. This package imports nothing from the swarm above it: its
+modules are the messages themselves (messages.py between a node and the coordinator,
+dataplane.py around the ring).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from cellswarm.swarm.protocol.messages import Shard
 # 2: a shard is a typed value (messages.Shard), the beat's answer carries an Assignment
 # 3: a part server's shard holds a PartHolding (its experts or vocabulary rows, no longer a
 #    placeholder address beside them): its `spec`, and so the shard id a node reports, differ
-PROTOCOL = 3
+# 4: a lease carries a job's typed work (JobWork: the client's own fields stay with the
+#    queue), a shipped log line is a LogEvent (its own fields nested under `fields`)
+PROTOCOL = 4
 
 
 class VersionMismatch(Exception):

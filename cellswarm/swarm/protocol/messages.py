@@ -17,12 +17,13 @@ here bumps PROTOCOL (protocol/__init__.py): a node of another version is refused
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Literal, TypeVar
 
 import msgspec
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.protocol.dataplane import PartAddress, TokenDetail
+from cellswarm.swarm.protocol.dataplane import PartAddress, Sampling, TokenDetail
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
@@ -261,12 +262,33 @@ class LeaseAsk(Message, frozen=True):
     wait_s: float = 0.0  # a long poll: answer at once with jobs, or after this with none
 
 
+class JobWork(Message, frozen=True):
+    """What a head runs of a job: its prompt and, for a generation (kind "generate"), its
+    length, sampling and stop ids; for a scoring job (kind "score"), the completions to
+    score and how many alternatives to tell of each token. The queue keeps the client's
+    whole payload (its id, extra fields, whether to answer with text); a lease carries only
+    this. Which fields a kind needs is the head's check (node/head.py), per job."""
+
+    prompt: list[int]
+    max_tokens: int | None = None
+    sampling: Sampling | None = None
+    stop_ids: list[int] = msgspec.field(default_factory=list)
+    completions: list[list[int]] | None = None
+    top: int | None = None
+
+    @classmethod
+    def of(cls, payload: Mapping[str, object]) -> JobWork:
+        """The work in a stored payload (its other fields stay with the queue), or a
+        RequestError naming the field at fault."""
+        return decode(cls, {k: payload[k] for k in cls.__struct_fields__ if k in payload})
+
+
 class JobLease(Message, frozen=True):
     """A leased job: the work, its fence, and the tokens to resume from."""
 
     job_id: str
     kind: str
-    payload: dict[str, object]
+    payload: JobWork
     fence: int
     tokens: list[int] = msgspec.field(default_factory=list)
     attempt: int = 1
@@ -275,6 +297,35 @@ class JobLease(Message, frozen=True):
 class LeaseAnswer(Message, frozen=True):
     jobs: list[JobLease] = msgspec.field(default_factory=list)
     ring_sequences: int | None = None  # what the ring holds at once (the fewest KV slots)
+
+
+class _Leased(msgspec.Struct, frozen=True):
+    """What any leased job has, whatever else is wrong with it: whose it is."""
+
+    job_id: str
+    fence: int
+
+
+def decode_leases(data: object) -> tuple[LeaseAnswer, list[tuple[JobRef, str]]]:
+    """A lease answer, job by job: one job whose work does not decode (a field of the
+    wrong type, an unknown one) is given back as its ref and why, to fail alone, while
+    the others run. A RequestError only when the answer itself is not one."""
+    if not isinstance(data, dict) or not isinstance(data.get("jobs", []), list):
+        raise RequestError("a lease answer is an object with a list of jobs")
+    jobs: list[object] = data.get("jobs", [])
+    good: list[JobLease] = []
+    bad: list[tuple[JobRef, str]] = []
+    for raw in jobs:
+        try:
+            good.append(decode(JobLease, raw))
+        except RequestError as exc:
+            try:  # no job id or fence: the whole answer is at fault
+                who = msgspec.convert(raw, _Leased)
+            except msgspec.ValidationError as whose:
+                raise RequestError(f"a leased job: {whose}") from None
+            bad.append((JobRef(job_id=who.job_id, fence=who.fence), str(exc)))
+    rest = decode(LeaseAnswer, {**data, "jobs": []})
+    return msgspec.structs.replace(rest, jobs=good), bad
 
 
 class Report(Message, frozen=True):
@@ -295,12 +346,37 @@ class ReleaseAsk(Message, frozen=True):
     runs: list[JobRef] = msgspec.field(default_factory=list)
 
 
+LogValue = str | int | float | bool | None
+
+
+class LogEvent(Message, frozen=True):
+    """One shipped log line (swarm/logs.py writes it flat, one JSON object a line): what
+    every line has, typed, and the event's own fields (timings in ms, counts, names)."""
+
+    seq: int  # per run of the node's shipper: a resent line is stored once
+    ts: float  # the node's clock (unix seconds)
+    event: str
+    request_id: str | None = None
+    node: str | None = None
+    fields: dict[str, LogValue] = msgspec.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, line: Mapping[str, object]) -> LogEvent:
+        """A flat log line as an event; a field's list or object travels as its JSON text.
+        A RequestError when a line lacks an integer seq, a number ts or an event name."""
+        head = {k: line[k] for k in ("seq", "ts", "event", "request_id", "node") if k in line}
+        fields = {k: v if v is None or isinstance(v, str | int | float | bool)
+                  else json.dumps(v, separators=(",", ":"), default=str)
+                  for k, v in line.items() if k not in head}  # fmt: skip
+        return decode(cls, {**head, "fields": fields})
+
+
 class LogBatch(Message, frozen=True):
-    """A node's shipped events (transport/logship.py): each a log line of its own fields
-    (swarm/logs.py), with the process run they came from and its clock's offset."""
+    """A node's shipped events (transport/logship.py), with the process run they came from
+    and its clock's offset."""
 
     run: str
-    events: list[dict[str, object]]
+    events: list[LogEvent]
     clock_offset_s: float | None = None
     clock_error_s: float | None = None
 

@@ -25,7 +25,6 @@ from typing import Any
 log = logging.getLogger("cellswarm.logship")
 
 Event = dict[str, Any]
-BASE_KEYS = ("ts", "node", "request_id", "event", "seq")
 MAX_DROP_KEYS = 1000  # request ids whose drops are counted apart; beyond that, under None
 
 
