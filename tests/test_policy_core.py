@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cellswarm.sim.engine import Replica, Simulator
+from cellswarm.sim.engine import HOLE, Simulator
 from cellswarm.sim.params import Scenario
 from cellswarm.sim.run import build
 from cellswarm.swarm.control.db import SQLiteDatabase
@@ -230,24 +230,27 @@ def test_the_core_and_the_real_coordinator_judge_a_node_alike(
 
 class _Checked(Simulator):
     """A simulator that asks the placement core (policy/placement.py: repair, on a snapshot
-    of its nodes) for every hole it fills from a spare, and records both answers."""
+    of its nodes) for every single hole it mends, and records both answers: the core's
+    pick, and the spare the simulator's own heaps gave the same rule."""
 
     compared: list[tuple[int | None, int | None]]
 
-    def _choose_spare(self, rep: Replica, pos: int) -> int | None:
-        slot = rep.idx * self.npr + pos
+    def _mend(self) -> None:
         members = self.members()
         held = {m.shard.slot for m in members if m.shard is not None}
         live = {r.idx for r in self.replicas if r.state != "gone"}
         holes = {s.slot for s in self.layout if s.replica in live} - held
-        chose = super()._choose_spare(rep, pos)
-        if holes == {slot} and len(live) == len(self.replicas):  # one hole: one decision
+        core_pick, slot = None, -1
+        if len(holes) == 1 and len(live) == len(self.replicas):  # one hole: one decision
+            [slot] = holes
             layout, out = placement.repair(members, self.layout, self.split, self.npr,
                                            replicas=len(self.replicas))  # fmt: skip
             if layout == self.layout:  # a spare fills it (else the core places anew)
                 core_pick = next(n for n, s in out.items() if s is not None and s.slot == slot)
-                self.compared.append((core_pick, chose))
-        return chose
+        super()._mend()
+        if core_pick is not None:
+            chose = self.replicas[slot // self.npr].nodes[slot % self.npr]
+            self.compared.append((core_pick, None if chose == HOLE else chose))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -372,3 +375,34 @@ def test_the_simulated_swarm_is_placed_as_the_core_places_it_all_day(
     assert sim.agreed > 100 and sim.lost_jobs() == 0
     assert c.replacements and c.replicas_dissolved and c.replicas_formed, c  # not vacuous
     assert c.core_placements > 0 or count > 16  # the last replica waited: the core asked
+
+
+class _Fifo:
+    """Spares as the rule takes them (placement.Spares), over ids whose first letter is
+    their rack: the earliest (by name) of the asked rack, else the earliest."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = sorted(ids)
+
+    def take(self, rack: object) -> str | None:
+        pick = next((k for k in self.ids if k[0] == rack), self.ids[0] if self.ids else None)
+        if pick is not None:
+            self.ids.remove(pick)
+        return pick
+
+    def give(self, nodes: list[str]) -> None:
+        self.ids = sorted([*self.ids, *nodes])
+
+
+def test_mend_fills_from_the_replicas_rack_drops_what_it_cannot_and_never_the_last() -> None:
+    """The rule itself (placement.mend), on a fake set of spares."""
+    rings = {0: ["x0", "x1"], 1: ["y3"]}  # two replicas of three slots: holes 2, 4 and 5
+    holes = [(0, 2), (1, 4), (1, 5)]
+    spares = _Fifo(["a7", "x9"])  # x9: replica 0's rack; a7 to 4, then 5 finds none:
+    first = placement.mend(holes, rings, lambda k: k[0], spares, 2)  # replica 1 goes,
+    assert first == ({2: "x9"}, [1]) and spares.ids == ["a7", "y3"]  # a7 and y3 back
+    spares = _Fifo(["b1"])  # the first hole takes b1; 4 has none: replica 1 goes, y3 back
+    assert placement.mend(holes, rings, lambda k: k[0], spares, 2) == ({2: "b1"}, [1])
+    assert spares.ids == ["y3"] and rings == {0: ["x0", "x1"], 1: ["y3"]}  # inputs untouched
+    assert placement.mend([(0, 2)], {0: ["x0"]}, lambda k: k[0], _Fifo([]), 1) is None
+    assert placement.mend([(0, 0)], {0: []}, lambda k: k[0], _Fifo(["x1"]), 1) is None

@@ -27,9 +27,11 @@ prompt + tokens so far (a prefill of that length) under the same lease; a lost h
 renew its leases, so they expire after `lease_s`, which counts as a failed attempt: back to
 the queue after the backoff 0.5 x 2^(n-1) s, dead after 3. No spare left: the replica is
 dropped (its nodes become spares, its jobs' leases expire; never the last one, which waits)
-and formed again once enough spares exist — policy/placement.py's repair, which this loop
-runs hole by hole in O(log n) and asks itself where that does not reach (`_mend`); the two
-agree after every change over a day of failures (tests/test_policy_core.py). A node's
+and formed again once enough spares exist — policy/placement.py's rules: a hole is mended
+by its `mend` (which spare, which replica dropped) over this loop's spares kept in heaps
+per rack (O(log n) a take, where the core walks them), a replica formed again through its
+`by_rack`, and its `repair` itself asked where the rule says place anew; the two agree after
+every change over a day of failures (tests/test_policy_core.py). A node's
 health follows swarm/policy/nodes.py, as the coordinator's: a node that is lost (it
 failed, its rack was cut) is not charged, and comes back as a spare once repaired; only
 failures that are its own count toward `offline_after` in a row.
@@ -38,11 +40,10 @@ failures that are its own count toward `offline_after` in a row.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import random
-from collections import Counter, deque
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -564,52 +565,35 @@ class Simulator:
     # -- placement: the policy core's (policy/placement.py: repair), O(log n) a hole ---------
 
     def _mend(self) -> None:
-        """Every hole, in slot order: a spare takes it (`_choose_spare`), or its replica is
-        dropped (`_dissolve`) while another is left. When the core would do anything else
-        (the last replica cannot be mended, or nothing is held at all) it is asked itself:
-        rare, and O(nodes) (`_adopt`)."""
+        """Every hole mended by the core's own rule (policy/placement.py: mend), over this
+        engine's spares kept in heaps per rack (`_HeapSpares`: O(log n) a take). Where the
+        rule says place anew (the last replica cannot be mended, or nothing is held), the
+        spares it took go back and the core itself is asked: rare, and O(nodes) (`_adopt`)."""
         if not self.holes:
             return
-        order = sorted(self.holes)
-        if not self._mendable(order):
+        holes = [(slot // self.npr, slot) for slot in sorted(self.holes)]
+        rings = {r: list(filter(HOLE.__ne__, self.replicas[r].nodes)) for r, _ in holes}
+        live = sum(1 for rep in self.replicas if rep.state != "gone")
+        pool = _HeapSpares(self)
+        rack = self.per_switch.__rfloordiv__  # n // per_switch, at C speed: a replica of
+        mended = placement.mend(holes, rings, rack, pool, live)  # thousands is counted
+        if mended is None:
+            pool.undo()
             self._adopt(*self._core_repair())
             return
+        filled, dropped = mended
+        for r in dropped:  # (what it held is a spare already: the rule gave it back)
+            self._dissolve(self.replicas[r], spares=False)
         touched: dict[int, Replica] = {}
-        for slot in order:
+        for slot, n in filled.items():
             r, pos = divmod(slot, self.npr)
-            rep = self.replicas[r]
-            if rep.state == "gone":  # dropped for an earlier hole of it
-                continue
-            spare = self._choose_spare(rep, pos)
-            if spare is None:
-                self._dissolve(rep)
-                continue
-            self._hold(rep, pos, spare)
+            rep = touched[r] = self.replicas[r]
+            self._hold(rep, pos, n)
             self.c.replacements += 1
-            touched[r] = rep
             rep.ready_at = max(rep.ready_at, self.now + self.detect_s
                                + self.p.replace_overhead_s + self.model.load_s(pos))  # fmt: skip
         for rep in touched.values():
-            if rep.state != "gone":
-                self._ready_when_loaded(rep)
-
-    def _mendable(self, order: list[int]) -> bool:
-        """Whether the holes `order` (slots, ascending) are all mended by spares and drops,
-        as the core mends them, without dropping the last replica: counts only."""
-        spares = self.n_spares
-        rings = sum(1 for rep in self.replicas if rep.state != "gone")
-        if rings * self.npr == len(order):  # nothing held: the core places anew
-            return False
-        for _, group in itertools.groupby(order, key=lambda slot: slot // self.npr):
-            holes = len(list(group))
-            if spares >= holes:
-                spares -= holes
-            elif rings > 1:  # dropped: what it held (and was just given) becomes spares
-                rings -= 1
-                spares += self.npr - holes
-            else:
-                return False
-        return True
+            self._ready_when_loaded(rep)
 
     def _hold(self, rep: Replica, pos: int, n: int) -> None:
         rep.nodes[pos] = n
@@ -623,7 +607,9 @@ class Simulator:
         rep.timing = self._timing(rep)
         self.push(rep.ready_at, "replica_up", (rep.idx, rep.gen))
 
-    def _dissolve(self, rep: Replica) -> None:
+    def _dissolve(self, rep: Replica, spares: bool = True) -> None:
+        """`rep` is dropped: its sequences wait for another; its nodes are spares (`spares`:
+        made so here; else the placement rule made them so, and a later hole took some)."""
         for s in rep.seqs:
             self._orphan(s)
         rep.seqs = []
@@ -634,7 +620,8 @@ class Simulator:
             self.holes.discard(rep.idx * self.npr + pos)
             if n != HOLE and self.node_replica[n] == rep.idx:
                 self.node_replica[n] = -1
-                self._add_spare(n)
+                if spares:
+                    self._add_spare(n)
 
     def _on_replica_up(self, arg: tuple[int, int]) -> None:
         r, gen = arg
@@ -737,19 +724,6 @@ class Simulator:
             self.n_spares += 1
             heapq.heappush(self.spares, n)
             heapq.heappush(self.rack_spares[n // self.per_switch], n)
-
-    def _choose_spare(self, rep: Replica, pos: int) -> int | None:
-        """The spare the coordinator gives the hole at `pos` (policy/placement.py:
-        _fill_holes): the earliest joined in the rack most of the replica's other slots sit
-        in, else the earliest joined anywhere. O(log n) here where the core walks the
-        spares; tests/test_policy_core.py checks the two choose alike."""
-        held = Counter(n // self.per_switch for k, n in enumerate(rep.nodes)
-                       if k != pos and n != HOLE)  # fmt: skip
-        if held:
-            spare = self._pop_spare(self.rack_spares[held.most_common(1)[0][0]])
-            if spare is not None:
-                return spare
-        return self._pop_spare(self.spares)
 
     def _unspare(self, n: int) -> None:
         """`n` is no longer a spare (it holds a slot now, or it is gone); its heap entries
@@ -890,3 +864,35 @@ class Simulator:
         backoff = sum(1 for j in self.jobs if j.state == "backoff")
         by_state = sum(1 for j in self.jobs if j.state in ("done", "dead"))
         return lost + abs(by_state - self.c.done - self.c.dead) + abs(backoff - self.n_backoff)
+
+
+class _HeapSpares:
+    """The engine's spares as the placement rule takes them (placement.Spares): a heap of
+    node indices (join order) per rack and one for all, entries of nodes no longer spare
+    skipped when popped. Every take and give is kept, for `undo`."""
+
+    def __init__(self, engine: Simulator) -> None:
+        self.engine = engine
+        self.done: list[tuple[bool, int]] = []  # (taken, node)
+
+    def take(self, rack: Hashable | None) -> int | None:
+        e = self.engine
+        n = e._pop_spare(e.rack_spares[rack]) if isinstance(rack, int) else None
+        n = e._pop_spare() if n is None else n
+        if n is not None:
+            self.done.append((True, n))
+        return n
+
+    def give(self, nodes: Sequence[int]) -> None:
+        for n in nodes:
+            if not self.engine.is_spare[n]:
+                self.engine._add_spare(n)
+                self.done.append((False, n))
+
+    def undo(self) -> None:
+        for taken, n in reversed(self.done):
+            if taken:
+                self.engine._add_spare(n)
+            else:
+                self.engine._unspare(n)
+        self.done.clear()

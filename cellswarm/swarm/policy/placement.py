@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 import msgspec
@@ -159,50 +159,115 @@ def _spares(live: Sequence[Member[K]], budget: int) -> list[Member[K]]:
                   key=lambda n: (n.joined_s, n.node_id))  # fmt: skip
 
 
+class Spares(Protocol[K]):
+    """The spares a repair gives its holes, the earliest joined first. The core's is a list
+    (`_Queue`); the simulator's, heaps per rack (O(log n) a take, for 100,000 nodes)."""
+
+    def take(self, rack: Hashable | None) -> K | None:
+        """The earliest joined spare in `rack` if one waits there, else the earliest joined
+        anywhere (None: no spare is left); it is a spare no longer."""
+        ...
+
+    def give(self, nodes: Sequence[K]) -> None:
+        """`nodes` (a dropped replica's) are spares again, for the holes after it."""
+        ...
+
+
+def mend(
+    holes: Sequence[tuple[int, int]], rings: Mapping[int, Sequence[K]],
+    rack: Callable[[K], Hashable], spares: Spares[K], live_rings: int,
+) -> tuple[dict[int, K], list[int]] | None:
+    """The rule of a repair, for the core and the simulator alike: every hole, (replica,
+    slot) in slot order, gets a spare from the rack most of its replica's slots sit in
+    where one waits there, else the earliest joined. A hole no spare is left for drops its
+    replica: what held (or was just given) its other slots goes back to the spares, for the
+    holes after it. `rings`: each replica with a hole (the core: every replica), its holders
+    in slot order. The slots filled and the replicas dropped; None when the last of
+    `live_rings` would be dropped, or no replica holds anything (the caller places anew).
+
+    A replica's rack is counted once, then kept as spares join it (O(replica) per replica
+    mended, not per hole: a simulated replica holds thousands of nodes); of racks holding
+    as many, the one seen first (its lowest slot, then the order its spares came)."""
+    if len(rings) == live_rings and not any(rings.values()):
+        return None
+    racks: dict[int, Counter[Hashable]] = {}
+    given: dict[int, dict[int, K]] = {}
+    dropped: list[int] = []
+    for replica, slot in holes:
+        if replica in dropped:
+            continue
+        if replica not in racks:
+            racks[replica] = Counter(map(rack, rings.get(replica, ())))
+            given[replica] = {}
+        count = racks[replica]
+        spare = spares.take(count.most_common(1)[0][0] if count else None)
+        if spare is not None:
+            count[rack(spare)] += 1
+            given[replica][slot] = spare
+            continue
+        if live_rings - len(dropped) == 1:
+            return None
+        dropped.append(replica)
+        spares.give([*rings.get(replica, ()), *given.pop(replica).values()])
+    return {slot: k for ring in given.values() for slot, k in ring.items()}, dropped
+
+
+class _Queue(Spares[K]):
+    """The core's spares: members in join order (a repair walks them; O(nodes))."""
+
+    def __init__(self, members: Sequence[Member[K]]) -> None:
+        self.members = list(members)  # earliest joined first
+        self.by_id = {m.node_id: m for m in members}
+
+    def take(self, rack: Hashable | None) -> K | None:
+        if not self.members:
+            return None
+        spare = min(self.members, key=lambda n: n.rack != rack)  # its rack's, if one waits
+        self.members.remove(spare)
+        return spare.node_id
+
+    def give(self, nodes: Sequence[K]) -> None:
+        self.members += [self.by_id[k] for k in nodes]
+        self.members.sort(key=lambda n: (n.joined_s, n.node_id))
+
+
 def _fill_holes(
     live: Sequence[Member[K]], layout: Sequence[Shard]
 ) -> tuple[list[Shard], dict[K, Shard | None]] | None:
-    """Every hole, in slot order, gets a spare — from the rack most of its replica's slots
-    sit in where one waits there, else the earliest joined. A hole no spare is left for
-    drops its replica: the nodes that held (or were just given) its other slots become
-    spares for the holes after it. None when that would drop the last ring (the caller
-    places anew, or waits)."""
-    by_replica: dict[int, dict[int, Member[K]]] = {}  # replica -> slot -> its holder
+    """The layout's holes mended by `mend`, over the members: the layout without the
+    replicas it dropped, and each member's shard (a dropped replica's members are spares,
+    unless a later hole took them). None when `mend` says place anew."""
     replica_of = {s.slot: s.replica for s in layout}
-    for n in live:
-        if n.state == "assigned" and n.shard and n.shard.slot in replica_of:
-            by_replica.setdefault(replica_of[n.shard.slot], {})[n.shard.slot] = n
-    if not by_replica:
+    holders = sorted((n for n in live if n.state == "assigned" and n.shard
+                      and n.shard.slot in replica_of), key=_slot)  # fmt: skip
+    if not holders:
         return None
-    budget = min(n.memory_bytes for ring in by_replica.values() for n in ring.values())
-    spares = _spares(live, budget)  # ^ what a stage was sized for
+    rings: dict[int, list[K]] = {s.replica: [] for s in layout}
+    for n in holders:
+        rings[replica_of[_slot(n)]].append(n.node_id)
+    held = {_slot(n) for n in holders}
+    budget = min(n.memory_bytes for n in holders)  # what a stage was sized for
+    pool = _Queue(_spares(live, budget))
+    pool.by_id.update((n.node_id, n) for n in holders)  # a dropped ring's go back to it
+    racks = {n.node_id: n.rack for n in live}
+    holes = [(s.replica, s.slot) for s in layout if s.slot not in held]
+    mended = mend(holes, rings, racks.__getitem__, pool, len(rings))
+    if mended is None:
+        return None
+    filled, dropped = mended
     out: dict[K, Shard | None] = {n.node_id: n.shard for n in live}
-    dropped: set[int] = set()
-    for shard in layout:
-        ring = by_replica.setdefault(shard.replica, {})
-        if shard.slot in ring or shard.replica in dropped:
-            continue
-        if spares:
-            rack = _rack_of(ring)
-            spare = min(spares, key=lambda n: n.rack != rack)  # its replica's rack, if one waits
-            spares.remove(spare)
-            out[spare.node_id], ring[shard.slot] = shard, spare
-            continue
-        if len(set(replica_of.values()) - dropped) == 1:
-            return None
-        dropped.add(shard.replica)
-        for node in ring.values():
-            out[node.node_id] = None
-            spares.append(node)
-        spares.sort(key=lambda n: (n.joined_s, n.node_id))
+    for r in dropped:
+        for k in rings[r]:
+            out[k] = None
+    shard_of = {s.slot: s for s in layout}
+    for slot, k in filled.items():
+        out[k] = shard_of[slot]
     return [s for s in layout if s.replica not in dropped], out
 
 
-def _rack_of(ring: dict[int, Member[K]]) -> str | None:
-    """The rack most of a replica's held slots sit in (None: none is held); of racks
-    holding as many, the one of the lowest slot (deterministic)."""
-    racks = Counter(ring[k].rack for k in sorted(ring))
-    return racks.most_common(1)[0][0] if racks else None
+def _slot(n: Member[K]) -> int:
+    assert n.shard is not None
+    return n.shard.slot
 
 
 def place(
