@@ -156,7 +156,7 @@ def test_a_job_the_head_cannot_start_is_failed_at_once_not_renewed() -> None:
     failed = {b["job_id"]: b for b in coord.bodies("/v1/jobs/fail")}
     assert set(failed) == {"bad", "nomax"}
     assert "OverflowError" in failed["bad"]["reason"] and failed["bad"]["fence"] == 3
-    assert "max_tokens" in failed["nomax"]["reason"] and failed["nomax"]["fault"] == "job"
+    assert "KeyError" in failed["nomax"]["reason"] and failed["nomax"]["fault"] == "job"
     assert list(head.runs) == ["good"]
     renewed = {r["job_id"] for b in coord.bodies("/v1/jobs/checkpoint") for r in b["runs"]}
     assert renewed == {"good"}

@@ -211,8 +211,8 @@ class Head:
         it has; a scoring job's completion i, prompt + completion, scored at the end."""
         w = run.work
         if run.kind != "score":
-            if w.max_tokens is None:
-                raise ValueError("a generation without max_tokens (the API always sets it)")
+            if w.max_tokens is None:  # not optional for a generation (the API always sets
+                raise KeyError("max_tokens")  # it): failed as a payload without it always was
             generate = Generate(req=run.job_id, max_tokens=w.max_tokens,
                                 sampling=w.sampling or Sampling(), stop_ids=list(w.stop_ids),
                                 replay=list(run.tokens))  # fmt: skip
