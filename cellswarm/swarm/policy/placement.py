@@ -249,9 +249,8 @@ def _fill_holes(
     budget = min(n.memory_bytes for n in holders)  # what a stage was sized for
     pool = _Queue(_spares(live, budget))
     pool.by_id.update((n.node_id, n) for n in holders)  # a dropped ring's go back to it
-    racks = {n.node_id: n.rack for n in live}
     holes = [(s.replica, s.slot) for s in layout if s.slot not in held]
-    mended = mend(holes, rings, racks.__getitem__, pool, len(rings))
+    mended = mend(holes, rings, lambda k: pool.by_id[k].rack, pool, len(rings))
     if mended is None:
         return None
     filled, dropped = mended
