@@ -139,6 +139,12 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    "a tiered box reserves 512); with --coordinator, checked against the "
                    "context the swarm serves")  # fmt: skip
     p.add_argument("--threads", type=int, help="threads for kernels and BLAS (default: all cores)")
+    p.add_argument("--speculative", default="auto", metavar="MODE",
+                   help="speculative decoding, the same text either way: auto (default: drafts "
+                   "when they pay), off, lookup (drafts from the text so far), draft (from "
+                   "--draft)")  # fmt: skip
+    p.add_argument("--draft", metavar="MODEL", help="a small draft model with the same "
+                   "tokenizer (a .gguf file or Hugging Face folder)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--ids", action="store_true", help="the prompt is comma-separated token ids")
     p.add_argument("--coordinator", help="run on this swarm (its URL) instead of in-process")
@@ -180,6 +186,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model = tiered.model
     else:
         model = load(args.model or demo_model_path(), quant=args.quant, kv_budget_bytes=budget)
+    if args.draft:
+        model.use_draft(load(args.draft))
     sampling = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -191,7 +199,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     # unchecked without --context, as before: the cache takes prompt + max_tokens, and a
     # tiny test model's 64 tokens would refuse the default 64 of --max-tokens
     opts = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop),
-                           context=args.context)  # fmt: skip
+                           context=args.context, speculative=args.speculative)  # fmt: skip
     stream = None if args.json else _print_piece
     from cellswarm.swarm.commands import ids_prompt
 
@@ -210,10 +218,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"[prompt {s.prompt_tokens} tokens | prefill {s.prefill_tokens_per_s:.1f} tok/s | "
         f"decode {s.decode_tokens_per_s:.1f} tok/s | {s.generated_tokens} generated "
-        f"({s.stop_reason}) | peak RSS {format_bytes(s.peak_rss_bytes)}]",
+        f"({s.stop_reason}){_drafted(s.drafted_tokens, s.accepted_tokens)} | "
+        f"peak RSS {format_bytes(s.peak_rss_bytes)}]",
         file=sys.stderr,
     )
     return 0
+
+
+def _drafted(drafted: int, accepted: int) -> str:
+    """The stats line's word on speculative decoding: how many drafts the model kept."""
+    if drafted == 0:
+        return ""
+    return f" | drafts {accepted}/{drafted} kept ({100 * accepted / drafted:.0f}%)"
 
 
 def _load_tiered(args: argparse.Namespace) -> Any:

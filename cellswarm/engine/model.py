@@ -18,6 +18,7 @@ from cellswarm.engine import PREFILL_CHUNK
 from cellswarm.engine.completions import Completions
 from cellswarm.engine.memory import MemoryReport, memory_report, peak_rss_bytes
 from cellswarm.engine.sampling import SamplingParams, sample
+from cellswarm.engine.speculative import DraftModel, Speculator, accept, check_mode
 from cellswarm.engine.text import StopText
 from cellswarm.errors import RequestError
 from cellswarm.io.weights import Selection, WeightStore, non_finite
@@ -39,6 +40,8 @@ class GenerationStats:
     decode_s: float
     peak_rss_bytes: int
     stop_reason: str  # "stop_token" | "stop_string" | "max_tokens"
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified,
+    accepted_tokens: int = 0  # and those of them the model agreed with
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -60,6 +63,8 @@ class GenerationStats:
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
             "peak_rss_bytes": self.peak_rss_bytes,
             "stop_reason": self.stop_reason,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
         }
 
 
@@ -79,8 +84,10 @@ class GenerateOptions:
     # tokens of KV cache a generation may take, prompt + max_tokens (the CLI's --context;
     # None: unchecked, the cache takes what the generation needs)
     context: int | None = None
+    speculative: str = "auto"  # speculative.MODES: drafts verified k+1 rows at a time
 
     def __post_init__(self) -> None:
+        check_mode(self.speculative)
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens {self.max_tokens} must be at least 1")
         if self.context is not None and self.context < 1:
@@ -97,7 +104,7 @@ def options_from(options: GenerateOptions | None, settings: dict[str, Any]) -> G
         raise RequestError("give generation settings as options= or as keywords, not both")
     if options is not None:
         return options
-    known = ("max_tokens", "stop", "stop_ids", *SAMPLING_KEYS)
+    known = ("max_tokens", "stop", "stop_ids", "speculative", *SAMPLING_KEYS)
     unknown = sorted(set(settings) - set(known))
     if unknown:
         raise RequestError(f"unknown generation setting {unknown[0]!r}; use {', '.join(known)}")
@@ -108,6 +115,7 @@ def options_from(options: GenerateOptions | None, settings: dict[str, Any]) -> G
         sampling=SamplingParams(**{k: settings[k] for k in SAMPLING_KEYS if k in settings}),
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         stop_ids=None if stop_ids is None else frozenset(stop_ids),
+        speculative=str(settings.get("speculative", GenerateOptions.speculative)),
     )
 
 
@@ -155,6 +163,17 @@ class Model(Completions):
         self.kv_budget_bytes = kv_budget_bytes
         self.name = "model"  # the file's name, set by the loader (OpenAI answers' "model")
         self.n_ctx: int | None = None  # load(n_ctx=): the context a generation may take
+        self.draft: Model | None = None  # a draft model for speculative decoding (use_draft)
+
+    def use_draft(self, draft: Model) -> None:
+        """Draft with `draft` (speculative 'draft', and 'auto'): it must share this model's
+        tokenizer, token for token, or its guesses would be of other tokens."""
+        mine, theirs = self._tokenizer, draft._tokenizer
+        if mine is None or theirs is None or mine.vocabulary() != theirs.vocabulary():
+            raise RequestError(f"the draft model {draft.name} has another tokenizer than "
+                               f"{self.name}: draft with a model of the same family and "
+                               "vocabulary")  # fmt: skip
+        self.draft = draft
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -202,6 +221,10 @@ class Model(Completions):
                 if not np.isfinite(out).all():
                     self._find_non_finite(x, positions, cache, layers)
                 return out
+        if 1 < x.shape[0] <= kernels.MAX_BATCH:  # a few rows: one pass over the weights
+            out = self._rows_fused(x, positions, cache, layers)
+            if out is not None:
+                return out
         # several tokens of one sequence (a prefill): the same int8 kernels as a decode step,
         # each token's row computed as if alone, so a prefill gives every position the bits
         # a decode of it would (recovery by re-prefill, verification of k drafted tokens)
@@ -212,6 +235,23 @@ class Model(Completions):
             if not np.isfinite(x).all():
                 raise self._non_finite(i)
         return x
+
+    def _rows_fused(
+        self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
+    ) -> np.ndarray | None:
+        """T consecutive rows of one sequence (a speculative check's k+1, a short prompt) as
+        the batched decode kernel's T "sequences" that share one cache: every row's keys are
+        written before any row attends, and row t attends to positions ..positions[t], so it
+        is causal, and each row is the bits of a decode step alone, for one read of the
+        weights. None (the caller runs the rows as a prefill) where the architecture has no
+        such kernel or a row is not finite (the prefill names the layer)."""
+        self.arch.prepare(layers)
+        caches = [cache] * x.shape[0]
+        out = self.arch.decode_fused_many(np.ascontiguousarray(x, np.float32), positions,
+                                          caches, layers)  # fmt: skip
+        if out is None or not np.isfinite(out).all():
+            return None
+        return np.asarray(out)
 
     def _find_non_finite(
         self, x: np.ndarray, positions: np.ndarray, cache: KVCache, layers: range
@@ -364,8 +404,11 @@ class _Generator:
         self.out_ids: list[int] = []
         self.text = StopText(model.tokenizer.decode if tok is not None else lambda ids: "",
                              opts.stop)  # fmt: skip
-        self.stop_reason = "max_tokens"
+        self.stop_reason = ""  # "stop_token" | "stop_string" | "max_tokens", once it ends
         self.times = [0.0, 0.0]
+        drafter = None if model.draft is None else DraftModel(model.draft, need + 1)
+        self.spec = Speculator.of(opts.speculative, prompt_ids, drafter)
+        self._drafts: list[int] = []  # the last round's
 
     def run(self) -> Iterator[str]:
         # threads that wait at every barrier: their cores stay awake meanwhile (awake.py)
@@ -375,29 +418,58 @@ class _Generator:
     def _run(self) -> Iterator[str]:
         cache = self.model.new_cache(len(self.prompt_ids) + self.opts.max_tokens)
         t0 = time.perf_counter()
-        logits = self.model.step(np.asarray(self.prompt_ids), cache, last_only=True)[-1]
+        logits = self.model.step(np.asarray(self.prompt_ids), cache, last_only=True)
         self.times[0] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        while True:
-            token = sample(logits, self.opts.sampling, self.rng, self.prompt_ids + self.out_ids,
-                           len(self.prompt_ids))
-            if token in self.stop_ids:
-                self.stop_reason = "stop_token"
-                break
-            self.out_ids.append(token)
-            piece = self.text.feed(self.out_ids, last=False)
-            if piece:
-                yield piece
-            if self.text.stopped:
-                self.stop_reason = "stop_string"
-                break
-            if len(self.out_ids) >= self.opts.max_tokens:
-                break
-            logits = self.model.step(np.asarray([token]), cache)[-1]
+        tokens = [self._pick(logits[-1], [])]
+        while self.stop_reason == "":
+            for token in tokens:  # a round's tokens: the drafts kept, then the model's own
+                yield from self._take(token)
+                if self.stop_reason:
+                    break
+            else:
+                tokens = self._round(tokens, cache)
         self.times[1] = time.perf_counter() - t0
         tail = self.text.feed(self.out_ids, last=True) if self.out_ids else ""
         if tail:
             yield tail
+
+    def _take(self, token: int) -> Iterator[str]:
+        """One token out (its text, if whole characters are ready), or the reason to stop."""
+        if token in self.stop_ids:
+            self.stop_reason = "stop_token"
+            return
+        self.out_ids.append(token)
+        piece = self.text.feed(self.out_ids, last=False)
+        if piece:
+            yield piece
+        if self.text.stopped:
+            self.stop_reason = "stop_string"
+        elif len(self.out_ids) >= self.opts.max_tokens:
+            self.stop_reason = "max_tokens"
+
+    def _round(self, tokens: list[int], cache: KVCache) -> list[int]:
+        """One step: the last token and the drafts after it (none without speculation) as
+        rows, verified (speculative.accept); the cache kept up to the last kept draft."""
+        spec, text = self.spec, self.prompt_ids + self.out_ids
+        if spec is not None:
+            spec.took(self._drafts, tokens)
+        room = self.opts.max_tokens - len(self.out_ids) - 1  # drafts past max_tokens: waste
+        drafts = spec.draft(text, room) if spec is not None and room > 0 else []
+        t0 = time.perf_counter()
+        rows = self.model.step(np.asarray([text[-1], *drafts]), cache)  # (k+1, vocab)
+        kept = accept(rows, drafts, self._pick)
+        if spec is not None:
+            spec.k.timed(len(drafts) + 1, time.perf_counter() - t0)
+        cache.truncate(len(text) + len(kept) - 1)  # the rows of drafts refused: forgotten
+        self._drafts = drafts
+        return kept
+
+    def _pick(self, row: np.ndarray, kept: list[int]) -> int:
+        """The sampler at one row, `kept` the round's tokens before it: the draw decoding
+        without speculation makes there (the same generator, in the same order)."""
+        history = self.prompt_ids + self.out_ids + kept
+        return sample(row, self.opts.sampling, self.rng, history, len(self.prompt_ids))
 
     def result(self) -> Generation:
         stats = GenerationStats(
@@ -407,5 +479,7 @@ class _Generator:
             decode_s=self.times[1],
             peak_rss_bytes=peak_rss_bytes(),
             stop_reason=self.stop_reason,
+            drafted_tokens=0 if self.spec is None else self.spec.k.drafted,
+            accepted_tokens=0 if self.spec is None else self.spec.k.accepted,
         )
         return Generation(self.text.text, list(self.out_ids), stats)

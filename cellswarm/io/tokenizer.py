@@ -224,6 +224,11 @@ class Tokenizer:
 
     # ---------------------------------------------------------------------------------- encoding
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text and id (added tokens too): two models whose vocabularies are
+        equal read and write the same ids (a draft model's check)."""
+        return dict(self._backend.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids for `text`. Special-token strings in `text` become their single ids.
 

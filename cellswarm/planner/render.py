@@ -8,6 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from cellswarm.errors import RequestError
+from cellswarm.planner import speculative
 from cellswarm.planner.placement import Slot
 from cellswarm.planner.plan import PlanResult
 from cellswarm.units import format_bytes, format_power
@@ -163,6 +165,9 @@ def _speed_table(r: PlanResult) -> Table:
         f"compute {1000 * d.compute_s:,.1f}, memory {1000 * d.memory_s:,.1f}, "
         f"network {1000 * d.network_s:,.1f}) — bound: {r.bound}",
     )
+    spec = _speculative_line(r)
+    if spec:
+        t.add_row("speculative decoding, one stream", spec)
     t.add_row(
         f"throughput, {req.concurrency} in flight x {r.replicas:,} replicas",
         f"[bold]{r.throughput_tokens_per_s:,.2f} tokens/s[/]",
@@ -209,6 +214,23 @@ def _speed_table(r: PlanResult) -> Table:
         f"cost at {req.power.price_per_kwh}/kWh", f"{r.cost_per_million_tokens:,.2f} per 1M tokens"
     )
     return t
+
+
+def _speculative_line(r: PlanResult, acceptance: float = 0.8) -> str:
+    """Where drafting k tokens and verifying them in one pass pays on this ring;
+    "" for plans without one (tiers, tensor parallel, parts off the serial path)."""
+    try:
+        times = speculative.ring_times(r)
+    except RequestError:
+        return ""
+    even, k_even = speculative.lowest_break_even(times)
+    if k_even == 0:
+        return "does not pay on this ring: k + 1 rows cost about k + 1 steps"
+    k = speculative.best_k(times, acceptance)
+    at = f"at {acceptance:.1f} acceptance " + (
+        f"{speculative.speedup(times, acceptance, k):,.2f}x (k={k})" if k else "no gain"
+    )
+    return f"pays from acceptance {even:.2f} with k={k_even}; {at}"
 
 
 def _placement_table(r: PlanResult) -> Table:

@@ -194,6 +194,10 @@ def print_status(status: Status) -> None:
     for b in status.get("bottlenecks", []):
         print(f"pipeline bottleneck: {b['node_id']} (stage {b['stage']}, {b['step_ms']:.1f} ms "
               f"a decode step, {b['times_median']:.1f}x the median stage)")  # fmt: skip
+    spec = status.get("speculative")
+    if spec and spec["drafted"]:
+        print(f"speculative decoding: {spec['accepted']:,} of {spec['drafted']:,} drafts kept "
+              f"({100 * spec['accepted'] / spec['drafted']:.0f}%)")  # fmt: skip
     if status.get("problem"):
         print(f"cannot place the model: {status['problem']}")
 
@@ -268,6 +272,8 @@ LOCAL_ONLY = {
     "slow_bandwidth": "a tiered box runs in one process: drop --coordinator",
     "routing_stats": "a tiered box runs in one process: drop --coordinator",
     "numa": "a tiered box runs in one process: drop --coordinator",
+    "draft": "a swarm drafts from the text so far (--speculative lookup or auto); a draft "
+             "model runs in one process: drop --coordinator or --draft",
 }
 
 
@@ -315,8 +321,13 @@ def generate_remote(args: argparse.Namespace) -> int:
     took_s = time.perf_counter() - t0
     reason = _stop_reason(finish)
     if args.json:
+        predicted = _object(usage.get("completion_tokens_details"))
+        kept = int(str(predicted.get("accepted_prediction_tokens") or 0))
         stats = {"prompt_tokens": usage.get("prompt_tokens"), "generated_tokens": len(ids),
-                 "seconds": round(took_s, 4), "stop_reason": reason, "request_id": rid}
+                 "seconds": round(took_s, 4), "stop_reason": reason, "request_id": rid,
+                 "drafted_tokens": kept + int(str(predicted.get("rejected_prediction_tokens")
+                                                  or 0)),
+                 "accepted_tokens": kept}  # fmt: skip
         print(json.dumps({"text": "".join(text), "token_ids": ids, "stats": stats}))
         return 0
     print(flush=True)
@@ -378,7 +389,7 @@ def _openai_body(args: argparse.Namespace, model: str) -> tuple[dict[str, object
         "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
         "repetition_penalty": args.repeat_penalty, "stream": True, "return_token_ids": True,
         "skip_special_tokens": False,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True}, "speculative": args.speculative,
     }  # fmt: skip
     if args.seed is not None:
         body["seed"] = args.seed

@@ -186,8 +186,9 @@ def _item_job(coord: Coordinator, it: BatchItem, index: int) -> tuple[str, dict[
     limits.generate(prompt, it.max_tokens)
     sampling = it.sampling()
     SamplingParams(**sampling)  # the engine's own checks, which the ring will run
+    spec = {} if it.speculative is None else {"speculative": it.speculative}
     return "generate", {**base, "max_tokens": it.max_tokens, "sampling": sampling,
-                        "stop_ids": sorted(tok.stop_ids), "text": True}  # fmt: skip
+                        "stop_ids": sorted(tok.stop_ids), "text": True, **spec}  # fmt: skip
 
 
 def result_row(coord: Coordinator, job: Job) -> JsonObject:

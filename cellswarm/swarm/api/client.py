@@ -58,6 +58,13 @@ class Bottleneck(TypedDict):
     steps_ms: list[float]
 
 
+class Drafting(TypedDict):
+    """Speculative decoding over the swarm: drafts verified, and kept."""
+
+    drafted: int
+    accepted: int
+
+
 class Status(TypedDict):
     """GET /v1/status: the swarm as its coordinator sees it (control/views.py `status`)."""
 
@@ -67,6 +74,7 @@ class Status(TypedDict):
     context: int
     sequences: int
     bottlenecks: list[Bottleneck]
+    speculative: Drafting
     coordinator: str
     leader: bool
     model: str

@@ -91,6 +91,10 @@ NODE_FAMILIES = (
     ("prefix_hits", "counter", "cellswarm_node_prefix_cache_hits", "prompt blocks found cached"),
     ("prefix_misses", "counter", "cellswarm_node_prefix_cache_misses", "prompt blocks computed"),
     ("prefix_bytes", "gauge", "cellswarm_node_prefix_cache_bytes", "bytes of cached prompt blocks"),
+    ("drafted_tokens", "counter", "cellswarm_node_speculative_drafted_tokens", "speculative "
+     "decoding: drafts the node (a stage 0) sent to be verified"),
+    ("accepted_tokens", "counter", "cellswarm_node_speculative_accepted_tokens", "of those, "
+     "drafts the model agreed with (kept)"),
     ("energy_j", "counter", "cellswarm_node_energy_joules", "estimated energy (busy time at "
      "busy power, the rest at idle, from its profile)"),
 )
@@ -173,7 +177,8 @@ def _add_node(fams: dict[str, GaugeMetricFamily | CounterMetricFamily],
     fams["served"].add_metric(node, number(n["served"]))
     stats = mapping(n.get("stats"))
     for key in ("steps", "decode_steps", "decode_s", "busy_s", "sequences", "energy_j", "batches",
-                "prefix_hits", "prefix_misses", "prefix_bytes"):
+                "prefix_hits", "prefix_misses", "prefix_bytes", "drafted_tokens",
+                "accepted_tokens"):  # fmt: skip
         if key in stats:
             fams[key].add_metric(node, number(stats[key]))
 

@@ -62,7 +62,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -231,10 +231,12 @@ def _cancel(coord: Coordinator, job_id: str, reason: str, why: str) -> None:
 
 
 async def _follow(coord: Coordinator, job_id: str, stream: StopText,
-                  idle_s: float | None = None) -> AsyncIterator[str]:  # fmt: skip
+                  idle_s: float | None = None, drafts: Drafts | None = None,
+                  ) -> AsyncIterator[str]:  # fmt: skip
     """The job's text deltas until it ends or a stop string does; then `stream.finish` is set
-    ("stop"/"length"). A job the swarm gave up on raises a server_error. With `idle_s`, an
-    empty delta each time that long passes without a token (a stream says it still waits)."""
+    ("stop"/"length"), and `drafts` to its speculative drafts verified and kept. A job the
+    swarm gave up on raises a server_error. With `idle_s`, an empty delta each time that
+    long passes without a token (a stream says it still waits)."""
     from cellswarm.swarm.api.server import wait_for_job
 
     seen = 0
@@ -256,10 +258,32 @@ async def _follow(coord: Coordinator, job_id: str, stream: StopText,
                 await coord.on_core(_cancel, coord, job_id, "a stop string ended the answer",
                                     "stop string")  # fmt: skip
             if stream.stopped or job.terminal:
+                if drafts is not None and job.result:
+                    drafts.add(job.result)
                 reason = str((job.result or {}).get("reason", ""))
                 length = reason == "max_tokens" and not stream.stopped
                 stream.finish = "length" if length else "stop"
                 return
+
+
+class Drafts:
+    """Speculative decoding's count for a request's usage: drafts the ring verified, and
+    kept (OpenAI's names for predicted tokens: accepted_prediction_tokens, rejected_...)."""
+
+    def __init__(self) -> None:
+        self.drafted = self.accepted = 0
+
+    def add(self, result: Mapping[str, object]) -> None:
+        self.drafted += int(str(result.get("drafted") or 0))
+        self.accepted += int(str(result.get("accepted") or 0))
+
+    def details(self) -> JsonObject:
+        """usage's `completion_tokens_details`, or nothing when none was drafted."""
+        if not self.drafted:
+            return {}
+        return {"completion_tokens_details": {
+            "accepted_prediction_tokens": self.accepted,
+            "rejected_prediction_tokens": self.drafted - self.accepted}}
 
 
 # -- the routes ------------------------------------------------------------------------------
@@ -277,6 +301,7 @@ class Answer:
         self.head = routes.head(job_id, route)
         self.t0 = time.perf_counter()
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.drafts = Drafts()
 
     def choice(self, text: str | None, finish: str | None) -> JsonObject:
         c: JsonObject = {"index": 0}
@@ -305,7 +330,8 @@ class Answer:
             yield self.event([self.choice(self.echo, None)])
         try:
             if self.job_id:
-                async for delta in _follow(coord, self.job_id, self.stream, IDLE_S):
+                async for delta in _follow(coord, self.job_id, self.stream, IDLE_S,
+                                           self.drafts):  # fmt: skip
                     # an SSE comment when nothing came for a while: clients skip it, a
                     # watcher sees the stream alive and why it waits
                     yield self.event([self.choice(delta, None)]) if delta else (
@@ -320,7 +346,7 @@ class Answer:
             coord.core.submit(_cancel, coord, self.job_id, "the client disconnected",
                               "client disconnected")  # fmt: skip
             raise
-        used = self.routes.usage([self.prompt], [self.stream])
+        used = self.routes.usage([self.prompt], [self.stream], self.drafts)
         self.routes.answered(self.job_id, self.route, [self.stream], self.t0)
         yield self.event([self.choice(None if self.chat else "", str(self.stream.finish))])
         if self.include_usage:
@@ -394,6 +420,8 @@ class OpenAIRoutes:
         self.check_ring()
         payload = {"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling,
                    "stop_ids": stop_ids, "text": False}  # fmt: skip
+        if req.speculative is not None:
+            payload["speculative"] = req.speculative
         job = coord.submit(payload, owner=request.state.caller.owner)
         request.state.request_id = job.job_id
         said = {k: v for k in ("user", "metadata") if (v := getattr(req, k)) is not None}
@@ -442,10 +470,11 @@ class OpenAIRoutes:
         return out
 
     @staticmethod
-    def usage(prompts: list[list[int]], streams: list[StopText]) -> JsonObject:
-        """OpenAI's usage: each prompt counted once (not once per choice)."""
+    def usage(prompts: list[list[int]], streams: list[StopText], drafts: Drafts) -> JsonObject:
+        """OpenAI's usage: each prompt counted once (not once per choice); the drafts."""
         p, c = sum(len(x) for x in prompts), sum(s.used for s in streams)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                **drafts.details()}  # fmt: skip
 
     def answered(self, job_id: str, route: str, streams: list[StopText], t0: float) -> None:
         ms = round(1000 * (time.perf_counter() - t0), 1)
@@ -459,7 +488,7 @@ class OpenAIRoutes:
 
     async def one(self, request: Request, req: _Common, prompt: list[int],
                   max_tokens: int | None, route: str, j: int, stops: list[str],
-                  started: list[str]) -> tuple[str, StopText]:  # fmt: skip
+                  started: list[str], drafts: Drafts) -> tuple[str, StopText]:  # fmt: skip
         """Choice j of a prompt: its job id ("" for an echo alone) and its text, ended; the
         job's id goes into `started` as soon as it is queued."""
         stream = self.text_stream(req, stops)
@@ -468,7 +497,7 @@ class OpenAIRoutes:
             return "", stream
         job_id = await self.coord.on_core(self.submit, request, prompt, max_tokens, req, route, j)
         started.append(job_id)
-        async for _ in _follow(self.coord, job_id, stream):
+        async for _ in _follow(self.coord, job_id, stream, drafts=drafts):
             pass
         return job_id, stream
 
@@ -479,8 +508,9 @@ class OpenAIRoutes:
         t0, n, top = time.perf_counter(), req.n or 1, _top(req)
         echo = isinstance(req, CompletionRequest) and bool(req.echo)
         started: list[str] = []
+        drafts = Drafts()
         tasks = [asyncio.ensure_future(self.one(request, req, p, max_tokens, route, j, stops,
-                                                started))
+                                                started, drafts))
                  for p in prompts for j in range(n)]  # fmt: skip
         try:
             done = await asyncio.gather(*tasks)
@@ -518,7 +548,7 @@ class OpenAIRoutes:
         streams = [s for _, s in done]
         self.answered(first, route, streams, t0)
         return JSONResponse({**self.head(first or "echo", route), "choices": choices,
-                             "usage": self.usage(prompts, streams)})  # fmt: skip
+                             "usage": self.usage(prompts, streams, drafts)})  # fmt: skip
 
     async def run(
         self, request: Request, req: _Common, prompts: list[list[int]],

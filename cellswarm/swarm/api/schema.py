@@ -35,6 +35,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from cellswarm.errors import RequestError
+from cellswarm.swarm.protocol.dataplane import Speculative
 
 if TYPE_CHECKING:
     from cellswarm.swarm.control.coordinator import Coordinator
@@ -178,6 +179,7 @@ class SubmitRequest(BaseModel):
     sampling: Sampling | None = None
     stop_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_IDS)
     request_id: Key | None = None  # its idempotency key: the same id twice is the same job
+    speculative: Speculative | None = None  # speculative decoding (None: auto)
 
     check_prompt = field_validator("prompt", mode="before")(_prompt)
 
@@ -215,6 +217,8 @@ class OpenAICommon(SamplingFields):
     parallel_tool_calls: object = None
     reasoning_effort: object = None
     return_token_ids: bool = False  # an extension (vLLM's name): each choice gets its ids
+    # an extension: speculative decoding, the same tokens either way (None: auto)
+    speculative: Speculative | None = None
     skip_special_tokens: bool = True  # vLLM's too: False shows <|im_end|> and the like
 
 
@@ -279,6 +283,7 @@ class BatchItem(SamplingFields):
     max_tokens: MaxTokens = 64
     completions: list[NonEmptyText] | None = Field(None, min_length=1)
     labels: list[NonEmptyText] | None = Field(None, min_length=1)
+    speculative: Speculative | None = None  # a generation's (None: auto)
 
     @model_validator(mode="after")
     def _one_of_each(self) -> BatchItem:

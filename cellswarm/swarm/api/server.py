@@ -492,8 +492,9 @@ def _payload(coord: Coordinator, req: SubmitRequest) -> dict[str, object]:
     stop_ids = limits.ids(req.stop_ids or [], "stop_ids")
     if text and not stop_ids:
         stop_ids = sorted(coord.tokenizer.stop_ids)
+    spec = {} if req.speculative is None else {"speculative": req.speculative}
     return {"prompt": prompt, "max_tokens": req.max_tokens, "sampling": sampling,
-            "stop_ids": stop_ids, "text": text}  # fmt: skip
+            "stop_ids": stop_ids, "text": text, **spec}  # fmt: skip
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:

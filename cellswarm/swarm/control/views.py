@@ -54,8 +54,19 @@ class Views(Work):
         return {"epoch": epoch, "wired": self.wired_epoch == epoch, "problem": self.problem,
                 "context": self.context, "sequences": self.sequences,
                 "bottlenecks": [t.bottleneck() for t in times if t is not None],
+                "speculative": self.drafting(),
                 "coordinator": self.id, "leader": self.leading,
                 "model": Path(self.config.model).name, "nodes": nodes}  # fmt: skip
+
+    def drafting(self) -> dict[str, JsonValue]:
+        """Speculative decoding over the swarm: drafts its stage 0s sent to be verified, and
+        those kept (each node's counters since it started, from its beats)."""
+        sums = {"drafted_tokens": 0, "accepted_tokens": 0}
+        for stats in self.node_stats.values():
+            for key in sums:
+                value = stats.get(key) if isinstance(stats, dict) else None
+                sums[key] += value if type(value) is int else 0
+        return {"drafted": sums["drafted_tokens"], "accepted": sums["accepted_tokens"]}
 
     def _clock(self, node_id: str) -> tuple[float | None, float | None]:
         """How far the node's clock is behind ours (s; negative: ahead), and the error."""

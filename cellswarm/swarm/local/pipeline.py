@@ -36,6 +36,7 @@ class StageRequest(TypedDict):
     sampling: NotRequired[SamplingParams]  # greedy when absent
     stop_ids: NotRequired[Iterable[int]]
     request_id: NotRequired[str]  # a random one when absent
+    speculative: NotRequired[str]  # engine/speculative.py MODES (auto when absent)
 
 
 def free_port() -> int:
@@ -296,5 +297,6 @@ def _request_frame(request: StageRequest, done: list[int], request_id: str) -> F
     fields = {
         "req": request_id, "max_tokens": request["max_tokens"], "sampling": sampling,
         "stop_ids": list(request.get("stop_ids", ())), "replay": list(done),
+        "speculative": request.get("speculative", "auto"),
     }  # fmt: skip
     return Frame("generate", fields, np.asarray(request["prompt"], np.int64))

@@ -215,7 +215,7 @@ class Head:
                 raise KeyError("max_tokens")  # it): failed as a payload without it always was
             generate = Generate(req=run.job_id, max_tokens=w.max_tokens,
                                 sampling=w.sampling or Sampling(), stop_ids=list(w.stop_ids),
-                                replay=list(run.tokens))  # fmt: skip
+                                replay=list(run.tokens), speculative=w.speculative)  # fmt: skip
             return Frame.of(generate, np.asarray(w.prompt, np.int64))
         if w.completions is None:
             raise ValueError("a scoring job without completions (the API always sets them)")
@@ -243,7 +243,8 @@ class Head:
         elif frame.type == Done.kind and run.kind == "generate":
             done = read(Done, frame.fields)
             await self._finish(run, JobOutput(tokens=list(run.tokens), reason=done.reason,
-                                              bits=done.bits[:16]))  # fmt: skip
+                                              bits=done.bits[:16], drafted=done.drafted,
+                                              accepted=done.accepted))  # fmt: skip
         elif frame.type == ErrorOut.kind:
             error = read(ErrorOut, frame.fields)
             if error.fault == "room":

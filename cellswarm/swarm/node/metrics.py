@@ -103,6 +103,10 @@ def render(worker: Worker) -> str:
          "on: the next stage restored them from its own prefix cache"),
         ("rows_resent", "cellswarm_worker_prefix_rows_resent", "of those, rows the next stage "
          "did not hold and asked for"),
+        ("drafted_tokens", "cellswarm_worker_speculative_drafted_tokens", "speculative "
+         "decoding: drafts sent to be verified (stage 0)"),
+        ("accepted_tokens", "cellswarm_worker_speculative_accepted_tokens", "of those, drafts "
+         "the model agreed with (kept)"),
     ):
         out.append(family(name, "counter", doc, [({}, float(counter(stats, key)))]))
     out.append(family("cellswarm_worker_prefix_cache_bytes", "gauge", "bytes of cached "

@@ -17,7 +17,10 @@ from cellswarm.swarm.protocol.messages import Shard
 #    placeholder address beside them): its `spec`, and so the shard id a node reports, differ
 # 4: a lease carries a job's typed work (JobWork: the client's own fields stay with the
 #    queue), a shipped log line is a LogEvent (its own fields nested under `fields`)
-PROTOCOL = 4
+# 5: speculative decoding: a job's work and a `generate` frame say `speculative`, a
+#    `hidden` frame carries the drafts its rows verify, a `token` frame the tokens a step
+#    kept after its first (`more`), `done` the drafts verified and kept; a job's output too
+PROTOCOL = 5
 
 
 class VersionMismatch(Exception):

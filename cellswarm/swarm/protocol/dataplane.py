@@ -19,13 +19,15 @@ stage, which knows its model.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, ClassVar, TypeVar
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 import msgspec
 
 from cellswarm.errors import ProtocolError
 
 MAX_LIST = 4096  # completions of a scoring sequence, log-probabilities in a score (at most)
+MAX_DRAFT = 8  # drafted tokens a step verifies (engine/speculative.py MAX_DRAFT)
+Speculative = Literal["auto", "off", "lookup", "draft"]  # engine/speculative.py MODES
 
 
 class DataMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
@@ -69,6 +71,7 @@ class Generate(DataMessage, frozen=True):
     score_from: int | None = None
     completions: Annotated[list[int], msgspec.Meta(max_length=MAX_LIST)] | None = None
     top: int | None = None  # each scored token's top-k too (0..scoring.MAX_TOP)
+    speculative: Speculative = "auto"  # stage 0 drafts, the last stage verifies
 
 
 class Stats(DataMessage, frozen=True):
@@ -104,6 +107,9 @@ class Hidden(DataMessage, frozen=True):
     ep: int
     first: First | None = None
     cached: int | None = None
+    # speculative decoding: the rows are the last token and these drafts after it, which
+    # the last stage verifies (engine/speculative.py accept)
+    drafts: Annotated[list[int], msgspec.Meta(max_length=MAX_DRAFT)] | None = None
 
 
 class Need(DataMessage, frozen=True, omit_defaults=False):
@@ -125,13 +131,17 @@ class Prefix(DataMessage, frozen=True):
 
 
 class Token(DataMessage, frozen=True, omit_defaults=False):
-    """The last stage's sampled token of `seq`, to stage 0; `bits`: its logits' digest."""
+    """The last stage's sampled token of `seq`, to stage 0; `bits`: its logits' digest.
+    `more`: after a step with drafts, the tokens after `token` that step gave (the drafts
+    kept, then the model's own), each with its logits' digest."""
 
     kind: ClassVar[str] = "token"
     seq: int
     token: int
     ep: int
     bits: str = ""
+    more: Annotated[list[tuple[int, str]], msgspec.Meta(max_length=MAX_DRAFT)] = \
+        msgspec.field(default_factory=list)
 
 
 # A scored token: its log-probability, whether it was the row's argmax, the row's likeliest
@@ -209,12 +219,15 @@ class TokenOut(DataMessage, frozen=True):
 
 
 class Done(DataMessage, frozen=True, omit_defaults=False):
-    """A generation ended: `reason` stop_token or max_tokens; `bits` the last logits' digest."""
+    """A generation ended: `reason` stop_token or max_tokens; `bits` the last logits' digest;
+    `drafted`, `accepted`: speculative decoding's drafts verified, and kept."""
 
     kind: ClassVar[str] = "done"
     req: str
     reason: str
     bits: str = ""
+    drafted: int = 0
+    accepted: int = 0
 
 
 class ErrorOut(DataMessage, frozen=True, omit_defaults=False):

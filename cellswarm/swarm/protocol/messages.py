@@ -23,7 +23,7 @@ from typing import Literal, TypeVar
 import msgspec
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.protocol.dataplane import PartAddress, Sampling, TokenDetail
+from cellswarm.swarm.protocol.dataplane import PartAddress, Sampling, Speculative, TokenDetail
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
@@ -69,6 +69,8 @@ class NodeStats(Message, frozen=True):
     temp_c: float | None = None
     fetch_done_bytes: int | None = None
     fetch_total_bytes: int | None = None
+    drafted_tokens: int | None = None  # speculative decoding at stage 0: drafts verified,
+    accepted_tokens: int | None = None  # and kept
 
 
 class CheckAsk(Message, frozen=True):
@@ -247,6 +249,8 @@ class JobOutput(Message, frozen=True):
     bits: str | None = None
     scores: list[float] | None = None
     detail: list[list[TokenDetail]] | None = None
+    drafted: int | None = None  # speculative decoding: drafts verified, and kept
+    accepted: int | None = None
 
 
 class JobResult(Message, frozen=True):
@@ -275,6 +279,7 @@ class JobWork(Message, frozen=True):
     stop_ids: list[int] = msgspec.field(default_factory=list)
     completions: list[list[int]] | None = None
     top: int | None = None
+    speculative: Speculative = "auto"
 
     @classmethod
     def of(cls, payload: Mapping[str, object]) -> JobWork:

@@ -35,6 +35,8 @@ from cellswarm.engine.model import Model
 from cellswarm.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.engine.scoring import MAX_TOP, log_norms, sum_log_probs, token_detail
+from cellswarm.engine.speculative import Speculator
+from cellswarm.engine.speculative import accept as accept_drafts
 from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
 from cellswarm.models.base import ExpertArchitecture
@@ -234,6 +236,11 @@ class Sequence:
     # The sha256 of the logits its last token was chosen from (16 hex digits): the same bits
     # on every correct node, so --verify compares it with another replica's (jobs.same_result)
     bits: str = ""
+    # speculative decoding (engine/speculative.py): its drafting, the drafts of the step in
+    # flight, and when that step left with how many rows (its time tunes k)
+    spec: Speculator | None = None
+    drafts: list[int] = field(default_factory=list)
+    sent: tuple[float, int] = (0.0, 1)
 
 
 class Stage:
@@ -271,6 +278,7 @@ class Stage:
         self._next_caches = True  # the next stage said nothing yet of having no prefix cache
         self._back: asyncio.Task[None] | None = None
         self.rows_unsent = self.rows_resent = 0  # (stats)
+        self.drafted = [0, 0]  # speculative decoding here (stage 0): drafts verified, kept
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.log = JsonLog(config.log_dir, config.node_id)
         self.token = load_token(config.token_file) if config.token_file else None
@@ -531,7 +539,7 @@ class Stage:
         elif isinstance(message, Prefix):
             await self.on_prefix(message, array)
         elif isinstance(message, Token):
-            await self.on_token(message.seq, message.token, message.bits)
+            await self.on_token(message.seq, [(message.token, message.bits), *message.more])
         elif isinstance(message, Scored):
             await self.on_scored(message.seq, Score(logprobs=message.logprobs,
                                                     detail=message.detail))  # fmt: skip
@@ -588,6 +596,7 @@ class Stage:
             step_s=self.step_times.histogram(), running_s=round(self.running_s(), 2),
             batches=self.batches, widest_batch=self.widest_batch,
             rows_unsent=self.rows_unsent, rows_resent=self.rows_resent,
+            drafted_tokens=self.drafted[0], accepted_tokens=self.drafted[1],
         )  # fmt: skip
         if self.prefix is None:
             return stats
@@ -611,6 +620,10 @@ class Stage:
                         or f.score_from + sum(lengths) != len(prompt)
                         or f.score_from < 1):  # fmt: skip
             bad = f"completions {lengths} do not follow a prompt in {len(prompt)} ids"
+        if f.speculative == "draft" and not lengths:
+            bad = ("speculative 'draft': a swarm drafts from the text so far (lookup); a "
+                   "draft model runs in one process (cellswarm generate --draft): use auto "
+                   "or lookup")  # fmt: skip
         if bad is not None:
             await emit(Frame.of(ErrorOut(req=f.req, message=bad, fault="job")))
             return
@@ -632,6 +645,7 @@ class Stage:
         self.sequences[seq] = Sequence(
             f.req, emit, [int(t) for t in prompt], f.max_tokens, frozenset(f.stop_ids),
             replay=list(f.replay),
+            spec=None if lengths else Speculator.of(f.speculative, [int(t) for t in prompt]),
         )  # fmt: skip
         rows = scoring_rows(f.score_from, lengths) if lengths and f.score_from is not None \
             else slice(None)  # fmt: skip
@@ -664,7 +678,7 @@ class Stage:
             self._awaiting[f.seq] = (f, h)
             need = Need(seq=f.seq, ep=self.epoch, cache=self.prefix is not None)
             return await write_frame(writer, Frame.of(need))
-        await self.run_layers(f.seq, h, f.pos, f.first, cached)
+        await self.run_layers(f.seq, h, f.pos, f.first, cached, f.drafts)
 
     async def on_prefix(self, f: Prefix, rows: np.ndarray | None) -> None:
         """The rows a first step was sent without, which this stage asked for: the step runs."""
@@ -761,11 +775,14 @@ class Stage:
                 await self.decode_out(r, h[i : i + 1], out, t0, t1)
 
     async def run_layers(
-        self, seq: int, h: np.ndarray, pos: int, first: First | None, cached: int = 0
-    ) -> None:
+        self, seq: int, h: np.ndarray, pos: int, first: First | None, cached: int = 0,
+        drafts: list[int] | None = None,
+    ) -> None:  # fmt: skip
         """A step of `seq` other than a decode step: h (T, d) at positions pos.. (a first
         step's: after `cached` rows it was sent without, which this stage holds in its
-        prefix cache), logged as it is."""
+        prefix cache; a speculative step's: the last token and its `drafts`), logged as it
+        is. The rows of drafts the last stage refuses need no undoing here: the next step
+        starts at the position after the last one kept, and writes over them."""
         if first is not None:
             self.caches[seq] = self.model.new_cache(first.capacity)
             self.requests[seq] = first.req
@@ -778,17 +795,20 @@ class Stage:
         t0 = self.step_starts()
         try:
             self.faults.before_step(self.steps, first.prompt if first else None)
-            done = await self.layers_first(seq, h, pos, cache, first, cached)
+            rows = 1 + len(drafts or ())  # the last stage's logits: of these last rows
+            done = await self.layers_first(seq, h, pos, cache, first, cached, rows)
             if done is None:  # dropped by a reset between two chunks
                 return
-            h, made, kept = done  # the last stage's: logits (of the last row) to sample, or a score
-            out = self.pick(seq, made[-1], first) if isinstance(made, np.ndarray) else made
+            h, made, kept = done  # the last stage's: logits to sample, or a score
+            out = self.verify(seq, made, drafts) if drafts and isinstance(made, np.ndarray) \
+                else self.pick(seq, made[-1], first) if isinstance(made, np.ndarray) \
+                else made  # fmt: skip
         except Exception as exc:
             return await self.step_failed(seq, exc)
         t1 = await self.step_done(t0, h.shape[0], decode=one_row)
         self.log.event("step", self.requests.get(seq), stage=self.span, pos=pos,
                        tokens=h.shape[0], ms=round(1000 * (t1 - t0), 3))  # fmt: skip
-        await self.step_out(seq, h, pos, first, scoring, out, kept)
+        await self.step_out(seq, h, pos, first, scoring, out, kept, drafts)
 
     def step_starts(self) -> float:
         """A step begins (node/awake.py hears of it): when."""
@@ -860,7 +880,7 @@ class Stage:
 
     async def layers_first(
         self, seq: int, h: np.ndarray, pos: int, cache: KVCache, first: First | None,
-        cached: int = 0,
+        cached: int = 0, logit_rows: int = 1,
     ) -> tuple[np.ndarray, np.ndarray | Score | None, int] | None:
         """The compute (`step`) of a step other than a decode step, over its rows h (T, d) at
         positions pos..: the output rows, the last stage's logits of the last row (or a
@@ -895,8 +915,8 @@ class Stage:
         head: Callable[[np.ndarray], np.ndarray | Score] | None = None
         if self.config.last and first is not None and first.score_from is not None:
             head = partial(self.score, first=first)
-        elif self.config.last:  # the sampler comes after (Stage.pick)
-            head = lambda out: self.head(out[-1:])  # noqa: E731
+        elif self.config.last:  # the sampler comes after (Stage.pick, Stage.verify)
+            head = lambda out: self.head(out[-logit_rows:])  # noqa: E731
         done = await step(self.model, groups, self.compute, head, kept,
                           alive=lambda: self.caches.get(seq) is cache)  # fmt: skip
         if done is None:
@@ -931,7 +951,8 @@ class Stage:
 
     async def step_out(
         self, seq: int, h: np.ndarray, pos: int, first: First | None, scoring: bool,
-        out: int | Score | None, kept: int = 0,
+        out: int | Score | list[tuple[int, str]] | None, kept: int = 0,
+        drafts: list[int] | None = None,
     ) -> None:  # fmt: skip
         """A step's result to where it goes: the hidden state to the next stage (a first
         step's without the `kept` rows this stage's prefix cache gave, which the next
@@ -944,7 +965,8 @@ class Stage:
                 if rows is not None and self._next_caches:
                     self._unsent[seq], cached, h = rows, kept, h[kept:]
                     self.rows_unsent += kept
-            hidden = Hidden(seq=seq, pos=pos, ep=self.epoch, first=first, cached=cached)
+            hidden = Hidden(seq=seq, pos=pos, ep=self.epoch, first=first, cached=cached,
+                            drafts=drafts or None)  # fmt: skip
             await self.send_next(hidden, h)
             return
         if isinstance(out, Score):
@@ -953,11 +975,13 @@ class Stage:
             return await self.send_next(Scored(seq=seq, ep=self.epoch, logprobs=out.logprobs,
                                                detail=out.detail))  # fmt: skip
         assert out is not None  # the last stage's step made a token (or a score: above)
-        token, bits = int(out), self.logit_bits.pop(seq, "")
+        picked = out if isinstance(out, list) else [(int(out), self.logit_bits.pop(seq, ""))]
         if self.config.first:
-            await self.on_token(seq, token, bits)
+            await self.on_token(seq, picked)
         else:
-            await self.send_next(Token(seq=seq, token=token, ep=self.epoch, bits=bits))
+            (token, bits), *more = picked
+            await self.send_next(Token(seq=seq, token=token, ep=self.epoch, bits=bits,
+                                       more=more))  # fmt: skip
 
     def score(self, h: np.ndarray, first: First) -> Score:
         """Log-likelihood of each completion's tokens given the prompt (the tokens from
@@ -1030,6 +1054,20 @@ class Stage:
         token = self.sample(seq, logits, first)
         return self.faults.token(seq, token, first is not None, int(self.model.config.vocab_size))
 
+    def verify(self, seq: int, logits: np.ndarray, drafts: list[int]) -> list[tuple[int, str]]:
+        """A speculative step's tokens, each with its logits' digest: the sampler at each
+        of the rows (k+1, vocab) in turn while it agrees with the drafts, then its own
+        (engine/speculative.py accept: the tokens decoding without drafts makes)."""
+        digests: list[str] = []
+
+        def pick(row: np.ndarray, _kept: list[int]) -> int:  # the sampler keeps its history
+            token = self.pick(seq, row, None)
+            digests.append(self.logit_bits.pop(seq, ""))
+            return token
+
+        tokens = accept_drafts(logits, drafts, pick)
+        return list(zip(tokens, digests, strict=True))
+
     def sample(self, seq: int, logits: np.ndarray, first: First | None) -> int:
         if first is not None:
             self.samplers[seq] = new_sampler(first.sampling, first.prompt)
@@ -1044,37 +1082,71 @@ class Stage:
         history.append(token)
         return token
 
-    async def on_token(self, seq: int, token: int, bits: str = "") -> None:
+    async def on_token(self, seq: int, tokens: list[tuple[int, str]]) -> None:
+        """A step's tokens came back (one; after a step with drafts, the drafts kept and the
+        model's own), each with its logits' digest: out to the client, then the next step."""
         s = self.sequences.get(seq)
         if s is None:  # dropped by a reset while this token was on the wire
             return
         s.active_s = time.monotonic()
-        s.bits = bits[:16]
+        if s.spec is not None:  # what the drafts came to, and the step's time, tune k
+            s.spec.took(s.drafts, [t for t, _ in tokens])
+            if s.drafts:
+                self.drafted[0] += len(s.drafts)
+                self.drafted[1] += len(tokens) - 1
+            if s.sent[0]:  # (not the prompt's step)
+                s.spec.k.timed(s.sent[1], s.active_s - s.sent[0])
         replaying = bool(s.replay)
-        if replaying:
-            token = s.replay.pop(0)  # the client has it already
-        elif token in s.stop_ids:
-            return await self.finish(seq, "stop_token")
-        s.tokens.append(token)
-        if not replaying:
-            await s.emit(Frame.of(TokenOut(req=s.req, token=token)))
-        if len(s.tokens) >= s.max_tokens:
-            return await self.finish(seq, "max_tokens")
+        for token, bits in tokens:
+            replaying = bool(s.replay)
+            s.bits = bits[:16]
+            if replaying:
+                token = s.replay.pop(0)  # the client has it already
+            elif token in s.stop_ids:
+                return await self.finish(seq, "stop_token")
+            s.tokens.append(token)
+            if not replaying:
+                await s.emit(Frame.of(TokenOut(req=s.req, token=token)))
+            if len(s.tokens) >= s.max_tokens:
+                return await self.finish(seq, "max_tokens")
         if replaying and not s.replay and self.on_frontier is not None:  # replayed up to
             if not await self.at_frontier(seq):  # where its job had come: new ground next
                 return
             self._frame_s = None  # (the step waited for the head: no frame's timing is its)
+        await self.next_step(seq, s)
+
+    async def next_step(self, seq: int, s: Sequence) -> None:
+        """The step after the sequence's last token: that token alone, with the others
+        ready (one pass: run_ready); or, when it drafts, the token and its drafts as rows
+        of a step of its own, which the last stage verifies."""
         pos = len(s.prompt) + len(s.tokens) - 1
+        s.drafts = self.drafts(s)
         t0 = time.perf_counter()
-        h = self.embed(np.asarray([token]))
+        h = self.embed(np.asarray([s.tokens[-1], *s.drafts]))
+        s.sent = (time.monotonic(), 1 + len(s.drafts))
+        if s.drafts:
+            return await self.run_layers(seq, h, pos, None, drafts=s.drafts)
         self._embed_s = time.perf_counter() - t0  # the step's, as in one process
         self.queue_step(seq, h, pos)  # with the others ready: one pass (run_ready)
+
+    def drafts(self, s: Sequence) -> list[int]:
+        """Drafts for the sequence's next step: none while it replays, none in `auto` while
+        other sequences share this ring (their steps fill its passes already: drafting
+        would only take their turn), at most what max_tokens leaves room for."""
+        if s.spec is None or s.replay:
+            return []
+        if s.spec.mode == "auto" and len(self.sequences) > 1:
+            return []
+        return s.spec.draft(s.prompt + s.tokens, s.max_tokens - len(s.tokens) - 1)
 
     async def finish(self, seq: int, reason: str) -> None:
         self.log_decode(seq, pop=True)
         s = self.sequences.pop(seq)
         self.log.event("done", s.req, stage=self.span, reason=reason, tokens=len(s.tokens))
-        await s.emit(Frame.of(Done(req=s.req, reason=reason, bits=s.bits)))
+        k = s.spec.k if s.spec is not None else None
+        await s.emit(Frame.of(Done(req=s.req, reason=reason, bits=s.bits,
+                                   drafted=k.drafted if k else 0,
+                                   accepted=k.accepted if k else 0)))  # fmt: skip
         self.release(seq)
         if not self.config.last:
             await self.send_next(End(seq=seq, ep=self.epoch))

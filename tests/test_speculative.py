@@ -1,0 +1,264 @@
+"""Speculative decoding (engine/speculative.py) is lossless: with drafts from the text so far
+or from a draft model, greedy decoding gives the tokens decoding without drafts gives, bit
+for bit, in one process and across a ring of stages (a stage killed mid-speculation too);
+sampling gives the same tokens for the same seed, and so the same distribution (a
+chi-square test over many seeds). The drafting itself: lookups, k, acceptance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cellswarm
+from cellswarm.engine.model import GenerateOptions, Model
+from cellswarm.engine.sampling import SamplingParams
+from cellswarm.engine.speculative import AdaptiveK, Lookup, accept, expected_tokens
+from cellswarm.errors import RequestError
+from tests.bits_models import write_model
+
+TEXT = (Path(__file__).parent / "data" / "sample_text.txt").read_text()[:1200]
+# the three kinds of the bench (bench/speculative.py): a quotation, a summary, a story
+KINDS = {
+    "extraction": TEXT + "\n\nRepeat the first two sentences of the text above exactly.",
+    "summary": TEXT + "\n\nSummarize the text above in two sentences.",
+    "story": "Write a short story about a lighthouse keeper.",
+}
+
+
+@pytest.fixture(scope="module")
+def demo(demo_path: Path) -> Model:
+    return cellswarm.load(demo_path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    path = write_model(tmp_path_factory.mktemp("spec") / "tiny.gguf", "llama", "Q8_0", seed=3)
+    return cellswarm.load(path)
+
+
+def _chat(model: Model, text: str) -> list[int]:
+    return model.encode_prompt([{"role": "user", "content": text}])
+
+
+# -- the pieces --------------------------------------------------------------------------------
+
+
+def test_a_lookup_drafts_what_followed_the_longest_match() -> None:
+    look = Lookup()
+    look.extend([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3])
+    assert look.draft(3) == [4, 5, 9]  # "1 2 3" occurred at the start (longest match)
+    look.extend([7])
+    assert look.draft(2) == [8, 1]  # "3 7" occurred once: what came after it
+    look.extend([2, 3])
+    assert look.draft(1) == [7]  # "7 2 3" never did, "2 3" did: latest, followed by 7
+    look.extend([6])
+    assert look.draft(4) == []  # 6 never occurred before
+
+
+def test_accept_keeps_drafts_while_the_sampler_agrees_then_takes_its_own() -> None:
+    rows = np.eye(6, dtype=np.float32)[[3, 4, 1, 2]]  # the argmax of each row: 3, 4, 1, 2
+
+    def greedy(row: np.ndarray, _kept: list[int]) -> int:
+        return int(np.argmax(row))
+
+    assert accept(rows, [3, 4, 5], greedy) == [3, 4, 1]  # two kept, the third refused
+    assert accept(rows, [3, 4, 1], greedy) == [3, 4, 1, 2]  # all kept, and one more
+    assert accept(rows[:1], [], greedy) == [3]  # no drafts: a plain step
+
+
+@pytest.mark.parametrize(("a", "k", "tokens"), [(0.0, 4, 1.0), (1.0, 4, 5.0), (0.5, 2, 1.75)])
+def test_expected_tokens_of_a_round(a: float, k: int, tokens: float) -> None:
+    assert expected_tokens(a, k) == pytest.approx(tokens)
+
+
+def test_k_falls_to_zero_when_drafts_do_not_pay_and_comes_back_when_they_do() -> None:
+    k = AdaptiveK(max_k=8, row_cost=0.9)  # a row costs nearly a whole step
+    for _ in range(20):
+        k.observe(4, 1)  # most refused
+    assert k.k() == 0
+    k.row_cost = 0.05  # a memory-bound ring: a row is nearly free
+    for _ in range(20):
+        k.observe(4, 4)  # all kept
+    assert k.k() >= 4
+    assert AdaptiveK(least=1, row_cost=1.0).k() == 1  # lookup/draft asked: at least one
+
+
+def test_a_bad_mode_is_one_line_naming_it(demo: Model) -> None:
+    with pytest.raises(RequestError, match="speculative 'fast' must be one of auto, off"):
+        demo.generate("Hi", max_tokens=2, speculative="fast")
+    with pytest.raises(RequestError, match="needs a draft model"):
+        demo.generate("Hi", max_tokens=2, speculative="draft")
+
+
+# -- lossless in one process -------------------------------------------------------------------
+
+
+def test_k_plus_one_rows_are_the_bits_of_k_plus_one_steps(demo: Model, tmp_path: Path) -> None:
+    """The verification's premise: a step of a few rows of one sequence gives each row the
+    logits a decode step of it alone gives, to the bit (llama and DeepSeek MLA + MoE)."""
+    ds = cellswarm.load(write_model(tmp_path / "ds.gguf", "deepseek2", "Q8_0", seed=1))
+    for model in (demo, ds):
+        ids = (np.arange(40, dtype=np.int64) * 7 + 3) % model.config.vocab_size
+        one = model.new_cache(64)
+        single = np.concatenate([model.step(ids[i : i + 1], one) for i in range(len(ids))])
+        rows = model.new_cache(64)
+        at = 0
+        for n in (1, 2, 5, 9, 1, 16, 6):  # rounds of k+1 rows, then a prefill's remainder
+            model.step(ids[at : at + n], rows)
+            at += n
+        rows.truncate(0)
+        again = np.concatenate([model.step(ids[a:b], rows)
+                                for a, b in ((0, 3), (3, 12), (12, 28), (28, 40))])  # fmt: skip
+        assert np.array_equal(again, single), model.name
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_greedy_text_is_the_same_with_drafts_or_without(demo: Model, kind: str) -> None:
+    prompt = _chat(demo, KINDS[kind])
+    off = demo.generate(prompt, max_tokens=48, speculative="off")
+    for mode in ("lookup", "auto"):
+        spec = demo.generate(prompt, max_tokens=48, speculative=mode)
+        assert spec.token_ids == off.token_ids, (kind, mode)
+        assert spec.text == off.text
+    assert off.stats.drafted_tokens == 0
+    if kind == "extraction":  # quoting: the drafts are the text, and the model keeps them
+        assert spec.stats.accepted_tokens > 0
+        lookup = demo.generate(prompt, max_tokens=48, speculative="lookup").stats
+        assert lookup.accepted_tokens / lookup.drafted_tokens > 0.5, lookup
+
+
+def test_sampled_text_is_the_same_for_each_seed(demo: Model) -> None:
+    prompt = _chat(demo, KINDS["extraction"])
+    for seed in range(3):
+        sampling = SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1, seed=seed)
+        off = demo.generate(prompt, GenerateOptions(24, sampling, speculative="off"))
+        on = demo.generate(prompt, GenerateOptions(24, sampling, speculative="lookup"))
+        assert on.token_ids == off.token_ids, seed
+        assert on.stats.drafted_tokens > 0
+
+
+def test_sampling_keeps_the_distribution(tiny: Model) -> None:
+    """Token frequencies over many seeds, with drafts (a draft model that proposes the
+    likeliest token: often kept, often not) and without, on other seeds: one distribution
+    (chi-square over the tokens seen at each position, rare ones pooled)."""
+    from scipy.stats import chi2_contingency
+
+    tiny.draft = tiny  # its own greedy guesses (a test's shortcut past use_draft's check)
+    try:
+        sampling: dict[str, Any] = {"temperature": 0.7, "top_k": 12}
+        prompt, n, seeds = [5, 17, 3, 99, 5, 17], 6, 300
+        counts: dict[str, list[list[int]]] = {"off": [], "draft": []}
+        drafted = accepted = 0
+        for mode, first in (("off", 10_000), ("draft", 20_000)):
+            for seed in range(first, first + seeds):
+                opts = GenerateOptions(n, SamplingParams(**sampling, seed=seed),
+                                       stop_ids=frozenset(), speculative=mode)  # fmt: skip
+                g = tiny.generate(prompt, opts)
+                counts[mode].append(g.token_ids)
+                drafted += g.stats.drafted_tokens
+                accepted += g.stats.accepted_tokens
+        assert 0 < accepted < drafted, (accepted, drafted)
+        for pos in range(1, n):
+            a = [t[pos] for t in counts["off"]]
+            b = [t[pos] for t in counts["draft"]]
+            common = [t for t in set(a) | set(b) if a.count(t) + b.count(t) >= 10]
+            table = [[sum(x == t for x in a) for t in common] + [sum(x not in common for x in a)],
+                     [sum(x == t for x in b) for t in common] + [sum(x not in common for x in b)]]
+            p = chi2_contingency(np.array(table)).pvalue
+            assert p > 0.001, (pos, p, table)
+        same = GenerateOptions(n, SamplingParams(**sampling, seed=20_000), stop_ids=frozenset(),
+                               speculative="off")  # fmt: skip
+        assert tiny.generate(prompt, same).token_ids == counts["draft"][0]
+    finally:
+        tiny.draft = None
+
+
+def test_a_draft_model_of_the_same_tokenizer_drafts_and_changes_nothing(
+    demo: Model, demo_path: Path, tmp_path: Path, tiny: Model
+) -> None:
+    from bench.speculative_peer import truncated_draft
+
+    draft = cellswarm.load(truncated_draft(demo_path, tmp_path / "draft.gguf", 6))
+    with pytest.raises(RequestError, match="another tokenizer"):
+        demo.use_draft(tiny)
+    demo.use_draft(draft)
+    try:
+        prompt = _chat(demo, KINDS["summary"])
+        off = demo.generate(prompt, max_tokens=32, speculative="off")
+        on = demo.generate(prompt, max_tokens=32, speculative="draft")
+        assert on.token_ids == off.token_ids
+        assert on.stats.drafted_tokens > 0 and on.stats.accepted_tokens > 0, on.stats
+    finally:
+        demo.draft = None
+
+
+def test_generate_says_its_drafts_and_refuses_a_bad_mode_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    from cellswarm.cli import main
+
+    assert main(["generate", "--json", "--max-tokens", "24", "--chat", "--speculative",
+                 "lookup", KINDS["extraction"]]) == 0  # fmt: skip
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["drafted_tokens"] > 0 and 0 < stats["accepted_tokens"] <= stats["drafted_tokens"]
+    assert main(["generate", "--speculative", "fast", "Hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "speculative 'fast' must be one of" in err[0], err
+
+
+# -- lossless across a ring ----------------------------------------------------------------------
+
+
+def test_a_ring_verifies_drafts_and_gives_the_one_process_tokens(
+    demo: Model, demo_path: Path
+) -> None:
+    """Three stages: stage 0 drafts, the rows travel the ring as one step, the last stage
+    keeps what agrees; greedy and seeded sampling give one process's tokens."""
+    from cellswarm.planner.placement import even_split
+    from cellswarm.swarm.local.pipeline import LocalPipeline
+
+    quote, story = _chat(demo, KINDS["extraction"]), _chat(demo, KINDS["story"])
+    sampled = SamplingParams(temperature=0.8, top_k=40, seed=5)
+    expected = [demo.generate(quote, GenerateOptions(32, stop_ids=frozenset())).token_ids,
+                demo.generate(story, GenerateOptions(32, sampled, stop_ids=frozenset())).token_ids]
+    with LocalPipeline(str(demo_path), even_split(30, 3)) as pipe:
+        results = [pipe.generate([{"prompt": quote, "max_tokens": 32, "speculative": "lookup"}]),
+                   pipe.generate([{"prompt": story, "max_tokens": 32, "sampling": sampled,
+                                   "speculative": "lookup"}])]  # fmt: skip
+        stats = pipe.stats()
+    assert [r[0].tokens for r in results] == expected
+    drafted, kept = (int(str(stats[0][k])) for k in ("drafted_tokens", "accepted_tokens"))
+    assert drafted > 0 and kept > 0, stats[0]
+    assert not stats[1].get("drafted_tokens"), stats[1]  # stage 0 drafts; the others verify
+
+
+def test_a_stage_killed_mid_speculation_resumes_with_the_same_text(
+    demo: Model, demo_path: Path
+) -> None:
+    import os
+    import signal
+
+    from cellswarm.planner.placement import even_split
+    from cellswarm.swarm.local.pipeline import LocalPipeline
+
+    quote = _chat(demo, KINDS["extraction"])
+    expected = demo.generate(quote, GenerateOptions(40, stop_ids=frozenset())).token_ids
+    seen = [0]
+    with LocalPipeline(str(demo_path), even_split(30, 3)) as pipe:
+
+        def kill(_i: int, _token: int) -> None:
+            seen[0] += 1
+            if seen[0] == 12:  # tokens out, drafts in flight
+                os.kill(pipe.procs[2].pid, signal.SIGKILL)
+
+        result = pipe.generate([{"prompt": quote, "max_tokens": 40, "speculative": "lookup"}],
+                               on_token=kill)  # fmt: skip
+        assert pipe.restarts == 1
+        drafted = int(str(pipe.stats()[0]["drafted_tokens"]))
+    assert result[0].tokens == expected
+    assert drafted > 0
