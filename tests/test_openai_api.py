@@ -548,3 +548,67 @@ def test_connect_gives_the_same_methods_and_answers_over_the_swarm(
                                            stream=True))  # fmt: skip
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == (
         here_model("Once upon a time", max_tokens=4, temperature=0)["choices"][0]["text"])
+
+
+# -- speculative decoding ------------------------------------------------------------------------
+
+QUOTE = [{"role": "user", "content": "The lighthouse stood on the cliff above the harbour. "
+          "Its keeper, an old sailor named Tom, climbed the stairs every night.\n\nRepeat the "
+          "two sentences above word for word."}]  # fmt: skip
+
+
+def test_speculative_requests_keep_the_tokens_and_count_their_drafts(
+    api: openai.OpenAI, swarm: LocalSwarm, model_id: str
+) -> None:
+    """The `speculative` field on the OpenAI routes and on batch lines: the same tokens as
+    without drafts; usage counts the drafts as OpenAI counts predicted tokens; status and
+    /metrics show how many were kept; a bad value is one line naming the field."""
+    from cellswarm.swarm.api import client
+
+    said = {mode: api.chat.completions.create(model=model_id, messages=QUOTE, temperature=0,
+                                              max_tokens=32, extra_body={"speculative": mode})
+            for mode in ("off", "lookup")}  # fmt: skip
+    assert said["lookup"].choices[0].message.content == said["off"].choices[0].message.content
+    predicted = said["lookup"].usage.completion_tokens_details
+    assert predicted is not None and predicted.accepted_prediction_tokens > 0, said["lookup"].usage
+    assert said["off"].usage.completion_tokens_details is None
+    with pytest.raises(openai.BadRequestError, match="speculative"):
+        api.completions.create(model=model_id, prompt="Hi", max_tokens=2,
+                               extra_body={"speculative": "fast"})  # fmt: skip
+    rows = [{"id": "q", "messages": QUOTE, "max_tokens": 32, "speculative": "lookup"},
+            {"id": "s", "prompt": "Once upon a time", "max_tokens": 8, "speculative": "off"}]
+    batch = client.call(swarm.url, "/v1/batches", {"items": rows}, api_key=KEY)["batch_id"]
+    wait_until(lambda: client.call(swarm.url, f"/v1/batches/{batch}", api_key=KEY)
+               ["finished"] == 2, 120)  # fmt: skip
+    results = client.call(swarm.url, f"/v1/batches/{batch}/results", api_key=KEY)["results"]
+    assert results[0]["output"] == said["off"].choices[0].message.content
+    assert results[0]["accepted_tokens"] > 0 and "drafted_tokens" not in results[1]
+    bad = httpx.post(f"{swarm.url}/v1/batches", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"items": [{"prompt": "Hi", "speculative": "fast"}]})  # fmt: skip
+    assert bad.status_code == 400 and "speculative" in bad.text and "\n" not in bad.text.strip()
+
+    def status() -> Any:
+        return client.call(swarm.url, "/v1/status", api_key=KEY)["speculative"]
+
+    wait_until(lambda: status()["accepted"] > 0, 20)  # with the stages' next beats
+    assert 0 < status()["accepted"] <= status()["drafted"]
+    text = httpx.get(f"{swarm.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    kept = [line for line in text.splitlines()
+            if line.startswith("cellswarm_node_speculative_accepted_tokens_total{")]
+    assert kept and max(float(line.split()[-1]) for line in kept) > 0, kept
+
+
+def test_generate_on_the_swarm_reports_its_drafts(
+    swarm: LocalSwarm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    keys = tmp_path / "key"
+    keys.write_text(KEY + "\n")
+    argv = ["--chat", "--max-tokens", "24", "--speculative", "lookup", "--json",
+            "--coordinator", swarm.url, "--api-key-file", str(keys), str(QUOTE[0]["content"])]
+    code, out, _ = _generate(argv, capsys)
+    stats = json.loads(out)["stats"]
+    assert code == 0 and 0 < stats["accepted_tokens"] <= stats["drafted_tokens"], stats
+    code, _, err = _generate(["--draft", "d.gguf", *argv], capsys)
+    assert code == 2 and "--draft" in err and len(err.strip().splitlines()) == 1, err

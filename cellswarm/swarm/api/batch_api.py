@@ -216,6 +216,8 @@ def result_row(coord: Coordinator, job: Job) -> JsonObject:
     row["tokens"] = r["tokens"]
     row["output"] = coord.tokenizer.decode(r["tokens"], skip_special=True)
     row["finish_reason"] = r.get("reason", "")
+    if r.get("drafted"):  # speculative decoding: drafts verified, and kept
+        row["drafted_tokens"], row["accepted_tokens"] = r["drafted"], r.get("accepted", 0)
     if job.runs:
         row["verified_runs"] = len(job.runs)
     return row
