@@ -187,7 +187,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         model = load(args.model or demo_model_path(), quant=args.quant, kv_budget_bytes=budget)
     if args.draft:
-        model.use_draft(load(args.draft))
+        try:
+            draft = load(args.draft)
+        except CellswarmError as exc:
+            raise RequestError(f"--draft: {exc}") from None
+        model.use_draft(draft)
     sampling = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,

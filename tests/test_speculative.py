@@ -217,24 +217,48 @@ def test_generate_says_its_drafts_and_refuses_a_bad_mode_in_one_line(
 def test_a_ring_verifies_drafts_and_gives_the_one_process_tokens(
     demo: Model, demo_path: Path
 ) -> None:
-    """Three stages: stage 0 drafts, the rows travel the ring as one step, the last stage
-    keeps what agrees; greedy and seeded sampling give one process's tokens."""
+    """Three stages: stage 0 drafts and sends rounds behind rounds, the last stage keeps
+    what agrees and drops rounds built on drafts it refused; greedy and seeded sampling
+    give one process's tokens, for each kind of prompt."""
     from cellswarm.planner.placement import even_split
     from cellswarm.swarm.local.pipeline import LocalPipeline
 
-    quote, story = _chat(demo, KINDS["extraction"]), _chat(demo, KINDS["story"])
+    prompts = [_chat(demo, text) for text in KINDS.values()]
     sampled = SamplingParams(temperature=0.8, top_k=40, seed=5)
-    expected = [demo.generate(quote, GenerateOptions(32, stop_ids=frozenset())).token_ids,
-                demo.generate(story, GenerateOptions(32, sampled, stop_ids=frozenset())).token_ids]
+    expected = [demo.generate(p, GenerateOptions(32, stop_ids=frozenset())).token_ids
+                for p in prompts]  # fmt: skip
+    expected.append(demo.generate(prompts[2], GenerateOptions(32, sampled,
+                                                              stop_ids=frozenset())).token_ids)
     with LocalPipeline(str(demo_path), even_split(30, 3)) as pipe:
-        results = [pipe.generate([{"prompt": quote, "max_tokens": 32, "speculative": "lookup"}]),
-                   pipe.generate([{"prompt": story, "max_tokens": 32, "sampling": sampled,
-                                   "speculative": "lookup"}])]  # fmt: skip
+        results = [pipe.generate([{"prompt": p, "max_tokens": 32, "speculative": "lookup"}])
+                   for p in prompts]  # fmt: skip
+        results.append(pipe.generate([{"prompt": prompts[2], "max_tokens": 32,
+                                       "sampling": sampled, "speculative": "lookup"}]))
         stats = pipe.stats()
     assert [r[0].tokens for r in results] == expected
-    drafted, kept = (int(str(stats[0][k])) for k in ("drafted_tokens", "accepted_tokens"))
-    assert drafted > 0 and kept > 0, stats[0]
+    drafted, kept, pipelined = (int(str(stats[0][k])) for k in (
+        "drafted_tokens", "accepted_tokens", "rounds_pipelined"))  # fmt: skip
+    assert drafted > 0 and kept > 0 and pipelined > 0, stats[0]
+    assert int(str(stats[2]["rounds_void"])) > 0, stats[2]  # some guesses were wrong
     assert not stats[1].get("drafted_tokens"), stats[1]  # stage 0 drafts; the others verify
+
+
+def test_rounds_go_behind_rounds_only_while_they_are_likely_kept() -> None:
+    from cellswarm.swarm.ring.rounds import MAX_IN_FLIGHT, Expect, Round, kept_whole, next_round
+
+    a = Round(10, (7, 1, 2), 0.0)  # the last token 7 at 10, drafts 1 2 at 11 12
+    look = [1, 2, 3, 4, 5, 6, 8, 9]  # what the lookup says follows the text (…, 7)
+    b = next_round([a], look, 0.95, 100, 1.0)
+    assert b == Round(13, (3, 4, 5), 1.0)  # guess 3 for a's own token, drafts 4 5 after it
+    assert next_round([a], look, 0.5, 100, 1.0) is None  # a kept whole: 0.125, too unlikely
+    assert next_round([a], [1, 9, 3], 0.95, 100, 1.0) is None  # the lookup changed its mind
+    assert next_round([a, b], look, 0.95, 14, 1.0) is None  # past max_tokens: no room
+    assert next_round([Round(10, (7,), 0.0)], look, 1.0, 100, 1.0) is None  # no drafts
+    assert next_round([a] * MAX_IN_FLIGHT, look * 4, 1.0, 100, 1.0) is None
+    assert kept_whole(a, [1, 2, 3], [b])  # all kept, and its own token was the guess
+    assert not kept_whole(a, [1, 2, 9], [b]) and not kept_whole(a, [1, 5], [b])
+    last = Expect(13, 3)  # what the last stage says after a gave [1, 2, 3]
+    assert last.takes(13, 3) and not last.takes(13, 9) and not last.takes(12, 3)
 
 
 def test_a_stage_killed_mid_speculation_resumes_with_the_same_text(

@@ -133,7 +133,7 @@ class AdaptiveK:
 
     max_k: int = 4
     least: int = 0  # 1 when the user asked for drafting (lookup, draft)
-    row_cost: float = 0.5  # prior, until measured
+    row_cost: float = 0.3  # prior, until measured (a ring of memory-bound nodes: less)
     kept: float = 1.0  # decayed counts of drafts kept and refused (a prior of 1:1)
     refused: float = 1.0
     drafted: int = 0  # the totals (stats)
@@ -192,7 +192,7 @@ class Speculator:
         if check_mode(mode) == "off":
             return None
         if mode == "draft" and draft is None:
-            raise RequestError("speculative 'draft' needs a draft model: start with --draft "
+            raise RequestError("speculative 'draft' needs a draft model: give --draft "
                                "MODEL.gguf (the same tokenizer), or use 'lookup'")  # fmt: skip
         uses = draft if mode in ("draft", "auto") else None
         spec = cls(mode, draft_model=uses, k=AdaptiveK(max_k=min(max_k, MAX_DRAFT),

@@ -110,6 +110,7 @@ class Hidden(DataMessage, frozen=True):
     # speculative decoding: the rows are the last token and these drafts after it, which
     # the last stage verifies (engine/speculative.py accept)
     drafts: Annotated[list[int], msgspec.Meta(max_length=MAX_DRAFT)] | None = None
+    token: int | None = None  # with drafts: the first row's token (rounds.py Expect)
 
 
 class Need(DataMessage, frozen=True, omit_defaults=False):

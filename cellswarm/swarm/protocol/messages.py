@@ -70,7 +70,9 @@ class NodeStats(Message, frozen=True):
     fetch_done_bytes: int | None = None
     fetch_total_bytes: int | None = None
     drafted_tokens: int | None = None  # speculative decoding at stage 0: drafts verified,
-    accepted_tokens: int | None = None  # and kept
+    accepted_tokens: int | None = None  # and kept; rounds sent behind others (pipelined),
+    rounds_pipelined: int | None = None
+    rounds_void: int | None = None  # and, at the last stage, rounds dropped as void
 
 
 class CheckAsk(Message, frozen=True):

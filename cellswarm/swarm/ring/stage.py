@@ -35,7 +35,7 @@ from cellswarm.engine.model import Model
 from cellswarm.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.engine.scoring import MAX_TOP, log_norms, sum_log_probs, token_detail
-from cellswarm.engine.speculative import Speculator
+from cellswarm.engine.speculative import MAX_DRAFT, Speculator
 from cellswarm.engine.speculative import accept as accept_drafts
 from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
@@ -85,6 +85,7 @@ from cellswarm.swarm.ring.frames import (
     write_frame,
 )
 from cellswarm.swarm.ring.parts import ExpertParts, PartLost, PartSpec, VocabParts
+from cellswarm.swarm.ring.rounds import Expect, Round, kept_whole, next_round
 from cellswarm.swarm.ring.step import Rows, step
 from cellswarm.swarm.ring.step_times import StepTimes
 from cellswarm.swarm.tls import client_context, server_context
@@ -236,11 +237,10 @@ class Sequence:
     # The sha256 of the logits its last token was chosen from (16 hex digits): the same bits
     # on every correct node, so --verify compares it with another replica's (jobs.same_result)
     bits: str = ""
-    # speculative decoding (engine/speculative.py): its drafting, the drafts of the step in
-    # flight, and when that step left with how many rows (its time tunes k)
+    # speculative decoding (engine/speculative.py): its drafting, and its steps in flight,
+    # oldest first (rounds.py: pipelined)
     spec: Speculator | None = None
-    drafts: list[int] = field(default_factory=list)
-    sent: tuple[float, int] = (0.0, 1)
+    rounds: list[Round] = field(default_factory=list)
 
 
 class Stage:
@@ -278,7 +278,11 @@ class Stage:
         self._next_caches = True  # the next stage said nothing yet of having no prefix cache
         self._back: asyncio.Task[None] | None = None
         self.rows_unsent = self.rows_resent = 0  # (stats)
-        self.drafted = [0, 0]  # speculative decoding here (stage 0): drafts verified, kept
+        # speculative decoding: drafts verified and kept, rounds pipelined (stage 0); rounds
+        # dropped as void (the last stage)
+        self.drafted = [0, 0, 0, 0]
+        self.expect: dict[int, Expect] = {}  # the last stage: where each sequence goes on
+        self._tasks: set[asyncio.Future[None]] = set()  # a ring of one's rounds (spawn)
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.log = JsonLog(config.log_dir, config.node_id)
         self.token = load_token(config.token_file) if config.token_file else None
@@ -466,6 +470,7 @@ class Stage:
         self.caches.clear()
         self.samplers.clear()
         self.sequences.clear()
+        self.expect.clear()
         self._ready.clear()
         self._unsent.clear()
         self._awaiting.clear()
@@ -597,6 +602,7 @@ class Stage:
             batches=self.batches, widest_batch=self.widest_batch,
             rows_unsent=self.rows_unsent, rows_resent=self.rows_resent,
             drafted_tokens=self.drafted[0], accepted_tokens=self.drafted[1],
+            rounds_pipelined=self.drafted[2], rounds_void=self.drafted[3],
         )  # fmt: skip
         if self.prefix is None:
             return stats
@@ -678,7 +684,7 @@ class Stage:
             self._awaiting[f.seq] = (f, h)
             need = Need(seq=f.seq, ep=self.epoch, cache=self.prefix is not None)
             return await write_frame(writer, Frame.of(need))
-        await self.run_layers(f.seq, h, f.pos, f.first, cached, f.drafts)
+        await self.run_layers(f.seq, h, f.pos, f.first, cached, f.drafts, f.token)
 
     async def on_prefix(self, f: Prefix, rows: np.ndarray | None) -> None:
         """The rows a first step was sent without, which this stage asked for: the step runs."""
@@ -776,19 +782,24 @@ class Stage:
 
     async def run_layers(
         self, seq: int, h: np.ndarray, pos: int, first: First | None, cached: int = 0,
-        drafts: list[int] | None = None,
+        drafts: list[int] | None = None, token: int | None = None,
     ) -> None:  # fmt: skip
         """A step of `seq` other than a decode step: h (T, d) at positions pos.. (a first
         step's: after `cached` rows it was sent without, which this stage holds in its
         prefix cache; a speculative step's: the last token and its `drafts`), logged as it
         is. The rows of drafts the last stage refuses need no undoing here: the next step
-        starts at the position after the last one kept, and writes over them."""
+        starts at the position after the last one kept, and writes over them. The last
+        stage drops a round sent behind one whose drafts it did not all keep (rounds.py)."""
         if first is not None:
             self.caches[seq] = self.model.new_cache(first.capacity)
             self.requests[seq] = first.req
         cache = self.caches.get(seq)
         if cache is None:  # dropped by a reset while this frame was on the wire
             return
+        expect = self.expect.get(seq) if drafts and self.config.last else None
+        if expect is not None and not expect.takes(pos, token):
+            self.drafted[3] += 1
+            return  # void: built on drafts the round before it did not keep
         self._frame_s, self._embed_s = None, 0.0  # a decode step's (queue_step), not this one's
         scoring = first is not None and first.score_from is not None
         one_row = h.shape[0] == 1  # (a one-token prompt's counts as a decode step)
@@ -806,9 +817,10 @@ class Stage:
         except Exception as exc:
             return await self.step_failed(seq, exc)
         t1 = await self.step_done(t0, h.shape[0], decode=one_row)
-        self.log.event("step", self.requests.get(seq), stage=self.span, pos=pos,
-                       tokens=h.shape[0], ms=round(1000 * (t1 - t0), 3))  # fmt: skip
-        await self.step_out(seq, h, pos, first, scoring, out, kept, drafts)
+        if not drafts:  # a speculative round is a decode step's kind: counted, not logged
+            self.log.event("step", self.requests.get(seq), stage=self.span, pos=pos,
+                           tokens=h.shape[0], ms=round(1000 * (t1 - t0), 3))  # fmt: skip
+        await self.step_out(seq, h, pos, first, scoring, out, kept, drafts, token)
 
     def step_starts(self) -> float:
         """A step begins (node/awake.py hears of it): when."""
@@ -952,7 +964,7 @@ class Stage:
     async def step_out(
         self, seq: int, h: np.ndarray, pos: int, first: First | None, scoring: bool,
         out: int | Score | list[tuple[int, str]] | None, kept: int = 0,
-        drafts: list[int] | None = None,
+        drafts: list[int] | None = None, token: int | None = None,
     ) -> None:  # fmt: skip
         """A step's result to where it goes: the hidden state to the next stage (a first
         step's without the `kept` rows this stage's prefix cache gave, which the next
@@ -966,7 +978,7 @@ class Stage:
                     self._unsent[seq], cached, h = rows, kept, h[kept:]
                     self.rows_unsent += kept
             hidden = Hidden(seq=seq, pos=pos, ep=self.epoch, first=first, cached=cached,
-                            drafts=drafts or None)  # fmt: skip
+                            drafts=drafts or None, token=token if drafts else None)  # fmt: skip
             await self.send_next(hidden, h)
             return
         if isinstance(out, Score):
@@ -976,6 +988,8 @@ class Stage:
                                                detail=out.detail))  # fmt: skip
         assert out is not None  # the last stage's step made a token (or a score: above)
         picked = out if isinstance(out, list) else [(int(out), self.logit_bits.pop(seq, ""))]
+        if seq in self.expect or drafts:  # the next round must start after these (rounds.py)
+            self.expect[seq] = Expect(pos + (len(picked) if drafts else 1), picked[-1][0])
         if self.config.first:
             await self.on_token(seq, picked)
         else:
@@ -1089,13 +1103,10 @@ class Stage:
         if s is None:  # dropped by a reset while this token was on the wire
             return
         s.active_s = time.monotonic()
-        if s.spec is not None:  # what the drafts came to, and the step's time, tune k
-            s.spec.took(s.drafts, [t for t, _ in tokens])
-            if s.drafts:
-                self.drafted[0] += len(s.drafts)
-                self.drafted[1] += len(tokens) - 1
-            if s.sent[0]:  # (not the prompt's step)
-                s.spec.k.timed(s.sent[1], s.active_s - s.sent[0])
+        if s.rounds:  # the oldest step in flight came back (rounds.py)
+            self.came_back(s, s.rounds.pop(0), [t for t, _ in tokens])
+        elif s.spec is not None:  # the prompt's step: its token, for the lookup
+            s.spec.took([], [t for t, _ in tokens])
         replaying = bool(s.replay)
         for token, bits in tokens:
             replaying = bool(s.replay)
@@ -1113,21 +1124,59 @@ class Stage:
             if not await self.at_frontier(seq):  # where its job had come: new ground next
                 return
             self._frame_s = None  # (the step waited for the head: no frame's timing is its)
-        await self.next_step(seq, s)
+        await self.next_steps(seq, s)
 
-    async def next_step(self, seq: int, s: Sequence) -> None:
-        """The step after the sequence's last token: that token alone, with the others
-        ready (one pass: run_ready); or, when it drafts, the token and its drafts as rows
-        of a step of its own, which the last stage verifies."""
-        pos = len(s.prompt) + len(s.tokens) - 1
-        s.drafts = self.drafts(s)
+    def came_back(self, s: Sequence, done: Round, got: list[int]) -> None:
+        """A step's tokens tune k (what its drafts came to, its time); if it did not keep all
+        its drafts and the guess after them, the rounds sent behind it are void (the last
+        stage drops them) and the next step starts from what was kept."""
+        assert s.spec is not None  # rounds are kept only for a sequence that drafts
+        drafts = list(done.rows[1:])
+        s.spec.took(drafts, got)
+        s.spec.k.timed(len(done.rows), s.active_s - done.sent_s)
+        if drafts:
+            self.drafted[0] += len(drafts)
+            self.drafted[1] += len(got) - 1
+        if not kept_whole(done, got, s.rounds):
+            s.rounds.clear()
+
+    async def next_steps(self, seq: int, s: Sequence) -> None:
+        """The step after the sequence's last token, unless one is in flight: that token
+        alone, with the others ready (one pass: run_ready); or, when it drafts, the token and
+        its drafts as rows of a step of its own, which the last stage verifies. Then, while
+        the drafts are likely kept, more rounds behind it (rounds.py)."""
+        if not s.rounds:
+            pos = len(s.prompt) + len(s.tokens) - 1
+            await self.send_round(seq, s, Round(pos, (s.tokens[-1], *self.drafts(s)),
+                                                time.monotonic()))  # fmt: skip
+        while s.spec is not None and not self.config.last and self.sequences.get(seq) is s:
+            last_pos = len(s.prompt) + s.max_tokens - 2
+            look = s.spec.lookup.draft(8 * MAX_DRAFT)
+            r = next_round(s.rounds, look, s.spec.k.acceptance, last_pos, time.monotonic())
+            if r is None:
+                return
+            self.drafted[2] += 1
+            await self.send_round(seq, s, r)
+
+    async def send_round(self, seq: int, s: Sequence, r: Round) -> None:
         t0 = time.perf_counter()
-        h = self.embed(np.asarray([s.tokens[-1], *s.drafts]))
-        s.sent = (time.monotonic(), 1 + len(s.drafts))
-        if s.drafts:
-            return await self.run_layers(seq, h, pos, None, drafts=s.drafts)
+        h = self.embed(np.asarray(r.rows))
+        if s.spec is not None:
+            s.rounds.append(r)
+        if len(r.rows) > 1:
+            drafts = list(r.rows[1:])
+            if self.config.last:  # a ring of one: the answer comes back inside this call,
+                # and the next round from it: a task each, not a recursion each
+                self.spawn(self.run_layers(seq, h, r.pos, None, drafts=drafts, token=r.rows[0]))
+                return
+            return await self.run_layers(seq, h, r.pos, None, drafts=drafts, token=r.rows[0])
         self._embed_s = time.perf_counter() - t0  # the step's, as in one process
-        self.queue_step(seq, h, pos)  # with the others ready: one pass (run_ready)
+        self.queue_step(seq, h, r.pos)  # with the others ready: one pass (run_ready)
+
+    def spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def drafts(self, s: Sequence) -> list[int]:
         """Drafts for the sequence's next step: none while it replays, none in `auto` while
@@ -1204,6 +1253,7 @@ class Stage:
         self.caches.pop(seq, None)
         self.samplers.pop(seq, None)
         self.logit_bits.pop(seq, None)
+        self.expect.pop(seq, None)
 
     def release(self, seq: int) -> None:
         self._drop(seq)

@@ -1,0 +1,92 @@
+"""Stage 0's speculative steps in flight, pipelined as PipeInfer does: pure functions.
+
+A round is one step of a sequence: its rows are the last token and the drafts after it
+(engine/speculative.py), verified by the last stage, which sends back the drafts it kept and
+its own next token. Waiting for that answer leaves every stage but one idle, so while a
+round travels, stage 0 sends the next one too, optimistically: it assumes every draft in
+flight is kept, guesses the last stage's own token (the next token of the same lookup), and
+drafts on from there. When the answer says otherwise, the rounds behind it were built on
+text that is not the sequence's: stage 0 forgets them and steps again from what was kept.
+
+They are still in flight, so the last stage tells them apart itself (`Expect`): a round is
+the sequence's next only if it starts at the position after the last token the last stage
+gave and with that token; any other is dropped there before its layers run, unsampled, so the
+sampler sees exactly the rounds decoding without speculation would have run, in order.
+Earlier stages run it and write cache entries at positions past the kept text, which the
+next round writes over (a cache's entries past its text are never read: attention is causal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_IN_FLIGHT = 4  # rounds of one sequence on the ring at once (more queue at stage 1)
+# a round is sent behind others only while the chance that all of those are kept whole
+# (acceptance ^ rows of each) is at least this: below it, it is mostly wasted work
+MIN_CHANCE = 0.35
+
+
+@dataclass(frozen=True)
+class Round:
+    """A step in flight: its rows' tokens at positions pos.., and when it left (monotonic s)."""
+
+    pos: int
+    rows: tuple[int, ...]
+    sent_s: float
+
+    @property
+    def end(self) -> int:
+        """The position after its last row: where the round after it starts if all is kept."""
+        return self.pos + len(self.rows)
+
+
+def ahead(rounds: list[Round]) -> list[int]:
+    """The tokens the rounds in flight assume after the sequence's text: the first round's
+    drafts, then each later round's rows (its first row is the guess of the round before's
+    own token)."""
+    out = list(rounds[0].rows[1:]) if rounds else []
+    for r in rounds[1:]:
+        out.extend(r.rows)
+    return out
+
+
+def kept_whole(done: Round, got: list[int], behind: list[Round]) -> bool:
+    """Whether the rounds behind `done` still hold, now that it gave `got`: all its drafts
+    kept, and its own token the one the next round guessed."""
+    return bool(behind) and len(got) == len(done.rows) and behind[0].rows[0] == got[-1]
+
+
+def next_round(rounds: list[Round], continuation: list[int], acceptance: float,
+               last_pos: int, now_s: float) -> Round | None:  # fmt: skip
+    """The round to send behind those in flight, or None: none in flight to go behind, the
+    last one without drafts, MAX_IN_FLIGHT reached, too little chance they all hold, or no
+    guess. `continuation`: what the lookup says follows the sequence's text (it must agree
+    with what the rounds in flight assume); `last_pos`: the last position a row may take
+    (its output must still be a token the request may have)."""
+    if not rounds or len(rounds) >= MAX_IN_FLIGHT or len(rounds[-1].rows) < 2:
+        return None
+    chance = 1.0
+    for r in rounds:
+        chance *= acceptance ** len(r.rows)
+    if chance < MIN_CHANCE:
+        return None
+    assumed = ahead(rounds)
+    if continuation[: len(assumed)] != assumed:
+        return None
+    pos = rounds[-1].end
+    rows = continuation[len(assumed) : len(assumed) + len(rounds[-1].rows)]
+    rows = rows[: max(0, last_pos - pos + 1)]
+    if len(rows) < 2:  # a guess and at least one draft, or it is not worth a round
+        return None
+    return Round(pos, tuple(rows), now_s)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """The last stage's word on a sequence: its next round starts at `pos` with `token`."""
+
+    pos: int
+    token: int
+
+    def takes(self, pos: int, token: int | None) -> bool:
+        return pos == self.pos and (token is None or token == self.token)
