@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,27 +104,11 @@ class Row:
 
 def plan_for(path: str, profile: str, stages: int) -> Any:
     """The planner's PlanResult for `stages` nodes of `profile`, each given just enough
-    memory that the model needs all of them (bisection, as bench/swarm.py planner_prediction);
-    None when no memory makes it exactly `stages`."""
-    from cellswarm.planner.api import plan, resolve_model
-    from cellswarm.planner.plan import plan as plan_inventory
-    from cellswarm.planner.profiles import get_profile
+    memory that the model needs all of them (bench/swarm.py exact_plan); None when no memory
+    makes it exactly `stages`."""
+    from bench.swarm import exact_plan
 
-    inv = resolve_model(path)
-    base = plan(inv, node=profile, count=stages, context=CONTEXT, concurrency=1)
-    if stages == 1:
-        return base if base.fits else None
-    lo, hi = 1 << 20, 1 << 34
-    result = None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        req = replace(base.request, node=replace(get_profile(profile), memory_bytes=mid))
-        trial = plan_inventory(inv, req)
-        if trial.fits and trial.min_nodes <= stages:
-            hi, result = mid, trial
-        else:
-            lo = mid + 1
-    return result if result is not None and result.min_nodes == stages else None
+    return exact_plan(path, profile, stages, context=CONTEXT)
 
 
 def predicted_speedup(path: str, profile: str, stages: int, acceptance: float | None,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 
@@ -81,17 +82,27 @@ def per_hop_overhead_s(path: str, tokens: int) -> float:
 
 def planner_prediction(path: str, profile: str, stages: int, concurrency: int) -> float:
     """The planner's tokens/s (all sequences) for the same setup: `stages` nodes of the
-    profile, each given just enough memory that the model needs all of them (found by
-    bisection, since the planner fills nodes by memory), `concurrency` sequences in flight."""
+    profile, `concurrency` sequences in flight (exact_plan)."""
+    result = exact_plan(path, profile, stages, concurrency)
+    if result is None:
+        return float("nan")
+    return float(result.throughput_tokens_per_s if concurrency > 1 else
+                 result.decode_tokens_per_s)  # fmt: skip
+
+
+def exact_plan(path: str, profile: str, stages: int, concurrency: int = 1,
+               context: int = CONTEXT) -> Any:  # fmt: skip
+    """The planner's PlanResult for `stages` nodes of the profile, each given just enough
+    memory that the model needs all of them (found by bisection, since the planner fills
+    nodes by memory); None when no memory makes it exactly `stages`."""
     from dataclasses import replace
 
     from cellswarm.planner.api import plan, resolve_model
-    from cellswarm.planner.plan import PlanRequest
     from cellswarm.planner.plan import plan as plan_inventory
     from cellswarm.planner.profiles import get_profile
 
     inv = resolve_model(path)
-    base = plan(inv, node=profile, count=stages, context=CONTEXT, concurrency=concurrency)
+    base = plan(inv, node=profile, count=stages, context=context, concurrency=concurrency)
     lo, hi = 1 << 20, 1 << 34
     result = base
     while lo < hi:  # the smallest memory for which the model still fits on `stages` nodes
@@ -102,11 +113,7 @@ def planner_prediction(path: str, profile: str, stages: int, concurrency: int) -
             hi, result = mid, trial
         else:
             lo = mid + 1
-    assert isinstance(result.request, PlanRequest)
-    if result.min_nodes != stages:
-        return float("nan")
-    return float(result.throughput_tokens_per_s if concurrency > 1 else
-                 result.decode_tokens_per_s)  # fmt: skip
+    return result if result.fits and result.min_nodes == stages else None
 
 
 def main() -> None:

@@ -11,6 +11,9 @@ Per model:
 - "replayed": the prompt and the 32 greedy tokens as one prefill, its logits cut where the
   steps were (a prefill gives each position what a decode step gave it: a request recovered
   by re-prefilling its text, k drafted tokens verified in one pass);
+- "rounds" / "stages4_rounds": the 32 tokens fed as speculative decoding's rounds (the last
+  token and its drafts: 1, 2, 3, 5, 9 and 12 rows, each a step of a few rows of one
+  sequence: Model._rows_fused), in one process and over 4 stage models;
 - "tokens": the greedy tokens (readable when a digest differs).
 In-process equalities ("alone" = "batch16" = "stages*" = "replayed") are the test's too: it
 asserts them.
@@ -19,6 +22,7 @@ asserts them.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -32,6 +36,7 @@ from cellswarm.engine.model import Model
 from cellswarm.io.weights import Selection
 
 PREFILL, DECODE, BATCH = 48, 32, 16
+ROUNDS = (1, 2, 3, 5, 9, 12)  # rows of each speculative round: DECODE tokens in all
 OTHERS = 8  # the prompt of each other sequence of the batch
 
 
@@ -71,8 +76,10 @@ def batched(m: Model, prompts: list[np.ndarray], tokens: list[int]) -> list[np.n
     return out
 
 
-def staged(path: str, n_stages: int, prompt: np.ndarray, tokens: list[int]) -> list[np.ndarray]:
-    """The layers over n_stages models, each holding only its own (as stage nodes do)."""
+def staged(path: str, n_stages: int, prompt: np.ndarray, tokens: list[int],
+           rounds: Sequence[int] = (1,) * DECODE) -> list[np.ndarray]:  # fmt: skip
+    """The layers over n_stages models, each holding only its own (as stage nodes do); the
+    tokens fed `rounds` rows at a time."""
     n_layers = cellswarm.load(path, tokenizer=False).config.n_layers
     parts = np.array_split(np.arange(n_layers), min(n_stages, n_layers))
     stages = [cellswarm.load(path, tokenizer=False, selection=Selection(
@@ -80,13 +87,25 @@ def staged(path: str, n_stages: int, prompt: np.ndarray, tokens: list[int]) -> l
         for i, p in enumerate(parts)]  # fmt: skip
     caches = [s.new_cache(PREFILL + DECODE + 1) for s in stages]
     out = []
-    for ids in [prompt, *([t] for t in tokens)]:
+    for ids in [prompt, *_chunks(tokens, rounds)]:
         h = stages[0].arch.embed(np.asarray(ids))
         for s, c in zip(stages, caches, strict=True):
             h = s.forward(h, c)
             c.length += len(ids)
         out.append(stages[-1].arch.head(h))
     return out
+
+
+def _chunks(tokens: list[int], sizes: Sequence[int]) -> list[list[int]]:
+    starts = [int(x) for x in np.cumsum([0, *sizes])]
+    assert starts[-1] == len(tokens)
+    return [tokens[a:b] for a, b in itertools.pairwise(starts)]
+
+
+def in_rounds(m: Model, prompt: np.ndarray, tokens: list[int]) -> list[np.ndarray]:
+    """The prefill, then `tokens` verified as speculative rounds of ROUNDS rows."""
+    cache = m.new_cache(PREFILL + DECODE + 1)
+    return [m.step(prompt, cache)] + [m.step(np.asarray(c), cache) for c in _chunks(tokens, ROUNDS)]
 
 
 def replayed(m: Model, prompt: np.ndarray, tokens: list[int]) -> list[np.ndarray]:
@@ -106,6 +125,8 @@ def probe(path: str) -> dict[str, str]:
         "stages2": _digest(staged(path, 2, prompts[0], tokens)),
         "stages4": _digest(staged(path, 4, prompts[0], tokens)),
         "replayed": _digest(replayed(m, prompts[0], tokens)),
+        "rounds": _digest(in_rounds(m, prompts[0], tokens)),
+        "stages4_rounds": _digest(staged(path, 4, prompts[0], tokens, ROUNDS)),
         "tokens": ",".join(map(str, tokens)),
     }
 

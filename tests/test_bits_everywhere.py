@@ -65,10 +65,11 @@ def probe(paths: list[Path], home: Path, *, cflags: str = "", coretype: str | No
 
 
 def same_within(result: dict[str, dict[str, str]]) -> None:
-    """Alone, in a batch of 16, over 2 and 4 stages, and replayed as one prefill: the same
-    logits."""
+    """Alone, in a batch of 16, over 2 and 4 stages, replayed as one prefill, and verified in
+    speculative rounds of a few rows (in one process and over 4 stages): the same logits."""
     for model, r in result.items():
-        checks = ("alone", "batch16", "stages2", "stages4", "replayed")
+        checks = ("alone", "batch16", "stages2", "stages4", "replayed", "rounds",
+                  "stages4_rounds")
         assert len({r[c] for c in checks}) == 1, (model, r)
 
 

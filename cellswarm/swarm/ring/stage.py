@@ -1150,6 +1150,8 @@ class Stage:
             await self.send_round(seq, s, Round(pos, (s.tokens[-1], *self.drafts(s)),
                                                 time.monotonic()))  # fmt: skip
         while s.spec is not None and not self.config.last and self.sequences.get(seq) is s:
+            if s.spec.mode == "auto" and len(self.sequences) > 1:  # as drafts() says
+                return
             last_pos = len(s.prompt) + s.max_tokens - 2
             look = s.spec.lookup.draft(8 * MAX_DRAFT)
             r = next_round(s.rounds, look, s.spec.k.acceptance, last_pos, time.monotonic())
