@@ -376,6 +376,22 @@ def test_verification_without_agreement_dies_after_max_runs(queue: JobQueue) -> 
     assert commits(queue, job.job_id) == []
 
 
+def test_a_verification_run_never_resumes_another_leases_checkpoint(queue: JobQueue) -> None:
+    """A verification run is computed whole by the ring it is leased to: a liar's tokens,
+    checkpointed before it was taken out and resumed by the honest spare that took its place,
+    were recorded as the spare's run, and the spare was outvoted and taken out in its turn
+    (tests/test_jobs_swarm.py, the lying worker). A job run once keeps its checkpoint."""
+    job, _ = queue.submit({"prompt": [1]}, verify=2)
+    plain, _ = queue.submit({"prompt": [2]})
+    leased = {j.job_id: j for j in queue.lease("head-A", "A", n=2, now=T0)}
+    for j in leased.values():
+        assert queue.checkpoint(j.job_id, j.fence, [1140], now=T0)
+    assert queue.expire(now=T0 + 11) == 2
+    later = T0 + 100  # past the backoff
+    again = {j.job_id: j for j in queue.lease("head-A", "A", n=2, now=later)}
+    assert again[job.job_id].tokens == [] and again[plain.job_id].tokens == [1140]
+
+
 def _run_on(q: JobQueue, job_id: str, replica: str, nodes: list[str], tokens: list[int]) -> str:
     [leased] = q.lease(f"head-{replica}", replica, now=T0)
     return q.complete(job_id, leased.fence, {"tokens": tokens}, replica=replica, nodes=nodes,

@@ -281,8 +281,9 @@ class JobQueue:
     ) -> list[Job]:  # fmt: skip
         """Up to n runnable jobs for `owner` (a pipeline head), each with a new fence. With
         `exclusive`, a verification run goes to another replica than the one before, and to
-        one that has not run the job while any of the `n_replicas` has not (off when only one
-        replica is left: two runs there still catch a node that is not deterministic).
+        one that has not run the job while any of the `n_replicas` has not (off in a swarm of
+        one replica: two runs there still catch a node that is not deterministic). A
+        verification run starts from no tokens: it is computed whole by its own ring.
         `rank`: within a page of the queue's order, lower ranks first at equal priority
         (affinity.py: the jobs whose prefix this replica holds)."""
         now = time.time() if now is None else now
@@ -304,11 +305,15 @@ class JobQueue:
                     if len(out) >= n or (exclusive and _ran_on(job, replica, n_replicas)):
                         skipped += 1  # a verification run wants another replica
                         continue
+                    # a verification run is computed whole by the ring it is leased to: it
+                    # never resumes another lease's checkpoint (a liar's tokens, resumed by an
+                    # honest spare, were recorded as the spare's run and took it out)
+                    fresh = ", tokens='[]', n_tokens=0" if job.verify else ""
                     self.db.execute(
                         "UPDATE jobs SET state='leased', fence=fence+1, leases=leases+1, "
                         "frontier_epoch=NULL, "
-                        "lease_owner=?, lease_replica=?, lease_expires_s=?, updated_s=? "
-                        "WHERE job_id=? AND state='queued'",
+                        "lease_owner=?, lease_replica=?, lease_expires_s=?, updated_s=?"
+                        + fresh + " WHERE job_id=? AND state='queued'",
                         (owner, replica, now + self.config.lease_s, now, job.job_id),
                     )
                     leased = self.get(job.job_id)
