@@ -563,6 +563,7 @@ def test_speculative_requests_keep_the_tokens_and_count_their_drafts(
     """The `speculative` field on the OpenAI routes and on batch lines: the same tokens as
     without drafts; usage counts the drafts as OpenAI counts predicted tokens; status and
     /metrics show how many were kept; a bad value is one line naming the field."""
+    from cellswarm.errors import RequestError
     from cellswarm.swarm.api import client
 
     said = {mode: api.chat.completions.create(model=model_id, messages=QUOTE, temperature=0,
@@ -586,6 +587,14 @@ def test_speculative_requests_keep_the_tokens_and_count_their_drafts(
     bad = httpx.post(f"{swarm.url}/v1/batches", headers={"Authorization": f"Bearer {KEY}"},
                      json={"items": [{"prompt": "Hi", "speculative": "fast"}]})  # fmt: skip
     assert bad.status_code == 400 and "speculative" in bad.text and "\n" not in bad.text.strip()
+
+    # the queue's own route takes it too, and refuses what is not a mode in one line
+    ids = said["off"].choices[0].message.content  # any text: the answer is not compared
+    job = client.submit(swarm.url, {"prompt": str(ids), "max_tokens": 4, "speculative": "lookup"},
+                        api_key=KEY)  # fmt: skip
+    assert client.wait(swarm.url, job, api_key=KEY)["state"] == "done"
+    with pytest.raises(RequestError, match="speculative"):
+        client.submit(swarm.url, {"prompt": "Hi", "speculative": 1}, api_key=KEY)
 
     def status() -> Any:
         return client.call(swarm.url, "/v1/status", api_key=KEY)["speculative"]
