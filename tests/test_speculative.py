@@ -76,6 +76,8 @@ def test_expected_tokens_of_a_round(a: float, k: int, tokens: float) -> None:
 
 def test_k_falls_to_zero_when_drafts_do_not_pay_and_comes_back_when_they_do() -> None:
     k = AdaptiveK(max_k=8, row_cost=0.9)  # a row costs nearly a whole step
+    assert k.k() == 0  # until a step of one row has been timed: the baseline
+    k.timed(1, 0.010)
     for _ in range(20):
         k.observe(4, 1)  # most refused
     assert k.k() == 0
@@ -84,6 +86,8 @@ def test_k_falls_to_zero_when_drafts_do_not_pay_and_comes_back_when_they_do() ->
         k.observe(4, 4)  # all kept
     assert k.k() >= 4
     assert AdaptiveK(least=1, row_cost=1.0).k() == 1  # lookup/draft asked: at least one
+    k.timed(5, 0.050)  # and measured: 5 rows cost 5 steps, so a row costs a step
+    assert k.row_cost == pytest.approx(1.0) and k.k() == 0
 
 
 def test_a_bad_mode_is_one_line_naming_it(demo: Model) -> None:

@@ -147,6 +147,8 @@ class AdaptiveK:
         return self.kept / (self.kept + self.refused)
 
     def k(self) -> int:
+        if 1 not in self._costs and not self.least:  # a step of one row first: the baseline
+            return 0  # a wider round's cost is measured against (else the prior stays)
         a, best, best_gain = self.acceptance, 0, 1.0
         for k in range(1, self.max_k + 1):
             gain = expected_tokens(a, k) / (1.0 + self.row_cost * k)
