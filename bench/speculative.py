@@ -273,7 +273,8 @@ def lab_rows(path: str, prompts: dict[str, list[int]], n: int, stages: int,
                 same = list(sp["tokens"]) == list(off["tokens"])
                 assert same, f"lab {stages}, {kind}: speculative tokens differ from plain"
                 rows.append(Row("lab rpi4 hosts", stages, kind, "auto", r_off, r_sp,
-                                int(sp.get("drafted") or 0), int(sp.get("accepted") or 0),
+                                int(sp.get("drafted_tokens") or 0),
+                                int(sp.get("accepted_tokens") or 0),
                                 same=same, tokens=len(sp["tokens"])))  # fmt: skip
     return rows
 

@@ -325,6 +325,9 @@ def add_request_routes(app: FastAPI, coord: Coordinator) -> None:
         }  # fmt: skip
         if job.terminal and job.payload.get("text"):
             out["text"] = coord.tokenizer.decode(tokens, skip_special=True)
+        if job.result and job.result.get("drafted"):  # speculative decoding's drafts
+            out["drafted_tokens"] = job.result["drafted"]
+            out["accepted_tokens"] = job.result.get("accepted", 0)
         return out
 
     @app.get("/v1/ledger")
