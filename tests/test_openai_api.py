@@ -529,7 +529,11 @@ def test_connect_gives_the_same_methods_and_answers_over_the_swarm(
         kw = {**args, "max_tokens": 8, "temperature": 0.7, "seed": 3, "logprobs": 2
               if method == "create_completion" else True}  # fmt: skip
         here, there = getattr(here_model, method)(**kw), getattr(remote, method)(**kw)
-        assert set(here) == set(there) and here["usage"] == there["usage"], method
+        # the drafts a run verified depend on its measured step times (engine/speculative.py
+        # AdaptiveK), never its tokens: usage's counts of them are left out of the comparison
+        drafts = ("completion_tokens_details",)
+        used = [{k: v for k, v in u["usage"].items() if k not in drafts} for u in (here, there)]
+        assert set(here) == set(there) and used[0] == used[1], method
         h, t = here["choices"][0], there["choices"][0]
         assert h.get("text", h.get("message")) == t.get("text", t.get("message")), method
         assert h["finish_reason"] == t["finish_reason"]
