@@ -29,8 +29,9 @@ wall times; llama.cpp, its own "decoded ... t/s" line. Speculative is `auto` for
 
 Columns: acceptance = accepted / drafted (counters: the engine's stats, stage 0's, the job's);
 tokens/step = (N - 1) / (N - 1 - accepted), the mean tokens a decode step made (approximate:
-the counters leave out the last round); predicted = planner/speculative.py speedup(ring_times,
-a, best_k) for the same number of nodes of the setup's profile, a being the per-draft
+the counters leave out the last round); predicted = planner/speculative.py
+swarm_speedup(ring_times, a) (the one-round best k, rounds pipelined as the ring sends them)
+for the same number of nodes of the setup's profile, a being the per-draft
 acceptance kept / (kept + rounds with a refusal) counted in the one-process run of the same
 prompt (the drafts and the tokens are the same text; accepted / drafted is biased low, since a
 refusal ends a round and the drafts after it are never judged).
@@ -113,7 +114,7 @@ def plan_for(path: str, profile: str, stages: int) -> Any:
 
 def predicted_speedup(path: str, profile: str, stages: int, acceptance: float | None,
                       cache: dict[tuple[str, int], Any]) -> float | None:  # fmt: skip
-    from cellswarm.planner.speculative import best_k, ring_times, speedup
+    from cellswarm.planner.speculative import ring_times, swarm_speedup
 
     if acceptance is None:
         return None
@@ -124,7 +125,7 @@ def predicted_speedup(path: str, profile: str, stages: int, acceptance: float | 
     times = cache[key]
     if times is None:
         return None
-    return speedup(times, acceptance, best_k(times, acceptance))
+    return swarm_speedup(times, acceptance).speedup
 
 
 # ------------------------------------------------------------------------------ one process
@@ -354,7 +355,8 @@ def summary(rows: list[Row]) -> list[str]:
 FOOTNOTES = (
     "acceptance: accepted / drafted (biased low: a refusal ends a round, later drafts are "
     "never judged). tokens/step: (N - 1) / (N - 1 - accepted), approximate.",
-    "predicted: planner/speculative.py speedup at best_k for the setup's nodes, with the "
+    "predicted: planner/speculative.py swarm_speedup (best k, rounds pipelined) for the "
+    "setup's nodes, with the "
     "per-draft acceptance kept / (kept + rounds with a refusal) counted in the one-process "
     "run of the same prompt (the same text and drafts; stage processes do not report rounds).",
     "ᵃ one process and local stages run on this host, for which the planner has no profile: "

@@ -42,6 +42,31 @@ def test_concurrency_matches_planner_throughput() -> None:
     assert out["tokens_per_s"] == pytest.approx(planned.throughput_tokens_per_s, rel=0.01)
 
 
+def test_a_lone_sequence_gains_what_the_planner_says_of_speculation() -> None:
+    """A replica's lone sequence decodes at the planner's pipelined speculative speed-up at
+    the workload's acceptance (auto drafts only then); four at once gain next to nothing."""
+    from cellswarm.planner.speculative import ring_times, swarm_speedup
+
+    base = dict(model="mixtral-8x7b", node="rpi4", count=4, context=2048, jobs=4,
+                prompt_tokens=16, output_tokens=200, duration_s=3600)  # fmt: skip
+    rate = {}
+    for concurrency in (1, 4):
+        for acceptance in (0.0, 0.9):
+            out = simulate(Scenario(**base, concurrency=concurrency,  # type: ignore[arg-type]
+                                    acceptance=acceptance))  # fmt: skip
+            assert out["jobs"]["done"] == 4
+            rate[concurrency, acceptance] = out["decode_tokens_per_s"]
+    spec = swarm_speedup(ring_times(api.plan("mixtral-8x7b", node="rpi4", count=4,
+                                             context=2048)), 0.9)  # fmt: skip
+    assert spec.in_flight > 1 and spec.speedup > 2.0
+    assert out["plan"]["speculation"]["speedup"] == pytest.approx(spec.speedup)
+    assert rate[1, 0.9] / rate[1, 0.0] == pytest.approx(spec.speedup, rel=1e-6)
+    # (but for the moments one decodes alone, its prefill staggered from the others')
+    assert rate[4, 0.9] == pytest.approx(rate[4, 0.0], rel=0.03)
+    with pytest.raises(CellswarmError, match="--acceptance"):
+        Scenario(**base, acceptance=1.5)  # type: ignore[arg-type]
+
+
 def _failing(seed: int = 3, **kw: object) -> Scenario:
     # mixtral on rpi4: 4 nodes per replica, 525 replicas, 100 spares; failures galore
     base: dict[str, object] = dict(

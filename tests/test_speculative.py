@@ -253,11 +253,14 @@ def test_rounds_go_behind_rounds_only_while_they_are_likely_kept() -> None:
     a = Round(10, (7, 1, 2), 0.0)  # the last token 7 at 10, drafts 1 2 at 11 12
     look = [1, 2, 3, 4, 5, 6, 8, 9]  # what the lookup says follows the text (…, 7)
     b = next_round([a], look, 0.95, 100, 1.0)
-    assert b == Round(13, (3, 4, 5), 1.0)  # guess 3 for a's own token, drafts 4 5 after it
+    assert b == Round(13, (3, 4, 5), 1.0, lead=False)  # guess 3 for a's own token, 4 5 after
     assert next_round([a], look, 0.5, 100, 1.0) is None  # a kept whole: 0.125, too unlikely
     assert next_round([a], [1, 9, 3], 0.95, 100, 1.0) is None  # the lookup changed its mind
     assert next_round([a, b], look, 0.95, 14, 1.0) is None  # past max_tokens: no room
-    assert next_round([Round(10, (7,), 0.0)], look, 1.0, 100, 1.0) is None  # no drafts
+    # a round without drafts: a guess alone goes behind it (a deep ring's best, rows being dear)
+    alone = [Round(10, (7,), 0.0)]
+    assert next_round(alone, look, 0.9, 100, 1.0) == Round(11, (1,), 1.0, lead=False)
+    assert next_round(alone, [], 0.9, 100, 1.0) is None  # no guess
     assert next_round([a] * MAX_IN_FLIGHT, look * 4, 1.0, 100, 1.0) is None
     assert kept_whole(a, [1, 2, 3], [b])  # all kept, and its own token was the guess
     assert not kept_whole(a, [1, 2, 9], [b]) and not kept_whole(a, [1, 5], [b])

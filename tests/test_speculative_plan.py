@@ -10,14 +10,18 @@ import pytest
 from cellswarm.errors import RequestError
 from cellswarm.planner import api, render
 from cellswarm.planner.speculative import (
+    MAX_IN_FLIGHT,
     RingTimes,
     best_k,
     break_even_acceptance,
     expected_tokens,
+    in_flight,
     lowest_break_even,
+    pipelined_speedup,
     ring_times,
     round_s,
     speedup,
+    swarm_speedup,
 )
 
 
@@ -165,3 +169,64 @@ def test_the_plan_says_where_speculation_pays() -> None:
     line = render._speculative_line(r)
     assert line.startswith("pays from acceptance 0.")
     assert "at 0.8 acceptance" in line
+
+
+# -- pipelined: rounds behind rounds (swarm/ring/rounds.py) --------------------------------------
+
+
+def compute_bound_ring(stages: int = 4) -> RingTimes:
+    """Stages whose every row costs a whole step, and hops that cost nothing."""
+    return RingTimes(memory_s=(0.0,) * stages, per_row_s=(0.01,) * stages,
+                     fixed_s=(0.0,) * stages, hop_s=0.0, row_bytes=0,
+                     link_bytes_per_s=1e9)  # fmt: skip
+
+
+@pytest.mark.parametrize(("acceptance", "rows", "stages", "n"), [
+    (0.94, 1, 4, 4), (0.94, 5, 4, 4), (0.9, 5, 4, 2), (0.5, 1, 4, 2), (0.3, 1, 4, 1),
+    (1.0, 9, 8, MAX_IN_FLIGHT), (0.99, 1, 1, 1),
+])  # fmt: skip
+def test_rounds_in_flight_follow_the_chance_they_hold(acceptance: float, rows: int, stages: int,
+                                                      n: int) -> None:  # fmt: skip
+    assert in_flight(acceptance, rows, stages) == n
+
+
+def test_the_ring_sends_as_many_rounds_as_the_planner_counts() -> None:
+    """What the planner and the simulator predict is what stage 0 does: next_round, fed an
+    endless agreeing lookup, sends rounds until in_flight's count."""
+    from cellswarm.swarm.ring.rounds import Round, next_round
+
+    for acceptance in (0.2, 0.4, 0.6, 0.8, 0.9, 0.97):
+        for rows in (1, 2, 3, 5):
+            rounds = [Round(100, tuple(range(rows)), 0.0)]
+            look = list(range(1, 200))
+            while (r := next_round(rounds, look, acceptance, 10_000, 0.0)) is not None:
+                rounds.append(r)
+            assert len(rounds) == in_flight(acceptance, rows, 4), (acceptance, rows)
+
+
+def test_one_round_in_flight_is_the_plain_speedup() -> None:
+    for times in (bandwidth_bound_ring(), compute_bound_ring(), compute_bound_one_stage()):
+        for k in (0, 1, 4):
+            assert in_flight(0.3, k + 1, times.stages) == 1
+            assert pipelined_speedup(times, 0.3, k) == pytest.approx(speedup(times, 0.3, k))
+
+
+def test_a_deep_compute_bound_ring_gains_from_guesses_alone() -> None:
+    """Drafts never pay where a row costs a step; a guess sent behind each round does: the
+    stages that would idle step it. Bounded by the ring's depth; nothing at acceptance 0."""
+    times = compute_bound_ring()
+    assert best_k(times, 0.9) == 0 and speedup(times, 0.9, 1) < 1.0
+    gain = pipelined_speedup(times, 0.9, 0)
+    assert 2.0 < gain < times.stages
+    assert pipelined_speedup(times, 0.0, 0) == 1.0
+    spec = swarm_speedup(times, 0.9)
+    assert (spec.k, spec.in_flight, spec.speedup) == (0, 4, pytest.approx(gain))
+    # deeper acceptance, more gain; one stage, none
+    assert pipelined_speedup(times, 0.99, 0) > gain
+    assert swarm_speedup(compute_bound_one_stage(), 0.99).speedup == 1.0
+
+
+def test_the_plan_says_what_pipelining_makes() -> None:
+    r = api.plan("mixtral-8x7b", node="rpi4", count=4, context=2048)
+    line = render._speculative_line(r)
+    assert "pipelined at 0.8 acceptance" in line and "rounds in flight" in line, line

@@ -211,11 +211,17 @@ class Speculator:
         self._shadow = drafts if k == 0 else []
         return drafts[:k]
 
-    def took(self, drafts: Sequence[int], tokens: Sequence[int]) -> None:
-        """The round's drafts and the tokens it gave (the kept drafts, then the model's)."""
+    def took(self, drafts: Sequence[int], tokens: Sequence[int], guess: int | None = None
+             ) -> None:  # fmt: skip
+        """The round's drafts and the tokens it gave (the kept drafts, then the model's).
+        `guess`: the model's own token as a round sent behind this one guessed it (a ring's
+        pipelining, swarm/ring/rounds.py): verified there, so a draft of its own."""
         kept = len(tokens) - 1
         if drafts:
             self.k.observe(len(drafts), kept)
-        elif self._shadow:  # k was 0: the free draft is still compared with the model
+        if guess is not None and kept == len(drafts):
+            self.k.observe(1, int(tokens[-1] == guess))
+        elif self._shadow and not drafts:  # k was 0: the free draft is still compared
             self.k.observe(1, int(tokens[0] == self._shadow[0]), counted=False)
+        self._shadow = []
         self.lookup.extend(tokens)

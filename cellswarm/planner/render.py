@@ -224,13 +224,18 @@ def _speculative_line(r: PlanResult, acceptance: float = 0.8) -> str:
     except RequestError:
         return ""
     even, k_even = speculative.lowest_break_even(times)
+    swarm = speculative.swarm_speedup(times, acceptance)
+    piped = (f"pipelined at {acceptance:.1f} acceptance {swarm.speedup:,.2f}x (k={swarm.k}, "
+             f"{swarm.in_flight} rounds in flight)") if swarm.in_flight > 1 else ""  # fmt: skip
     if k_even == 0:
-        return "does not pay on this ring: k + 1 rows cost about k + 1 steps"
+        said = "drafts do not pay on this ring: k + 1 rows cost about k + 1 steps"
+        return f"{said}; {piped}" if piped else said
     k = speculative.best_k(times, acceptance)
     at = f"at {acceptance:.1f} acceptance " + (
         f"{speculative.speedup(times, acceptance, k):,.2f}x (k={k})" if k else "no gain"
     )
-    return f"pays from acceptance {even:.2f} with k={k_even}; {at}"
+    said = f"pays from acceptance {even:.2f} with k={k_even}; {at}"
+    return f"{said}; {piped}" if piped else said
 
 
 def _placement_table(r: PlanResult) -> Table:

@@ -12,6 +12,16 @@ plus the runtime's own time per step. Up to cost.KERNEL_BATCH rows read the weig
 on a bandwidth-bound stage k + 1 rows cost about what one does, and on a compute-bound
 stage they cost k + 1 times as much: speculation pays where the ring waits on memory and
 latency, not on arithmetic. Speed-up = E(k) x round(1 row) / round(k + 1 rows).
+
+Pipelined (as PipeInfer; the ring does it for a lone sequence, swarm/ring/rounds.py): while
+a round travels, the first stage sends the next behind it, guessing the last stage's token,
+while the chance that all rounds in flight hold, a^(their rows), is at least MIN_CHANCE, up
+to MAX_IN_FLIGHT. A round whose drafts and guess all held is followed by the next one a
+pipeline interval later (the busiest stage's step, or the round trip over those in flight);
+one that broke, a whole round trip later. So even k = 0 (a guess alone in each round) pays
+on a deep ring whose rows are dear: the stages that would idle step the guessed tokens.
+The swarm's depth is the one-round best (engine/speculative.py AdaptiveK measures the same
+trade); `swarm_speedup` is what that ring then makes, and what the simulator uses.
 """
 
 from __future__ import annotations
@@ -25,6 +35,11 @@ from cellswarm.planner.plan import PlanResult
 
 TOKEN_ID_BYTES = 8  # the accepted token ids back to the first stage: a few bytes, not rows
 BISECT_TOLERANCE = 1e-4
+# rounds of one sequence in flight at once (swarm/ring/rounds.py sends them by these)
+MAX_IN_FLIGHT = 4
+# a round goes behind others only while the chance that all of those are kept whole
+# (acceptance ^ their rows) is at least this: below it, it is mostly wasted work
+MIN_CHANCE = 0.35
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -134,6 +149,46 @@ def best_k(times: RingTimes, acceptance: float, max_k: int = 8) -> int:
     return best
 
 
+def in_flight(acceptance: float, rows: int, stages: int) -> int:
+    """Rounds of `rows` rows a ring of `stages` keeps in flight: one more goes behind while
+    acceptance^(rows of those in flight) >= MIN_CHANCE, up to MAX_IN_FLIGHT (1: one stage)."""
+    _check_acceptance(acceptance)
+    n = 1
+    while stages > 1 and n < MAX_IN_FLIGHT and acceptance ** (rows * n) >= MIN_CHANCE:
+        n += 1
+    return n
+
+
+def pipelined_speedup(times: RingTimes, acceptance: float, k: int) -> float:
+    """speedup() when rounds of k drafts go behind each other (module doc): a round that
+    held all (drafts and the next one's guess: a^(k+1)) is followed one interval later, the
+    busiest stage's step or the round trip over those in flight; else a round trip later."""
+    rows = k + 1
+    trip = round_s(times, rows)
+    n = in_flight(acceptance, rows, times.stages)
+    busiest = max(step_s(times, i, rows) for i in range(times.stages))
+    held = acceptance**rows if n > 1 else 0.0
+    per_round = held * max(busiest, trip / n) + (1.0 - held) * trip
+    return expected_tokens(acceptance, k) * round_s(times, 1) / per_round
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What speculation makes of one stream on a ring: depth, rounds in flight, speed-up."""
+
+    k: int
+    in_flight: int
+    speedup: float
+
+
+def swarm_speedup(times: RingTimes, acceptance: float) -> Speculation:
+    """The swarm's lone stream at this acceptance: the one-round best depth (what AdaptiveK
+    converges to), pipelined."""
+    k = best_k(times, acceptance)
+    return Speculation(k, in_flight(acceptance, k + 1, times.stages),
+                       pipelined_speedup(times, acceptance, k))  # fmt: skip
+
+
 def break_even_acceptance(times: RingTimes, k: int) -> float:
     """The smallest acceptance at which k drafts beat plain decoding (within 1e-4), by
     bisection (the speed-up grows with acceptance); 1.0 when even full acceptance does not."""
@@ -165,10 +220,15 @@ def ring_times(result: PlanResult) -> RingTimes:
         raise RequestError("speculative ring: only pipeline plans have a ring of stages")
     if not result.placement.slots or not result.placement.placeable:
         raise RequestError(f"speculative ring: nothing placed ({result.problem})")
-    inv, req, p = result.model, result.request, result.placement
+    return placed_ring_times(result.model, result.placement, result.request.node,
+                             result.request.cost)  # fmt: skip
+
+
+def placed_ring_times(inv: Any, p: Any, node: Any, opts: cost.CostOptions) -> RingTimes:
+    """ring_times of a placement (the simulator's replica: its model, placement, profile
+    and runtime costs)."""
     path = _path(inv, p)
     _check_on_path(inv, p, path)
-    node, opts = req.node, req.cost
     nbytes = dict.fromkeys(path, 0.0)
     params = dict.fromkeys(path, 0.0)
     layers = dict.fromkeys(path, 0)

@@ -35,6 +35,8 @@ def add_simulate_command(sub: Any) -> None:
     p.add_argument("--slow-fraction", type=float, help="fraction of nodes running slow")
     p.add_argument("--slow-speed", type=float, help="their speed, a fraction (default 0.5)")
     p.add_argument("--poison-fraction", type=float, help="fraction of jobs failing every try")
+    p.add_argument("--acceptance", type=float,
+                   help="speculative drafts kept, 0..1 (default 0): a lone sequence's gain")
     p.add_argument("--topology", help="network overrides: core_bandwidth=100G,access_uplinks=1")
     p.add_argument("--seed", type=int, help="random seed (default 0)")
     p.add_argument("--max-beats", type=float,
@@ -65,7 +67,8 @@ def scenario_from_args(args: argparse.Namespace) -> Any:
         "output_tokens": args.output_tokens, "mtbf": args.mtbf, "mttr": args.mttr,
         "rack_mtbf": args.rack_mtbf, "rack_mttr": args.rack_mttr,
         "slow_fraction": args.slow_fraction, "slow_speed": args.slow_speed,
-        "poison_fraction": args.poison_fraction, "seed": args.seed,
+        "poison_fraction": args.poison_fraction, "acceptance": args.acceptance,
+        "seed": args.seed,
     }  # fmt: skip
     values |= {k: v for k, v in cli.items() if v is not None}
     if args.rate is not None:

@@ -29,12 +29,18 @@ class StepTiming:
     stages: int = 1
     # (token_s, bottleneck_s) of one pass of 2, 3, ... sequences (continuous batching)
     batched: tuple[tuple[float, float], ...] = ()
+    # a lone sequence's speed-up from speculative decoding (planner/speculative.py
+    # swarm_speedup at the workload's acceptance): `auto` drafts only for a ring's lone
+    # sequence, since with others the ring's passes are full already
+    lone_speedup: float = 1.0
 
     def interval(self, in_flight: int) -> float:
         """Seconds between two tokens of one sequence when `in_flight` are decoding: K in
         flight keep K stages busy until the busiest node is always busy, each stage stepping
         its share of them as one pass (the planner's `_pipelined_tokens_per_s`, per
-        sequence, at `cost.batch_size`)."""
+        sequence, at `cost.batch_size`); one alone, its serial time over speculation's gain."""
+        if in_flight <= 1:
+            return self.token_s / self.lone_speedup
         b = min(cost.batch_size(in_flight, self.stages), len(self.batched) + 1)
         token_s, bottleneck_s = (self.token_s, self.bottleneck_s) if b == 1 else self.batched[b - 2]
         return max(token_s, in_flight * bottleneck_s / b)
@@ -53,11 +59,13 @@ class ReplicaModel:
         decode: cost.StepTime | None = None,
         one_box: bool = False,
         prefix_tokens: int = 0,
+        lone_speedup: float = 1.0,
     ) -> None:
         """one_box: a tiered single machine (the planner's `tiers`): one node per replica,
         its decode given by the tier plan; prefill still from the placement's layers.
         prefix_tokens: every prompt starts with this many tokens the stages' prefix caches
-        hold (a batch's shared instruction): a prefill computes the rest, attending to all."""
+        hold (a batch's shared instruction): a prefill computes the rest, attending to all.
+        lone_speedup: StepTiming's (slow nodes keep it: a ring's gain, not a node's)."""
         self.inv, self.placement, self.node, self.opts = inv, placement, node, opts
         self.params, self.prefix_tokens = params, prefix_tokens
         self.decode = decode or cost.pipeline_decode(inv, placement, node, opts)
@@ -81,7 +89,8 @@ class ReplicaModel:
         self.batched = [(p.total_s + fixed, np.asarray(p.node_busy_s, np.float64) + floor
                          + params.step_overhead_s) for p in passes]  # fmt: skip
         self.base = StepTiming(self.decode.total_s + fixed, float(self.busy.max()), self.stages,
-                               tuple((t, float(b.max())) for t, b in self.batched))  # fmt: skip
+                               tuple((t, float(b.max())) for t, b in self.batched),
+                               lone_speedup)  # fmt: skip
         self._prefill = lru_cache(maxsize=4096)(self._prefill_s)
 
     def timing(self, speeds: np.ndarray | None) -> StepTiming:
@@ -92,7 +101,8 @@ class ReplicaModel:
         extra = float((stretched - self.busy).sum())
         batched = tuple((t + float((b / speeds - b).sum()), float((b / speeds).max()))
                         for t, b in self.batched)  # fmt: skip
-        return StepTiming(self.base.token_s + extra, float(stretched.max()), self.stages, batched)
+        return StepTiming(self.base.token_s + extra, float(stretched.max()), self.stages, batched,
+                          self.base.lone_speedup)  # fmt: skip
 
     def prefill_s(self, tokens: int) -> float:
         """A prompt (or a replay: prompt + tokens so far) through the replica in one chunk."""

@@ -99,6 +99,9 @@ class Scenario:
     slow_fraction: float = 0.0
     slow_speed: float = 0.5
     poison_fraction: float = 0.0
+    # what fraction of speculative drafts the workload's text keeps (engine/speculative.py):
+    # near 1 for extraction and templated output, near 0 for free writing; 0 models none
+    acceptance: float = 0.0
     seed: int = 0
     network: tuple[tuple[str, str | float], ...] = ()  # overrides of [defaults.network] keys
     samples: int = 240  # points of the time series
@@ -128,7 +131,8 @@ class Scenario:
         _positive("--mttr", self.mttr_s)
         _positive("--rack-mttr", self.rack_mttr_s)
         for name, value in (("--slow-fraction", self.slow_fraction),
-                            ("--poison-fraction", self.poison_fraction)):  # fmt: skip
+                            ("--poison-fraction", self.poison_fraction),
+                            ("--acceptance", self.acceptance)):  # fmt: skip
             if not 0 <= value <= 1:
                 raise RequestError(f"{name} {value} must be within 0..1")
         if not 0 < self.slow_speed <= 1:

@@ -44,6 +44,11 @@ def render(out: dict[str, Any], console: Console | None = None) -> None:
     )
     t.add_row("simulated: tokens/s (whole run)", f"[bold]{_f(out['tokens_per_s'])}[/]")
     t.add_row("simulated: decode tokens/s per sequence", _f(out["decode_tokens_per_s"], 3))
+    spec, acceptance = plan.get("speculation"), sc["workload"].get("acceptance")
+    if spec and acceptance:
+        t.add_row("speculative decoding, a lone sequence",
+                  f"acceptance {acceptance:.2f}: {spec['speedup']:.2f}x (k={spec['k']}, "
+                  f"{spec['in_flight']} round(s) in flight)")  # fmt: skip
     t.add_row("tokens generated", f"{out['tokens']:,.0f}")
     t.add_row("latency p50 / p99", f"{_dur(lat['p50'])} / {_dur(lat['p99'])}")
     t.add_row("jobs submitted / done", f"{jobs['submitted']:,} / {jobs['done']:,}")

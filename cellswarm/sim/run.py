@@ -16,6 +16,7 @@ from cellswarm.errors import RequestError
 from cellswarm.planner import api, profiles
 from cellswarm.planner.plan import PlanResult
 from cellswarm.planner.plan import plan as plan_with
+from cellswarm.planner.speculative import Speculation, ring_times, swarm_speedup
 from cellswarm.sim.engine import Simulator
 from cellswarm.sim.model import ReplicaModel
 from cellswarm.sim.network import TIERS, NetModel, apply_topology
@@ -41,9 +42,9 @@ def build(sc: Scenario) -> tuple[Simulator, PlanResult]:
     result = plan_for(sc)
     req = result.request
     one_box = result.tiers is not None
-    model = ReplicaModel(
-        result.model, result.placement, req.node, req.cost, sc.params, result.decode, one_box
-    )
+    spec = speculation(result, sc.acceptance)
+    model = ReplicaModel(result.model, result.placement, req.node, req.cost, sc.params,
+                         result.decode, one_box, lone_speedup=spec.speedup)  # fmt: skip
     nominal = min(sc.concurrency / model.base.token_s, 1.0 / model.base.bottleneck_s)
     net = NetModel(
         result.model, None if one_box else result.placement, req.cost.activation_bytes,
@@ -53,6 +54,17 @@ def build(sc: Scenario) -> tuple[Simulator, PlanResult]:
         sc, model, net, result.replicas, req.power, (req.node.power_busy_w, req.node.power_idle_w)
     )
     return sim, result
+
+
+def speculation(result: PlanResult, acceptance: float) -> Speculation:
+    """A lone sequence's speculative decoding on this plan's ring at the workload's
+    acceptance (planner/speculative.py); none where the planner has no ring to model (a
+    tiered box, parts off the serial path) or drafts are never kept."""
+    try:
+        times = ring_times(result)
+    except RequestError:
+        return Speculation(0, 1, 1.0)
+    return swarm_speedup(times, acceptance)
 
 
 def simulate(sc: Scenario) -> dict[str, Any]:
@@ -113,7 +125,7 @@ def summarise(sim: Simulator, result: PlanResult) -> dict[str, Any]:
             "duration_s": sc.duration_s, "seed": sc.seed,
             "workload": {"rate_jobs_per_s": sc.rate, "batch_jobs": None if sc.rate else sc.jobs,
                          "prompt_tokens": sc.prompt_tokens, "output_tokens": sc.output_tokens,
-                         "poison_fraction": sc.poison_fraction},
+                         "poison_fraction": sc.poison_fraction, "acceptance": sc.acceptance},
             "failures": {"mtbf_s": sc.mtbf_s, "mttr_s": sc.mttr_s, "rack_mtbf_s": sc.rack_mtbf_s,
                          "rack_mttr_s": sc.rack_mttr_s, "slow_fraction": sc.slow_fraction,
                          "slow_speed": sc.slow_speed},
@@ -128,6 +140,7 @@ def summarise(sim: Simulator, result: PlanResult) -> dict[str, Any]:
             "prefill_s": result.prefill_s, "power_w": result.power_w,
             "step_s": sim.model.base.token_s, "bottleneck_s": sim.model.base.bottleneck_s,
             "stages": sim.model.stages, "hops": sim.model.hops,
+            "speculation": dataclasses.asdict(speculation(result, sc.acceptance)),
         },
         "tokens": tokens,
         "tokens_per_s": tokens / sc.duration_s,

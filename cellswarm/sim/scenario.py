@@ -13,6 +13,7 @@ jobs = 12000
 prompt_tokens = 512
 output_tokens = 512
 poison_fraction = 0.0
+acceptance = 0.0            # drafts kept (speculative decoding; a lone sequence gains)
 [failures]                  # durations: "90s", "30m", "4h", "2d", "3y" or seconds
 mtbf = "10000h"
 mttr = "4h"
@@ -41,7 +42,7 @@ from cellswarm.sim.control import ControlPlane
 from cellswarm.sim.params import Scenario, SimParams, parse_duration
 
 _TOP = {"model", "quant", "node", "count", "context", "concurrency", "duration", "seed"}
-_WORKLOAD = {"jobs", "rate", "prompt_tokens", "output_tokens", "poison_fraction"}
+_WORKLOAD = {"jobs", "rate", "prompt_tokens", "output_tokens", "poison_fraction", "acceptance"}
 _FAILURES = {"mtbf", "mttr", "rack_mtbf", "rack_mttr", "slow_fraction", "slow_speed"}
 _TABLES = {"workload", "failures", "network", "params", "control", "description"}
 
@@ -105,7 +106,7 @@ def make_scenario(values: dict[str, Any]) -> Scenario:
     for key in ints:
         if key in v:
             kw[key] = _int(key, v[key])
-    for key in ("rate", "poison_fraction", "slow_fraction", "slow_speed"):
+    for key in ("rate", "poison_fraction", "slow_fraction", "slow_speed", "acceptance"):
         if key in v:
             kw[key] = _float(key, v[key])
     for key, field in (("duration", "duration_s"), ("mttr", "mttr_s"),

@@ -7,6 +7,9 @@ round travels, stage 0 sends the next one too, optimistically: it assumes every 
 flight is kept, guesses the last stage's own token (the next token of the same lookup), and
 drafts on from there. When the answer says otherwise, the rounds behind it were built on
 text that is not the sequence's: stage 0 forgets them and steps again from what was kept.
+A round may be a guess alone (one row, no drafts): on a deep ring of compute-bound stages,
+where a verified row costs nearly a step, that is how speculation pays most: the stages that
+would idle each run the next guessed token, and a right guess is a token for no extra work.
 
 They are still in flight, so the last stage tells them apart itself (`Expect`): a round is
 the sequence's next only if it starts at the position after the last token the last stage
@@ -20,19 +23,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_IN_FLIGHT = 4  # rounds of one sequence on the ring at once (more queue at stage 1)
-# a round is sent behind others only while the chance that all of those are kept whole
-# (acceptance ^ rows of each) is at least this: below it, it is mostly wasted work
-MIN_CHANCE = 0.35
+# how many in flight: the planner's own numbers, so what it and the simulator predict is
+# what the ring does (planner/speculative.py in_flight)
+from cellswarm.planner.speculative import MAX_IN_FLIGHT, MIN_CHANCE
+
+__all__ = ["MAX_IN_FLIGHT", "MIN_CHANCE", "Expect", "Round", "ahead", "kept_whole", "next_round"]
 
 
 @dataclass(frozen=True)
 class Round:
-    """A step in flight: its rows' tokens at positions pos.., and when it left (monotonic s)."""
+    """A step in flight: its rows' tokens at positions pos.., and when it left (monotonic s).
+    `lead`: sent with none in flight before it, so its time there and back is a step's own
+    (one sent behind others waits for them at each stage too)."""
 
     pos: int
     rows: tuple[int, ...]
     sent_s: float
+    lead: bool = True
 
     @property
     def end(self) -> int:
@@ -58,16 +65,15 @@ def kept_whole(done: Round, got: list[int], behind: list[Round]) -> bool:
 
 def next_round(rounds: list[Round], continuation: list[int], acceptance: float,
                last_pos: int, now_s: float) -> Round | None:  # fmt: skip
-    """The round to send behind those in flight, or None: none in flight to go behind, the
-    last one without drafts, MAX_IN_FLIGHT reached, too little chance they all hold, or no
-    guess. `continuation`: what the lookup says follows the sequence's text (it must agree
-    with what the rounds in flight assume); `last_pos`: the last position a row may take
-    (its output must still be a token the request may have)."""
-    if not rounds or len(rounds) >= MAX_IN_FLIGHT or len(rounds[-1].rows) < 2:
+    """The round to send behind those in flight, as many rows as the last one (its guess of
+    the last one's own token, then drafts), or None: none in flight to go behind,
+    MAX_IN_FLIGHT reached, too little chance they all hold, or no guess. `continuation`:
+    what the lookup says follows the sequence's text (it must agree with what the rounds in
+    flight assume); `last_pos`: the last position a row may take (its output must still be
+    a token the request may have)."""
+    if not rounds or len(rounds) >= MAX_IN_FLIGHT:
         return None
-    chance = 1.0
-    for r in rounds:
-        chance *= acceptance ** len(r.rows)
+    chance = acceptance ** sum(len(r.rows) for r in rounds)  # its drafts, the next's guess
     if chance < MIN_CHANCE:
         return None
     assumed = ahead(rounds)
@@ -76,9 +82,9 @@ def next_round(rounds: list[Round], continuation: list[int], acceptance: float,
     pos = rounds[-1].end
     rows = continuation[len(assumed) : len(assumed) + len(rounds[-1].rows)]
     rows = rows[: max(0, last_pos - pos + 1)]
-    if len(rows) < 2:  # a guess and at least one draft, or it is not worth a round
+    if not rows:
         return None
-    return Round(pos, tuple(rows), now_s)
+    return Round(pos, tuple(rows), now_s, lead=False)
 
 
 @dataclass(frozen=True)

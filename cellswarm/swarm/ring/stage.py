@@ -241,6 +241,10 @@ class Sequence:
     # oldest first (rounds.py: pipelined)
     spec: Speculator | None = None
     rounds: list[Round] = field(default_factory=list)
+    # held while its rounds are decided and sent: a round's answer can come back while
+    # stage 0 still runs the round it sent behind it, and the next must not start before
+    # that one is done here (both write its cache at the same positions: the later wins)
+    sending: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class Stage:
@@ -674,7 +678,7 @@ class Stage:
         return s is not None and self.sequences.get(seq) is s
 
     async def on_hidden(self, f: Hidden, h: np.ndarray, writer: asyncio.StreamWriter) -> None:
-        if h.shape[0] == 1 and f.first is None:  # a decode step: batched
+        if h.shape[0] == 1 and f.first is None and f.token is None:  # a decode step: batched
             return self.queue_step(f.seq, h, f.pos)
         cached = f.cached or 0
         if cached and not (self.prefix and f.first is not None
@@ -796,7 +800,7 @@ class Stage:
         cache = self.caches.get(seq)
         if cache is None:  # dropped by a reset while this frame was on the wire
             return
-        expect = self.expect.get(seq) if drafts and self.config.last else None
+        expect = self.expect.get(seq) if token is not None and self.config.last else None
         if expect is not None and not expect.takes(pos, token):
             self.drafted[3] += 1
             return  # void: built on drafts the round before it did not keep
@@ -817,7 +821,7 @@ class Stage:
         except Exception as exc:
             return await self.step_failed(seq, exc)
         t1 = await self.step_done(t0, h.shape[0], decode=one_row)
-        if not drafts:  # a speculative round is a decode step's kind: counted, not logged
+        if token is None:  # a speculative round is a decode step's kind: counted, not logged
             self.log.event("step", self.requests.get(seq), stage=self.span, pos=pos,
                            tokens=h.shape[0], ms=round(1000 * (t1 - t0), 3))  # fmt: skip
         await self.step_out(seq, h, pos, first, scoring, out, kept, drafts, token)
@@ -978,7 +982,7 @@ class Stage:
                     self._unsent[seq], cached, h = rows, kept, h[kept:]
                     self.rows_unsent += kept
             hidden = Hidden(seq=seq, pos=pos, ep=self.epoch, first=first, cached=cached,
-                            drafts=drafts or None, token=token if drafts else None)  # fmt: skip
+                            drafts=drafts or None, token=token)  # fmt: skip
             await self.send_next(hidden, h)
             return
         if isinstance(out, Score):
@@ -988,8 +992,8 @@ class Stage:
                                                detail=out.detail))  # fmt: skip
         assert out is not None  # the last stage's step made a token (or a score: above)
         picked = out if isinstance(out, list) else [(int(out), self.logit_bits.pop(seq, ""))]
-        if seq in self.expect or drafts:  # the next round must start after these (rounds.py)
-            self.expect[seq] = Expect(pos + (len(picked) if drafts else 1), picked[-1][0])
+        if seq in self.expect or token is not None:  # the next round starts after these
+            self.expect[seq] = Expect(pos + len(picked), picked[-1][0])  # (rounds.py)
         if self.config.first:
             await self.on_token(seq, picked)
         else:
@@ -1132,11 +1136,15 @@ class Stage:
         stage drops them) and the next step starts from what was kept."""
         assert s.spec is not None  # rounds are kept only for a sequence that drafts
         drafts = list(done.rows[1:])
-        s.spec.took(drafts, got)
-        s.spec.k.timed(len(done.rows), s.active_s - done.sent_s)
-        if drafts:
-            self.drafted[0] += len(drafts)
-            self.drafted[1] += len(got) - 1
+        guess = s.rounds[0].rows[0] if s.rounds else None  # of its own token, sent behind it
+        s.spec.took(drafts, got, guess)
+        if done.lead:  # (a round sent behind others waited for them at every stage too)
+            s.spec.k.timed(len(done.rows), s.active_s - done.sent_s)
+        self.drafted[0] += len(drafts)
+        self.drafted[1] += len(got) - 1
+        if guess is not None and len(got) > len(drafts):  # all kept: the guess was judged
+            self.drafted[0] += 1
+            self.drafted[1] += int(got[-1] == guess)
         if not kept_whole(done, got, s.rounds):
             s.rounds.clear()
 
@@ -1145,13 +1153,18 @@ class Stage:
         alone, with the others ready (one pass: run_ready); or, when it drafts, the token and
         its drafts as rows of a step of its own, which the last stage verifies. Then, while
         the drafts are likely kept, more rounds behind it (rounds.py)."""
+        async with s.sending:
+            await self._next_steps(seq, s)
+
+    async def _next_steps(self, seq: int, s: Sequence) -> None:
+        if self.sequences.get(seq) is not s:  # it ended while a round was being sent
+            return
         if not s.rounds:
             pos = len(s.prompt) + len(s.tokens) - 1
             await self.send_round(seq, s, Round(pos, (s.tokens[-1], *self.drafts(s)),
                                                 time.monotonic()))  # fmt: skip
-        while s.spec is not None and not self.config.last and self.sequences.get(seq) is s:
-            if s.spec.mode == "auto" and len(self.sequences) > 1:  # as drafts() says
-                return
+        while self.pipelines(s) and self.sequences.get(seq) is s:
+            assert s.spec is not None
             last_pos = len(s.prompt) + s.max_tokens - 2
             look = s.spec.lookup.draft(8 * MAX_DRAFT)
             r = next_round(s.rounds, look, s.spec.k.acceptance, last_pos, time.monotonic())
@@ -1160,12 +1173,23 @@ class Stage:
             self.drafted[2] += 1
             await self.send_round(seq, s, r)
 
+    def pipelines(self, s: Sequence) -> bool:
+        """Whether rounds of `s` go behind others in flight: it drafts, the ring has more
+        than one stage, it does not replay, and in `auto` it is the ring's lone sequence (as
+        drafts() says)."""
+        if s.spec is None or self.config.last or s.replay:
+            return False
+        return not (s.spec.mode == "auto" and len(self.sequences) > 1)
+
     async def send_round(self, seq: int, s: Sequence, r: Round) -> None:
+        """A round to the next stage: a decode step with the others ready, unless it has
+        drafts or may have rounds behind it, which then must keep its order and be told
+        from a void one at the last stage (its first row's `token`)."""
         t0 = time.perf_counter()
         h = self.embed(np.asarray(r.rows))
         if s.spec is not None:
             s.rounds.append(r)
-        if len(r.rows) > 1:
+        if len(r.rows) > 1 or self.pipelines(s):
             drafts = list(r.rows[1:])
             if self.config.last:  # a ring of one: the answer comes back inside this call,
                 # and the next round from it: a task each, not a recursion each
