@@ -322,6 +322,9 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--vs-count", type=int, default=1, help="how many --vs nodes (default 1)")
     p.add_argument("--stages", type=int, help="exactly this many pipeline stages, as "
                    "`cellswarm up --stages` places them (default: the fewest that fit)")
+    p.add_argument("--draft", help="a draft model for speculative decoding (a preset, .gguf "
+                   "or HF folder), held by the first node of each replica beside its share "
+                   "(`worker --draft`)")  # fmt: skip
     p.add_argument("--topology", type=Path, help="the network of a `cellswarm lab` topology "
                    "file (racks, host rate, oversubscription): what the lab would measure")
     p.set_defaults(func=_cmd_plan)
@@ -373,6 +376,7 @@ def _plan_of(args: argparse.Namespace, api: Any, node: str, count: int,
         profiles_file=args.profiles, activations=args.activations, runtime_overhead=overhead,
         dram_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
         expert_hit_rate=args.hit_rate, stages=args.stages, network=args.network,
+        draft=args.draft,
     )  # fmt: skip
 
 

@@ -218,6 +218,73 @@ def test_generate_says_its_drafts_and_refuses_a_bad_mode_in_one_line(
 # -- lossless across a ring ----------------------------------------------------------------------
 
 
+def test_a_ring_drafts_with_its_first_stage_s_draft_model(demo: Model, demo_path: Path,
+                                                          tmp_path: Path) -> None:  # fmt: skip
+    """A draft model beside stage 0 (worker --draft): its drafts are verified through the
+    ring and change no token; without one, 'draft' is a one-line refusal; a draft of
+    another tokenizer, or one the budget cannot hold, is refused at start, saying why."""
+    from bench.speculative_peer import truncated_draft
+    from cellswarm.errors import CellswarmError
+    from cellswarm.planner.placement import even_split
+    from cellswarm.swarm.local.pipeline import LocalPipeline
+
+    draft = str(truncated_draft(demo_path, tmp_path / "draft.gguf", 6))
+    prompt = _chat(demo, KINDS["summary"])
+    expected = demo.generate(prompt, GenerateOptions(24, stop_ids=frozenset())).token_ids
+    with LocalPipeline(str(demo_path), even_split(30, 2), draft=draft) as pipe:
+        (got,) = pipe.generate([{"prompt": prompt, "max_tokens": 24, "speculative": "draft"}])
+        stats = pipe.stats()
+    assert got.tokens == expected
+    assert int(str(stats[0]["drafted_tokens"])) > 0, stats[0]
+    assert int(str(stats[0]["accepted_tokens"])) > 0, stats[0]
+    with LocalPipeline(str(demo_path), even_split(30, 2)) as pipe, \
+            pytest.raises(CellswarmError, match="no draft model") as refused:
+        pipe.generate([{"prompt": prompt, "max_tokens": 4, "speculative": "draft"}])
+    assert "\n" not in str(refused.value)
+    other = write_model(tmp_path / "other.gguf", "llama", "Q8_0", seed=3)
+    with pytest.raises(CellswarmError, match="another tokenizer"):
+        LocalPipeline(str(demo_path), even_split(30, 2), draft=str(other))
+    from cellswarm.loader import load
+    from cellswarm.swarm.ring.stage import StageConfig, shard_need_bytes, stage_selection
+
+    needs = []  # each stage's own need, without a draft model
+    for i, layers in enumerate(even_split(30, 2)):
+        config = StageConfig(str(demo_path), layers, i == 0, i == 1, context=512,
+                             max_sequences=2)  # fmt: skip
+        shard = load(str(demo_path), selection=stage_selection(config), tokenizer=False)
+        needs.append(sum(shard_need_bytes(shard, config).values()))
+    with pytest.raises(CellswarmError, match=r"draft [0-9,]+.* bytes short"):
+        LocalPipeline(str(demo_path), even_split(30, 2), draft=draft, memory_bytes=max(needs),
+                      context=512, max_sequences=2)  # fmt: skip
+
+
+def test_a_swarm_s_workers_draft_with_their_draft_model(demo: Model, demo_path: Path,
+                                                       tmp_path: Path) -> None:  # fmt: skip
+    """`cellswarm up --draft` / `worker --draft`: the worker that runs the first stage drafts
+    with the draft model, within its --memory; the job's text is the one-process text, and
+    the job says its drafts. A draft file that is not there is one line before any start."""
+    from bench.speculative_peer import truncated_draft
+    from cellswarm.swarm.api import client
+    from cellswarm.swarm.local.up import LocalSwarm
+
+    draft = str(truncated_draft(demo_path, tmp_path / "draft.gguf", 6))
+    messages = [{"role": "user", "content": KINDS["summary"]}]
+    with LocalSwarm(str(demo_path), 2, "256M", tmp_path / "swarm", draft=draft,
+                    context=400) as swarm:  # fmt: skip
+        swarm.wait_ready()
+        said = {mode: client.call(swarm.url, "/v1/chat/completions", {
+            "model": demo_path.name, "messages": messages, "max_tokens": 24,
+            "temperature": 0, "speculative": mode}) for mode in ("off", "draft")}  # fmt: skip
+    text = {mode: r["choices"][0]["message"]["content"] for mode, r in said.items()}
+    assert text["draft"] == text["off"] and text["off"], text
+    expected = demo.generate(_chat(demo, KINDS["summary"]), GenerateOptions(24))
+    assert text["off"] == expected.text
+    kept = said["draft"]["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
+    assert kept > 0, said["draft"]["usage"]
+    with pytest.raises(RequestError, match=r"--draft .*no such file"):
+        LocalSwarm(str(demo_path), 2, "160M", tmp_path / "bad", draft=str(tmp_path / "no.gguf"))
+
+
 def test_a_ring_verifies_drafts_and_gives_the_one_process_tokens(
     demo: Model, demo_path: Path
 ) -> None:

@@ -230,3 +230,24 @@ def test_the_plan_says_what_pipelining_makes() -> None:
     r = api.plan("mixtral-8x7b", node="rpi4", count=4, context=2048)
     line = render._speculative_line(r)
     assert "pipelined at 0.8 acceptance" in line and "rounds in flight" in line, line
+
+
+def test_a_draft_model_takes_its_room_on_the_first_node() -> None:
+    """`plan --draft`: the first node of each replica holds the draft model (its weights and
+    its KV cache, as the worker's budget counts them) beside a smaller share of the layers;
+    a draft no node can hold is one line naming it."""
+    kw: dict[str, object] = dict(node="rpi4", count=4, stages=4, context=1024)
+    base = api.plan("smollm2-135m", **kw)  # type: ignore[arg-type]
+    drafted = api.plan("smollm2-135m", draft="smollm2-135m", **kw)  # type: ignore[arg-type]
+    need = api.draft_bytes("smollm2-135m", 1024, 1)
+    first, *rest = drafted.placement.slots
+    assert drafted.fits and first.draft_bytes == need > 0
+    assert all(s.draft_bytes == 0 for s in rest)
+    assert first.layers is not None and base.placement.slots[0].layers is not None
+    assert first.layers[1] < base.placement.slots[0].layers[1]  # fewer layers, to make room
+    assert first.used_bytes <= drafted.capacity_bytes
+    assert "draft model" in render._placement_table(drafted).columns[1]._cells[0]
+    big = api.plan("smollm2-135m", node="ps3", count=64, draft="mixtral-8x7b")
+    assert not big.fits and "draft model needs" in big.problem, big.problem
+    with pytest.raises(RequestError, match="--draft is for --parallel pipeline"):
+        api.plan("smollm2-135m", node="rpi4", count=4, parallel="tensor", draft="smollm2-135m")

@@ -69,6 +69,7 @@ def plan(
     stages: int | None = None,
     network: NetworkSpec | None = None,
     heartbeat_s: float | None = None,
+    draft: str | ModelInventory | None = None,
 ) -> PlanResult:
     """Will `model` run on `count` nodes of kind `node`, how fast, at what power? Pure."""
     inv = model if isinstance(model, ModelInventory) else resolve_model(model, quant)
@@ -93,8 +94,19 @@ def plan(
         dram_bytes=dram_bytes,
         expert_hit_rate=expert_hit_rate,
         stages=stages,
+        draft_bytes=draft_bytes(draft, context, concurrency),
     )
     return _plan(inv, req)
+
+
+def draft_bytes(draft: str | ModelInventory | None, context: int, concurrency: int) -> int:
+    """What a draft model needs on the first node of a replica (stage.py shard_need_bytes
+    counts the same at the worker): its weights, and its own KV cache for every sequence."""
+    if draft is None:
+        return 0
+    inv = draft if isinstance(draft, ModelInventory) else resolve_model(draft)
+    kv = inv.kv_bytes_per_token_layer * inv.n_layers * context * concurrency
+    return inv.weight_bytes + kv
 
 
 def largest_context_that_fits(result: PlanResult) -> int:

@@ -35,10 +35,13 @@ class Slot:
     head_rows: Range | None = None
     weight_bytes: int = 0
     kv_bytes: int = 0
+    # a draft model beside the first node's share (speculative decoding: its weights and its
+    # KV cache), read by the drafts, not by a step of the model: not in weight_bytes
+    draft_bytes: int = 0
 
     @property
     def used_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes
+        return self.weight_bytes + self.kv_bytes + self.draft_bytes
 
     def describe(self) -> str:
         parts = []
@@ -52,6 +55,8 @@ class Slot:
             parts.append(f"layer {layer} {what} {a}..{b - 1}")
         if self.head_rows:
             parts.append(f"head rows {self.head_rows[0]}..{self.head_rows[1] - 1}")
+        if self.draft_bytes:
+            parts.append("the draft model")
         return ", ".join(parts)
 
 
@@ -119,10 +124,18 @@ class _Builder:
 
 
 def place_pipeline(
-    inv: ModelInventory, capacity_bytes: int, kv_tokens: int, separate_experts: bool = False
+    inv: ModelInventory, capacity_bytes: int, kv_tokens: int, separate_experts: bool = False,
+    draft_bytes: int = 0,
 ) -> Placement:
-    """kv_tokens: context x concurrency, the tokens of KV cache each layer's owner keeps."""
+    """kv_tokens: context x concurrency, the tokens of KV cache each layer's owner keeps;
+    draft_bytes: a draft model's, on the first node, before anything else."""
     b = _Builder(capacity_bytes)
+    if draft_bytes > capacity_bytes:
+        return Placement((), capacity_bytes, f"the draft model needs {draft_bytes:,} bytes; "
+                         f"a node has {capacity_bytes:,}")  # fmt: skip
+    if draft_bytes:
+        b.add(0, draft_bytes=draft_bytes)
+        b.used += draft_bytes
     problem = _place_rows(b, "embed_rows", inv.vocab_size, inv.embedding_bytes())
     for layer in range(inv.n_layers):
         problem = problem or _place_layer(b, inv, layer, kv_tokens, separate_experts)
@@ -246,12 +259,13 @@ class StageCosts:
 
 def stage_costs_of(
     inv: ModelInventory, kv_tokens: int, fixed_bytes: int,
-    remote_experts: bool = False, remote_vocab: bool = False,
+    remote_experts: bool = False, remote_vocab: bool = False, first_bytes: int = 0,
 ) -> StageCosts:  # fmt: skip
     """What each stage of `inv` holds and reads: `kv_tokens` of KV cache per layer (context x
     sequences in flight), `fixed_bytes` on every stage besides the tensors outside the layers
     (runtime and scratch, for the swarm; 0 for a plan, whose capacity has them taken out).
-    With part servers holding the routed experts / the vocabulary rows, stages hold neither."""
+    With part servers holding the routed experts / the vocabulary rows, stages hold neither.
+    `first_bytes`: what the first stage holds besides (a draft model)."""
 
     def held(i: int) -> int:
         return sum(t.nbytes for t in inv.layer_tensors(i)
@@ -262,8 +276,9 @@ def stage_costs_of(
         weights=tuple(held(i) for i in range(inv.n_layers)),
         kv=inv.kv_bytes_per_token_layer * kv_tokens,
         fixed=fixed_bytes + shared,
-        ends=(0, 0) if remote_vocab else (inv.embedding_bytes(), inv.head_bytes()),
-    )
+        ends=(first_bytes, 0) if remote_vocab else (inv.embedding_bytes() + first_bytes,
+                                                      inv.head_bytes()),
+    )  # fmt: skip
 
 
 def smallest_capacity(costs: StageCosts, stages: int) -> tuple[int, list[Range]]:
@@ -570,7 +585,7 @@ def vocab_parts(vocab_size: int, vocab_nodes: int) -> list[Range]:
 
 
 def layer_placement(
-    inv: ModelInventory, split: Sequence[Range], kv_tokens: int = 0
+    inv: ModelInventory, split: Sequence[Range], kv_tokens: int = 0, draft_bytes: int = 0
 ) -> Placement:
     """One stage per half-open layer range [lo, hi) (they must cover 0..n_layers in order),
     each holding its layers whole with `kv_tokens` of KV cache; the embedding on the first,
@@ -604,6 +619,7 @@ def layer_placement(
                 head_rows=vocab if last else None,
                 weight_bytes=nbytes,
                 kv_bytes=(hi - lo) * inv.kv_bytes_per_token_layer * kv_tokens,
+                draft_bytes=draft_bytes if first else 0,
             )
         )
     return Placement(tuple(slots), capacity_bytes=max(s.used_bytes for s in slots))
@@ -611,31 +627,33 @@ def layer_placement(
 
 def place(
     inv: ModelInventory, capacity_bytes: int, kv_tokens: int, separate_experts: bool = False,
-    stages: int | None = None,
+    stages: int | None = None, draft_bytes: int = 0,
 ) -> Placement:
     """A plan's placement: the swarm's own (the fewest balanced contiguous stages, as the
     coordinator places; exactly `stages` of them when asked, as `cellswarm up --stages`
     does) when whole layers fit a node, else the fill mode that splits a layer's
-    feed-forward units and the vocabulary rows over nodes (place_pipeline)."""
+    feed-forward units and the vocabulary rows over nodes (place_pipeline). `draft_bytes`:
+    a draft model the first node holds too (speculative decoding)."""
     if stages is not None:
-        return _place_stages(inv, capacity_bytes, kv_tokens, stages)
+        return _place_stages(inv, capacity_bytes, kv_tokens, stages, draft_bytes)
     if not separate_experts and capacity_bytes > 0:
-        split = fewest_stages(stage_costs_of(inv, kv_tokens, 0), capacity_bytes)
+        costs = stage_costs_of(inv, kv_tokens, 0, first_bytes=draft_bytes)
+        split = fewest_stages(costs, capacity_bytes)
         if split is not None:
-            return layer_placement(inv, split, kv_tokens)
-    return place_pipeline(inv, capacity_bytes, kv_tokens, separate_experts)
+            return layer_placement(inv, split, kv_tokens, draft_bytes)
+    return place_pipeline(inv, capacity_bytes, kv_tokens, separate_experts, draft_bytes)
 
 
 def _place_stages(inv: ModelInventory, capacity_bytes: int, kv_tokens: int,
-                  stages: int) -> Placement:  # fmt: skip
+                  stages: int, draft_bytes: int = 0) -> Placement:  # fmt: skip
     """`stages` balanced contiguous stages: the split the coordinator places when its
     --stages asks for them (control/placing.py: balanced_layers on the same costs; the
     fixed bytes a node also holds are taken out of `capacity_bytes` here, added there)."""
     if not 1 <= stages <= inv.n_layers:
         raise RequestError(f"--stages {stages}: give 1 to {inv.n_layers} (the model's layers)")
     try:
-        split = balanced_layers(stage_costs_of(inv, kv_tokens, 0), stages,
-                                max(capacity_bytes, 0), inv.name)  # fmt: skip
+        split = balanced_layers(stage_costs_of(inv, kv_tokens, 0, first_bytes=draft_bytes),
+                                stages, max(capacity_bytes, 0), inv.name)  # fmt: skip
     except BudgetError as exc:
         return Placement((), capacity_bytes, str(exc).replace("--memory is", "a node gives"))
-    return layer_placement(inv, split, kv_tokens)
+    return layer_placement(inv, split, kv_tokens, draft_bytes)

@@ -37,6 +37,8 @@ class PlanRequest:
     dram_bytes: int | None = None  # tiered boxes: DRAM given to weights (None: the tier's size)
     expert_hit_rate: float | None = None  # tiered boxes: None = what fits in DRAM
     stages: int | None = None  # exactly this many pipeline stages (`up --stages`): None, fewest
+    # a draft model's weights and KV cache, on the first node of each replica (speculative)
+    draft_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -47,6 +49,8 @@ class PlanRequest:
             raise RequestError(f"--parallel {self.parallel!r}: choose one of {PARALLEL_MODES}")
         if self.stages is not None and self.parallel != "pipeline":
             raise RequestError(f"--stages is for --parallel pipeline, not {self.parallel}")
+        if self.draft_bytes and self.parallel != "pipeline":
+            raise RequestError(f"--draft is for --parallel pipeline, not {self.parallel}")
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,8 @@ def plan(inv: ModelInventory, req: PlanRequest) -> PlanResult:
     capacity = node.memory_bytes - req.runtime_overhead_bytes - scratch
     if req.parallel == "tensor":
         return _plan_tensor(inv, req, scratch, capacity, kv_tokens)
-    placement = place(inv, max(capacity, 0), kv_tokens, req.parallel == "expert", req.stages)
+    placement = place(inv, max(capacity, 0), kv_tokens, req.parallel == "expert", req.stages,
+                      req.draft_bytes)  # fmt: skip
     tiers = plan_tiers(inv, req, scratch) if node.tiers else None
     problem = placement.problem if tiers is None else tiers.problem
     if capacity <= 0:

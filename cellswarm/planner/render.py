@@ -149,6 +149,8 @@ def _memory_table(r: PlanResult) -> Table:
     )
     t.add_row("per node: memory", format_bytes(req.node.memory_bytes))
     t.add_row("per node: runtime (measured idle worker)", format_bytes(req.runtime_overhead_bytes))
+    if req.draft_bytes:
+        t.add_row("first node: draft model (weights + KV)", format_bytes(req.draft_bytes))
     t.add_row("per node: activations + scratch", format_bytes(r.scratch_bytes))
     if r.placement.slots:
         t.add_row("per node: least headroom left", format_bytes(_min_headroom(r)))

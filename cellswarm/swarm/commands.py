@@ -68,6 +68,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     u.add_argument("--max-sequences", type=lambda t: parse_count(t, "--max-sequences", "8"),
                    default=CoordinatorConfig.max_sequences,
                    help="sequences in flight per stage, at most (default %(default)s)")
+    u.add_argument("--draft", help="a draft model (GGUF of the model's tokenizer) every "
+                   "worker drafts with when it runs a ring's first stage (worker --draft)")
     u.add_argument("--state-dir", default="cellswarm-state", help="database, token, logs")
     u.add_argument("--port", type=int, default=8470)
     u.add_argument("--keep-awake", action=argparse.BooleanOptionalAction, default=True,
@@ -226,7 +228,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        state_dir=Path(args.state_dir), profile=args.profile,
                        stages=args.stages, port=args.port, tls_dir=args.tls,
                        keep_awake=args.keep_awake, context=args.context,
-                       max_sequences=args.max_sequences)  # fmt: skip
+                       max_sequences=args.max_sequences, draft=args.draft)  # fmt: skip
     fit = swarm.fit_to_workers()  # a context they cannot hold: one line, before any process
 
     def say(line: str) -> None:
@@ -272,8 +274,8 @@ LOCAL_ONLY = {
     "slow_bandwidth": "a tiered box runs in one process: drop --coordinator",
     "routing_stats": "a tiered box runs in one process: drop --coordinator",
     "numa": "a tiered box runs in one process: drop --coordinator",
-    "draft": "a swarm drafts from the text so far (--speculative lookup or auto); a draft "
-             "model runs in one process: drop --coordinator or --draft",
+    "draft": "a swarm drafts with the draft model its first stage's worker was started "
+             "with (cellswarm worker --draft): drop --draft",
 }
 
 

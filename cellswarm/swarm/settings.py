@@ -11,6 +11,7 @@ policy.py for the failure policy. Pure: no sockets, no database.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import uuid
 from collections.abc import Callable
@@ -156,6 +157,10 @@ class WorkerConfig:
         None, "--dram-budget", "tier the shard's MoE experts: this much DRAM, the rest read "
         "from the file", size=True)
     cache_dir: str | None = setting(None, "--cache-dir", "where fetched shards are kept")
+    draft: str | None = setting(
+        None, "--draft", "a draft model for speculative decoding (a local GGUF of the "
+        "model's tokenizer): when this worker runs the ring's first stage it drafts with it, "
+        "within --memory")
     tls_dir: str | None = None  # mutual TLS to the coordinator and on the data plane (tls.py)
     # Serve the data port beyond loopback without a cluster token: anyone who reaches it
     # can drive the stage (stage 0: bypass the queue). Refused unless asked for by name.
@@ -173,6 +178,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.node_id:
             object.__setattr__(self, "node_id", f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+        if self.draft is not None and not os.path.isfile(self.draft):
+            raise RequestError(f"--draft {self.draft}: no such file; give a local GGUF of the "
+                               "model's tokenizer")  # fmt: skip
 
 
 def parse_count(text: str, flag: str, example: str) -> int:

@@ -85,6 +85,7 @@ class LocalPipeline:
         expert_nodes: int = 0, vocab_nodes: int = 0, max_batch: int = StageConfig.max_batch,
         prefix_cache_bytes: dict[int, int] | None = None,
         max_attempts: int = policy.MAX_ATTEMPTS, offline_after: int = policy.OFFLINE_AFTER,
+        draft: str | None = None,
     ):  # fmt: skip
         # the swarm's failure policy (swarm/policy/), unless a test asks for other numbers
         self.max_attempts, self.offline_after = max_attempts, offline_after
@@ -112,6 +113,7 @@ class LocalPipeline:
                 parts=tuple(specs),
                 max_batch=max_batch,
                 prefix_cache_bytes=(prefix_cache_bytes or {}).get(i),
+                draft=draft if i == 0 else None,  # stage 0 drafts
             )
             for i, layers in enumerate(splits)
         ]

@@ -82,6 +82,7 @@ class LocalSwarm:
     own_log_dirs: bool = False  # no shared disk: logs-<i> per worker, logs-coordinator
     control: str | None = None  # nats://HOST:PORT: heartbeats through NATS (transport/beats.py)
     keep_awake: bool = WorkerConfig.keep_awake  # workers hold a CPU wake-latency bound (awake.py)
+    draft: str | None = None  # workers' --draft: a draft model for a ring's first stage
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)
 
@@ -100,6 +101,8 @@ class LocalSwarm:
         scheme = "https" if self.tls_dir else "http"
         self.urls = [f"{scheme}://127.0.0.1:{p}" for p in self.ports]
         self.url = self.urls[0]
+        if self.draft is not None:
+            self.worker_config(0)  # a bad --draft: one line, before any process starts
 
     def _spawn(self, name: str, args: list[str], ready: str,
                env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
@@ -173,6 +176,7 @@ class LocalSwarm:
             dram_budget_bytes=parse_bytes(self.dram_budget) if self.dram_budget else None,
             cache_dir=str(self.state_dir / f"cache-{i}") if self.fetch else None,
             fail_token=self.fail_token, control=self.control, keep_awake=self.keep_awake,
+            draft=self.draft,
         )  # fmt: skip
 
     def start_worker(self, i: int) -> None:

@@ -72,6 +72,7 @@ from cellswarm.swarm.ring.parts import PartConfig, PartServer, PartSpec, load_pa
 from cellswarm.swarm.ring.stage import (
     Stage,
     StageConfig,
+    load_draft,
     load_stage_model,
     shard_need_bytes,
     stage_selection,
@@ -516,6 +517,7 @@ class Worker:
             node_id=c.node_id, profile=c.profile, token_file=c.token_file, peers=("coordinator",),
             parts=tuple(PartSpec.from_wire(p) for p in given.parts),
             dram_budget_bytes=c.dram_budget_bytes, tls_dir=c.tls_dir,
+            draft=c.draft if shard.first else None,
         )  # fmt: skip
         if c.fetch or c.model is None:
             config = replace(config, model=str(await asyncio.to_thread(self.fetch, config)))
@@ -702,8 +704,11 @@ def size_kv(config: StageConfig) -> StageConfig:
 
     lo, hi = config.layers
     probe: Model = load(config.model, selection=stage_selection(config), tokenizer=False)
+    if config.draft and config.first:
+        probe.draft = load_draft(config.draft, config.model)
     need = shard_need_bytes(probe, replace(config, max_sequences=0))
-    per_seq = probe.kv_sequence_bytes(config.context)
+    per_seq = probe.kv_sequence_bytes(config.context) + (
+        probe.draft.kv_sequence_bytes(config.context) if probe.draft is not None else 0)
     left = int(config.memory_bytes or 0) - sum(need.values())
     fits = left // per_seq if per_seq else config.max_sequences
     if fits < 1:

@@ -35,7 +35,7 @@ from cellswarm.engine.model import Model
 from cellswarm.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from cellswarm.engine.sampling import SamplingParams, sample
 from cellswarm.engine.scoring import MAX_TOP, log_norms, sum_log_probs, token_detail
-from cellswarm.engine.speculative import MAX_DRAFT, Speculator
+from cellswarm.engine.speculative import MAX_DRAFT, DraftModel, Speculator
 from cellswarm.engine.speculative import accept as accept_drafts
 from cellswarm.errors import BudgetError, CellswarmError, JobError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection
@@ -130,6 +130,10 @@ class StageConfig:
     # prefix_cache.py); None: 64 MiB, or with a budget half of what it leaves after the
     # shard, up to that (never more than --memory: prefix_budget); 0: off.
     prefix_cache_bytes: int | None = None
+    # The first stage's draft model (a GGUF of the same tokenizer; speculative 'draft', and
+    # 'auto' drafts with it): held whole beside the shard, in the same budget, with a cache
+    # of its own per sequence (engine/speculative.py DraftModel)
+    draft: str | None = None
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -630,10 +634,9 @@ class Stage:
                         or f.score_from + sum(lengths) != len(prompt)
                         or f.score_from < 1):  # fmt: skip
             bad = f"completions {lengths} do not follow a prompt in {len(prompt)} ids"
-        if f.speculative == "draft" and not lengths:
-            bad = ("speculative 'draft': a swarm drafts from the text so far (lookup); a "
-                   "draft model runs in one process (cellswarm generate --draft): use auto "
-                   "or lookup")  # fmt: skip
+        if f.speculative == "draft" and not lengths and self.model.draft is None:
+            bad = ("speculative 'draft': this ring's first stage has no draft model (start "
+                   "its worker with --draft MODEL.gguf): use auto or lookup")  # fmt: skip
         if bad is not None:
             await emit(Frame.of(ErrorOut(req=f.req, message=bad, fault="job")))
             return
@@ -655,7 +658,8 @@ class Stage:
         self.sequences[seq] = Sequence(
             f.req, emit, [int(t) for t in prompt], f.max_tokens, frozenset(f.stop_ids),
             replay=list(f.replay),
-            spec=None if lengths else Speculator.of(f.speculative, [int(t) for t in prompt]),
+            spec=None if lengths else Speculator.of(f.speculative, [int(t) for t in prompt],
+                                                    self.drafter(f.speculative, need)),
         )  # fmt: skip
         rows = scoring_rows(f.score_from, lengths) if lengths and f.score_from is not None \
             else slice(None)  # fmt: skip
@@ -668,6 +672,13 @@ class Stage:
         if not self.sequences[seq].replay and not await self.at_frontier(seq):
             return
         await self.run_layers(seq, h, 0, first)
+
+    def drafter(self, mode: str, capacity: int) -> DraftModel | None:
+        """A sequence's own draft model cache, when this stage has a draft model and the
+        mode drafts with one ('draft', 'auto')."""
+        if self.model.draft is None or mode not in ("draft", "auto"):
+            return None
+        return DraftModel(self.model.draft, capacity)
 
     async def at_frontier(self, seq: int) -> bool:
         """Tell the head (on_frontier) that `seq` is about to run a step its job never
@@ -1347,9 +1358,30 @@ def load_stage_model(config: StageConfig) -> Model:
         print(tiered.placement.describe(), file=sys.stderr, flush=True)
         return tiered.model
     model = load(config.model, selection=stage_selection(config), tokenizer=False)
+    if config.draft and config.first:
+        model.draft = load_draft(config.draft, config.model)
     if config.memory_bytes is not None:
         check_budget(model, config)
     return model
+
+
+def load_draft(path: str, model_path: str) -> Model:
+    """The first stage's draft model, whole; it must share the model's tokenizer token for
+    token, or its guesses would be other tokens (as Model.use_draft checks in one process)."""
+    from cellswarm.loader import load, load_tokenizer
+
+    def vocabulary(file: str) -> object:
+        try:
+            return load_tokenizer(file).vocabulary()
+        except CellswarmError:  # none in the file: nothing to share
+            return None
+
+    draft = load(path, tokenizer=False)
+    theirs = vocabulary(path)
+    if theirs is None or theirs != vocabulary(model_path):
+        raise RequestError(f"--draft {path} has another tokenizer than {model_path}: draft "
+                           "with a model of the same family and vocabulary")  # fmt: skip
+    return draft
 
 
 def check_cached(hidden: Hidden) -> None:
@@ -1447,12 +1479,17 @@ def shard_need_bytes(model: Model, config: StageConfig) -> dict[str, int]:
     from cellswarm.planner.overhead import runtime_overhead_bytes
 
     mem = model.memory(batch=prefill_rows(config.context), context=config.context)
-    return {
+    need = {
         "weights": mem.weight_bytes,
         "kv": model.kv_sequence_bytes(config.context) * config.max_sequences,
         "scratch": mem.scratch_bytes,
         "runtime": runtime_overhead_bytes(),
     }
+    if model.draft is not None:  # its weights, its cache per sequence, a draft step's scratch
+        draft = model.draft.memory(batch=1, context=config.context)
+        need["draft"] = (draft.weight_bytes + draft.scratch_bytes
+                         + model.draft.kv_sequence_bytes(config.context) * config.max_sequences)
+    return need
 
 
 DEFAULT_PREFIX_CACHE_BYTES = 64 << 20
