@@ -20,7 +20,10 @@ from cellswarm.swarm.protocol.messages import Shard
 # 5: speculative decoding: a job's work and a `generate` frame say `speculative`, a
 #    `hidden` frame carries the drafts its rows verify, a `token` frame the tokens a step
 #    kept after its first (`more`), `done` the drafts verified and kept; a job's output too
-PROTOCOL = 5
+# 6: a `hidden` frame's `token` without drafts is a round of its own (a guess sent behind
+#    others, ring/rounds.py): run in order, not batched, and dropped at the last stage when
+#    void; a 5 would batch it and so could run it out of order
+PROTOCOL = 6
 
 
 class VersionMismatch(Exception):

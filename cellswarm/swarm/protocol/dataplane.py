@@ -110,7 +110,8 @@ class Hidden(DataMessage, frozen=True):
     # speculative decoding: the rows are the last token and these drafts after it, which
     # the last stage verifies (engine/speculative.py accept)
     drafts: Annotated[list[int], msgspec.Meta(max_length=MAX_DRAFT)] | None = None
-    token: int | None = None  # with drafts: the first row's token (rounds.py Expect)
+    # a speculative round's first row's token (rounds.py Expect): with drafts, or alone
+    token: int | None = None
 
 
 class Need(DataMessage, frozen=True, omit_defaults=False):
