@@ -354,7 +354,9 @@ def summary(rows: list[Row]) -> list[str]:
 
 FOOTNOTES = (
     "acceptance: accepted / drafted (biased low: a refusal ends a round, later drafts are "
-    "never judged). tokens/step: (N - 1) / (N - 1 - accepted), approximate.",
+    "never judged; over stages a guess sent ahead in a round of its own counts as a draft). "
+    "tokens/step: (N - 1) / (N - 1 - accepted), the tokens per round that no kept draft or "
+    "guess gave, approximate.",
     "predicted: planner/speculative.py swarm_speedup (best k, rounds pipelined) for the "
     "setup's nodes, with the "
     "per-draft acceptance kept / (kept + rounds with a refusal) counted in the one-process "
