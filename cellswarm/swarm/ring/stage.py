@@ -245,10 +245,6 @@ class Sequence:
     # oldest first (rounds.py: pipelined)
     spec: Speculator | None = None
     rounds: list[Round] = field(default_factory=list)
-    # held while its rounds are decided and sent: a round's answer can come back while
-    # stage 0 still runs the round it sent behind it, and the next must not start before
-    # that one is done here (both write its cache at the same positions: the later wins)
-    sending: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class Stage:
@@ -1003,8 +999,10 @@ class Stage:
                                                detail=out.detail))  # fmt: skip
         assert out is not None  # the last stage's step made a token (or a score: above)
         picked = out if isinstance(out, list) else [(int(out), self.logit_bits.pop(seq, ""))]
-        if seq in self.expect or token is not None:  # the next round starts after these
-            self.expect[seq] = Expect(pos + len(picked), picked[-1][0])  # (rounds.py)
+        # where the sequence goes on, after every step (rounds.py Expect): a round sent ahead
+        # may come behind one that ran as a plain decode step, and must still be checked
+        after = len(first.prompt) if first is not None else pos + len(picked)
+        self.expect[seq] = Expect(after, picked[-1][0])
         if self.config.first:
             await self.on_token(seq, picked)
         else:
@@ -1164,12 +1162,6 @@ class Stage:
         alone, with the others ready (one pass: run_ready); or, when it drafts, the token and
         its drafts as rows of a step of its own, which the last stage verifies. Then, while
         the drafts are likely kept, more rounds behind it (rounds.py)."""
-        async with s.sending:
-            await self._next_steps(seq, s)
-
-    async def _next_steps(self, seq: int, s: Sequence) -> None:
-        if self.sequences.get(seq) is not s:  # it ended while a round was being sent
-            return
         if not s.rounds:
             pos = len(s.prompt) + len(s.tokens) - 1
             await self.send_round(seq, s, Round(pos, (s.tokens[-1], *self.drafts(s)),
