@@ -312,10 +312,52 @@ def test_a_ring_verifies_drafts_and_gives_the_one_process_tokens(
     assert drafted > 0 and kept > 0 and pipelined > 0, stats[0]
     assert int(str(stats[2]["rounds_void"])) > 0, stats[2]  # some guesses were wrong
     assert not stats[1].get("drafted_tokens"), stats[1]  # stage 0 drafts; the others verify
+    assert stats[0]["tokens_stray"] == 0, stats[0]  # every answer continued the text
+
+
+def test_stage_0_drops_an_answer_that_does_not_continue_its_text(demo_path: Path) -> None:
+    """A `token` frame for a step the text no longer has (a round stage 0 forgot, a frame
+    come twice) is dropped and counted, never emitted: it would repeat or skip a token."""
+    import asyncio
+
+    from cellswarm.swarm.ring.frames import Frame
+    from cellswarm.swarm.ring.rounds import continues
+    from cellswarm.swarm.ring.stage import Sequence, Stage, StageConfig, load_stage_model
+
+    assert continues(12, 7, 12, 7) and continues(12, 7, None, None) and continues(12, 7, 12, None)
+    assert not continues(12, 7, 11, 7)  # a frame come twice: its token is out already
+    assert not continues(12, 7, 12, 9)  # a round built on a guess the text did not keep
+
+    async def scenario() -> tuple[Any, list[tuple[str, Any]], list[Any]]:
+        config = StageConfig(str(demo_path), (0, 15), first=True, last=False)
+        stage = Stage(config, load_stage_model(config))
+        out: list[tuple[str, Any]] = []
+        sent: list[Any] = []
+
+        async def emit(f: Frame) -> None:
+            out.append((f.type, f.fields))
+
+        async def send_next(message: Any, array: Any = None) -> None:  # the next stage's seam
+            sent.append(message)
+
+        stage.send_next = send_next  # type: ignore[method-assign]
+        s = Sequence("r", emit, [1, 2, 3], 2, frozenset(), tokens=[79])
+        stage.sequences[1] = s
+        await stage.on_token(1, [(100, "")], at=3, follows=3)  # position 3 holds 79: twice
+        await stage.on_token(1, [(100, "")], at=4, follows=5)  # after a token not the text's
+        stray = (list(out), list(s.tokens), stage.tokens_stray)
+        await stage.on_token(1, [(100, "")], at=4, follows=79)  # the text's next: taken
+        return stray, out, sent
+
+    stray, out, sent = asyncio.run(scenario())
+    assert stray == ([], [79], 2)
+    assert [t for t, _ in out] == ["token", "done"] and out[0][1]["token"] == 100
+    assert [type(m).__name__ for m in sent] == ["End"]
 
 
 def test_rounds_go_behind_rounds_only_while_they_are_likely_kept() -> None:
-    from cellswarm.swarm.ring.rounds import MAX_IN_FLIGHT, Expect, Round, kept_whole, next_round
+    from cellswarm.planner.speculative import MAX_IN_FLIGHT
+    from cellswarm.swarm.ring.rounds import Expect, Round, kept_whole, next_round
 
     a = Round(10, (7, 1, 2), 0.0)  # the last token 7 at 10, drafts 1 2 at 11 12
     look = [1, 2, 3, 4, 5, 6, 8, 9]  # what the lookup says follows the text (…, 7)

@@ -110,6 +110,11 @@ class _Builder:
         self.cur["kv_bytes"] = self.cur.get("kv_bytes", 0) + kv
         self.used += weight + kv
 
+    def add_draft(self, draft_bytes: int) -> None:
+        """A draft model's weights and cache, whole on the current node."""
+        self.cur["draft_bytes"] = self.cur.get("draft_bytes", 0) + draft_bytes
+        self.used += draft_bytes
+
     def _merge(self, key: str, value: object) -> None:
         if key == "units":
             self.cur["units"] = (*self.cur.get("units", ()), value)
@@ -134,8 +139,7 @@ def place_pipeline(
         return Placement((), capacity_bytes, f"the draft model needs {draft_bytes:,} bytes; "
                          f"a node has {capacity_bytes:,}")  # fmt: skip
     if draft_bytes:
-        b.add(0, draft_bytes=draft_bytes)
-        b.used += draft_bytes
+        b.add_draft(draft_bytes)
     problem = _place_rows(b, "embed_rows", inv.vocab_size, inv.embedding_bytes())
     for layer in range(inv.n_layers):
         problem = problem or _place_layer(b, inv, layer, kv_tokens, separate_experts)

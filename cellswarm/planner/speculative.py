@@ -149,12 +149,18 @@ def best_k(times: RingTimes, acceptance: float, max_k: int = 8) -> int:
     return best
 
 
+def sends_behind(acceptance: float, rows: int, rounds: int) -> bool:
+    """Whether one more round goes behind `rounds` rounds of `rows` rows in all: the chance
+    they all hold, acceptance^rows, is at least MIN_CHANCE, and fewer than MAX_IN_FLIGHT
+    are out. The rule itself, which the ring's stage 0 follows (swarm/ring/rounds.py)."""
+    return rounds < MAX_IN_FLIGHT and acceptance**rows >= MIN_CHANCE
+
+
 def in_flight(acceptance: float, rows: int, stages: int) -> int:
-    """Rounds of `rows` rows a ring of `stages` keeps in flight: one more goes behind while
-    acceptance^(rows of those in flight) >= MIN_CHANCE, up to MAX_IN_FLIGHT (1: one stage)."""
+    """Rounds of `rows` rows a ring of `stages` keeps in flight (sends_behind; 1: one stage)."""
     _check_acceptance(acceptance)
     n = 1
-    while stages > 1 and n < MAX_IN_FLIGHT and acceptance ** (rows * n) >= MIN_CHANCE:
+    while stages > 1 and sends_behind(acceptance, rows * n, n):
         n += 1
     return n
 

@@ -23,7 +23,9 @@ from cellswarm.swarm.protocol.messages import Shard
 # 6: a `hidden` frame's `token` without drafts is a round of its own (a guess sent behind
 #    others, ring/rounds.py): run in order, not batched, and dropped at the last stage when
 #    void; a 5 would batch it and so could run it out of order
-PROTOCOL = 6
+# 7: a `token` frame says whose answer it is (`at`, `follows`): stage 0 drops one that does
+#    not continue its text where it stands, rather than emit it (and counts it: `tokens_stray`)
+PROTOCOL = 7
 
 
 class VersionMismatch(Exception):

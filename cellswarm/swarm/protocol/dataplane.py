@@ -144,6 +144,11 @@ class Token(DataMessage, frozen=True, omit_defaults=False):
     bits: str = ""
     more: Annotated[list[tuple[int, str]], msgspec.Meta(max_length=MAX_DRAFT)] = \
         msgspec.field(default_factory=list)
+    # whose answer it is: the text position `token` takes, and the token the step's first
+    # row ran (a speculative round's or a prompt's; None after a plain decode step, whose
+    # rows carry no token). Stage 0 takes it only where its text stands (Stage.on_token).
+    at: int | None = None
+    follows: int | None = None
 
 
 # A scored token: its log-probability, whether it was the row's argmax, the row's likeliest

@@ -73,6 +73,7 @@ class NodeStats(Message, frozen=True):
     accepted_tokens: int | None = None  # and kept; rounds sent behind others (pipelined),
     rounds_pipelined: int | None = None
     rounds_void: int | None = None  # and, at the last stage, rounds dropped as void
+    tokens_stray: int | None = None  # stage 0: answers dropped, their step no longer its text's
 
 
 class CheckAsk(Message, frozen=True):

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# how many in flight: the planner's own numbers, so what it and the simulator predict is
-# what the ring does (planner/speculative.py in_flight)
-from cellswarm.planner.speculative import MAX_IN_FLIGHT, MIN_CHANCE
-
-__all__ = ["MAX_IN_FLIGHT", "MIN_CHANCE", "Expect", "Round", "ahead", "kept_whole", "next_round"]
+# how many in flight: the planner's own rule, so what it and the simulator predict is what
+# the ring does (planner/speculative.py in_flight)
+from cellswarm.planner.speculative import sends_behind
 
 
 @dataclass(frozen=True)
@@ -66,15 +64,13 @@ def kept_whole(done: Round, got: list[int], behind: list[Round]) -> bool:
 def next_round(rounds: list[Round], continuation: list[int], acceptance: float,
                last_pos: int, now_s: float) -> Round | None:  # fmt: skip
     """The round to send behind those in flight, as many rows as the last one (its guess of
-    the last one's own token, then drafts), or None: none in flight to go behind,
-    MAX_IN_FLIGHT reached, too little chance they all hold, or no guess. `continuation`:
+    the last one's own token, then drafts), or None: none in flight to go behind, the
+    planner's rule says no more (sends_behind), or no guess. `continuation`:
     what the lookup says follows the sequence's text (it must agree with what the rounds in
     flight assume); `last_pos`: the last position a row may take (its output must still be
     a token the request may have)."""
-    if not rounds or len(rounds) >= MAX_IN_FLIGHT:
-        return None
-    chance = acceptance ** sum(len(r.rows) for r in rounds)  # its drafts, the next's guess
-    if chance < MIN_CHANCE:
+    # the rows in flight: each one's drafts, and the guess of its own token (the next's)
+    if not rounds or not sends_behind(acceptance, sum(len(r.rows) for r in rounds), len(rounds)):
         return None
     assumed = ahead(rounds)
     if continuation[: len(assumed)] != assumed:
@@ -96,3 +92,12 @@ class Expect:
 
     def takes(self, pos: int, token: int | None) -> bool:
         return pos == self.pos and (token is None or token == self.token)
+
+
+def continues(length: int, last: int, at: int | None, follows: int | None) -> bool:
+    """Whether an answer (a `token` frame) continues stage 0's text of `length` tokens, the
+    last `last`, where it stands: its first token takes position `length`, after a step
+    whose first row ran `last`. Anything else answers a step the text no longer has (a
+    round dropped at stage 0, a frame come twice): emitting it would repeat or skip a token.
+    None: not said (a plain decode step's rows carry no token)."""
+    return (at is None or at == length) and (follows is None or follows == last)

@@ -85,7 +85,7 @@ from cellswarm.swarm.ring.frames import (
     write_frame,
 )
 from cellswarm.swarm.ring.parts import ExpertParts, PartLost, PartSpec, VocabParts
-from cellswarm.swarm.ring.rounds import Expect, Round, kept_whole, next_round
+from cellswarm.swarm.ring.rounds import Expect, Round, continues, kept_whole, next_round
 from cellswarm.swarm.ring.step import Rows, step
 from cellswarm.swarm.ring.step_times import StepTimes
 from cellswarm.swarm.tls import client_context, server_context
@@ -285,6 +285,7 @@ class Stage:
         # speculative decoding: drafts verified and kept, rounds pipelined (stage 0); rounds
         # dropped as void (the last stage)
         self.drafted = [0, 0, 0, 0]
+        self.tokens_stray = 0  # stage 0: answers to steps its text no longer has (dropped)
         self.expect: dict[int, Expect] = {}  # the last stage: where each sequence goes on
         self._tasks: set[asyncio.Future[None]] = set()  # a ring of one's rounds (spawn)
         self.epoch = 0  # the layout generation; frames from an older one are stale
@@ -548,7 +549,8 @@ class Stage:
         elif isinstance(message, Prefix):
             await self.on_prefix(message, array)
         elif isinstance(message, Token):
-            await self.on_token(message.seq, [(message.token, message.bits), *message.more])
+            await self.on_token(message.seq, [(message.token, message.bits), *message.more],
+                                message.at, message.follows)  # fmt: skip
         elif isinstance(message, Scored):
             await self.on_scored(message.seq, Score(logprobs=message.logprobs,
                                                     detail=message.detail))  # fmt: skip
@@ -607,6 +609,7 @@ class Stage:
             rows_unsent=self.rows_unsent, rows_resent=self.rows_resent,
             drafted_tokens=self.drafted[0], accepted_tokens=self.drafted[1],
             rounds_pipelined=self.drafted[2], rounds_void=self.drafted[3],
+            tokens_stray=self.tokens_stray,
         )  # fmt: skip
         if self.prefix is None:
             return stats
@@ -1003,12 +1006,14 @@ class Stage:
         # may come behind one that ran as a plain decode step, and must still be checked
         after = len(first.prompt) if first is not None else pos + len(picked)
         self.expect[seq] = Expect(after, picked[-1][0])
+        at = after - len(picked) + 1  # the position of the first token picked
+        follows = first.prompt[-1] if first is not None else token
         if self.config.first:
-            await self.on_token(seq, picked)
+            await self.on_token(seq, picked, at, follows)
         else:
-            (token, bits), *more = picked
-            await self.send_next(Token(seq=seq, token=token, ep=self.epoch, bits=bits,
-                                       more=more))  # fmt: skip
+            (out_token, bits), *more = picked
+            await self.send_next(Token(seq=seq, token=out_token, ep=self.epoch, bits=bits,
+                                       more=more, at=at, follows=follows))  # fmt: skip
 
     def score(self, h: np.ndarray, first: First) -> Score:
         """Log-likelihood of each completion's tokens given the prompt (the tokens from
@@ -1109,11 +1114,19 @@ class Stage:
         history.append(token)
         return token
 
-    async def on_token(self, seq: int, tokens: list[tuple[int, str]]) -> None:
+    async def on_token(self, seq: int, tokens: list[tuple[int, str]], at: int | None = None,
+                       follows: int | None = None) -> None:  # fmt: skip
         """A step's tokens came back (one; after a step with drafts, the drafts kept and the
-        model's own), each with its logits' digest: out to the client, then the next step."""
+        model's own), each with its logits' digest: out to the client, then the next step.
+        `at`, `follows`: whose answer they are (the position of the first, the token its
+        step ran first); one that does not continue the text where it stands is dropped."""
         s = self.sequences.get(seq)
         if s is None:  # dropped by a reset while this token was on the wire
+            return
+        length, last = len(s.prompt) + len(s.tokens), (s.tokens or s.prompt)[-1]
+        if not continues(length, last, at, follows):  # for a step the text no longer has
+            self.tokens_stray += 1
+            self.log.event("stray", s.req, stage=self.span, at=at, text=length)
             return
         s.active_s = time.monotonic()
         if s.rounds:  # the oldest step in flight came back (rounds.py)
