@@ -88,7 +88,7 @@ import numpy as np
 LLAMA_CPP_PYTHON = "0.3.36"  # the PyPI sdist whose vendor/llama.cpp is built
 BINARIES = ("llama-bench", "llama-simple", "llama-perplexity", "llama-quantize",
             "llama-batched-bench", "llama-server", "llama-lookup", "llama-speculative",
-            "llama-speculative-simple")  # fmt: skip
+            "llama-speculative-simple", "llama-imatrix")  # fmt: skip
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",

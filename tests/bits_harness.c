@@ -56,7 +56,7 @@ static int block_bytes(int fmt) {
     case Q4_K: return 144;
     case Q6_K: return 210;
     case Q2_K: return 84;
-    default: return 0;
+    default: return is_lowbit(fmt) ? lowbit_bytes(fmt) : 0;
     }
 }
 
@@ -84,8 +84,16 @@ static uint8_t *weights(int fmt, int64_t rows, int64_t cols) {
     for (int64_t i = 0; i < nb * bb; i++) w[i] = (uint8_t)next32();
     for (int64_t b = 0; b < nb; b++) { /* f16 scales in [2^-8, 2^-7) */
         uint8_t *blk = w + b * bb;
-        const int offs[2] = {fmt == Q6_K ? 208 : fmt == Q2_K ? 80 : 0,
-                             fmt == Q4_1 || fmt == Q4_K ? 2 : fmt == Q2_K ? 82 : -1};
+        if (fmt == IQ1_M) { /* its f16 in the top nibbles of four 16-bit words at 48 */
+            const uint16_t d = (uint16_t)(0x1C00 | (next32() & 0x3FF));
+            for (int k = 0; k < 4; k++) blk[49 + 2 * k] = (uint8_t)((blk[49 + 2 * k] & 0x0F) | ((d >> (4 * k)) & 0xF) << 4);
+            continue;
+        }
+        if (fmt == MXFP4) { blk[0] = (uint8_t)(120 + next32() % 3); continue; } /* 2^-8 .. 2^-6 */
+        if (fmt == NVFP4) continue; /* every E4M3 byte is finite */
+        const int offs[2] = {fmt == Q6_K ? 208 : fmt == Q2_K ? 80 : fmt == Q3_K ? 108 : fmt == TQ1_0 ? 52
+                             : fmt == TQ2_0 ? 64 : 0,
+                             fmt == Q4_1 || fmt == Q4_K || fmt == Q5_1 || fmt == Q5_K ? 2 : fmt == Q2_K ? 82 : -1};
         for (int k = 0; k < 2; k++)
             if (offs[k] >= 0) le16(blk + offs[k], (uint16_t)(0x1C00 | (next32() & 0x3FF)));
     }
@@ -99,15 +107,21 @@ static mat matrix(int fmt, int64_t rows, int64_t cols) {
 }
 
 static void matmuls(void) {
-    const int quant[] = {Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q2_K}, flt[] = {F32, F16, BF16};
+    const int quant[] = {Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q2_K, Q5_1, Q3_K, Q5_K, IQ2_XXS, IQ2_XS, IQ3_XXS,
+                         IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M, TQ1_0, TQ2_0, MXFP4, NVFP4};
+    const int flt[] = {F32, F16, BF16};
     const int64_t rows = 37, cols = 512, nx = 3;
     float *x = floats(nx * cols, 1.0f), out[3 * 37];
     x[5] = 40.0f; /* outliers: multiplied in float */
     x[cols + 300] = -25.0f;
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < (int)(sizeof quant / sizeof quant[0]); i++) {
         const mat m = matrix(quant[i], rows, cols);
         cs_matmul_qx(quant[i], m.w, rows, m.row_bytes, cols, x, nx, out);
         put(out, nx * rows);
+        float *deq = (float *)malloc(sizeof(float) * (size_t)(rows * cols)); /* and as floats */
+        cs_dequantize(quant[i], m.w, rows, m.row_bytes, cols, deq);
+        put(deq, rows * cols);
+        free(deq);
         free((void *)m.w);
     }
     for (int i = 0; i < 3; i++) {

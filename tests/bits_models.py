@@ -10,6 +10,7 @@ Q6_K for attn_v, ffn_down and the output head, and Q8_0 / F32 where a row is not
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from cellswarm.io.gguf_write import write_gguf
 from cellswarm.models.deepseek2 import DeepseekConfig
 from cellswarm.models.llama_config import LlamaConfig
 from cellswarm.quant import PackedExperts, PackedMatrix, format_by_name
+from tests.random_blocks import random_blocks
 
 SCALES = {"Q4_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82)}  # bytes of each block's f16 scales
 
@@ -38,15 +40,26 @@ FAMILIES: dict[str, Any] = {
         norm_topk_prob=True, gating="sigmoid", rope_theta=10000.0,
     ),
 }  # fmt: skip
-FORMATS = ("F32", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K_M")
-# every family in every format, but a float32 MoE (~50 MB here, and no one's download)
-MODELS = [(f, q) for f in FAMILIES for q in FORMATS if (f, q) != ("deepseek2", "F32")]
+FORMATS = ("F32", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K_M", "LOWBIT")
+# "LOWBIT": every other format the kernels read (kernels/lowbit.c), one per tensor in turn by
+# its name, the routed experts of a MoE among them (a dynamic mix's 1-2 bit experts)
+LOWBIT = ("Q5_1", "Q3_K", "Q5_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S",
+          "IQ2_S", "IQ4_XS", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "Q2_K")  # fmt: skip
+# every family in every format, but a float32 MoE (~50 MB here, and no one's download), and the
+# low-bit mix on one dense family and the MoE (the kernels are the families' shared ones)
+MODELS = [
+    (f, q) for f in FAMILIES for q in FORMATS
+    if (f, q) != ("deepseek2", "F32") and (q != "LOWBIT" or f in ("llama", "deepseek2"))
+]
 
 
 def _format_of(name: str, shape: tuple[int, ...], quant: str) -> str:
     """llama-quantize's choice for one tensor of a `quant` file (mixes by tensor name)."""
     if quant == "Q4_K_M":
         quant = "Q6_K" if any(k in name for k in ("attn_v.", "ffn_down", "output.")) else "Q4_K"
+    if quant == "LOWBIT":
+        quant = LOWBIT[zlib.crc32(name.encode()) % len(LOWBIT)]
+        return quant if shape[-1] % format_by_name(quant).block_size == 0 else "Q8_0"
     if quant in ("Q4_K", "Q6_K") and shape[-1] % 256:
         return "Q8_0"  # a row of part-blocks: llama-quantize falls back
     return quant
@@ -75,6 +88,9 @@ def _tensor(name: str, shape: tuple[int, ...], quant: str, rng: np.random.Genera
         quant = "Q8_0"
     kind = _format_of(name, shape, quant)
     fmt = format_by_name(kind)
+    if kind in LOWBIT and kind not in SCALES:
+        data = random_blocks(fmt, shape, rng)
+        return PackedExperts(data, fmt) if len(shape) == 3 else PackedMatrix(data, fmt)
     if kind in SCALES:
         data = _random_k(kind, shape, rng)
         return PackedExperts(data, fmt) if len(shape) == 3 else PackedMatrix(data, fmt)

@@ -40,6 +40,7 @@ from cellswarm.errors import (
 from cellswarm.io.gguf_write import write_gguf
 from cellswarm.io.weights import Selection
 from cellswarm.models import llama_config as llama
+from cellswarm.quant import FORMATS
 from tests.hf_reference import LLAMA_FAMILY
 
 Q = gguf.GGMLQuantizationType
@@ -266,7 +267,7 @@ class Case:
 TRUNCATED = (
     r"model\.gguf is truncated: {what} runs to byte \d+ but the file has only {{size}} bytes"
 )
-SUPPORTED_QUANTS = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"
+SUPPORTED_QUANTS = ", ".join(f.name for f in FORMATS.values())
 # Cut points inside the valid file, found with gguf's own reader.
 
 
@@ -474,9 +475,9 @@ CASES = [
             rf"supported; supported: {SUPPORTED_QUANTS}; re-quantize the model to one of these",
         )
         for name, qtype in (
-            ("blk.0.attn_q.weight", Q.IQ4_NL),
-            ("blk.1.ffn_down.weight", Q.IQ2_XS),
-            ("blk.0.ffn_down.weight", Q.TQ1_0),
+            ("blk.0.attn_q.weight", Q.Q8_1),  # llama.cpp's activation type, never stored
+            ("blk.1.ffn_down.weight", Q.I32),
+            ("blk.0.ffn_down.weight", Q.I8),
         )
     ),
     # 5. missing tensors, found at load

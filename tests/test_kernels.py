@@ -9,10 +9,12 @@ import pytest
 
 from cellswarm import kernels
 from cellswarm.quant import PackedMatrix, format_by_name
+from tests.random_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(kernels.backend() != "c", reason="no C compiler on this machine")
 
-QUANT = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q2_K"]
+# every quantized format the kernels read as stored (the low-bit ones: kernels/lowbit.c)
+QUANT = list(kernels.FUSED_TYPES)
 FLOAT = ["F16", "BF16"]
 SCALE_OFFSETS = {  # where each block keeps its f16 scales: keep them small and finite
     "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82),
@@ -25,6 +27,9 @@ def random_packed(name: str, rows: int, cols: int, seed: int = 0) -> PackedMatri
     rng = np.random.default_rng(seed)
     nb = cols // fmt.block_size
     data = rng.integers(0, 256, (rows, nb, fmt.type_size), dtype=np.uint8)
+    if name not in SCALE_OFFSETS and name not in FLOAT:  # the low-bit formats
+        blocks = random_blocks(fmt, (rows, cols), rng, lo=0.001, hi=0.02)
+        return PackedMatrix(blocks, fmt)
     for off in SCALE_OFFSETS.get(name, ()):
         scales = rng.uniform(0.001, 0.02, (rows, nb)).astype(np.float16)
         data[:, :, off : off + 2] = scales.view(np.uint8).reshape(rows, nb, 2)
@@ -138,7 +143,7 @@ def test_outliers_are_multiplied_in_float(name: str, batch: int) -> None:
     """A vector's few dominant values leave their int8 blocks and are multiplied in float: the
     result is the codec path's with them exact (each row its own), and closer to float math
     than int8 blocks alone."""
-    cols = 1024 if format_by_name(name).block_size == 256 else 608
+    cols = {256: 1024, 64: 640}.get(format_by_name(name).block_size, 608)
     w = random_packed(name, 37, cols, seed=batch)
     x = with_outliers(batch, cols, seed=batch)
     _, out = split_outliers(x)
@@ -159,7 +164,8 @@ def test_outliers_are_multiplied_in_float(name: str, batch: int) -> None:
 def test_fused_matmul_odd_block_counts(name: str, batch: int) -> None:
     """Rows whose block count is not a multiple of the kernels' groups (16 blocks of 32, pairs;
     3 blocks of 256), as in d_model 576 or 608: the tails take the masked paths."""
-    for cols in ((32 * 19, 32 * 18, 32 * 3, 32) if format_by_name(name).block_size == 32
+    size = format_by_name(name).block_size
+    for cols in ((32 * 19, 32 * 18, 32 * 3, 32) if size == 32 else (64 * 5, 64) if size == 64
                  else (256 * 3, 256)):  # fmt: skip
         w = random_packed(name, 11, cols, seed=cols)
         x = np.random.default_rng(cols).standard_normal((batch, cols)).astype(np.float32)
@@ -205,7 +211,7 @@ def test_other_instruction_set_paths_equal_codec_path(flags: tuple[str, ...]) ->
     kernels._declare(lib)
     lib.cs_set_threads(1)
     for name in QUANT + FLOAT:
-        tail = 608 if name in ("Q8_0", "Q4_0", "Q4_1") else 512  # a tail of 3 blocks of 32
+        tail = 608 if format_by_name(name).block_size == 32 else 512  # a tail of 3 blocks of 32
         for rows, cols, batch in ((7, tail, 1), (33, 1024, 3)):
             w = random_packed(name, rows, cols)
             x = np.random.default_rng(2).standard_normal((batch, cols)).astype(np.float32)

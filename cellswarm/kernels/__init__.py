@@ -46,7 +46,14 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-er
 # ~210 MB, which a 128-256 MB node (a PS3, a small Pi) has (at ~20% more compile time). It
 # changes how the compiler manages its memory, never the code: not in CFLAGS or the cache key.
 LOW_MEMORY = ("--param", "ggc-min-expand=10", "--param", "ggc-min-heapsize=16384")
-FUSED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14, "Q2_K": 10}
+# Formats the kernels multiply as stored (their GGML type ids): every quantized format the
+# codecs read but Q5_0, which the kernels read as Q8_0 holding its values (quant/packed.py).
+FUSED_TYPES = {
+    "Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14, "Q2_K": 10, "Q5_1": 7, "Q3_K": 11,
+    "Q5_K": 13, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ4_NL": 20,
+    "IQ3_S": 21, "IQ2_S": 22, "IQ4_XS": 23, "IQ1_M": 29, "TQ1_0": 34, "TQ2_0": 35, "MXFP4": 39,
+    "NVFP4": 40,
+}  # fmt: skip
 FLOAT_TYPES = {"F16": 1, "BF16": 30}
 MAX_BATCH = 16  # rows of x per fused call; larger batches go to dequantize + BLAS
 

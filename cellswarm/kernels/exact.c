@@ -190,7 +190,14 @@ static inline void dots16(const int8_t *q, const int8_t *x, int32_t *n) {
 /* Units u0 .. u0 + 15 of a row (those at or past nu: zeros): q (len values each), ws, wm. */
 typedef struct { int8_t q[16][32]; v16f ws, wm; } units; /* len-16 units: q flat, 16 apart */
 
-static inline int unit_len(int fmt) { return fmt == Q6_K || fmt == Q2_K ? 16 : 32; }
+/* A format's unit: 16 where its scales are per 16 weights, else 32. Part of the arithmetic
+ * (a unit is one term of the reduction), so fixed per format on every path. */
+static inline int unit_len(int fmt) {
+    switch (fmt) {
+    case Q6_K: case Q2_K: case Q3_K: case IQ2_XS: case IQ2_S: case IQ1_M: case NVFP4: return 16;
+    default: return 32;
+    }
+}
 
 /* the f16 at byte `off` of blocks u0 .. u0 + 15 (bb bytes apart; zeros past nn), as floats:
  * exact conversions, F16C or not */
@@ -303,8 +310,33 @@ static void units_16(int fmt, const uint8_t *row, int64_t u0, units *o) {
     }
 }
 
-static inline void fill_units(int fmt, const uint8_t *row, int64_t u0, int64_t nu, units *o) {
-    if (fmt == Q4_K) units_q4_k(row, u0, nu, o);
+/* units u0 .. u0 + 15 of a row of the low-bit formats (lowbit.c), zeros past nu: each block
+ * decoded straight into place (the 16 units are 1, 2, 4 or 16 whole blocks) */
+static inline __attribute__((always_inline)) void units_decoded(const int fmt, const uint8_t *row,
+                                                                int64_t u0, int64_t nu, units *o) {
+    const int len = unit_len(fmt), n = lowbit_elems(fmt), bb = lowbit_bytes(fmt);
+    const int per = n / len, nblocks = 16 / per; /* units a block, blocks in the 16 units */
+    int8_t *q = &o->q[0][0];
+    float sc[32], mn[32]; /* per 16 weights: 16 units of 32 hold 32 groups */
+    const int64_t first = u0 / per, have = (nu - u0 + per - 1) / per; /* blocks in the row from here */
+    for (int i = 0; i < nblocks; i++) {
+        if (i < have) dec_lowbit(fmt, row + (first + i) * bb, q + i * n, sc + i * (n / 16), mn + i * (n / 16));
+        else { memset(q + i * n, 0, (size_t)n); for (int g = 0; g < n / 16; g++) sc[i * (n / 16) + g] = mn[i * (n / 16) + g] = 0.0f; }
+    }
+    float ws[16], wm[16];
+    for (int l = 0; l < 16; l++) {
+        const int g = l * len / 16; /* the unit's first group of 16 */
+        ws[l] = u0 + l < nu ? sc[g] : 0.0f;
+        wm[l] = u0 + l < nu ? mn[g] : 0.0f;
+    }
+    memcpy(&o->ws, ws, sizeof ws);
+    memcpy(&o->wm, wm, sizeof wm);
+}
+
+static inline __attribute__((always_inline)) void fill_units(const int fmt, const uint8_t *row,
+                                                             int64_t u0, int64_t nu, units *o) {
+    if (is_lowbit(fmt)) units_decoded(fmt, row, u0, nu, o);
+    else if (fmt == Q4_K) units_q4_k(row, u0, nu, o);
     else if (fmt == Q6_K || fmt == Q2_K) units_16(fmt, row, u0, o);
     else units_32(fmt, row, u0, nu, o);
 }
@@ -370,7 +402,7 @@ static inline __attribute__((always_inline)) void row_q(const int fmt, const uin
             if (len == 32 && full) { /* the activations' scales and sums as they lie */
                 dp = xd + u0;
                 sp = a->xsum + k * (cols / 32) + u0;
-            } else if (len == 16) { /* groups of 16: each block's scale twice (nu % 16 == 0) */
+            } else if (len == 16 && full) { /* groups of 16: each block's scale twice */
                 v8f h;
                 memcpy(&h, xd + u0 / 2, sizeof h);
                 dv16 = __builtin_shufflevector(h, h, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -405,7 +437,23 @@ static void exact_row_q(int fmt, const uint8_t *row, const acts *a, float *out) 
     case Q4_1: row_q(Q4_1, row, a, out); break;
     case Q4_K: row_q(Q4_K, row, a, out); break;
     case Q6_K: row_q(Q6_K, row, a, out); break;
-    default: row_q(Q2_K, row, a, out); break;
+    case Q2_K: row_q(Q2_K, row, a, out); break;
+    case Q5_1: row_q(Q5_1, row, a, out); break;
+    case Q3_K: row_q(Q3_K, row, a, out); break;
+    case Q5_K: row_q(Q5_K, row, a, out); break;
+    case IQ2_XXS: row_q(IQ2_XXS, row, a, out); break;
+    case IQ2_XS: row_q(IQ2_XS, row, a, out); break;
+    case IQ3_XXS: row_q(IQ3_XXS, row, a, out); break;
+    case IQ1_S: row_q(IQ1_S, row, a, out); break;
+    case IQ4_NL: row_q(IQ4_NL, row, a, out); break;
+    case IQ3_S: row_q(IQ3_S, row, a, out); break;
+    case IQ2_S: row_q(IQ2_S, row, a, out); break;
+    case IQ4_XS: row_q(IQ4_XS, row, a, out); break;
+    case IQ1_M: row_q(IQ1_M, row, a, out); break;
+    case TQ1_0: row_q(TQ1_0, row, a, out); break;
+    case TQ2_0: row_q(TQ2_0, row, a, out); break;
+    case MXFP4: row_q(MXFP4, row, a, out); break;
+    default: row_q(NVFP4, row, a, out); break;
     }
 }
 

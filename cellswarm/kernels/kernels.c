@@ -326,9 +326,17 @@ static inline void decode_q2_k(const uint8_t *b, decoded *o) {
     }
 }
 
-static inline int block_elems(int fmt) { return fmt == Q2_K || fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
+#include "lowbit.c"
+
+static inline int block_elems(int fmt) {
+    return is_lowbit(fmt) ? lowbit_elems(fmt) : fmt == Q2_K || fmt == Q4_K || fmt == Q6_K ? 256 : 32;
+}
 
 static inline void decode(int fmt, const uint8_t *b, decoded *o) {
+    if (is_lowbit(fmt)) {
+        decode_lowbit(fmt, b, o);
+        return;
+    }
     switch (fmt) {
     case Q8_0: decode_q8_0(b, o); break;
     case Q4_0: decode_q4_0(b, o); break;
@@ -508,7 +516,8 @@ static inline float plan_weight(int fmt, const uint8_t *row, const ol_plan *p, i
     case Q8_0: return f16_at(b) * (float)(int8_t)*q;
     case Q4_0: return f16_at(b) * (float)(((*q >> p->sh[u]) & 0xF) - 8);
     case Q4_1: return f16_at(b) * (float)((*q >> p->sh[u]) & 0xF) + f16_at(b + 2);
-    default: return k_weight_at(fmt, row, p->col[u]);
+    case Q4_K: case Q6_K: case Q2_K: return k_weight_at(fmt, row, p->col[u]);
+    default: return lowbit_weight_at(fmt, row, p->col[u]);
     }
 }
 
@@ -1233,7 +1242,23 @@ static void dequant_one(int fmt, const uint8_t *w, int64_t rows, int64_t row_byt
     case Q4_1: dequant_row(Q4_1, row, nb, bb, y); break;
     case Q4_K: dequant_row(Q4_K, row, nb, bb, y); break;
     case Q6_K: dequant_row(Q6_K, row, nb, bb, y); break;
-    default: dequant_row(Q2_K, row, nb, bb, y); break;
+    case Q2_K: dequant_row(Q2_K, row, nb, bb, y); break;
+    case Q5_1: dequant_row(Q5_1, row, nb, bb, y); break;
+    case Q3_K: dequant_row(Q3_K, row, nb, bb, y); break;
+    case Q5_K: dequant_row(Q5_K, row, nb, bb, y); break;
+    case IQ2_XXS: dequant_row(IQ2_XXS, row, nb, bb, y); break;
+    case IQ2_XS: dequant_row(IQ2_XS, row, nb, bb, y); break;
+    case IQ3_XXS: dequant_row(IQ3_XXS, row, nb, bb, y); break;
+    case IQ1_S: dequant_row(IQ1_S, row, nb, bb, y); break;
+    case IQ4_NL: dequant_row(IQ4_NL, row, nb, bb, y); break;
+    case IQ3_S: dequant_row(IQ3_S, row, nb, bb, y); break;
+    case IQ2_S: dequant_row(IQ2_S, row, nb, bb, y); break;
+    case IQ4_XS: dequant_row(IQ4_XS, row, nb, bb, y); break;
+    case IQ1_M: dequant_row(IQ1_M, row, nb, bb, y); break;
+    case TQ1_0: dequant_row(TQ1_0, row, nb, bb, y); break;
+    case TQ2_0: dequant_row(TQ2_0, row, nb, bb, y); break;
+    case MXFP4: dequant_row(MXFP4, row, nb, bb, y); break;
+    default: dequant_row(NVFP4, row, nb, bb, y); break;
     }
 }
 

@@ -98,7 +98,8 @@ class QuantFormat:
     # Whether `quantize_blocks` exists for this format (gguf-py has no K-quant quantizer
     # to be bit-exact with, so those are read-only).
     can_quantize: ClassVar[bool] = False
-    # The block's floating-point fields, (byte offset, "f16" | "bf16" | "f32"): its scales
+    # The block's floating-point fields, (byte offset, "f16" | "bf16" | "f32" | "e8m0" |
+    # "iq1m_d"): its scales
     # (and mins), or the value itself for float formats. Every other field is a small
     # integer, so a block dequantizes to finite numbers exactly when these are finite.
     float_fields: ClassVar[tuple[tuple[int, str], ...]] = ()
@@ -441,6 +442,325 @@ class Q6_KFormat(QuantFormat):
         return (scale * _per_sub_block(q.reshape(n, QK_K), 16)).reshape(n, QK_K)
 
 
+# I-quants, ternary and MXFP4: each weight is a scale times a small integer, like the others,
+# but the integer comes from a table (a nibble's value, or a codebook entry of 8 or 4 values
+# with its signs stored apart). `_signed` applies sign bits; the scale is per unit of 32 or
+# 16 weights. Codebooks are gguf-py's own (quant/grids.py).
+
+
+def _u16(field: Bytes) -> npt.NDArray[np.uint16]:
+    return np.ascontiguousarray(field).view("<u2")
+
+
+def _u32(field: Bytes) -> npt.NDArray[np.uint32]:
+    return np.ascontiguousarray(field).view("<u4")
+
+
+def _signed(values: npt.NDArray[np.int8], sign_bytes: Bytes) -> npt.NDArray[np.int8]:
+    """values (..., 8 * k) with the bits of sign_bytes (..., k) applied, bit j of byte i to
+    value 8 i + j (set: negative)."""
+    neg = np.unpackbits(sign_bytes, axis=-1, bitorder="little").astype(bool)
+    return np.where(neg, -values, values).astype(np.int8)
+
+
+def _iq_scale(d: Floats, nibble: npt.NDArray[np.integer], step: float) -> Floats:
+    """d * (0.5 + s) * step, in float32 and in that order (IQ2/IQ3_XXS block scales)."""
+    return (d * (np.float32(0.5) + nibble.astype(np.float32))) * np.float32(step)
+
+
+def _nibble_values(packed: Bytes, table: tuple[int, ...]) -> npt.NDArray[np.int8]:
+    """(n, 16) bytes of nibbles, low ones first -> their values in `table` (n, 32), int8."""
+    return np.array(table, dtype=np.int8)[_planes(packed, 4)]
+
+
+@dataclass(frozen=True)
+class IQ4_NLFormat(QuantFormat):
+    """Block of 32: f16 d, 16 bytes of nibbles indexing a fixed non-linear table."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import KVALUES_IQ4NL
+
+        d = _f16(blocks[:, :2])  # (n, 1)
+        return d * _nibble_values(blocks[:, 2:], KVALUES_IQ4NL).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class IQ4_XSFormat(QuantFormat):
+    """f16 d, 6-bit sub-block scales (2 B high bits, 4 B low nibbles), 128 B of IQ4_NL nibbles.
+
+    x = (d * (scale - 32)) * kvalue, per 32-element sub-block."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import KVALUES_IQ4NL
+
+        n = blocks.shape[0]
+        d = _f16(blocks[:, :2])  # (n, 1)
+        high = (_u16(blocks[:, 2:4]) >> (2 * np.arange(8, dtype=np.uint16))) & np.uint16(3)
+        low = _planes(blocks[:, 4:8, None], 4).reshape(n, 8)  # (n, 8): byte j -> 2j, 2j + 1
+        scale = (low | (high.astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        dl = (d * scale.astype(np.float32))[..., None]  # (n, 8, 1)
+        q = _nibble_values(blocks[:, 8:].reshape(n * 8, 16), KVALUES_IQ4NL).reshape(n, 8, 32)
+        return (dl * q.astype(np.float32)).reshape(n, QK_K)
+
+
+@dataclass(frozen=True)
+class IQ2_XXSFormat(QuantFormat):
+    """f16 d, then 8 sub-blocks of 32 in 8 bytes each: 4 codebook indices (8 values each),
+    then a 32-bit word of 4 x 7 sign bits and a 4-bit scale. x = d (0.5 + s) / 4 * value."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import grid, ksigns
+
+        n = blocks.shape[0]
+        d = _f16(blocks[:, :2])  # (n, 1)
+        words = _u32(blocks[:, 2:]).reshape(n, 8, 2)  # (n, 8, [indices, signs + scale])
+        db = _iq_scale(d, words[..., 1] >> np.uint32(28), 0.25)[..., None]  # (n, 8, 1)
+        index = np.ascontiguousarray(words[..., 0]).view(np.uint8).reshape(n, 8, 4)
+        values = grid("iq2xxs_grid")[index].reshape(n, 8, 32)
+        sign_index = (words[..., 1:2] >> np.array([0, 7, 14, 21], np.uint32)) & np.uint32(127)
+        q = _signed(values, ksigns()[sign_index])  # (n, 8, 32)
+        return (db * q.astype(np.float32)).reshape(n, QK_K)
+
+
+@dataclass(frozen=True)
+class IQ2_XSFormat(QuantFormat):
+    """f16 d, 32 16-bit words (9-bit codebook index, 7 sign bits), 8 bytes of two 4-bit
+    scales (one a 16-element half). x = d (0.5 + s) / 4 * value."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import grid, ksigns
+
+        n = blocks.shape[0]
+        d = _f16(blocks[:, :2])  # (n, 1)
+        words = _u16(blocks[:, 2:66])  # (n, 32)
+        db = _iq_scale(d, _planes(blocks[:, 66:74, None], 4).reshape(n, 16), 0.25)
+        values = grid("iq2xs_grid")[words & np.uint16(511)].reshape(n, 16, 16)
+        signs = ksigns()[words >> np.uint16(9)].reshape(n, 16, 2)
+        q = _signed(values, signs)
+        return (db[..., None] * q.astype(np.float32)).reshape(n, QK_K)
+
+
+@dataclass(frozen=True)
+class IQ2_SFormat(QuantFormat):
+    """f16 d, 32 low index bytes, 32 sign bytes, 8 bytes of 2-bit index tops, 8 bytes of two
+    4-bit scales (a 16-element half each). x = d (0.5 + s) / 4 * value."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import grid
+
+        n = blocks.shape[0]
+        d = _f16(blocks[:, :2])  # (n, 1)
+        low, signs, tops = blocks[:, 2:34], blocks[:, 34:66], blocks[:, 66:74]
+        db = _iq_scale(d, _planes(blocks[:, 74:82, None], 4).reshape(n, 16), 0.25)
+        top = _planes(tops[..., None], 2).reshape(n, 32).astype(np.uint16)  # (n, 32)
+        index = low.astype(np.uint16) | (top << np.uint16(8))
+        q = _signed(grid("iq2s_grid")[index].reshape(n, 32, 8), signs[..., None])
+        return (db[..., None] * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, QK_K)
+
+
+@dataclass(frozen=True)
+class IQ3_XXSFormat(QuantFormat):
+    """f16 d, 64 codebook indices (4 values each), 8 words of 4 x 7 sign bits and a 4-bit
+    scale. x = d (0.5 + s) / 2 * value, per 32-element sub-block."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import grid, ksigns
+
+        n = blocks.shape[0]
+        d = _f16(blocks[:, :2])  # (n, 1)
+        words = _u32(blocks[:, 66:98])  # (n, 8)
+        db = _iq_scale(d, words >> np.uint32(28), 0.5)[..., None]  # (n, 8, 1)
+        values = grid("iq3xxs_grid")[blocks[:, 2:66]].reshape(n, 8, 32)
+        sign_index = (words[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & np.uint32(127)
+        q = _signed(values, ksigns()[sign_index])
+        return (db * q.astype(np.float32)).reshape(n, QK_K)
+
+
+@dataclass(frozen=True)
+class IQ3_SFormat(QuantFormat):
+    """f16 d, 64 low index bytes, 8 bytes of index ninth bits, 32 sign bytes, 4 bytes of two
+    4-bit scales. x = d (1 + 2 s) * value, per 32-element sub-block."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import grid
+
+        n = blocks.shape[0]
+        d = _f16(blocks[:, :2])  # (n, 1)
+        low, ninth, signs = blocks[:, 2:66], blocks[:, 66:74], blocks[:, 74:106]
+        s = _planes(blocks[:, 106:110, None], 4).reshape(n, 8).astype(np.float32)
+        db = (d * (np.float32(1) + np.float32(2) * s))[..., None]  # (n, 8, 1)
+        high = np.unpackbits(ninth, axis=-1, bitorder="little").astype(np.uint16)  # (n, 64)
+        values = grid("iq3s_grid")[low.astype(np.uint16) | (high << np.uint16(8))]
+        q = _signed(values.reshape(n, 32, 8), signs[..., None]).reshape(n, 8, 32)
+        return (db * q.astype(np.float32)).reshape(n, QK_K)
+
+
+def iq1_values(grid_values: npt.NDArray[np.int8], negative_delta: npt.NDArray[np.bool_]) -> Bytes:
+    """IQ1 weights as 8 * (value + delta): integers (value in -1..1, delta = +-1/8), so a
+    group of 8 is 8 * value +- 1 in int8 and its scale is the block's divided by 8, exactly."""
+    eight = grid_values.astype(np.int8) * np.int8(8)
+    return np.where(negative_delta, eight - np.int8(1), eight + np.int8(1)).astype(np.int8)
+
+
+@dataclass(frozen=True)
+class IQ1_SFormat(QuantFormat):
+    """f16 d, 32 low index bytes, 8 16-bit words (4 x 3 index top bits, a 3-bit scale, the
+    delta's sign). x = d (2 s + 1) * (value + delta), value in -1..1, delta = +-1/8."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "f16"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import grid
+
+        n = blocks.shape[0]
+        d = _f16(blocks[:, :2])  # (n, 1)
+        words = _u16(blocks[:, 34:50])  # (n, 8)
+        s = ((words >> np.uint16(12)) & np.uint16(7)).astype(np.float32)
+        dl = (d * (np.float32(2) * s + np.float32(1)))[..., None]  # (n, 8, 1)
+        tops = (words[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & np.uint16(7)
+        index = blocks[:, 2:34].astype(np.uint16).reshape(n, 8, 4) | (tops << np.uint16(8))
+        negative = (words & np.uint16(0x8000)) != 0  # (n, 8)
+        q = iq1_values(grid("iq1s_grid")[index].reshape(n, 8, 32), negative[..., None])
+        return (dl * (q.astype(np.float32) * np.float32(0.125))).reshape(n, QK_K)
+
+
+@dataclass(frozen=True)
+class IQ1_MFormat(QuantFormat):
+    """32 low index bytes, 16 bytes of two (3 index top bits, delta sign) nibbles, 8 bytes of
+    3-bit scales (one a 16-element half) whose spare top nibbles hold the f16 d.
+    x = d (2 s + 1) * (value + delta) with a delta per 8 values."""
+
+    # its f16 is spread over four nibbles: first_nonfinite_block reads it whole (IQ1_M_D)
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((48, "iq1m_d"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import grid
+
+        n = blocks.shape[0]
+        words = _u16(blocks[:, 48:56])  # (n, 4)
+        d = _f16(iq1m_scale(blocks[:, 48:56]).view(np.uint8))  # (n, 1)
+        s = (words[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & np.uint16(7)  # (n, 4, 4)
+        dl = (d * (np.float32(2) * s.reshape(n, 16).astype(np.float32) + np.float32(1)))
+        nib = _planes(blocks[:, 32:48, None], 4).reshape(n, 32)  # (n, 32): one per 8 values
+        index = blocks[:, :32].astype(np.uint16) | ((nib & np.uint8(7)).astype(np.uint16) << 8)
+        q = iq1_values(grid("iq1s_grid")[index], (nib & np.uint8(8))[..., None] != 0)
+        x = q.reshape(n, 16, 16).astype(np.float32) * np.float32(0.125)
+        return (dl[..., None] * x).reshape(n, QK_K)
+
+
+def iq1m_scale(scales: Bytes) -> npt.NDArray[np.uint16]:
+    """IQ1_M's f16 d from its 8 scale bytes (n, 8): the top nibble of each 16-bit word."""
+    words = _u16(scales)  # (n, 4)
+    parts = (words & np.uint16(0xF000)) >> np.array([12, 8, 4, 0], np.uint16)
+    return (parts[:, 0] | parts[:, 1] | parts[:, 2] | parts[:, 3])[:, None]  # (n, 1)
+
+
+@dataclass(frozen=True)
+class TQ1_0Format(QuantFormat):
+    """Ternary: 48 bytes of 5 base-3 digits, 4 bytes of 4, f16 d. x = d * (digit - 1)."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((52, "f16"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        d = _f16(blocks[:, 52:54])  # (n, 1)
+        digits = tq1_digits(blocks[:, :52])  # (n, 256)
+        return d * (digits.astype(np.int8) - np.int8(1)).astype(np.float32)
+
+
+_POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
+
+
+def tq1_digits(packed: Bytes) -> Bytes:
+    """TQ1_0's 52 bytes (n, 52) -> its 256 base-3 digits (0..2) in element order: byte b
+    holds a fixed-point fraction; multiplying by 3^k (mod 256) brings digit k to the top."""
+    n = packed.shape[0]
+
+    def digits(part: Bytes, k: int) -> Bytes:  # (n, m) -> (n, k * m), digit-major
+        scaled = part[:, None, :] * _POW3[:k, None]  # (n, k, m), uint8 wraps as in C
+        return ((scaled.astype(np.uint16) * np.uint16(3)) >> np.uint16(8)).reshape(n, -1)
+
+    return np.concatenate(
+        [digits(packed[:, :32], 5), digits(packed[:, 32:48], 5), digits(packed[:, 48:52], 4)],
+        axis=1,
+    ).astype(np.uint8)
+
+
+@dataclass(frozen=True)
+class TQ2_0Format(QuantFormat):
+    """Ternary in 2 bits: 64 bytes of 2-bit fields (planes of 32 bytes), f16 d.
+    x = d * (field - 1)."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((64, "f16"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        n = blocks.shape[0]
+        d = _f16(blocks[:, 64:66])  # (n, 1)
+        q = _planes(blocks[:, :64].reshape(n, 2, 32), 2).reshape(n, QK_K)
+        return d * (q.astype(np.int8) - np.int8(1)).astype(np.float32)
+
+
+def e8m0_half(e: Bytes) -> Floats:
+    """An MXFP4 block's scale byte -> 2^(e - 128) as float32 (ggml_e8m0_to_fp32_half: half
+    the E8M0 value, since the table holds doubled e2m1 values)."""
+    e32 = e.astype(np.uint32)
+    bits = np.where(e32 < 2, np.uint32(0x00200000) << e32, (e32 - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+@dataclass(frozen=True)
+class MXFP4Format(QuantFormat):
+    """Block of 32: an E8M0 scale byte, 16 bytes of e2m1 nibbles. x = 2^(e-128) * kvalue."""
+
+    float_fields: ClassVar[tuple[tuple[int, str], ...]] = ((0, "e8m0"),)
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import KVALUES_MXFP4
+
+        d = e8m0_half(blocks[:, :1])  # (n, 1)
+        return d * _nibble_values(blocks[:, 1:], KVALUES_MXFP4).astype(np.float32)
+
+
+def ue4m3_half(x: Bytes) -> Floats:
+    """NVFP4's unsigned E4M3 scale bytes -> half their value as float32, exactly (0 and 0x7F
+    are zero; bit 7 is not read)."""
+    exp = (x >> np.uint8(3)).astype(np.int32) & 15
+    man = (x & np.uint8(7)).astype(np.float32)
+    raw = np.where(
+        exp == 0,
+        man * np.float32(2.0**-9),
+        (np.float32(1) + man / np.float32(8)) * np.ldexp(np.float32(1), exp - 7),
+    ).astype(np.float32)
+    return np.where((x == 0) | (x == 0x7F), np.float32(0), raw * np.float32(0.5))
+
+
+@dataclass(frozen=True)
+class NVFP4Format(QuantFormat):
+    """Block of 64: 4 unsigned E4M3 scale bytes (one a 16-element sub-block), 32 bytes of
+    e2m1 nibbles (low ones first, per sub-block of 8 bytes). x = scale / 2 * kvalue."""
+
+    def dequantize_blocks(self, blocks: Bytes) -> Floats:
+        from cellswarm.quant.grids import KVALUES_MXFP4
+
+        n = blocks.shape[0]
+        d = ue4m3_half(blocks[:, :4])[..., None]  # (n, 4, 1)
+        q = _nibble_values(blocks[:, 4:].reshape(n * 4, 8), KVALUES_MXFP4).reshape(n, 4, 16)
+        return (d * q.astype(np.float32)).reshape(n, 64)
+
+
 # ------------------------------------------------------------------------------ registry
 
 _T = GGMLQuantizationType
@@ -461,6 +781,19 @@ FORMATS: dict[GGMLQuantizationType, QuantFormat] = {
         Q4_KFormat("Q4_K", _T.Q4_K, QK_K, 144),
         Q5_KFormat("Q5_K", _T.Q5_K, QK_K, 176),
         Q6_KFormat("Q6_K", _T.Q6_K, QK_K, 210),
+        IQ4_NLFormat("IQ4_NL", _T.IQ4_NL, 32, 18),
+        IQ4_XSFormat("IQ4_XS", _T.IQ4_XS, QK_K, 136),
+        IQ3_SFormat("IQ3_S", _T.IQ3_S, QK_K, 110),
+        IQ3_XXSFormat("IQ3_XXS", _T.IQ3_XXS, QK_K, 98),
+        IQ2_SFormat("IQ2_S", _T.IQ2_S, QK_K, 82),
+        IQ2_XSFormat("IQ2_XS", _T.IQ2_XS, QK_K, 74),
+        IQ2_XXSFormat("IQ2_XXS", _T.IQ2_XXS, QK_K, 66),
+        IQ1_MFormat("IQ1_M", _T.IQ1_M, QK_K, 56),
+        IQ1_SFormat("IQ1_S", _T.IQ1_S, QK_K, 50),
+        TQ2_0Format("TQ2_0", _T.TQ2_0, QK_K, 66),
+        TQ1_0Format("TQ1_0", _T.TQ1_0, QK_K, 54),
+        MXFP4Format("MXFP4", _T.MXFP4, 32, 17),
+        NVFP4Format("NVFP4", _T.NVFP4, 64, 36),
     )
 }
 
@@ -526,7 +859,7 @@ def dequantize(data: npt.NDArray[Any], fmt: QuantFormat, n_cols: int | None = No
 # Exponent bits of a float16, bfloat16 and float32: all set is an infinity or a NaN.
 _EXPONENT: dict[str, tuple[np.dtype[Any], int]] = {
     "f16": (np.dtype("<u2"), 0x7C00), "bf16": (np.dtype("<u2"), 0x7F80),
-    "f32": (np.dtype("<u4"), 0x7F800000),
+    "f32": (np.dtype("<u4"), 0x7F800000), "e8m0": (np.dtype("u1"), 0xFF),
 }  # fmt: skip
 
 
@@ -542,6 +875,10 @@ def first_nonfinite_block(data: npt.NDArray[Any], fmt: QuantFormat) -> int | Non
         chunk = blocks[start : start + step]
         bad = np.zeros(chunk.shape[0], dtype=bool)
         for offset, kind in fmt.float_fields:
+            if kind == "iq1m_d":  # an f16 spread over the top nibbles of 4 words
+                d = iq1m_scale(chunk[:, offset : offset + 8])[:, 0]
+                bad |= (d & np.uint16(0x7C00)) == np.uint16(0x7C00)
+                continue
             dtype, mask = _EXPONENT[kind]
             field = np.ascontiguousarray(chunk[:, offset : offset + dtype.itemsize])
             bad |= (field.view(dtype)[:, 0] & mask) == mask

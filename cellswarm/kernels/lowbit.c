@@ -1,0 +1,377 @@
+/* ---- the low-bit formats: K-quants with odd widths, i-quants, ternary, FP4 ---------------
+ * Included by kernels.c after its own decoders. Each block is decoded to what every other
+ * format decodes to (`decoded`: int8 values with a scale and a min per 16 weights), so the
+ * rest of the kernels take it unchanged: the exact row product (exact.c: units of 32 or 16,
+ * one float order on every CPU), dequantizing, the outliers' weights. Every value is a small
+ * integer whose scale is one float product, so the integer part stays exact on any CPU and
+ * the float part is the same IEEE operations everywhere:
+ *
+ *   Q5_1, Q5_K         5-bit q with a min, as Q4_1 / Q4_K
+ *   Q3_K               q in -4..3, a 6-bit signed scale per 16
+ *   IQ4_NL, IQ4_XS     a nibble indexes a 16-entry int8 table (-127..113)
+ *   IQ2_XXS/XS/S       codebook entries of 8 values (8, 25 or 43) with their signs apart
+ *   IQ3_XXS, IQ3_S     codebook entries of 4 values
+ *   IQ1_S, IQ1_M       entries of 8 values in -1..1 plus a delta of +-1/8 per 32 (IQ1_S) or
+ *                      per 8 (IQ1_M): stored as 8 * (value + delta), an odd integer in
+ *                      -9..9, with the scale divided by 8 (exact: a power of two)
+ *   TQ1_0, TQ2_0       ternary -1..1, one f16 scale per 256
+ *   MXFP4, NVFP4       e2m1 (doubled) values with an E8M0 / unsigned E4M3 scale
+ *
+ * The tables (codebooks, sign patterns, non-linear values) are gguf-py's, in grids.c. All
+ * multi-byte fields are read byte by byte (rd16/rd32), so big-endian CPUs decode the same. */
+
+#include "grids.c"
+#if defined(__SSSE3__)
+#include <immintrin.h>
+#endif
+
+enum {
+    Q5_1 = 7, Q3_K = 11, Q5_K = 13, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19,
+    IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, TQ1_0 = 34, TQ2_0 = 35,
+    MXFP4 = 39, NVFP4 = 40
+};
+
+static inline uint32_t rd32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* elements in a block and bytes it takes, for the formats of this file */
+static inline int lowbit_elems(int fmt) {
+    return fmt == Q5_1 || fmt == IQ4_NL || fmt == MXFP4 ? 32 : fmt == NVFP4 ? 64 : 256;
+}
+
+static inline int lowbit_bytes(int fmt) {
+    switch (fmt) {
+    case Q5_1: return 24;
+    case Q3_K: return 110;
+    case Q5_K: return 176;
+    case IQ2_XXS: return 66;
+    case IQ2_XS: return 74;
+    case IQ3_XXS: return 98;
+    case IQ1_S: return 50;
+    case IQ4_NL: return 18;
+    case IQ3_S: return 110;
+    case IQ2_S: return 82;
+    case IQ4_XS: return 136;
+    case IQ1_M: return 56;
+    case TQ1_0: return 54;
+    case TQ2_0: return 66;
+    case MXFP4: return 17;
+    default: return 36; /* NVFP4 */
+    }
+}
+
+/* Each decoder writes a block's int8 values to q and a scale and a min per 16 of them to sc
+ * and mn (w = sc * q - mn). Written as loops over whole planes with constant shifts so gcc
+ * vectorizes them; table lookups of nibbles go 16 at a time through a byte shuffle where the
+ * CPU has one (the same bytes either way). */
+
+static inline void set_scale(float *sc, float *mn, int g0, int n, float s) {
+    for (int g = g0; g < g0 + n; g++) { sc[g] = s; mn[g] = 0.0f; }
+}
+
+/* y[0..16) = table[low nibbles of b[0..16)], y[16..32) = table[high nibbles] */
+static inline void nibble_table32(const uint8_t *b, const int8_t *table, int8_t *y) {
+#if defined(__SSSE3__)
+    const __m128i t = _mm_loadu_si128((const __m128i *)table), m = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128((const __m128i *)b);
+    _mm_storeu_si128((__m128i *)y, _mm_shuffle_epi8(t, _mm_and_si128(v, m)));
+    _mm_storeu_si128((__m128i *)(y + 16), _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), m)));
+#else
+    for (int j = 0; j < 16; j++) {
+        y[j] = table[b[j] & 0xF];
+        y[j + 16] = table[b[j] >> 4];
+    }
+#endif
+}
+
+/* the same for 8 bytes: y[0..8) low nibbles, y[8..16) high */
+static inline void nibble_table16(const uint8_t *b, const int8_t *table, int8_t *y) {
+    for (int j = 0; j < 8; j++) {
+        y[j] = table[b[j] & 0xF];
+        y[j + 8] = table[b[j] >> 4];
+    }
+}
+
+/* 8 values e (all > 0, so negating a byte never borrows) with the signs of the bits of s (bit j:
+ * value j negative), in one 64-bit word: the sign bits spread to bytes, then -e = (e ^ ff) + 1 */
+static inline void signed8(int8_t *y, const int8_t *e, unsigned s) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    const uint64_t pick = 0x0102040810204080ull; /* byte j in memory: bit j */
+#else
+    const uint64_t pick = 0x8040201008040201ull;
+#endif
+    const uint64_t bits = ((uint64_t)(s & 0xFF) * 0x0101010101010101ull) & pick;
+    const uint64_t set = ((bits + 0x7F7F7F7F7F7F7F7Full) | bits) & 0x8080808080808080ull; /* 0x80 where set */
+    const uint64_t mask = (set >> 7) * 0xFF, one = set >> 7;
+    uint64_t v;
+    memcpy(&v, e, 8);
+    v = (v ^ mask) + one;
+    memcpy(y, &v, 8);
+}
+
+/* d (0.5 + s) step, in this order (gguf-py's and ggml's) */
+static inline float iq_scale(float d, unsigned s, float step) { return d * (0.5f + (float)s) * step; }
+
+static inline void dec_q5_1(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const float d = fp16_to_f32(rd16(b)), m = fp16_to_f32(rd16(b + 2));
+    const uint32_t qh = rd32(b + 4);
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)((qs[j] & 0xF) | ((qh >> j) & 1) << 4);
+        q[j + 16] = (int8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+    }
+    sc[0] = sc[1] = d;
+    mn[0] = mn[1] = -m; /* w = d q + m */
+}
+
+static inline void dec_q5_k(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + 48;
+    for (int c = 0; c < 4; c++) { /* 64 weights: 32 low nibbles, 32 high; fifth bits 2c, 2c+1 */
+        const uint8_t *ql = qs + 32 * c;
+        int8_t *y = q + 64 * c;
+        for (int l = 0; l < 32; l++) {
+            y[l] = (int8_t)((ql[l] & 0xF) | (((qh[l] >> (2 * c)) & 1) << 4));
+            y[l + 32] = (int8_t)((ql[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
+        }
+        for (int h = 0; h < 2; h++) {
+            uint8_t s, m;
+            k4_scale_min(2 * c + h, scales, &s, &m);
+            const int g = 4 * c + 2 * h;
+            sc[g] = sc[g + 1] = d * (float)s;
+            mn[g] = mn[g + 1] = dmin * (float)m;
+        }
+    }
+}
+
+static inline void dec_q3_k(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+    const float d = fp16_to_f32(rd16(b + 108));
+    for (int g = 0; g < 16; g++) { /* low nibble from bytes 0-7, top 2 bits from bytes 8-11 */
+        const int lo = g < 8 ? s[g] & 0xF : s[g - 8] >> 4, hi = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+        sc[g] = d * (float)((lo | hi << 4) - 32);
+        mn[g] = 0.0f;
+    }
+    /* 2-bit planes j of 32 bytes per 128 (n); high bit 4n + j of hm[l]; a clear one: -4 */
+    for (int n = 0; n < 2; n++)
+        for (int j = 0; j < 4; j++) {
+            int8_t *y = q + 128 * n + 32 * j;
+            const uint8_t *ql = qs + 32 * n;
+            const int hb = 4 * n + j;
+            for (int l = 0; l < 32; l++)
+                y[l] = (int8_t)(((ql[l] >> (2 * j)) & 3) - ((~hm[l] >> hb) & 1) * 4);
+        }
+}
+
+static inline void dec_iq4_nl(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    nibble_table32(b + 2, kvalues_iq4nl, q);
+    set_scale(sc, mn, 0, 2, fp16_to_f32(rd16(b)));
+}
+
+static inline void dec_iq4_xs(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const float d = fp16_to_f32(rd16(b));
+    const unsigned high = rd16(b + 2);
+    for (int s = 0; s < 8; s++) {
+        const int ls = ((b[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((high >> (2 * s)) & 3) << 4;
+        nibble_table32(b + 8 + 16 * s, kvalues_iq4nl, q + 32 * s);
+        set_scale(sc, mn, 2 * s, 2, d * (float)(ls - 32));
+    }
+}
+
+static inline void dec_iq2_xxs(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const float d = fp16_to_f32(rd16(b));
+    for (int s = 0; s < 8; s++) {
+        const uint8_t *idx = b + 2 + 8 * s;
+        const uint32_t aux = rd32(idx + 4);
+        for (int k = 0; k < 4; k++)
+            signed8(q + 32 * s + 8 * k, iq2xxs_grid[idx[k]], ksigns_iq2xs[(aux >> (7 * k)) & 127]);
+        set_scale(sc, mn, 2 * s, 2, iq_scale(d, aux >> 28, 0.25f));
+    }
+}
+
+static inline void dec_iq2_xs(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const float d = fp16_to_f32(rd16(b));
+    for (int k = 0; k < 32; k++) {
+        const unsigned w = rd16(b + 2 + 2 * k);
+        signed8(q + 8 * k, iq2xs_grid[w & 511], ksigns_iq2xs[w >> 9]);
+    }
+    for (int g = 0; g < 16; g++) set_scale(sc, mn, g, 1, iq_scale(d, (b[66 + g / 2] >> (4 * (g % 2))) & 0xF, 0.25f));
+}
+
+static inline void dec_iq2_s(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const float d = fp16_to_f32(rd16(b));
+    const uint8_t *low = b + 2, *signs = b + 34, *tops = b + 66, *s = b + 74;
+    for (int k = 0; k < 32; k++) {
+        const unsigned index = low[k] | ((tops[k / 4] >> (2 * (k % 4))) & 3) << 8;
+        signed8(q + 8 * k, iq2s_grid[index], signs[k]);
+    }
+    for (int g = 0; g < 16; g++) set_scale(sc, mn, g, 1, iq_scale(d, (s[g / 2] >> (4 * (g % 2))) & 0xF, 0.25f));
+}
+
+/* two codebook entries of 4 (IQ3) side by side as the 8 values a sign byte covers */
+static inline void signed4x2(int8_t *y, const int8_t *e0, const int8_t *e1, unsigned s) {
+    int8_t e[8];
+    memcpy(e, e0, 4);
+    memcpy(e + 4, e1, 4);
+    signed8(y, e, s);
+}
+
+static inline void dec_iq3_xxs(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const float d = fp16_to_f32(rd16(b));
+    const uint8_t *idx = b + 2;
+    for (int s = 0; s < 8; s++) {
+        const uint32_t aux = rd32(b + 66 + 4 * s);
+        for (int k = 0; k < 4; k++)
+            signed4x2(q + 32 * s + 8 * k, iq3xxs_grid[idx[8 * s + 2 * k]], iq3xxs_grid[idx[8 * s + 2 * k + 1]],
+                      ksigns_iq2xs[(aux >> (7 * k)) & 127]);
+        set_scale(sc, mn, 2 * s, 2, iq_scale(d, aux >> 28, 0.5f));
+    }
+}
+
+static inline void dec_iq3_s(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const float d = fp16_to_f32(rd16(b));
+    const uint8_t *low = b + 2, *ninth = b + 66, *signs = b + 74, *s = b + 106;
+    for (int k = 0; k < 32; k++) { /* 8 values: two entries of 4 */
+        const unsigned i0 = low[2 * k] | ((ninth[k / 4] >> (2 * (k % 4))) & 1) << 8;
+        const unsigned i1 = low[2 * k + 1] | ((ninth[k / 4] >> (2 * (k % 4) + 1)) & 1) << 8;
+        signed4x2(q + 8 * k, iq3s_grid[i0], iq3s_grid[i1], signs[k]);
+    }
+    for (int t = 0; t < 8; t++) {
+        const unsigned ls = (s[t / 2] >> (4 * (t % 2))) & 0xF;
+        set_scale(sc, mn, 2 * t, 2, d * (float)(1 + 2 * ls));
+    }
+}
+
+/* 8 values of an IQ1 entry as 8 * (value + delta): 8 v - 1 or 8 v + 1 */
+static inline void iq1_8(int8_t *y, unsigned index, unsigned negative_delta) {
+    const int8_t *e = iq1s_grid[index];
+    const int delta = negative_delta ? -1 : 1;
+    for (int j = 0; j < 8; j++) y[j] = (int8_t)(8 * e[j] + delta);
+}
+
+static inline void dec_iq1_s(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const float d = fp16_to_f32(rd16(b));
+    for (int s = 0; s < 8; s++) {
+        const unsigned w = rd16(b + 34 + 2 * s);
+        for (int k = 0; k < 4; k++) iq1_8(q + 32 * s + 8 * k, b[2 + 4 * s + k] | ((w >> (3 * k)) & 7) << 8, w >> 15);
+        const float dl = d * (float)(2 * ((w >> 12) & 7) + 1);
+        set_scale(sc, mn, 2 * s, 2, dl * 0.125f);
+    }
+}
+
+static inline void dec_iq1_m(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    const uint8_t *low = b, *nib = b + 32;
+    unsigned w[4];
+    for (int k = 0; k < 4; k++) w[k] = rd16(b + 48 + 2 * k);
+    const float d = fp16_to_f32((uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0xF0) | ((w[2] >> 4) & 0xF00) | (w[3] & 0xF000)));
+    for (int k = 0; k < 32; k++) {
+        const unsigned h = (nib[k / 2] >> (4 * (k % 2))) & 0xF;
+        iq1_8(q + 8 * k, low[k] | (h & 7) << 8, h >> 3);
+    }
+    for (int g = 0; g < 16; g++) {
+        const float dl = d * (float)(2 * ((w[g / 4] >> (3 * (g % 4))) & 7) + 1);
+        set_scale(sc, mn, g, 1, dl * 0.125f);
+    }
+}
+
+/* digit k (0..4) of n TQ1_0 bytes: a byte is a fixed-point fraction of 5 base-3 digits; times
+ * 3^k (mod 256) brings digit k to the top, times 3 >> 8 reads it */
+static inline void tq1_digits(const uint8_t *b, int n, int k, int8_t *y) {
+    static const uint16_t pow3[5] = {1, 3, 9, 27, 81};
+    for (int j = 0; j < n; j++) { /* in 16 bits: ppc64's vectorized 8-bit multiply differed */
+        const uint16_t frac = (uint16_t)((b[j] * pow3[k]) & 0xFF);
+        y[j] = (int8_t)(((frac * 3) >> 8) - 1);
+    }
+}
+
+/* not inlined: inlined into the row product, gcc 12 for ppc64 (-mcpu=cell -maltivec, SLP
+ * vectorizer) computed other values there (tests/test_bits_cross.py caught it) */
+static __attribute__((noinline)) void dec_tq1_0(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    for (int k = 0; k < 5; k++) tq1_digits(b, 32, k, q + 32 * k);
+    for (int k = 0; k < 5; k++) tq1_digits(b + 32, 16, k, q + 160 + 16 * k);
+    for (int k = 0; k < 4; k++) tq1_digits(b + 48, 4, k, q + 240 + 4 * k);
+    set_scale(sc, mn, 0, 16, fp16_to_f32(rd16(b + 52)));
+}
+
+static inline void dec_tq2_0(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    for (int n = 0; n < 2; n++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) q[128 * n + 32 * j + l] = (int8_t)(((b[32 * n + l] >> (2 * j)) & 3) - 1);
+    set_scale(sc, mn, 0, 16, fp16_to_f32(rd16(b + 64)));
+}
+
+/* 2^(e - 128) (ggml_e8m0_to_fp32_half) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline void dec_mxfp4(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    nibble_table32(b + 1, kvalues_mxfp4, q);
+    set_scale(sc, mn, 0, 2, e8m0_half(b[0]));
+}
+
+/* half an unsigned E4M3 (bias 7) as float, exactly; 0 and 0x7F are 0, bit 7 is not read */
+static inline float ue4m3_half(uint8_t x) {
+    const int e = (x >> 3) & 0xF, m = x & 7;
+    if (x == 0 || x == 0x7F) return 0.0f;
+    const uint32_t bits = e == 0 ? 0 : (uint32_t)(e - 7 + 127 - 1) << 23 | (uint32_t)m << 20;
+    float f;
+    memcpy(&f, &bits, 4);
+    return e == 0 ? (float)m * 0.0009765625f : f; /* m 2^-9 / 2, or 1.m 2^(e-7) / 2 */
+}
+
+static inline void dec_nvfp4(const uint8_t *b, int8_t *q, float *sc, float *mn) {
+    for (int s = 0; s < 4; s++) {
+        nibble_table16(b + 4 + 8 * s, kvalues_mxfp4, q + 16 * s);
+        set_scale(sc, mn, s, 1, ue4m3_half(b[s]));
+    }
+}
+
+static inline int is_lowbit(int fmt) {
+    switch (fmt) {
+    case Q5_1: case Q3_K: case Q5_K: case IQ2_XXS: case IQ2_XS: case IQ3_XXS: case IQ1_S:
+    case IQ4_NL: case IQ3_S: case IQ2_S: case IQ4_XS: case IQ1_M: case TQ1_0: case TQ2_0:
+    case MXFP4: case NVFP4: return 1;
+    default: return 0;
+    }
+}
+
+static inline __attribute__((always_inline)) void dec_lowbit(const int fmt, const uint8_t *b, int8_t *q,
+                                                              float *sc, float *mn) {
+    switch (fmt) {
+    case Q5_1: dec_q5_1(b, q, sc, mn); break;
+    case Q3_K: dec_q3_k(b, q, sc, mn); break;
+    case Q5_K: dec_q5_k(b, q, sc, mn); break;
+    case IQ2_XXS: dec_iq2_xxs(b, q, sc, mn); break;
+    case IQ2_XS: dec_iq2_xs(b, q, sc, mn); break;
+    case IQ3_XXS: dec_iq3_xxs(b, q, sc, mn); break;
+    case IQ1_S: dec_iq1_s(b, q, sc, mn); break;
+    case IQ4_NL: dec_iq4_nl(b, q, sc, mn); break;
+    case IQ3_S: dec_iq3_s(b, q, sc, mn); break;
+    case IQ2_S: dec_iq2_s(b, q, sc, mn); break;
+    case IQ4_XS: dec_iq4_xs(b, q, sc, mn); break;
+    case IQ1_M: dec_iq1_m(b, q, sc, mn); break;
+    case TQ1_0: dec_tq1_0(b, q, sc, mn); break;
+    case TQ2_0: dec_tq2_0(b, q, sc, mn); break;
+    case MXFP4: dec_mxfp4(b, q, sc, mn); break;
+    default: dec_nvfp4(b, q, sc, mn); break;
+    }
+}
+
+static inline void decode_lowbit(int fmt, const uint8_t *b, decoded *o) {
+    dec_lowbit(fmt, b, o->q, o->scale, o->min);
+}
+
+/* Element j of a row of this file's formats: scale * q - min, as dequantizing gives it (an
+ * outlier's weight: its block decoded, one value read) */
+static inline float lowbit_weight_at(int fmt, const uint8_t *row, int64_t j) {
+    const int n = lowbit_elems(fmt);
+    decoded dw;
+    decode_lowbit(fmt, row + lowbit_bytes(fmt) * (j / n), &dw);
+    const int e = (int)(j % n);
+    return dw.scale[e / 16] * (float)dw.q[e] - dw.min[e / 16];
+}
