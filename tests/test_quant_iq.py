@@ -3,11 +3,14 @@ every format on the fused path, damaged scales found without decoding."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf.quants as gq
 import numpy as np
 import pytest
 
 from cellswarm import kernels
+from cellswarm.io.gguf_file import GGUFFile
 from cellswarm.quant import FORMATS, PackedMatrix, dequantize, first_nonfinite_block, grids
 from tests.random_blocks import random_blocks
 
@@ -80,3 +83,44 @@ def test_a_low_bit_matrix_is_never_decoded_to_float_tiles(
     monkeypatch.setattr(PackedMatrix, "_tiles", no_tiles)
     x = np.random.default_rng(3).standard_normal((20, 512)).astype(np.float32)
     assert m.matmul(x).shape == (20, 24)
+
+
+FIXTURE = Path(__file__).with_name("data") / "llama_quantize_lowbit.gguf"
+
+
+FIXTURE_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
+                 "IQ4_XS", "TQ1_0", "TQ2_0", "Q2_K", "Q3_K", "Q5_K", "Q5_1", "MXFP4"]  # fmt: skip
+
+
+def _fixture() -> dict[str, object]:
+    f = GGUFFile(FIXTURE)
+    return {name: f.tensor(name) for name in f.tensor_names()}
+
+
+def test_the_fixture_holds_every_type_llama_quantize_writes_here() -> None:
+    """Rows of one tensor as llama.cpp's llama-quantize wrote it (with llama-imatrix's
+    importance matrix) in each low-bit type: made by `python -m bench.lowbit_fixture`."""
+    names = set(_fixture())
+    assert names == {"F32", *FIXTURE_TYPES}
+
+
+@pytest.mark.parametrize("name", FIXTURE_TYPES)
+def test_llama_quantize_rows_decode_as_gguf_py_does_and_multiply_fused(name: str) -> None:
+    tensors = _fixture()
+    w, source = tensors[name], tensors["F32"]
+    assert isinstance(w, PackedMatrix) and isinstance(source, PackedMatrix)
+    f32 = source.dequantize()
+    ours = dequantize(w.data, w.fmt)
+    ref = gq.dequantize(np.asarray(w.data), w.fmt.ggml_type).astype(np.float32)
+    np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
+    # real quantization of the float rows: near them, as near as the type's bits allow
+    rel = np.linalg.norm(ours - f32) / np.linalg.norm(f32)
+    # (ternary types round a Gaussian row mostly to 0: they are for models trained ternary)
+    assert rel < (1.0 if name.startswith("TQ") else 0.75 if w.fmt.bits_per_weight < 2 else 0.45)
+    if kernels.backend() == "c":
+        out = np.empty_like(ours)
+        kernels.dequantize(name, np.ascontiguousarray(w.data), w.shape[1], out)
+        np.testing.assert_array_equal(out.view(np.uint32), ours.view(np.uint32))
+        x = np.random.default_rng(4).standard_normal((3, w.shape[1])).astype(np.float32)
+        exact = x.astype(np.float64) @ ours.astype(np.float64).T
+        np.testing.assert_allclose(w.matmul(x), exact, rtol=0, atol=0.02 * np.abs(exact).max())
