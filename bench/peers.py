@@ -101,6 +101,10 @@ MAKER_VERSION = 1  # in the file names: bump when the model makers change
 
 # llama_ftype values (general.file_type) for the formats written here; Q4_K as Q4_K_S.
 FILE_TYPES = {"f32": 0, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q6_k": 18}
+# llama-quantize's low-bit mixes, the formats that make huge MoEs fit (issue 55), made with
+# an importance matrix as their users make them
+LOWBIT_MIXES = ("Q2_K", "Q3_K_M", "Q5_K_M", "IQ4_XS", "IQ3_XXS", "IQ2_XXS", "IQ1_M", "IQ1_S",
+                "TQ1_0")  # fmt: skip
 # llama-quantize's fallback for a row that is not whole 256-blocks.
 K_FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}
 
@@ -214,10 +218,11 @@ def peer_models() -> list[PeerModel]:
     )  # fmt: skip
     small = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
     return [
-        PeerModel("llama-0.3B", llama(1024, 8, 4, 2816), small, 1, mixes=("Q4_0", "Q4_K_M")),
+        PeerModel("llama-0.3B", llama(1024, 8, 4, 2816), small, 1,
+                  mixes=("Q4_0", "Q4_K_M", *LOWBIT_MIXES)),
         PeerModel("llama-1B", llama(2048, 16, 8, 5632), ("q4_0", "q8_0", "q4_k"), 2),
         PeerModel("deepseek-moe-0.8B", moe, ("q4_0", "q8_0", "q4_k"), 3, control="f32",
-                  mixes=("Q4_0", "Q8_0", "Q4_K_M")),
+                  mixes=("Q4_0", "Q8_0", "Q4_K_M", "Q2_K", "IQ2_XXS", "IQ1_M")),
     ]
 
 
@@ -250,14 +255,30 @@ def peer_files(models: Sequence[PeerModel], makers: Sequence[str], quick: bool) 
     return files
 
 
+def imatrix(llama: LlamaCpp, model: PeerModel, log: Any = print) -> Path:
+    """llama-imatrix over tests/data/sample_text.txt on the model's F32 file, once."""
+    path = peers_dir() / "models" / f"{model.name}-imatrix-v{MAKER_VERSION}.gguf"
+    if not path.is_file():
+        source = make_model(model, "f32", log)
+        tmp = path.with_suffix(".tmp.gguf")
+        args = ["-m", str(source), "-f", str(TEXT), "-o", str(tmp), "-c", "256", "-t", "2"]
+        subprocess.run([llama.exe("llama-imatrix"), *args], check=True, capture_output=True)
+        tmp.replace(path)
+        log(f"llama-imatrix wrote {path.name}")
+    return path
+
+
 def llama_quantize(llama: LlamaCpp, model: PeerModel, mix: str, log: Any = print) -> Path:
-    """`llama-quantize F32FILE OUT MIX`: llama.cpp's own choice of format per tensor."""
+    """`llama-quantize F32FILE OUT MIX`: llama.cpp's own choice of format per tensor, with an
+    importance matrix (llama-imatrix) for the low-bit mixes, as their users make them."""
     path = peers_dir() / "models" / f"{model.name}-{mix.upper()}-lq-v{MAKER_VERSION}.gguf"
     if path.is_file():
         return path
     source = make_model(model, "f32", log)
     tmp = path.with_suffix(".tmp")
-    out = subprocess.run([llama.exe("llama-quantize"), str(source), str(tmp), mix],
+    lowbit = mix in LOWBIT_MIXES or mix.startswith("IQ")
+    extra = ["--imatrix", str(imatrix(llama, model, log))] if lowbit else []
+    out = subprocess.run([llama.exe("llama-quantize"), *extra, str(source), str(tmp), mix],
                          capture_output=True, text=True)  # fmt: skip
     if out.returncode:
         raise RuntimeError(f"llama-quantize {mix} failed: {out.stderr.strip()[-500:]}")

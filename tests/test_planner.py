@@ -480,3 +480,22 @@ def test_the_plot_splits_a_tiered_box_and_ticks_whole_nodes(tmp_path: Path) -> N
     plt.close(fig)
     plot.plot(r, tmp_path / "k3.png")
     assert (tmp_path / "k3.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_low_bit_type_is_planned_as_the_mix_its_users_run() -> None:
+    """`--quant iq1_m`: the routed experts (or a dense model's matrices) in IQ1_M blocks, the
+    rest Q6_K, as llama-quantize's low-bit mixes and the big MoEs' dynamic mixes keep them;
+    the seed's Kimi K3 plan names that file type, one the engine's kernels run."""
+    from cellswarm import kernels
+    from cellswarm.planner.inventory import QuantSpec
+    from cellswarm.planner.presets import get_preset
+
+    spec = QuantSpec.parse("iq1_m")
+    assert spec.label == "iq1_m mix" and spec.bulk is not None and spec.bulk.name == "IQ1_M"
+    assert spec.tensor_bytes("blk.3.ffn_up_exps.weight", (8, 2048, 7168), moe=True) == (
+        8 * 2048 * 7168 // 256 * 56
+    )
+    assert spec.tensor_bytes("blk.3.attn_q_b.weight", (256, 1536), moe=True) == 256 * 6 * 210
+    assert QuantSpec.parse("q4_0").bulk is None  # 4 bits and up: every matrix in that type
+    default = QuantSpec.parse(get_preset("kimi-k3").default_quant)
+    assert default.bulk is not None and default.bulk.name in kernels.FUSED_TYPES

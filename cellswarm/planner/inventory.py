@@ -21,6 +21,8 @@ from cellswarm.quant import QuantFormat, format_by_name
 
 Shape = tuple[int, ...]
 _SPLITTABLE = ("ffn", "shared_experts", "experts")
+# Below this many bits a weight a named type is planned as a mix (QuantSpec.parse)
+LOW_BIT = 4.0
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,20 @@ class QuantSpec:
     fmt: QuantFormat | None = None
     bulk_bits: float | None = None
     rest: QuantFormat | None = None
+    bulk: QuantFormat | None = None  # a named low-bit mix's bulk format (whole blocks)
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
+        """"q4_0": every matrix; "1.74": an average for the bulk; a low-bit type ("iq1_m",
+        "q2_k", "tq1_0": under 4 bits a weight) is a mix, as llama-quantize and the dynamic
+        mixes of the big MoEs make it: the bulk in that type, the rest Q6_K."""
         try:
             bits = float(text.removesuffix("bpw"))
         except ValueError:
-            return cls(text.lower(), fmt=format_by_name(text))
+            fmt = format_by_name(text)
+            if fmt.block_size > 1 and fmt.bits_per_weight < LOW_BIT:
+                return cls(f"{fmt.name.lower()} mix", bulk=fmt, rest=format_by_name("q6_k"))
+            return cls(text.lower(), fmt=fmt)
         if not 0.5 <= bits <= 32:
             raise RequestError(f"--quant {text}: bits per weight must be within 0.5..32")
         return cls(f"{bits:g} bpw", bulk_bits=bits, rest=format_by_name("q6_k"))
@@ -54,10 +63,13 @@ class QuantSpec:
         if len(shape) == 1:
             return 4 * n
         kind = tensor_kind(name)
-        if self.bulk_bits is not None:
+        if self.bulk_bits is not None or self.bulk is not None:
             if kind == "router":
                 return 4 * n
             if kind == "experts" or (not moe and kind not in ("embedding", "output")):
+                if self.bulk is not None:
+                    return _format_bytes(self.bulk, shape)
+                assert self.bulk_bits is not None
                 return math.ceil(n * self.bulk_bits / 8)
         fmt = self.fmt or self.rest
         assert fmt is not None

@@ -138,7 +138,8 @@ def _plan_summary(con: Console) -> None:
 
     r = plan("kimi-k3", node="ps3", count=100_000)
     con.print(
-        "\n[bold]And the seed's question[/] — Kimi K3 (2.8T, 1.74 bits/weight) on 100,000 PS3s:"
+        "\n[bold]And the seed's question[/] — Kimi K3 (2.8T, IQ1_M mix: 1.75 bits a routed "
+        "expert weight) on 100,000 PS3s:"
     )
     if not r.fits:
         con.print(f"does not fit: {r.problem}")
