@@ -57,6 +57,11 @@ def _format_of(name: str, shape: tuple[int, ...], quant: str) -> str:
     """llama-quantize's choice for one tensor of a `quant` file (mixes by tensor name)."""
     if quant == "Q4_K_M":
         quant = "Q6_K" if any(k in name for k in ("attn_v.", "ffn_down", "output.")) else "Q4_K"
+    if quant == "DYNAMIC":  # the big MoEs' dynamic mixes: 1-bit routed experts, the rest high
+        if "_exps" in name:
+            return "IQ1_S" if "down" not in name else "TQ1_0"
+        quant = "Q6_K" if shape[-1] % 256 == 0 and "token_embd" not in name else "Q8_0"
+        return quant
     if quant == "LOWBIT":
         quant = LOWBIT[zlib.crc32(name.encode()) % len(LOWBIT)]
         return quant if shape[-1] % format_by_name(quant).block_size == 0 else "Q8_0"

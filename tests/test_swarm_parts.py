@@ -196,3 +196,25 @@ def test_placement_and_config_round_trip(moe: tuple[Path, Any]) -> None:
     assert sel.experts == {1: (), 2: ()} and sel.vocab_rows == (0, 0)
     with pytest.raises(cellswarm.RequestError, match="9 expert nodes for 8 experts"):
         part_specs(str(folder), 9, 0, list(range(9)))
+
+
+def test_a_dynamic_low_bit_mix_runs_with_experts_on_nodes_of_their_own(
+    tmp_path: Path,
+) -> None:
+    """The way the big MoEs are run from the files their users download (Kimi K2/K3,
+    DeepSeek-V3 "1-bit" dynamic mixes): routed experts IQ1_S / TQ1_0, everything else Q6_K or
+    Q8_0. A DeepSeek-V3-shaped model (MLA, 16 routed experts, a shared expert) in that mix over
+    2 stages and 2 expert nodes (real processes and sockets) gives one process's tokens."""
+    from tests.bits_models import write_model
+
+    path = write_model(tmp_path / "dynamic.gguf", "deepseek2", "DYNAMIC")
+    model = cellswarm.load(path, tokenizer=False)
+    kinds = {t.fmt.name for n, t in model.weights.items() if "_exps" in n}  # type: ignore[union-attr]
+    assert kinds == {"IQ1_S", "TQ1_0"}
+    opts = GenerateOptions(8, stop_ids=frozenset())
+    expected = [model.generate(p, opts).token_ids for p in PROMPTS]
+    with LocalPipeline(str(path), even_split(4, 2), expert_nodes=2) as pipe:
+        results = pipe.generate(_requests(PROMPTS, 8))
+        parts = pipe.part_stats()
+    assert [r.tokens for r in results] == expected
+    assert all(set(p["weights_by_kind"]) == {"experts"} and p["requests"] > 0 for p in parts)
