@@ -113,3 +113,25 @@ def test_swarm_workers_tier_their_shards(model_file: Path, tmp_path: Path) -> No
         assert [client.wait(swarm.url, rid)["tokens"] for rid in ids] == expected
         assert all(any("tiered placement" in line for line in swarm.output[f"worker-{i}"])
                    for i in range(2))  # each printed its placement
+
+
+def test_a_low_bit_dynamic_mix_tiers_as_any_other(tmp_path: Path) -> None:
+    """The tiered engine takes every type: a DeepSeek-V3-shaped model whose routed experts are
+    IQ1_S / TQ1_0 (the rest Q6_K / Q8_0), its experts served from the slow tier through a
+    cache that holds only some of them, gives the unconstrained logits bit for bit."""
+    from tests.bits_models import write_model
+
+    path = write_model(tmp_path / "dynamic.gguf", "deepseek2", "DYNAMIC")
+    ref = load(path, tokenizer=False).logits(PROMPT)
+    budget = proc_status()["RssAnon"]
+    while True:  # the smallest budget (in 1 MiB steps) that tiers it: a cache of a few experts
+        budget += 1 << 20
+        try:
+            tm = load_tiered(path, budget, tokenizer=False, context=64)
+            break
+        except RequestError:
+            continue
+    assert 0 < tm.placement.cache_slots < tm.placement.n_experts_total
+    for _ in range(2):
+        np.testing.assert_array_equal(tm.model.logits(PROMPT), ref)
+    assert tm.experts.total.misses > 0
