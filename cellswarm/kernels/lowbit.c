@@ -87,10 +87,17 @@ static inline void nibble_table32(const uint8_t *b, const int8_t *table, int8_t 
 
 /* the same for 8 bytes: y[0..8) low nibbles, y[8..16) high */
 static inline void nibble_table16(const uint8_t *b, const int8_t *table, int8_t *y) {
+#if defined(__SSSE3__)
+    const __m128i t = _mm_loadu_si128((const __m128i *)table), m = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadl_epi64((const __m128i *)b);
+    const __m128i both = _mm_unpacklo_epi64(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+    _mm_storeu_si128((__m128i *)y, _mm_shuffle_epi8(t, both));
+#else
     for (int j = 0; j < 8; j++) {
         y[j] = table[b[j] & 0xF];
         y[j + 8] = table[b[j] >> 4];
     }
+#endif
 }
 
 /* 8 values e (all > 0, so negating a byte never borrows) with the signs of the bits of s (bit j:
@@ -110,16 +117,58 @@ static inline void signed8(int8_t *y, const int8_t *e, unsigned s) {
     memcpy(y, &v, 8);
 }
 
+/* the 8 bits of a byte as 8 bytes of 0 or 1 (byte j in memory: bit j) */
+static inline uint64_t bits_to_bytes(unsigned byte) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    const uint64_t pick = 0x0102040810204080ull;
+#else
+    const uint64_t pick = 0x8040201008040201ull;
+#endif
+    const uint64_t bits = ((uint64_t)(byte & 0xFF) * 0x0101010101010101ull) & pick;
+    return (((bits + 0x7F7F7F7F7F7F7F7Full) | bits) & 0x8080808080808080ull) >> 7;
+}
+
+/* bytes a + b, each on its own (no carry from one byte into the next) */
+static inline uint64_t add_bytes(uint64_t a, uint64_t b) {
+    const uint64_t low = 0x7F7F7F7F7F7F7F7Full;
+    return ((a & low) + (b & low)) ^ ((a ^ b) & ~low);
+}
+
+/* two groups of 8 signed at once: entries e0, e1 of 8 values with sign bytes s0, s1; with
+ * SSSE3 one 16-byte vector (the sign bits spread to bytes, _mm_sign_epi8 negates) */
+#if defined(__SSSE3__)
+static inline void signed16v(int8_t *y, __m128i v, unsigned s) {
+    const __m128i bit = _mm_set1_epi64x((long long)0x8040201008040201ull);
+    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)s), _mm_set_epi64x(0x0101010101010101ll, 0));
+    const __m128i neg = _mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit);
+    _mm_storeu_si128((__m128i *)y, _mm_sign_epi8(v, _mm_or_si128(neg, _mm_set1_epi8(1))));
+}
+#endif
+
+static inline void signed8x2(int8_t *y, const int8_t *e0, const int8_t *e1, unsigned s0, unsigned s1) {
+#if defined(__SSSE3__)
+    long long a, b;
+    memcpy(&a, e0, 8);
+    memcpy(&b, e1, 8);
+    signed16v(y, _mm_set_epi64x(b, a), (s0 & 0xFF) | (s1 & 0xFF) << 8);
+#else
+    signed8(y, e0, s0);
+    signed8(y + 8, e1, s1);
+#endif
+}
+
 /* d (0.5 + s) step, in this order (gguf-py's and ggml's) */
 static inline float iq_scale(float d, unsigned s, float step) { return d * (0.5f + (float)s) * step; }
 
 static inline void dec_q5_1(const uint8_t *b, int8_t *q, float *sc, float *mn) {
     const float d = fp16_to_f32(rd16(b)), m = fp16_to_f32(rd16(b + 2));
-    const uint32_t qh = rd32(b + 4);
-    const uint8_t *qs = b + 8;
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)((qs[j] & 0xF) | ((qh >> j) & 1) << 4);
-        q[j + 16] = (int8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+    static const int8_t nibble[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    nibble_table32(b + 8, nibble, q);
+    for (int k = 0; k < 4; k++) { /* fifth bits: byte k of the mask holds values 8k .. 8k + 7 */
+        uint64_t v;
+        memcpy(&v, q + 8 * k, 8);
+        v |= bits_to_bytes(b[4 + k]) << 4;
+        memcpy(q + 8 * k, &v, 8);
     }
     sc[0] = sc[1] = d;
     mn[0] = mn[1] = -m; /* w = d q + m */
@@ -184,17 +233,18 @@ static inline void dec_iq2_xxs(const uint8_t *b, int8_t *q, float *sc, float *mn
     for (int s = 0; s < 8; s++) {
         const uint8_t *idx = b + 2 + 8 * s;
         const uint32_t aux = rd32(idx + 4);
-        for (int k = 0; k < 4; k++)
-            signed8(q + 32 * s + 8 * k, iq2xxs_grid[idx[k]], ksigns_iq2xs[(aux >> (7 * k)) & 127]);
+        for (int k = 0; k < 4; k += 2)
+            signed8x2(q + 32 * s + 8 * k, iq2xxs_grid[idx[k]], iq2xxs_grid[idx[k + 1]],
+                      ksigns_iq2xs[(aux >> (7 * k)) & 127], ksigns_iq2xs[(aux >> (7 * k + 7)) & 127]);
         set_scale(sc, mn, 2 * s, 2, iq_scale(d, aux >> 28, 0.25f));
     }
 }
 
 static inline void dec_iq2_xs(const uint8_t *b, int8_t *q, float *sc, float *mn) {
     const float d = fp16_to_f32(rd16(b));
-    for (int k = 0; k < 32; k++) {
-        const unsigned w = rd16(b + 2 + 2 * k);
-        signed8(q + 8 * k, iq2xs_grid[w & 511], ksigns_iq2xs[w >> 9]);
+    for (int k = 0; k < 32; k += 2) {
+        const unsigned w0 = rd16(b + 2 + 2 * k), w1 = rd16(b + 4 + 2 * k);
+        signed8x2(q + 8 * k, iq2xs_grid[w0 & 511], iq2xs_grid[w1 & 511], ksigns_iq2xs[w0 >> 9], ksigns_iq2xs[w1 >> 9]);
     }
     for (int g = 0; g < 16; g++) set_scale(sc, mn, g, 1, iq_scale(d, (b[66 + g / 2] >> (4 * (g % 2))) & 0xF, 0.25f));
 }
@@ -202,19 +252,26 @@ static inline void dec_iq2_xs(const uint8_t *b, int8_t *q, float *sc, float *mn)
 static inline void dec_iq2_s(const uint8_t *b, int8_t *q, float *sc, float *mn) {
     const float d = fp16_to_f32(rd16(b));
     const uint8_t *low = b + 2, *signs = b + 34, *tops = b + 66, *s = b + 74;
-    for (int k = 0; k < 32; k++) {
-        const unsigned index = low[k] | ((tops[k / 4] >> (2 * (k % 4))) & 3) << 8;
-        signed8(q + 8 * k, iq2s_grid[index], signs[k]);
+    for (int m = 0; m < 8; m++) { /* a byte of 2-bit tops: 4 entries, 32 values */
+        const unsigned t = tops[m];
+        const uint8_t *l = low + 4 * m;
+        signed8x2(q + 32 * m, iq2s_grid[l[0] | (t & 3) << 8], iq2s_grid[l[1] | (t & 12) << 6], signs[4 * m],
+                  signs[4 * m + 1]);
+        signed8x2(q + 32 * m + 16, iq2s_grid[l[2] | (t & 48) << 4], iq2s_grid[l[3] | (t & 192) << 2],
+                  signs[4 * m + 2], signs[4 * m + 3]);
     }
     for (int g = 0; g < 16; g++) set_scale(sc, mn, g, 1, iq_scale(d, (s[g / 2] >> (4 * (g % 2))) & 0xF, 0.25f));
 }
 
-/* two codebook entries of 4 (IQ3) side by side as the 8 values a sign byte covers */
-static inline void signed4x2(int8_t *y, const int8_t *e0, const int8_t *e1, unsigned s) {
-    int8_t e[8];
+/* four codebook entries of 4 (IQ3) side by side as the 16 values two sign bytes cover */
+static inline void signed4x4(int8_t *y, const int8_t *e0, const int8_t *e1, const int8_t *e2,
+                             const int8_t *e3, unsigned s0, unsigned s1) {
+    int8_t e[16];
     memcpy(e, e0, 4);
     memcpy(e + 4, e1, 4);
-    signed8(y, e, s);
+    memcpy(e + 8, e2, 4);
+    memcpy(e + 12, e3, 4);
+    signed8x2(y, e, e + 8, s0, s1);
 }
 
 static inline void dec_iq3_xxs(const uint8_t *b, int8_t *q, float *sc, float *mn) {
@@ -222,9 +279,11 @@ static inline void dec_iq3_xxs(const uint8_t *b, int8_t *q, float *sc, float *mn
     const uint8_t *idx = b + 2;
     for (int s = 0; s < 8; s++) {
         const uint32_t aux = rd32(b + 66 + 4 * s);
-        for (int k = 0; k < 4; k++)
-            signed4x2(q + 32 * s + 8 * k, iq3xxs_grid[idx[8 * s + 2 * k]], iq3xxs_grid[idx[8 * s + 2 * k + 1]],
-                      ksigns_iq2xs[(aux >> (7 * k)) & 127]);
+        const uint8_t *i = idx + 8 * s;
+        for (int k = 0; k < 4; k += 2)
+            signed4x4(q + 32 * s + 8 * k, iq3xxs_grid[i[2 * k]], iq3xxs_grid[i[2 * k + 1]], iq3xxs_grid[i[2 * k + 2]],
+                      iq3xxs_grid[i[2 * k + 3]], ksigns_iq2xs[(aux >> (7 * k)) & 127],
+                      ksigns_iq2xs[(aux >> (7 * k + 7)) & 127]);
         set_scale(sc, mn, 2 * s, 2, iq_scale(d, aux >> 28, 0.5f));
     }
 }
@@ -232,10 +291,13 @@ static inline void dec_iq3_xxs(const uint8_t *b, int8_t *q, float *sc, float *mn
 static inline void dec_iq3_s(const uint8_t *b, int8_t *q, float *sc, float *mn) {
     const float d = fp16_to_f32(rd16(b));
     const uint8_t *low = b + 2, *ninth = b + 66, *signs = b + 74, *s = b + 106;
-    for (int k = 0; k < 32; k++) { /* 8 values: two entries of 4 */
-        const unsigned i0 = low[2 * k] | ((ninth[k / 4] >> (2 * (k % 4))) & 1) << 8;
-        const unsigned i1 = low[2 * k + 1] | ((ninth[k / 4] >> (2 * (k % 4) + 1)) & 1) << 8;
-        signed4x2(q + 8 * k, iq3s_grid[i0], iq3s_grid[i1], signs[k]);
+    for (int m = 0; m < 8; m++) { /* a ninth-bit byte: 8 entries, 32 values */
+        const unsigned h = ninth[m];
+        const uint8_t *l = low + 8 * m;
+        signed4x4(q + 32 * m, iq3s_grid[l[0] | (h & 1) << 8], iq3s_grid[l[1] | (h & 2) << 7],
+                  iq3s_grid[l[2] | (h & 4) << 6], iq3s_grid[l[3] | (h & 8) << 5], signs[4 * m], signs[4 * m + 1]);
+        signed4x4(q + 32 * m + 16, iq3s_grid[l[4] | (h & 16) << 4], iq3s_grid[l[5] | (h & 32) << 3],
+                  iq3s_grid[l[6] | (h & 64) << 2], iq3s_grid[l[7] | (h & 128) << 1], signs[4 * m + 2], signs[4 * m + 3]);
     }
     for (int t = 0; t < 8; t++) {
         const unsigned ls = (s[t / 2] >> (4 * (t % 2))) & 0xF;
@@ -245,16 +307,35 @@ static inline void dec_iq3_s(const uint8_t *b, int8_t *q, float *sc, float *mn) 
 
 /* 8 values of an IQ1 entry as 8 * (value + delta): 8 v - 1 or 8 v + 1 */
 static inline void iq1_8(int8_t *y, unsigned index, unsigned negative_delta) {
-    const int8_t *e = iq1s_grid[index];
-    const int delta = negative_delta ? -1 : 1;
-    for (int j = 0; j < 8; j++) y[j] = (int8_t)(8 * e[j] + delta);
+    uint64_t v;
+    memcpy(&v, iq1s_grid[index], 8);
+    v = (v << 3) & 0xF8F8F8F8F8F8F8F8ull; /* 8 * value, byte by byte */
+    v = add_bytes(v, negative_delta ? 0xFFFFFFFFFFFFFFFFull : 0x0101010101010101ull);
+    memcpy(y, &v, 8);
+}
+
+/* two groups of 8: entries i0, i1 with their deltas' signs n0, n1 */
+static inline void iq1_16(int8_t *y, unsigned i0, unsigned i1, unsigned n0, unsigned n1) {
+#if defined(__SSSE3__)
+    long long a, b;
+    memcpy(&a, iq1s_grid[i0], 8);
+    memcpy(&b, iq1s_grid[i1], 8);
+    const __m128i v = _mm_and_si128(_mm_slli_epi16(_mm_set_epi64x(b, a), 3), _mm_set1_epi8((char)0xF8));
+    const __m128i delta = _mm_set_epi64x(n1 ? -1ll : 0x0101010101010101ll, n0 ? -1ll : 0x0101010101010101ll);
+    _mm_storeu_si128((__m128i *)y, _mm_add_epi8(v, delta));
+#else
+    iq1_8(y, i0, n0);
+    iq1_8(y + 8, i1, n1);
+#endif
 }
 
 static inline void dec_iq1_s(const uint8_t *b, int8_t *q, float *sc, float *mn) {
     const float d = fp16_to_f32(rd16(b));
     for (int s = 0; s < 8; s++) {
-        const unsigned w = rd16(b + 34 + 2 * s);
-        for (int k = 0; k < 4; k++) iq1_8(q + 32 * s + 8 * k, b[2 + 4 * s + k] | ((w >> (3 * k)) & 7) << 8, w >> 15);
+        const unsigned w = rd16(b + 34 + 2 * s), neg = w >> 15;
+        const uint8_t *l = b + 2 + 4 * s;
+        iq1_16(q + 32 * s, l[0] | (w & 7) << 8, l[1] | (w & 0x38) << 5, neg, neg);
+        iq1_16(q + 32 * s + 16, l[2] | (w & 0x1C0) << 2, l[3] | (w & 0xE00) >> 1, neg, neg);
         const float dl = d * (float)(2 * ((w >> 12) & 7) + 1);
         set_scale(sc, mn, 2 * s, 2, dl * 0.125f);
     }
@@ -265,9 +346,9 @@ static inline void dec_iq1_m(const uint8_t *b, int8_t *q, float *sc, float *mn) 
     unsigned w[4];
     for (int k = 0; k < 4; k++) w[k] = rd16(b + 48 + 2 * k);
     const float d = fp16_to_f32((uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0xF0) | ((w[2] >> 4) & 0xF00) | (w[3] & 0xF000)));
-    for (int k = 0; k < 32; k++) {
-        const unsigned h = (nib[k / 2] >> (4 * (k % 2))) & 0xF;
-        iq1_8(q + 8 * k, low[k] | (h & 7) << 8, h >> 3);
+    for (int k = 0; k < 32; k += 2) { /* a byte of two nibbles: (3 index top bits, delta sign) */
+        const unsigned h = nib[k / 2];
+        iq1_16(q + 8 * k, low[k] | (h & 7) << 8, low[k + 1] | (h & 0x70) << 4, h & 8, h & 0x80);
     }
     for (int g = 0; g < 16; g++) {
         const float dl = d * (float)(2 * ((w[g / 4] >> (3 * (g % 4))) & 7) + 1);
@@ -277,7 +358,27 @@ static inline void dec_iq1_m(const uint8_t *b, int8_t *q, float *sc, float *mn) 
 
 /* digit k (0..4) of n TQ1_0 bytes: a byte is a fixed-point fraction of 5 base-3 digits; times
  * 3^k (mod 256) brings digit k to the top, times 3 >> 8 reads it */
+#if defined(__SSSE3__)
+/* the same for 16 bytes: in 16-bit lanes, (b 3^k mod 256) 3 >> 8, packed back to bytes */
+static inline void tq1_digits16(const uint8_t *b, int k, int8_t *y) {
+    static const short pow3[5] = {1, 3, 9, 27, 81};
+    const __m128i x = _mm_loadu_si128((const __m128i *)b), z = _mm_setzero_si128();
+    const __m128i p = _mm_set1_epi16(pow3[k]), ff = _mm_set1_epi16(0xFF), three = _mm_set1_epi16(3);
+    __m128i lo = _mm_and_si128(_mm_mullo_epi16(_mm_unpacklo_epi8(x, z), p), ff);
+    __m128i hi = _mm_and_si128(_mm_mullo_epi16(_mm_unpackhi_epi8(x, z), p), ff);
+    lo = _mm_srli_epi16(_mm_mullo_epi16(lo, three), 8);
+    hi = _mm_srli_epi16(_mm_mullo_epi16(hi, three), 8);
+    _mm_storeu_si128((__m128i *)y, _mm_sub_epi8(_mm_packus_epi16(lo, hi), _mm_set1_epi8(1)));
+}
+#endif
+
 static inline void tq1_digits(const uint8_t *b, int n, int k, int8_t *y) {
+#if defined(__SSSE3__)
+    if (n % 16 == 0) {
+        for (int j = 0; j < n; j += 16) tq1_digits16(b + j, k, y + j);
+        return;
+    }
+#endif
     static const uint16_t pow3[5] = {1, 3, 9, 27, 81};
     for (int j = 0; j < n; j++) { /* in 16 bits: ppc64's vectorized 8-bit multiply differed */
         const uint16_t frac = (uint16_t)((b[j] * pow3[k]) & 0xFF);
