@@ -246,6 +246,7 @@ static inline void dec_iq2_xs(const uint8_t *b, int8_t *q, float *sc, float *mn)
         const unsigned w0 = rd16(b + 2 + 2 * k), w1 = rd16(b + 4 + 2 * k);
         signed8x2(q + 8 * k, iq2xs_grid[w0 & 511], iq2xs_grid[w1 & 511], ksigns_iq2xs[w0 >> 9], ksigns_iq2xs[w1 >> 9]);
     }
+#pragma GCC unroll 16
     for (int g = 0; g < 16; g++) set_scale(sc, mn, g, 1, iq_scale(d, (b[66 + g / 2] >> (4 * (g % 2))) & 0xF, 0.25f));
 }
 
@@ -260,6 +261,7 @@ static inline void dec_iq2_s(const uint8_t *b, int8_t *q, float *sc, float *mn) 
         signed8x2(q + 32 * m + 16, iq2s_grid[l[2] | (t & 48) << 4], iq2s_grid[l[3] | (t & 192) << 2],
                   signs[4 * m + 2], signs[4 * m + 3]);
     }
+#pragma GCC unroll 16
     for (int g = 0; g < 16; g++) set_scale(sc, mn, g, 1, iq_scale(d, (s[g / 2] >> (4 * (g % 2))) & 0xF, 0.25f));
 }
 
@@ -346,10 +348,12 @@ static inline void dec_iq1_m(const uint8_t *b, int8_t *q, float *sc, float *mn) 
     unsigned w[4];
     for (int k = 0; k < 4; k++) w[k] = rd16(b + 48 + 2 * k);
     const float d = fp16_to_f32((uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0xF0) | ((w[2] >> 4) & 0xF00) | (w[3] & 0xF000)));
+#pragma GCC unroll 16
     for (int k = 0; k < 32; k += 2) { /* a byte of two nibbles: (3 index top bits, delta sign) */
         const unsigned h = nib[k / 2];
         iq1_16(q + 8 * k, low[k] | (h & 7) << 8, low[k + 1] | (h & 0x70) << 4, h & 8, h & 0x80);
     }
+#pragma GCC unroll 16
     for (int g = 0; g < 16; g++) {
         const float dl = d * (float)(2 * ((w[g / 4] >> (3 * (g % 4))) & 7) + 1);
         set_scale(sc, mn, g, 1, dl * 0.125f);
