@@ -33,6 +33,9 @@ def add_eval_command(sub: Any) -> None:
     p.add_argument("model", help="a .gguf file or a Hugging Face folder")
     p.add_argument("--quant", help="comma-separated formats to compare with float32, of those "
                    "it can make: " + ",".join(quantizable()))  # fmt: skip
+    p.add_argument("--files", help="comma-separated GGUF files of the same model made elsewhere "
+                   "(llama-quantize's IQ1_M, Q2_K, ... mixes) to score against it, as the engine "
+                   "runs them")  # fmt: skip
     p.add_argument("--text", type=Path, help="text to score (default: a sample shipped here)")
     p.add_argument("--window", type=int, default=256, help="tokens per scored window")
     p.add_argument("--prompts", type=Path, help="fixed prompts, one a line")
@@ -45,14 +48,16 @@ def add_eval_command(sub: Any) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    if not args.quant and not args.prompts:
-        raise RequestError("eval needs --quant FORMATS or --prompts FILE --golden FILE")
+    if not args.quant and not args.prompts and not args.files:
+        raise RequestError("eval needs --quant FORMATS, --files FILES or --prompts FILE "
+                           "--golden FILE")  # fmt: skip
     status = 0
-    if args.quant:
-        quants = check_quants(args.quant)
+    if args.quant or args.files:
+        quants = check_quants(args.quant) if args.quant else []
+        files = check_files(args.files) if args.files else []
         if args.plot:
             need_matplotlib()  # before minutes of work, not after
-        rows = quant_table(args.model, quants, args.text, args.window, say=_say)
+        rows = quant_table(args.model, quants, args.text, args.window, say=_say, files=files)
         print(json.dumps(rows) if args.json else format_table(rows))
         if args.plot:
             plot_quant(rows, args.plot, Path(args.model).name)
@@ -82,6 +87,15 @@ def check_quants(given: str) -> list[str]:
     return quants
 
 
+def check_files(given: str) -> list[Path]:
+    """--files: each one a file that exists (said before any work)."""
+    files = [Path(f.strip()) for f in given.split(",") if f.strip()]
+    for f in files:
+        if not f.is_file():
+            raise RequestError(f"--files {f}: no such file; give GGUF files of the same model")
+    return files
+
+
 def need_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
@@ -97,12 +111,13 @@ def _say(line: str) -> None:
 
 
 def quant_table(model: str, quants: list[str], text: Path | None, window: int,
-                say: Any = None) -> list[dict]:  # fmt: skip
+                say: Any = None, files: list[Path] | None = None) -> list[dict]:  # fmt: skip
     """One row per format, the float32 reference first: the text in windows of `window`
     tokens, each from an empty cache, on the float path (weights dequantized, float
     activations: what the weights' format costs, not the kernels), scored with
     engine/quality.compare over every position — bench/quant_quality.py's float-path
-    columns, the same numbers."""
+    columns, the same numbers. Then one row per file of `files` (the same model quantized
+    elsewhere, e.g. by llama-quantize) as the engine runs it: its own formats, the kernels."""
     import cellswarm
     from cellswarm import kernels
 
@@ -131,6 +146,11 @@ def quant_table(model: str, quants: list[str], text: Path | None, window: int,
         tell(i, f"re-quantizing to {q} and scoring it")
         rows.append(_row(q, compare(ref, logits(cellswarm.load(model, quant=q)),
                                     np.asarray(ids))))  # fmt: skip
+    for i, f in enumerate(files or [], len(quants) + 2):
+        tell(i, f"scoring {f.name} as the engine runs it")
+        m = cellswarm.load(f)
+        ran = np.concatenate([m.logits(w) for w in windows])
+        rows.append(_row(f.name, compare(ref, ran, np.asarray(ids))))
     return rows
 
 
@@ -140,8 +160,9 @@ def _row(quant: str, q: Quality) -> dict[str, Any]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'weights':<8} {'perplexity':>11} {'mean KL':>10} {'top-1':>8}"]
-    lines += [f"{r['quant']:<8} {r['perplexity']:>11.3f} {r['mean_kl']:>10.5f} "
+    width = max(8, *(len(r["quant"]) for r in rows))
+    lines = [f"{'weights':<{width}} {'perplexity':>11} {'mean KL':>10} {'top-1':>8}"]
+    lines += [f"{r['quant']:<{width}} {r['perplexity']:>11.3f} {r['mean_kl']:>10.5f} "
               f"{100 * r['top1_agreement']:>7.2f}%" for r in rows]  # fmt: skip
     return "\n".join(lines)
 

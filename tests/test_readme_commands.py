@@ -3,6 +3,7 @@ what is missing — before any work; long waits say what they wait for; tables f
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,19 @@ def test_status_fits_80_columns(monkeypatch: pytest.MonkeyPatch,
         assert str(n["node_id"]) in out and str(n["holds"]) in out
     assert "127.0.0.1:34137" in out and "108.0 of 128.0 MiB" in out
     assert "worker-0: loaded in 0.4 s" in out
+
+
+def test_eval_scores_files_made_elsewhere_as_the_engine_runs_them(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """--files: the same model quantized elsewhere (here: the file itself, run on the fused
+    kernels) scored against the model's float32 path; a missing file is one line first."""
+    r = run([*CLI, "eval", str(demo_path), "--files", str(tmp_path / "nope.gguf")])
+    said = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(said) == 1 and "nope.gguf: no such file" in said[0], said
+    r = run([*CLI, "eval", str(demo_path), "--files", str(demo_path), "--window", "64",
+             "--json"], timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["quant"] for row in rows] == ["f32", demo_path.name]
+    assert rows[1]["mean_kl"] < 0.01 and rows[1]["top1_agreement"] > 0.9
