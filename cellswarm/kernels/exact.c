@@ -37,6 +37,9 @@ typedef uint8_t v16uc __attribute__((vector_size(16)));
 typedef struct {
     const int8_t *xq; const float *xd; const int32_t *xs; int64_t cols; int64_t nx;
     const float *xsum; /* per 32 block: xd * sum(xq), the float sum of the block */
+    /* per 16 values (units of 16: Q6_K, Q2_K, ...): their block's xd, and xd * sum(xq) over
+     * them; made once per matmul (matmul_q) instead of once per weight row; NULL: per row */
+    const float *xd16, *xsum16;
 } acts;
 
 static inline v16f load16(const float *p) {
@@ -402,6 +405,9 @@ static inline __attribute__((always_inline)) void row_q(const int fmt, const uin
             if (len == 32 && full) { /* the activations' scales and sums as they lie */
                 dp = xd + u0;
                 sp = a->xsum + k * (cols / 32) + u0;
+            } else if (len == 16 && full && a->xd16) { /* made once for the matmul */
+                dp = a->xd16 + k * (cols / 16) + u0;
+                sp = a->xsum16 + k * (cols / 16) + u0;
             } else if (len == 16 && full) { /* groups of 16: each block's scale twice */
                 v8f h;
                 memcpy(&h, xd + u0 / 2, sizeof h);

@@ -1097,9 +1097,16 @@ static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
     acts *a = (acts *)malloc(sizeof(acts) * (size_t)(tiles + 1));
     ol_plan *pl = (ol_plan *)malloc(sizeof(ol_plan) * (size_t)(tiles + 1));
     for (int64_t i = 0; i < nx * nbx; i++) xsum[i] = xd[i] * (float)(xs[2 * i] + xs[2 * i + 1]);
+    /* units of 16: each 16 values' scale and sum, as row_q would make them for every row */
+    float *x16 = unit_len(R16_NATURAL(fmt)) == 16 ? (float *)malloc(sizeof(float) * (size_t)(4 * nx * nbx + 1)) : NULL;
+    for (int64_t i = 0; x16 && i < 2 * nx * nbx; i++) {
+        x16[i] = xd[i / 2];
+        x16[2 * nx * nbx + i] = xd[i / 2] * (float)xs[i];
+    }
     for (int64_t i = 0; i < tiles; i++) {
         const int64_t r0 = MAX_BATCH * i, n = nx - r0 < MAX_BATCH ? nx - r0 : MAX_BATCH;
-        a[i] = (acts){xq + r0 * cols, xd + r0 * nbx, xs + 2 * r0 * nbx, cols, n, xsum + r0 * nbx};
+        a[i] = (acts){xq + r0 * cols, xd + r0 * nbx, xs + 2 * r0 * nbx, cols, n, xsum + r0 * nbx,
+                      x16 ? x16 + 2 * r0 * nbx : NULL, x16 ? x16 + 2 * nx * nbx + 2 * r0 * nbx : NULL};
         pl[i].nu = 0;
         for (int k = 0; k < (int)n; k++) plan_add(&pl[i], fmt, k, ol ? &ol[r0 + k] : NULL, 0, cols);
     }
@@ -1129,6 +1136,7 @@ static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
 #endif
     }
     if (use > 1) gov_note(t0, done, use);
+    free(x16);
     free(xsum);
     free(a);
     free(pl);
