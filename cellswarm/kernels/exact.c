@@ -443,23 +443,10 @@ static void exact_row_q(int fmt, const uint8_t *row, const acts *a, float *out) 
     case Q4_1: row_q(Q4_1, row, a, out); break;
     case Q4_K: row_q(Q4_K, row, a, out); break;
     case Q6_K: row_q(Q6_K, row, a, out); break;
-    case Q2_K: row_q(Q2_K, row, a, out); break;
-    case Q5_1: row_q(Q5_1, row, a, out); break;
-    case Q3_K: row_q(Q3_K, row, a, out); break;
-    case Q5_K: row_q(Q5_K, row, a, out); break;
-    case IQ2_XXS: row_q(IQ2_XXS, row, a, out); break;
-    case IQ2_XS: row_q(IQ2_XS, row, a, out); break;
-    case IQ3_XXS: row_q(IQ3_XXS, row, a, out); break;
-    case IQ1_S: row_q(IQ1_S, row, a, out); break;
-    case IQ4_NL: row_q(IQ4_NL, row, a, out); break;
-    case IQ3_S: row_q(IQ3_S, row, a, out); break;
-    case IQ2_S: row_q(IQ2_S, row, a, out); break;
-    case IQ4_XS: row_q(IQ4_XS, row, a, out); break;
-    case IQ1_M: row_q(IQ1_M, row, a, out); break;
-    case TQ1_0: row_q(TQ1_0, row, a, out); break;
-    case TQ2_0: row_q(TQ2_0, row, a, out); break;
-    case MXFP4: row_q(MXFP4, row, a, out); break;
-    default: row_q(NVFP4, row, a, out); break;
+#define ROW_Q(f, dec) case f: row_q(f, row, a, out); break;
+    LOWBIT_FORMATS(ROW_Q)
+#undef ROW_Q
+    default: row_q(Q2_K, row, a, out); break;
     }
 }
 

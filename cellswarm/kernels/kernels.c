@@ -1250,23 +1250,10 @@ static void dequant_one(int fmt, const uint8_t *w, int64_t rows, int64_t row_byt
     case Q4_1: dequant_row(Q4_1, row, nb, bb, y); break;
     case Q4_K: dequant_row(Q4_K, row, nb, bb, y); break;
     case Q6_K: dequant_row(Q6_K, row, nb, bb, y); break;
-    case Q2_K: dequant_row(Q2_K, row, nb, bb, y); break;
-    case Q5_1: dequant_row(Q5_1, row, nb, bb, y); break;
-    case Q3_K: dequant_row(Q3_K, row, nb, bb, y); break;
-    case Q5_K: dequant_row(Q5_K, row, nb, bb, y); break;
-    case IQ2_XXS: dequant_row(IQ2_XXS, row, nb, bb, y); break;
-    case IQ2_XS: dequant_row(IQ2_XS, row, nb, bb, y); break;
-    case IQ3_XXS: dequant_row(IQ3_XXS, row, nb, bb, y); break;
-    case IQ1_S: dequant_row(IQ1_S, row, nb, bb, y); break;
-    case IQ4_NL: dequant_row(IQ4_NL, row, nb, bb, y); break;
-    case IQ3_S: dequant_row(IQ3_S, row, nb, bb, y); break;
-    case IQ2_S: dequant_row(IQ2_S, row, nb, bb, y); break;
-    case IQ4_XS: dequant_row(IQ4_XS, row, nb, bb, y); break;
-    case IQ1_M: dequant_row(IQ1_M, row, nb, bb, y); break;
-    case TQ1_0: dequant_row(TQ1_0, row, nb, bb, y); break;
-    case TQ2_0: dequant_row(TQ2_0, row, nb, bb, y); break;
-    case MXFP4: dequant_row(MXFP4, row, nb, bb, y); break;
-    default: dequant_row(NVFP4, row, nb, bb, y); break;
+#define DEQUANT_ROW(f, dec) case f: dequant_row(f, row, nb, bb, y); break;
+    LOWBIT_FORMATS(DEQUANT_ROW)
+#undef DEQUANT_ROW
+    default: dequant_row(Q2_K, row, nb, bb, y); break;
     }
 }
 

@@ -436,35 +436,32 @@ static inline void dec_nvfp4(const uint8_t *b, int8_t *q, float *sc, float *mn) 
     }
 }
 
+/* Every format of this file with its decoder: the switches below and in exact.c / kernels.c
+ * expand it, so that each format gets its own inlined copy of the code around its decoder
+ * (its branches folded away), and a new format is one more line here. */
+#define LOWBIT_FORMATS(X)                                                                     \
+    X(Q5_1, dec_q5_1) X(Q3_K, dec_q3_k) X(Q5_K, dec_q5_k) X(IQ2_XXS, dec_iq2_xxs)           \
+    X(IQ2_XS, dec_iq2_xs) X(IQ3_XXS, dec_iq3_xxs) X(IQ1_S, dec_iq1_s) X(IQ4_NL, dec_iq4_nl)   \
+    X(IQ3_S, dec_iq3_s) X(IQ2_S, dec_iq2_s) X(IQ4_XS, dec_iq4_xs) X(IQ1_M, dec_iq1_m)         \
+    X(TQ1_0, dec_tq1_0) X(TQ2_0, dec_tq2_0) X(MXFP4, dec_mxfp4) X(NVFP4, dec_nvfp4)
+
 static inline int is_lowbit(int fmt) {
+#define LOWBIT_CASE(f, dec) case f:
     switch (fmt) {
-    case Q5_1: case Q3_K: case Q5_K: case IQ2_XXS: case IQ2_XS: case IQ3_XXS: case IQ1_S:
-    case IQ4_NL: case IQ3_S: case IQ2_S: case IQ4_XS: case IQ1_M: case TQ1_0: case TQ2_0:
-    case MXFP4: case NVFP4: return 1;
+    LOWBIT_FORMATS(LOWBIT_CASE) return 1;
     default: return 0;
     }
+#undef LOWBIT_CASE
 }
 
 static inline __attribute__((always_inline)) void dec_lowbit(const int fmt, const uint8_t *b, int8_t *q,
                                                               float *sc, float *mn) {
+#define LOWBIT_DECODE(f, dec) case f: dec(b, q, sc, mn); break;
     switch (fmt) {
-    case Q5_1: dec_q5_1(b, q, sc, mn); break;
-    case Q3_K: dec_q3_k(b, q, sc, mn); break;
-    case Q5_K: dec_q5_k(b, q, sc, mn); break;
-    case IQ2_XXS: dec_iq2_xxs(b, q, sc, mn); break;
-    case IQ2_XS: dec_iq2_xs(b, q, sc, mn); break;
-    case IQ3_XXS: dec_iq3_xxs(b, q, sc, mn); break;
-    case IQ1_S: dec_iq1_s(b, q, sc, mn); break;
-    case IQ4_NL: dec_iq4_nl(b, q, sc, mn); break;
-    case IQ3_S: dec_iq3_s(b, q, sc, mn); break;
-    case IQ2_S: dec_iq2_s(b, q, sc, mn); break;
-    case IQ4_XS: dec_iq4_xs(b, q, sc, mn); break;
-    case IQ1_M: dec_iq1_m(b, q, sc, mn); break;
-    case TQ1_0: dec_tq1_0(b, q, sc, mn); break;
-    case TQ2_0: dec_tq2_0(b, q, sc, mn); break;
-    case MXFP4: dec_mxfp4(b, q, sc, mn); break;
-    default: dec_nvfp4(b, q, sc, mn); break;
+    LOWBIT_FORMATS(LOWBIT_DECODE)
+    default: break;
     }
+#undef LOWBIT_DECODE
 }
 
 static inline void decode_lowbit(int fmt, const uint8_t *b, decoded *o) {
