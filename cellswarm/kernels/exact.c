@@ -215,7 +215,11 @@ static inline void f16s(const uint8_t *row, int64_t u0, int nn, int bb, int off,
     const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, row + u0 * bb + off, 1);
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
 #elif defined(__F16C__)
-    for (int l = 0; l < 16; l++) out[l] = l < nn ? _cvtsh_ss(rd16(row + (u0 + l) * bb + off)) : 0.0f;
+    /* the 16 words gathered by hand, then converted 8 at a time (not one by one) */
+    uint16_t h[16];
+    for (int l = 0; l < 16; l++) h[l] = l < nn ? rd16(row + (u0 + l) * bb + off) : 0;
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+    _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
 #else
     for (int l = 0; l < 16; l++) out[l] = l < nn ? fp16_to_f32(rd16(row + (u0 + l) * bb + off)) : 0.0f;
 #endif
