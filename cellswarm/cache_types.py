@@ -9,7 +9,8 @@ the worker's budget and the cache itself size a cache with the one function here
 - f32: the values as computed.
 
 Attention computes in f32 on what the cache gives back, so a given cache type gives the same
-bits on every CPU (kernels/kv.c); docs/memory.md has what each type costs in quality.
+bits on every CPU (kernels/kv.c); what each type costs in quality: docs/design.md, "KV cache
+types".
 """
 
 from __future__ import annotations

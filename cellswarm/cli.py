@@ -172,7 +172,8 @@ def add_cache_type_option(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--cache-type", type=check_cache_type, default=DEFAULT_CACHE_TYPE,
                    help=f"what the KV cache stores values as: {', '.join(CACHE_TYPES)} (default "
-                   "%(default)s: half f32's bytes; q8_0 about a quarter; docs/memory.md)")
+                   "%(default)s: half f32's bytes; q8_0 about a quarter; their quality: "
+                   "docs/design.md 'KV cache types')")  # fmt: skip
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -157,10 +157,11 @@ def quant_table(model: str, quants: list[str], text: Path | None, window: int,
 def cache_table(model: str, types: list[str], text: Path | None, window: int,
                 say: Any = None) -> list[dict]:  # fmt: skip
     """One row per KV cache type, an f32 cache first (the reference): the file's own weights
-    on the float path, as quant_table (the kernels' int8 activations would add their own
-    noise: any change of ~1e-3 moves some of their roundings, docs/memory.md), the text in
-    windows of `window` tokens, each prefilled from an empty cache (every position attends
-    to the rounded keys and values of those before it), scored with engine/quality.compare."""
+    on the float path, as quant_table (the kernels' int8 activations add noise of their own:
+    any change of ~1e-3 moves some of their roundings; docs/design.md, "KV cache types"), the
+    text in windows of `window` tokens, each prefilled from an empty cache (every position
+    attends to the rounded keys and values of those before it), scored with
+    engine/quality.compare."""
     import cellswarm
     from cellswarm import kernels
 

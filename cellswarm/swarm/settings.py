@@ -89,8 +89,8 @@ class CoordinatorConfig:
     cache_type: str = setting(
         DEFAULT_CACHE_TYPE, "--cache-type", f"what every stage's KV cache stores values as: "
         f"{', '.join(CACHE_TYPES)} (f16 half the bytes of f32, q8_0 about a quarter; "
-        "docs/memory.md has their quality); one for the whole swarm, told to each worker "
-        "with its shard, so a sequence's bits do not depend on who holds it",
+        "their quality: docs/design.md 'KV cache types'); one for the whole swarm, told to "
+        "each worker with its shard, so a sequence's bits do not depend on who holds it",
         parse=check_cache_type)
     max_sequences: int = setting(
         8, "--max-sequences", "sequences in flight per stage, at most (fewer when the context "
