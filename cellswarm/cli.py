@@ -133,6 +133,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--quant", help="re-pack weights at load, e.g. q8_0, q4_0, f32")
     p.add_argument("--kv-budget", help="byte budget for the KV cache, e.g. 64M")
+    add_cache_type_option(p)
     p.add_argument("--context", type=lambda t: parse_count(t, "--context", "4096"),
                    help="tokens of KV cache a generation may take, prompt + --max-tokens: "
                    "more is refused before any is taken (default: what the generation needs; "
@@ -164,6 +165,17 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=_cmd_generate)
 
 
+def add_cache_type_option(p: argparse.ArgumentParser) -> None:
+    """--cache-type: a bad value is one line naming it and the choices (check_cache_type
+    raises RequestError, which main prints), not argparse's usage."""
+    from cellswarm.cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE, check_cache_type
+
+    p.add_argument("--cache-type", type=check_cache_type, default=DEFAULT_CACHE_TYPE,
+                   help=f"what the KV cache stores values as: {', '.join(CACHE_TYPES)} (default "
+                   "%(default)s: half f32's bytes; q8_0 about a quarter; their quality: "
+                   "docs/design.md 'KV cache types')")  # fmt: skip
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from cellswarm import kernels
     from cellswarm.demo import demo_model_path
@@ -185,10 +197,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         tiered = _load_tiered(args)
         model = tiered.model
     else:
-        model = load(args.model or demo_model_path(), quant=args.quant, kv_budget_bytes=budget)
+        model = load(args.model or demo_model_path(), quant=args.quant, kv_budget_bytes=budget,
+                     cache_type=args.cache_type)  # fmt: skip
     if args.draft:
         try:
-            draft = load(args.draft)
+            draft = load(args.draft, cache_type=args.cache_type)
         except CellswarmError as exc:
             raise RequestError(f"--draft: {exc}") from None
         model.use_draft(draft)
@@ -255,7 +268,7 @@ def _load_tiered(args: argparse.Namespace) -> Any:
     tm = tiered.load_tiered(
         path, parse_bytes(args.dram_budget), slow_bandwidth=bandwidth,
         context=args.context or TIERED_CONTEXT,
-        routing_stats=args.routing_stats,
+        routing_stats=args.routing_stats, cache_type=args.cache_type,
     )  # fmt: skip
     if not args.json:
         print(tm.placement.describe(), file=sys.stderr)

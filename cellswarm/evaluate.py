@@ -1,11 +1,14 @@
 """`cellswarm eval`: what a quantization costs, and fixed-prompt regression checks.
 
     cellswarm eval MODEL --quant q8_0,q5_0,q4_0 [--text FILE] [--window 256] [--plot F.png]
+    cellswarm eval MODEL --cache-type f16,q8_0 [--text FILE] [--window 256]
     cellswarm eval MODEL --prompts FILE --golden FILE [--write] [--max-tokens 24]
 
 The first scores a text with the model's weights unpacked to float32 (the reference) and
 with each re-quantized copy: perplexity, mean KL divergence from the reference and top-1
-agreement, per window of `--window` tokens. The second runs each prompt (one a line) greedily
+agreement, per window of `--window` tokens. The second does the same for the KV cache: the
+file's own weights, with an f32 cache (the reference) and each cache type asked for. The
+third runs each prompt (one a line) greedily
 and checks the tokens against a golden file (engine/golden.py), or writes it with --write;
 the exit status says whether every prompt matched.
 """
@@ -36,6 +39,8 @@ def add_eval_command(sub: Any) -> None:
     p.add_argument("--files", help="comma-separated GGUF files of the same model made elsewhere "
                    "(llama-quantize's IQ1_M, Q2_K, ... mixes) to score against it, as the engine "
                    "runs them")  # fmt: skip
+    p.add_argument("--cache-type", help="comma-separated KV cache types to compare with an f32 "
+                   "cache (the file's own weights): f16,q8_0")  # fmt: skip
     p.add_argument("--text", type=Path, help="text to score (default: a sample shipped here)")
     p.add_argument("--window", type=int, default=256, help="tokens per scored window")
     p.add_argument("--prompts", type=Path, help="fixed prompts, one a line")
@@ -48,10 +53,14 @@ def add_eval_command(sub: Any) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    if not args.quant and not args.prompts and not args.files:
-        raise RequestError("eval needs --quant FORMATS, --files FILES or --prompts FILE "
-                           "--golden FILE")  # fmt: skip
+    if not any((args.quant, args.prompts, args.files, args.cache_type)):
+        raise RequestError("eval needs --quant FORMATS, --files FILES, --cache-type TYPES or "
+                           "--prompts FILE --golden FILE")  # fmt: skip
     status = 0
+    if args.cache_type:
+        types = check_cache_types(args.cache_type)
+        rows = cache_table(args.model, types, args.text, args.window, say=_say)
+        print(json.dumps(rows) if args.json else format_table(rows, "KV cache"))
     if args.quant or args.files:
         quants = check_quants(args.quant) if args.quant else []
         files = check_files(args.files) if args.files else []
@@ -94,6 +103,16 @@ def check_files(given: str) -> list[Path]:
         if not f.is_file():
             raise RequestError(f"--files {f}: no such file; give GGUF files of the same model")
     return files
+
+
+def check_cache_types(given: str) -> list[str]:
+    """--cache-type's types, each a KV cache type (said before any work)."""
+    from cellswarm.cache_types import check_cache_type
+
+    types = [check_cache_type(t.strip().lower()) for t in given.split(",") if t.strip()]
+    if not types:
+        raise RequestError("--cache-type: give types, e.g. f16,q8_0")
+    return types
 
 
 def need_matplotlib() -> None:
@@ -154,14 +173,43 @@ def quant_table(model: str, quants: list[str], text: Path | None, window: int,
     return rows
 
 
+def cache_table(model: str, types: list[str], text: Path | None, window: int,
+                say: Any = None) -> list[dict]:  # fmt: skip
+    """One row per KV cache type, an f32 cache first (the reference): the file's own weights
+    on the float path, as quant_table (the kernels' int8 activations add noise of their own:
+    any change of ~1e-3 moves some of their roundings; docs/design.md, "KV cache types"), the
+    text in windows of `window` tokens, each prefilled from an empty cache (every position
+    attends to the rounded keys and values of those before it), scored with
+    engine/quality.compare."""
+    import cellswarm
+    from cellswarm import kernels
+
+    if window < 2:
+        raise RequestError(f"--window {window} must be at least 2")
+    m = cellswarm.load(model, cache_type="f32")
+    ids = m.tokenizer.encode((text or SAMPLE_TEXT).read_text())
+    windows = [ids[i : i + window] for i in range(0, len(ids), window)]
+
+    def logits(cache_type: str) -> np.ndarray:
+        if say is not None:
+            say(f"eval: scoring with a {cache_type} KV cache ({len(ids):,} tokens)")
+        m.set_cache_type(cache_type)
+        with kernels.using("numpy"):
+            return np.concatenate([m.logits(w) for w in windows])
+
+    ref = logits("f32")
+    rows = [_row("f32", compare(ref, ref, np.asarray(ids)))]
+    return rows + [_row(t, compare(ref, logits(t), np.asarray(ids))) for t in types]
+
+
 def _row(quant: str, q: Quality) -> dict[str, Any]:
     return {"quant": quant, "perplexity": round(q.perplexity, 4), "mean_kl": round(q.mean_kl, 6),
             "top1_agreement": round(q.top1_agreement, 4)}  # fmt: skip
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[dict[str, Any]], what: str = "weights") -> str:
     width = max(8, *(len(r["quant"]) for r in rows))
-    lines = [f"{'weights':<{width}} {'perplexity':>11} {'mean KL':>10} {'top-1':>8}"]
+    lines = [f"{what:<{width}} {'perplexity':>11} {'mean KL':>10} {'top-1':>8}"]
     lines += [f"{r['quant']:<{width}} {r['perplexity']:>11.3f} {r['mean_kl']:>10.5f} "
               f"{100 * r['top1_agreement']:>7.2f}%" for r in rows]  # fmt: skip
     return "\n".join(lines)

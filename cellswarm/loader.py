@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cellswarm.cache_types import DEFAULT_CACHE_TYPE, check_cache_type
 from cellswarm.engine.model import Model
 from cellswarm.errors import TokenizerError
 from cellswarm.io import hf_dir
@@ -33,6 +34,7 @@ def load(
     selection: Selection | None = None,
     kv_budget_bytes: int | None = None,
     tokenizer: bool = True,
+    cache_type: str = DEFAULT_CACHE_TYPE,
 ) -> Model:
     """Load a model, or the shard of it that `selection` names.
 
@@ -40,7 +42,10 @@ def load(
         dequantizes and re-quantizes, for a Hugging Face folder it quantizes the floats
         (default there: keep F32). Without it, GGUF tensors stay exactly as stored.
     kv_budget_bytes: a sequence whose KV cache would exceed this is refused before it starts.
+    cache_type: what the KV cache stores values as: "f16" (default), "q8_0" or "f32"
+        (cache_types.py; its bytes are what kv_budget_bytes counts).
     """
+    check_cache_type(cache_type)
     p = Path(path)
     sel = selection or Selection()
     if p.is_dir():
@@ -48,6 +53,7 @@ def load(
     else:
         model = _load_gguf(p, quant, sel, kv_budget_bytes, tokenizer)
     model.name = p.name
+    model.set_cache_type(cache_type)
     return model
 
 

@@ -180,7 +180,43 @@ static void tables(int64_t pos, int64_t dim, float *cs, float *sn) {
     cs_sincos(a, dim / 2, cs, sn);
 }
 
-static void llama_layer_steps(void) {
+/* n floats of `scale` as a cache of `kind` stores them (rows of `width`): the same bytes on
+ * every CPU is what the fused layers' reads start from (kv.c) */
+static void *stored(int kind, int64_t n, int64_t width, float scale) {
+    float *v = floats(n, scale);
+    void *b = malloc((size_t)(n * 4));
+    cs_kv_encode(kind, v, n / width, width, b);
+    free(v);
+    return b;
+}
+
+/* f32 -> f16 / Q8_0 and back (kv.c), on values with subnormals, overflow, ties and NaNs */
+static void cache_codecs(void) {
+    const int64_t n = 4096;
+    float *x = floats(n, 1.0f);
+    const float special[] = {65504.0f, 65520.0f, 1e6f, -1e-8f, 5.96e-8f, 2.98e-8f, 0.5f, -0.0f,
+                             6.1e-5f, 1.0009765625f, 1.00048828125f, NAN, INFINITY, -INFINITY};
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * (float)(1 << (i % 24)) * 1e-4f;
+    memcpy(x, special, sizeof special);
+    uint8_t *b = (uint8_t *)malloc((size_t)(4 * n));
+    float *y = (float *)malloc(sizeof(float) * (size_t)(4 * n));
+    for (int kind = 1; kind <= 8; kind += 7) {
+        const int64_t from = kind == 1 ? 0 : 32; /* q8_0: no NaN block (its bits unpromised) */
+        cs_kv_encode(kind, x + from, 1, n - from, b);
+        /* the stored bytes as numbers (finite, each exact: NaNs and infinities included) */
+        const int64_t bytes = kind == 1 ? 2 * (n - from) : (n - from) / 32 * 34;
+        if (kind == 1) /* f16 codes, not bytes: the cache keeps them in the host's order */
+            for (int64_t i = 0; i < n - from; i++) y[i] = (float)((const uint16_t *)b)[i];
+        else
+            for (int64_t i = 0; i < bytes; i++) y[i] = (float)b[i];
+        put(y, kind == 1 ? n - from : bytes);
+        cs_kv_decode(kind, b, 1, n - from, y);
+        for (int64_t i = 0; i < n - from; i++) y[i] = isfinite(y[i]) ? y[i] : 0.0f;
+        put(y, n - from);
+    }
+}
+
+static void llama_layer_steps(int kind) {
     llama_layer L;
     const int64_t d = 256, H = 4, kv = 2, hd = 64, ffn = 512, cap = 16;
     L.q = matrix(Q4_K, H * hd, d); L.k = matrix(Q4_K, kv * hd, d); L.v = matrix(Q6_K, kv * hd, d);
@@ -191,7 +227,9 @@ static void llama_layer_steps(void) {
     L.q_norm = floats(hd, 1.0f); L.k_norm = floats(hd, 1.0f);
     L.d = d; L.n_heads = H; L.n_kv = kv; L.head_dim = hd; L.ffn = ffn; L.rope_dim = hd; L.rope_neox = 1;
     L.eps = 1e-6f; L.scale = 0.125f;
-    float *ks = floats(kv * hd * keys_ld(cap), 1.0f), *vs = floats(kv * cap * hd, 1.0f), *x = floats(d, 1.0f);
+    void *ks = stored(kind, kv * hd * keys_ld(cap), kind == 8 ? hd : kv * hd * keys_ld(cap), 1.0f);
+    void *vs = stored(kind, kv * cap * hd, hd, 1.0f);
+    float *x = floats(d, 1.0f);
     const int64_t widest = ffn;
     float *f = (float *)malloc(sizeof(float) * (size_t)(3 * d + (H + 2 * kv) * hd + 2 * ffn + H * cap));
     int8_t *xq = (int8_t *)malloc((size_t)(2 * widest));
@@ -200,12 +238,12 @@ static void llama_layer_steps(void) {
     for (int64_t pos = 7; pos < 10; pos++) {
         float cs[32], sn[32];
         tables(pos, hd, cs, sn);
-        cs_llama_decode(&L, x, pos, cs, sn, ks, vs, cap, f, xq, xd, xs);
+        cs_llama_decode(&L, x, pos, cs, sn, ks, vs, cap, kind, f, xq, xd, xs);
         put(x, d);
     }
 }
 
-static void deepseek_layer_steps(void) {
+static void deepseek_layer_steps(int kind) {
     ds_layer L;
     memset(&L, 0, sizeof L);
     const int64_t d = 256, H = 4, ql = 256, lat = 256, N = 32, R = 32, V = 32, F = 256, E = 16, cap = 16;
@@ -225,13 +263,14 @@ static void deepseek_layer_steps(void) {
     L.ffn = F; L.moe_ffn = F; L.n_experts = E; L.n_used = 4; L.n_groups = 4; L.topk_groups = 2;
     L.sigmoid = 1; L.norm_topk = 1; L.moe = 1;
     L.eps = 1e-6f; L.latent_eps = 1e-6f; L.scale = 0.125f; L.routed_scale = 2.5f;
-    float *lats = floats(cap * lat, 1.0f), *krs = floats(cap * R, 1.0f), *x = floats(d, 1.0f);
+    void *lats = stored(kind, cap * lat, lat, 1.0f), *krs = stored(kind, cap * R, R, 1.0f);
+    float *x = floats(d, 1.0f);
     float *f = (float *)malloc(sizeof(float) * (size_t)cs_ds_scratch_floats(&L, cap, 1));
     int8_t *q8 = (int8_t *)malloc((size_t)cs_ds_scratch_qbytes(&L, 1));
     for (int64_t pos = 7; pos < 10; pos++) {
         float cs[16], sn[16];
         tables(pos, R, cs, sn);
-        cs_ds_decode(&L, x, pos, cs, sn, lats, krs, cap, f, q8);
+        cs_ds_decode(&L, x, pos, cs, sn, lats, krs, cap, kind, f, q8);
         put(x, d);
     }
 }
@@ -249,8 +288,11 @@ int main(int argc, char **argv) {
     if (!out_f) { perror(argv[2]); return 2; }
     matmuls();
     elementwise();
-    llama_layer_steps();
-    deepseek_layer_steps();
+    cache_codecs();
+    for (int kind = 0; kind <= 8; kind += kind ? 7 : 1) { /* the KV cache as f32, f16, q8_0 */
+        llama_layer_steps(kind);
+        deepseek_layer_steps(kind);
+    }
     fclose(out_f);
     return 0;
 }

@@ -15,6 +15,8 @@ Per model:
   token and its drafts: 1, 2, 3, 5, 9 and 12 rows, each a step of a few rows of one
   sequence: Model._rows_fused), in one process and over 4 stage models;
 - "tokens": the greedy tokens (readable when a digest differs).
+All of these run on the default KV cache (f16); "alone_q8_0" / "replayed_q8_0" and
+"alone_f32" are "alone" and "replayed" on the other cache types (kernels/kv.c).
 In-process equalities ("alone" = "batch16" = "stages*" = "replayed") are the test's too: it
 asserts them.
 """
@@ -128,7 +130,21 @@ def probe(path: str) -> dict[str, str]:
         "rounds": _digest(in_rounds(m, prompts[0], tokens)),
         "stages4_rounds": _digest(staged(path, 4, prompts[0], tokens, ROUNDS)),
         "tokens": ",".join(map(str, tokens)),
+        **other_caches(m, prompts[0]),
     }
+
+
+def other_caches(m: Model, prompt: np.ndarray) -> dict[str, str]:
+    """"alone" (and for q8_0 "replayed", its numpy-written cache) on the other cache types."""
+    out = {}
+    for cache_type in ("q8_0", "f32"):
+        m.set_cache_type(cache_type)
+        steps, tokens = alone(m, prompt)
+        out[f"alone_{cache_type}"] = _digest(steps)
+        if cache_type == "q8_0":
+            out["replayed_q8_0"] = _digest(replayed(m, prompt, tokens))
+    m.set_cache_type("f16")
+    return out
 
 
 def main(argv: list[str]) -> None:

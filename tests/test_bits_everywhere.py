@@ -71,6 +71,7 @@ def same_within(result: dict[str, dict[str, str]]) -> None:
         checks = ("alone", "batch16", "stages2", "stages4", "replayed", "rounds",
                   "stages4_rounds")
         assert len({r[c] for c in checks}) == 1, (model, r)
+        assert r["alone_q8_0"] == r["replayed_q8_0"], (model, r)  # C writes = numpy writes
 
 
 def differences(a: dict[str, dict[str, str]], b: dict[str, dict[str, str]]) -> list[str]:

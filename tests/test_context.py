@@ -82,21 +82,22 @@ def test_no_context_at_all_says_the_weights_do_not_fit() -> None:
 def test_the_demo_model_on_up_s_default_workers_serves_a_long_prompt(
     demo_path: Path, tmp_path: Path
 ) -> None:
-    """3 stages of 256M: 3 sequences (one a stage) of 2,018 tokens — a stage's scratch is a
-    512-position prefill chunk's against the whole context, the step that peaks; `--context
-    4096` fits 3 workers of 300M with one sequence, not 3 of 256M. `cellswarm up`'s default
-    (3 workers of 256M) fits 2 of them and keeps one spare: 2 sequences of 1,797 tokens (the
-    keys' padding counted, as each worker counts it)."""
+    """3 stages of 256M, an f32 KV cache: 3 sequences (one a stage) of 2,013 tokens — a
+    stage's scratch is a 512-position prefill chunk's against the whole context, the step that
+    peaks; `--context 4096` fits 3 workers of 300M with one sequence, not 3 of 256M.
+    `cellswarm up`'s default (3 workers of 256M) fits 2 of them and keeps one spare: 2
+    sequences of 1,797 tokens (the keys' padding counted, as each worker counts it); with
+    the default f16 cache, 2,426 (tests/test_cache_types.py)."""
     from cellswarm.swarm.local.up import LocalSwarm
     from cellswarm.swarm.ring.costs import costs_at
 
-    at = costs_at(str(demo_path))
+    at = costs_at(str(demo_path), cache_type="f32")
     fit = fit_context(at, 3, 256 << 20, 8192, 8)
     assert fit == ContextFit(2013, 3)
     assert fit_context(at, 3, 300 << 20, 8192, 8, 4096) == ContextFit(4096, 1)
     with pytest.raises(BudgetError, match="4,096 tokens does not fit 3 stage"):
         fit_context(at, 3, 256 << 20, 8192, 8, 4096)
-    up = LocalSwarm(str(demo_path), 3, "256M", tmp_path, context=None)
+    up = LocalSwarm(str(demo_path), 3, "256M", tmp_path, context=None, cache_type="f32")
     assert up.fit_to_workers() == ContextFit(1797, 2) == ContextFit(up.context or 0,
                                                                     up.max_sequences)
     assert fit_context(at, 2, 256 << 20, 8192, 8) == ContextFit(1797, 2)  # the spare's out
@@ -169,9 +170,12 @@ def test_the_engine_checks_a_context_it_is_given(demo_path: Path) -> None:
 
 
 def coordinator(demo_path: Path, tmp_path: Path, **config: object) -> object:
+    """A coordinator of the demo model; an f32 KV cache unless told (these tests' byte
+    arithmetic was made for it)."""
     from cellswarm.swarm.control.coordinator import Coordinator, CoordinatorConfig
 
     tmp_path.mkdir(parents=True, exist_ok=True)
+    config = {"cache_type": "f32", **config}
     return Coordinator(CoordinatorConfig(str(demo_path), db=str(tmp_path / "c.db"),
                                          **config))  # type: ignore[arg-type]  # fmt: skip
 
@@ -210,7 +214,7 @@ def test_the_placement_keeps_fewer_sequences_rather_than_refuse(
     and status names the context and what fits."""
     from cellswarm.swarm.ring.costs import costs_at
 
-    at = costs_at(str(demo_path))
+    at = costs_at(str(demo_path), cache_type="f32")
     coord = coordinator(demo_path, tmp_path)
     layout, target, sequences = coord._repair(nodes(3, 600))  # type: ignore[attr-defined]
     assert len(layout) >= 2 and sequences == 1 and sum(map(bool, target.values())) == len(layout)

@@ -116,7 +116,8 @@ def test_bad_keywords_are_refused(demo: Model, kwargs: dict[str, object], messag
 def test_kv_budget_refuses_a_sequence_before_it_starts(demo_path: Path) -> None:
     model = cellswarm.load(demo_path, kv_budget_bytes=1 << 20)
     per_token = model.kv_bytes_per_token()
-    assert per_token == 30 * 2 * 3 * 64 * 4  # layers x (K, V) x kv heads x head dim x f32
+    assert per_token == 30 * 2 * 3 * 64 * 2  # layers x (K, V) x kv heads x head dim x f16
+    assert model.kv_bytes_per_token("f32") == 2 * per_token
     with pytest.raises(BudgetError, match=r"needs .* bytes of KV cache .* short"):
         model.generate("hello", GenerateOptions(max_tokens=100))
 

@@ -21,12 +21,15 @@ SEED = ROOT / "examples" / "lab-seed.toml"
 
 @pytest.mark.parametrize(("stages", "context", "sequences"), [(8, 64, 1), (8, 64, 16), (3, 256, 4)])
 def test_plan_stages_is_the_coordinators_split(stages: int, context: int, sequences: int) -> None:
+    """(An f32 cache: the planner counts KV without the keys' padding, so at f16 a split can
+    differ from the coordinator's by a layer where two are nearly even.)"""
     model = str(demo_model_path())
-    plan = api.plan(model, node="ps3/40", count=stages, context=context,
-                    concurrency=sequences, stages=stages)  # fmt: skip
+    plan = api.plan(api.resolve_model(model, cache_type="f32"), node="ps3/40", count=stages,
+                    context=context, concurrency=sequences, stages=stages)  # fmt: skip
     assert plan.fits, plan.problem
     split = [s.layers for s in plan.placement.slots]
-    assert split == [tuple(r) for r in budget_split(model, stages, 1 << 40, context, sequences)]
+    assert split == [tuple(r) for r in budget_split(model, stages, 1 << 40, context, sequences,
+                                                    cache_type="f32")]  # fmt: skip
     assert plan.min_nodes == stages
 
 

@@ -57,8 +57,10 @@ def test_kimi_k2_shape_figures() -> None:
     inv = api.resolve_model("kimi-k2", "1.8")
     assert inv.total_params == pytest.approx(1.026e12, rel=0.002)
     assert inv.active_params == pytest.approx(32.9e9, rel=0.01)
-    assert inv.config.kv_bytes_per_token_layer(2) * inv.n_layers == 70_272  # BF16 latent + rope
-    assert inv.kv_bytes_per_token_layer * inv.n_layers == 140_544  # what our engine caches (f32)
+    assert inv.config.kv_bytes_per_token_layer("f16") * inv.n_layers == 70_272  # f16 latent + rope
+    assert inv.kv_bytes_per_token_layer * inv.n_layers == 70_272  # what our engine caches (f16)
+    f32 = api.resolve_model("kimi-k2", "1.8", cache_type="f32")
+    assert f32.kv_bytes_per_token_layer * f32.n_layers == 140_544  # --cache-type f32
     assert inv.weight_bytes == pytest.approx(245e9, rel=0.05)  # Unsloth's 1.8-bit K2: 245 GB
 
 
@@ -385,7 +387,7 @@ def test_a_prefill_after_a_cached_prefix_pays_its_attention(demo_path: Path) -> 
     from cellswarm.sim.model import ReplicaModel
     from cellswarm.sim.params import SimParams
 
-    inv = api.resolve_model(str(demo_path))
+    inv = api.resolve_model(str(demo_path), cache_type="f32")  # its KV reads outweigh weights'
     placement = layer_placement(inv, [(0, inv.n_layers)])
     node, bare = profiles.get_profile("rpi4"), cost.CostOptions()
     rated = dataclasses.replace(bare, attention_flops_per_s=1e10)

@@ -195,7 +195,8 @@ def test_a_part_shard_and_an_assignment_carry_typed_holdings_and_addresses() -> 
     assert part == PartAddress(node_id="n7", host="10.0.0.7", port=9001,
                                experts={"3": [1, 5], "10": [0]})  # fmt: skip
     assert PartSpec.from_wire(part).experts == {3: (1, 5), 10: (0,)}
-    given = Assignment(shard=shard, model="m", context=8, max_sequences=1, parts=[part])
+    given = Assignment(shard=shard, model="m", context=8, max_sequences=1, cache_type="f16",
+                       parts=[part])
     assert decode(Assignment, encode(given)).parts == [part]
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cellswarm import kernels
+from cellswarm.cache_types import DEFAULT_CACHE_TYPE, check_cache_type
 from cellswarm.engine import PREFILL_CHUNK
 from cellswarm.engine.completions import Completions
 from cellswarm.engine.memory import MemoryReport, memory_report, peak_rss_bytes
@@ -24,7 +25,7 @@ from cellswarm.errors import RequestError
 from cellswarm.io.weights import Selection, WeightStore, non_finite
 from cellswarm.kernels.awake import awake
 from cellswarm.models.base import Architecture
-from cellswarm.models.kv_cache import KVCache, bytes_per_token, sequence_bytes
+from cellswarm.models.kv_cache import KVCache, bytes_per_token, read_bytes, sequence_bytes
 
 if TYPE_CHECKING:
     from cellswarm.io.tokenizer import Tokenizer
@@ -163,6 +164,8 @@ class Model(Completions):
         self.kv_budget_bytes = kv_budget_bytes
         self.name = "model"  # the file's name, set by the loader (OpenAI answers' "model")
         self.n_ctx: int | None = None  # load(n_ctx=): the context a generation may take
+        # what its KV caches store values as (cache_types.py: f16, q8_0, f32)
+        self.cache_type = DEFAULT_CACHE_TYPE
         self.draft: Model | None = None  # a draft model for speculative decoding (use_draft)
 
     def use_draft(self, draft: Model) -> None:
@@ -188,14 +191,29 @@ class Model(Completions):
 
     def new_cache(self, capacity: int) -> KVCache:
         specs = {i: self.arch.cache_spec(i) for i in self.layers}
-        return KVCache(specs, capacity, self.kv_budget_bytes)
+        return KVCache(specs, capacity, self.kv_budget_bytes, self.cache_type)
 
-    def kv_bytes_per_token(self) -> int:
-        return bytes_per_token({i: self.arch.cache_spec(i) for i in self.layers})
+    def set_cache_type(self, cache_type: str) -> None:
+        """Store the KV caches made from now on as `cache_type` (one line if unknown, or if
+        this model's cached vectors do not split into q8_0's blocks)."""
+        check_cache_type(cache_type)
+        self.kv_bytes_per_token(cache_type)  # q8_0 refuses vectors not in blocks of 32
+        self.cache_type = cache_type
+
+    def kv_bytes_per_token(self, cache_type: str | None = None) -> int:
+        specs = {i: self.arch.cache_spec(i) for i in self.layers}
+        return bytes_per_token(specs, cache_type or self.cache_type)
+
+    def kv_read_bytes(self, capacity: int) -> int:
+        """The float copies of one layer's cache a step makes while it attends (kv_cache
+        read_bytes): part of a step's scratch for a cache not of f32."""
+        specs = [self.arch.cache_spec(i) for i in self.layers]
+        return max((read_bytes(s, capacity, self.cache_type) for s in specs), default=0)
 
     def kv_sequence_bytes(self, capacity: int) -> int:
         """What new_cache(capacity) allocates (the keys' padding included)."""
-        return sequence_bytes({i: self.arch.cache_spec(i) for i in self.layers}, capacity)
+        specs = {i: self.arch.cache_spec(i) for i in self.layers}
+        return sequence_bytes(specs, capacity, self.cache_type)
 
     def forward(self, x: np.ndarray, cache: KVCache, layers: range | None = None) -> np.ndarray:
         """Hidden states (T, d) through `layers` at cache positions cache.length .. +T.

@@ -238,10 +238,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_set_outliers.argtypes = [i32]
     lib.cs_set_outliers.restype = None
     lib.cs_outlier_dominance.restype = ctypes.c_float
-    lib.cs_llama_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, p, p, p, p]
+    lib.cs_llama_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, p, p, p, p]
     lib.cs_llama_decode_layers.restype = None
-    lib.cs_ds_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, p, p]
-    lib.cs_llama_decode_many.argtypes = [p, i64, i64, p, p, p, p, p, p, p, p, p]
+    lib.cs_ds_decode_layers.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, p, p]
+    lib.cs_llama_decode_many.argtypes = [p, i64, i64, p, p, p, p, p, p, p, i32, p, p]
     lib.cs_llama_decode_many.restype = None
     lib.cs_llama_scratch_floats.argtypes = [p, i64]
     lib.cs_llama_scratch_floats.restype = i64
@@ -270,11 +270,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cs_rope_rows.argtypes = [p, i64, i64, i64, i64, i32, p, p]
     lib.cs_ds_scratch_floats.argtypes = [p, i64, i64]
     lib.cs_ds_scratch_qbytes.argtypes = [p, i64]
-    lib.cs_ds_decode_many.argtypes = [p, i64, p, p, p, p, p, p, i64, p, p]
+    lib.cs_ds_decode_many.argtypes = [p, i64, p, p, p, p, p, p, i64, i32, p, p]
     lib.cs_ds_decode_many.restype = None
     lib.cs_ds_scratch_floats.restype = lib.cs_ds_scratch_qbytes.restype = i64
-    lib.cs_ds_attention.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
-    lib.cs_ds_decode.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
+    lib.cs_ds_attention.argtypes = [p, p, i64, p, p, p, p, i64, i32, p, p]
+    lib.cs_ds_decode.argtypes = [p, p, i64, p, p, p, p, i64, i32, p, p]
+    lib.cs_kv_encode.argtypes = lib.cs_kv_decode.argtypes = [i32, p, i64, i64, p]
+    lib.cs_kv_encode.restype = lib.cs_kv_decode.restype = None
     lib.cs_ds_route.argtypes = [p, p, p, p, p, p, p]
     for f in (lib.cs_swiglu1, lib.cs_ds_attention, lib.cs_ds_decode, lib.cs_ds_route,
               lib.cs_silu_mul_rows, lib.cs_rope_rows, lib.cs_attend, lib.cs_rms_rows,
@@ -812,15 +814,18 @@ def llama_decode_layers(
     layers: ctypes.Array[ctypes.c_void_p], x: np.ndarray, pos: int, cos: np.ndarray,
     sin: np.ndarray, k_stores: ctypes.Array[ctypes.c_void_p],
     v_stores: ctypes.Array[ctypes.c_void_p], capacity: int, scratch: tuple[np.ndarray, ...],
+    kind: int = 0,
 ) -> None:  # fmt: skip
     """llama_decode through every layer of `layers` (pointers to LlamaLayer) in one call;
-    k_stores / v_stores: each layer's cache storage (pointers), all of `capacity` tokens."""
+    k_stores / v_stores: each layer's cache storage (pointers), all of `capacity` tokens and
+    of the cache type `kind` (KVCache.kind: kv.c)."""
     lib = _lib
     assert lib is not None
     f, xq, xd, xs = scratch
     lib.cs_llama_decode_layers(
         layers, len(layers), x.ctypes.data, pos, cos.ctypes.data, sin.ctypes.data, k_stores,
-        v_stores, capacity, f.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data,
+        v_stores, capacity, kind, f.ctypes.data, xq.ctypes.data, xd.ctypes.data,
+        xs.ctypes.data,
     )  # fmt: skip
 
 
@@ -836,11 +841,11 @@ def llama_scratch_many(layers: Sequence[LlamaLayer], n: int) -> tuple[np.ndarray
 def llama_decode_many(
     layers: ctypes.Array[ctypes.c_void_p], x: np.ndarray, pos: np.ndarray, cos: np.ndarray,
     sin: np.ndarray, k_stores: Sequence[np.ndarray], v_stores: Sequence[np.ndarray],
-    capacities: np.ndarray, scratch: tuple[np.ndarray, np.ndarray],
+    capacities: np.ndarray, scratch: tuple[np.ndarray, np.ndarray], kind: int = 0,
 ) -> None:  # fmt: skip
     """One token of each of n sequences through `layers`, in place on x (n, d): pos (n,)
     int64, cos/sin (n, rope_dim / 2), k_stores / v_stores layer-major (layer i, sequence s
-    at i * n + s), capacities (n,) int64 of each sequence's cache."""
+    at i * n + s), capacities (n,) int64 of each sequence's cache, all of type `kind`."""
     lib = _lib
     assert lib is not None
     n = x.shape[0]
@@ -848,7 +853,7 @@ def llama_decode_many(
     f, q = scratch
     lib.cs_llama_decode_many(
         layers, len(layers), n, x.ctypes.data, pos.ctypes.data, cos.ctypes.data,
-        sin.ctypes.data, ks, vs, capacities.ctypes.data, f.ctypes.data, q.ctypes.data,
+        sin.ctypes.data, ks, vs, capacities.ctypes.data, kind, f.ctypes.data, q.ctypes.data,
     )  # fmt: skip
 
 
@@ -912,6 +917,7 @@ def ds_scratch(layer: DsLayer, capacity: int, n: int = 1) -> tuple[np.ndarray, n
 def ds_decode_many(
     layer: DsLayer, x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray,
     latents: list[np.ndarray], k_ropes: list[np.ndarray], scratch: tuple[np.ndarray, np.ndarray],
+    kind: int = 0,
 ) -> None:  # fmt: skip
     """One layer for one token of each of n sequences, in place on x (n, d): pos (n,) int64,
     cos/sin (n, R/2), each sequence's latent (cap, L) and RoPE key (cap, R) stores."""
@@ -923,13 +929,14 @@ def ds_decode_many(
     cap = max(a.shape[0] for a in latents)
     f, q = scratch
     lib.cs_ds_decode_many(ctypes.addressof(layer), n, x.ctypes.data, pos.ctypes.data,
-                          cos.ctypes.data, sin.ctypes.data, lat, kr, cap, f.ctypes.data,
+                          cos.ctypes.data, sin.ctypes.data, lat, kr, cap, kind, f.ctypes.data,
                           q.ctypes.data)  # fmt: skip
 
 
 def ds_layer_call(
     name: str, layer: DsLayer, x: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray,
     latent: np.ndarray, k_rope: np.ndarray, scratch: tuple[np.ndarray, np.ndarray],
+    kind: int = 0,
 ) -> None:  # fmt: skip
     """cs_ds_decode ('decode': the whole layer) or cs_ds_attention ('attention'), in place on
     x (d,), writing the latent cache (cap, L) and RoPE key cache (cap, R) at `pos`."""
@@ -938,7 +945,7 @@ def ds_layer_call(
     fn = lib.cs_ds_decode if name == "decode" else lib.cs_ds_attention
     f, q = scratch
     fn(ctypes.addressof(layer), x.ctypes.data, pos, cos.ctypes.data, sin.ctypes.data,
-       latent.ctypes.data, k_rope.ctypes.data, latent.shape[0], f.ctypes.data,
+       latent.ctypes.data, k_rope.ctypes.data, latent.shape[0], kind, f.ctypes.data,
        q.ctypes.data)  # fmt: skip
 
 
@@ -946,15 +953,16 @@ def ds_decode_layers(
     layers: ctypes.Array[ctypes.c_void_p], x: np.ndarray, pos: int, cos: np.ndarray,
     sin: np.ndarray, latents: ctypes.Array[ctypes.c_void_p],
     k_ropes: ctypes.Array[ctypes.c_void_p], capacity: int,
-    scratch: tuple[np.ndarray, np.ndarray],
+    scratch: tuple[np.ndarray, np.ndarray], kind: int = 0,
 ) -> None:  # fmt: skip
     """cs_ds_decode through every layer of `layers` (pointers to DsLayer) in one call, in
-    place on x (d,); latents / k_ropes: each layer's caches (pointers), of `capacity` tokens."""
+    place on x (d,); latents / k_ropes: each layer's caches (pointers), of `capacity` tokens
+    and of the cache type `kind`."""
     lib = _lib
     assert lib is not None
     f, q = scratch
     lib.cs_ds_decode_layers(layers, len(layers), x.ctypes.data, pos, cos.ctypes.data,
-                            sin.ctypes.data, latents, k_ropes, capacity, f.ctypes.data,
+                            sin.ctypes.data, latents, k_ropes, capacity, kind, f.ctypes.data,
                             q.ctypes.data)  # fmt: skip
 
 
@@ -971,3 +979,29 @@ def ds_route(
     lib.cs_ds_route(ctypes.addressof(layer), x.ctypes.data, h.ctypes.data, ids.ctypes.data,
                     wts.ctypes.data, f.ctypes.data, q.ctypes.data)  # fmt: skip
     return h, ids, wts
+
+
+KV_WIDTHS = {0: (4, 1), 1: (2, 1), 8: (34, 32)}  # a cache kind's bytes per `n` values (kv.c)
+
+
+def kv_encode(x: np.ndarray, kind: int) -> np.ndarray:
+    """float32 rows (rows, width) to a cache kind's bytes (rows, width * bytes / values), as
+    the fused layers write them (kv.c kv_put): for tests and the same-bits harness."""
+    lib = _load()
+    assert lib is not None
+    xc = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
+    num, den = KV_WIDTHS[kind]
+    out = np.empty((xc.shape[0], xc.shape[1] * num // den), np.uint8)
+    lib.cs_kv_encode(kind, xc.ctypes.data, xc.shape[0], xc.shape[1], out.ctypes.data)
+    return out
+
+
+def kv_decode(stored: np.ndarray, kind: int) -> np.ndarray:
+    """kv_encode's bytes (rows, b) back to float32 rows, as attention reads them (kv.c)."""
+    lib = _load()
+    assert lib is not None
+    sc = np.ascontiguousarray(stored, np.uint8)
+    num, den = KV_WIDTHS[kind]
+    out = np.empty((sc.shape[0], sc.shape[1] * den // num), np.float32)
+    lib.cs_kv_decode(kind, sc.ctypes.data, sc.shape[0], out.shape[1], out.ctypes.data)
+    return out

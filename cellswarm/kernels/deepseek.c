@@ -336,10 +336,30 @@ void cs_mla_attend(const float *qlat, const float *qrope, const float *lat, cons
     }
 }
 
+/* A token's normed latent and RoPE key kv (lat + R) into its caches' row `pos`, as the
+ * cache's kind stores them (kv.c kv_put) */
+static void ds_cache_put(const ds_layer *L, const float *kv, int kind, void *lat_store,
+                         void *kr_store, int64_t pos) {
+    kv_put(kind, kv, L->kv_lora, lat_store, pos);
+    kv_put(kind, kv + L->kv_lora, L->rope_dim, kr_store, pos);
+}
+
+/* the caches' first s_len rows as floats: the stores themselves (f32), or decoded into a new
+ * buffer *held (s_len * (lat + R) floats; the caller frees it) */
+static void ds_cache_get(const ds_layer *L, int kind, const void *lat_store, const void *kr_store,
+                         int64_t s_len, const float **lat_f, const float **kr_f, float **held) {
+    const int64_t lat = L->kv_lora, R = L->rope_dim;
+    *held = kind == KV_F32 ? NULL : (float *)malloc(sizeof(float) * (size_t)(s_len * (lat + R)));
+    *lat_f = kv_rows(kind, lat_store, lat, s_len, *held);
+    *kr_f = kv_rows(kind, kr_store, R, s_len, *held ? *held + s_len * lat : NULL);
+}
+
 /* x (d) += MLA attention of the token at `pos`; writes its latent and RoPE key to the cache:
- * lat_store (cap, kv_lora), kr_store (cap, rope_dim). cs/sn: the position's RoPE tables. */
+ * lat_store (cap, kv_lora), kr_store (cap, rope_dim), of kind `kind` (kv.c). cs/sn: the
+ * position's RoPE tables. */
 static void ds_attention(const ds_layer *L, float *x, int64_t pos, const float *cs,
-                         const float *sn, float *lat_store, float *kr_store, ds_scratch *s) {
+                         const float *sn, void *lat_store, void *kr_store, int kind,
+                         ds_scratch *s) {
     const int64_t d = L->d, H = L->n_heads, N = L->nope, R = L->rope_dim, qk = N + R;
     const int64_t lat = L->kv_lora, V = L->v_dim;
     const qbuf *q = &s->q8;
@@ -362,8 +382,8 @@ static void ds_attention(const ds_layer *L, float *x, int64_t pos, const float *
     }
     rope(s->q + N, H, qk, R, 0, cs, sn);              /* each head's last R dims */
     rope(s->kv + lat, 1, R, R, 0, cs, sn);            /* the one key shared by all heads */
-    rms(s->kv, L->kv_a_norm, lat, L->latent_eps, lat_store + pos * lat);
-    memcpy(kr_store + pos * R, s->kv + lat, sizeof(float) * (size_t)R);
+    rms(s->kv, L->kv_a_norm, lat, L->latent_eps, s->kv);
+    ds_cache_put(L, s->kv, kind, lat_store, kr_store, pos);
     /* q_lat[h] (lat) = W_UK[h]^T q_nope[h]: k_b holds, per head, lat rows of N columns */
     for (int64_t h = 0; h < H; h++) memcpy(s->qn + h * N, s->q + h * qk, sizeof(float) * (size_t)N);
     if (L->k_b.kind == 0) quant_rows(s->qn, H, N, q, 0); /* a vector per head, as below */
@@ -371,10 +391,14 @@ static void ds_attention(const ds_layer *L, float *x, int64_t pos, const float *
         t[h] = (task){&L->k_b, L->k_b.w + h * lat * L->k_b.row_bytes, lat, N, at(q, s->qn, h * N), s->qlat + h * lat};
     run_tasks(t, (int)H);
     const int64_t s_len = pos + 1;
+    const float *lat_f, *kr_f;
+    float *held;
+    ds_cache_get(L, kind, lat_store, kr_store, s_len, &lat_f, &kr_f, &held);
 #pragma omp parallel for schedule(dynamic, 1) if (H * s_len * lat > 65536)
     for (int64_t h = 0; h < H; h++)
-        mla_head(s->qlat + h * lat, s->q + h * qk + N, lat_store, kr_store, s_len, lat, R, L->scale,
+        mla_head(s->qlat + h * lat, s->q + h * qk + N, lat_f, kr_f, s_len, lat, R, L->scale,
                  s->probs + h * s_len, s->ctx + h * lat);
+    free(held);
     /* out[h] (V) = W_UV[h] ctx[h]: v_b holds, per head, V rows of lat columns */
     if (L->v_b.kind == 0) quant_rows(s->ctx, H, lat, q, 0);
     for (int64_t h = 0; h < H; h++)
@@ -541,9 +565,9 @@ static void ds_ffn(const ds_layer *L, float *x, ds_scratch *s, const int64_t *id
 }
 
 void cs_ds_attention(const ds_layer *L, float *x, int64_t pos, const float *cs, const float *sn,
-                     float *lat_store, float *kr_store, int64_t cap, float *f, int8_t *q8) {
+                     void *lat_store, void *kr_store, int64_t cap, int kv, float *f, int8_t *q8) {
     ds_scratch s = carve(L, cap, f, q8, 1);
-    ds_attention(L, x, pos, cs, sn, lat_store, kr_store, &s);
+    ds_attention(L, x, pos, cs, sn, lat_store, kr_store, kv, &s);
 }
 
 /* h (d) out; ids/weights only for a MoE layer. */
@@ -555,21 +579,22 @@ void cs_ds_route(const ds_layer *L, const float *x, float *h, int64_t *ids, floa
 }
 
 void cs_ds_decode(const ds_layer *L, float *x, int64_t pos, const float *cs, const float *sn,
-                  float *lat_store, float *kr_store, int64_t cap, float *f, int8_t *q8) {
+                  void *lat_store, void *kr_store, int64_t cap, int kv, float *f, int8_t *q8) {
     ds_scratch s = carve(L, cap, f, q8, 1);
     int64_t ids[64];
     float wts[64];
-    ds_attention(L, x, pos, cs, sn, lat_store, kr_store, &s);
+    ds_attention(L, x, pos, cs, sn, lat_store, kr_store, kv, &s);
     ds_route(L, x, &s, ids, wts);
     ds_ffn(L, x, &s, ids, wts);
 }
 
 /* Layers L[0..n) in turn, one call for a stage's stack (as cs_llama_decode_layers): lat[i] and
- * kr[i] are layer i's latent and RoPE key caches, all of capacity cap. */
+ * kr[i] are layer i's latent and RoPE key caches, all of capacity cap and kind kv (kv.c). */
 void cs_ds_decode_layers(const ds_layer *const *L, int64_t n, float *x, int64_t pos,
-                         const float *cs, const float *sn, float *const *lat, float *const *kr,
-                         int64_t cap, float *f, int8_t *q8) {
-    for (int64_t i = 0; i < n; i++) cs_ds_decode(L[i], x, pos, cs, sn, lat[i], kr[i], cap, f, q8);
+                         const float *cs, const float *sn, void *const *lat, void *const *kr,
+                         int64_t cap, int kv, float *f, int8_t *q8) {
+    for (int64_t i = 0; i < n; i++)
+        cs_ds_decode(L[i], x, pos, cs, sn, lat[i], kr[i], cap, kv, f, q8);
 }
 
 /* ---- n sequences at once: each weight row read once for all of them -------------------------
@@ -586,8 +611,8 @@ static task batch(const mat *m, const uint8_t *w, int64_t rows, int64_t cols, ac
 }
 
 static void ds_attention_many(const ds_layer *L, int64_t n, float *x, const int64_t *pos,
-                              const float *cs, const float *sn, float *const *lat_st,
-                              float *const *kr_st, ds_scratch *s) {
+                              const float *cs, const float *sn, void *const *lat_st,
+                              void *const *kr_st, int kind, ds_scratch *s) {
     const int64_t d = L->d, H = L->n_heads, N = L->nope, R = L->rope_dim, qk = N + R;
     const int64_t lat = L->kv_lora, V = L->v_dim, half = R / 2;
     const qbuf *q = &s->q8;
@@ -613,8 +638,8 @@ static void ds_attention_many(const ds_layer *L, int64_t n, float *x, const int6
         float *qi = s->q + i * H * qk, *kv = s->kv + i * (lat + R);
         rope(qi + N, H, qk, R, 0, cs + i * half, sn + i * half);
         rope(kv + lat, 1, R, R, 0, cs + i * half, sn + i * half);
-        rms(kv, L->kv_a_norm, lat, L->latent_eps, lat_st[i] + pos[i] * lat);
-        memcpy(kr_st[i] + pos[i] * R, kv + lat, sizeof(float) * (size_t)R);
+        rms(kv, L->kv_a_norm, lat, L->latent_eps, kv);
+        ds_cache_put(L, kv, kind, lat_st[i], kr_st[i], pos[i]);
         for (int64_t h = 0; h < H; h++) /* qn: (H, n, N), a head's n rows together */
             memcpy(s->qn + (h * n + i) * N, qi + h * qk, sizeof(float) * (size_t)N);
     }
@@ -625,12 +650,17 @@ static void ds_attention_many(const ds_layer *L, int64_t n, float *x, const int6
     run_tasks(t, (int)H);
     int64_t cap = 0;
     for (int64_t i = 0; i < n; i++) cap = pos[i] + 1 > cap ? pos[i] + 1 : cap;
+    const float *lat_f[MAX_BATCH], *kr_f[MAX_BATCH];
+    float *held[MAX_BATCH];
+    for (int64_t i = 0; i < n; i++)
+        ds_cache_get(L, kind, lat_st[i], kr_st[i], pos[i] + 1, &lat_f[i], &kr_f[i], &held[i]);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t hi = 0; hi < H * n; hi++) { /* ctx: (H, n, lat) */
         const int64_t h = hi / n, i = hi % n;
-        mla_head(s->qlat + hi * lat, s->q + i * H * qk + h * qk + N, lat_st[i], kr_st[i], pos[i] + 1,
+        mla_head(s->qlat + hi * lat, s->q + i * H * qk + h * qk + N, lat_f[i], kr_f[i], pos[i] + 1,
                  lat, R, L->scale, s->probs + hi * cap, s->ctx + hi * lat);
     }
+    for (int64_t i = 0; i < n; i++) free(held[i]);
     if (L->v_b.kind == 0) quant_rows(s->ctx, H * n, lat, q, 0);
     for (int64_t h = 0; h < H; h++) /* vo: (n, H * V) */
         t[h] = batch(&L->v_b, L->v_b.w + h * V * L->v_b.row_bytes, V, lat, at(q, s->ctx, h * n * lat),
@@ -726,9 +756,9 @@ static void ds_ffn_many(const ds_layer *L, int64_t n, float *x, ds_scratch *s) {
 /* x (n, d): one token of each of n sequences; pos (n); cs/sn (n, R/2); the caches' latent and
  * RoPE-key stores, one pointer per sequence; scratch for n (cs_ds_scratch_*(L, cap, n)). */
 void cs_ds_decode_many(const ds_layer *L, int64_t n, float *x, const int64_t *pos,
-                       const float *cs, const float *sn, float *const *lat_st,
-                       float *const *kr_st, int64_t cap, float *f, int8_t *q8) {
+                       const float *cs, const float *sn, void *const *lat_st,
+                       void *const *kr_st, int64_t cap, int kv, float *f, int8_t *q8) {
     ds_scratch s = carve(L, cap, f, q8, n);
-    ds_attention_many(L, n, x, pos, cs, sn, lat_st, kr_st, &s);
+    ds_attention_many(L, n, x, pos, cs, sn, lat_st, kr_st, kv, &s);
     ds_ffn_many(L, n, x, &s);
 }

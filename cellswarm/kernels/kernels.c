@@ -1610,5 +1610,6 @@ void cs_set_threads(int n) {
 
 int cs_max_batch(void) { return MAX_BATCH; }
 
+#include "kv.c"
 #include "deepseek.c"
 #include "llama.c"

@@ -10,11 +10,12 @@
  * layout); xd: 12 * widest/32 floats (scales, block sums, then the outliers and vector starts
  * of qbuf); xs: widest/16 ints. */
 /* One token's q, k, v after their products: biases, QK-norm, RoPE at `pos`, then k and v
- * into the cache — keys component-major (n_kv, hd, keys_ld(cap)), values (n_kv, cap, hd). */
+ * into the cache as its kind stores them (kv.c kv_put_key, kv_put) — keys component-major
+ * (n_kv, hd, keys_ld(cap)) for f32/f16, values (n_kv, cap, hd). */
 static void qkv_into_cache(const llama_layer *L, float *q, float *k, float *v, int64_t pos,
-                           const float *cs, const float *sn, float *k_store, float *v_store,
-                           int64_t cap) {
-    const int64_t hd = L->head_dim, qn = L->n_heads * hd, kn = L->n_kv * hd, ldk = keys_ld(cap);
+                           const float *cs, const float *sn, void *k_store, void *v_store,
+                           int64_t cap, int kind) {
+    const int64_t hd = L->head_dim, qn = L->n_heads * hd, kn = L->n_kv * hd;
     if (L->q_bias) for (int64_t i = 0; i < qn; i++) q[i] += L->q_bias[i];
     if (L->k_bias) for (int64_t i = 0; i < kn; i++) k[i] += L->k_bias[i];
     if (L->v_bias) for (int64_t i = 0; i < kn; i++) v[i] += L->v_bias[i];
@@ -25,14 +26,14 @@ static void qkv_into_cache(const llama_layer *L, float *q, float *k, float *v, i
     rope(q, L->n_heads, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
     rope(k, L->n_kv, hd, L->rope_dim, (int)L->rope_neox, cs, sn);
     for (int64_t i = 0; i < L->n_kv; i++) {
-        for (int64_t j = 0; j < hd; j++) k_store[(i * hd + j) * ldk + pos] = k[i * hd + j];
-        memcpy(v_store + (i * cap + pos) * hd, v + i * hd, sizeof(float) * (size_t)hd);
+        kv_put_key(kind, k + i * hd, hd, k_store, i, cap, pos);
+        kv_put(kind, v + i * hd, hd, v_store, i * cap + pos);
     }
 }
 
 void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *cs,
-                     const float *sn, float *k_store, float *v_store, int64_t cap, float *f,
-                     int8_t *xq, float *xd, int32_t *xs) {
+                     const float *sn, void *k_store, void *v_store, int64_t cap, int kv,
+                     float *f, int8_t *xq, float *xd, int32_t *xs) {
     const int64_t d = L->d, hd = L->head_dim, qn = L->n_heads * hd, kn = L->n_kv * hd;
     int64_t widest = d > qn ? d : qn;
     widest = L->ffn > widest ? L->ffn : widest;
@@ -45,9 +46,9 @@ void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *c
     const actv ah = at(&qb, h, 0);
     task t[3] = {whole(&L->q, d, ah, q), whole(&L->k, d, ah, k), whole(&L->v, d, ah, v)};
     run_tasks(t, 3);
-    qkv_into_cache(L, q, k, v, pos, cs, sn, k_store, v_store, cap);
+    qkv_into_cache(L, q, k, v, pos, cs, sn, k_store, v_store, cap, kv);
     (void)probs;
-    attend1(q, k_store, v_store, L->n_heads, L->n_kv, cap, pos + 1, hd, L->scale, att);
+    attend1_kv(kv, q, k_store, v_store, L->n_heads, L->n_kv, cap, pos + 1, hd, L->scale, att);
     if (L->o.kind == 0) quant(att, qn, &qb);
     t[0] = whole(&L->o, qn, at(&qb, att, 0), tmp);
     run_tasks(t, 1);
@@ -66,13 +67,13 @@ void cs_llama_decode(const llama_layer *L, float *x, int64_t pos, const float *c
 
 /* Layers L[0..n) in turn, one call for a stage's whole stack (the Python around each layer's
  * call cost ~10-20 us: pointers fetched, the cache looked up); k_stores[i] / v_stores[i]:
- * layer i's cache, all of capacity cap. */
+ * layer i's cache, all of capacity cap and of kind kv (kv.c). */
 void cs_llama_decode_layers(const llama_layer *const *L, int64_t n, float *x, int64_t pos,
-                            const float *cs, const float *sn, float *const *k_stores,
-                            float *const *v_stores, int64_t cap, float *f, int8_t *xq, float *xd,
-                            int32_t *xs) {
+                            const float *cs, const float *sn, void *const *k_stores,
+                            void *const *v_stores, int64_t cap, int kv, float *f, int8_t *xq,
+                            float *xd, int32_t *xs) {
     for (int64_t i = 0; i < n; i++)
-        cs_llama_decode(L[i], x, pos, cs, sn, k_stores[i], v_stores[i], cap, f, xq, xd, xs);
+        cs_llama_decode(L[i], x, pos, cs, sn, k_stores[i], v_stores[i], cap, kv, f, xq, xd, xs);
 }
 
 /* ---- one token of each of n sequences through a stack of layers (continuous batching) ----
@@ -103,8 +104,9 @@ int64_t cs_llama_scratch_qbytes(const llama_layer *L, int64_t n) {
  * the query heads that share a KV head together on one thread (attend_heads: its keys and
  * values read once for them; with (sequence, query head) pairs as units each query head's
  * read of them went to whichever thread was free, from memory again) */
-static void attend_many(const llama_layer *L, int64_t n, const float *q, float *const *k_st,
-                        float *const *v_st, const int64_t *caps, const int64_t *pos, float *att) {
+static void attend_many(const llama_layer *L, int64_t n, const float *q, void *const *k_st,
+                        void *const *v_st, const int64_t *caps, const int64_t *pos, int kv,
+                        float *att) {
     const int64_t H = L->n_heads, hd = L->head_dim, KV = L->n_kv, g = H / KV;
     int64_t most = 0, work = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -115,13 +117,14 @@ static void attend_many(const llama_layer *L, int64_t n, const float *q, float *
     const int64_t lp = keys_ld(most);
 #pragma omp parallel num_threads(use) if (use > 1)
     {
-        float *p = (float *)malloc(sizeof(float) * (size_t)(4 * lp));
+        /* the scores, then (a cache not of f32) the KV head decoded: kv.c kv_head */
+        float *p = (float *)malloc(sizeof(float) * (size_t)(4 * lp + kv_head_floats(kv, hd, hd, most)));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < n * KV; j++) {
-            const int64_t i = j / KV, kvh = j % KV, ldk = keys_ld(caps[i]), h = kvh * g;
-            attend_heads(q + (i * H + h) * hd, g, k_st[i] + kvh * hd * ldk, ldk,
-                         v_st[i] + kvh * caps[i] * hd, pos[i] + 1, hd, hd, L->scale, p, lp,
-                         att + (i * H + h) * hd);
+            const int64_t i = j / KV, kvh = j % KV, h = kvh * g;
+            const kv_view c = kv_head(kv, k_st[i], v_st[i], kvh, caps[i], hd, hd, pos[i] + 1, p + 4 * lp);
+            attend_heads(q + (i * H + h) * hd, g, c.kt, c.ld, c.v, pos[i] + 1, hd, hd, L->scale, p,
+                         lp, att + (i * H + h) * hd);
         }
         free(p);
     }
@@ -137,8 +140,9 @@ static void silu_mul_many(float *g, const float *u, int64_t n, int64_t ffn) {
 }
 
 static void llama_decode_many(const llama_layer *L, int64_t n, float *x, const int64_t *pos,
-                              const float *cs, const float *sn, float *const *k_st,
-                              float *const *v_st, const int64_t *caps, float *f, int8_t *q8) {
+                              const float *cs, const float *sn, void *const *k_st,
+                              void *const *v_st, const int64_t *caps, int kv, float *f,
+                              int8_t *q8) {
     const int64_t d = L->d, hd = L->head_dim, qn = L->n_heads * hd, kn = L->n_kv * hd;
     const int64_t ffn = L->ffn, w = n * llama_widest(L), half = L->rope_dim / 2;
     float *h = f, *tmp = h + n * d, *q = tmp + n * d, *att = q + n * qn, *k = att + n * qn;
@@ -157,8 +161,8 @@ static void llama_decode_many(const llama_layer *L, int64_t n, float *x, const i
     run_tasks(t, 3);
     for (int64_t s = 0; s < n; s++)
         qkv_into_cache(L, q + s * qn, k + s * kn, v + s * kn, pos[s], cs + s * half, sn + s * half,
-                       k_st[s], v_st[s], caps[s]);
-    attend_many(L, n, q, k_st, v_st, caps, pos, att);
+                       k_st[s], v_st[s], caps[s], kv);
+    attend_many(L, n, q, k_st, v_st, caps, pos, kv, att);
     if (L->o.kind == 0) quant_rows(att, n, qn, &qb, 0);
     t[0] = batch(&L->o, L->o.w, L->o.rows, qn, at(&qb, att, 0), tmp, n, d);
     run_tasks(t, 1);
@@ -177,11 +181,12 @@ static void llama_decode_many(const llama_layer *L, int64_t n, float *x, const i
 
 /* x (n, d): one token of each of n <= MAX_BATCH sequences through layers L[0..m); pos (n);
  * cs/sn (n, rope_dim / 2); k_st / v_st: m * n pointers, layer-major (layer i, sequence s at
- * i * n + s); caps (n): each sequence's cache capacity. */
+ * i * n + s); caps (n): each sequence's cache capacity; kv: the caches' kind (kv.c), one
+ * for all. */
 void cs_llama_decode_many(const llama_layer *const *L, int64_t m, int64_t n, float *x,
                           const int64_t *pos, const float *cs, const float *sn,
-                          float *const *k_st, float *const *v_st, const int64_t *caps, float *f,
-                          int8_t *q8) {
+                          void *const *k_st, void *const *v_st, const int64_t *caps, int kv,
+                          float *f, int8_t *q8) {
     for (int64_t i = 0; i < m; i++)
-        llama_decode_many(L[i], n, x, pos, cs, sn, k_st + i * n, v_st + i * n, caps, f, q8);
+        llama_decode_many(L[i], n, x, pos, cs, sn, k_st + i * n, v_st + i * n, caps, kv, f, q8);
 }

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from cellswarm.cache_types import DEFAULT_CACHE_TYPE, spec_bytes_per_token
 from cellswarm.errors import ModelFileError
 from cellswarm.io.names import global_tensor_shapes
 from cellswarm.models.llama_config import hf_rope_params
@@ -302,8 +303,8 @@ class DeepseekConfig:
         # layer held (see `Deepseek2.absorbed`), counted so a memory report's total is right.
         return n_tokens * per_token + scores + attn_layers * self.absorbed_bytes_per_layer()
 
-    def kv_bytes_per_token_layer(self, item_bytes: int = 4) -> int:
-        return (self.kv_lora_rank + self.qk_rope_dim) * item_bytes  # latent + shared RoPE key
+    def kv_bytes_per_token_layer(self, cache_type: str = DEFAULT_CACHE_TYPE) -> int:
+        return spec_bytes_per_token(self.cache_spec(), cache_type)  # latent + shared RoPE key
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         """A layer's KV cache tensors per token: the latent and the shared RoPE key."""

@@ -127,10 +127,10 @@ class FusedDecode:
             scratch = self.scratch(latent.shape[0], layers)
             if m.remote_experts is None or not c.is_moe(i):
                 kernels.ds_layer_call("decode", b.struct, out, pos, cos, sin, latent, k_rope,
-                                      scratch)  # fmt: skip
+                                      scratch, cache.kind)  # fmt: skip
                 continue
             kernels.ds_layer_call("attention", b.struct, out, pos, cos, sin, latent, k_rope,
-                                  scratch)  # fmt: skip
+                                  scratch, cache.kind)  # fmt: skip
             h, ids, weights = kernels.ds_route(b.struct, out, scratch)
             routing = _routing(ids, weights)
             out = out + m.moe(i, h[None], routing)[0]
@@ -151,7 +151,7 @@ class FusedDecode:
         structs, latents, k_ropes = cache.memo[key]
         scratch = self.scratch(cache.capacity, layers)
         kernels.ds_decode_layers(structs, out, pos, cos, sin, latents, k_ropes, cache.capacity,
-                                 scratch)  # fmt: skip
+                                 scratch, cache.kind)  # fmt: skip
         return out
 
     def run_many(
@@ -180,7 +180,8 @@ class FusedDecode:
                 check_room(lat.shape[0], int(p) + 1)
             cap = max(lat.shape[0] for lat in latents)
             scratch = self.scratch(cap, layers, n)
-            kernels.ds_decode_many(b.struct, out, pos, cos, sin, latents, k_ropes, scratch)
+            kernels.ds_decode_many(b.struct, out, pos, cos, sin, latents, k_ropes, scratch,
+                                   caches[0].kind)  # a model's caches are of one type
         return out
 
     def scratch(

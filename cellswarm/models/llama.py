@@ -79,8 +79,8 @@ class Llama:
         q, k = ops.rope(self.rope, q, positions), ops.rope(self.rope, k, positions)
         start, end = int(positions[0]), int(positions[-1]) + 1
         cache.write(start, kt=k, v=v)
-        if kernels.enabled():  # the keys as the cache keeps them: no transpose
-            out = kernels.attend_keys(q, cache.storage("kt"), cache.read("v", end), self.scale)
+        if kernels.enabled():  # the keys component-major (for f32 the cache's own: no copy)
+            out = kernels.attend_keys(q, cache.keys("kt", end), cache.read("v", end), self.scale)
         else:
             out = ops.attention(q, cache.read("kt", end), cache.read("v", end), self.scale)
         return w.matrix(p + "attn_output.weight").matmul(out.reshape(t, -1))  # (T, d)
@@ -113,7 +113,7 @@ class Llama:
         k_stores, v_stores = cache.memo[key]
         scratch = self._decode_scratch(cache.capacity)
         kernels.llama_decode_layers(stack, out, pos, cos, sin, k_stores, v_stores,
-                                    cache.capacity, scratch)  # fmt: skip
+                                    cache.capacity, scratch, cache.kind)  # fmt: skip
         return out[None]
 
     def _fused_stack(self, layers: range) -> Any:
@@ -150,7 +150,7 @@ class Llama:
             structs = [f[0] for f in (self._fused_layer(i) for i in layers) if f is not None]
             self._many_scratch = {"key": key, "buf": kernels.llama_scratch_many(structs, n)}
         kernels.llama_decode_many(stack, out, pos, cos, sin, stores["kt"], stores["v"], caps,
-                                  self._many_scratch["buf"])  # fmt: skip
+                                  self._many_scratch["buf"], _one_kind(caches))  # fmt: skip
         return out
 
     def _fused_layer(self, layer: int) -> tuple[Any, ...] | None:
@@ -202,6 +202,15 @@ class Llama:
 
     def scratch_bytes(self, n_tokens: int, context: int) -> int:
         return self.config.scratch_bytes(n_tokens, context)
+
+
+def _one_kind(caches: list[KVCache]) -> int:
+    """The caches' type, which one C call takes for all of them (a model makes its caches
+    of one type: Model.cache_type)."""
+    kinds = {c.kind for c in caches}
+    if len(kinds) != 1:
+        raise ValueError(f"one batched step takes caches of one type, got {sorted(kinds)}")
+    return kinds.pop()
 
 
 CONFIG = LlamaConfig

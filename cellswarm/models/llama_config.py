@@ -12,6 +12,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from cellswarm.cache_types import DEFAULT_CACHE_TYPE, spec_bytes_per_token
 from cellswarm.errors import ModelFileError
 from cellswarm.io.names import global_tensor_shapes
 from cellswarm.models.rope import base_inv_freq, llama3_factors
@@ -108,8 +109,8 @@ class LlamaConfig:
         scores = 4 * 2 * self.n_heads * n_tokens * context  # scores and probabilities
         return n_tokens * per_token + scores
 
-    def kv_bytes_per_token_layer(self, item_bytes: int = 4) -> int:
-        return 2 * self.n_kv_heads * self.head_dim * item_bytes  # K and V
+    def kv_bytes_per_token_layer(self, cache_type: str = DEFAULT_CACHE_TYPE) -> int:
+        return spec_bytes_per_token(self.cache_spec(), cache_type)  # K and V
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         """A layer's KV cache tensors per token (kv_cache.py lays "kt" out transposed and

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from cellswarm.cache_types import DEFAULT_CACHE_TYPE
 from cellswarm.errors import RequestError
 from cellswarm.planner import inventory, presets, profiles
 from cellswarm.planner.cost import CostOptions
@@ -20,8 +21,15 @@ from cellswarm.planner.profiles import NetworkSpec
 ACTIVATION_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 
 
-def resolve_model(model: str, quant: str | None = None) -> ModelInventory:
-    """A GGUF path, a Hugging Face folder, or a preset name -> inventory (no weights read)."""
+def resolve_model(
+    model: str, quant: str | None = None, cache_type: str = DEFAULT_CACHE_TYPE
+) -> ModelInventory:
+    """A GGUF path, a Hugging Face folder, or a preset name -> inventory (no weights read),
+    its KV bytes those of a cache of `cache_type`."""
+    return inventory.with_cache_type(_resolve(model, quant), cache_type)
+
+
+def _resolve(model: str, quant: str | None) -> ModelInventory:
     path = Path(model)
     spec = QuantSpec.parse(quant) if quant else None
     if path.is_dir():

@@ -7,6 +7,7 @@ reads a weight. For files the engine loads, the numbers equal the engine's own a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from cellswarm.cache_types import check_cache_type, value_bytes
 from cellswarm.errors import RequestError
 from cellswarm.io.names import layer_of, tensor_kind
 from cellswarm.quant import QuantFormat, format_by_name
@@ -136,7 +138,7 @@ class ModelInventory:
     vocab_size: int
     n_experts: int  # routed experts per MoE layer (0: dense)
     n_experts_used: int
-    kv_bytes_per_token_layer: int  # float32, as the engine caches
+    kv_bytes_per_token_layer: int  # as the engine caches: f16 unless with_cache_type
     tensors: tuple[TensorSpec, ...]
     config: Any = field(repr=False)  # engine config (scratch formula) or None
     quant: str = "as stored"
@@ -281,6 +283,17 @@ def from_hf_config(
     if config is None:
         inv = shapes.non_engine_inventory(inv, hf_cfg)
     return inv
+
+
+def with_cache_type(inv: ModelInventory, cache_type: str) -> ModelInventory:
+    """The inventory with its KV bytes per token for a cache of `cache_type` (f16, q8_0,
+    f32: cache_types.py, the bytes the engine allocates)."""
+    check_cache_type(cache_type)
+    if inv.config is not None and hasattr(inv.config, "kv_bytes_per_token_layer"):
+        per_layer = int(inv.config.kv_bytes_per_token_layer(cache_type))
+    else:  # known by its total alone (shapes.py: f16)
+        per_layer = round(inv.kv_bytes_per_token_layer / 2 * value_bytes(cache_type))
+    return dataclasses.replace(inv, kv_bytes_per_token_layer=per_layer)
 
 
 def _engine_inventory(

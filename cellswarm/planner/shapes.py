@@ -81,5 +81,5 @@ def non_engine_inventory(inv: Any, cfg: Mapping[str, Any]) -> Any:
         vocab_size=int(cfg["vocab_size"]),
         n_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
         n_experts_used=int(cfg["num_experts_per_tok"]),
-        kv_bytes_per_token_layer=2 * kv_heads * head_dim * 4,
+        kv_bytes_per_token_layer=2 * kv_heads * head_dim * 2,  # f16, the engine's default
     )

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cellswarm.cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE, check_cache_type
 from cellswarm.errors import RequestError, SwarmError
 from cellswarm.swarm.api.client import api_key
 from cellswarm.swarm.settings import (
@@ -68,6 +69,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     u.add_argument("--max-sequences", type=lambda t: parse_count(t, "--max-sequences", "8"),
                    default=CoordinatorConfig.max_sequences,
                    help="sequences in flight per stage, at most (default %(default)s)")
+    u.add_argument("--cache-type", type=check_cache_type, default=DEFAULT_CACHE_TYPE,
+                   help=f"what the KV cache stores values as: {', '.join(CACHE_TYPES)} "
+                   "(default %(default)s; coordinator --cache-type)")  # fmt: skip
     u.add_argument("--draft", help="a draft model (GGUF of the model's tokenizer) every "
                    "worker drafts with when it runs a ring's first stage (worker --draft)")
     u.add_argument("--state-dir", default="cellswarm-state", help="database, token, logs")
@@ -228,7 +232,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                        state_dir=Path(args.state_dir), profile=args.profile,
                        stages=args.stages, port=args.port, tls_dir=args.tls,
                        keep_awake=args.keep_awake, context=args.context,
-                       max_sequences=args.max_sequences, draft=args.draft)  # fmt: skip
+                       max_sequences=args.max_sequences, draft=args.draft,
+                       cache_type=args.cache_type)  # fmt: skip
     fit = swarm.fit_to_workers()  # a context they cannot hold: one line, before any process
 
     def say(line: str) -> None:
@@ -238,7 +243,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         with stop_on_signals():  # from the start: loading takes a while, orphans last
             try:
                 say(f"context {fit.context_tokens:,} tokens a sequence, up to {fit.sequences} "
-                    f"in flight (--context, --max-sequences, --memory {args.memory})")
+                    f"in flight, {args.cache_type} KV cache (--context, --max-sequences, "
+                    f"--memory {args.memory}, --cache-type)")
                 swarm.start(say)
                 print_status(swarm.wait_ready(on_change=say))
                 say(f"coordinator: {swarm.url} (token in {swarm.token_file}); Ctrl-C stops "

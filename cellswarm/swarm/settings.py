@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import TypeVar
 
+from cellswarm.cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE, check_cache_type
 from cellswarm.errors import RequestError
 from cellswarm.swarm.policy import (
     HEARTBEAT_S,
@@ -85,6 +86,12 @@ class CoordinatorConfig:
         "reserves KV cache for them (default: the model's own context; with too little "
         "memory fewer sequences run at once, down to 1, and status says what fits)",
         parse=lambda text: parse_count(text, "--context", "4096"))
+    cache_type: str = setting(
+        DEFAULT_CACHE_TYPE, "--cache-type", f"what every stage's KV cache stores values as: "
+        f"{', '.join(CACHE_TYPES)} (f16 half the bytes of f32, q8_0 about a quarter; "
+        "their quality: docs/design.md 'KV cache types'); one for the whole swarm, told to "
+        "each worker with its shard, so a sequence's bits do not depend on who holds it",
+        parse=check_cache_type)
     max_sequences: int = setting(
         8, "--max-sequences", "sequences in flight per stage, at most (fewer when the context "
         "leaves no room)", parse=lambda text: parse_count(text, "--max-sequences", "8"))
@@ -108,6 +115,7 @@ class CoordinatorConfig:
         if self.context is not None:
             check_count(self.context, "--context", "4096")
         check_count(self.max_sequences, "--max-sequences", "8")
+        check_cache_type(self.cache_type)
         if self.heartbeat_timeout_s <= self.heartbeat_s:
             raise RequestError(
                 f"heartbeat timeout {self.heartbeat_timeout_s} s must exceed the heartbeat "
@@ -138,6 +146,10 @@ class WorkerConfig:
     advertise: str | None = setting(None, "--advertise", "HOST[:PORT] peers should dial (NAT, "
                                     "containers; default: the --listen address)")  # fmt: skip
     threads: int | None = setting(None, "--threads", "compute threads")
+    cache_type: str | None = setting(
+        None, "--cache-type", f"the KV cache type this worker serves ({', '.join(CACHE_TYPES)}; "
+        "default: the coordinator's --cache-type, which comes with the shard); given, a shard "
+        "of another type is refused", parse=check_cache_type)
     log_dir: str | None = setting(None, "--log-dir", "folder for JSON-line event logs")
     control: str | None = setting(
         None, "--control", "nats://HOST:PORT (tls:// with --tls): send heartbeats through "
@@ -178,6 +190,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.node_id:
             object.__setattr__(self, "node_id", f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+        if self.cache_type is not None:
+            check_cache_type(self.cache_type)
         if self.draft is not None and not os.path.isfile(self.draft):
             raise RequestError(f"--draft {self.draft}: no such file; give a local GGUF of the "
                                "model's tokenizer")  # fmt: skip

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from cellswarm.cache_types import DEFAULT_CACHE_TYPE
 from cellswarm.engine import PREFILL_CHUNK
 from cellswarm.engine.memory import proc_status
 from cellswarm.engine.model import Model
@@ -130,6 +131,7 @@ def load_tiered(
     routing_stats: Path | None = None,
     tokenizer: bool = True,
     selection: Selection | None = None,
+    cache_type: str = DEFAULT_CACHE_TYPE,
 ) -> TieredModel:
     """Load a MoE GGUF file for a box whose DRAM holds `dram_budget` bytes of this process's
     anonymous memory in all; see the module docstring. `selection`: a swarm worker's shard
@@ -150,6 +152,7 @@ def load_tiered(
     tok = gguf_tokenizer(f.metadata, config.vocab_size) if tokenizer else None
     arch = module_of(entry).MODEL(config, weights)
     model = Model(config, arch, weights, tok, sel, None)
+    model.set_cache_type(cache_type)  # before the KV reservation below: its bytes
     moe_layers = [i for i in model.layers if config.is_moe(i)]
     if not moe_layers:
         raise RequestError(f"layers {model.layers} of {p} hold no routed experts to tier")

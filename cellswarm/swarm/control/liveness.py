@@ -108,7 +108,8 @@ class Liveness(Placing):
         parts = ([h.at(f"part-{j}", "", 0) for j, h in enumerate(self.part_specs)]
                  if node.shard.role == "stage" else [])  # fmt: skip
         return Assignment(shard=node.shard, model=self.config.model, context=self.context,
-                          max_sequences=self.sequences, parts=parts)  # fmt: skip
+                          max_sequences=self.sequences, cache_type=self.config.cache_type,
+                          parts=parts)  # fmt: skip
 
     def _probe(self, node: Node) -> bool:
         if node.state != "offline":

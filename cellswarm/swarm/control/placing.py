@@ -194,7 +194,8 @@ class Placing(Election):
         """(context, sequences) -> StageCosts of this model as a stage holds it."""
         if self._costs_at is None:
             c = self.config
-            self._costs_at = costs_at(c.model, c.expert_nodes > 0, c.vocab_nodes > 0)
+            self._costs_at = costs_at(c.model, c.expert_nodes > 0, c.vocab_nodes > 0,
+                                      c.cache_type)  # fmt: skip
         return self._costs_at
 
     def stage_costs(self, sequences: int | None = None) -> StageCosts:

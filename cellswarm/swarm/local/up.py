@@ -57,6 +57,7 @@ class LocalSwarm:
     # does. Tests and benches keep a short one: their budgets and timings were sized for it
     context: int | None = TEST_CONTEXT_TOKENS
     max_sequences: int = CoordinatorConfig.max_sequences
+    cache_type: str = CoordinatorConfig.cache_type  # the swarm's KV cache type
     heartbeat_s: float = 0.25  # quicker than a deployment's (settings.py): tests wait less
     heartbeat_timeout_s: float = 2.0
     stop_after_s: float = 3.0  # quicker than a deployment's (settings.py): tests wait less
@@ -157,7 +158,7 @@ class LocalSwarm:
             context=self.context, max_sequences=self.max_sequences, replicas=self.replicas,
             lease_s=self.lease_s, evict_after_disagreements=self.evict_after,
             leader_ttl_s=self.leader_ttl_s, rebalance=self.rebalance, control=self.control,
-            stall_core_s=self.stall_core,
+            stall_core_s=self.stall_core, cache_type=self.cache_type,
         )
 
     def worker_config(self, i: int) -> WorkerConfig:
@@ -208,7 +209,8 @@ class LocalSwarm:
         workers = max(self.workers // self.replicas - parts, 1)
         spare = self.context is None and workers > 1
         stages = min(self.stages or workers - spare, int(config.n_layers))
-        return fit_context(costs_at(self.model, self.expert_nodes > 0, self.vocab_nodes > 0),
+        return fit_context(costs_at(self.model, self.expert_nodes > 0, self.vocab_nodes > 0,
+                                    self.cache_type),
                            stages, memory, int(config.context_length), self.max_sequences,
                            self.context)  # fmt: skip
 

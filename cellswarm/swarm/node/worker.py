@@ -514,6 +514,7 @@ class Worker:
             model=c.model or given.model, layers=shard.layers, first=shard.first,
             last=shard.last, threads=c.threads, memory_bytes=c.memory_bytes,
             context=given.context, max_sequences=given.max_sequences, log_dir=c.log_dir,
+            cache_type=cache_type_for(c.cache_type, given.cache_type),
             node_id=c.node_id, profile=c.profile, token_file=c.token_file, peers=("coordinator",),
             parts=tuple(PartSpec.from_wire(p) for p in given.parts),
             dram_budget_bytes=c.dram_budget_bytes, tls_dir=c.tls_dir,
@@ -697,15 +698,28 @@ def check_part_budget(model: Model, memory_bytes: int, spec: PartSpec) -> None:
         )
 
 
+def cache_type_for(mine: str | None, given: str) -> str:
+    """The KV cache type to serve a shard with: the coordinator's, which this worker's own
+    --cache-type, when given, must match (one swarm, one cache type: a sequence's bits must
+    not depend on which node holds its layers)."""
+    if mine is not None and mine != given:
+        raise BudgetError(f"this worker serves a {mine} KV cache (--cache-type {mine}) but the "
+                          f"coordinator's swarm runs {given}: start it with --cache-type "
+                          f"{given}, or without --cache-type")  # fmt: skip
+    return given
+
+
 def size_kv(config: StageConfig) -> StageConfig:
     """How many sequences' KV cache fit in what the budget leaves after weights, scratch and
     runtime: at most what the coordinator asked for, at least one, or BudgetError."""
     from cellswarm.loader import load
 
     lo, hi = config.layers
-    probe: Model = load(config.model, selection=stage_selection(config), tokenizer=False)
+    probe: Model = load(config.model, selection=stage_selection(config), tokenizer=False,
+                        cache_type=config.cache_type)
     if config.draft and config.first:
         probe.draft = load_draft(config.draft, config.model)
+        probe.draft.set_cache_type(config.cache_type)
     need = shard_need_bytes(probe, replace(config, max_sequences=0))
     per_seq = probe.kv_sequence_bytes(config.context) + (
         probe.draft.kv_sequence_bytes(config.context) if probe.draft is not None else 0)

@@ -25,7 +25,9 @@ from cellswarm.swarm.protocol.messages import Shard
 #    void; a 5 would batch it and so could run it out of order
 # 7: a `token` frame says whose answer it is (`at`, `follows`): stage 0 drops one that does
 #    not continue its text where it stands, rather than emit it (and counts it: `tokens_stray`)
-PROTOCOL = 7
+# 8: an Assignment says the KV cache type (`cache_type`: f16 by default; a 7 kept f32, so its
+#    stages would give other bits than an 8's)
+PROTOCOL = 8
 
 
 class VersionMismatch(Exception):

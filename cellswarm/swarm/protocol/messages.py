@@ -198,6 +198,7 @@ class Assignment(Message, frozen=True):
     model: str
     context: int
     max_sequences: int
+    cache_type: str  # what its KV cache stores values as (the coordinator's --cache-type)
     # a stage's part servers: what each holds (their addresses come with the wiring's reset)
     parts: list[PartAddress] = msgspec.field(default_factory=list)
 

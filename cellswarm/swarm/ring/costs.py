@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cellswarm.cache_types import DEFAULT_CACHE_TYPE
 from cellswarm.engine import PREFILL_CHUNK
 from cellswarm.errors import RequestError
 from cellswarm.planner.placement import (
@@ -33,21 +34,23 @@ def prefill_rows(context: int) -> int:
 def stage_costs(
     model: str, context: int = 512, max_sequences: int = 8,
     remote_experts: bool = False, remote_vocab: bool = False,
+    cache_type: str = DEFAULT_CACHE_TYPE,
 ) -> StageCosts:  # fmt: skip
     """A model file's StageCosts as a swarm stage holds it: runtime and scratch on every one."""
-    return costs_at(model, remote_experts, remote_vocab)(context, max_sequences)
+    return costs_at(model, remote_experts, remote_vocab, cache_type)(context, max_sequences)
 
 
 def costs_at(
-    model: str, remote_experts: bool = False, remote_vocab: bool = False
-) -> Callable[[int, int], StageCosts]:
-    """(context tokens, sequences) -> the StageCosts a swarm stage holds, the file's header
-    read once (placement.fit_context asks at many contexts)."""
-    from cellswarm.models.kv_cache import sequence_bytes
+    model: str, remote_experts: bool = False, remote_vocab: bool = False,
+    cache_type: str = DEFAULT_CACHE_TYPE,
+) -> Callable[[int, int], StageCosts]:  # fmt: skip
+    """(context tokens, sequences) -> the StageCosts a swarm stage holds with a KV cache of
+    `cache_type`, the file's header read once (placement.fit_context asks at many contexts)."""
+    from cellswarm.models.kv_cache import read_bytes, sequence_bytes
     from cellswarm.planner.api import resolve_model
     from cellswarm.planner.overhead import runtime_overhead_bytes
 
-    inv = resolve_model(model)
+    inv = resolve_model(model, cache_type=cache_type)
     runtime = runtime_overhead_bytes()
 
     def at(context: int, sequences: int) -> StageCosts:
@@ -58,7 +61,11 @@ def costs_at(
         spec = getattr(inv.config, "cache_spec", None)
         if spec is None:
             return costs
-        return dataclasses.replace(costs, kv=sequence_bytes({0: spec()}, context) * sequences)
+        kv = sequence_bytes({0: spec()}, context, cache_type)
+        # and a step's float copies of one layer's cache (the worker counts the same:
+        # shard_need_bytes, kv_read_bytes)
+        copies = read_bytes(spec(), context, cache_type)
+        return dataclasses.replace(costs, kv=kv * sequences, fixed=costs.fixed + copies)
 
     return at
 
@@ -66,10 +73,11 @@ def costs_at(
 def budget_split(
     model: str, stages: int, memory_bytes: int, context: int = 512, max_sequences: int = 8,
     remote_experts: bool = False, remote_vocab: bool = False,
+    cache_type: str = DEFAULT_CACHE_TYPE,
 ) -> list[tuple[int, int]]:  # fmt: skip
     """The coordinator's placement of a model file over `stages` workers of `memory_bytes`
     (planner/placement.py: balanced_layers); BudgetError if they cannot hold it."""
-    costs = stage_costs(model, context, max_sequences, remote_experts, remote_vocab)
+    costs = stage_costs(model, context, max_sequences, remote_experts, remote_vocab, cache_type)
     return balanced_layers(costs, stages, memory_bytes, Path(model).name)
 
 

@@ -30,6 +30,7 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
+from cellswarm.cache_types import DEFAULT_CACHE_TYPE
 from cellswarm.engine.memory import peak_rss_bytes
 from cellswarm.engine.model import Model
 from cellswarm.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
@@ -108,6 +109,7 @@ class StageConfig:
     # With a budget, KV cache for `context` tokens x `max_sequences` is reserved in it, and
     # requests beyond that are refused; without one, neither is limited.
     context: int = 512
+    cache_type: str = DEFAULT_CACHE_TYPE  # what the KV cache stores (cache_types.py)
     max_sequences: int = 8
     log_dir: str | None = None  # JSON lines per event, see swarm/logs.py
     node_id: str = "stage"
@@ -1359,12 +1361,15 @@ def load_stage_model(config: StageConfig) -> Model:
         from cellswarm.engine.tiered import load_tiered
 
         tiered = load_tiered(config.model, config.dram_budget_bytes, context=config.context,
-                             selection=stage_selection(config), tokenizer=False)  # fmt: skip
+                             selection=stage_selection(config), tokenizer=False,
+                             cache_type=config.cache_type)  # fmt: skip
         print(tiered.placement.describe(), file=sys.stderr, flush=True)
         return tiered.model
-    model = load(config.model, selection=stage_selection(config), tokenizer=False)
+    model = load(config.model, selection=stage_selection(config), tokenizer=False,
+                 cache_type=config.cache_type)
     if config.draft and config.first:
         model.draft = load_draft(config.draft, config.model)
+        model.draft.set_cache_type(config.cache_type)
     if config.memory_bytes is not None:
         check_budget(model, config)
     return model
@@ -1487,7 +1492,7 @@ def shard_need_bytes(model: Model, config: StageConfig) -> dict[str, int]:
     need = {
         "weights": mem.weight_bytes,
         "kv": model.kv_sequence_bytes(config.context) * config.max_sequences,
-        "scratch": mem.scratch_bytes,
+        "scratch": mem.scratch_bytes + model.kv_read_bytes(config.context),
         "runtime": runtime_overhead_bytes(),
     }
     if model.draft is not None:  # its weights, its cache per sequence, a draft step's scratch
