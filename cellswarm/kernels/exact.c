@@ -326,9 +326,11 @@ static inline __attribute__((always_inline)) void units_decoded(const int fmt, c
     int8_t *q = &o->q[0][0];
     float sc[32], mn[32]; /* per 16 weights: 16 units of 32 hold 32 groups */
     const int64_t first = u0 / per, have = (nu - u0 + per - 1) / per; /* blocks in the row from here */
-    for (int i = 0; i < nblocks; i++) {
-        if (i < have) dec_lowbit(fmt, row + (first + i) * bb, q + i * n, sc + i * (n / 16), mn + i * (n / 16));
-        else { memset(q + i * n, 0, (size_t)n); for (int g = 0; g < n / 16; g++) sc[i * (n / 16) + g] = mn[i * (n / 16) + g] = 0.0f; }
+    const int whole = have < nblocks ? (int)have : nblocks;
+    dec_lowbit_run(fmt, row + first * bb, whole, q, sc, mn);
+    for (int i = whole; i < nblocks; i++) { /* past the row's end: zeros */
+        memset(q + i * n, 0, (size_t)n);
+        for (int g = 0; g < n / 16; g++) sc[i * (n / 16) + g] = mn[i * (n / 16) + g] = 0.0f;
     }
     float ws[16], wm[16];
     for (int l = 0; l < 16; l++) {
@@ -340,9 +342,9 @@ static inline __attribute__((always_inline)) void units_decoded(const int fmt, c
     memcpy(&o->wm, wm, sizeof wm);
 }
 
-static inline __attribute__((always_inline)) void fill_units(const int fmt, const uint8_t *row,
+static inline __attribute__((always_inline)) void fill_units(const int fmt, const int dec, const uint8_t *row,
                                                              int64_t u0, int64_t nu, units *o) {
-    if (is_lowbit(fmt)) units_decoded(fmt, row, u0, nu, o);
+    if (dec != fmt) units_decoded(dec, row, u0, nu, o); /* a low-bit format in Q2_K's / Q4_1's loop */
     else if (fmt == Q4_K) units_q4_k(row, u0, nu, o);
     else if (fmt == Q6_K || fmt == Q2_K) units_16(fmt, row, u0, o);
     else units_32(fmt, row, u0, nu, o);
@@ -352,7 +354,9 @@ static inline __attribute__((always_inline)) void fill_units(const int fmt, cons
 
 /* out[k] = row . x_k for the nx activation rows of a (before outliers); always inlined into
  * exact_row_q's switch, so each format gets its own copy with its branches folded away */
-static inline __attribute__((always_inline)) void row_q(const int fmt, const uint8_t *row,
+/* fmt: the format whose copy of this loop runs; dec: the format of the row, fmt itself or a
+ * low-bit one with fmt's unit length (exact_row_q) */
+static inline __attribute__((always_inline)) void row_q(const int fmt, const int dec, const uint8_t *row,
                                                         const acts *a, float *out) {
     const int len = unit_len(fmt);
     const int64_t cols = a->cols, nu = cols / len, nx = a->nx;
@@ -361,7 +365,7 @@ static inline __attribute__((always_inline)) void row_q(const int fmt, const uin
     units w;
 #ifdef HAVE_PACKED32
     /* one activation row: no decode, straight reads; more: decoded once for all of them */
-    const int packed = fmt == Q4_K || (nx == 1 && (fmt == Q8_0 || fmt == Q4_0 || fmt == Q4_1));
+    const int packed = dec == fmt && (fmt == Q4_K || (nx == 1 && (fmt == Q8_0 || fmt == Q4_0 || fmt == Q4_1)));
 #else
     const int packed = 0;
 #endif
@@ -369,7 +373,7 @@ static inline __attribute__((always_inline)) void row_q(const int fmt, const uin
         const int full = u0 + 16 <= nu, nn = full ? 16 : (int)(nu - u0);
         if (packed && fmt == Q4_K) scales_q4_k(row, u0, nu, &w);
         else if (packed) scales_32(fmt, row, u0, nn, &w);
-        else fill_units(fmt, row, u0, nu, &w);
+        else fill_units(fmt, dec, row, u0, nu, &w);
         for (int64_t k = 0; k < nx; k++) {
             const int8_t *x = a->xq + k * cols + u0 * len;
             const float *xd = a->xd + k * (cols / 32);
@@ -442,15 +446,18 @@ static inline __attribute__((always_inline)) void row_q(const int fmt, const uin
 
 static void exact_row_q(int fmt, const uint8_t *row, const acts *a, float *out) {
     switch (fmt) {
-    case Q8_0: row_q(Q8_0, row, a, out); break;
-    case Q4_0: row_q(Q4_0, row, a, out); break;
-    case Q4_1: row_q(Q4_1, row, a, out); break;
-    case Q4_K: row_q(Q4_K, row, a, out); break;
-    case Q6_K: row_q(Q6_K, row, a, out); break;
-#define ROW_Q(f, dec) case f: row_q(f, row, a, out); break;
-    LOWBIT_FORMATS(ROW_Q)
-#undef ROW_Q
-    default: row_q(Q2_K, row, a, out); break;
+    case Q8_0: row_q(Q8_0, Q8_0, row, a, out); break;
+    case Q4_0: row_q(Q4_0, Q4_0, row, a, out); break;
+    case Q4_1: row_q(Q4_1, Q4_1, row, a, out); break;
+    case Q4_K: row_q(Q4_K, Q4_K, row, a, out); break;
+    case Q6_K: row_q(Q6_K, Q6_K, row, a, out); break;
+    case Q2_K: row_q(Q2_K, Q2_K, row, a, out); break;
+    default: /* the low-bit formats run the loop of a format with their unit (Q2_K: 16, Q4_1:
+              * 32), their blocks decoded by lowbit.c: one more copy of it each made the
+              * kernels' compile twice as long, which every cold node pays */
+        if (unit_len(fmt) == 16) row_q(Q2_K, fmt, row, a, out);
+        else row_q(Q4_1, fmt, row, a, out);
+        break;
     }
 }
 

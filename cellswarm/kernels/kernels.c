@@ -1225,6 +1225,12 @@ static inline __attribute__((always_inline)) void dequant_row(int fmt, const uin
     }
 }
 
+/* the low-bit formats' rows: one copy for all of them, the decoder chosen per block */
+static __attribute__((noinline)) void dequant_lowbit(int fmt, const uint8_t *row, int64_t nblocks, int64_t bbytes,
+                                                     float *y) {
+    dequant_row(fmt, row, nblocks, bbytes, y);
+}
+
 /* Row r of a weight (rows, row_bytes) as floats: from its group's lanes when repacked */
 static void dequant_one(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t cols,
                         int64_t r, float *y) {
@@ -1250,10 +1256,8 @@ static void dequant_one(int fmt, const uint8_t *w, int64_t rows, int64_t row_byt
     case Q4_1: dequant_row(Q4_1, row, nb, bb, y); break;
     case Q4_K: dequant_row(Q4_K, row, nb, bb, y); break;
     case Q6_K: dequant_row(Q6_K, row, nb, bb, y); break;
-#define DEQUANT_ROW(f, dec) case f: dequant_row(f, row, nb, bb, y); break;
-    LOWBIT_FORMATS(DEQUANT_ROW)
-#undef DEQUANT_ROW
-    default: dequant_row(Q2_K, row, nb, bb, y); break;
+    case Q2_K: dequant_row(Q2_K, row, nb, bb, y); break;
+    default: dequant_lowbit(nat, row, nb, bb, y); break;
     }
 }
 

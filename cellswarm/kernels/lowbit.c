@@ -246,7 +246,6 @@ static inline void dec_iq2_xs(const uint8_t *b, int8_t *q, float *sc, float *mn)
         const unsigned w0 = rd16(b + 2 + 2 * k), w1 = rd16(b + 4 + 2 * k);
         signed8x2(q + 8 * k, iq2xs_grid[w0 & 511], iq2xs_grid[w1 & 511], ksigns_iq2xs[w0 >> 9], ksigns_iq2xs[w1 >> 9]);
     }
-#pragma GCC unroll 16
     for (int g = 0; g < 16; g++) set_scale(sc, mn, g, 1, iq_scale(d, (b[66 + g / 2] >> (4 * (g % 2))) & 0xF, 0.25f));
 }
 
@@ -261,7 +260,6 @@ static inline void dec_iq2_s(const uint8_t *b, int8_t *q, float *sc, float *mn) 
         signed8x2(q + 32 * m + 16, iq2s_grid[l[2] | (t & 48) << 4], iq2s_grid[l[3] | (t & 192) << 2],
                   signs[4 * m + 2], signs[4 * m + 3]);
     }
-#pragma GCC unroll 16
     for (int g = 0; g < 16; g++) set_scale(sc, mn, g, 1, iq_scale(d, (s[g / 2] >> (4 * (g % 2))) & 0xF, 0.25f));
 }
 
@@ -348,12 +346,10 @@ static inline void dec_iq1_m(const uint8_t *b, int8_t *q, float *sc, float *mn) 
     unsigned w[4];
     for (int k = 0; k < 4; k++) w[k] = rd16(b + 48 + 2 * k);
     const float d = fp16_to_f32((uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0xF0) | ((w[2] >> 4) & 0xF00) | (w[3] & 0xF000)));
-#pragma GCC unroll 16
     for (int k = 0; k < 32; k += 2) { /* a byte of two nibbles: (3 index top bits, delta sign) */
         const unsigned h = nib[k / 2];
         iq1_16(q + 8 * k, low[k] | (h & 7) << 8, low[k + 1] | (h & 0x70) << 4, h & 8, h & 0x80);
     }
-#pragma GCC unroll 16
     for (int g = 0; g < 16; g++) {
         const float dl = d * (float)(2 * ((w[g / 4] >> (3 * (g % 4))) & 7) + 1);
         set_scale(sc, mn, g, 1, dl * 0.125f);
@@ -464,8 +460,24 @@ static inline __attribute__((always_inline)) void dec_lowbit(const int fmt, cons
 #undef LOWBIT_DECODE
 }
 
+/* n consecutive blocks (bb bytes each) into q and the per-16 scales and mins, in one call.
+ * Not inlined: one copy of every decoder for all callers (a copy inlined into each doubled
+ * the kernels' compile time and took cc1 to 190 MB, which a 256 MB node pays when it builds
+ * them), called once per 16 units of a row */
+static __attribute__((noinline)) void dec_lowbit_run(int fmt, const uint8_t *b, int n, int8_t *q, float *sc,
+                                                     float *mn) {
+    const int bb = lowbit_bytes(fmt), e = lowbit_elems(fmt);
+#define LOWBIT_RUN(f, dec) \
+    case f: for (int i = 0; i < n; i++) dec(b + i * bb, q + i * e, sc + i * (e / 16), mn + i * (e / 16)); break;
+    switch (fmt) {
+    LOWBIT_FORMATS(LOWBIT_RUN)
+    default: break;
+    }
+#undef LOWBIT_RUN
+}
+
 static inline void decode_lowbit(int fmt, const uint8_t *b, decoded *o) {
-    dec_lowbit(fmt, b, o->q, o->scale, o->min);
+    dec_lowbit_run(fmt, b, 1, o->q, o->scale, o->min);
 }
 
 /* Element j of a row of this file's formats: scale * q - min, as dequantizing gives it (an
