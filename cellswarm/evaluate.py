@@ -140,11 +140,9 @@ def quant_table(model: str, quants: list[str], text: Path | None, window: int,
     import cellswarm
     from cellswarm import kernels
 
-    if window < 2:
-        raise RequestError(f"--window {window} must be at least 2")
+    _check_window(window)  # before any loading
     reference = cellswarm.load(model, quant="f32")
-    ids = reference.tokenizer.encode((text or SAMPLE_TEXT).read_text())
-    windows = [ids[i : i + window] for i in range(0, len(ids), window)]
+    ids, windows = _windows(reference, text, window)
 
     def logits(m: Any) -> np.ndarray:
         with kernels.using("numpy"):
@@ -184,11 +182,9 @@ def cache_table(model: str, types: list[str], text: Path | None, window: int,
     import cellswarm
     from cellswarm import kernels
 
-    if window < 2:
-        raise RequestError(f"--window {window} must be at least 2")
+    _check_window(window)
     m = cellswarm.load(model, cache_type="f32")
-    ids = m.tokenizer.encode((text or SAMPLE_TEXT).read_text())
-    windows = [ids[i : i + window] for i in range(0, len(ids), window)]
+    ids, windows = _windows(m, text, window)
 
     def logits(cache_type: str) -> np.ndarray:
         if say is not None:
@@ -200,6 +196,17 @@ def cache_table(model: str, types: list[str], text: Path | None, window: int,
     ref = logits("f32")
     rows = [_row("f32", compare(ref, ref, np.asarray(ids)))]
     return rows + [_row(t, compare(ref, logits(t), np.asarray(ids))) for t in types]
+
+
+def _check_window(window: int) -> None:
+    if window < 2:
+        raise RequestError(f"--window {window} must be at least 2")
+
+
+def _windows(m: Any, text: Path | None, window: int) -> tuple[list[int], list[list[int]]]:
+    """The text's tokens, and them in windows of `window` (each scored from an empty cache)."""
+    ids = m.tokenizer.encode((text or SAMPLE_TEXT).read_text())
+    return ids, [ids[i : i + window] for i in range(0, len(ids), window)]
 
 
 def _row(quant: str, q: Quality) -> dict[str, Any]:
