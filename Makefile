@@ -29,7 +29,7 @@ demo: $(VENV)/.base
 test: $(VENV)/.test
 	$(BIN)/ruff check cellswarm tests bench
 	$(BIN)/mypy
-	$(BIN)/pytest -q --durations=30
+	$(BIN)/pytest -q --durations=30 -n 2 --dist loadfile
 
 # The developer loop: lint, types, and the tests that start no process (a swarm, the CLI,
 # llama.cpp): they skip themselves (tests/conftest.py). `make test` and CI still run all.

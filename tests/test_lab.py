@@ -388,23 +388,24 @@ def test_moe_with_expert_nodes_over_tls(
 def test_a_worker_killed_by_its_cgroup_is_marked_and_replaced(
     tmp_path: Path, lab: Lab
 ) -> None:
-    """h4 claims --memory 128M but its cgroup holds 42 MiB (an idle worker has ~31 MiB of
-    anonymous memory, a serving one ~45; mapped weights are reclaimable and never count
-    against it): given a shard, the kernel kills it, its layers go to the next spare, and
-    when it is restarted (as systemd would) it joins saying why it died."""
+    """h4 claims --memory 128M but, once joined, its cgroup holds 42 MiB (an idle worker has
+    ~33 MiB of anonymous memory, a serving one ~45; mapped weights are reclaimable and never
+    count against it): given a shard, the kernel kills it, its layers go to the next spare,
+    and when it is restarted (as systemd would) it joins saying why it died."""
     lab.down()  # one lab at a time: this test builds its own
     spec = LabSpec(hosts=5, racks=1, memory_bytes=128 << 20)
     small = Lab(spec, tmp_path, prefix="cstest")
     small.up(start=False)
     try:
         small.start_coordinator("c0")
-        # h4 compiles its kernels first, with its host's memory (gcc needs ~120 MB), then
-        # is squeezed: this test's OOM kill must be its shard's, not gcc's. The one test
-        # that builds ahead of its worker (`cellswarm kernels build`, as ExecStartPre).
+        # h4 compiles its kernels first (gcc needs ~120 MB) and starts with its host's
+        # memory, then is squeezed: this test's OOM kill must be its shard's, not gcc's nor
+        # a starting interpreter's (its imports peak above 42 MiB on some machines). The one
+        # test that builds ahead of its worker (`cellswarm kernels build`, as ExecStartPre).
         small.build_kernels("h4")
-        small.limit_memory("h4", 42 << 20)
         for h in ("h1", "h2", "h3", "h4"):  # h4 joins before h5: the first spare
             small.start_worker(h)
+        small.limit_memory("h4", 42 << 20)
         assert small.cgroups["h4"].oom_kills() == 0
         client.wait_wired(small.url, 180)
         small.start_worker("h5")
@@ -413,6 +414,7 @@ def test_a_worker_killed_by_its_cgroup_is_marked_and_replaced(
         status = client.wait_wired(small.url, 180)
         holders = {n["node_id"] for n in status["nodes"] if n["state"] == "assigned"}
         assert holders == {"h1", "h3", "h5"}
+        small.limit_memory("h4", 128 << 20)  # its operator gives it its memory back
         small.start_worker("h4")
         wait_until(lambda: "killed by the kernel for memory" in _message(small, "h4"), 60)
     finally:
@@ -432,27 +434,27 @@ def test_a_slow_host_is_named_and_given_fewer_layers(
     once every stage has measured its step time the coordinator moves layers off it; the
     text stays one process's."""
     lab.down()  # one lab at a time
-    # 144M, not 128M: three stages still (two cannot hold the model), and room on h1 and h3
-    # for layers off h2 (at 128M, now that a stage counts its prefill chunk's scratch, only
-    # one layer could move: not worth a rewiring, the coordinator rightly kept the layout)
+    # three stages asked for (at 144M two hold the model since the KV cache is f16, and a
+    # two-stage ring has no room to move layers into), with room on h1 and h3 for layers off
+    # h2 (at 128M and an f32 cache only one layer could move: not worth a rewiring)
     spec = LabSpec(hosts=3, racks=1, memory_bytes=144 << 20)
     # a fiftieth of a core, shared with whatever else runs (a busy CI machine): its beats may
     # come seconds late while it computes; this test is about its speed, not its liveness
-    slow = Lab(spec, tmp_path, prefix="cstest", heartbeat_timeout_s=15.0, stop_after_s=20.0)
+    slow = Lab(spec, tmp_path, prefix="cstest", heartbeat_timeout_s=15.0, stop_after_s=20.0,
+               coordinator_args=("--stages", "3"))
     slow.up(start=False)
     try:
         slow.start_coordinator("c0")
-        # h2 compiles its own kernels at full speed first (as ExecStartPre would: ~10 s of
-        # CPU, 500 s at a fiftieth of a core, which this test is not about), then is slowed
-        slow.build_kernels("h2")
-        # a fiftieth: at a tenth, once the kernels read Q4_1 in 16-row groups (2.5x the
+        for h in ("h1", "h2", "h3"):  # in this order: h2 holds the middle stage
+            slow.start_worker(h)
+        client.wait_wired(slow.url, 180)
+        # h2 is slowed once wired: compiling its kernels (~18 s of CPU) and loading its 15
+        # layers at a fiftieth of a core took minutes, and are not what this test is about.
+        # A fiftieth: at a tenth, once the kernels read Q4_1 in 16-row groups (2.5x the
         # speed), h2's ~3 ms of CPU a step mostly fit in its quota: its steps measured 10.7 ms
         # against the head stage's 7.0 (1.5x, not the 2x that rebalance.SLOW asks); at a
         # twentieth, with a CPU hog halving h1 and h3, still under 2x
         slow.limit_cpu("h2", 0.02)
-        for h in ("h1", "h2", "h3"):  # in this order: h2 holds the middle stage
-            slow.start_worker(h)
-        client.wait_wired(slow.url, 180)
         layers = {n["node_id"]: n["layers"] for n in client.call(slow.url, "/v1/status")["nodes"]}
         named: list[str] = []
 

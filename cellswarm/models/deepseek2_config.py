@@ -15,7 +15,7 @@ import numpy as np
 from cellswarm.cache_types import DEFAULT_CACHE_TYPE, spec_bytes_per_token
 from cellswarm.errors import ModelFileError
 from cellswarm.io.names import global_tensor_shapes
-from cellswarm.models.llama_config import hf_rope_params
+from cellswarm.models.llama_config import QUERY_BLOCK, hf_rope_params
 from cellswarm.models.rope import Yarn
 
 ARCH = "deepseek2"
@@ -298,7 +298,8 @@ class DeepseekConfig:
             + 3 * ffn
             + 4 * self.n_experts
         )
-        scores = 4 * 3 * self.n_heads * n_tokens * context  # latent scores, rope scores, probs
+        # latent scores, rope scores, probabilities: QUERY_BLOCK queries at a time in a prefill
+        scores = 4 * 3 * self.n_heads * min(n_tokens, QUERY_BLOCK) * context
         # Not temporary, but not in the weight store either: the decoded W_UK/W_UV kept per
         # layer held (see `Deepseek2.absorbed`), counted so a memory report's total is right.
         return n_tokens * per_token + scores + attn_layers * self.absorbed_bytes_per_layer()

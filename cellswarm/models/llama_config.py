@@ -17,6 +17,11 @@ from cellswarm.errors import ModelFileError
 from cellswarm.io.names import global_tensor_shapes
 from cellswarm.models.rope import base_inv_freq, llama3_factors
 
+# A prefill attends its queries this many at a time (ops.attention, deepseek2's latent
+# attention), each block against only the keys it can see: a step's scores are at most
+# QUERY_BLOCK x context a head, whatever its length, and scratch_bytes counts that.
+QUERY_BLOCK = 128
+
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
@@ -106,7 +111,9 @@ class LlamaConfig:
     def scratch_bytes(self, n_tokens: int, context: int, attn_layers: int = 0) -> int:
         """Peak temporary float32 bytes of one step over n_tokens with `context` cached."""
         per_token = 4 * (4 * self.d_model + 2 * self.n_heads * self.head_dim + 3 * self.ffn_dim)
-        scores = 4 * 2 * self.n_heads * n_tokens * context  # scores and probabilities
+        # scores and probabilities: a prefill's queries are attended QUERY_BLOCK at a time
+        # (ops.attention; the kernels hold one query's row a thread)
+        scores = 4 * 2 * self.n_heads * min(n_tokens, QUERY_BLOCK) * context
         return n_tokens * per_token + scores
 
     def kv_bytes_per_token_layer(self, cache_type: str = DEFAULT_CACHE_TYPE) -> int:
