@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cellswarm import kernels
-from cellswarm.models.llama_config import QUERY_BLOCK as LLAMA_QUERY_BLOCK
+from cellswarm.models.llama_config import QUERY_BLOCK  # a prefill's queries a block
 from cellswarm.quant import PackedMatrix
 from cellswarm.quant.packed import matmul_shared
 
@@ -95,9 +95,6 @@ def causal_mask(t: int, s: int) -> np.ndarray:
     q_pos = np.arange(s - t, s)[:, None]
     k_pos = np.arange(s)[None, :]
     return np.where(k_pos > q_pos, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
-
-
-QUERY_BLOCK = LLAMA_QUERY_BLOCK  # prefill: queries a block, each against the keys it can see
 
 
 def query_blocks(t: int, s: int) -> list[tuple[int, int, int]]:
