@@ -1,7 +1,8 @@
 /* cellswarm's matrix-vector product, measured under callgrind (bench/instructions.py):
  * ours_matvec FMT: kernels.c included whole (-DKERNELS="path"), a 2048 x 2048 matrix of
  * random blocks with sane f16 scales, one thread; cs_matmul_qx quantizes the activations and
- * multiplies, as a decode step does. */
+ * multiplies, as a decode step does. ours_matvec FMT r16: the same matrix repacked in 16-row
+ * groups as the engine repacks it at load (exit 3 where this CPU has no such layout). */
 #include KERNELS
 #include <stdio.h>
 #include <valgrind/callgrind.h>
@@ -40,10 +41,19 @@ int main(int argc, char **argv) {
     }
     float *x = malloc(sizeof(float) * cols), *out = malloc(sizeof(float) * rows);
     for (int i = 0; i < cols; i++) x[i] = (float)((int)(rnd32() >> 16) - 32768) / 32768.0f;
+    int code = fmt;
+    if (argc > 2) { /* the 16-row groups a loaded model reads on this CPU */
+        code = cs_repacked(fmt);
+        if (code < 0) return 3;
+        uint8_t *r = malloc((size_t)(nb * bb));
+        cs_repack(fmt, w, rows, (cols / n) * bb, r);
+        free(w);
+        w = r;
+    }
     cs_set_threads(1);
-    cs_matmul_qx(fmt, w, rows, (cols / n) * bb, cols, x, 1, out); /* warm: lazy tables */
+    cs_matmul_qx(code, w, rows, (cols / n) * bb, cols, x, 1, out); /* warm: lazy tables */
     CALLGRIND_START_INSTRUMENTATION;
-    cs_matmul_qx(fmt, w, rows, (cols / n) * bb, cols, x, 1, out);
+    cs_matmul_qx(code, w, rows, (cols / n) * bb, cols, x, 1, out);
     CALLGRIND_STOP_INSTRUMENTATION;
     printf("%d %f\n", fmt, out[0]);
     return 0;

@@ -537,7 +537,7 @@ static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float
     plan_sum(p, w, s);
 }
 
-/* ---- Q4_0, Q4_1, Q8_0, Q4_K and Q6_K in 16-row groups (AVX-512 VNNI) ---------------------------
+/* ---- Q4_0, Q4_1, Q8_0, Q4_K and Q6_K in 16-row groups (AVX-512 VNNI, AVX2) ---------------------
  * Why: a row at a time, a decode-shaped row (1024 columns: 32 blocks) pays a reduction across
  * lanes per 8 blocks, a gather of its scales and the fold of its 16 accumulators, and ran at
  * ~9 GB/s where one core streams ~34 (Q6_K, every llama-quantize file's output head: ~7 GB/s,
@@ -562,14 +562,44 @@ static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float
  * u, each A a register; then exact.c's tree, register by register. Where wm = 0 (Q4_0, Q8_0,
  * Q6_K) the "- 0 * xsum" is left out: it changes at most a zero's sign, which an accumulator
  * that starts at +0 never keeps. The outliers as plan_row adds them, 16 rows at once.
- * tests/test_bits_everywhere.py holds this build against the AVX2 and portable ones, which
- * never repack; tests/test_repack.py every format, shape and batch against the file's layout. */
+ * tests/test_bits_everywhere.py holds this build against the portable one, which never
+ * repacks; tests/test_repack.py every format, shape and batch against the file's layout.
+ * On AVX2 the same code runs on pairs of registers (below): a row kernel had cost 1.0-1.8
+ * instructions a weight where the groups take 0.24-0.46 (python -m bench.instructions). */
+/* The kernels below are written once over 16 lanes (l16i: 16 int32 lanes, or 64 bytes; l16f:
+ * 16 floats), lane r holding row r of a group. With AVX-512 VNNI a lane set is one register
+ * and each l16_ name is the _mm512_ intrinsic of that name; with AVX2 it is two registers
+ * (rows 0-7, rows 8-15) and each l16_ op is its two _mm256_ halves, dpbusd a maddubs and a
+ * madd. Both compute the same integers and the same float operations in the same order, so
+ * the same bits: only the instruction count differs. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_R16 1
-/* one row's block in the file; a group's block (16 rows') */
-#define R16_BYTES(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : (f) == Q4_1 ? 20 : 18)
-#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : (f) == Q4_K ? 2304 : (f) == Q6_K ? 3360 : (f) == Q4_1 ? 320 : 288)
-#define R16_ELEMS(f) ((f) == Q4_K || (f) == Q6_K ? 256 : 32) /* weights a block */
+#define R16_ZMM 1
+typedef __m512i l16i;
+typedef __m512 l16f;
+#define l16_add_epi32 _mm512_add_epi32
+#define l16_sub_epi32 _mm512_sub_epi32
+#define l16_and_si512 _mm512_and_si512
+#define l16_or_si512 _mm512_or_si512
+#define l16_xor_si512 _mm512_xor_si512
+#define l16_srli_epi16 _mm512_srli_epi16
+#define l16_slli_epi16 _mm512_slli_epi16
+#define l16_srli_epi32 _mm512_srli_epi32
+#define l16_slli_epi32 _mm512_slli_epi32
+#define l16_srai_epi32 _mm512_srai_epi32
+#define l16_set1_epi8 _mm512_set1_epi8
+#define l16_set1_epi32 _mm512_set1_epi32
+#define l16_setzero_si512 _mm512_setzero_si512
+#define l16_loadu_si512 _mm512_loadu_si512
+#define l16_ternarylogic_epi32 _mm512_ternarylogic_epi32
+#define l16_add_ps _mm512_add_ps
+#define l16_sub_ps _mm512_sub_ps
+#define l16_mul_ps _mm512_mul_ps
+#define l16_cvtepi32_ps _mm512_cvtepi32_ps
+#define l16_set1_ps _mm512_set1_ps
+#define l16_setzero_ps _mm512_setzero_ps
+#define l16_loadu_ps _mm512_loadu_ps
+#define l16_storeu_ps _mm512_storeu_ps
 
 /* s + u . (the 4 bytes at x, in every lane): the broadcast folded into the instruction's
  * memory operand ({1to16}), which GCC does not do for _mm512_set1_epi32 of a loaded int */
@@ -578,26 +608,101 @@ static inline __m512i dpbusd_bcst(__m512i s, __m512i u, const int32_t *x) {
     return s;
 }
 
-/* fold16 of 16 rows at once (A[j]: accumulator j of every row, lanes: rows) -> out[0..16) */
-static inline void fold16_rows(__m512 *A, float *out) {
-    for (int j = 0; j < 8; j++) A[j] = _mm512_add_ps(A[j], A[j + 8]);
-    for (int j = 0; j < 4; j++) A[j] = _mm512_add_ps(A[j], A[j + 4]);
-    for (int j = 0; j < 2; j++) A[j] = _mm512_add_ps(A[j], A[j + 2]);
-    _mm512_storeu_ps(out, _mm512_add_ps(A[0], A[1]));
-}
+/* Q8_0's signed weights go to dpbusd as unsigned q + 128 (R16_Q8_OFF times the activations'
+ * sum is taken off the unit) */
+#define R16_Q8_OFF 128
+static inline __m512i r16_q8(__m512i q, __m512i flip) { return _mm512_xor_si512(q, flip); }
+#define dot_q8_bcst dpbusd_bcst
 
 /* 16 f16 at p (16 rows' scales) as floats */
 static inline __m512 r16_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
+#elif defined(__AVX2__) && defined(__F16C__)
+#define HAVE_R16 1
+typedef struct { __m256i l, h; } l16i; /* rows 0-7, rows 8-15 */
+typedef struct { __m256 l, h; } l16f;
+#define L16_BOTH(T, op, ...) return (T){op(a.l, ##__VA_ARGS__), op(a.h, ##__VA_ARGS__)}
+#define L16_PAIR(T, op) return (T){op(a.l, b.l), op(a.h, b.h)}
+static inline l16i l16_add_epi32(l16i a, l16i b) { L16_PAIR(l16i, _mm256_add_epi32); }
+static inline l16i l16_sub_epi32(l16i a, l16i b) { L16_PAIR(l16i, _mm256_sub_epi32); }
+static inline l16i l16_and_si512(l16i a, l16i b) { L16_PAIR(l16i, _mm256_and_si256); }
+static inline l16i l16_or_si512(l16i a, l16i b) { L16_PAIR(l16i, _mm256_or_si256); }
+static inline l16i l16_xor_si512(l16i a, l16i b) { L16_PAIR(l16i, _mm256_xor_si256); }
+static inline l16i l16_srli_epi16(l16i a, int n) { L16_BOTH(l16i, _mm256_srli_epi16, n); }
+static inline l16i l16_slli_epi16(l16i a, int n) { L16_BOTH(l16i, _mm256_slli_epi16, n); }
+static inline l16i l16_srli_epi32(l16i a, int n) { L16_BOTH(l16i, _mm256_srli_epi32, n); }
+static inline l16i l16_slli_epi32(l16i a, int n) { L16_BOTH(l16i, _mm256_slli_epi32, n); }
+static inline l16i l16_srai_epi32(l16i a, int n) { L16_BOTH(l16i, _mm256_srai_epi32, n); }
+static inline l16i l16_set1_epi8(char c) { return (l16i){_mm256_set1_epi8(c), _mm256_set1_epi8(c)}; }
+static inline l16i l16_set1_epi32(int c) { return (l16i){_mm256_set1_epi32(c), _mm256_set1_epi32(c)}; }
+static inline l16i l16_setzero_si512(void) { return (l16i){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline l16i l16_loadu_si512(const void *p) {
+    return (l16i){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)((const char *)p + 32))};
+}
+/* the two ternary logic functions the kernels use: 0xEC (a & c) | b, 0xF8 a | (b & c) */
+static inline l16i l16_ternarylogic_epi32(l16i a, l16i b, l16i c, int imm) {
+    return imm == 0xEC ? l16_or_si512(l16_and_si512(a, c), b) : l16_or_si512(a, l16_and_si512(b, c));
+}
+static inline l16f l16_add_ps(l16f a, l16f b) { L16_PAIR(l16f, _mm256_add_ps); }
+static inline l16f l16_sub_ps(l16f a, l16f b) { L16_PAIR(l16f, _mm256_sub_ps); }
+static inline l16f l16_mul_ps(l16f a, l16f b) { L16_PAIR(l16f, _mm256_mul_ps); }
+static inline l16f l16_cvtepi32_ps(l16i a) { L16_BOTH(l16f, _mm256_cvtepi32_ps); }
+static inline l16f l16_set1_ps(float f) { return (l16f){_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+static inline l16f l16_setzero_ps(void) { return (l16f){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline l16f l16_loadu_ps(const float *p) { return (l16f){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void l16_storeu_ps(float *p, l16f v) {
+    _mm256_storeu_ps(p, v.l);
+    _mm256_storeu_ps(p + 8, v.h);
+}
+
+/* s + u . (the 4 bytes at x, in every lane), u unsigned: maddubs pairs stay below 2^15 for
+ * every u the kernels pass (nibbles, Q6_K's q + 32 < 64) against |x| <= 127 */
+static inline l16i dpbusd_bcst(l16i s, l16i u, const int32_t *x) {
+    const __m256i xb = _mm256_set1_epi32(*x), one = _mm256_set1_epi16(1);
+    return (l16i){_mm256_add_epi32(s.l, _mm256_madd_epi16(_mm256_maddubs_epi16(u.l, xb), one)),
+                  _mm256_add_epi32(s.h, _mm256_madd_epi16(_mm256_maddubs_epi16(u.h, xb), one))};
+}
+
+/* Q8_0's q + 128 would saturate maddubs: its weights stay signed, |q| times x with q's sign */
+#define R16_Q8_OFF 0
+static inline l16i r16_q8(l16i q, l16i flip) { (void)flip; return q; }
+static inline __m256i dot_q8_half(__m256i s, __m256i q, __m256i xb) {
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xb, q));
+    return _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+static inline l16i dot_q8_bcst(l16i s, l16i q, const int32_t *x) {
+    const __m256i xb = _mm256_set1_epi32(*x);
+    return (l16i){dot_q8_half(s.l, q.l, xb), dot_q8_half(s.h, q.h, xb)};
+}
+
+static inline l16f r16_f16(const uint8_t *p) {
+    return (l16f){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+#endif
+
+#ifdef HAVE_R16
+/* one row's block in the file; a group's block (16 rows') */
+#define R16_BYTES(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : (f) == Q4_1 ? 20 : 18)
+#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : (f) == Q4_K ? 2304 : (f) == Q6_K ? 3360 : (f) == Q4_1 ? 320 : 288)
+#define R16_ELEMS(f) ((f) == Q4_K || (f) == Q6_K ? 256 : 32) /* weights a block */
+
+/* fold16 of 16 rows at once (A[j]: accumulator j of every row, lanes: rows) -> out[0..16) */
+static inline void fold16_rows(l16f *A, float *out) {
+    for (int j = 0; j < 8; j++) A[j] = l16_add_ps(A[j], A[j + 8]);
+    for (int j = 0; j < 4; j++) A[j] = l16_add_ps(A[j], A[j + 4]);
+    for (int j = 0; j < 2; j++) A[j] = l16_add_ps(A[j], A[j + 2]);
+    l16_storeu_ps(out, l16_add_ps(A[0], A[1]));
+}
+
 /* A + ((float)n * (ws * xd)): a unit's term where wm = 0 */
-static inline __m512 r16_add(__m512 A, __m512i n, __m512 ws, float xd) {
-    return _mm512_add_ps(A, _mm512_mul_ps(_mm512_cvtepi32_ps(n), _mm512_mul_ps(ws, _mm512_set1_ps(xd))));
+static inline l16f r16_add(l16f A, l16i n, l16f ws, float xd) {
+    return l16_add_ps(A, l16_mul_ps(l16_cvtepi32_ps(n), l16_mul_ps(ws, l16_set1_ps(xd))));
 }
 
 /* A + ((float)n * (ws * xd) - wm * xsum): a unit's term with a min (Q4_1, Q4_K) */
-static inline __m512 r16_add_min(__m512 A, __m512i n, __m512 ws, float xd, __m512 wm, float xsum) {
-    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(n), _mm512_mul_ps(ws, _mm512_set1_ps(xd)));
-    return _mm512_add_ps(A, _mm512_sub_ps(p, _mm512_mul_ps(wm, _mm512_set1_ps(xsum))));
+static inline l16f r16_add_min(l16f A, l16i n, l16f ws, float xd, l16f wm, float xsum) {
+    const l16f p = l16_mul_ps(l16_cvtepi32_ps(n), l16_mul_ps(ws, l16_set1_ps(xd)));
+    return l16_add_ps(A, l16_sub_ps(p, l16_mul_ps(wm, l16_set1_ps(xsum))));
 }
 
 /* 16 repacked Q4_0, Q4_1 or Q8_0 rows (group g, nb blocks) times one activation row:
@@ -607,10 +712,10 @@ static inline __attribute__((always_inline)) void r16_group1(const int fmt, cons
                                                              const float *xd, const int32_t *xs,
                                                              const float *xsum, float *out) {
     const int gb = R16_BLOCK(fmt), chunks = fmt == Q8_0 ? 8 : 4;
-    const int off = fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : 0, at = fmt == Q4_1 ? 64 : 32;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
-    __m512 A[16];
-    for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
+    const int off = fmt == Q8_0 ? R16_Q8_OFF : fmt == Q4_0 ? 8 : 0, at = fmt == Q4_1 ? 64 : 32;
+    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128);
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
 #pragma GCC unroll 16
         for (int j = 0; j < 16; j++) {
@@ -618,24 +723,24 @@ static inline __attribute__((always_inline)) void r16_group1(const int fmt, cons
             if (b >= nb) break;
             const uint8_t *blk = g + gb * b;
             const int32_t *x4 = (const int32_t *)(const void *)(xq + 32 * b);
-            __m512i s0 = _mm512_set1_epi32(-off * (xs[2 * b] + xs[2 * b + 1])), s1 = _mm512_setzero_si512();
+            l16i s0 = l16_set1_epi32(-off * (xs[2 * b] + xs[2 * b + 1])), s1 = l16_setzero_si512();
 #pragma GCC unroll 8
             for (int k = 0; k < chunks; k++) {
-                const __m512i q = _mm512_loadu_si512((const void *)(blk + at + 64 * k));
+                const l16i q = l16_loadu_si512((const void *)(blk + at + 64 * k));
                 if (fmt == Q8_0) {
-                    const __m512i u = _mm512_xor_si512(q, flip);
-                    if (k & 1) s1 = dpbusd_bcst(s1, u, x4 + k);
-                    else s0 = dpbusd_bcst(s0, u, x4 + k);
+                    const l16i u = r16_q8(q, flip);
+                    if (k & 1) s1 = dot_q8_bcst(s1, u, x4 + k);
+                    else s0 = dot_q8_bcst(s0, u, x4 + k);
                 } else {
-                    s0 = dpbusd_bcst(s0, _mm512_and_si512(q, m4), x4 + k);
-                    s1 = dpbusd_bcst(s1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), x4 + 4 + k);
+                    s0 = dpbusd_bcst(s0, l16_and_si512(q, m4), x4 + k);
+                    s1 = dpbusd_bcst(s1, l16_and_si512(l16_srli_epi16(q, 4), m4), x4 + 4 + k);
                 }
             }
             if (fmt == Q4_1) {
-                const __m512 wm = _mm512_sub_ps(_mm512_setzero_ps(), r16_f16(blk + 32)); /* -m: exact */
-                A[j] = r16_add_min(A[j], _mm512_add_epi32(s0, s1), r16_f16(blk), xd[b], wm, xsum[b]);
+                const l16f wm = l16_sub_ps(l16_setzero_ps(), r16_f16(blk + 32)); /* -m: exact */
+                A[j] = r16_add_min(A[j], l16_add_epi32(s0, s1), r16_f16(blk), xd[b], wm, xsum[b]);
             } else {
-                A[j] = r16_add(A[j], _mm512_add_epi32(s0, s1), r16_f16(blk), xd[b]);
+                A[j] = r16_add(A[j], l16_add_epi32(s0, s1), r16_f16(blk), xd[b]);
             }
         }
     }
@@ -644,52 +749,52 @@ static inline __attribute__((always_inline)) void r16_group1(const int fmt, cons
 
 /* The 16 lanes' 6-bit scales (m = 0) or mins (m = 1) of Q4_K sub-block j, from the 3 chunks
  * of a group block's scale bytes: k4_scale_min, lanes are rows */
-static inline __m512i k4_lanes(const __m512i *S, int j, int m) {
-    const __m512i b63 = _mm512_set1_epi32(63), b15 = _mm512_set1_epi32(15), b3 = _mm512_set1_epi32(3);
-    if (j < 4) return _mm512_and_si512(_mm512_srli_epi32(S[m], 8 * j), b63);
-    const __m512i hi = _mm512_srli_epi32(S[2], 8 * (j - 4));
-    const __m512i top = _mm512_and_si512(_mm512_srli_epi32(S[m], 8 * (j - 4) + 6), b3);
-    const __m512i low = m ? _mm512_and_si512(_mm512_srli_epi32(hi, 4), b15) : _mm512_and_si512(hi, b15);
-    return _mm512_or_si512(low, _mm512_slli_epi32(top, 4));
+static inline l16i k4_lanes(const l16i *S, int j, int m) {
+    const l16i b63 = l16_set1_epi32(63), b15 = l16_set1_epi32(15), b3 = l16_set1_epi32(3);
+    if (j < 4) return l16_and_si512(l16_srli_epi32(S[m], 8 * j), b63);
+    const l16i hi = l16_srli_epi32(S[2], 8 * (j - 4));
+    const l16i top = l16_and_si512(l16_srli_epi32(S[m], 8 * (j - 4) + 6), b3);
+    const l16i low = m ? l16_and_si512(l16_srli_epi32(hi, 4), b15) : l16_and_si512(hi, b15);
+    return l16_or_si512(low, l16_slli_epi32(top, 4));
 }
 
 /* 16 repacked Q4_K rows (nb blocks of 256) times one activation row: out[0..16). Unit u =
  * 8 b + j (block b, sub-block j) goes to A[u % 16] = A[8 (b % 2) + j]. */
 static void r16_group1_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
                            const float *xsum, float *out) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512 A[16];
-    for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
+    const l16i m4 = l16_set1_epi8(0x0F);
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 2) {
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const int64_t b = b0 + h;
             if (b >= nb) break;
             const uint8_t *blk = g + 2304 * b;
-            const __m512 d = r16_f16(blk), dmin = r16_f16(blk + 32);
-            const __m512i S[3] = {_mm512_loadu_si512((const void *)(blk + 64)), _mm512_loadu_si512((const void *)(blk + 128)),
-                                  _mm512_loadu_si512((const void *)(blk + 192))};
+            const l16f d = r16_f16(blk), dmin = r16_f16(blk + 32);
+            const l16i S[3] = {l16_loadu_si512((const void *)(blk + 64)), l16_loadu_si512((const void *)(blk + 128)),
+                                  l16_loadu_si512((const void *)(blk + 192))};
 #pragma GCC unroll 4
             for (int c = 0; c < 4; c++) { /* nibble bytes 32c..32c+31: sub-blocks 2c (low), 2c + 1 (high) */
                 const int32_t *x0 = (const int32_t *)(const void *)(xq + 256 * b + 64 * c), *x1 = x0 + 8;
-                __m512i n0 = _mm512_setzero_si512(), n1 = _mm512_setzero_si512();
-                __m512i n0b = _mm512_setzero_si512(), n1b = _mm512_setzero_si512();
+                l16i n0 = l16_setzero_si512(), n1 = l16_setzero_si512();
+                l16i n0b = l16_setzero_si512(), n1b = l16_setzero_si512();
 #pragma GCC unroll 8
                 for (int k = 0; k < 8; k += 2) {
-                    const __m512i q = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k)));
-                    const __m512i r = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k + 1)));
-                    n0 = dpbusd_bcst(n0, _mm512_and_si512(q, m4), x0 + k);
-                    n1 = dpbusd_bcst(n1, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), x1 + k);
-                    n0b = dpbusd_bcst(n0b, _mm512_and_si512(r, m4), x0 + k + 1);
-                    n1b = dpbusd_bcst(n1b, _mm512_and_si512(_mm512_srli_epi16(r, 4), m4), x1 + k + 1);
+                    const l16i q = l16_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k)));
+                    const l16i r = l16_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k + 1)));
+                    n0 = dpbusd_bcst(n0, l16_and_si512(q, m4), x0 + k);
+                    n1 = dpbusd_bcst(n1, l16_and_si512(l16_srli_epi16(q, 4), m4), x1 + k);
+                    n0b = dpbusd_bcst(n0b, l16_and_si512(r, m4), x0 + k + 1);
+                    n1b = dpbusd_bcst(n1b, l16_and_si512(l16_srli_epi16(r, 4), m4), x1 + k + 1);
                 }
-                const __m512i n[2] = {_mm512_add_epi32(n0, n0b), _mm512_add_epi32(n1, n1b)};
+                const l16i n[2] = {l16_add_epi32(n0, n0b), l16_add_epi32(n1, n1b)};
 #pragma GCC unroll 2
                 for (int e = 0; e < 2; e++) {
                     const int j = 2 * c + e, t = 8 * h + j;
                     const int64_t u = 8 * b + j;
-                    const __m512 ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(k4_lanes(S, j, 0)));
-                    const __m512 wm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(k4_lanes(S, j, 1)));
+                    const l16f ws = l16_mul_ps(d, l16_cvtepi32_ps(k4_lanes(S, j, 0)));
+                    const l16f wm = l16_mul_ps(dmin, l16_cvtepi32_ps(k4_lanes(S, j, 1)));
                     A[t] = r16_add_min(A[t], n[e], ws, xd[u], wm, xsum[u]);
                 }
             }
@@ -706,13 +811,13 @@ static void r16_group1_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const
 #define BITS_01_TO_45 0x0000000001020000LL  /* in 0,1 -> out 4,5 */
 #define BITS_23_TO_45 0x0000000004080000LL  /* in 2,3 -> out 4,5 */
 #define BITS_67_TO_45 0x0000000040800000LL  /* in 6,7 -> out 4,5 */
-#ifdef __GFNI__
+#if defined(__GFNI__) && defined(R16_ZMM)
 #define BYTE_BITS(v, matrix, shift_left, shift_right, mask) \
     _mm512_gf2p8affine_epi64_epi8((v), _mm512_set1_epi64(matrix), 0)
 #else
 #define BYTE_BITS(v, matrix, shift_left, shift_right, mask) \
-    _mm512_and_si512(_mm512_srli_epi16(_mm512_slli_epi16((v), (shift_left)), (shift_right)), \
-                     _mm512_set1_epi8(mask))
+    l16_and_si512(l16_srli_epi16(l16_slli_epi16((v), (shift_left)), (shift_right)), \
+                     l16_set1_epi8(mask))
 #endif
 
 /* where word k (bytes 4k..4k+3) of a Q6_K block sits in its group's block: chunk q6_chunk(k) */
@@ -725,46 +830,46 @@ static inline int q6_chunk(int k) {
 
 /* chunk `at` of a Q6_K group block and the two after it (low nibbles, low nibbles, high bit
  * pairs) -> the unsigned 6-bit weights (q + 32) of 4 groups, w[m] for group 2m + cq of the half */
-static inline __attribute__((always_inline)) void q6_unpack(const uint8_t *blk, int at, __m512i m4,
-                                                            __m512i m30, __m512i w[4]) {
-    const __m512i l0 = _mm512_loadu_si512(Q6_AT(blk, at));
-    const __m512i l1 = _mm512_loadu_si512(Q6_AT(blk, at + 1));
-    const __m512i h = _mm512_loadu_si512(Q6_AT(blk, at + 2));
+static inline __attribute__((always_inline)) void q6_unpack(const uint8_t *blk, int at, l16i m4,
+                                                            l16i m30, l16i w[4]) {
+    const l16i l0 = l16_loadu_si512(Q6_AT(blk, at));
+    const l16i l1 = l16_loadu_si512(Q6_AT(blk, at + 1));
+    const l16i h = l16_loadu_si512(Q6_AT(blk, at + 2));
     /* ternlog 0xEC: (a & c) | b; 0xF8: a | (b & c) */
-    w[0] = _mm512_ternarylogic_epi32(l0, BYTE_BITS(h, BITS_01_TO_45, 4, 0, 0x30), m4, 0xEC);
-    w[1] = _mm512_ternarylogic_epi32(l1, BYTE_BITS(h, BITS_23_TO_45, 2, 0, 0x30), m4, 0xEC);
-    w[2] = _mm512_ternarylogic_epi32(BYTE_BITS(l0, BITS_HI_NIBBLE, 0, 4, 0x0F), h, m30, 0xF8);
-    w[3] = _mm512_or_si512(BYTE_BITS(l1, BITS_HI_NIBBLE, 0, 4, 0x0F), BYTE_BITS(h, BITS_67_TO_45, 0, 2, 0x30));
+    w[0] = l16_ternarylogic_epi32(l0, BYTE_BITS(h, BITS_01_TO_45, 4, 0, 0x30), m4, 0xEC);
+    w[1] = l16_ternarylogic_epi32(l1, BYTE_BITS(h, BITS_23_TO_45, 2, 0, 0x30), m4, 0xEC);
+    w[2] = l16_ternarylogic_epi32(BYTE_BITS(l0, BITS_HI_NIBBLE, 0, 4, 0x0F), h, m30, 0xF8);
+    w[3] = l16_or_si512(BYTE_BITS(l1, BITS_HI_NIBBLE, 0, 4, 0x0F), BYTE_BITS(h, BITS_67_TO_45, 0, 2, 0x30));
 }
 
 /* d * (float)sc_g of the 16 rows (lanes) for group gi of a Q6_K group block: each row's
  * scale of that group, from the 4 chunks of int8 scales, as units_16 computes ws */
-static inline __m512 q6_scale_lanes(const uint8_t *blk, __m512 d, int gi) {
-    const __m512i S = _mm512_loadu_si512(Q6_AT(blk, gi / 4));
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(S, 24 - 8 * (gi % 4)), 24)));
+static inline l16f q6_scale_lanes(const uint8_t *blk, l16f d, int gi) {
+    const l16i S = l16_loadu_si512(Q6_AT(blk, gi / 4));
+    return l16_mul_ps(d, l16_cvtepi32_ps(l16_srai_epi32(l16_slli_epi32(S, 24 - 8 * (gi % 4)), 24)));
 }
 
 /* 16 repacked Q6_K rows (nb blocks of 256) times one activation row: out[0..16). A block has
  * 16 groups, so unit u = 16 b + g goes to A[g]: each block adds to every A once. */
 static void r16_group1_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
                            const int32_t *xs, float *out) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    __m512 A[16];
-    for (int j = 0; j < 16; j++) A[j] = _mm512_setzero_ps();
+    const l16i m4 = l16_set1_epi8(0x0F), m30 = l16_set1_epi8(0x30);
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + 3360 * b;
-        const __m512 d = r16_f16(blk);
+        const l16f d = r16_f16(blk);
 #pragma GCC unroll 2
         for (int n = 0; n < 2; n++) {
 #pragma GCC unroll 2
             for (int cq = 0; cq < 2; cq++) { /* c = 4cq..4cq+3: weights 4c.. of each 32: group 2m + cq */
                 const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b + 128 * n + 16 * cq);
-                __m512i s[4];
+                l16i s[4];
 #pragma GCC unroll 4
-                for (int m = 0; m < 4; m++) s[m] = _mm512_set1_epi32(-32 * xs[16 * b + 8 * n + 2 * m + cq]);
+                for (int m = 0; m < 4; m++) s[m] = l16_set1_epi32(-32 * xs[16 * b + 8 * n + 2 * m + cq]);
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
-                    __m512i w[4];
+                    l16i w[4];
                     q6_unpack(blk, 4 + 3 * (8 * n + 4 * cq + i), m4, m30, w);
 #pragma GCC unroll 4
                     for (int m = 0; m < 4; m++) s[m] = dpbusd_bcst(s[m], w[m], x4 + 8 * m + i);
@@ -781,58 +886,58 @@ static void r16_group1_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const
 }
 
 /* Byte k (0..3) of each of the 16 lanes' words in a 64-byte chunk (lane r's word at 4r) */
-static inline __m512i r16_bytes(const uint8_t *chunk, int k) {
-    return _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512((const void *)chunk), 8 * k),
-                            _mm512_set1_epi32(0xFF));
+static inline l16i r16_bytes(const uint8_t *chunk, int k) {
+    return l16_and_si512(l16_srli_epi32(l16_loadu_si512((const void *)chunk), 8 * k),
+                            l16_set1_epi32(0xFF));
 }
 /* byte i of each lane's block (after its f16 fields at `body`), whose word i / 4 is in chunk */
 #define R16_BYTE(body, chunk, i) r16_bytes((body) + 64 * (chunk), (i) & 3)
 
 /* The 16 rows' weights at column col of a group (lane r: row r), as plan_weight decodes each
  * (k_weight_at for the K formats): the same operations in the same order, 16 lanes at once */
-static inline __m512 r16_weights(int fmt, const uint8_t *g, int32_t col) {
+static inline l16f r16_weights(int fmt, const uint8_t *g, int32_t col) {
     if (fmt == Q6_K) {
         const uint8_t *blk = g + 3360 * (col >> 8), *body = blk + 32;
         const int e = col & 255, gi = e >> 4, n = e >> 7, part = (e >> 5) & 3, l = e & 31;
         const int lo = 64 * n + 32 * (part & 1) + l, hi = 128 + 32 * n + l, sb = 192 + gi;
-        const __m512i qlb = R16_BYTE(body, q6_chunk(lo >> 2), lo);
-        const __m512i h = _mm512_and_si512(_mm512_srli_epi32(R16_BYTE(body, q6_chunk(hi >> 2), hi), 2 * part),
-                                           _mm512_set1_epi32(3));
-        const __m512i low = part < 2 ? _mm512_and_si512(qlb, _mm512_set1_epi32(0xF)) : _mm512_srli_epi32(qlb, 4);
-        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(h, 4)), _mm512_set1_epi32(32));
-        const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(R16_BYTE(body, q6_chunk(sb >> 2), sb), 24), 24);
-        const __m512 w = _mm512_mul_ps(_mm512_mul_ps(r16_f16(blk), _mm512_cvtepi32_ps(sc)), _mm512_cvtepi32_ps(q));
-        return _mm512_sub_ps(w, _mm512_setzero_ps());
+        const l16i qlb = R16_BYTE(body, q6_chunk(lo >> 2), lo);
+        const l16i h = l16_and_si512(l16_srli_epi32(R16_BYTE(body, q6_chunk(hi >> 2), hi), 2 * part),
+                                           l16_set1_epi32(3));
+        const l16i low = part < 2 ? l16_and_si512(qlb, l16_set1_epi32(0xF)) : l16_srli_epi32(qlb, 4);
+        const l16i q = l16_sub_epi32(l16_or_si512(low, l16_slli_epi32(h, 4)), l16_set1_epi32(32));
+        const l16i sc = l16_srai_epi32(l16_slli_epi32(R16_BYTE(body, q6_chunk(sb >> 2), sb), 24), 24);
+        const l16f w = l16_mul_ps(l16_mul_ps(r16_f16(blk), l16_cvtepi32_ps(sc)), l16_cvtepi32_ps(q));
+        return l16_sub_ps(w, l16_setzero_ps());
     }
     if (fmt == Q4_K) { /* the scales' 12 bytes are 3 words: chunks 0..2 */
         const uint8_t *blk = g + 2304 * (col >> 8), *sc12 = blk + 64;
         const int e = col & 255, at = 32 * (e >> 6) + (e & 31), j = e >> 5;
-        const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(0xF);
-        __m512i sc, m;
+        const l16i m63 = l16_set1_epi32(63), m15 = l16_set1_epi32(0xF);
+        l16i sc, m;
         if (j < 4) {
-            sc = _mm512_and_si512(R16_BYTE(sc12, j >> 2, j), m63);
-            m = _mm512_and_si512(R16_BYTE(sc12, (j + 4) >> 2, j + 4), m63);
+            sc = l16_and_si512(R16_BYTE(sc12, j >> 2, j), m63);
+            m = l16_and_si512(R16_BYTE(sc12, (j + 4) >> 2, j + 4), m63);
         } else {
-            const __m512i s4 = R16_BYTE(sc12, (j + 4) >> 2, j + 4);
-            const __m512i hi_sc = _mm512_slli_epi32(_mm512_srli_epi32(R16_BYTE(sc12, (j - 4) >> 2, j - 4), 6), 4);
-            const __m512i hi_m = _mm512_slli_epi32(_mm512_srli_epi32(R16_BYTE(sc12, j >> 2, j), 6), 4);
-            sc = _mm512_or_si512(_mm512_and_si512(s4, m15), hi_sc);
-            m = _mm512_or_si512(_mm512_srli_epi32(s4, 4), hi_m);
+            const l16i s4 = R16_BYTE(sc12, (j + 4) >> 2, j + 4);
+            const l16i hi_sc = l16_slli_epi32(l16_srli_epi32(R16_BYTE(sc12, (j - 4) >> 2, j - 4), 6), 4);
+            const l16i hi_m = l16_slli_epi32(l16_srli_epi32(R16_BYTE(sc12, j >> 2, j), 6), 4);
+            sc = l16_or_si512(l16_and_si512(s4, m15), hi_sc);
+            m = l16_or_si512(l16_srli_epi32(s4, 4), hi_m);
         }
-        const __m512i byte = R16_BYTE(blk + 256, at >> 2, at);
-        const __m512i q = (e & 32) ? _mm512_srli_epi32(byte, 4) : _mm512_and_si512(byte, m15);
-        const __m512 w = _mm512_mul_ps(_mm512_mul_ps(r16_f16(blk), _mm512_cvtepi32_ps(sc)), _mm512_cvtepi32_ps(q));
-        return _mm512_sub_ps(w, _mm512_mul_ps(r16_f16(blk + 32), _mm512_cvtepi32_ps(m)));
+        const l16i byte = R16_BYTE(blk + 256, at >> 2, at);
+        const l16i q = (e & 32) ? l16_srli_epi32(byte, 4) : l16_and_si512(byte, m15);
+        const l16f w = l16_mul_ps(l16_mul_ps(r16_f16(blk), l16_cvtepi32_ps(sc)), l16_cvtepi32_ps(q));
+        return l16_sub_ps(w, l16_mul_ps(r16_f16(blk + 32), l16_cvtepi32_ps(m)));
     }
     const uint8_t *blk = g + R16_BLOCK(fmt) * (col >> 5);
     const int e = col & 31, i = fmt == Q8_0 ? e : e & 15, at = fmt == Q4_1 ? 64 : 32;
-    const __m512 d = r16_f16(blk);
-    const __m512i word = _mm512_srli_epi32(_mm512_loadu_si512((const void *)(blk + at + 64 * (i >> 2))), 8 * (i & 3));
+    const l16f d = r16_f16(blk);
+    const l16i word = l16_srli_epi32(l16_loadu_si512((const void *)(blk + at + 64 * (i >> 2))), 8 * (i & 3));
     if (fmt == Q8_0) /* the byte, sign-extended */
-        return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(word, 24), 24)));
-    const __m512i v = _mm512_and_si512(e >= 16 ? _mm512_srli_epi32(word, 4) : word, _mm512_set1_epi32(0xF));
-    if (fmt == Q4_1) return _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(v)), r16_f16(blk + 32));
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(8))));
+        return l16_mul_ps(d, l16_cvtepi32_ps(l16_srai_epi32(l16_slli_epi32(word, 24), 24)));
+    const l16i v = l16_and_si512(e >= 16 ? l16_srli_epi32(word, 4) : word, l16_set1_epi32(0xF));
+    if (fmt == Q4_1) return l16_add_ps(l16_mul_ps(d, l16_cvtepi32_ps(v)), r16_f16(blk + 32));
+    return l16_mul_ps(d, l16_cvtepi32_ps(l16_sub_epi32(v, l16_set1_epi32(8))));
 }
 
 /* ---- 16 repacked rows times 2..16 activation rows (a prefill's tile) ----
@@ -840,39 +945,44 @@ static inline __m512 r16_weights(int fmt, const uint8_t *g, int32_t col) {
  * r16_group1 / _q4k / _q6k give it, in their order, its accumulators in memory (acc[t]): the
  * same bits for a token alone or in any tile. Why: a prefill through the one-row kernels
  * unpacked every chunk once per token (Q6_K: ~30 vector ops of bit moving per 4 dpbusd). */
-typedef struct { __m512 a[16]; } r16_acc;
+typedef struct { l16f a[16]; } r16_acc;
 
 static inline __attribute__((always_inline)) void r16_tile32(const int fmt, const uint8_t *g,
                                                              int64_t nb, const acts *a,
                                                              r16_acc *acc) {
-    const int gb = R16_BLOCK(fmt), off = fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : 0;
+    const int gb = R16_BLOCK(fmt), off = fmt == Q8_0 ? R16_Q8_OFF : fmt == Q4_0 ? 8 : 0;
     const int at = fmt == Q4_1 ? 64 : 32;
     const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
+    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + gb * b;
-        __m512i W[8];
+        l16i W[8];
         for (int k = 0; k < (fmt == Q8_0 ? 8 : 4); k++) {
-            const __m512i q = _mm512_loadu_si512((const void *)(blk + at + 64 * k));
+            const l16i q = l16_loadu_si512((const void *)(blk + at + 64 * k));
             if (fmt == Q8_0) {
-                W[k] = _mm512_xor_si512(q, flip);
+                W[k] = r16_q8(q, flip);
             } else {
-                W[k] = _mm512_and_si512(q, m4);
-                W[4 + k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                W[k] = l16_and_si512(q, m4);
+                W[4 + k] = l16_and_si512(l16_srli_epi16(q, 4), m4);
             }
         }
-        const __m512 d = r16_f16(blk);
-        const __m512 wm = fmt == Q4_1 ? _mm512_sub_ps(_mm512_setzero_ps(), r16_f16(blk + 32)) : _mm512_setzero_ps();
+        const l16f d = r16_f16(blk);
+        const l16f wm = fmt == Q4_1 ? l16_sub_ps(l16_setzero_ps(), r16_f16(blk + 32)) : l16_setzero_ps();
         const int j = (int)(b % 16);
         for (int64_t t = 0; t < nx; t++) {
             const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 32 * b);
             const int32_t *xs = a->xs + 2 * t * nbx;
-            __m512i s0 = _mm512_set1_epi32(-off * (xs[2 * b] + xs[2 * b + 1])), s1 = _mm512_setzero_si512();
+            l16i s0 = l16_set1_epi32(-off * (xs[2 * b] + xs[2 * b + 1])), s1 = l16_setzero_si512();
             for (int k = 0; k < 8; k += 2) {
-                s0 = dpbusd_bcst(s0, W[k], x4 + k);
-                s1 = dpbusd_bcst(s1, W[k + 1], x4 + k + 1);
+                if (fmt == Q8_0) {
+                    s0 = dot_q8_bcst(s0, W[k], x4 + k);
+                    s1 = dot_q8_bcst(s1, W[k + 1], x4 + k + 1);
+                } else {
+                    s0 = dpbusd_bcst(s0, W[k], x4 + k);
+                    s1 = dpbusd_bcst(s1, W[k + 1], x4 + k + 1);
+                }
             }
-            const __m512i n = _mm512_add_epi32(s0, s1);
+            const l16i n = l16_add_epi32(s0, s1);
             const float xd = a->xd[t * nbx + b];
             if (fmt == Q4_1) acc[t].a[j] = r16_add_min(acc[t].a[j], n, d, xd, wm, a->xsum[t * nbx + b]);
             else acc[t].a[j] = r16_add(acc[t].a[j], n, d, xd);
@@ -882,36 +992,36 @@ static inline __attribute__((always_inline)) void r16_tile32(const int fmt, cons
 
 static void r16_tile_q4k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
     const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const l16i m4 = l16_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + 2304 * b;
-        const __m512 d = r16_f16(blk), dmin = r16_f16(blk + 32);
-        const __m512i S[3] = {_mm512_loadu_si512((const void *)(blk + 64)), _mm512_loadu_si512((const void *)(blk + 128)),
-                              _mm512_loadu_si512((const void *)(blk + 192))};
+        const l16f d = r16_f16(blk), dmin = r16_f16(blk + 32);
+        const l16i S[3] = {l16_loadu_si512((const void *)(blk + 64)), l16_loadu_si512((const void *)(blk + 128)),
+                              l16_loadu_si512((const void *)(blk + 192))};
         const int h = (int)(b % 2);
         for (int c = 0; c < 4; c++) {
-            __m512i W[16];
+            l16i W[16];
             for (int k = 0; k < 8; k++) {
-                const __m512i q = _mm512_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k)));
-                W[k] = _mm512_and_si512(q, m4);
-                W[8 + k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                const l16i q = l16_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k)));
+                W[k] = l16_and_si512(q, m4);
+                W[8 + k] = l16_and_si512(l16_srli_epi16(q, 4), m4);
             }
-            __m512 ws[2], wm[2];
+            l16f ws[2], wm[2];
             for (int e = 0; e < 2; e++) {
-                ws[e] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(k4_lanes(S, 2 * c + e, 0)));
-                wm[e] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(k4_lanes(S, 2 * c + e, 1)));
+                ws[e] = l16_mul_ps(d, l16_cvtepi32_ps(k4_lanes(S, 2 * c + e, 0)));
+                wm[e] = l16_mul_ps(dmin, l16_cvtepi32_ps(k4_lanes(S, 2 * c + e, 1)));
             }
             for (int64_t t = 0; t < nx; t++) {
                 const int32_t *x0 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b + 64 * c), *x1 = x0 + 8;
-                __m512i n0 = _mm512_setzero_si512(), n1 = _mm512_setzero_si512();
-                __m512i n0b = _mm512_setzero_si512(), n1b = _mm512_setzero_si512();
+                l16i n0 = l16_setzero_si512(), n1 = l16_setzero_si512();
+                l16i n0b = l16_setzero_si512(), n1b = l16_setzero_si512();
                 for (int k = 0; k < 8; k += 2) {
                     n0 = dpbusd_bcst(n0, W[k], x0 + k);
                     n1 = dpbusd_bcst(n1, W[8 + k], x1 + k);
                     n0b = dpbusd_bcst(n0b, W[k + 1], x0 + k + 1);
                     n1b = dpbusd_bcst(n1b, W[8 + k + 1], x1 + k + 1);
                 }
-                const __m512i n[2] = {_mm512_add_epi32(n0, n0b), _mm512_add_epi32(n1, n1b)};
+                const l16i n[2] = {l16_add_epi32(n0, n0b), l16_add_epi32(n1, n1b)};
                 for (int e = 0; e < 2; e++) {
                     const int64_t u = 8 * b + 2 * c + e;
                     const int tt = 8 * h + 2 * c + e;
@@ -925,19 +1035,19 @@ static void r16_tile_q4k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
 
 static void r16_tile_q6k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
     const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const l16i m4 = l16_set1_epi8(0x0F), m30 = l16_set1_epi8(0x30);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + 3360 * b;
-        const __m512 d = r16_f16(blk);
+        const l16f d = r16_f16(blk);
         for (int n = 0; n < 2; n++) {
             for (int cq = 0; cq < 2; cq++) {
-                __m512i u[4][4];
+                l16i u[4][4];
                 for (int i = 0; i < 4; i++) {
-                    __m512i w[4];
+                    l16i w[4];
                     q6_unpack(blk, 4 + 3 * (8 * n + 4 * cq + i), m4, m30, w);
                     for (int m = 0; m < 4; m++) u[m][i] = w[m];
                 }
-                __m512 sg[4];
+                l16f sg[4];
                 for (int m = 0; m < 4; m++) {
                     const int gi = 8 * n + 2 * m + cq;
                     sg[m] = q6_scale_lanes(blk, d, gi);
@@ -947,7 +1057,7 @@ static void r16_tile_q6k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
                     const int32_t *xs = a->xs + 2 * t * nbx;
                     for (int m = 0; m < 4; m++) {
                         const int gi = 8 * n + 2 * m + cq;
-                        __m512i s = _mm512_set1_epi32(-32 * xs[16 * b + gi]);
+                        l16i s = l16_set1_epi32(-32 * xs[16 * b + gi]);
                         for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, u[m][i], x4 + 8 * m + i);
                         acc[t].a[gi] = r16_add(acc[t].a[gi], s, sg[m], a->xd[t * nbx + 8 * b + gi / 2]);
                     }
@@ -961,7 +1071,7 @@ static void r16_tile_q6k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
 static void r16_tile(int fmt, const uint8_t *g, const acts *a, float *out, int64_t ld) {
     r16_acc acc[MAX_BATCH];
     for (int64_t t = 0; t < a->nx; t++)
-        for (int j = 0; j < 16; j++) acc[t].a[j] = _mm512_setzero_ps();
+        for (int j = 0; j < 16; j++) acc[t].a[j] = l16_setzero_ps();
     const int64_t nb = a->cols / R16_ELEMS(fmt);
     switch (fmt) {
     case Q8_0: r16_tile32(Q8_0, g, nb, a, acc); break;
@@ -989,13 +1099,13 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
     default: r16_group1_q6k(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     }
     if (!pl->nu) return;
-    __m512 w[PLAN_MAX];
+    l16f w[PLAN_MAX];
     for (int u = 0; u < pl->nu; u++) w[u] = r16_weights(fmt, g, pl->col[u]);
     for (int64_t k = 0; k < a->nx; k++) {
-        __m512 t = _mm512_setzero_ps();
+        l16f t = l16_setzero_ps();
         for (int i = 0; i < pl->n[k]; i++)
-            t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(pl->val[k][i]), w[pl->use[k][i]]));
-        _mm512_storeu_ps(out + k * ld, _mm512_add_ps(_mm512_loadu_ps(out + k * ld), t));
+            t = l16_add_ps(t, l16_mul_ps(l16_set1_ps(pl->val[k][i]), w[pl->use[k][i]]));
+        l16_storeu_ps(out + k * ld, l16_add_ps(l16_loadu_ps(out + k * ld), t));
     }
 }
 
@@ -1396,6 +1506,36 @@ static void softmax_times(float *restrict p, int64_t n, const float *restrict v,
  * is the one above, in the same order, and each key and value is read once for all of them.
  * Why: at a prefill's few hundred keys a head's keys and values (~240 KB at d = 128) no
  * longer fit L1, and reading them from L2 once per query head was what attention waited on. */
+/* 64 keys (values) at a time where the registers hold them: NQ x 4 sums of 16 lanes are 16
+ * of AVX-512's 32 registers, but 32 of AVX2's 16 (spilled and reloaded every step: a 512-token
+ * prefill spent 40% of its time in attention); elsewhere 16 at a time. Each key's (value's)
+ * sum runs over i (t) in order either way: the blocking changes no bit. */
+#if defined(__AVX512F__)
+#define ATT_WIDE 1
+typedef v16f att16; /* 16 running sums: one register */
+static inline att16 att16_zero(void) { return (v16f){0}; }
+static inline att16 att16_load(const float *p) { return load16(p); }
+static inline att16 att16_add(att16 a, att16 x, float w) { return a + x * w; }
+static inline void att16_store(float *p, att16 a) { memcpy(p, &a, sizeof a); }
+static inline att16 att16_scale(att16 a, float s) { return a * s; }
+#else
+#define ATT_WIDE 0
+/* two halves of 8: gcc keeps a 64-byte vector on the stack where the ISA's are narrower */
+typedef struct { v8f l, h; } att16;
+static inline att16 att16_zero(void) { return (att16){{0}, {0}}; }
+static inline att16 att16_load(const float *p) {
+    att16 a;
+    memcpy(&a.l, p, sizeof a.l);
+    memcpy(&a.h, p + 8, sizeof a.h);
+    return a;
+}
+static inline att16 att16_add(att16 a, att16 x, float w) { return (att16){a.l + x.l * w, a.h + x.h * w}; }
+static inline void att16_store(float *p, att16 a) {
+    memcpy(p, &a.l, sizeof a.l);
+    memcpy(p + 8, &a.h, sizeof a.h);
+}
+static inline att16 att16_scale(att16 a, float s) { return (att16){a.l * s, a.h * s}; }
+#endif
 /* 64 floats from p as four vectors (an initializer: they stay in registers) */
 #define LOAD64(p) {load16(p), load16((p) + 16), load16((p) + 32), load16((p) + 48)}
 
@@ -1412,7 +1552,7 @@ static inline __attribute__((always_inline)) void attend_nq(
     /* 64 keys at a time where 4 blocks of 16 start before `seen` (rows are ld >= seen
      * rounded up to 16 long): four sums side by side, each key's still over i in order.
      * Why: one block's sum is a chain of d dependent adds (~3 cycles each) */
-    for (; t0 + 48 < seen; t0 += 64) {
+    for (; ATT_WIDE && t0 + 48 < seen; t0 += 64) {
         v16f a[4][4];
         for (int j = 0; j < NQ; j++)
             for (int b = 0; b < 4; b++) a[j][b] = (v16f){0};
@@ -1428,23 +1568,20 @@ static inline __attribute__((always_inline)) void attend_nq(
             }
     }
     for (; t0 < seen; t0 += 16) {
-        v16f a[4];
-        for (int j = 0; j < NQ; j++) a[j] = (v16f){0};
+        att16 a[4];
+        for (int j = 0; j < NQ; j++) a[j] = att16_zero();
         for (int64_t i = 0; i < d; i++) {
-            const v16f k = load16(kt + i * ld + t0);
-            for (int j = 0; j < NQ; j++) a[j] = a[j] + k * q[j * d + i];
+            const att16 k = att16_load(kt + i * ld + t0);
+            for (int j = 0; j < NQ; j++) a[j] = att16_add(a[j], k, q[j * d + i]);
         }
-        for (int j = 0; j < NQ; j++) {
-            const v16f sc = a[j] * scale;
-            memcpy(p + j * lp + t0, &sc, sizeof sc);
-        }
+        for (int j = 0; j < NQ; j++) att16_store(p + j * lp + t0, att16_scale(a[j], scale));
     }
     float inv[4];
     for (int j = 0; j < NQ; j++) inv[j] = 1.0f / softmax_parts(p + j * lp, seen);
     /* the values: 64 at a time in four registers a head, each summed over t in order (the
      * bits of one running sum per value; a sum kept in `out` went through memory every t) */
     int64_t c = 0;
-    for (; c + 64 <= dv; c += 64) {
+    for (; ATT_WIDE && c + 64 <= dv; c += 64) {
         v16f a[4][4];
         for (int j = 0; j < NQ; j++)
             for (int b = 0; b < 4; b++) a[j][b] = (v16f){0};
@@ -1456,13 +1593,13 @@ static inline __attribute__((always_inline)) void attend_nq(
             for (int b = 0; b < 4; b++) memcpy(out + j * dv + c + 16 * b, &a[j][b], sizeof(v16f));
     }
     for (; c + 16 <= dv; c += 16) {
-        v16f a[4];
-        for (int j = 0; j < NQ; j++) a[j] = (v16f){0};
+        att16 a[4];
+        for (int j = 0; j < NQ; j++) a[j] = att16_zero();
         for (int64_t t = 0; t < seen; t++) {
-            const v16f vt = load16(vh + t * dv + c);
-            for (int j = 0; j < NQ; j++) a[j] = a[j] + vt * p[j * lp + t];
+            const att16 vt = att16_load(vh + t * dv + c);
+            for (int j = 0; j < NQ; j++) a[j] = att16_add(a[j], vt, p[j * lp + t]);
         }
-        for (int j = 0; j < NQ; j++) memcpy(out + j * dv + c, &a[j], sizeof(v16f));
+        for (int j = 0; j < NQ; j++) att16_store(out + j * dv + c, a[j]);
     }
     for (; c < dv; c++)
         for (int j = 0; j < NQ; j++) {

@@ -121,7 +121,7 @@ class PackedMatrix:
 
     def repack(self) -> bool:
         """Lay the bytes out for this CPU's fastest kernel (kernels.repack: Q4_0, Q4_1, Q8_0,
-        Q4_K and Q6_K in groups of 16 rows, on AVX-512 VNNI), which reads them as the same
+        Q4_K and Q6_K in groups of 16 rows, on AVX-512 VNNI or AVX2), which reads them as the same
         numbers to the bit, and let go of the file's pages they came from: the weight then
         takes the same memory as before, in memory of its own instead of the page cache's,
         not twice. The fused paths (any batch) and dequantize read the new layout from then
