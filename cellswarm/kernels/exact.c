@@ -540,22 +540,6 @@ static inline float dot_exact(const float *a, const float *b, int64_t n) {
     return fold16(acc);
 }
 
-/* dot_exact of a against the 4 rows b + j * ldb: the same bits as 4 calls, their chains of
- * adds side by side (one chain waits ~3 cycles an add: MLA's scores were latency-bound) */
-static inline void dot_exact4(const float *a, const float *b, int64_t ldb, int64_t n, float *out) {
-    v16f acc[4] = {{0}};
-    int64_t c = 0;
-    for (; c + 16 <= n; c += 16) {
-        const v16f x = load16(a + c);
-        for (int j = 0; j < 4; j++) acc[j] = acc[j] + x * load16(b + j * ldb + c);
-    }
-    if (c < n) {
-        const v16f x = xload16(a, c, n);
-        for (int j = 0; j < 4; j++) acc[j] = acc[j] + x * xload16(b + j * ldb, c, n);
-    }
-    for (int j = 0; j < 4; j++) out[j] = fold16(acc[j]);
-}
-
 /* sum of n floats in the same order */
 static inline float sum_exact(const float *a, int64_t n) {
     v16f acc = {0};

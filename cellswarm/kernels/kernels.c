@@ -1516,6 +1516,7 @@ typedef v16f att16; /* 16 running sums: one register */
 static inline att16 att16_zero(void) { return (v16f){0}; }
 static inline att16 att16_load(const float *p) { return load16(p); }
 static inline att16 att16_add(att16 a, att16 x, float w) { return a + x * w; }
+static inline att16 att16_addmul(att16 a, att16 x, att16 y) { return a + x * y; }
 static inline void att16_store(float *p, att16 a) { memcpy(p, &a, sizeof a); }
 static inline att16 att16_scale(att16 a, float s) { return a * s; }
 #else
@@ -1530,6 +1531,7 @@ static inline att16 att16_load(const float *p) {
     return a;
 }
 static inline att16 att16_add(att16 a, att16 x, float w) { return (att16){a.l + x.l * w, a.h + x.h * w}; }
+static inline att16 att16_addmul(att16 a, att16 x, att16 y) { return (att16){a.l + x.l * y.l, a.h + x.h * y.h}; }
 static inline void att16_store(float *p, att16 a) {
     memcpy(p, &a.l, sizeof a.l);
     memcpy(p + 8, &a.h, sizeof a.h);

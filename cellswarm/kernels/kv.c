@@ -9,7 +9,7 @@
  *   codec (bit-exact with gguf-py), so the Python path, which writes with numpy, and the
  *   fused layers write the same bytes on every CPU;
  * - reading is exact: an f16 is a float, and d * q is one rounding, the same everywhere.
- * Attention then runs on f32 (attend_heads, mla_head) as for an f32 cache: a non-f32 head's
+ * Attention then runs on f32 (attend_heads, mla_heads) as for an f32 cache: a non-f32 head's
  * [0, seen) is decoded into the thread's buffer first, so a cache type gives the same bits on
  * every instruction set, thread count and batch. The NaN bits of a q8_0 block with a NaN in
  * it are not promised (its scale is NaN, so all 32 values read back as NaN anyway). */
