@@ -166,6 +166,22 @@ def test_a_node_is_taken_out_for_its_own_failures_in_a_row_not_for_being_lost() 
     assert not back.offline and back.consecutive_failures == 0
 
 
+def test_a_node_is_silent_only_while_the_coordinator_could_hear_it() -> None:
+    """Issue 56: a coordinator held 5 s by one request lost every worker at its next tick,
+    before reading the beats that had waited for it."""
+    spells = health.deaf_spells((), 0.0, 100.0)  # the first tick: nothing to compare
+    spells = health.deaf_spells(spells, 100.0, 100.25)  # ticks 0.25 s apart: listening
+    assert spells == ()
+    spells = health.deaf_spells(spells, 100.25, 105.5)  # held 5.25 s
+    assert spells == ((100.25, 105.5),)
+    assert health.silence_s(99.0, 105.5, spells) == 1.25  # beat at 99: heard until 100.25
+    assert health.silence_s(106.0, 108.0, spells) == 2.0  # a beat after it: all counted
+    assert health.silence_s(90.0, 110.0, spells) == 14.75  # silent long before: still lost
+    for t in range(100):  # a coordinator deaf every other tick keeps a bounded memory
+        spells = health.deaf_spells(spells, 200.0 + 3 * t, 202.0 + 3 * t)
+    assert len(spells) == health.DEAF_KEPT and spells[-1] == (497.0, 499.0)
+
+
 def test_the_simulator_keeps_lost_nodes_as_the_swarm_does() -> None:
     # the simulator once took a node out after `offline_after` hardware failures, which the
     # coordinator never does (a node back from a crash beats, and is a spare again)

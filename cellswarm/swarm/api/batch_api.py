@@ -161,6 +161,7 @@ def item_id(item: object, index: int) -> str:
 def _item_job(coord: Coordinator, it: BatchItem, index: int) -> tuple[str, dict[str, object]]:
     tok, limits = coord.tokenizer, limits_of(coord)
     if it.messages is not None:
+        limits.turns(it.messages)
         text = tok.apply_chat_template(chat_turns(it.messages), add_generation_prompt=True)
         prompt = limits.encode(lambda t: tok.encode(t, add_special=False), text, "messages")
     else:
@@ -175,6 +176,7 @@ def _item_job(coord: Coordinator, it: BatchItem, index: int) -> tuple[str, dict[
     options = it.completions if it.completions is not None else it.labels
     if options is not None:
         field = "completions" if it.completions is not None else "labels"
+        limits.options(options, field)
         completions = [tok.encode(o, add_special=False) for o in options]
         empty = next((i for i, c in enumerate(completions) if not c), None)
         if empty is not None:

@@ -595,7 +595,9 @@ def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
         request: Request, req: Annotated[CompletionRequest, body(CompletionRequest)]
     ) -> Response:
         routes.check_model(req.model)
-        prompts = _prompts(req.prompt, routes.tokenizer(), limits_of(coord))
+        # tokenizing takes ~1 s a megabyte: off the event loop, which answers heartbeats
+        prompts = await asyncio.to_thread(_prompts, req.prompt, routes.tokenizer(),
+                                          limits_of(coord))  # fmt: skip
         given = req.prompt if isinstance(req.prompt, list) and prompts and len(prompts) == len(
             req.prompt) and not all(type(t) is int for t in req.prompt) else [req.prompt]
         texts = [p if isinstance(p, str) else None for p in given]
@@ -606,8 +608,10 @@ def add_openai_routes(app: FastAPI, coord: Coordinator) -> None:
         request: Request, req: Annotated[ChatRequest, body(ChatRequest)]
     ) -> Response:
         routes.check_model(req.model)
-        try:
-            prompt = _chat_ids(req.messages, routes.tokenizer(), limits_of(coord))
+        limits = limits_of(coord)
+        limits.turns(req.messages)
+        try:  # the template and the tokenizer off the event loop, as for a completion
+            prompt = await asyncio.to_thread(_chat_ids, req.messages, routes.tokenizer(), limits)
         except CellswarmError as exc:  # the template refused the conversation
             raise OpenAIError(400, str(exc), param="messages") from None
         return await routes.run(request, req, [prompt], [None],

@@ -465,13 +465,35 @@ class Limits:
 
     def encode(self, encode: Callable[[str], list[int]], text: str, field: str) -> list[int]:
         """Text as token ids — refused untokenized when it cannot fit the context anyway."""
+        self.text(text, field)
+        return encode(text)
+
+    def text(self, text: str, field: str) -> None:
+        """Text that could fit the context: checked before any tokenizing, which costs
+        ~1 s a megabyte (issue 56: a 3 MB label was tokenized before it was refused)."""
         size = len(text.encode("utf-8"))
         if self.token_bytes and size > self.max_text_bytes:
             raise BadRequest(f"{field}: {size:,} bytes of text cannot fit the context of "
                              f"{self.context} tokens; send a shorter {field} (or start the "
-                             "coordinator with a larger --context)", param=field,
+                             "coordinator with a larger --context)", param=field.split("[")[0],
                              code="context_length_exceeded")  # fmt: skip
-        return encode(text)
+
+    def options(self, options: Sequence[str], field: str) -> None:
+        """A scoring line's options, counted and sized before they are tokenized."""
+        if len(options) > MAX_OPTIONS:  # the frame and its one step stay bounded
+            raise BadRequest(f"{field}: {len(options)} options, but a line takes at most "
+                             f"{MAX_OPTIONS}; split it into several lines",
+                             param=field)  # fmt: skip
+        for i, option in enumerate(options):
+            self.text(option, f"{field}[{i}]")
+
+    def turns(self, messages: Sequence[object], field: str = "messages") -> None:
+        """A conversation whose turns alone overflow the context (each takes at least a
+        token), refused before its template runs over them."""
+        if len(messages) > self.context:
+            raise BadRequest(f"{field}: {len(messages):,} messages cannot fit the context of "
+                             f"{self.context} tokens; send fewer", param=field,
+                             code="context_length_exceeded")  # fmt: skip
 
     def generate(self, prompt: Sequence[int], max_tokens: int, field: str = "prompt") -> None:
         """prompt + max_tokens within the context a ring reserves for a sequence."""

@@ -183,8 +183,11 @@ class Liveness(Placing):
         rows' last_seen_s may be old by design): a dict lookup per node, no row copied.
         Walked a quarter of an interval apart (every tick in a small swarm; at 100,000 nodes
         every ~6 s, not 4 times a second: the walk was most of the coordinator's time), so
-        a silent node is lost at most that much after its timeout."""
+        a silent node is lost at most that much after its timeout. Silence is counted only
+        while this coordinator was listening (policy/nodes.py silence_s): each tick notes
+        how long since the last one."""
         now, timeout = time.time(), self.heartbeat_timeout_s()
+        self.deaf, self._ticked_s = health.deaf_spells(self.deaf, self._ticked_s, now), now
         if now - self._timeouts_checked_s < self.heartbeat_interval_s() / 4:
             return
         self._timeouts_checked_s = now
@@ -192,7 +195,8 @@ class Liveness(Placing):
             if n.state not in ("assigned", "spare"):
                 continue
             beat = self.beats.get(n.node_id)
-            quiet_s = now - max(n.last_seen_s, beat.seen_s if beat else 0.0)
+            seen_s = max(n.last_seen_s, beat.seen_s if beat else 0.0)
+            quiet_s = health.silence_s(seen_s, now, self.deaf)  # not while we were deaf
             if quiet_s > timeout:
                 self.lose(self.live(n), f"no heartbeat for {quiet_s:.1f} s")
 

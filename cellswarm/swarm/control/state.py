@@ -93,6 +93,8 @@ class CoordinatorState:
         self._reconciled: tuple[int | None, str | None] = (None, None)  # (membership, layout)
         self._placed: tuple[int | None, list[str]] = (None, [])  # (membership, node ids)
         self._timeouts_checked_s = 0.0  # when check_timeouts last walked the nodes
+        self._ticked_s = 0.0  # when check_timeouts was last called (a tick)
+        self.deaf: tuple[tuple[float, float], ...] = ()  # policy/nodes.py deaf_spells
         self.beats_via: dict[str, int] = {"http": 0, "nats": 0}  # heartbeats by transport
         self._splits: dict[tuple[int, int, int, int], list[tuple[int, int]] | str] = {}  # str: why
         self._manifest: Manifest | None = None

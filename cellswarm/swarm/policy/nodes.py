@@ -11,6 +11,7 @@ An offline node keeps beating and running its probe; passing it brings it back a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cellswarm.swarm.policy import OFFLINE_AFTER
@@ -79,3 +80,30 @@ def apply(
         return after, ()
     message = f"offline after {in_a_row} failures in a row: {event.detail[:160]}"
     return replace(after, offline=True), (TakenOffline(message),)
+
+
+# A gap between two of the coordinator's ticks (0.25 s apart) longer than this is time it was
+# not listening: its event loop or its core thread was held (a big request, a slow fsync, the
+# process stopped), and a beat sent then waited unread, through no fault of the node.
+DEAF_AFTER_S = 1.0
+DEAF_KEPT = 32  # the deaf spells remembered: enough to span any node's timeout
+
+
+def deaf_spells(spells: Sequence[tuple[float, float]], last_tick_s: float,
+                now_s: float) -> tuple[tuple[float, float], ...]:  # fmt: skip
+    """The coordinator's deaf spells after a tick at now_s whose previous tick was at
+    last_tick_s (0: none yet): the gap joins them when it is longer than DEAF_AFTER_S."""
+    if last_tick_s and now_s - last_tick_s > DEAF_AFTER_S:
+        spells = [*spells, (last_tick_s, now_s)]
+    return tuple(spells[-DEAF_KEPT:])
+
+
+def silence_s(last_seen_s: float, now_s: float, spells: Sequence[tuple[float, float]]) -> float:
+    """How long a node has been silent as far as it could have been heard: the time since
+    its last beat less every part of it the coordinator spent deaf. Why: a coordinator held
+    for 5 s by one request had declared all its workers lost at its next tick, before it
+    read the beats that had waited for it (issue 56)."""
+    quiet = now_s - last_seen_s
+    for a, b in spells:
+        quiet -= max(0.0, min(b, now_s) - max(a, last_seen_s))
+    return quiet
