@@ -337,24 +337,7 @@ static inline __attribute__((always_inline)) void mla_nh(
     }
     float inv[4];
     for (int h = 0; h < NH; h++) inv[h] = 1.0f / softmax_parts(p + h * lp, s_len);
-    int64_t i = 0;
-    for (; i + 16 <= n_lat; i += 16) { /* each value summed over t in order (softmax_times) */
-        att16 a[4];
-        for (int h = 0; h < NH; h++) a[h] = att16_zero();
-        for (int64_t t = 0; t < s_len; t++) {
-            const att16 v = att16_load(lat + t * n_lat + i);
-            for (int h = 0; h < NH; h++) a[h] = att16_add(a[h], v, p[h * lp + t]);
-        }
-        for (int h = 0; h < NH; h++) att16_store(ctx + h * ldc + i, a[h]);
-    }
-    for (; i < n_lat; i++)
-        for (int h = 0; h < NH; h++) {
-            float a = 0.0f;
-            for (int64_t t = 0; t < s_len; t++) a = a + p[h * lp + t] * lat[t * n_lat + i];
-            ctx[h * ldc + i] = a;
-        }
-    for (int h = 0; h < NH; h++)
-        for (i = 0; i < n_lat; i++) ctx[h * ldc + i] = ctx[h * ldc + i] * inv[h];
+    att_values(NH, lat, n_lat, 0, p, lp, s_len, inv, ctx, ldc);
 }
 
 /* mla_nh for nh (1..4) heads */

@@ -1456,42 +1456,6 @@ static float softmax_parts(float *restrict p, int64_t n) {
     return sum_exact(p, n);
 }
 
-/* out (dv) = softmax(p) . v: p[0..n) the scores (in place: their exps), v (n, dv) rows; the
- * values summed in order of t, then times 1 / the exps' sum (attention's and MLA's end) */
-static void softmax_times(float *restrict p, int64_t n, const float *restrict v, int64_t dv,
-                          float *restrict out) {
-    const float inv = 1.0f / softmax_parts(p, n);
-    /* 64 values at a time in four registers, each summed over t in order (the bits of one
-     * running sum per value): a sum kept in `out` went through memory every t, and a decode
-     * step's attention spent a fifth of its time on that store and reload */
-    int64_t i = 0;
-    for (; i + 64 <= dv; i += 64) {
-        v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t t = 0; t < n; t++) {
-            const float w = p[t], *vt = v + t * dv + i;
-            a0 = a0 + load16(vt) * w;
-            a1 = a1 + load16(vt + 16) * w;
-            a2 = a2 + load16(vt + 32) * w;
-            a3 = a3 + load16(vt + 48) * w;
-        }
-        memcpy(out + i, &a0, sizeof a0);
-        memcpy(out + i + 16, &a1, sizeof a1);
-        memcpy(out + i + 32, &a2, sizeof a2);
-        memcpy(out + i + 48, &a3, sizeof a3);
-    }
-    for (; i + 16 <= dv; i += 16) {
-        v16f a = {0};
-        for (int64_t t = 0; t < n; t++) a = a + load16(v + t * dv + i) * p[t];
-        memcpy(out + i, &a, sizeof a);
-    }
-    for (; i < dv; i++) {
-        float a = 0.0f;
-        for (int64_t t = 0; t < n; t++) a = a + p[t] * v[t * dv + i];
-        out[i] = a;
-    }
-    for (i = 0; i < dv; i++) out[i] = out[i] * inv;
-}
-
 /* ---- attention ------------------------------------------------------------------------------
  * One query head against keys [0, seen) of its KV head: s_t = (sum_i q_i k_ti, i in order) *
  * scale, p = exp(s - max), out = (sum_t p_t v_t, t in order) * (1 / sum p). The score's sum
@@ -1538,6 +1502,32 @@ static inline void att16_store(float *p, att16 a) {
 }
 static inline att16 att16_scale(att16 a, float s) { return (att16){a.l * s, a.h * s}; }
 #endif
+/* out[j] (dv, ldo apart) = (sum_t p[j][t] v[t], t in order) * inv[j] for NQ (1..4) rows of
+ * probabilities (lp apart), the values from column c0 on (those before it already summed)
+ * 16 at a time, then one by one: attention's and MLA's end, each v row read once for all */
+static inline __attribute__((always_inline)) void att_values(
+    const int NQ, const float *restrict v, int64_t dv, int64_t c0, const float *restrict p,
+    int64_t lp, int64_t seen, const float *inv, float *restrict out, int64_t ldo) {
+    int64_t c = c0;
+    for (; c + 16 <= dv; c += 16) {
+        att16 a[4];
+        for (int j = 0; j < NQ; j++) a[j] = att16_zero();
+        for (int64_t t = 0; t < seen; t++) {
+            const att16 vt = att16_load(v + t * dv + c);
+            for (int j = 0; j < NQ; j++) a[j] = att16_add(a[j], vt, p[j * lp + t]);
+        }
+        for (int j = 0; j < NQ; j++) att16_store(out + j * ldo + c, a[j]);
+    }
+    for (; c < dv; c++)
+        for (int j = 0; j < NQ; j++) {
+            float a = 0.0f;
+            for (int64_t t = 0; t < seen; t++) a = a + p[j * lp + t] * v[t * dv + c];
+            out[j * ldo + c] = a;
+        }
+    for (int j = 0; j < NQ; j++)
+        for (c = 0; c < dv; c++) out[j * ldo + c] = out[j * ldo + c] * inv[j];
+}
+
 /* 64 floats from p as four vectors (an initializer: they stay in registers) */
 #define LOAD64(p) {load16(p), load16((p) + 16), load16((p) + 32), load16((p) + 48)}
 
@@ -1594,23 +1584,7 @@ static inline __attribute__((always_inline)) void attend_nq(
         for (int j = 0; j < NQ; j++)
             for (int b = 0; b < 4; b++) memcpy(out + j * dv + c + 16 * b, &a[j][b], sizeof(v16f));
     }
-    for (; c + 16 <= dv; c += 16) {
-        att16 a[4];
-        for (int j = 0; j < NQ; j++) a[j] = att16_zero();
-        for (int64_t t = 0; t < seen; t++) {
-            const att16 vt = att16_load(vh + t * dv + c);
-            for (int j = 0; j < NQ; j++) a[j] = att16_add(a[j], vt, p[j * lp + t]);
-        }
-        for (int j = 0; j < NQ; j++) att16_store(out + j * dv + c, a[j]);
-    }
-    for (; c < dv; c++)
-        for (int j = 0; j < NQ; j++) {
-            float a = 0.0f;
-            for (int64_t t = 0; t < seen; t++) a = a + p[j * lp + t] * vh[t * dv + c];
-            out[j * dv + c] = a;
-        }
-    for (int j = 0; j < NQ; j++)
-        for (c = 0; c < dv; c++) out[j * dv + c] = out[j * dv + c] * inv[j];
+    att_values(NQ, vh, dv, c, p, lp, seen, inv, out, dv);
 }
 
 /* nq query heads of one KV head at one position, four at a time (attend_nq) */
