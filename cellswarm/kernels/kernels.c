@@ -565,7 +565,7 @@ static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float
  * tests/test_bits_everywhere.py holds this build against the portable one, which never
  * repacks; tests/test_repack.py every format, shape and batch against the file's layout.
  * On AVX2 the same code runs on pairs of registers (below): a row kernel had cost 1.0-1.8
- * instructions a weight where the groups take 0.24-0.46 (python -m bench.instructions). */
+ * instructions a weight where the groups take 0.24-0.55 (python -m bench.instructions). */
 /* The kernels below are written once over 16 lanes (l16i: 16 int32 lanes, or 64 bytes; l16f:
  * 16 floats), lane r holding row r of a group. With AVX-512 VNNI a lane set is one register
  * and each l16_ name is the _mm512_ intrinsic of that name; with AVX2 it is two registers
@@ -575,6 +575,10 @@ static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_R16 1
 #define R16_ZMM 1
+#define R16_UNROLL2 _Pragma("GCC unroll 2")
+#define R16_UNROLL4 _Pragma("GCC unroll 4")
+#define R16_UNROLL8 _Pragma("GCC unroll 8")
+#define R16_UNROLL16 _Pragma("GCC unroll 16")
 typedef __m512i l16i;
 typedef __m512 l16f;
 #define l16_add_epi32 _mm512_add_epi32
@@ -619,6 +623,14 @@ static inline __m512 r16_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_l
 
 #elif defined(__AVX2__) && defined(__F16C__)
 #define HAVE_R16 1
+/* Not unrolled here: the accumulators are in memory either way (32 registers' worth), and
+ * unrolled, the pairs of registers had made gcc's cc1 take 197 MB and 29 s for kernels.c,
+ * over a 128 MiB node's memory (8 cold lab hosts timed out compiling); 147 MB and 21 s now,
+ * for Q6_K's groups at 0.55 instructions a weight instead of 0.46 */
+#define R16_UNROLL2
+#define R16_UNROLL4
+#define R16_UNROLL8
+#define R16_UNROLL16 _Pragma("GCC unroll 1")
 typedef struct { __m256i l, h; } l16i; /* rows 0-7, rows 8-15 */
 typedef struct { __m256 l, h; } l16f;
 #define L16_BOTH(T, op, ...) return (T){op(a.l, ##__VA_ARGS__), op(a.h, ##__VA_ARGS__)}
@@ -717,14 +729,14 @@ static inline __attribute__((always_inline)) void r16_group1(const int fmt, cons
     l16f A[16];
     for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-#pragma GCC unroll 16
+R16_UNROLL16
         for (int j = 0; j < 16; j++) {
             const int64_t b = b0 + j;
             if (b >= nb) break;
             const uint8_t *blk = g + gb * b;
             const int32_t *x4 = (const int32_t *)(const void *)(xq + 32 * b);
             l16i s0 = l16_set1_epi32(-off * (xs[2 * b] + xs[2 * b + 1])), s1 = l16_setzero_si512();
-#pragma GCC unroll 8
+R16_UNROLL8
             for (int k = 0; k < chunks; k++) {
                 const l16i q = l16_loadu_si512((const void *)(blk + at + 64 * k));
                 if (fmt == Q8_0) {
@@ -766,7 +778,7 @@ static void r16_group1_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const
     l16f A[16];
     for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 2) {
-#pragma GCC unroll 2
+R16_UNROLL2
         for (int h = 0; h < 2; h++) {
             const int64_t b = b0 + h;
             if (b >= nb) break;
@@ -774,12 +786,12 @@ static void r16_group1_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const
             const l16f d = r16_f16(blk), dmin = r16_f16(blk + 32);
             const l16i S[3] = {l16_loadu_si512((const void *)(blk + 64)), l16_loadu_si512((const void *)(blk + 128)),
                                   l16_loadu_si512((const void *)(blk + 192))};
-#pragma GCC unroll 4
+R16_UNROLL4
             for (int c = 0; c < 4; c++) { /* nibble bytes 32c..32c+31: sub-blocks 2c (low), 2c + 1 (high) */
                 const int32_t *x0 = (const int32_t *)(const void *)(xq + 256 * b + 64 * c), *x1 = x0 + 8;
                 l16i n0 = l16_setzero_si512(), n1 = l16_setzero_si512();
                 l16i n0b = l16_setzero_si512(), n1b = l16_setzero_si512();
-#pragma GCC unroll 8
+R16_UNROLL8
                 for (int k = 0; k < 8; k += 2) {
                     const l16i q = l16_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k)));
                     const l16i r = l16_loadu_si512((const void *)(blk + 256 + 64 * (8 * c + k + 1)));
@@ -789,7 +801,7 @@ static void r16_group1_q4k(const uint8_t *g, int64_t nb, const int8_t *xq, const
                     n1b = dpbusd_bcst(n1b, l16_and_si512(l16_srli_epi16(r, 4), m4), x1 + k + 1);
                 }
                 const l16i n[2] = {l16_add_epi32(n0, n0b), l16_add_epi32(n1, n1b)};
-#pragma GCC unroll 2
+R16_UNROLL2
                 for (int e = 0; e < 2; e++) {
                     const int j = 2 * c + e, t = 8 * h + j;
                     const int64_t u = 8 * b + j;
@@ -859,22 +871,22 @@ static void r16_group1_q6k(const uint8_t *g, int64_t nb, const int8_t *xq, const
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + 3360 * b;
         const l16f d = r16_f16(blk);
-#pragma GCC unroll 2
+R16_UNROLL2
         for (int n = 0; n < 2; n++) {
-#pragma GCC unroll 2
+R16_UNROLL2
             for (int cq = 0; cq < 2; cq++) { /* c = 4cq..4cq+3: weights 4c.. of each 32: group 2m + cq */
                 const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b + 128 * n + 16 * cq);
                 l16i s[4];
-#pragma GCC unroll 4
+R16_UNROLL4
                 for (int m = 0; m < 4; m++) s[m] = l16_set1_epi32(-32 * xs[16 * b + 8 * n + 2 * m + cq]);
-#pragma GCC unroll 4
+R16_UNROLL4
                 for (int i = 0; i < 4; i++) {
                     l16i w[4];
                     q6_unpack(blk, 4 + 3 * (8 * n + 4 * cq + i), m4, m30, w);
-#pragma GCC unroll 4
+R16_UNROLL4
                     for (int m = 0; m < 4; m++) s[m] = dpbusd_bcst(s[m], w[m], x4 + 8 * m + i);
                 }
-#pragma GCC unroll 4
+R16_UNROLL4
                 for (int m = 0; m < 4; m++) {
                     const int gi = 8 * n + 2 * m + cq; /* the group: A's index */
                     A[gi] = r16_add(A[gi], s[m], q6_scale_lanes(blk, d, gi), xd[8 * b + gi / 2]);
