@@ -54,13 +54,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cellswarm.demo import demo_model_path
-from cellswarm.swarm.auth import prove
+from cellswarm.swarm.auth import digest, node_key, prove
 from cellswarm.swarm.protocol import PROTOCOL
 from cellswarm.swarm.protocol.messages import Assignment, Shard, decode
 
@@ -360,17 +361,23 @@ class Rings:
     async def join(self) -> None:
         from cellswarm.swarm.ring.frames import Frame, accept, read_frame, write_frame
 
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                if await accept(reader, writer, self.token, frozenset({"coordinator"})):
-                    frame = await read_frame(reader)
-                    if frame is not None and frame.type == "reset":
-                        await write_frame(writer, Frame("reset_done", {}))
-            finally:
-                writer.close()
+        def serving(node: str) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                           Awaitable[None]]:  # fmt: skip
+            async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                # the coordinator proves this node's own key (auth.node_key, of its session)
+                key = node_key(self.token, digest(self.sessions.get(node, "")))
+                try:
+                    if await accept(reader, writer, {"coordinator": key}):
+                        frame = await read_frame(reader)
+                        if frame is not None and frame.type == "reset":
+                            await write_frame(writer, Frame("reset_done", {}))
+                finally:
+                    writer.close()
+
+            return serve
 
         for node in self.ids:
-            server = await asyncio.start_server(serve, "127.0.0.1", 0)
+            server = await asyncio.start_server(serving(node), "127.0.0.1", 0)
             self.servers.append(server)
             self.data_ports[node] = server.sockets[0].getsockname()[1]
             _, c, _ = await self.pool.post("/v1/challenge", {})

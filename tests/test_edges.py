@@ -228,6 +228,19 @@ def test_a_50_mb_prompt_is_a_413_before_it_is_read(
     assert rss(swarm)[1] - peak < 20 * MB
 
 
+def test_a_client_over_max_body_hears_the_413_s_advice_not_is_it_running(
+    swarm: LocalSwarm,
+) -> None:
+    """`batch submit` of a file over --max-body said "no coordinator answers ... is it
+    running?": the coordinator answers 413 before reading and hangs up, and the client,
+    still sending, saw a broken connection (issue 56)."""
+    from cellswarm.swarm.api import client
+
+    items = [{"prompt": "word " * 1000}] * 2000  # ~10 MB, over the default 4 MiB
+    with pytest.raises(RequestError, match="over its --max-body"):
+        client.call(swarm.url, "/v1/batches", {"items": items}, api_key=ALICE)
+
+
 def test_a_chunked_body_is_counted_as_it_streams(swarm: LocalSwarm, http: httpx.Client) -> None:
     """No Content-Length to check: the coordinator counts and stops at the cap."""
     _, peak = rss(swarm)

@@ -82,9 +82,20 @@ class GGUFFile:
         from cellswarm.io.weights import Selection, WeightStore
 
         sel = selection or Selection()
-        return WeightStore(
-            {name: sel.narrow(name, self.tensor(name)) for name in self._tensors if sel.keeps(name)}
-        )
+        tensors = {name: sel.narrow(name, self.tensor(name))
+                   for name in self._tensors if sel.keeps(name)}  # fmt: skip
+        # Vectors (norms, biases: kB each) go into memory of their own, and the file's pages
+        # this process mapped to copy them are let go. The page cache hands out large folios
+        # (2 MB here), and a fault maps a whole one: reading a layer's 2 kB norm at every
+        # prefill mapped ~2 MB of the weights around it back into this process, beside their
+        # repacked copies, and a 128 MiB stage's peak passed its --memory by a MB or two.
+        vectors = {n: np.array(t) for n, t in tensors.items()
+                   if isinstance(t, np.ndarray) and t.ndim == 1}  # fmt: skip
+        if vectors and self._map is not None:
+            from cellswarm.quant.packed import release_file_pages
+
+            release_file_pages(self._map)
+        return WeightStore(tensors | vectors)
 
     def _reader_tensor(self, name: str) -> TensorInfo:
         try:

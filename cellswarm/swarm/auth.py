@@ -66,3 +66,48 @@ def write_secret(path: str | os.PathLike[str], data: str | bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+# -- a node's own keys on the data plane ----------------------------------------------------
+# Every member holds the cluster token, so a proof of the token says "a member", never which
+# one. On the data plane each link proves a key only its two ends hold: the coordinator
+# proves a key derived from the node's session (which only that node and the database know),
+# and for each wiring it deals every link of a ring (stage k -> k + 1, a stage -> its part
+# servers) a fresh random key, sealed to each end under that end's node key.
+
+KEY_BYTES = 32
+COORDINATOR = "coordinator"  # the name the coordinator proves on the data plane
+RESERVED_IDS = frozenset({COORDINATOR, "client", OPERATOR})  # never a node's id
+
+
+def node_key(token: bytes, session_digest: str) -> bytes:
+    """The key a node and the coordinator share on the data plane: from the node's session
+    (its sha256, as the database keeps it), so a member that joined as another node cannot
+    derive it."""
+    return hmac.new(token, f"node-link|{session_digest}".encode(), hashlib.sha256).digest()
+
+
+def new_link_key() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def _pad(key: bytes, label: str) -> bytes:
+    return hmac.new(key, f"seal|{label}".encode(), hashlib.sha256).digest()
+
+
+def seal_key(key: bytes, label: str, link_key: bytes) -> str:
+    """link_key sealed to the holder of `key` (hex): XORed with a pad only `key` makes, one
+    pad per label (an epoch and a link's name), so a frame read on the wire gives nothing."""
+    return bytes(a ^ b for a, b in zip(link_key, _pad(key, label), strict=True)).hex()
+
+
+def open_key(key: bytes, label: str, sealed: str) -> bytes:
+    """seal_key's inverse; RequestError if it is not a sealed key."""
+    try:
+        raw = bytes.fromhex(sealed)
+    except ValueError:
+        raw = b""
+    if len(raw) != KEY_BYTES:
+        raise RequestError(f"a sealed link key of {len(sealed)} characters is not {KEY_BYTES} "
+                           "bytes in hex")  # fmt: skip
+    return bytes(a ^ b for a, b in zip(raw, _pad(key, label), strict=True))

@@ -11,6 +11,7 @@ handshake. The cluster token's HMAC proofs (auth.py) still run inside: TLS is in
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import os
@@ -93,11 +94,13 @@ def issue(ca_dir: str | Path, name: str, out_dir: str | Path, hosts: Sequence[st
 
 # asyncio's SSLProtocol gives every connection a 256 KiB read buffer the moment it is
 # accepted, before any handshake: 1,000 strangers who connect and say nothing cost a TLS
-# listener ~290 MB (measured), and glibc keeps most of it after they go. The coordinator
-# (whose inbound requests are small) reads in one TLS record's size instead. A stage keeps
-# asyncio's: a prefill's activations arrive in megabytes, 16 times the receive calls would
-# cost, and at most 64 strangers are held unproven there (frames.MAX_UNPROVEN).
+# listener ~290 MB (measured), and glibc keeps most of it after they go (a data port's cap
+# on unproven connections counts only those past TLS). Every TLS connection of a
+# coordinator or a worker reads in one TLS record's size instead; a data-plane link that
+# proved its key reads in asyncio's 256 KiB again (widen_tls_reads): a prefill's
+# activations arrive in megabytes, 16 times the receive calls would cost.
 TLS_READ_BYTES = 16 * 1024
+LINK_READ_BYTES = 256 * 1024
 
 
 def lean_tls_buffers() -> None:
@@ -105,6 +108,15 @@ def lean_tls_buffers() -> None:
     import asyncio.sslproto
 
     asyncio.sslproto.SSLProtocol.max_size = TLS_READ_BYTES
+
+
+def widen_tls_reads(writer: asyncio.StreamWriter) -> None:
+    """A proven data-plane link (TLS or not: nothing for plain TCP) reads LINK_READ_BYTES at
+    a time: asyncio's SSLProtocol grows its buffer up to the instance's max_size when it
+    next reads (asyncio/sslproto.py get_buffer)."""
+    protocol = getattr(writer.transport, "_ssl_protocol", None)
+    if protocol is not None:
+        protocol.max_size = LINK_READ_BYTES
 
 
 def server_context(tls_dir: str | Path) -> ssl.SSLContext:

@@ -4,6 +4,7 @@ and the coordinator goes on serving (transport/wire.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ PROBES: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/jobs/lease", {"wait_s": 1e300}, "wait_s"),
     ("/v1/jobs/complete", {"job_id": "x", "fence": 10**30, "result": {}}, "fence"),  # a 500
     ("/v1/fault", {"epoch": 10**30, "kind": "forward"}, "epoch"),
+    # a log batch (issue 56): a seq past 2^53 was a bare 500; a ts of 1e400 was stored, and
+    # another client's `cellswarm logs` then crashed on it
+    ("/v1/logs", {"run": "r", "events": [{"seq": 2**70, "ts": 1.0, "event": "x"}]}, "seq"),
+    ("/v1/logs", {"run": "r", "events": [{"seq": 1, "ts": "1e400", "event": "x"}]}, "ts"),
 ]
 
 
@@ -33,8 +38,10 @@ def test_numbers_out_of_range_are_a_400_naming_the_field(demo_path: Path, tmp_pa
         session = join(swarm, "m1")
         said = {}
         for route, body, field in PROBES:
-            r = httpx.post(f"{swarm.url}{route}", json={"node_id": "m1", "session": session,
-                                                         **body}, timeout=30)  # fmt: skip
+            raw = json.dumps({"node_id": "m1", "session": session, **body})
+            raw = raw.replace('"1e400"', "1e400")  # a number JSON allows and a float cannot hold
+            r = httpx.post(f"{swarm.url}{route}", content=raw, timeout=30,
+                           headers={"content-type": "application/json"})  # fmt: skip
             said[(route, field, str(body)[:40])] = (r.status_code, field in r.text)
         assert all(v == (400, True) for v in said.values()), said
         assert client.call(swarm.url, "/healthz")

@@ -130,8 +130,26 @@ def call(
     except urllib.error.HTTPError as exc:
         raise RequestError(f"coordinator at {url}: {_message(exc)}") from None
     except (OSError, ValueError) as exc:
+        if body is not None and len(body) > CUT_OFF_BYTES and _cut_off(exc):
+            # a coordinator refuses a body over its --max-body with a 413 before reading it
+            # and hangs up; urllib, still sending, sees only the broken connection
+            raise RequestError(
+                f"coordinator at {url} closed the connection while {len(body):,} bytes were "
+                "sent: over its --max-body (a 413); send less at a time (split the batch file) "
+                "or start it with a larger --max-body") from None  # fmt: skip
         hint = "is it running?" + (f" Is --tls {tls} of its cluster's CA?" if tls else "")
         raise SwarmError(f"no coordinator answers at {url} ({exc}); {hint}") from None
+
+
+# A body this large that the coordinator hung up on was refused for its size, not lost
+CUT_OFF_BYTES = 64 * 1024
+
+
+def _cut_off(exc: BaseException) -> bool:
+    """Whether the connection broke under us (the peer closed it mid-send), urllib's
+    wrapping unwrapped."""
+    reason = getattr(exc, "reason", exc)
+    return isinstance(reason, BrokenPipeError | ConnectionResetError | ConnectionAbortedError)
 
 
 def events(

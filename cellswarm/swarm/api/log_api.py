@@ -13,6 +13,7 @@ from cellswarm.errors import RequestError
 from cellswarm.swarm.api.schema import NotFound, Reply, load_json
 from cellswarm.swarm.auth import OPERATOR, verify
 from cellswarm.swarm.protocol.messages import LogBatch, decode_body
+from cellswarm.swarm.transport.wire import check_numbers
 
 if TYPE_CHECKING:
     from cellswarm.swarm.control.coordinator import Coordinator
@@ -31,6 +32,7 @@ def add_log_routes(app: FastAPI, coord: Coordinator, api_keys: bool = False) -> 
             raise RequestError("a log batch is an object with a list of events")
         node = await coord.on_core(coord.authenticate, str(d.get("node_id")),
                                    str(d.get("session")))  # fmt: skip
+        check_numbers(d, "log batch")  # a seq of 2^70 was a bare 500, a ts of 1e400 stored
         batch = decode_body(LogBatch, d)  # after the proof: a stranger hears 401 first
         if batch.clock_offset_s is not None:  # as a heartbeat reports it
             coord.node_clock[node.node_id] = (batch.clock_offset_s,

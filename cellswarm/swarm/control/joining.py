@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from cellswarm.errors import RequestError
-from cellswarm.swarm.auth import digest, verify
+from cellswarm.swarm.auth import RESERVED_IDS, digest, verify
 from cellswarm.swarm.control.liveness import Liveness, oom_message
 from cellswarm.swarm.control.state import Beat
 from cellswarm.swarm.control.store import Node, NodeId
@@ -67,6 +67,9 @@ class Joining(Liveness):
              host: str) -> str:  # fmt: skip
         """A session for a node that proved the cluster token over a fresh nonce."""
         now_s = time.monotonic()
+        if node_id in RESERVED_IDS:  # the data plane's names for the coordinator and clients
+            raise RequestError(f"node id {node_id!r} is reserved; start the worker with "
+                               "another --node-id")  # fmt: skip
         if not self.nonces.good(nonce, now_s):  # single use: a replayed proof finds it spent
             raise PermissionError("unknown, expired or used nonce: ask /v1/challenge for a "
                                   "fresh one")  # fmt: skip

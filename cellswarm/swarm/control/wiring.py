@@ -10,10 +10,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import ParamSpec, TypeVar
 
+import msgspec
+
 from cellswarm.errors import StorageFullError, SwarmError
+from cellswarm.swarm.auth import new_link_key, node_key, seal_key
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.joining import Joining
 from cellswarm.swarm.control.membership import layout_complete, part_nodes, replicas, ring
@@ -76,18 +79,14 @@ class Wiring(Joining):
 
     async def _wire_replica(self, nodes: list[Node], replica: int, epoch: int) -> bool:
         stages, parts = ring(nodes, replica), part_nodes(nodes, replica)
-        callers = [PEER_ID, *(n.node_id for n in stages)]
+        links = deal_links(epoch, stages, parts, self.token)
         for node in parts:
-            if not await self._reset(node, PartReset(epoch=epoch, peers=callers)):
+            if not await self._reset(node, links.part_reset(node)):
                 await self.on_core(self.lose, node, "did not answer its reset")
                 return False
-        addressed = [part_address(n) for n in parts]
         for k in reversed(range(len(stages))):
-            node, nxt, prev = stages[k], stages[(k + 1) % len(stages)], stages[k - 1]
-            reset = Reset(epoch=epoch, next_host=nxt.host, next_port=nxt.data_port,
-                          peers=[PEER_ID, prev.node_id], parts=addressed)  # fmt: skip
-            if not await self._reset(node, reset):
-                await self.on_core(self.lose, node, "did not answer its reset")
+            if not await self._reset(stages[k], links.stage_reset(k)):
+                await self.on_core(self.lose, stages[k], "did not answer its reset")
                 return False
         return True
 
@@ -95,8 +94,8 @@ class Wiring(Joining):
         assert node.data_port is not None
         if self.epoch != reset.epoch:  # a newer epoch (maybe a newer leader's): stop;
             return True  # a stale reset must never take a stage back to an older epoch
-        return await reset_stage(node.host, node.data_port, reset, self.token, PEER_ID,
-                                 tls=self.tls)  # fmt: skip
+        key = node_key(self.token, node.session) if self.token is not None else None
+        return await reset_stage(node.host, node.data_port, reset, key, PEER_ID, tls=self.tls)
 
     async def on_core(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` on the core thread, awaited. Every database write and
@@ -154,6 +153,55 @@ class Wiring(Joining):
                 self.lose(n, f"one step running for {running_s:.0f} s: stuck")
             elif running_s > 0 and n.shard is not None and n.shard.role == "stage":
                 self.queue.extend_replica(str(n.shard.replica))
+
+
+@dataclass(frozen=True)
+class Links:
+    """One wiring of a ring: a fresh key for each link (stage k -> k + 1, every stage -> each
+    of its part servers), dealt to both ends in their resets, sealed to each under its own
+    node key (swarm/auth.py). Without a cluster token (a loopback swarm) nothing is sealed
+    and the resets name peers only."""
+
+    epoch: int
+    stages: list[Node]
+    parts: list[Node]
+    token: bytes | None
+    ring_keys: list[bytes]  # [k]: stage k -> stage k + 1
+    part_keys: dict[tuple[str, str], bytes]  # (stage id, part id) -> key
+
+    def _seal(self, to: Node, label: str, key: bytes) -> str | None:
+        if self.token is None:
+            return None
+        return seal_key(node_key(self.token, to.session), f"{self.epoch}|{label}", key)
+
+    def part_reset(self, part: Node) -> PartReset:
+        callers = [str(s.node_id) for s in self.stages]
+        if self.token is None:
+            return PartReset(epoch=self.epoch, peers=[PEER_ID, *callers])
+        keys = {s: str(self._seal(part, s, self.part_keys[(s, part.node_id)])) for s in callers}
+        return PartReset(epoch=self.epoch, keys=keys)
+
+    def stage_reset(self, k: int) -> Reset:
+        node, n = self.stages[k], len(self.stages)
+        nxt, prev = self.stages[(k + 1) % n], self.stages[k - 1]
+        parts = [msgspec.structs.replace(part_address(p), key=self._seal(
+                     node, p.node_id, self.part_keys[(node.node_id, p.node_id)]))
+                 for p in self.parts]  # fmt: skip
+        if self.token is None:
+            return Reset(epoch=self.epoch, next_host=nxt.host, next_port=nxt.data_port,
+                         peers=[PEER_ID, prev.node_id], parts=parts)  # fmt: skip
+        return Reset(
+            epoch=self.epoch, next_host=nxt.host, next_port=nxt.data_port, parts=parts,
+            prev=prev.node_id, prev_key=self._seal(node, "prev", self.ring_keys[k - 1]),
+            next_key=self._seal(node, "next", self.ring_keys[k]),
+        )  # fmt: skip
+
+
+def deal_links(epoch: int, stages: list[Node], parts: list[Node], token: bytes | None) -> Links:
+    """A wiring's keys: new ones every epoch, so a node dropped from a ring holds none that
+    still open a link."""
+    return Links(epoch, stages, parts, token, [new_link_key() for _ in stages],
+                 {(s.node_id, p.node_id): new_link_key() for s in stages for p in parts})
 
 
 def part_address(node: Node) -> PartAddress:

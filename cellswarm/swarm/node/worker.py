@@ -37,7 +37,7 @@ from cellswarm.engine.model import Model
 from cellswarm.errors import BudgetError, CellswarmError, RequestError, SwarmError
 from cellswarm.io.weights import Selection
 from cellswarm.kernels import cache_dir as kernels_cache_dir
-from cellswarm.swarm.auth import load_token, prove
+from cellswarm.swarm.auth import digest, load_token, node_key, prove
 from cellswarm.swarm.node.awake import KeepAwake
 from cellswarm.swarm.node.head import Head
 from cellswarm.swarm.node.metrics import Power
@@ -213,6 +213,7 @@ class Worker:
         answer = self._post("/v1/join", {"node_id": self.config.node_id, "nonce": nonce,
                                          "proof": proof, "capabilities": self.caps})  # fmt: skip
         self.session = str(answer["session"])
+        self.trust()
         heartbeat_s = answer.get("heartbeat_s", self.heartbeat_s)
         if not isinstance(heartbeat_s, int | float):
             raise ValueError(f"the join's answer: heartbeat_s {str(heartbeat_s)[:20]}")
@@ -223,6 +224,21 @@ class Worker:
                 raise ValueError(f"the join's answer: power_w {str(power)[:60]}")
             self.power.set(*power)
         print(f"JOINED {self.config.node_id}", flush=True)
+
+    def node_key(self) -> bytes | None:
+        """The key this node shares with the coordinator on the data plane (auth.node_key),
+        from this session; None without a cluster token or before a join."""
+        if self.token is None or self.session is None:
+            return None
+        return node_key(self.token, digest(self.session))
+
+    def trust(self) -> None:
+        """Give what serves the data port this session's key: the coordinator proves it
+        there, and seals the wiring's link keys with it."""
+        key = self.node_key()
+        for server in (self.stage, self.part):
+            if key is not None and server is not None:
+                server.trust(key)
 
     def _beat_body(self) -> Heartbeat:
         probe, self.probe = self.probe or (None, None), None
@@ -335,6 +351,7 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         await asyncio.to_thread(build_kernels)  # before joining: no compile in a step
         self.caps = measure_capabilities(self.config)
+        note_runtime()  # what every shard's budget counts for the runtime, measured here
         self.start_metrics()
         self._leading = asyncio.create_task(self.lead())  # for the process's life
         answers: asyncio.Queue[HeartbeatAnswer] = asyncio.Queue()
@@ -515,7 +532,7 @@ class Worker:
             last=shard.last, threads=c.threads, memory_bytes=c.memory_bytes,
             context=given.context, max_sequences=given.max_sequences, log_dir=c.log_dir,
             cache_type=cache_type_for(c.cache_type, given.cache_type),
-            node_id=c.node_id, profile=c.profile, token_file=c.token_file, peers=("coordinator",),
+            node_id=c.node_id, profile=c.profile, token_file=c.token_file, peers=(),
             parts=tuple(PartSpec.from_wire(p) for p in given.parts),
             dram_budget_bytes=c.dram_budget_bytes, tls_dir=c.tls_dir,
             draft=c.draft if shard.first else None,
@@ -536,6 +553,7 @@ class Worker:
                                        perturb=c.perturb, stall_once_s=c.stall_step_s)  # tests
         self.stage.on_step = self.awake.touch if self.awake is not None else None
         self.stage.epoch = -1  # serves nothing until the coordinator wires the ring
+        self.trust()
         if config.first:
             self.head = Head(self.stage, self._post_session, self.lease_s)
             self.stage.on_frontier = self.head.frontier
@@ -555,12 +573,13 @@ class Worker:
         if c.fetch or c.model is None:
             path = await asyncio.to_thread(self.fetch_selection, spec.selection())
             model_path = str(path)
-        config = PartConfig(model_path, spec, c.threads, c.token_file, ("coordinator",),
+        config = PartConfig(model_path, spec, c.threads, c.token_file, (),
                             tls_dir=c.tls_dir)  # fmt: skip
         model = await asyncio.to_thread(load_part_model, config)
         check_part_budget(model, c.memory_bytes, spec)
         self.part = PartServer(config, model)
         self.part.on_step = self.awake.touch if self.awake is not None else None
+        self.trust()
         self.server = await asyncio.start_server(self.part.serve, *self._bind(),
                                                  **listen_tls(self.tls_server))  # fmt: skip
         self.data_port = self.server.sockets[0].getsockname()[1]
@@ -676,6 +695,17 @@ def build_kernels() -> None:
     print(built.line() if built else "KERNELS off (CELLSWARM_KERNELS=numpy)", flush=True)
 
 
+def note_runtime() -> None:
+    """This worker's resident set before it holds any weight, its kernels loaded (their
+    shared object and OpenMP runtime are part of it): the runtime its budgets count
+    (planner/overhead.py note_runtime_bytes)."""
+    from cellswarm import kernels
+    from cellswarm.planner.overhead import note_runtime_bytes
+
+    kernels.enabled()
+    note_runtime_bytes(rss_bytes())
+
+
 def temperature_c() -> float | None:
     """The host's first thermal zone (a Raspberry Pi's SoC, a PS3 under Linux), where the
     kernel exposes one; None in most VMs and containers."""
@@ -739,9 +769,11 @@ def size_kv(config: StageConfig) -> StageConfig:
 
 def main(config: WorkerConfig) -> None:
     from cellswarm.swarm.ring.emulate import precise_loop
+    from cellswarm.swarm.tls import lean_tls_buffers
 
     logging.basicConfig(level=logging.WARNING)
     worker = Worker(config)  # a bad flag is one line (RequestError) before anything starts
+    lean_tls_buffers()  # a stranger's TLS connection costs 16 KiB until it proves a key
     if worker.token is None:
         where = "loopback only" if is_loopback(worker.bind.host) else "--insecure"
         print(f"warning: no --token-file ({where}): any process that can reach this node's "

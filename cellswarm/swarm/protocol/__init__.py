@@ -27,7 +27,12 @@ from cellswarm.swarm.protocol.messages import Shard
 #    not continue its text where it stands, rather than emit it (and counts it: `tokens_stray`)
 # 8: an Assignment says the KV cache type (`cache_type`: f16 by default; a 7 kept f32, so its
 #    stages would give other bits than an 8's)
-PROTOCOL = 8
+# 9: a data-plane link proves its own key, not the cluster token, and the listener proves
+#    it back (`welcome`): the coordinator a node's key, a stage the key the wiring dealt its
+#    link; a `reset` carries the keys sealed, a stage admits only its wired previous stage
+#    (and the coordinator), and each only the frames its role sends; a `token`'s `at` is
+#    required
+PROTOCOL = 9
 
 
 class VersionMismatch(Exception):

@@ -27,6 +27,7 @@ from cellswarm.errors import ProtocolError
 
 MAX_LIST = 4096  # completions of a scoring sequence, log-probabilities in a score (at most)
 MAX_DRAFT = 8  # drafted tokens a step verifies (engine/speculative.py MAX_DRAFT)
+MAX_LINKS = 4096  # callers of one part server a reset may name (the stages of its ring)
 Speculative = Literal["auto", "off", "lookup", "draft"]  # engine/speculative.py MODES
 
 
@@ -141,13 +142,15 @@ class Token(DataMessage, frozen=True, omit_defaults=False):
     seq: int
     token: int
     ep: int
+    # the text position `token` takes: required, so every answer can be checked against
+    # where stage 0's text stands (Stage.on_token)
+    at: int
     bits: str = ""
     more: Annotated[list[tuple[int, str]], msgspec.Meta(max_length=MAX_DRAFT)] = \
         msgspec.field(default_factory=list)
-    # whose answer it is: the text position `token` takes, and the token the step's first
-    # row ran (a speculative round's or a prompt's; None after a plain decode step, whose
-    # rows carry no token). Stage 0 takes it only where its text stands (Stage.on_token).
-    at: int | None = None
+    # whose answer it is, besides `at`: the token the step's first row ran (a speculative
+    # round's or a prompt's; None after a plain decode step, whose rows carry no token).
+    # Stage 0 takes it only where its text stands (Stage.on_token).
     follows: int | None = None
 
 
@@ -191,18 +194,25 @@ class Failed(DataMessage, frozen=True, omit_defaults=False):
 
 class PartAddress(DataMessage, frozen=True):
     """Where a part server listens and what it holds (ring/parts.py's PartSpec on the wire):
-    routed experts by layer (keys: the layer, in decimal), or vocabulary rows [a, b)."""
+    routed experts by layer (keys: the layer, in decimal), or vocabulary rows [a, b). In a
+    coordinator's reset, `key`: the link key the stage proves to it, sealed to the stage
+    (label "{epoch}|{part's node id}")."""
 
     node_id: str
     port: int
     host: str = ""
     experts: dict[str, list[int]] = msgspec.field(default_factory=dict)
     vocab_rows: tuple[int, int] | None = None
+    key: str | None = None
 
 
 class Reset(DataMessage, frozen=True):
     """A new layout epoch: forget every sequence; a coordinator also sends the ring's new
-    wiring (the next stage's address, who may connect, the part servers)."""
+    wiring: the next stage's address and the key this stage proves to it (`next_key`), the
+    one stage that may send it frames (`prev`) and the key that stage proves (`prev_key`),
+    the part servers. Keys are sealed to this node (swarm/auth.py seal_key; labels
+    "{epoch}|next" and "{epoch}|prev"). A local pipeline's (`peers`): names that prove the
+    cluster token."""
 
     kind: ClassVar[str] = "reset"
     epoch: int
@@ -210,6 +220,9 @@ class Reset(DataMessage, frozen=True):
     next_port: int | None = None
     peers: list[str] | None = None
     parts: list[PartAddress] | None = None
+    prev: str | None = None
+    prev_key: str | None = None
+    next_key: str | None = None
 
 
 class ResetDone(DataMessage, frozen=True):
@@ -277,11 +290,14 @@ class RowsAsk(DataMessage, frozen=True):
 
 
 class PartReset(DataMessage, frozen=True):
-    """A part server's reset: maybe new callers (it holds no sequence to forget)."""
+    """A part server's reset: maybe new callers (it holds no sequence to forget). From a
+    coordinator: `keys`, each calling stage's link key sealed to this node (swarm/auth.py
+    seal_key, label "{epoch}|{stage id}"), which replace every caller before them."""
 
     kind: ClassVar[str] = "reset"
     epoch: int | None = None
     peers: list[str] | None = None
+    keys: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_LINKS)] | None = None
 
 
 class PartStats(DataMessage, frozen=True):

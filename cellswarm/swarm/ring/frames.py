@@ -18,6 +18,7 @@ import socket
 import ssl
 import struct
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -25,7 +26,9 @@ import msgpack
 import numpy as np
 
 from cellswarm.errors import ProtocolError
+from cellswarm.swarm.auth import new_nonce, prove, verify
 from cellswarm.swarm.protocol.dataplane import DataMessage, PartReset, Reset, ResetDone, fields
+from cellswarm.swarm.tls import widen_tls_reads
 
 MAGIC = b"CSF1"
 PREFIX = struct.Struct("<4sIQI")  # magic, header bytes, payload bytes, crc32
@@ -180,29 +183,58 @@ def no_delay(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def _proof(key: bytes, challenge: Frame | None, peer: str, where: str,
+           why: str = "") -> tuple[Frame, str]:  # fmt: skip
+    """The answer to a listener's challenge — our proof of the link's key under our name,
+    and a nonce of ours for the listener's proof back — and that nonce."""
+    if challenge is None or challenge.type != "challenge":
+        raise ProtocolError(f"{where} sent no challenge; is it part of this swarm?{why}")
+    mine = new_nonce()
+    return Frame("proof", {"peer": peer, "mac": prove(key, str(challenge.fields.get("nonce")),
+                                                      peer), "nonce": mine}), mine  # fmt: skip
+
+
+def _check_welcome(key: bytes, answer: Frame | None, nonce: str, peer: str, where: str) -> None:
+    """The listener's proof back: it holds the link's key too (a stranger at the address a
+    wiring named, or one that refused us, is not our peer)."""
+    if answer is not None and answer.type == "denied":
+        reason = str(answer.fields.get("reason"))[:200]
+        raise ProtocolError(f"{where} refused us as {peer!r}: {reason}")
+    mac = str(answer.fields.get("mac", "")) if answer is not None else ""
+    if answer is None or answer.type != "welcome" or not verify(key, nonce, f"welcome|{peer}",
+                                                                 mac):  # fmt: skip
+        raise ProtocolError(f"{where} did not prove the link's key: not the peer we were sent to")
+
+
 async def connect(
-    host: str, port: int, token: bytes | None = None, peer: str = "client",
+    host: str, port: int, key: bytes | None = None, peer: str = "client",
     tls: ssl.SSLContext | None = None,
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:  # fmt: skip
-    """Open a frame connection (over TLS with a context, swarm/tls.py); with a cluster
-    token, answer the listener's challenge."""
+    """Open a frame connection (over TLS with a context, swarm/tls.py); with a key (the
+    link's, swarm/auth.py; a local pipeline's cluster token), prove it under our name
+    `peer` and have the listener prove it back."""
     reader, writer = await asyncio.open_connection(host, port, ssl=tls)
     no_delay(writer)
-    if token is not None:
-        from cellswarm.swarm.auth import prove
-
-        try:  # bounded: a listener that accepts and says nothing must not hold us for ever
-            challenge = await asyncio.wait_for(read_frame(reader, HANDSHAKE_PAYLOAD_BYTES),
-                                               CHALLENGE_TIMEOUT_S)  # fmt: skip
-        except TimeoutError:
-            writer.close()
-            raise ProtocolError(f"{host}:{port} sent no challenge in {CHALLENGE_TIMEOUT_S:g} s; "
-                                "is it part of this swarm, and not stuck?") from None
-        if challenge is None or challenge.type != "challenge":
-            why = " (or it refused our TLS certificate)" if tls else ""
-            raise ProtocolError(f"{host}:{port} sent no challenge; is it part of this swarm?{why}")
-        proof = prove(token, str(challenge.fields["nonce"]), peer)
-        await write_frame(writer, Frame("proof", {"peer": peer, "mac": proof}))
+    if key is None:
+        return reader, writer
+    where = f"{host}:{port}"
+    try:  # bounded: a listener that accepts and says nothing must not hold us for ever
+        challenge = await asyncio.wait_for(read_frame(reader, HANDSHAKE_PAYLOAD_BYTES),
+                                           CHALLENGE_TIMEOUT_S)  # fmt: skip
+        proof, nonce = _proof(key, challenge, peer, where,
+                              " (or it refused our TLS certificate)" if tls else "")
+        await write_frame(writer, proof)
+        answer = await asyncio.wait_for(read_frame(reader, HANDSHAKE_PAYLOAD_BYTES),
+                                        CHALLENGE_TIMEOUT_S)  # fmt: skip
+        _check_welcome(key, answer, nonce, peer, where)
+        widen_tls_reads(writer)
+    except TimeoutError:
+        writer.close()
+        raise ProtocolError(f"{where} did not finish the handshake in {CHALLENGE_TIMEOUT_S:g} s; "
+                            "is it part of this swarm, and not stuck?") from None
+    except BaseException:
+        writer.close()
+        raise
     return reader, writer
 
 
@@ -227,18 +259,16 @@ def listen_tls(tls: ssl.SSLContext | None) -> TlsOptions:
 
 
 async def accept(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: bytes,
-    peers: frozenset[str],
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, keys: Mapping[str, bytes],
 ) -> str | None:  # fmt: skip
-    """Challenge a connecting peer; its id when the proof holds and it is expected, else None
-    (after telling it why, in one frame). Its answer may not announce a payload: nothing
-    beyond a header is read from a peer before it has proved the token."""
-    from cellswarm.swarm.auth import new_nonce, verify
-
+    """Challenge a connecting peer; its name when it proved the key `keys` holds for that
+    name (after proving it back), else None (after telling it why, in one frame). Its
+    answer may not announce a payload: nothing beyond a header is read from a peer before
+    it has proved its key."""
     if len(_unproven) >= MAX_UNPROVEN:  # a flood: the oldest unproven goes (a member
         _unproven.popitem(last=False)[1].close()  # proves at once, a stranger never does)
-    key = id(writer)
-    _unproven[key] = writer
+    handle = id(writer)
+    _unproven[handle] = writer
     try:
         nonce = new_nonce()
         await write_frame(writer, Frame("challenge", {"nonce": nonce}))
@@ -248,17 +278,24 @@ async def accept(
         except (TimeoutError, ProtocolError):
             answer = None
     finally:
-        _unproven.pop(key, None)
+        _unproven.pop(handle, None)
     peer = str(answer.fields.get("peer", "")) if answer is not None else ""
+    key = keys.get(peer)
+    theirs = str(answer.fields.get("nonce", "")) if answer is not None else ""
     ok = (
-        answer is not None and answer.type == "proof" and peer in peers
-        and verify(token, nonce, peer, str(answer.fields.get("mac", "")))
+        answer is not None and answer.type == "proof" and key is not None and theirs != ""
+        and verify(key, nonce, peer, str(answer.fields.get("mac", "")))
     )  # fmt: skip
-    if not ok:
-        with contextlib.suppress(OSError):  # (gone already, or closed for a newcomer)
-            await write_frame(writer, Frame("denied", {"reason": "no valid proof for this swarm"}))
-        return None
-    return peer
+    with contextlib.suppress(OSError):  # (gone already, or closed for a newcomer)
+        if not ok:
+            await write_frame(writer, Frame("denied", {"reason": "no valid proof of a key "
+                                                                 "this node holds for that name"}))
+            return None
+        assert key is not None
+        await write_frame(writer, Frame("welcome", {"mac": prove(key, theirs, f"welcome|{peer}")}))
+        widen_tls_reads(writer)  # proven: a link's frames come in megabytes (tls.py)
+        return peer
+    return None
 
 
 # -- blocking sockets: for calls made from inside a (synchronous) forward pass -------------
@@ -289,7 +326,7 @@ def write_frame_sync(sock: socket.socket, frame: Frame) -> None:
 
 
 def connect_sync(
-    host: str, port: int, token: bytes | None = None, peer: str = "client",
+    host: str, port: int, key: bytes | None = None, peer: str = "client",
     timeout_s: float = 30.0, tls: ssl.SSLContext | None = None,
 ) -> socket.socket:  # fmt: skip
     """A blocking frame connection (the same handshakes as `connect`). The timeout bounds
@@ -302,29 +339,30 @@ def connect_sync(
         except OSError:
             sock.close()
             raise
-    if token is not None:
-        from cellswarm.swarm.auth import prove
-
-        challenge = read_frame_sync(sock, HANDSHAKE_PAYLOAD_BYTES)
-        if challenge.type != "challenge":
+    if key is not None:
+        where = f"{host}:{port}"
+        try:
+            proof, nonce = _proof(key, read_frame_sync(sock, HANDSHAKE_PAYLOAD_BYTES), peer, where)
+            write_frame_sync(sock, proof)
+            _check_welcome(key, read_frame_sync(sock, HANDSHAKE_PAYLOAD_BYTES), nonce, peer, where)
+        except BaseException:
             sock.close()
-            raise ProtocolError(f"{host}:{port} sent no challenge; is it part of this swarm?")
-        proof = prove(token, str(challenge.fields["nonce"]), peer)
-        write_frame_sync(sock, Frame("proof", {"peer": peer, "mac": proof}))
+            raise
     return sock
 
 
 async def reset_stage(
-    host: str, port: int, reset: Reset | PartReset, token: bytes | None,
+    host: str, port: int, reset: Reset | PartReset, key: bytes | None,
     peer: str = "client",
     timeout_s: float = 5.0, tls: ssl.SSLContext | None = None,
 ) -> bool:  # fmt: skip
     """Send a stage (or part server) a `reset` frame — a new epoch, and with a coordinator
     the ring's new wiring — and wait for `reset_done`; False if it is silent or gone.
-    `reset`: its message (a Reset, a part server's PartReset)."""
+    `reset`: its message (a Reset, a part server's PartReset); `key`: the one the node knows
+    us by (a coordinator's: the node's own key, swarm/auth.py node_key)."""
     frame = Frame.of(reset)
     try:
-        reader, writer = await asyncio.wait_for(connect(host, port, token, peer, tls), timeout_s)
+        reader, writer = await asyncio.wait_for(connect(host, port, key, peer, tls), timeout_s)
         await write_frame(writer, frame)
         answer = await asyncio.wait_for(read_frame(reader), timeout_s)
         writer.close()

@@ -49,7 +49,7 @@ from cellswarm.engine.model import Model
 from cellswarm.errors import CellswarmError, ProtocolError, RequestError
 from cellswarm.io.weights import Selection, non_finite
 from cellswarm.models.ops import head_matrix
-from cellswarm.swarm.auth import load_token
+from cellswarm.swarm.auth import COORDINATOR, RESERVED_IDS, load_token, open_key
 from cellswarm.swarm.protocol.dataplane import (
     ExpertsAsk,
     LogitsAsk,
@@ -96,6 +96,9 @@ class PartSpec:
     host: str = "127.0.0.1"
     experts: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     vocab_rows: tuple[int, int] | None = None
+    # the key a stage proves to this part server (a swarm's wiring deals one per stage and
+    # part; None: the cluster token, as a local pipeline's links prove); never written out
+    key: bytes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         bad = [e for ids in self.experts.values() for e in ids if not 0 <= e < MAX_EXPERTS]
@@ -104,6 +107,7 @@ class PartSpec:
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
+        d.pop("key")
         d["experts"] = {str(k): list(v) for k, v in self.experts.items()}  # JSON keys: str
         return d
 
@@ -116,10 +120,10 @@ class PartSpec:
         return self.holding().at(self.node_id, self.host, self.port)
 
     @classmethod
-    def from_wire(cls, p: PartAddress) -> PartSpec:
+    def from_wire(cls, p: PartAddress, key: bytes | None = None) -> PartSpec:
         return cls(node_id=p.node_id, port=p.port, host=p.host,
                    experts={int(k): tuple(v) for k, v in p.experts.items()},
-                   vocab_rows=p.vocab_rows)  # fmt: skip
+                   vocab_rows=p.vocab_rows, key=key)  # fmt: skip
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, object]) -> PartSpec:
@@ -195,36 +199,54 @@ class PartServer:
     def __init__(self, config: PartConfig, model: Model) -> None:
         self.config, self.model = config, model
         self.token = load_token(config.token_file) if config.token_file else None
+        # who may call it and the key each proves (frames.accept): a local pipeline's callers
+        # the cluster token; a swarm's the coordinator this node's own key (trust) and each
+        # stage of its ring the key the last wiring dealt that link (a PartReset)
+        self.keys: dict[str, bytes] = {p: self.token for p in config.peers} if self.token else {}
+        self.node_key: bytes | None = None
         self.requests = 0
         self.on_step: Callable[[], None] | None = None  # a request arrived (node/awake.py)
         w = model.weights
         self._head = "output.weight" if "output.weight" in w else "token_embd.weight"
         self._row0 = (config.spec.vocab_rows or (0, 0))[0]
 
+    def trust(self, node_key: bytes) -> None:
+        """The key this node shares with the coordinator (swarm/auth.py node_key), set at
+        each join: the coordinator proves it, and seals this node's link keys with it."""
+        self.node_key = node_key
+        self.keys = {**self.keys, COORDINATOR: node_key}
+
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         no_delay(writer)
-        peers = frozenset(self.config.peers)
-        if self.token is not None and await accept(reader, writer, self.token, peers) is None:
-            writer.close()
-            return
+        peer: str | None = None
+        if self.token is not None:
+            peer = await accept(reader, writer, self.keys)
+            if peer is None:
+                writer.close()
+                return
         try:
             while (frame := await read_frame(reader)) is not None:
-                await write_frame(writer, self.answer(frame))
+                await write_frame(writer, self.answer(frame, peer))
         except Exception:  # a bad peer or a bug: log it, drop this connection, keep serving
             log.exception("part %s: connection dropped", self.config.spec.node_id)
         finally:
             writer.close()
 
-    def answer(self, frame: Frame) -> Frame:
-        """One request, one answer; the computation blocks the loop, as a stage's does."""
+    def answer(self, frame: Frame, peer: str | None = None) -> Frame:
+        """One request, one answer; the computation blocks the loop, as a stage's does.
+        `peer`: who proved a key (None: no token, nobody is asked); only a coordinator (or
+        a local pipeline's client) resets, only a stage asks for rows."""
         f, a = frame.fields, frame.array
         if frame.type == Stats.kind:
             return Frame(Stats.kind, dict(msgspec.to_builtins(self.stats())))
+        controls = peer is None or peer in (COORDINATOR, "client")
         if frame.type == PartReset.kind:  # nothing per sequence to forget; maybe new callers
-            reset = read(PartReset, f, frame.type)
-            if reset.peers is not None:
-                self.config = replace(self.config, peers=tuple(reset.peers))
+            if not controls:
+                raise ProtocolError(f"a 'reset' from {peer}, which is not the coordinator")
+            self.reset(read(PartReset, f, frame.type), peer)
             return Frame.of(ResetDone())
+        if peer == COORDINATOR:
+            raise ProtocolError(f"a {frame.type!r} request from the coordinator, which asks none")
         if a is None:
             raise ProtocolError(f"a {frame.type!r} request carries no array")
         self.requests += 1
@@ -250,6 +272,25 @@ class PartServer:
             local = a.astype(np.int64) - self._row0
             return Frame("rows_out", {}, head_matrix(self.model.weights, name).take_rows(local))
         raise ProtocolError(f"a part server does not answer {frame.type!r} frames")
+
+    def reset(self, reset: PartReset, peer: str | None) -> None:
+        """New callers: a coordinator's sealed keys (each stage of the ring and its own), or
+        a local pipeline's names, which prove the cluster token."""
+        if reset.keys is not None:
+            if peer != COORDINATOR or self.node_key is None:
+                raise ProtocolError("a 'reset' with link keys from a caller that is not the "
+                                    "coordinator")  # fmt: skip
+            nk, ep = self.node_key, reset.epoch
+            try:
+                opened = {name: open_key(nk, f"{ep}|{name}", sealed)
+                          for name, sealed in reset.keys.items() if name not in RESERVED_IDS}
+            except RequestError as exc:
+                raise ProtocolError(str(exc)) from None
+            self.keys = {**opened, COORDINATOR: nk}
+        elif reset.peers is not None and self.token is not None:
+            self.keys = {name: self.token for name in reset.peers}
+        if reset.peers is not None:
+            self.config = replace(self.config, peers=tuple(reset.peers))
 
     def expert_rows(self, layer: int, packed: np.ndarray, k: int) -> np.ndarray:
         """The weighted output of each expert asked for, on the tokens routed to it, stacked
@@ -290,6 +331,9 @@ def load_part_model(config: PartConfig) -> Model:
 
 
 async def main(config: PartConfig) -> None:
+    from cellswarm.swarm.tls import lean_tls_buffers
+
+    lean_tls_buffers()  # a stranger's TLS connection costs 16 KiB until it proves a key
     try:
         model = load_part_model(config)
     except CellswarmError as exc:
@@ -324,13 +368,14 @@ class PartClient:
     def __init__(
         self, spec: PartSpec, token: bytes | None, peer: str, tls: ssl.SSLContext | None = None
     ) -> None:
-        self.spec, self.token, self.peer, self.tls = spec, token, peer, tls
+        self.spec, self.peer, self.tls = spec, peer, tls
+        self.key = spec.key if spec.key is not None else token  # (a swarm's: its link's own)
         self._sock: socket.socket | None = None
 
     def send(self, frame: Frame) -> None:
         try:
             if self._sock is None:
-                self._sock = connect_sync(self.spec.host, self.spec.port, self.token, self.peer,
+                self._sock = connect_sync(self.spec.host, self.spec.port, self.key, self.peer,
                                           tls=self.tls)  # fmt: skip
             write_frame_sync(self._sock, frame)
         except (OSError, ProtocolError) as exc:

@@ -43,7 +43,7 @@ from cellswarm.io.weights import Selection
 from cellswarm.models.base import ExpertArchitecture
 from cellswarm.models.deepseek2_config import DeepseekConfig
 from cellswarm.models.kv_cache import KVCache
-from cellswarm.swarm.auth import load_token
+from cellswarm.swarm.auth import COORDINATOR, RESERVED_IDS, load_token, open_key
 from cellswarm.swarm.logs import JsonLog
 from cellswarm.swarm.protocol.dataplane import (
     Done,
@@ -89,7 +89,7 @@ from cellswarm.swarm.ring.parts import ExpertParts, PartLost, PartSpec, VocabPar
 from cellswarm.swarm.ring.rounds import Expect, Round, continues, kept_whole, next_round
 from cellswarm.swarm.ring.step import Rows, step
 from cellswarm.swarm.ring.step_times import StepTimes
-from cellswarm.swarm.tls import client_context, server_context
+from cellswarm.swarm.tls import client_context, lean_tls_buffers, server_context
 
 log = logging.getLogger("cellswarm.stage")
 T = TypeVar("T")
@@ -168,6 +168,21 @@ Incoming = Generate | Hidden | Prefix | Token | Scored | End | Failed | Stats | 
 INCOMING: dict[str, type[Incoming]] = {
     m.kind: m for m in (Generate, Hidden, Prefix, Token, Scored, End, Failed, Stats, Reset)
 }
+
+
+def sends(peer: str, message: Incoming) -> bool:
+    """Whether the peer at the other end of a link (the name frames.accept proved) sends
+    such a frame: the coordinator resets and asks for counters; a local pipeline's client
+    also starts requests; any other name is the ring's previous stage, whose frames go
+    round the ring. A token holder posing as either is refused at the handshake; this keeps
+    a member on the ring from acting as the coordinator."""
+    if peer == COORDINATOR:
+        return isinstance(message, Reset | Stats)
+    if peer == "client":
+        return isinstance(message, Generate | Reset | Stats)
+    return isinstance(message, Hidden | Prefix | Token | Scored | End | Failed)
+
+
 # What a stage sends the next one (all of one epoch: `ep`)
 Onward = Hidden | Prefix | Token | Scored | End | Failed
 
@@ -293,6 +308,14 @@ class Stage:
         self.epoch = 0  # the layout generation; frames from an older one are stale
         self.log = JsonLog(config.log_dir, config.node_id)
         self.token = load_token(config.token_file) if config.token_file else None
+        # Who may dial this stage and the key each proves (frames.accept), and the key it
+        # proves to the next stage. A local pipeline's links all prove the cluster token; a
+        # swarm worker's stage admits the coordinator under this node's own key (trust, at
+        # join) and, once wired, only its previous stage under the key the wiring dealt that
+        # link (reset): a member holding the token is nobody here.
+        self.keys: dict[str, bytes] = {p: self.token for p in config.peers} if self.token else {}
+        self.next_key: bytes | None = self.token
+        self.node_key: bytes | None = None
         self.tls = client_context(config.tls_dir) if config.tls_dir else None  # to dial peers
         self.emulation = Emulation.for_stage(model, config.profile) if config.profile else None
         self.requests: dict[int, str] = {}  # seq -> request id, for the logs
@@ -365,7 +388,7 @@ class Stage:
             # the handshake before any body: a peer that has not proved the token gets no
             # more than a header's worth of our memory (frames.accept)
             try:
-                peer = await accept(reader, writer, self.token, frozenset(self.config.peers))
+                peer = await accept(reader, writer, self.keys)
             except (OSError, ProtocolError):  # it hung up (or reset) mid-handshake
                 peer = None
             if peer is None:
@@ -382,11 +405,14 @@ class Stage:
                     got_s = time.perf_counter()
                     frame = decode(*raw)
                     message = self.check_frame(frame)
+                    if message is not None and peer is not None and not sends(peer, message):
+                        raise ProtocolError(f"a {frame.type!r} frame from {peer}, whose role on "
+                                            "this link does not send it")  # fmt: skip
                 except ProtocolError as exc:
                     return await self.bad_frame(peer, exc)
                 self._frame_s = (got_s, time.perf_counter())
                 if message is not None:
-                    await self.handle(message, frame.array, writer)
+                    await self.handle(message, frame.array, writer, peer)
         except Exception as exc:  # a bug of ours: log it, drop this connection, serve on
             self.unexpected(exc, "connection dropped")
         finally:
@@ -513,7 +539,7 @@ class Stage:
             try:
                 if self._next is None:
                     back, link = await _connect(
-                        host, port, self.token, self.config.node_id,
+                        host, port, self.next_key, self.config.node_id,
                         still=lambda: self.epoch == epoch, tls=self.tls,
                     )  # fmt: skip
                     if self.epoch != epoch:  # a reset came while we connected: stale link
@@ -536,8 +562,9 @@ class Stage:
     # -- the protocol ----------------------------------------------------------------------
 
     async def handle(
-        self, message: Incoming, array: np.ndarray | None, writer: asyncio.StreamWriter
-    ) -> None:
+        self, message: Incoming, array: np.ndarray | None, writer: asyncio.StreamWriter,
+        peer: str | None = None,
+    ) -> None:  # fmt: skip
         if isinstance(message, Hidden | Token | End | Scored | Failed | Prefix) and (
             message.ep != self.epoch
         ):
@@ -563,12 +590,45 @@ class Stage:
         elif isinstance(message, Stats):
             await write_frame(writer, Frame(Stats.kind, encode_message(self.stats())))
         elif isinstance(message, Reset):  # the layout changed under us: forget every sequence
-            await self.reset(message, writer)
+            await self.reset(message, writer, peer)
 
-    async def reset(self, r: Reset, writer: asyncio.StreamWriter) -> None:
+    def trust(self, node_key: bytes) -> None:
+        """The key this node shares with the coordinator (swarm/auth.py node_key), set at
+        each join: the coordinator proves it, and seals this node's link keys with it."""
+        self.node_key = node_key
+        self.keys = {**self.keys, COORDINATOR: node_key}
+
+    def opened(self, r: Reset) -> tuple[dict[str, bytes], bytes | None, list[PartSpec]]:
+        """A coordinator's reset's keys, opened with this node's key: who may dial this
+        stage then (the coordinator, and the previous stage only), the key to prove to the
+        next stage, and the part servers with the key to prove to each. ProtocolError for a
+        reset whose keys are missing or do not open."""
+        nk, ep = self.node_key, r.epoch
+        if nk is None or r.prev is None or r.prev_key is None or r.next_key is None:
+            raise ProtocolError("a coordinator's 'reset' without its links' keys (or before "
+                                "this node joined)")  # fmt: skip
+        if r.prev in RESERVED_IDS or any(p.key is None for p in r.parts or ()):
+            raise ProtocolError(f"a 'reset' naming {r.prev[:60]!r} as the previous stage, or "
+                                "a part server without a key")  # fmt: skip
+        try:
+            keys = {COORDINATOR: nk, r.prev: open_key(nk, f"{ep}|prev", r.prev_key)}
+            parts = [PartSpec.from_wire(p, open_key(nk, f"{ep}|{p.node_id}", str(p.key)))
+                     for p in r.parts or ()]  # fmt: skip
+            return keys, open_key(nk, f"{ep}|next", r.next_key), parts
+        except RequestError as exc:
+            raise ProtocolError(str(exc)) from None
+
+    async def reset(self, r: Reset, writer: asyncio.StreamWriter, peer: str | None = None) -> None:
         """A new layout epoch: forget every sequence; a coordinator also sends the ring's new
-        wiring (the next stage's address, who may connect) with it."""
+        wiring (the next stage's address and link, who may connect; sealed keys only it can
+        have made, opened here with this node's own key) with it."""
         epoch = r.epoch
+        wired = peer == COORDINATOR
+        if wired:
+            keys, next_key, parts = self.opened(r)
+            if r.next_port is None or r.next_host is None:
+                raise ProtocolError("a coordinator's 'reset' names no next stage")
+            self.keys, self.next_key = keys, next_key
         for req in {*self.requests.values(), *(s.req for s in self.sequences.values())}:
             self.log.event("reset", req, stage=self.span, epoch=epoch)
         if r.next_port is not None:
@@ -578,10 +638,12 @@ class Stage:
                 self.config, next_host=r.next_host, next_port=r.next_port,
                 peers=tuple(self.config.peers if r.peers is None else r.peers),
             )  # fmt: skip
-        if r.parts:  # the part servers' addresses in this layout
-            self.config = replace(
-                self.config, parts=tuple(PartSpec.from_wire(p) for p in r.parts)
-            )
+            if not wired and r.peers is not None and self.token is not None:
+                self.keys = {name: self.token for name in r.peers}
+        if wired or r.parts:  # the part servers' addresses (and links) in this layout
+            if not wired:
+                parts = [PartSpec.from_wire(p) for p in r.parts or ()]
+            self.config = replace(self.config, parts=tuple(parts))
             self.connect_parts()
         self.epoch = epoch
         self.forget_sequences()
@@ -1531,6 +1593,7 @@ def check_budget(model: Model, config: StageConfig) -> None:
 
 
 async def main(config: StageConfig) -> None:
+    lean_tls_buffers()  # a stranger's TLS connection costs 16 KiB until it proves a key
     try:
         stage = Stage(config, load_stage_model(config))
     except CellswarmError as exc:

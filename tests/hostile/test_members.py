@@ -1,0 +1,113 @@
+"""A member is a stranger on the data plane (issue 56). Every worker holds the cluster token;
+before, a data port took a proof of the token under any name, so a member could pose as the
+coordinator (a `reset` that pointed a middle stage's next hop at its own listener: the next
+client's prompt and rows went to it), as the last stage (`token` frames into another
+client's answer) or as the previous stage (a forged first `hidden` step left blocks in a
+middle stage's prefix cache). Now each link proves a key only its two ends hold: the
+coordinator a key derived from the node's session, a stage the key the wiring dealt its link.
+Here, a member with the token and a session of its own tries each of those frames on each
+stage, under each name: every attempt is refused at the handshake, before a frame is read,
+and the ring goes on as if nothing happened."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cellswarm.swarm.api import client
+from cellswarm.swarm.auth import digest, node_key, prove
+from cellswarm.swarm.local.up import LocalSwarm
+from cellswarm.swarm.protocol.dataplane import First, Hidden, Prefix, Reset, Token
+from cellswarm.swarm.ring.frames import (
+    HANDSHAKE_PAYLOAD_BYTES,
+    Frame,
+    connect,
+    encode,
+    read_frame_sync,
+)
+from tests.members import join
+
+PROMPT = "The capital of France is"
+
+
+def posing(host: str, port: int, key: bytes, name: str, frame: Frame) -> str:
+    """Prove `key` under `name` as a dialer of the old protocol did (no wait for the
+    listener's proof back), send `frame` at once, and say what came back: "denied" and a
+    closed connection, or anything else."""
+    sock = socket.create_connection((host, port), timeout=10)
+    try:
+        challenge = read_frame_sync(sock, HANDSHAKE_PAYLOAD_BYTES)
+        nonce = str(challenge.fields["nonce"])
+        proof = Frame("proof", {"peer": name, "mac": prove(key, nonce, name), "nonce": "n" * 64})
+        sock.sendall(encode(proof) + encode(frame))
+        answer = read_frame_sync(sock, HANDSHAKE_PAYLOAD_BYTES).type
+        sock.settimeout(5)
+        return answer if sock.recv(1) == b"" else f"{answer}, then open"
+    except (ConnectionResetError, BrokenPipeError):
+        # hung up on with our frame unread: the kernel resets such a connection (and may
+        # drop the "denied" sent before it)
+        return "denied"
+    finally:
+        sock.close()
+
+
+def stages(swarm: LocalSwarm) -> list[dict[str, Any]]:
+    nodes = [n for n in swarm.status()["nodes"] if n["stage"] is not None]
+    return sorted(nodes, key=lambda n: n["stage"])
+
+
+def answer(swarm: LocalSwarm) -> list[int]:
+    rid = client.submit(swarm.url, {"prompt": PROMPT, "max_tokens": 6})
+    done = client.wait(swarm.url, rid, timeout_s=120)
+    assert done["state"] == "done", done
+    return list(done["tokens"])
+
+
+def test_a_member_holding_the_token_can_neither_read_nor_change_a_ring(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    with LocalSwarm(str(demo_path), 3, "200M", tmp_path, stages=3, rebalance=False) as swarm:
+        swarm.wait_ready()
+        before = answer(swarm)
+        epoch = swarm.status()["epoch"]
+        token = swarm.token_file.read_bytes().strip()
+        member = "member-x"  # a node of the swarm's own, with a session: not in the ring
+        own = node_key(token, digest(join(swarm, member)))
+        ring = stages(swarm)
+        ids = [n["node_id"] for n in ring]
+        rows = np.ones((64, 576), np.float32)
+        frames = {  # what each pose would send, as the hostile re-probe sent it
+            "coordinator": Frame.of(
+                Reset(epoch=epoch, next_host="127.0.0.1", next_port=9, peers=[member])
+            ),
+            "token": Frame.of(Token(seq=1, token=42, ep=epoch, at=0)),
+            "hidden": Frame.of(Hidden(seq=1, pos=0, ep=epoch, first=First(
+                capacity=64, req="forged", prompt=list(range(64)))), rows),
+            "prefix": Frame.of(Prefix(seq=1, ep=epoch), rows),
+        }
+        said: dict[str, str] = {}
+        for k, node in enumerate(ring):
+            host, port = node["address"].rsplit(":", 1)
+            prev = ids[k - 1]
+            poses = [("coordinator", "coordinator"), (prev, "token"), (prev, "hidden"),
+                     (prev, "prefix"), (member, "hidden"), ("client", "hidden")]  # fmt: skip
+            for name, kind in poses:
+                for key, whose in ((token, "token"), (own, "own key")):
+                    said[f"{node['node_id']} as {name} with {whose}: {kind}"] = posing(
+                        host, int(port), key, name, frames[kind])
+            # and the new protocol's dialer, which waits for the listener's proof: refused
+            try:
+                asyncio.run(connect(host, int(port), token, "coordinator"))
+                said[f"{node['node_id']}: connect as coordinator"] = "admitted"
+            except Exception as exc:  # what it says is the point
+                said[f"{node['node_id']}: connect as coordinator"] = str(exc)
+        admitted = {k: v for k, v in said.items() if v != "denied" and "refused us" not in v}
+        assert not admitted, admitted
+        status = swarm.status()
+        assert status["epoch"] == epoch, status  # no rewiring, nobody charged
+        assert all(n["failures"] == 0 for n in stages(swarm)), stages(swarm)
+        assert answer(swarm) == before  # the prefix caches hold no forged block
