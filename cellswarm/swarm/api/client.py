@@ -125,8 +125,12 @@ def call(
         head["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(url.rstrip("/") + path, body, head)
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s, context=tls_context(url, tls)) as r:
-            return json.loads(r.read())
+        with _open(req, timeout_s, tls_context(url, tls)) as r:
+            raw = r.read(MAX_ANSWER_BYTES + 1)
+        if len(raw) > MAX_ANSWER_BYTES:
+            raise SwarmError(f"the coordinator at {url} answered {path} with over "
+                             f"{MAX_ANSWER_BYTES:,} bytes: not a coordinator's answer")  # fmt: skip
+        return _json(raw, url)
     except urllib.error.HTTPError as exc:
         raise RequestError(f"coordinator at {url}: {_message(exc)}") from None
     except (OSError, ValueError) as exc:
@@ -165,7 +169,7 @@ def events(
         head["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(url.rstrip("/") + path, json.dumps(data).encode(), head)
     try:
-        resp = urllib.request.urlopen(req, timeout=timeout_s, context=tls_context(url, tls))
+        resp = _open(req, timeout_s, tls_context(url, tls))
     except urllib.error.HTTPError as exc:
         raise RequestError(f"coordinator at {url}: {_message(exc)}") from None
     except (OSError, ValueError) as exc:
@@ -173,20 +177,60 @@ def events(
     with resp:
         while True:
             try:
-                line = resp.readline()
+                line = resp.readline(MAX_LINE_BYTES + 1)
             except (OSError, http.client.HTTPException) as exc:
                 raise SwarmError(f"the coordinator at {url} went away mid-answer ({exc}); "
                                  "ask again once it is back") from None  # fmt: skip
+            if len(line) > MAX_LINE_BYTES:
+                raise SwarmError(f"the coordinator at {url} sent an event line of over "
+                                 f"{MAX_LINE_BYTES:,} bytes: not a coordinator's")  # fmt: skip
             if not line or line.strip() == b"data: [DONE]":
                 return
             if line.startswith(b":") and on_comment is not None:
                 on_comment(line[1:].decode(errors="replace").strip())
             if not line.startswith(b"data:"):
                 continue
-            chunk = json.loads(line[5:])
+            chunk = _json(line[5:], url)
+            if not isinstance(chunk, dict):
+                raise SwarmError(f"the coordinator at {url} sent an event that is not an object")
             if "error" in chunk:
                 raise RequestError(f"coordinator at {url}: {chunk['error'].get('message')}")
             yield chunk
+
+
+# What a coordinator's answer can be at most (a status of 100,000 nodes, a batch's results
+# page): a server that sends more is not one, and is not read whole into memory
+MAX_ANSWER_BYTES = 256 << 20
+MAX_LINE_BYTES = 16 << 20  # one streamed event (a chunk's text and logprobs)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A coordinator never redirects; a redirect followed would carry the API key (urllib
+    keeps the Authorization header) to wherever it points, another origin included."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> None:  # fmt: skip
+        raise SwarmError(f"{req.full_url} answered a redirect ({code}) to {newurl[:200]}: "
+                         "cellswarm follows none (it would take your API key along); give "
+                         "the coordinator's own URL")  # fmt: skip
+
+
+def _open(req: urllib.request.Request, timeout_s: float,
+          context: ssl.SSLContext | None) -> Any:  # fmt: skip
+    handlers: list[urllib.request.BaseHandler] = [_NoRedirects()]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    return urllib.request.build_opener(*handlers).open(req, timeout=timeout_s)
+
+
+def _json(raw: bytes, url: str) -> Any:
+    """JSON from the coordinator; SwarmError (never a JSONDecodeError or a RecursionError
+    from a thousand nested brackets) for anything else."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise SwarmError(f"the coordinator at {url} answered what is not JSON: "
+                         f"{raw[:80]!r}") from None  # fmt: skip
 
 
 def _message(exc: urllib.error.HTTPError) -> str:
