@@ -111,3 +111,28 @@ def test_a_member_holding_the_token_can_neither_read_nor_change_a_ring(
         assert status["epoch"] == epoch, status  # no rewiring, nobody charged
         assert all(n["failures"] == 0 for n in stages(swarm)), stages(swarm)
         assert answer(swarm) == before  # the prefix caches hold no forged block
+
+
+def test_no_cluster_token_is_tracked_and_up_replaces_the_one_that_was(tmp_path: Path) -> None:
+    """The repository tracked `cellswarm-state/cluster.token`, `up`'s default state folder:
+    every clone that ran `up` from its root trusted anyone who had read the repository."""
+    import subprocess
+
+    from cellswarm.swarm.local.up import is_public_token
+
+    root = Path(__file__).resolve().parents[2]
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if tracked.returncode:
+        return  # not a git checkout (an sdist): nothing is tracked
+    assert not [f for f in tracked.stdout.split() if f.endswith(".token")]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "cellswarm-state/cluster.token"],
+                             cwd=root)  # fmt: skip
+    assert ignored.returncode == 0  # `up`'s default state folder stays out of a commit
+    old = tmp_path / "cluster.token"  # the public one, in an old clone's folder
+    old.write_text("x" * 64)
+    assert not is_public_token(old)
+    public = subprocess.run(["git", "show", "f2ffb46:cellswarm-state/cluster.token"], cwd=root,
+                            capture_output=True)  # fmt: skip
+    if public.returncode == 0:  # (a shallow clone lacks the commit)
+        old.write_bytes(public.stdout)
+        assert is_public_token(old)

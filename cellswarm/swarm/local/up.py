@@ -10,6 +10,7 @@ is the coordinator's business (a spare takes its shard), never a reason to stop.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 import signal
@@ -36,6 +37,16 @@ from cellswarm.swarm.settings import CoordinatorConfig, WorkerConfig, to_flags
 from cellswarm.units import parse_bytes
 
 TEST_CONTEXT_TOKENS = 256
+
+
+# The sha256 of a token this repository once tracked (cellswarm-state/cluster.token, until
+# issue 56): every clone had it, so a swarm `up` started with it from an old clone's root
+# trusted anyone who has read the repository. Found there, it is replaced by a new one.
+PUBLIC_TOKENS = frozenset({"6592cdc280f9e9e6c58020d44a32d42f290a29d41cb087d058470ed534108862"})
+
+
+def is_public_token(path: Path) -> bool:
+    return hashlib.sha256(path.read_bytes()).hexdigest() in PUBLIC_TOKENS
 
 
 @dataclass
@@ -91,7 +102,7 @@ class LocalSwarm:
         self.state_dir = Path(self.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.token_file = self.state_dir / "cluster.token"
-        if not self.token_file.exists():
+        if not self.token_file.exists() or is_public_token(self.token_file):
             write_secret(self.token_file, secrets.token_hex(32))
         self.log_dir = self.state_dir / "logs"
         if self.coordinators > 1 and not (self.db or "").startswith("postgres"):
