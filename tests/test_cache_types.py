@@ -74,10 +74,12 @@ def test_bytes_per_token_from_the_type() -> None:
 
 def test_the_demo_model_s_kv_bytes_halve_and_up_fits_longer(demo_path: Path) -> None:
     """On `cellswarm up`'s 3 workers of 256M the longest context on one sequence goes from
-    6,726 tokens (f32) to 9,200 (f16) and 10,189 (q8_0), --context 4096 fits 3 sequences,
-    and `up`'s default fit (one worker spare) goes from 2 sequences of 2,698 to 2 of 4,411.
+    5,380 tokens (f32) to 6,612 (f16) and 7,289 (q8_0), --context 4096 fits 3 sequences,
+    and `up`'s default fit (one worker spare) goes from 2 sequences of 2,391 to 2 of 3,664.
     (Before a stage's prefill scratch counted its queries 128 at a time, as attention runs
-    them, it held ~150 MB at 4096 and capped f16 at 3,695.)"""
+    them, it held ~150 MB at 4096 and capped f16 at 3,695; before a first step's rows were
+    counted, 3 copies of a whole prompt's, f16 reached 9,200 and a stage sent such a prompt
+    over its budget.)"""
     from cellswarm.planner.placement import ContextFit, fit_context, largest_context
     from cellswarm.swarm.ring.costs import costs_at
 
@@ -86,9 +88,9 @@ def test_the_demo_model_s_kv_bytes_halve_and_up_fits_longer(demo_path: Path) -> 
     assert model.kv_bytes_per_token() * 2 == model.kv_bytes_per_token("f32")
     at = {t: costs_at(str(demo_path), cache_type=t) for t in ("f32", "f16", "q8_0")}
     longest = {t: largest_context(a, 1, 3, 256 << 20, 100_000) for t, a in at.items()}
-    assert longest == {"f32": 6726, "f16": 9200, "q8_0": 10189}
-    assert fit_context(at["f16"], 2, 256 << 20, 8192, 8) == ContextFit(4411, 2)
-    assert fit_context(at["f32"], 2, 256 << 20, 8192, 8) == ContextFit(2698, 2)
+    assert longest == {"f32": 5380, "f16": 6612, "q8_0": 7289}
+    assert fit_context(at["f16"], 2, 256 << 20, 8192, 8) == ContextFit(3664, 2)
+    assert fit_context(at["f32"], 2, 256 << 20, 8192, 8) == ContextFit(2391, 2)
     assert fit_context(at["f16"], 3, 256 << 20, 4096, 8) == ContextFit(4096, 3)
     shard = cellswarm.load(demo_path, tokenizer=False, selection=Selection(layers=(0, 10)))
     assert 10 * at["f16"](4096, 1).kv == shard.kv_sequence_bytes(4096)  # the worker's bytes

@@ -584,6 +584,17 @@ def test_speculative_requests_keep_the_tokens_and_count_their_drafts(
     with pytest.raises(openai.BadRequestError, match="speculative"):
         api.completions.create(model=model_id, prompt="Hi", max_tokens=2,
                                extra_body={"speculative": "fast"})  # fmt: skip
+    # "draft" on a swarm whose workers have no draft model: a 400 at submit, naming the fix,
+    # not a job failed by stage 0 three times (issue 56); on every route that takes it
+    with pytest.raises(openai.BadRequestError, match=r"no draft model.*--draft") as nodraft:
+        api.chat.completions.create(model=model_id, messages=QUOTE, max_tokens=2,
+                                    extra_body={"speculative": "draft"})  # fmt: skip
+    assert "\n" not in str(nodraft.value.body)
+    with pytest.raises(RequestError, match="no draft model"):
+        client.submit(swarm.url, {"prompt": "Hi", "speculative": "draft"}, api_key=KEY)
+    drafts = httpx.post(f"{swarm.url}/v1/batches", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"items": [{"prompt": "Hi", "speculative": "draft"}]})  # fmt: skip
+    assert drafts.status_code == 400 and "no draft model" in drafts.text, drafts.text
     rows = [{"id": "q", "messages": QUOTE, "max_tokens": 32, "speculative": "lookup"},
             {"id": "s", "prompt": "Once upon a time", "max_tokens": 8, "speculative": "off"}]
     batch = client.call(swarm.url, "/v1/batches", {"items": rows}, api_key=KEY)["batch_id"]

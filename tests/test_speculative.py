@@ -285,6 +285,44 @@ def test_a_swarm_s_workers_draft_with_their_draft_model(demo: Model, demo_path: 
         LocalSwarm(str(demo_path), 2, "160M", tmp_path / "bad", draft=str(tmp_path / "no.gguf"))
 
 
+def test_up_with_a_draft_places_the_first_stage_with_room_for_it(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """`up --workers 4 --memory 256M --draft` (issue 56): the coordinator placed the first
+    stage as if it held no draft, and its worker refused the layers ~6 MB short, on every
+    spare in turn; the ring never served. Now `up` fits and the coordinator places with the
+    draft on the first stage, counted as that worker counts it: its shard, with the draft,
+    is within the budget."""
+    from bench.speculative_peer import truncated_draft
+    from cellswarm.loader import load
+    from cellswarm.planner.placement import balanced_layers
+    from cellswarm.swarm.local.up import LocalSwarm
+    from cellswarm.swarm.ring.costs import costs_at, draft_costs_at
+    from cellswarm.swarm.ring.stage import (
+        StageConfig,
+        load_draft,
+        shard_need_bytes,
+        stage_selection,
+    )
+
+    draft = str(truncated_draft(demo_path, tmp_path / "draft.gguf", 6))
+    up = LocalSwarm(str(demo_path), 4, "256M", tmp_path / "up", draft=draft)
+    fit = up.fit()
+    assert up.coordinator_config().draft == draft
+    at = costs_at(str(demo_path), draft=draft)
+    (lo, hi), *_ = balanced_layers(at(fit.context_tokens, fit.sequences), 3, 256 << 20, "m")
+    config = StageConfig(str(demo_path), (lo, hi), True, False, context=fit.context_tokens,
+                         max_sequences=fit.sequences, memory_bytes=256 << 20,
+                         draft=draft)  # fmt: skip
+    shard = load(str(demo_path), selection=stage_selection(config), tokenizer=False)
+    shard.draft = load_draft(draft, str(demo_path))
+    need = shard_need_bytes(shard, config)
+    assert sum(need.values()) <= 256 << 20, need
+    assert need["draft"] == draft_costs_at(draft)(fit.context_tokens, fit.sequences)
+    without = costs_at(str(demo_path))(fit.context_tokens, fit.sequences)
+    assert at(fit.context_tokens, fit.sequences).ends[0] == without.ends[0] + need["draft"]
+
+
 def test_a_ring_verifies_drafts_and_gives_the_one_process_tokens(
     demo: Model, demo_path: Path
 ) -> None:

@@ -76,6 +76,10 @@ def write_secret(path: str | os.PathLike[str], data: str | bytes) -> None:
 # servers) a fresh random key, sealed to each end under that end's node key.
 
 KEY_BYTES = 32
+# A swarm without a cluster token (loopback only) keys its data plane all the same, from each
+# node's session under this empty secret: a local process that never joined holds no key, and
+# cannot drive a stage (issue 56: a stranger made a token-less stage 0 blame itself).
+NO_TOKEN = b""
 COORDINATOR = "coordinator"  # the name the coordinator proves on the data plane
 RESERVED_IDS = frozenset({COORDINATOR, "client", OPERATOR})  # never a node's id
 

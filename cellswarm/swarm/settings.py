@@ -96,6 +96,9 @@ class CoordinatorConfig:
         8, "--max-sequences", "sequences in flight per stage, at most (fewer when the context "
         "leaves no room)", parse=lambda text: parse_count(text, "--max-sequences", "8"))
     log_dir: str | None = setting(None, "--log-dir", "folder for JSON-line event logs")
+    draft: str | None = setting(
+        None, "--draft", "the draft model its workers were started with (worker --draft): "
+        "each ring's first stage is placed with room for it, its weights and its cache")
     replicas: int = setting(1, "--replicas", "independent rings sharing the queue")
     lease_s: float = setting(LEASE_S, "--lease", "seconds a job lease lasts unrenewed")
     evict_after_disagreements: int = setting(
@@ -116,6 +119,9 @@ class CoordinatorConfig:
             check_count(self.context, "--context", "4096")
         check_count(self.max_sequences, "--max-sequences", "8")
         check_cache_type(self.cache_type)
+        if self.draft is not None and not os.path.isfile(self.draft):
+            raise RequestError(f"--draft {self.draft}: no such file; give the GGUF its "
+                               "workers draft with (worker --draft)")  # fmt: skip
         if self.heartbeat_timeout_s <= self.heartbeat_s:
             raise RequestError(
                 f"heartbeat timeout {self.heartbeat_timeout_s} s must exceed the heartbeat "

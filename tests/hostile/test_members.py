@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from bench.soak import pose
 from cellswarm.swarm.api import client
-from cellswarm.swarm.auth import digest, node_key, prove
+from cellswarm.swarm.auth import digest, node_key
 from cellswarm.swarm.local.up import LocalSwarm
 from cellswarm.swarm.protocol.dataplane import First, Hidden, Prefix, Reset, Token
 from cellswarm.swarm.ring.frames import (
@@ -32,27 +33,6 @@ from cellswarm.swarm.ring.frames import (
 from tests.members import join
 
 PROMPT = "The capital of France is"
-
-
-def posing(host: str, port: int, key: bytes, name: str, frame: Frame) -> str:
-    """Prove `key` under `name` as a dialer of the old protocol did (no wait for the
-    listener's proof back), send `frame` at once, and say what came back: "denied" and a
-    closed connection, or anything else."""
-    sock = socket.create_connection((host, port), timeout=10)
-    try:
-        challenge = read_frame_sync(sock, HANDSHAKE_PAYLOAD_BYTES)
-        nonce = str(challenge.fields["nonce"])
-        proof = Frame("proof", {"peer": name, "mac": prove(key, nonce, name), "nonce": "n" * 64})
-        sock.sendall(encode(proof) + encode(frame))
-        answer = read_frame_sync(sock, HANDSHAKE_PAYLOAD_BYTES).type
-        sock.settimeout(5)
-        return answer if sock.recv(1) == b"" else f"{answer}, then open"
-    except (ConnectionResetError, BrokenPipeError):
-        # hung up on with our frame unread: the kernel resets such a connection (and may
-        # drop the "denied" sent before it)
-        return "denied"
-    finally:
-        sock.close()
 
 
 def stages(swarm: LocalSwarm) -> list[dict[str, Any]]:
@@ -97,7 +77,7 @@ def test_a_member_holding_the_token_can_neither_read_nor_change_a_ring(
                      (prev, "prefix"), (member, "hidden"), ("client", "hidden")]  # fmt: skip
             for name, kind in poses:
                 for key, whose in ((token, "token"), (own, "own key")):
-                    said[f"{node['node_id']} as {name} with {whose}: {kind}"] = posing(
+                    said[f"{node['node_id']} as {name} with {whose}: {kind}"] = pose(
                         host, int(port), key, name, frames[kind])
             # and the new protocol's dialer, which waits for the listener's proof: refused
             try:
@@ -136,3 +116,50 @@ def test_no_cluster_token_is_tracked_and_up_replaces_the_one_that_was(tmp_path: 
     if public.returncode == 0:  # (a shallow clone lacks the commit)
         old.write_bytes(public.stdout)
         assert is_public_token(old)
+
+
+def test_a_swarm_without_a_token_keys_its_data_plane_all_the_same(
+    demo_path: Path, tmp_path: Path
+) -> None:
+    """A loopback swarm started without a cluster token (hand-started processes may be): its
+    data ports took any local process's frames unchallenged, and a stranger driving stage 0
+    made the ring rewire (stage 0 blamed itself). Now each node's key comes from its session
+    all the same (auth.NO_TOKEN): every pose of the first test, with the empty token or none,
+    is refused at the handshake, and the ring goes on as if nothing happened."""
+    with LocalSwarm(str(demo_path), 2, "200M", tmp_path, stages=2, rebalance=False,
+                    no_token=True) as swarm:  # fmt: skip
+        swarm.wait_ready()
+        before = answer(swarm)
+        epoch = swarm.status()["epoch"]
+        ring = stages(swarm)
+        rows = np.ones((8, 576), np.float32)
+        frames = {
+            "coordinator": Frame.of(Reset(epoch=epoch, next_host="127.0.0.1", next_port=9)),
+            "hidden": Frame.of(Hidden(seq=1, pos=0, ep=epoch, first=First(
+                capacity=8, req="forged", prompt=list(range(8)))), rows),
+            "token": Frame.of(Token(seq=1, token=42, ep=epoch, at=0)),
+        }
+        said: dict[str, str] = {}
+        for k, node in enumerate(ring):
+            host, port = node["address"].rsplit(":", 1)
+            prev = ring[k - 1]["node_id"]
+            for name, kind in (("coordinator", "coordinator"), (prev, "hidden"), (prev, "token"),
+                               ("client", "hidden")):  # fmt: skip
+                said[f"{node['node_id']} as {name}: {kind}"] = pose(
+                    host, int(port), b"", name, frames[kind])
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                # no handshake at all, as a token-less port once took: the frame unread
+                first = read_frame_sync(sock, HANDSHAKE_PAYLOAD_BYTES).type
+                sock.sendall(encode(frames["hidden"]))
+                sock.settimeout(5)
+                try:
+                    rest = read_frame_sync(sock, HANDSHAKE_PAYLOAD_BYTES).type
+                except (ConnectionResetError, OSError, ValueError):
+                    rest = "denied"
+                said[f"{node['node_id']} unproven"] = "denied" if (
+                    first == "challenge" and rest == "denied") else f"{first}, {rest}"
+        admitted = {k: v for k, v in said.items() if v != "denied"}
+        assert not admitted, admitted
+        assert swarm.status()["epoch"] == epoch
+        assert all(n["failures"] == 0 for n in stages(swarm)), stages(swarm)
+        assert answer(swarm) == before

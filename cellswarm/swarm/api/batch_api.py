@@ -34,6 +34,7 @@ from cellswarm.swarm.api.schema import (
     Reply,
     body,
     chat_turns,
+    check_speculative,
     limits_of,
     parse,
 )
@@ -188,6 +189,7 @@ def _item_job(coord: Coordinator, it: BatchItem, index: int) -> tuple[str, dict[
     limits.generate(prompt, it.max_tokens)
     sampling = it.sampling()
     SamplingParams(**sampling)  # the engine's own checks, which the ring will run
+    check_speculative(coord, it.speculative)
     spec = {} if it.speculative is None else {"speculative": it.speculative}
     return "generate", {**base, "max_tokens": it.max_tokens, "sampling": sampling,
                         "stop_ids": sorted(tok.stop_ids), "text": True, **spec}  # fmt: skip

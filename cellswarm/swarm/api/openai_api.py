@@ -85,6 +85,7 @@ from cellswarm.swarm.api.schema import (
     TokenizeRequest,
     body,
     chat_turns,
+    check_speculative,
     limits_of,
 )
 from cellswarm.swarm.api.schema import OpenAICommon as _Common
@@ -417,6 +418,7 @@ class OpenAIRoutes:
         if seed_offset and sampling.get("seed") is not None:
             sampling["seed"] = (int(sampling["seed"]) + seed_offset) % 2**64
         stop_ids = sorted(self.tokenizer().stop_ids)
+        check_speculative(coord, req.speculative)
         self.check_ring()
         payload = {"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling,
                    "stop_ids": stop_ids, "text": False}  # fmt: skip

@@ -524,6 +524,21 @@ class Limits:
 MAX_OPTIONS = 64
 
 
+def check_speculative(coord: Coordinator, mode: str | None, field: str = "speculative") -> None:
+    """`speculative: "draft"` only where every ring placed drafts at its first stage (a
+    worker started with --draft): refused at submit, not failed three times by stage 0. With
+    no ring placed yet, which nodes will head one is not known: the job waits, and a first
+    stage without a draft refuses it then."""
+    if mode != "draft":
+        return
+    placed, drafting = coord.drafting_heads()
+    if placed and drafting < placed:
+        raise BadRequest(f"{field} 'draft': {placed - drafting} of the swarm's {placed} rings "
+                         "have no draft model at their first stage; use auto or lookup, or "
+                         "start the workers with --draft MODEL.gguf (cellswarm up --draft)",
+                         param=field)  # fmt: skip
+
+
 def limits_of(coord: Coordinator) -> Limits:
     """What a request to this coordinator is checked against now (its context may change
     with a re-placement; the model's facts are read once)."""

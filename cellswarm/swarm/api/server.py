@@ -35,6 +35,7 @@ from cellswarm.swarm.api.schema import (
     NotFound,
     Reply,
     SubmitRequest,
+    check_speculative,
     invalid,
     limits_of,
     load_json,
@@ -495,6 +496,7 @@ def _payload(coord: Coordinator, req: SubmitRequest) -> dict[str, object]:
     stop_ids = limits.ids(req.stop_ids or [], "stop_ids")
     if text and not stop_ids:
         stop_ids = sorted(coord.tokenizer.stop_ids)
+    check_speculative(coord, req.speculative)
     spec = {} if req.speculative is None else {"speculative": req.speculative}
     return {"prompt": prompt, "max_tokens": req.max_tokens, "sampling": sampling,
             "stop_ids": stop_ids, "text": text, **spec}  # fmt: skip

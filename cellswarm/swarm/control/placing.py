@@ -195,7 +195,7 @@ class Placing(Election):
         if self._costs_at is None:
             c = self.config
             self._costs_at = costs_at(c.model, c.expert_nodes > 0, c.vocab_nodes > 0,
-                                      c.cache_type)  # fmt: skip
+                                      c.cache_type, c.draft)  # fmt: skip
         return self._costs_at
 
     def stage_costs(self, sequences: int | None = None) -> StageCosts:

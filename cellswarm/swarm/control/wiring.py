@@ -16,7 +16,7 @@ from typing import ParamSpec, TypeVar
 import msgspec
 
 from cellswarm.errors import StorageFullError, SwarmError
-from cellswarm.swarm.auth import new_link_key, node_key, seal_key
+from cellswarm.swarm.auth import NO_TOKEN, new_link_key, node_key, seal_key
 from cellswarm.swarm.control import rebalance
 from cellswarm.swarm.control.joining import Joining
 from cellswarm.swarm.control.membership import layout_complete, part_nodes, replicas, ring
@@ -79,7 +79,7 @@ class Wiring(Joining):
 
     async def _wire_replica(self, nodes: list[Node], replica: int, epoch: int) -> bool:
         stages, parts = ring(nodes, replica), part_nodes(nodes, replica)
-        links = deal_links(epoch, stages, parts, self.token)
+        links = deal_links(epoch, stages, parts, self.token or NO_TOKEN)
         for node in parts:
             if not await self._reset(node, links.part_reset(node)):
                 await self.on_core(self.lose, node, "did not answer its reset")
@@ -94,7 +94,7 @@ class Wiring(Joining):
         assert node.data_port is not None
         if self.epoch != reset.epoch:  # a newer epoch (maybe a newer leader's): stop;
             return True  # a stale reset must never take a stage back to an older epoch
-        key = node_key(self.token, node.session) if self.token is not None else None
+        key = node_key(self.token or NO_TOKEN, node.session)
         return await reset_stage(node.host, node.data_port, reset, key, PEER_ID, tls=self.tls)
 
     async def on_core(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -159,25 +159,20 @@ class Wiring(Joining):
 class Links:
     """One wiring of a ring: a fresh key for each link (stage k -> k + 1, every stage -> each
     of its part servers), dealt to both ends in their resets, sealed to each under its own
-    node key (swarm/auth.py). Without a cluster token (a loopback swarm) nothing is sealed
-    and the resets name peers only."""
+    node key (swarm/auth.py; without a cluster token, a loopback swarm, under auth.NO_TOKEN)."""
 
     epoch: int
     stages: list[Node]
     parts: list[Node]
-    token: bytes | None
+    token: bytes  # the cluster token (auth.NO_TOKEN without one)
     ring_keys: list[bytes]  # [k]: stage k -> stage k + 1
     part_keys: dict[tuple[str, str], bytes]  # (stage id, part id) -> key
 
-    def _seal(self, to: Node, label: str, key: bytes) -> str | None:
-        if self.token is None:
-            return None
+    def _seal(self, to: Node, label: str, key: bytes) -> str:
         return seal_key(node_key(self.token, to.session), f"{self.epoch}|{label}", key)
 
     def part_reset(self, part: Node) -> PartReset:
         callers = [str(s.node_id) for s in self.stages]
-        if self.token is None:
-            return PartReset(epoch=self.epoch, peers=[PEER_ID, *callers])
         keys = {s: str(self._seal(part, s, self.part_keys[(s, part.node_id)])) for s in callers}
         return PartReset(epoch=self.epoch, keys=keys)
 
@@ -187,9 +182,6 @@ class Links:
         parts = [msgspec.structs.replace(part_address(p), key=self._seal(
                      node, p.node_id, self.part_keys[(node.node_id, p.node_id)]))
                  for p in self.parts]  # fmt: skip
-        if self.token is None:
-            return Reset(epoch=self.epoch, next_host=nxt.host, next_port=nxt.data_port,
-                         peers=[PEER_ID, prev.node_id], parts=parts)  # fmt: skip
         return Reset(
             epoch=self.epoch, next_host=nxt.host, next_port=nxt.data_port, parts=parts,
             prev=prev.node_id, prev_key=self._seal(node, "prev", self.ring_keys[k - 1]),
@@ -197,7 +189,7 @@ class Links:
         )  # fmt: skip
 
 
-def deal_links(epoch: int, stages: list[Node], parts: list[Node], token: bytes | None) -> Links:
+def deal_links(epoch: int, stages: list[Node], parts: list[Node], token: bytes) -> Links:
     """A wiring's keys: new ones every epoch, so a node dropped from a ring holds none that
     still open a link."""
     return Links(epoch, stages, parts, token, [new_link_key() for _ in stages],

@@ -76,6 +76,13 @@ class Work(Verification):
                                    tokens=j.tokens, attempt=j.attempts + 1))  # fmt: skip
         return leases
 
+    def drafting_heads(self) -> tuple[int, int]:
+        """(rings' first stages placed, those whose worker has a draft model): who can run
+        `speculative: "draft"` (api/schema.py check_speculative)."""
+        heads = [n for n in self.placed()
+                 if n.shard is not None and n.shard.role == "stage" and n.shard.first]  # fmt: skip
+        return len(heads), sum(n.capabilities.get("draft") is True for n in heads)
+
     def ring_sequences(self, node: Node) -> int | None:
         """The sequences the ring headed by `node` holds at once: the fewest any of its
         stages has KV cache for (a head admits no more into stage 0)."""

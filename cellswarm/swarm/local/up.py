@@ -95,6 +95,7 @@ class LocalSwarm:
     control: str | None = None  # nats://HOST:PORT: heartbeats through NATS (transport/beats.py)
     keep_awake: bool = WorkerConfig.keep_awake  # workers hold a CPU wake-latency bound (awake.py)
     draft: str | None = None  # workers' --draft: a draft model for a ring's first stage
+    no_token: bool = False  # tests: no cluster token, as hand-started loopback processes run
     procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     output: dict[str, list[str]] = field(default_factory=dict)
 
@@ -162,14 +163,15 @@ class LocalSwarm:
     def coordinator_config(self) -> CoordinatorConfig:
         """What this swarm's coordinators run with (their flags are derived from it)."""
         return CoordinatorConfig(
-            model=self.model, token_file=str(self.token_file), api_key_file=self.api_key_file,
+            model=self.model, token_file=None if self.no_token else str(self.token_file),
+            api_key_file=self.api_key_file,
             log_dir=str(self.node_log_dir("coordinator")), heartbeat_s=self.heartbeat_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s, offline_after=self.offline_after,
             stages=self.stages, expert_nodes=self.expert_nodes, vocab_nodes=self.vocab_nodes,
             context=self.context, max_sequences=self.max_sequences, replicas=self.replicas,
             lease_s=self.lease_s, evict_after_disagreements=self.evict_after,
             leader_ttl_s=self.leader_ttl_s, rebalance=self.rebalance, control=self.control,
-            stall_core_s=self.stall_core, cache_type=self.cache_type,
+            stall_core_s=self.stall_core, cache_type=self.cache_type, draft=self.draft,
         )
 
     def worker_config(self, i: int) -> WorkerConfig:
@@ -179,7 +181,7 @@ class LocalSwarm:
         memory = parse_bytes(self.worker_memory.get(i, self.memory))
         return WorkerConfig(
             join=",".join(self.urls), memory_bytes=memory, node_id=f"worker-{i}",
-            profile=self.profile, token_file=str(self.token_file),
+            profile=self.profile, token_file=None if self.no_token else str(self.token_file),
             model=None if self.fetch else self.model, threads=self.threads,
             log_dir=str(self.node_log_dir(i)), stop_after_s=self.stop_after_s,
             fail_forward=i in self.fail_forward, perturb=self.perturb.get(i, 0.0),
@@ -221,7 +223,7 @@ class LocalSwarm:
         spare = self.context is None and workers > 1
         stages = min(self.stages or workers - spare, int(config.n_layers))
         return fit_context(costs_at(self.model, self.expert_nodes > 0, self.vocab_nodes > 0,
-                                    self.cache_type),
+                                    self.cache_type, self.draft),
                            stages, memory, int(config.context_length), self.max_sequences,
                            self.context)  # fmt: skip
 

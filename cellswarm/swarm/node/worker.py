@@ -37,7 +37,7 @@ from cellswarm.engine.model import Model
 from cellswarm.errors import BudgetError, CellswarmError, RequestError, SwarmError
 from cellswarm.io.weights import Selection
 from cellswarm.kernels import cache_dir as kernels_cache_dir
-from cellswarm.swarm.auth import digest, load_token, node_key, prove
+from cellswarm.swarm.auth import NO_TOKEN, digest, load_token, node_key, prove
 from cellswarm.swarm.node.awake import KeepAwake
 from cellswarm.swarm.node.head import Head
 from cellswarm.swarm.node.metrics import Power
@@ -108,6 +108,7 @@ def measure_capabilities(config: WorkerConfig) -> JsonObject:
         "memory_bytes": config.memory_bytes, "profile": config.profile,
         "bandwidth_bytes_per_s": int(bandwidth), "flops": int(flops), "rack": config.rack,
         "protocol": PROTOCOL,  # the coordinator refuses another version (swarm/protocol)
+        "draft": bool(config.draft),  # speculative "draft" asks for a first stage with one
     }  # fmt: skip
     cgroup = cgroup_memory()  # a supervisor restarted us after the kernel's OOM killer?
     if cgroup:
@@ -227,10 +228,10 @@ class Worker:
 
     def node_key(self) -> bytes | None:
         """The key this node shares with the coordinator on the data plane (auth.node_key),
-        from this session; None without a cluster token or before a join."""
-        if self.token is None or self.session is None:
+        from this session (under auth.NO_TOKEN without a cluster token); None before a join."""
+        if self.session is None:
             return None
-        return node_key(self.token, digest(self.session))
+        return node_key(self.token or NO_TOKEN, digest(self.session))
 
     def trust(self) -> None:
         """Give what serves the data port this session's key: the coordinator proves it

@@ -32,7 +32,9 @@ from cellswarm.swarm.protocol.messages import Shard
 #    link; a `reset` carries the keys sealed, a stage admits only its wired previous stage
 #    (and the coordinator), and each only the frames its role sends; a `token`'s `at` is
 #    required
-PROTOCOL = 9
+# 10: a node's capabilities say whether it was started with a draft model (`draft`): a
+#    request for `speculative: "draft"` that no ring's first stage can run is refused at submit
+PROTOCOL = 10
 
 
 class VersionMismatch(Exception):

@@ -405,6 +405,7 @@ class Capabilities(Message, frozen=True):
     oom_kills: int | None = None  # its memory cgroup's, at start (a supervisor restarted it)
     cgroup_limit_bytes: int | None = None
     max_sequences: int | None = None  # set by the coordinator from its beats
+    draft: bool = False  # started with --draft: as a ring's first stage it drafts with it
 
 
 class Fault(Message, frozen=True):

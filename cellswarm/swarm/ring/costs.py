@@ -40,22 +40,59 @@ def stage_costs(
     return costs_at(model, remote_experts, remote_vocab, cache_type)(context, max_sequences)
 
 
+# A first step carries a whole prompt's rows (T, d_model) float32, T up to the context: the
+# rows that came in, the rows the layers made, and those rows encoded in the frame that goes
+# on (write_next; it waits in the transport while the next stage computes). A stage's reader
+# runs one first step at a time, so it holds them once, whatever the sequences in flight.
+FIRST_STEP_COPIES = 3
+
+
+def first_step_bytes(d_model: int, context: int) -> int:
+    """What a first step's rows take on a stage, at most (a whole context's prompt)."""
+    return FIRST_STEP_COPIES * context * d_model * 4
+
+
+def draft_costs_at(draft: str | None,
+                   cache_type: str = DEFAULT_CACHE_TYPE) -> Callable[[int, int], int]:  # fmt: skip
+    """(context tokens, sequences) -> what a draft model takes on a ring's first stage, as
+    the worker counts it (stage.py shard_need_bytes): its weights, a draft step's scratch,
+    and its own KV cache for every sequence. 0 without one."""
+    if draft is None:
+        return lambda context, sequences: 0
+    from cellswarm.models.kv_cache import sequence_bytes
+    from cellswarm.planner.api import resolve_model
+
+    inv = resolve_model(draft, cache_type=cache_type)
+    spec = getattr(inv.config, "cache_spec", None)
+
+    def at(context: int, sequences: int) -> int:
+        kv = (sequence_bytes({0: spec()}, context, cache_type) * inv.n_layers if spec
+              else inv.kv_bytes_per_token_layer * inv.n_layers * context)  # fmt: skip
+        return inv.weight_bytes + inv.scratch_bytes(1, context, 0) + kv * sequences
+
+    return at
+
+
 def costs_at(
     model: str, remote_experts: bool = False, remote_vocab: bool = False,
-    cache_type: str = DEFAULT_CACHE_TYPE,
+    cache_type: str = DEFAULT_CACHE_TYPE, draft: str | None = None,
 ) -> Callable[[int, int], StageCosts]:  # fmt: skip
     """(context tokens, sequences) -> the StageCosts a swarm stage holds with a KV cache of
-    `cache_type`, the file's header read once (placement.fit_context asks at many contexts)."""
+    `cache_type`, the file's header read once (placement.fit_context asks at many contexts).
+    `draft`: the draft model its workers hold, on the first stage (worker --draft)."""
     from cellswarm.models.kv_cache import read_bytes, sequence_bytes
     from cellswarm.planner.api import resolve_model
     from cellswarm.planner.overhead import runtime_overhead_bytes
 
     inv = resolve_model(model, cache_type=cache_type)
     runtime = runtime_overhead_bytes()
+    draft_at = draft_costs_at(draft, cache_type)
 
     def at(context: int, sequences: int) -> StageCosts:
-        fixed = runtime + inv.scratch_bytes(prefill_rows(context), context, 0)  # as a stage
-        costs = stage_costs_of(inv, context * sequences, fixed, remote_experts, remote_vocab)
+        fixed = (runtime + inv.scratch_bytes(prefill_rows(context), context, 0)  # as a stage
+                 + first_step_bytes(inv.d_model, context))  # fmt: skip
+        costs = stage_costs_of(inv, context * sequences, fixed, remote_experts, remote_vocab,
+                               first_bytes=draft_at(context, sequences))  # fmt: skip
         # a layer's cache as a stage allocates it, the keys' padding included (the worker
         # checks its budget with the same bytes: kv_sequence_bytes)
         spec = getattr(inv.config, "cache_spec", None)

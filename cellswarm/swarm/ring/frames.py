@@ -59,23 +59,32 @@ class Frame:
 
 
 def encode(frame: Frame, max_payload: int = MAX_PAYLOAD_BYTES) -> bytes:
+    head, payload = encode_parts(frame, max_payload)
+    return head if payload is None else b"".join((head, payload))  # the one copy it costs
+
+
+def encode_parts(
+    frame: Frame, max_payload: int = MAX_PAYLOAD_BYTES
+) -> tuple[bytes, memoryview | None]:
+    """A frame as its prefix and header, and its array's own buffer (not a copy): written
+    one after the other, a first step's rows are never copied whole into a frame (a stage
+    counts what they take: costs.py FIRST_STEP_COPIES)."""
     header: dict[str, object] = {"type": frame.type}
     header.update(frame.fields)
     a = frame.array
     if a is None:
         head = msgpack.packb(header, use_bin_type=True)
         _check_sizes(len(head), 0, max_payload)
-        return PREFIX.pack(MAGIC, len(head), 0, zlib.crc32(head)) + head
+        return PREFIX.pack(MAGIC, len(head), 0, zlib.crc32(head)) + head, None
     dtype = DTYPE_NAMES.get(a.dtype)
     if dtype is None:
         raise ProtocolError(f"array dtype {a.dtype} cannot be sent; use f32 or i64")
     header["dtype"], header["shape"] = dtype, list(a.shape)
-    # the array's own buffer, not a copy of it: the join below is the one copy a frame costs
-    payload = np.ascontiguousarray(a).data
+    payload = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
     head = msgpack.packb(header, use_bin_type=True)
     _check_sizes(len(head), payload.nbytes, max_payload)
     crc = zlib.crc32(payload, zlib.crc32(head))
-    return b"".join((PREFIX.pack(MAGIC, len(head), payload.nbytes, crc), head, payload))
+    return PREFIX.pack(MAGIC, len(head), payload.nbytes, crc) + head, payload
 
 
 def _check_sizes(header: int, payload: int, max_payload: int) -> None:

@@ -219,7 +219,7 @@ class PartServer:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         no_delay(writer)
         peer: str | None = None
-        if self.token is not None:
+        if self.token is not None or self.node_key is not None:  # a swarm's: always keyed
             peer = await accept(reader, writer, self.keys)
             if peer is None:
                 writer.close()

@@ -70,7 +70,7 @@ from cellswarm.swarm.protocol.dataplane import (
 )
 from cellswarm.swarm.protocol.messages import NodeStats
 from cellswarm.swarm.protocol.messages import encode as encode_message
-from cellswarm.swarm.ring.costs import prefill_rows
+from cellswarm.swarm.ring.costs import first_step_bytes, prefill_rows
 from cellswarm.swarm.ring.emulate import Emulation, precise_loop
 from cellswarm.swarm.ring.faults import NO_FAULTS, Faults
 from cellswarm.swarm.ring.frames import (
@@ -78,7 +78,7 @@ from cellswarm.swarm.ring.frames import (
     accept,
     connect,
     decode,
-    encode,
+    encode_parts,
     listen_tls,
     no_delay,
     read_frame,
@@ -384,7 +384,7 @@ class Stage:
         no_delay(writer)
         self.connections.add(writer)
         peer: str | None = None  # who is on the other end, when a token makes them say
-        if self.token is not None:
+        if self.token is not None or self.node_key is not None:
             # the handshake before any body: a peer that has not proved the token gets no
             # more than a header's worth of our memory (frames.accept)
             try:
@@ -548,9 +548,12 @@ class Stage:
                     self._next, self._next_caches = link, True
                     self._back = asyncio.get_running_loop().create_task(self.read_back(back))
                 t0 = time.perf_counter()
-                data = encode(Frame.of(message, array))
+                head, payload = encode_parts(Frame.of(message, array))
                 t1, cpu = time.perf_counter(), time.thread_time()
-                self._next.write(data)
+                self._next.write(head)
+                if payload is not None:  # the rows' own buffer: the transport keeps only
+                    self._next.write(payload)  # what the socket had no room for
+                del payload
                 await self._next.drain()
                 self._sent_s = (t1 - t0, time.thread_time() - cpu)
             except (OSError, ConnectionError) as exc:
@@ -1555,6 +1558,7 @@ def shard_need_bytes(model: Model, config: StageConfig) -> dict[str, int]:
         "weights": mem.weight_bytes,
         "kv": model.kv_sequence_bytes(config.context) * config.max_sequences,
         "scratch": mem.scratch_bytes + model.kv_read_bytes(config.context),
+        "rows": first_step_bytes(model.config.d_model, config.context),
         "runtime": runtime_overhead_bytes(),
     }
     if model.draft is not None:  # its weights, its cache per sequence, a draft step's scratch
