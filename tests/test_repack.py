@@ -1,5 +1,5 @@
 """Weights repacked at load into 16-row groups (kernels.c, "Q4_0 and Q8_0 in 16-row groups";
-Q4_K and Q6_K in the same scheme):
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, TQ2_0, IQ4_NL and IQ4_XS in the same scheme):
 the same numbers to the bit as the file's layout, on every path that reads them, and the
 same memory (the file's pages are let go).
 
@@ -26,7 +26,10 @@ from cellswarm.quant import PackedMatrix, format_by_name
 from cellswarm.quant.formats import dequantize, quantize
 
 Q4_0 = format_by_name("q4_0")
-K_BLOCK = {"Q4_K": (144, 0, 2), "Q6_K": (210, 208, 1)}  # bytes, where the f16s are, how many
+K_BLOCK = {  # bytes, where its f16s are, how many
+    "Q4_K": (144, 0, 2), "Q6_K": (210, 208, 1), "Q2_K": (84, 80, 2), "Q3_K": (110, 108, 1),
+    "Q5_K": (176, 0, 2), "TQ2_0": (66, 64, 1), "IQ4_XS": (136, 0, 1), "IQ4_NL": (18, 0, 1),
+}
 
 
 def _repacked_or_skip(w: np.ndarray, fmt: str = "Q4_0") -> tuple[int, np.ndarray]:
@@ -38,13 +41,15 @@ def _repacked_or_skip(w: np.ndarray, fmt: str = "Q4_0") -> tuple[int, np.ndarray
 
 def _weights(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random packed rows; K formats (which cellswarm reads but does not write) as random
-    blocks with small f16 scales: Q4_K's d and dmin first, Q6_K's d last."""
+    blocks with small f16 scales: Q4_K's and Q5_K's d and dmin first, Q6_K's and Q3_K's d
+    and Q2_K's d and dmin last."""
     if name not in K_BLOCK:
         return quantize(rng.standard_normal((rows, cols)).astype(np.float32), format_by_name(name))
     size, at, n = K_BLOCK[name]
-    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-    scales = rng.uniform(1e-3, 1e-2, (rows, cols // 256, n)).astype(np.float16)
-    blocks[..., at : at + 2 * n] = scales.view(np.uint8).reshape(rows, cols // 256, 2 * n)
+    nb = cols // format_by_name(name).block_size
+    blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, (rows, nb, n)).astype(np.float16)
+    blocks[..., at : at + 2 * n] = scales.view(np.uint8).reshape(rows, nb, 2 * n)
     return blocks.reshape(rows, -1)
 
 
@@ -59,7 +64,8 @@ def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
     [(1030, 1024), (64, 2816), (37, 512), (48, 96), (16, 4096), (17, 32)],
 )  # fmt: skip
 @pytest.mark.parametrize("nx", [1, 3, 16])
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                  "TQ2_0", "IQ4_NL", "IQ4_XS"])
 def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, name: str) -> None:
     """Whole groups and the rows after them, one token and a batch, with outliers (values
     multiplied in float) in the activations: every output bit as from the file's layout."""
@@ -120,7 +126,8 @@ def test_a_build_without_gfni_unpacks_q6_k_to_the_same_bits(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (37, 768)])
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                  "TQ2_0", "IQ4_NL", "IQ4_XS"])
 def test_a_repacked_weight_dequantizes_to_the_gguf_values(rows: int, cols: int, name: str) -> None:
     rng = np.random.default_rng(rows)
     fmt = format_by_name(name)

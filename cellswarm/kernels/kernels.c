@@ -31,11 +31,11 @@
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_K = 14, BF16 = 30 };
 /* The same formats repacked in 16-row groups (cs_repack: only on CPUs that have the kernels
  * for them; elsewhere never made), and the format of a row after a weight's last group. */
-enum { Q4_0R = 102, Q4_1R = 103, Q8_0R = 108, Q4_KR = 112, Q6_KR = 114 };
-#define IS_R16(f) ((f) == Q4_0R || (f) == Q4_1R || (f) == Q8_0R || (f) == Q4_KR || (f) == Q6_KR)
-#define R16_NATURAL(f) \
-    ((f) == Q4_0R ? Q4_0 : (f) == Q4_1R ? Q4_1 : (f) == Q8_0R ? Q8_0 : (f) == Q4_KR ? Q4_K \
-     : (f) == Q6_KR ? Q6_K : (f))
+enum { Q4_0R = 102, Q4_1R = 103, Q8_0R = 108, Q2_KR = 110, Q3_KR = 111, Q4_KR = 112, Q5_KR = 113,
+       Q6_KR = 114, IQ4_NLR = 120, IQ4_XSR = 123, TQ2_0R = 135 };
+#define IS_R16(f) ((f) == Q4_0R || (f) == Q4_1R || (f) == Q8_0R || ((f) >= Q2_KR && (f) <= Q6_KR) \
+                   || (f) == IQ4_NLR || (f) == IQ4_XSR || (f) == TQ2_0R)
+#define R16_NATURAL(f) (IS_R16(f) ? (f) - 100 : (f))
 #define MAX_BATCH 16
 
 static inline float fp16_to_f32(uint16_t h) {
@@ -537,7 +537,7 @@ static inline void plan_row(int fmt, const uint8_t *row, const ol_plan *p, float
     plan_sum(p, w, s);
 }
 
-/* ---- Q4_0, Q4_1, Q8_0, Q4_K and Q6_K in 16-row groups (AVX-512 VNNI, AVX2) ---------------------
+/* ---- Q4_0, Q4_1, Q8_0, Q2_K, Q4_K and Q6_K in 16-row groups (AVX-512 VNNI, AVX2) ---------------------
  * Why: a row at a time, a decode-shaped row (1024 columns: 32 blocks) pays a reduction across
  * lanes per 8 blocks, a gather of its scales and the fold of its 16 accumulators, and ran at
  * ~9 GB/s where one core streams ~34 (Q6_K, every llama-quantize file's output head: ~7 GB/s,
@@ -596,6 +596,7 @@ typedef __m512 l16f;
 #define l16_setzero_si512 _mm512_setzero_si512
 #define l16_loadu_si512 _mm512_loadu_si512
 #define l16_ternarylogic_epi32 _mm512_ternarylogic_epi32
+#define l16_shuffle_epi8 _mm512_shuffle_epi8
 #define l16_add_ps _mm512_add_ps
 #define l16_sub_ps _mm512_sub_ps
 #define l16_mul_ps _mm512_mul_ps
@@ -620,6 +621,10 @@ static inline __m512i r16_q8(__m512i q, __m512i flip) { return _mm512_xor_si512(
 
 /* 16 f16 at p (16 rows' scales) as floats */
 static inline __m512 r16_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* 16 little-endian u16 at p as int32 lanes */
+static inline __m512i r16_u16(const uint8_t *p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
+/* a 16-byte table in every 128-bit lane */
+static inline __m512i l16_table(const int8_t *t) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t)); }
 
 #elif defined(__AVX2__) && defined(__F16C__)
 #define HAVE_R16 1
@@ -690,13 +695,25 @@ static inline l16i dot_q8_bcst(l16i s, l16i q, const int32_t *x) {
 static inline l16f r16_f16(const uint8_t *p) {
     return (l16f){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
 }
+static inline l16i r16_u16(const uint8_t *p) {
+    return (l16i){_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)),
+                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+static inline l16i l16_shuffle_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_shuffle_epi8); }
+static inline l16i l16_table(const int8_t *t) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+    return (l16i){v, v};
+}
 #endif
 
 #ifdef HAVE_R16
 /* one row's block in the file; a group's block (16 rows') */
-#define R16_BYTES(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : (f) == Q4_1 ? 20 : 18)
-#define R16_BLOCK(f) ((f) == Q8_0 ? 544 : (f) == Q4_K ? 2304 : (f) == Q6_K ? 3360 : (f) == Q4_1 ? 320 : 288)
-#define R16_ELEMS(f) ((f) == Q4_K || (f) == Q6_K ? 256 : 32) /* weights a block */
+#define R16_BYTES(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : (f) == Q2_K ? 84 \
+                      : (f) == Q3_K ? 110 : (f) == Q5_K ? 176 : (f) == Q4_1 ? 20 : (f) == TQ2_0 ? 66 \
+                      : (f) == IQ4_XS ? 136 : 18)
+/* a group's block: each f16 field 32 bytes, each word of a row's block a 64-byte chunk */
+#define R16_BLOCK(f) (16 * R16_BYTES(f))
+#define R16_ELEMS(f) ((f) == Q8_0 || (f) == Q4_0 || (f) == Q4_1 || (f) == IQ4_NL ? 32 : 256) /* a block's */
 
 /* fold16 of 16 rows at once (A[j]: accumulator j of every row, lanes: rows) -> out[0..16) */
 static inline void fold16_rows(l16f *A, float *out) {
@@ -723,9 +740,9 @@ static inline __attribute__((always_inline)) void r16_group1(const int fmt, cons
                                                              int64_t nb, const int8_t *xq,
                                                              const float *xd, const int32_t *xs,
                                                              const float *xsum, float *out) {
-    const int gb = R16_BLOCK(fmt), chunks = fmt == Q8_0 ? 8 : 4;
-    const int off = fmt == Q8_0 ? R16_Q8_OFF : fmt == Q4_0 ? 8 : 0, at = fmt == Q4_1 ? 64 : 32;
-    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128);
+    const int gb = R16_BLOCK(fmt), chunks = fmt == Q8_0 ? 8 : 4, nl = fmt == IQ4_NL;
+    const int off = fmt == Q8_0 || nl ? R16_Q8_OFF : fmt == Q4_0 ? 8 : 0, at = fmt == Q4_1 ? 64 : 32;
+    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128), tbl = l16_table(kvalues_iq4nl);
     l16f A[16];
     for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
@@ -743,6 +760,10 @@ R16_UNROLL8
                     const l16i u = r16_q8(q, flip);
                     if (k & 1) s1 = dot_q8_bcst(s1, u, x4 + k);
                     else s0 = dot_q8_bcst(s0, u, x4 + k);
+                } else if (nl) { /* the table's signed values, as Q8_0's */
+                    s0 = dot_q8_bcst(s0, r16_q8(l16_shuffle_epi8(tbl, l16_and_si512(q, m4)), flip), x4 + k);
+                    s1 = dot_q8_bcst(s1, r16_q8(l16_shuffle_epi8(tbl, l16_and_si512(l16_srli_epi16(q, 4), m4)), flip),
+                                     x4 + 4 + k);
                 } else {
                     s0 = dpbusd_bcst(s0, l16_and_si512(q, m4), x4 + k);
                     s1 = dpbusd_bcst(s1, l16_and_si512(l16_srli_epi16(q, 4), m4), x4 + 4 + k);
@@ -905,9 +926,313 @@ static inline l16i r16_bytes(const uint8_t *chunk, int k) {
 /* byte i of each lane's block (after its f16 fields at `body`), whose word i / 4 is in chunk */
 #define R16_BYTE(body, chunk, i) r16_bytes((body) + 64 * (chunk), (i) & 3)
 
+/* A Q2_K group block: the 16 rows' d (f16 x 16), their dmin, then the rows' 20 words (4 of
+ * scales, 16 of 2-bit values) a chunk of 64 bytes each: chunk k holds word k of every row.
+ * Weight 128 n + 32 j + l (l < 32) of a row is bits 2j of its value byte 32 n + l: value word
+ * 8 n + 4 h + i holds l = 16 h + 4 i .. + 3, of group 8 n + 2 j + h for each shift j. */
+#define Q2_AT(blk, word) ((const void *)((blk) + 64 + 64 * (word)))
+
+/* d sc_g and dmin m_g of the 16 rows (lanes) for group gi of a Q2_K group block, as units_16
+ * computes its ws and wm: the scale byte's low and high nibble */
+static inline void q2_scale_lanes(const uint8_t *blk, l16f d, l16f dmin, int gi, l16f *ws, l16f *wm) {
+    const l16i S = r16_bytes((const uint8_t *)Q2_AT(blk, gi / 4), gi % 4);
+    *ws = l16_mul_ps(d, l16_cvtepi32_ps(l16_and_si512(S, l16_set1_epi32(0xF))));
+    *wm = l16_mul_ps(dmin, l16_cvtepi32_ps(l16_srli_epi32(S, 4)));
+}
+
+/* The 4 value words of half h of part n of a Q2_K group block, each word's 4 shifts j:
+ * W[j][i], the 2-bit values of word 8 n + 4 h + i at bits 2j (dpbusd's unsigned bytes) */
+static inline __attribute__((always_inline)) void q2_unpack(const uint8_t *blk, int n, int h, l16i W[4][4]) {
+    const l16i m3 = l16_set1_epi8(3);
+R16_UNROLL4
+    for (int i = 0; i < 4; i++) {
+        const l16i q = l16_loadu_si512(Q2_AT(blk, 4 + 8 * n + 4 * h + i));
+        W[0][i] = l16_and_si512(q, m3);
+R16_UNROLL4
+        for (int j = 1; j < 4; j++) W[j][i] = l16_and_si512(l16_srli_epi16(q, 2 * j), m3);
+    }
+}
+
+/* 16 repacked Q2_K rows (nb blocks of 256) times one activation row: out[0..16). As Q6_K's,
+ * unit u = 16 b + g goes to A[g]; each term with its min, in units_16's and row_q's order. */
+static void r16_group1_q2k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                           const int32_t *xs, float *out) {
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 1344 * b;
+        const l16f d = r16_f16(blk), dmin = r16_f16(blk + 32);
+R16_UNROLL2
+        for (int n = 0; n < 2; n++) {
+R16_UNROLL2
+            for (int h = 0; h < 2; h++) {
+                const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b + 128 * n + 16 * h);
+                l16i W[4][4];
+                q2_unpack(blk, n, h, W);
+R16_UNROLL4
+                for (int j = 0; j < 4; j++) {
+                    l16i s = l16_setzero_si512();
+R16_UNROLL4
+                    for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, W[j][i], x4 + 8 * j + i);
+                    const int gi = 8 * n + 2 * j + h;
+                    const float x = xd[8 * b + gi / 2];
+                    l16f ws, wm;
+                    q2_scale_lanes(blk, d, dmin, gi, &ws, &wm);
+                    A[gi] = r16_add_min(A[gi], s, ws, x, wm, x * (float)xs[16 * b + gi]);
+                }
+            }
+        }
+    }
+    fold16_rows(A, out);
+}
+
+/* A TQ2_0 group block: the 16 rows' d, then their 16 words of 2-bit digits (Q2_K's planes):
+ * weight 128 n + 32 j + l is bits 2j of byte 32 n + l, w = d (digit - 1); a unit is 32. */
+#define TQ2_AT(blk, word) ((const void *)((blk) + 32 + 64 * (word)))
+
+/* s[j] for unit 4 n + j of a TQ2_0 group block (x4: the block's activations as int32):
+ * the digits' dot products, less the activations' sum (the -1) */
+static inline __attribute__((always_inline)) void tq2_dots(const uint8_t *blk, int n, const int32_t *x4,
+                                                           const int32_t *xs, l16i s[4]) {
+    const l16i m3 = l16_set1_epi8(3);
+R16_UNROLL4
+    for (int j = 0; j < 4; j++) s[j] = l16_set1_epi32(-(xs[2 * (4 * n + j)] + xs[2 * (4 * n + j) + 1]));
+R16_UNROLL8
+    for (int k = 0; k < 8; k++) {
+        const l16i q = l16_loadu_si512(TQ2_AT(blk, 8 * n + k));
+R16_UNROLL4
+        for (int j = 0; j < 4; j++)
+            s[j] = dpbusd_bcst(s[j], l16_and_si512(l16_srli_epi16(q, 2 * j), m3), x4 + 32 * n + 8 * j + k);
+    }
+}
+
+/* 16 repacked TQ2_0 rows times one activation row: units of 32, as row_q in Q4_1's loop */
+static void r16_group1_tq2(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                           const int32_t *xs, float *out) {
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 1056 * b;
+        const l16f d = r16_f16(blk);
+        const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b);
+R16_UNROLL2
+        for (int n = 0; n < 2; n++) {
+            l16i s[4];
+            tq2_dots(blk, n, x4, xs + 16 * b, s);
+R16_UNROLL4
+            for (int j = 0; j < 4; j++) {
+                const int t = 8 * (int)(b % 2) + 4 * n + j;
+                A[t] = r16_add(A[t], s[j], d, xd[8 * b + 4 * n + j]);
+            }
+        }
+    }
+    fold16_rows(A, out);
+}
+
+/* An IQ4_XS group block: d, the rows' 16-bit high scale bits, then 33 words: the low scale
+ * nibbles, and 32 of value nibbles (16 bytes a sub-block of 32: low nibbles its first 16) */
+#define IQ4_AT(blk, word) ((const void *)((blk) + 64 + 64 * (word)))
+
+/* d (ls - 32) of the 16 rows for sub-block s: dec_iq4_xs's scale */
+static inline l16f iq4xs_scale_lanes(l16f d, l16i SL, l16i SH, int s) {
+    const l16i lo = l16_and_si512(l16_srli_epi32(SL, 4 * s), l16_set1_epi32(0xF));
+    const l16i hi = l16_and_si512(l16_srli_epi32(SH, 2 * s), l16_set1_epi32(3));
+    const l16i ls = l16_sub_epi32(l16_or_si512(lo, l16_slli_epi32(hi, 4)), l16_set1_epi32(32));
+    return l16_mul_ps(d, l16_cvtepi32_ps(ls));
+}
+
+/* the table's values (as Q8_0's weights go to dot_q8) of IQ4_XS value word 4 s + i: lo, hi */
+static inline __attribute__((always_inline)) void iq4xs_unpack(const uint8_t *blk, int s, int i, l16i tbl,
+                                                               l16i *lo, l16i *hi) {
+    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128);
+    const l16i q = l16_loadu_si512(IQ4_AT(blk, 1 + 4 * s + i));
+    *lo = r16_q8(l16_shuffle_epi8(tbl, l16_and_si512(q, m4)), flip);
+    *hi = r16_q8(l16_shuffle_epi8(tbl, l16_and_si512(l16_srli_epi16(q, 4), m4)), flip);
+}
+
+static void r16_group1_iq4xs(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                             const int32_t *xs, float *out) {
+    const l16i tbl = l16_table(kvalues_iq4nl);
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 2176 * b;
+        const l16f d = r16_f16(blk);
+        const l16i SH = r16_u16(blk + 32), SL = l16_loadu_si512(IQ4_AT(blk, 0));
+        const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b);
+R16_UNROLL8
+        for (int s = 0; s < 8; s++) {
+            const int64_t u = 8 * b + s;
+            l16i s0 = l16_set1_epi32(-R16_Q8_OFF * (xs[2 * u] + xs[2 * u + 1])), s1 = l16_setzero_si512();
+R16_UNROLL4
+            for (int i = 0; i < 4; i++) {
+                l16i lo, hi;
+                iq4xs_unpack(blk, s, i, tbl, &lo, &hi);
+                s0 = dot_q8_bcst(s0, lo, x4 + 8 * s + i);
+                s1 = dot_q8_bcst(s1, hi, x4 + 8 * s + 4 + i);
+            }
+            const int t = 8 * (int)(b % 2) + s;
+            A[t] = r16_add(A[t], l16_add_epi32(s0, s1), iq4xs_scale_lanes(d, SL, SH, s), xd[u]);
+        }
+    }
+    fold16_rows(A, out);
+}
+
+/* A Q3_K group block: the 16 rows' d, then their 27 words a chunk each: 8 of high bits
+ * (hmask), 16 of 2-bit values (as Q2_K's), 3 of scales. */
+#define Q3_AT(blk, word) ((const void *)((blk) + 32 + 64 * (word)))
+
+/* d (sc_g - 32) of the 16 rows for group gi of a Q3_K group block, as dec_q3_k's scale: a
+ * low nibble from scale bytes 0-7, the top 2 bits from bytes 8-11 */
+static inline l16f q3_scale_lanes(const uint8_t *blk, l16f d, int gi) {
+    const int k = gi % 8, kh = 8 + gi % 4;
+    const l16i lb = r16_bytes((const uint8_t *)Q3_AT(blk, 24 + k / 4), k % 4);
+    const l16i lo = gi < 8 ? l16_and_si512(lb, l16_set1_epi32(0xF)) : l16_srli_epi32(lb, 4);
+    const l16i hi = l16_and_si512(l16_srli_epi32(r16_bytes((const uint8_t *)Q3_AT(blk, 24 + kh / 4), kh % 4),
+                                                 2 * (gi / 4)), l16_set1_epi32(3));
+    const l16i sc = l16_sub_epi32(l16_or_si512(lo, l16_slli_epi32(hi, 4)), l16_set1_epi32(32));
+    return l16_mul_ps(d, l16_cvtepi32_ps(sc));
+}
+
+/* W[j][i]: Q3_K's values + 4 (0..7, dpbusd's unsigned bytes) of value word 8 n + 4 h + i at
+ * shift j, the high bit 4 n + j of hmask word 4 h + i above them */
+static inline __attribute__((always_inline)) void q3_unpack(const uint8_t *blk, int n, int h, l16i W[4][4]) {
+    const l16i m3 = l16_set1_epi8(3), m1 = l16_set1_epi8(1);
+R16_UNROLL4
+    for (int i = 0; i < 4; i++) {
+        const l16i q = l16_loadu_si512(Q3_AT(blk, 8 + 8 * n + 4 * h + i));
+        const l16i hm = l16_loadu_si512(Q3_AT(blk, 4 * h + i));
+R16_UNROLL4
+        for (int j = 0; j < 4; j++)
+            W[j][i] = l16_or_si512(l16_and_si512(l16_srli_epi16(q, 2 * j), m3),
+                                   l16_slli_epi16(l16_and_si512(l16_srli_epi16(hm, 4 * n + j), m1), 2));
+    }
+}
+
+/* 16 repacked Q3_K rows times one activation row: Q2_K's order, its values signed (-4 times
+ * each group's activation sum, as Q6_K's -32) and no min */
+static void r16_group1_q3k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                           const int32_t *xs, float *out) {
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 1760 * b;
+        const l16f d = r16_f16(blk);
+R16_UNROLL2
+        for (int n = 0; n < 2; n++) {
+R16_UNROLL2
+            for (int h = 0; h < 2; h++) {
+                const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b + 128 * n + 16 * h);
+                l16i W[4][4];
+                q3_unpack(blk, n, h, W);
+R16_UNROLL4
+                for (int j = 0; j < 4; j++) {
+                    const int gi = 8 * n + 2 * j + h;
+                    l16i s = l16_set1_epi32(-4 * xs[16 * b + gi]);
+R16_UNROLL4
+                    for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, W[j][i], x4 + 8 * j + i);
+                    A[gi] = r16_add(A[gi], s, q3_scale_lanes(blk, d, gi), xd[8 * b + gi / 2]);
+                }
+            }
+        }
+    }
+    fold16_rows(A, out);
+}
+
+/* A Q5_K group block: d, dmin, then the rows' 43 words a chunk each: 3 of scales (Q4_K's), 8
+ * of fifth bits (qh), 32 of nibbles (Q4_K's values) */
+#define Q5_AT(blk, word) ((const void *)((blk) + 64 + 64 * (word)))
+
+/* the 16 rows' values of Q5_K nibble word 8 c + k, low (lo) and high (hi) nibbles with their
+ * fifth bits 2c and 2c + 1 of qh word k */
+static inline __attribute__((always_inline)) void q5_unpack(const uint8_t *blk, int c, int k, l16i *lo, l16i *hi) {
+    const l16i m4 = l16_set1_epi8(0x0F), m1 = l16_set1_epi8(1);
+    const l16i q = l16_loadu_si512(Q5_AT(blk, 11 + 8 * c + k)), qh = l16_loadu_si512(Q5_AT(blk, 3 + k));
+    *lo = l16_or_si512(l16_and_si512(q, m4), l16_slli_epi16(l16_and_si512(l16_srli_epi16(qh, 2 * c), m1), 4));
+    *hi = l16_or_si512(l16_and_si512(l16_srli_epi16(q, 4), m4),
+                       l16_slli_epi16(l16_and_si512(l16_srli_epi16(qh, 2 * c + 1), m1), 4));
+}
+
+/* 16 repacked Q5_K rows times one activation row: Q4_K's order (units of 32, with mins) */
+static void r16_group1_q5k(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                           const float *xsum, float *out) {
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 2816 * b;
+        const l16f d = r16_f16(blk), dmin = r16_f16(blk + 32);
+        const l16i S[3] = {l16_loadu_si512(Q5_AT(blk, 0)), l16_loadu_si512(Q5_AT(blk, 1)),
+                           l16_loadu_si512(Q5_AT(blk, 2))};
+        const int h = (int)(b % 2);
+R16_UNROLL4
+        for (int c = 0; c < 4; c++) {
+            const int32_t *x0 = (const int32_t *)(const void *)(xq + 256 * b + 64 * c), *x1 = x0 + 8;
+            l16i n0 = l16_setzero_si512(), n1 = l16_setzero_si512();
+R16_UNROLL8
+            for (int k = 0; k < 8; k++) {
+                l16i lo, hi;
+                q5_unpack(blk, c, k, &lo, &hi);
+                n0 = dpbusd_bcst(n0, lo, x0 + k);
+                n1 = dpbusd_bcst(n1, hi, x1 + k);
+            }
+            const l16i n[2] = {n0, n1};
+R16_UNROLL2
+            for (int e = 0; e < 2; e++) {
+                const int j = 2 * c + e;
+                const int64_t u = 8 * b + j;
+                const l16f ws = l16_mul_ps(d, l16_cvtepi32_ps(k4_lanes(S, j, 0)));
+                const l16f wm = l16_mul_ps(dmin, l16_cvtepi32_ps(k4_lanes(S, j, 1)));
+                A[8 * h + j] = r16_add_min(A[8 * h + j], n[e], ws, xd[u], wm, xsum[u]);
+            }
+        }
+    }
+    fold16_rows(A, out);
+}
+
 /* The 16 rows' weights at column col of a group (lane r: row r), as plan_weight decodes each
  * (k_weight_at for the K formats): the same operations in the same order, 16 lanes at once */
+/* each lane's byte 0 as the signed value table[it] (a nibble in, zeros above it) */
+static inline l16i r16_lookup(l16i tbl, l16i nibble) {
+    return l16_srai_epi32(l16_slli_epi32(l16_shuffle_epi8(tbl, nibble), 24), 24);
+}
+
 static inline l16f r16_weights(int fmt, const uint8_t *g, int32_t col) {
+    if (fmt == TQ2_0) { /* d (digit - 1) */
+        const uint8_t *blk = g + 1056 * (col >> 8), *body = blk + 32;
+        const int e = col & 255, at = 32 * (e >> 7) + (e & 31);
+        const l16i q = l16_and_si512(l16_srli_epi32(R16_BYTE(body, at >> 2, at), 2 * ((e >> 5) & 3)),
+                                     l16_set1_epi32(3));
+        return l16_mul_ps(r16_f16(blk), l16_cvtepi32_ps(l16_sub_epi32(q, l16_set1_epi32(1))));
+    }
+    if (fmt == IQ4_XS) { /* d (ls - 32) table[nibble] */
+        const uint8_t *blk = g + 2176 * (col >> 8), *body = blk + 64;
+        const int e = col & 255, sb = e >> 5, t = e & 31, at = 4 + 16 * sb + (t & 15);
+        const l16i byte = R16_BYTE(body, at >> 2, at);
+        const l16i nib = t < 16 ? l16_and_si512(byte, l16_set1_epi32(0xF)) : l16_srli_epi32(byte, 4);
+        const l16i v = r16_lookup(l16_table(kvalues_iq4nl), nib);
+        const l16f ws = iq4xs_scale_lanes(r16_f16(blk), l16_loadu_si512(IQ4_AT(blk, 0)), r16_u16(blk + 32), sb);
+        return l16_mul_ps(ws, l16_cvtepi32_ps(v));
+    }
+    if (fmt == Q3_K) { /* lowbit_weight_at's: d (sc - 32) q - 0 */
+        const uint8_t *blk = g + 1760 * (col >> 8), *body = blk + 32;
+        const int e = col & 255, j = (e >> 5) & 3, l = e & 31, at = 32 + 32 * (e >> 7) + l;
+        const l16i low = l16_and_si512(l16_srli_epi32(R16_BYTE(body, at >> 2, at), 2 * j), l16_set1_epi32(3));
+        const l16i hb = l16_and_si512(l16_srli_epi32(R16_BYTE(body, l >> 2, l), 4 * (e >> 7) + j),
+                                      l16_set1_epi32(1));
+        const l16i q = l16_sub_epi32(l16_or_si512(low, l16_slli_epi32(hb, 2)), l16_set1_epi32(4));
+        const l16f w = l16_mul_ps(q3_scale_lanes(blk, r16_f16(blk), e >> 4), l16_cvtepi32_ps(q));
+        return l16_sub_ps(w, l16_setzero_ps());
+    }
+    if (fmt == Q2_K) { /* k_weight_at's: d sc q - dmin m, the block's words from chunk 0 */
+        const uint8_t *blk = g + 1344 * (col >> 8), *body = blk + 64;
+        const int e = col & 255, gi = e >> 4, at = 16 + 32 * (e >> 7) + (e & 31);
+        const l16i q = l16_and_si512(l16_srli_epi32(R16_BYTE(body, at >> 2, at), 2 * ((e >> 5) & 3)),
+                                     l16_set1_epi32(3));
+        const l16i S = R16_BYTE(body, gi >> 2, gi);
+        const l16i sc = l16_and_si512(S, l16_set1_epi32(0xF)), m = l16_srli_epi32(S, 4);
+        const l16f w = l16_mul_ps(l16_mul_ps(r16_f16(blk), l16_cvtepi32_ps(sc)), l16_cvtepi32_ps(q));
+        return l16_sub_ps(w, l16_mul_ps(r16_f16(blk + 32), l16_cvtepi32_ps(m)));
+    }
     if (fmt == Q6_K) {
         const uint8_t *blk = g + 3360 * (col >> 8), *body = blk + 32;
         const int e = col & 255, gi = e >> 4, n = e >> 7, part = (e >> 5) & 3, l = e & 31;
@@ -921,8 +1246,8 @@ static inline l16f r16_weights(int fmt, const uint8_t *g, int32_t col) {
         const l16f w = l16_mul_ps(l16_mul_ps(r16_f16(blk), l16_cvtepi32_ps(sc)), l16_cvtepi32_ps(q));
         return l16_sub_ps(w, l16_setzero_ps());
     }
-    if (fmt == Q4_K) { /* the scales' 12 bytes are 3 words: chunks 0..2 */
-        const uint8_t *blk = g + 2304 * (col >> 8), *sc12 = blk + 64;
+    if (fmt == Q4_K || fmt == Q5_K) { /* the scales' 12 bytes are 3 words: chunks 0..2 */
+        const uint8_t *blk = g + R16_BLOCK(fmt) * (col >> 8), *sc12 = blk + 64;
         const int e = col & 255, at = 32 * (e >> 6) + (e & 31), j = e >> 5;
         const l16i m63 = l16_set1_epi32(63), m15 = l16_set1_epi32(0xF);
         l16i sc, m;
@@ -936,8 +1261,14 @@ static inline l16f r16_weights(int fmt, const uint8_t *g, int32_t col) {
             sc = l16_or_si512(l16_and_si512(s4, m15), hi_sc);
             m = l16_or_si512(l16_srli_epi32(s4, 4), hi_m);
         }
-        const l16i byte = R16_BYTE(blk + 256, at >> 2, at);
-        const l16i q = (e & 32) ? l16_srli_epi32(byte, 4) : l16_and_si512(byte, m15);
+        const l16i byte = R16_BYTE(fmt == Q5_K ? (const uint8_t *)Q5_AT(blk, 11) : blk + 256, at >> 2, at);
+        l16i q = (e & 32) ? l16_srli_epi32(byte, 4) : l16_and_si512(byte, m15);
+        if (fmt == Q5_K) { /* the fifth bit: bit j of qh byte e % 32 */
+            const int l = e & 31;
+            const l16i hb = l16_and_si512(l16_srli_epi32(R16_BYTE((const uint8_t *)Q5_AT(blk, 3), l >> 2, l), j),
+                                          l16_set1_epi32(1));
+            q = l16_or_si512(q, l16_slli_epi32(hb, 4));
+        }
         const l16f w = l16_mul_ps(l16_mul_ps(r16_f16(blk), l16_cvtepi32_ps(sc)), l16_cvtepi32_ps(q));
         return l16_sub_ps(w, l16_mul_ps(r16_f16(blk + 32), l16_cvtepi32_ps(m)));
     }
@@ -949,6 +1280,7 @@ static inline l16f r16_weights(int fmt, const uint8_t *g, int32_t col) {
         return l16_mul_ps(d, l16_cvtepi32_ps(l16_srai_epi32(l16_slli_epi32(word, 24), 24)));
     const l16i v = l16_and_si512(e >= 16 ? l16_srli_epi32(word, 4) : word, l16_set1_epi32(0xF));
     if (fmt == Q4_1) return l16_add_ps(l16_mul_ps(d, l16_cvtepi32_ps(v)), r16_f16(blk + 32));
+    if (fmt == IQ4_NL) return l16_mul_ps(d, l16_cvtepi32_ps(r16_lookup(l16_table(kvalues_iq4nl), v)));
     return l16_mul_ps(d, l16_cvtepi32_ps(l16_sub_epi32(v, l16_set1_epi32(8))));
 }
 
@@ -962,10 +1294,10 @@ typedef struct { l16f a[16]; } r16_acc;
 static inline __attribute__((always_inline)) void r16_tile32(const int fmt, const uint8_t *g,
                                                              int64_t nb, const acts *a,
                                                              r16_acc *acc) {
-    const int gb = R16_BLOCK(fmt), off = fmt == Q8_0 ? R16_Q8_OFF : fmt == Q4_0 ? 8 : 0;
-    const int at = fmt == Q4_1 ? 64 : 32;
+    const int nl = fmt == IQ4_NL, gb = R16_BLOCK(fmt);
+    const int off = fmt == Q8_0 || nl ? R16_Q8_OFF : fmt == Q4_0 ? 8 : 0, at = fmt == Q4_1 ? 64 : 32;
     const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
-    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128);
+    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128), tbl = l16_table(kvalues_iq4nl);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + gb * b;
         l16i W[8];
@@ -973,6 +1305,9 @@ static inline __attribute__((always_inline)) void r16_tile32(const int fmt, cons
             const l16i q = l16_loadu_si512((const void *)(blk + at + 64 * k));
             if (fmt == Q8_0) {
                 W[k] = r16_q8(q, flip);
+            } else if (nl) {
+                W[k] = r16_q8(l16_shuffle_epi8(tbl, l16_and_si512(q, m4)), flip);
+                W[4 + k] = r16_q8(l16_shuffle_epi8(tbl, l16_and_si512(l16_srli_epi16(q, 4), m4)), flip);
             } else {
                 W[k] = l16_and_si512(q, m4);
                 W[4 + k] = l16_and_si512(l16_srli_epi16(q, 4), m4);
@@ -986,7 +1321,7 @@ static inline __attribute__((always_inline)) void r16_tile32(const int fmt, cons
             const int32_t *xs = a->xs + 2 * t * nbx;
             l16i s0 = l16_set1_epi32(-off * (xs[2 * b] + xs[2 * b + 1])), s1 = l16_setzero_si512();
             for (int k = 0; k < 8; k += 2) {
-                if (fmt == Q8_0) {
+                if (fmt == Q8_0 || nl) {
                     s0 = dot_q8_bcst(s0, W[k], x4 + k);
                     s1 = dot_q8_bcst(s1, W[k + 1], x4 + k + 1);
                 } else {
@@ -1079,6 +1414,148 @@ static void r16_tile_q6k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
     }
 }
 
+static void r16_tile_q2k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 1344 * b;
+        const l16f d = r16_f16(blk), dmin = r16_f16(blk + 32);
+        for (int n = 0; n < 2; n++) {
+            for (int h = 0; h < 2; h++) {
+                l16i W[4][4];
+                q2_unpack(blk, n, h, W);
+                l16f ws[4], wm[4];
+                for (int j = 0; j < 4; j++) q2_scale_lanes(blk, d, dmin, 8 * n + 2 * j + h, &ws[j], &wm[j]);
+                for (int64_t t = 0; t < nx; t++) {
+                    const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b + 128 * n + 16 * h);
+                    const int32_t *xs = a->xs + 2 * t * nbx;
+                    for (int j = 0; j < 4; j++) {
+                        const int gi = 8 * n + 2 * j + h;
+                        l16i s = l16_setzero_si512();
+                        for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, W[j][i], x4 + 8 * j + i);
+                        const float x = a->xd[t * nbx + 8 * b + gi / 2];
+                        acc[t].a[gi] = r16_add_min(acc[t].a[gi], s, ws[j], x, wm[j], x * (float)xs[16 * b + gi]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+static void r16_tile_tq2(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    const l16i m3 = l16_set1_epi8(3);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 1056 * b;
+        const l16f d = r16_f16(blk);
+        for (int n = 0; n < 2; n++) {
+            l16i W[4][8];
+            for (int k = 0; k < 8; k++) {
+                const l16i q = l16_loadu_si512(TQ2_AT(blk, 8 * n + k));
+                for (int j = 0; j < 4; j++) W[j][k] = l16_and_si512(l16_srli_epi16(q, 2 * j), m3);
+            }
+            for (int64_t t = 0; t < nx; t++) {
+                const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
+                const int32_t *xs = a->xs + 2 * t * nbx + 16 * b;
+                for (int j = 0; j < 4; j++) {
+                    const int u = 4 * n + j;
+                    l16i s = l16_set1_epi32(-(xs[2 * u] + xs[2 * u + 1]));
+                    for (int k = 0; k < 8; k++) s = dpbusd_bcst(s, W[j][k], x4 + 32 * n + 8 * j + k);
+                    const int tt = 8 * (int)(b % 2) + u;
+                    acc[t].a[tt] = r16_add(acc[t].a[tt], s, d, a->xd[t * nbx + 8 * b + u]);
+                }
+            }
+        }
+    }
+}
+
+static void r16_tile_iq4xs(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    const l16i tbl = l16_table(kvalues_iq4nl);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 2176 * b;
+        const l16f d = r16_f16(blk);
+        const l16i SH = r16_u16(blk + 32), SL = l16_loadu_si512(IQ4_AT(blk, 0));
+        for (int s = 0; s < 8; s++) {
+            l16i lo[4], hi[4];
+            for (int i = 0; i < 4; i++) iq4xs_unpack(blk, s, i, tbl, &lo[i], &hi[i]);
+            const l16f ws = iq4xs_scale_lanes(d, SL, SH, s);
+            const int64_t u = 8 * b + s;
+            const int tt = 8 * (int)(b % 2) + s;
+            for (int64_t t = 0; t < nx; t++) {
+                const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
+                const int32_t *xs = a->xs + 2 * t * nbx;
+                l16i s0 = l16_set1_epi32(-R16_Q8_OFF * (xs[2 * u] + xs[2 * u + 1])), s1 = l16_setzero_si512();
+                for (int i = 0; i < 4; i++) {
+                    s0 = dot_q8_bcst(s0, lo[i], x4 + 8 * s + i);
+                    s1 = dot_q8_bcst(s1, hi[i], x4 + 8 * s + 4 + i);
+                }
+                acc[t].a[tt] = r16_add(acc[t].a[tt], l16_add_epi32(s0, s1), ws, a->xd[t * nbx + u]);
+            }
+        }
+    }
+}
+
+static void r16_tile_q3k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 1760 * b;
+        const l16f d = r16_f16(blk);
+        for (int n = 0; n < 2; n++) {
+            for (int h = 0; h < 2; h++) {
+                l16i W[4][4];
+                q3_unpack(blk, n, h, W);
+                l16f ws[4];
+                for (int j = 0; j < 4; j++) ws[j] = q3_scale_lanes(blk, d, 8 * n + 2 * j + h);
+                for (int64_t t = 0; t < nx; t++) {
+                    const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b + 128 * n + 16 * h);
+                    const int32_t *xs = a->xs + 2 * t * nbx;
+                    for (int j = 0; j < 4; j++) {
+                        const int gi = 8 * n + 2 * j + h;
+                        l16i s = l16_set1_epi32(-4 * xs[16 * b + gi]);
+                        for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, W[j][i], x4 + 8 * j + i);
+                        acc[t].a[gi] = r16_add(acc[t].a[gi], s, ws[j], a->xd[t * nbx + 8 * b + gi / 2]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+static void r16_tile_q5k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 2816 * b;
+        const l16f d = r16_f16(blk), dmin = r16_f16(blk + 32);
+        const l16i S[3] = {l16_loadu_si512(Q5_AT(blk, 0)), l16_loadu_si512(Q5_AT(blk, 1)),
+                           l16_loadu_si512(Q5_AT(blk, 2))};
+        const int h = (int)(b % 2);
+        for (int c = 0; c < 4; c++) {
+            l16i W[16];
+            for (int k = 0; k < 8; k++) q5_unpack(blk, c, k, &W[k], &W[8 + k]);
+            l16f ws[2], wm[2];
+            for (int e = 0; e < 2; e++) {
+                ws[e] = l16_mul_ps(d, l16_cvtepi32_ps(k4_lanes(S, 2 * c + e, 0)));
+                wm[e] = l16_mul_ps(dmin, l16_cvtepi32_ps(k4_lanes(S, 2 * c + e, 1)));
+            }
+            for (int64_t t = 0; t < nx; t++) {
+                const int32_t *x0 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b + 64 * c), *x1 = x0 + 8;
+                l16i n0 = l16_setzero_si512(), n1 = l16_setzero_si512();
+                for (int k = 0; k < 8; k++) {
+                    n0 = dpbusd_bcst(n0, W[k], x0 + k);
+                    n1 = dpbusd_bcst(n1, W[8 + k], x1 + k);
+                }
+                const l16i n[2] = {n0, n1};
+                for (int e = 0; e < 2; e++) {
+                    const int64_t u = 8 * b + 2 * c + e;
+                    const int tt = 8 * h + 2 * c + e;
+                    acc[t].a[tt] = r16_add_min(acc[t].a[tt], n[e], ws[e], a->xd[t * nbx + u], wm[e],
+                                               a->xsum[t * nbx + u]);
+                }
+            }
+        }
+    }
+}
+
 /* 16 rows of group g (format fmt as in the file) times a's nx >= 2 rows: out[t * ld + lane] */
 static void r16_tile(int fmt, const uint8_t *g, const acts *a, float *out, int64_t ld) {
     r16_acc acc[MAX_BATCH];
@@ -1090,6 +1567,12 @@ static void r16_tile(int fmt, const uint8_t *g, const acts *a, float *out, int64
     case Q4_0: r16_tile32(Q4_0, g, nb, a, acc); break;
     case Q4_1: r16_tile32(Q4_1, g, nb, a, acc); break;
     case Q4_K: r16_tile_q4k(g, nb, a, acc); break;
+    case Q2_K: r16_tile_q2k(g, nb, a, acc); break;
+    case Q3_K: r16_tile_q3k(g, nb, a, acc); break;
+    case Q5_K: r16_tile_q5k(g, nb, a, acc); break;
+    case TQ2_0: r16_tile_tq2(g, nb, a, acc); break;
+    case IQ4_XS: r16_tile_iq4xs(g, nb, a, acc); break;
+    case IQ4_NL: r16_tile32(IQ4_NL, g, nb, a, acc); break;
     default: r16_tile_q6k(g, nb, a, acc); break;
     }
     for (int64_t t = 0; t < a->nx; t++) fold16_rows(acc[t].a, out + t * ld);
@@ -1108,6 +1591,12 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
     case Q4_0: r16_group1(Q4_0, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
     case Q4_1: r16_group1(Q4_1, g, nbx, a->xq, a->xd, a->xs, a->xsum, out); break;
     case Q4_K: r16_group1_q4k(g, cols / 256, a->xq, a->xd, a->xsum, out); break;
+    case Q2_K: r16_group1_q2k(g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case Q3_K: r16_group1_q3k(g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case Q5_K: r16_group1_q5k(g, cols / 256, a->xq, a->xd, a->xsum, out); break;
+    case TQ2_0: r16_group1_tq2(g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ4_XS: r16_group1_iq4xs(g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ4_NL: r16_group1(IQ4_NL, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
     default: r16_group1_q6k(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     }
     if (!pl->nu) return;
@@ -1123,19 +1612,22 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
 
 int cs_repacked(int fmt) {
     return fmt == Q4_0 ? Q4_0R : fmt == Q4_1 ? Q4_1R : fmt == Q8_0 ? Q8_0R : fmt == Q4_K ? Q4_KR
-         : fmt == Q6_K ? Q6_KR : -1;
+         : fmt == Q6_K ? Q6_KR : fmt == Q2_K ? Q2_KR : fmt == Q3_K ? Q3_KR : fmt == Q5_K ? Q5_KR
+         : fmt == TQ2_0 ? TQ2_0R : fmt == IQ4_XS ? IQ4_XSR : fmt == IQ4_NL ? IQ4_NLR : -1;
 }
 
 /* one block of row r of a group, from the file's layout (src) into the group's (o), or back */
 static inline void r16_lane(int fmt, uint8_t *o, int r, uint8_t *src, int back) {
-    const int two = fmt == Q4_K || fmt == Q4_1; /* two f16s first: d and dmin (m) */
+    /* two 16-bit fields: d and dmin (m); IQ4_XS's d and its high scale bits */
+    const int two = fmt == Q4_K || fmt == Q5_K || fmt == Q4_1 || fmt == Q2_K || fmt == IQ4_XS;
     const int head = two ? 4 : 2, bb = R16_BYTES(fmt);
     const int words = (bb - head) / 4, body = two ? 64 : 32;
-    const int first = fmt == Q6_K ? 0 : head;                      /* Q6_K: d after its words */
-    uint8_t *f[2] = {o + 2 * r, fmt == Q6_K ? src + 208 : src};
+    const int tail = fmt == Q6_K || fmt == Q2_K || fmt == Q3_K || fmt == TQ2_0; /* f16s after words */
+    const int first = tail ? 0 : head, at = tail ? bb - head : 0;
+    uint8_t *f[2] = {o + 2 * r, src + at};
     memcpy(f[back], f[!back], 2);
     if (two) {
-        uint8_t *m[2] = {o + 32 + 2 * r, src + 2};
+        uint8_t *m[2] = {o + 32 + 2 * r, src + at + 2};
         memcpy(m[back], m[!back], 2);
     }
     for (int k = 0; k < words; k++) {
@@ -1144,7 +1636,7 @@ static inline void r16_lane(int fmt, uint8_t *o, int r, uint8_t *src, int back) 
     }
 }
 
-/* out = w (rows of Q4_0, Q4_1, Q8_0, Q4_K or Q6_K) with its whole 16-row groups repacked; the same size */
+/* out = w (rows of Q4_0, Q4_1, Q8_0, Q2_K, Q4_K or Q6_K) with its whole 16-row groups repacked; the same size */
 void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
     const int bb = R16_BYTES(fmt), gb = R16_BLOCK(fmt);
     const int64_t nb = row_bytes / bb, ng = rows / 16;
