@@ -32,9 +32,9 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_
 /* The same formats repacked in 16-row groups (cs_repack: only on CPUs that have the kernels
  * for them; elsewhere never made), and the format of a row after a weight's last group. */
 enum { Q4_0R = 102, Q4_1R = 103, Q8_0R = 108, Q2_KR = 110, Q3_KR = 111, Q4_KR = 112, Q5_KR = 113,
-       Q6_KR = 114, IQ4_NLR = 120, IQ4_XSR = 123, TQ2_0R = 135 };
+       Q6_KR = 114, IQ1_SR = 119, IQ4_NLR = 120, IQ4_XSR = 123, TQ2_0R = 135 };
 #define IS_R16(f) ((f) == Q4_0R || (f) == Q4_1R || (f) == Q8_0R || ((f) >= Q2_KR && (f) <= Q6_KR) \
-                   || (f) == IQ4_NLR || (f) == IQ4_XSR || (f) == TQ2_0R)
+                   || (f) == IQ4_NLR || (f) == IQ4_XSR || (f) == TQ2_0R || (f) == IQ1_SR)
 #define R16_NATURAL(f) (IS_R16(f) ? (f) - 100 : (f))
 #define MAX_BATCH 16
 
@@ -597,6 +597,9 @@ typedef __m512 l16f;
 #define l16_loadu_si512 _mm512_loadu_si512
 #define l16_ternarylogic_epi32 _mm512_ternarylogic_epi32
 #define l16_shuffle_epi8 _mm512_shuffle_epi8
+#define l16_add_epi8 _mm512_add_epi8
+/* 16 int32 from base[idx[lane]] */
+static inline __m512i l16_gather32(__m512i idx, const int32_t *base) { return _mm512_i32gather_epi32(idx, (const void *)base, 4); }
 #define l16_add_ps _mm512_add_ps
 #define l16_sub_ps _mm512_sub_ps
 #define l16_mul_ps _mm512_mul_ps
@@ -700,6 +703,10 @@ static inline l16i r16_u16(const uint8_t *p) {
                   _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))};
 }
 static inline l16i l16_shuffle_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_shuffle_epi8); }
+static inline l16i l16_add_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_add_epi8); }
+static inline l16i l16_gather32(l16i idx, const int32_t *base) {
+    return (l16i){_mm256_i32gather_epi32((const int *)base, idx.l, 4), _mm256_i32gather_epi32((const int *)base, idx.h, 4)};
+}
 static inline l16i l16_table(const int8_t *t) {
     const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
     return (l16i){v, v};
@@ -710,7 +717,7 @@ static inline l16i l16_table(const int8_t *t) {
 /* one row's block in the file; a group's block (16 rows') */
 #define R16_BYTES(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : (f) == Q2_K ? 84 \
                       : (f) == Q3_K ? 110 : (f) == Q5_K ? 176 : (f) == Q4_1 ? 20 : (f) == TQ2_0 ? 66 \
-                      : (f) == IQ4_XS ? 136 : 18)
+                      : (f) == IQ4_XS ? 136 : (f) == IQ1_S ? 50 : 18)
 /* a group's block: each f16 field 32 bytes, each word of a row's block a 64-byte chunk */
 #define R16_BLOCK(f) (16 * R16_BYTES(f))
 #define R16_ELEMS(f) ((f) == Q8_0 || (f) == Q4_0 || (f) == Q4_1 || (f) == IQ4_NL ? 32 : 256) /* a block's */
@@ -1078,6 +1085,75 @@ R16_UNROLL4
     fold16_rows(A, out);
 }
 
+/* An IQ1_S group block: the 16 rows' d, then 12 words a chunk each: 8 of index bytes (word s:
+ * sub-block s's 4 entries), 4 of 16-bit fields (sub-block s's at word 8 + s / 2, half s % 2:
+ * each entry's 3 top index bits, a 3-bit scale, the delta's sign). */
+#define IQ1_AT(blk, word) ((const void *)((blk) + 32 + 64 * (word)))
+
+/* sub-block s's 16-bit field of the 16 rows */
+static inline l16i iq1s_field(const uint8_t *blk, int s) {
+    const l16i H = l16_loadu_si512(IQ1_AT(blk, 8 + s / 2));
+    return s % 2 ? l16_srli_epi32(H, 16) : l16_and_si512(H, l16_set1_epi32(0xFFFF));
+}
+
+/* d (2 s + 1) / 8 of the 16 rows: dec_iq1_s's scale (values are stored as 8 (value + delta)) */
+static inline l16f iq1s_scale_lanes(l16f d, l16i w) {
+    const l16i s = l16_and_si512(l16_srli_epi32(w, 12), l16_set1_epi32(7));
+    const l16i odd = l16_add_epi32(l16_slli_epi32(s, 1), l16_set1_epi32(1));
+    return l16_mul_ps(l16_mul_ps(d, l16_cvtepi32_ps(odd)), l16_set1_ps(0.125f));
+}
+
+/* the 11-bit grid index of entry e (0..3) of sub-block s: its index byte and 3 bits of w */
+static inline l16i iq1s_index(l16i L, l16i w, int e) {
+    const l16i low = l16_and_si512(l16_srli_epi32(L, 8 * e), l16_set1_epi32(0xFF));
+    const l16i top = l16_and_si512(l16_srli_epi32(w, 3 * e), l16_set1_epi32(7));
+    return l16_or_si512(low, l16_slli_epi32(top, 8));
+}
+
+/* W[2e], W[2e + 1]: entry e's 8 values as 8 (value + delta) + 9 (0..18, dpbusd's unsigned
+ * bytes): the grid's 4-byte halves gathered by index, (v + 1) 8, and 0 or 2 for the delta */
+static inline __attribute__((always_inline)) void iq1s_unpack(l16i L, l16i w, l16i W[8]) {
+    const int32_t *grid = (const int32_t *)(const void *)iq1s_grid;
+    const l16i one = l16_set1_epi8(1), two = l16_set1_epi32(0x02020202);
+    const l16i neg = l16_srai_epi32(l16_slli_epi32(w, 16), 31); /* all ones: delta -1/8 */
+    const l16i delta = l16_xor_si512(l16_and_si512(neg, two), two);
+R16_UNROLL4
+    for (int e = 0; e < 4; e++) {
+        const l16i i2 = l16_slli_epi32(iq1s_index(L, w, e), 1);
+R16_UNROLL2
+        for (int k = 0; k < 2; k++) {
+            const l16i v = l16_gather32(k ? l16_add_epi32(i2, l16_set1_epi32(1)) : i2, grid);
+            W[2 * e + k] = l16_add_epi8(l16_slli_epi16(l16_add_epi8(v, one), 3), delta);
+        }
+    }
+}
+
+/* 16 repacked IQ1_S rows times one activation row: units of 32, as row_q in Q4_1's loop
+ * (each value 8 (v + delta), the scale divided by 8: lowbit.c) */
+static void r16_group1_iq1s(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                            const int32_t *xs, float *out) {
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 800 * b;
+        const l16f d = r16_f16(blk);
+        const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b);
+R16_UNROLL2
+        for (int s = 0; s < 8; s++) {
+            const int64_t u = 8 * b + s;
+            const l16i w = iq1s_field(blk, s);
+            l16i W[8];
+            iq1s_unpack(l16_loadu_si512(IQ1_AT(blk, s)), w, W);
+            l16i n = l16_set1_epi32(-9 * (xs[2 * u] + xs[2 * u + 1]));
+R16_UNROLL8
+            for (int k = 0; k < 8; k++) n = dpbusd_bcst(n, W[k], x4 + 8 * s + k);
+            const int t = 8 * (int)(b % 2) + s;
+            A[t] = r16_add(A[t], n, iq1s_scale_lanes(d, w), xd[u]);
+        }
+    }
+    fold16_rows(A, out);
+}
+
 /* A Q3_K group block: the 16 rows' d, then their 27 words a chunk each: 8 of high bits
  * (hmask), 16 of 2-bit values (as Q2_K's), 3 of scales. */
 #define Q3_AT(blk, word) ((const void *)((blk) + 32 + 64 * (word)))
@@ -1197,6 +1273,18 @@ static inline l16i r16_lookup(l16i tbl, l16i nibble) {
 }
 
 static inline l16f r16_weights(int fmt, const uint8_t *g, int32_t col) {
+    if (fmt == IQ1_S) { /* d (2 s + 1) / 8 times 8 (v + delta) */
+        const uint8_t *blk = g + 800 * (col >> 8);
+        const int e = col & 255, sb = e >> 5, at = e & 31; /* value at of sub-block sb */
+        const l16i w = iq1s_field(blk, sb);
+        const l16i idx = iq1s_index(l16_loadu_si512(IQ1_AT(blk, sb)), w, at / 8);
+        const l16i word = l16_gather32(l16_add_epi32(l16_slli_epi32(idx, 1), l16_set1_epi32((at % 8) / 4)),
+                                       (const int32_t *)(const void *)iq1s_grid);
+        const l16i v = l16_srai_epi32(l16_slli_epi32(word, 24 - 8 * (at % 4)), 24);
+        const l16i neg = l16_srai_epi32(l16_slli_epi32(w, 16), 31); /* -1 or 0 */
+        const l16i q = l16_add_epi32(l16_slli_epi32(v, 3), l16_add_epi32(l16_add_epi32(neg, neg), l16_set1_epi32(1)));
+        return l16_mul_ps(iq1s_scale_lanes(r16_f16(blk), w), l16_cvtepi32_ps(q));
+    }
     if (fmt == TQ2_0) { /* d (digit - 1) */
         const uint8_t *blk = g + 1056 * (col >> 8), *body = blk + 32;
         const int e = col & 255, at = 32 * (e >> 7) + (e & 31);
@@ -1441,6 +1529,29 @@ static void r16_tile_q2k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
     }
 }
 
+static void r16_tile_iq1s(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 800 * b;
+        const l16f d = r16_f16(blk);
+        for (int s = 0; s < 8; s++) {
+            const int64_t u = 8 * b + s;
+            const l16i w = iq1s_field(blk, s);
+            l16i W[8];
+            iq1s_unpack(l16_loadu_si512(IQ1_AT(blk, s)), w, W);
+            const l16f ws = iq1s_scale_lanes(d, w);
+            const int tt = 8 * (int)(b % 2) + s;
+            for (int64_t t = 0; t < nx; t++) {
+                const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
+                const int32_t *xs = a->xs + 2 * t * nbx;
+                l16i n = l16_set1_epi32(-9 * (xs[2 * u] + xs[2 * u + 1]));
+                for (int k = 0; k < 8; k++) n = dpbusd_bcst(n, W[k], x4 + 8 * s + k);
+                acc[t].a[tt] = r16_add(acc[t].a[tt], n, ws, a->xd[t * nbx + u]);
+            }
+        }
+    }
+}
+
 static void r16_tile_tq2(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
     const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
     const l16i m3 = l16_set1_epi8(3);
@@ -1573,6 +1684,7 @@ static void r16_tile(int fmt, const uint8_t *g, const acts *a, float *out, int64
     case TQ2_0: r16_tile_tq2(g, nb, a, acc); break;
     case IQ4_XS: r16_tile_iq4xs(g, nb, a, acc); break;
     case IQ4_NL: r16_tile32(IQ4_NL, g, nb, a, acc); break;
+    case IQ1_S: r16_tile_iq1s(g, nb, a, acc); break;
     default: r16_tile_q6k(g, nb, a, acc); break;
     }
     for (int64_t t = 0; t < a->nx; t++) fold16_rows(acc[t].a, out + t * ld);
@@ -1597,6 +1709,7 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
     case TQ2_0: r16_group1_tq2(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     case IQ4_XS: r16_group1_iq4xs(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     case IQ4_NL: r16_group1(IQ4_NL, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
+    case IQ1_S: r16_group1_iq1s(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     default: r16_group1_q6k(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     }
     if (!pl->nu) return;
@@ -1613,7 +1726,8 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
 int cs_repacked(int fmt) {
     return fmt == Q4_0 ? Q4_0R : fmt == Q4_1 ? Q4_1R : fmt == Q8_0 ? Q8_0R : fmt == Q4_K ? Q4_KR
          : fmt == Q6_K ? Q6_KR : fmt == Q2_K ? Q2_KR : fmt == Q3_K ? Q3_KR : fmt == Q5_K ? Q5_KR
-         : fmt == TQ2_0 ? TQ2_0R : fmt == IQ4_XS ? IQ4_XSR : fmt == IQ4_NL ? IQ4_NLR : -1;
+         : fmt == TQ2_0 ? TQ2_0R : fmt == IQ4_XS ? IQ4_XSR : fmt == IQ4_NL ? IQ4_NLR
+         : fmt == IQ1_S ? IQ1_SR : -1;
 }
 
 /* one block of row r of a group, from the file's layout (src) into the group's (o), or back */
