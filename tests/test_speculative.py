@@ -260,21 +260,25 @@ def test_a_ring_drafts_with_its_first_stage_s_draft_model(demo: Model, demo_path
 
 def test_a_swarm_s_workers_draft_with_their_draft_model(demo: Model, demo_path: Path,
                                                        tmp_path: Path) -> None:  # fmt: skip
-    """`cellswarm up --draft` / `worker --draft`: the worker that runs the first stage drafts
-    with the draft model, within its --memory; the job's text is the one-process text, and
-    the job says its drafts. A draft file that is not there is one line before any start."""
+    """`cellswarm up --workers 4 --memory 256M --draft` (issue 56: it never served, its
+    first stage placed without room for the draft): the context fitted as `up` fits it, the
+    worker that runs the first stage drafts with the draft model, within its --memory (no
+    node's peak over its budget); the job's text is the one-process text, and the job says
+    its drafts. A draft file that is not there is one line before any start."""
     from bench.speculative_peer import truncated_draft
     from cellswarm.swarm.api import client
     from cellswarm.swarm.local.up import LocalSwarm
 
     draft = str(truncated_draft(demo_path, tmp_path / "draft.gguf", 6))
     messages = [{"role": "user", "content": KINDS["summary"]}]
-    with LocalSwarm(str(demo_path), 2, "256M", tmp_path / "swarm", draft=draft,
-                    context=400) as swarm:  # fmt: skip
-        swarm.wait_ready()
+    with LocalSwarm(str(demo_path), 4, "256M", tmp_path / "swarm", draft=draft,
+                    context=None) as swarm:  # fmt: skip
+        swarm.wait_ready()  # (started as `cellswarm up` starts it: the context fitted)
         said = {mode: client.call(swarm.url, "/v1/chat/completions", {
             "model": demo_path.name, "messages": messages, "max_tokens": 24,
             "temperature": 0, "speculative": mode}) for mode in ("off", "draft")}  # fmt: skip
+        nodes = swarm.status()["nodes"]
+    assert all(n["peak_rss_bytes"] <= n["memory_bytes"] for n in nodes), nodes
     text = {mode: r["choices"][0]["message"]["content"] for mode, r in said.items()}
     assert text["draft"] == text["off"] and text["off"], text
     expected = demo.generate(_chat(demo, KINDS["summary"]), GenerateOptions(24))

@@ -32,9 +32,9 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_
 /* The same formats repacked in 16-row groups (cs_repack: only on CPUs that have the kernels
  * for them; elsewhere never made), and the format of a row after a weight's last group. */
 enum { Q4_0R = 102, Q4_1R = 103, Q8_0R = 108, Q2_KR = 110, Q3_KR = 111, Q4_KR = 112, Q5_KR = 113,
-       Q6_KR = 114, IQ1_SR = 119, IQ4_NLR = 120, IQ4_XSR = 123, TQ2_0R = 135 };
+       Q6_KR = 114, IQ2_XXSR = 116, IQ1_SR = 119, IQ4_NLR = 120, IQ4_XSR = 123, TQ2_0R = 135 };
 #define IS_R16(f) ((f) == Q4_0R || (f) == Q4_1R || (f) == Q8_0R || ((f) >= Q2_KR && (f) <= Q6_KR) \
-                   || (f) == IQ4_NLR || (f) == IQ4_XSR || (f) == TQ2_0R || (f) == IQ1_SR)
+                   || (f) == IQ4_NLR || (f) == IQ4_XSR || (f) == TQ2_0R || (f) == IQ1_SR || (f) == IQ2_XXSR)
 #define R16_NATURAL(f) (IS_R16(f) ? (f) - 100 : (f))
 #define MAX_BATCH 16
 
@@ -598,6 +598,9 @@ typedef __m512 l16f;
 #define l16_ternarylogic_epi32 _mm512_ternarylogic_epi32
 #define l16_shuffle_epi8 _mm512_shuffle_epi8
 #define l16_add_epi8 _mm512_add_epi8
+#define l16_sub_epi8 _mm512_sub_epi8
+/* 0xFF in each byte of a that has every bit of the same byte of bits, else 0 */
+static inline __m512i l16_bytes_set(__m512i a, __m512i bits) { return _mm512_movm_epi8(_mm512_cmpeq_epi8_mask(_mm512_and_si512(a, bits), bits)); }
 /* 16 int32 from base[idx[lane]] */
 static inline __m512i l16_gather32(__m512i idx, const int32_t *base) { return _mm512_i32gather_epi32(idx, (const void *)base, 4); }
 #define l16_add_ps _mm512_add_ps
@@ -704,6 +707,9 @@ static inline l16i r16_u16(const uint8_t *p) {
 }
 static inline l16i l16_shuffle_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_shuffle_epi8); }
 static inline l16i l16_add_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_add_epi8); }
+static inline l16i l16_sub_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_sub_epi8); }
+static inline __m256i bytes_set_half(__m256i a, __m256i bits) { return _mm256_cmpeq_epi8(_mm256_and_si256(a, bits), bits); }
+static inline l16i l16_bytes_set(l16i a, l16i b) { L16_PAIR(l16i, bytes_set_half); }
 static inline l16i l16_gather32(l16i idx, const int32_t *base) {
     return (l16i){_mm256_i32gather_epi32((const int *)base, idx.l, 4), _mm256_i32gather_epi32((const int *)base, idx.h, 4)};
 }
@@ -717,7 +723,7 @@ static inline l16i l16_table(const int8_t *t) {
 /* one row's block in the file; a group's block (16 rows') */
 #define R16_BYTES(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : (f) == Q2_K ? 84 \
                       : (f) == Q3_K ? 110 : (f) == Q5_K ? 176 : (f) == Q4_1 ? 20 : (f) == TQ2_0 ? 66 \
-                      : (f) == IQ4_XS ? 136 : (f) == IQ1_S ? 50 : 18)
+                      : (f) == IQ4_XS ? 136 : (f) == IQ1_S ? 50 : (f) == IQ2_XXS ? 66 : 18)
 /* a group's block: each f16 field 32 bytes, each word of a row's block a 64-byte chunk */
 #define R16_BLOCK(f) (16 * R16_BYTES(f))
 #define R16_ELEMS(f) ((f) == Q8_0 || (f) == Q4_0 || (f) == Q4_1 || (f) == IQ4_NL ? 32 : 256) /* a block's */
@@ -1154,6 +1160,69 @@ R16_UNROLL8
     fold16_rows(A, out);
 }
 
+/* An IQ2_XXS group block: the 16 rows' d, then 16 words a chunk each: sub-block s's 4 grid
+ * indices (word 2 s) and its signs and scale (word 2 s + 1, aux) */
+#define IQ2_AT(blk, word) ((const void *)((blk) + 32 + 64 * (word)))
+
+/* d (0.5 + s) / 4 of the 16 rows: dec_iq2_xxs's scale (iq_scale), s = aux >> 28 */
+static inline l16f iq2xxs_scale_lanes(l16f d, l16i aux) {
+    const l16f s = l16_cvtepi32_ps(l16_srli_epi32(aux, 28));
+    return l16_mul_ps(l16_mul_ps(d, l16_add_ps(l16_set1_ps(0.5f), s)), l16_set1_ps(0.25f));
+}
+
+/* ksigns_iq2xs[(aux >> 7 k) & 127] of the 16 rows: the 7 bits, and an 8th for even parity */
+static inline l16i iq2_signs(l16i aux, int k) {
+    const l16i i = l16_and_si512(l16_srli_epi32(aux, 7 * k), l16_set1_epi32(127));
+    l16i p = l16_xor_si512(i, l16_srli_epi32(i, 4));
+    p = l16_xor_si512(p, l16_srli_epi32(p, 2));
+    p = l16_xor_si512(p, l16_srli_epi32(p, 1));
+    return l16_or_si512(i, l16_slli_epi32(l16_and_si512(p, l16_set1_epi32(1)), 7));
+}
+
+/* entry k's 8 values with their signs, as Q8_0's weights go to dot_q8: W[0] values 0-3, W[1]
+ * 4-7; each lane's sign byte spread over its 4 bytes, a byte negated where its bit is set */
+static inline __attribute__((always_inline)) void iq2xxs_entry(l16i L, l16i aux, int k, l16i W[2]) {
+    const int32_t *grid = (const int32_t *)(const void *)iq2xxs_grid;
+    const l16i i2 = l16_slli_epi32(l16_and_si512(l16_srli_epi32(L, 8 * k), l16_set1_epi32(0xFF)), 1);
+    static const int8_t byte0[16] = {0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12};
+    const l16i spread = l16_shuffle_epi8(iq2_signs(aux, k), l16_table(byte0));
+    const l16i flip = l16_set1_epi8(-128);
+R16_UNROLL2
+    for (int h = 0; h < 2; h++) {
+        const l16i v = l16_gather32(h ? l16_add_epi32(i2, l16_set1_epi32(1)) : i2, grid);
+        const l16i m = l16_bytes_set(spread, l16_set1_epi32(h ? (int)0x80402010 : 0x08040201));
+        W[h] = r16_q8(l16_sub_epi8(l16_xor_si512(v, m), m), flip);
+    }
+}
+
+/* 16 repacked IQ2_XXS rows times one activation row: units of 32, as row_q in Q4_1's loop */
+static void r16_group1_iq2xxs(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                              const int32_t *xs, float *out) {
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 1056 * b;
+        const l16f d = r16_f16(blk);
+        const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b);
+R16_UNROLL2
+        for (int s = 0; s < 8; s++) {
+            const int64_t u = 8 * b + s;
+            const l16i L = l16_loadu_si512(IQ2_AT(blk, 2 * s)), aux = l16_loadu_si512(IQ2_AT(blk, 2 * s + 1));
+            l16i n0 = l16_set1_epi32(-R16_Q8_OFF * (xs[2 * u] + xs[2 * u + 1])), n1 = l16_setzero_si512();
+R16_UNROLL4
+            for (int k = 0; k < 4; k++) {
+                l16i W[2];
+                iq2xxs_entry(L, aux, k, W);
+                n0 = dot_q8_bcst(n0, W[0], x4 + 8 * s + 2 * k);
+                n1 = dot_q8_bcst(n1, W[1], x4 + 8 * s + 2 * k + 1);
+            }
+            const int t = 8 * (int)(b % 2) + s;
+            A[t] = r16_add(A[t], l16_add_epi32(n0, n1), iq2xxs_scale_lanes(d, aux), xd[u]);
+        }
+    }
+    fold16_rows(A, out);
+}
+
 /* A Q3_K group block: the 16 rows' d, then their 27 words a chunk each: 8 of high bits
  * (hmask), 16 of 2-bit values (as Q2_K's), 3 of scales. */
 #define Q3_AT(blk, word) ((const void *)((blk) + 32 + 64 * (word)))
@@ -1284,6 +1353,19 @@ static inline l16f r16_weights(int fmt, const uint8_t *g, int32_t col) {
         const l16i neg = l16_srai_epi32(l16_slli_epi32(w, 16), 31); /* -1 or 0 */
         const l16i q = l16_add_epi32(l16_slli_epi32(v, 3), l16_add_epi32(l16_add_epi32(neg, neg), l16_set1_epi32(1)));
         return l16_mul_ps(iq1s_scale_lanes(r16_f16(blk), w), l16_cvtepi32_ps(q));
+    }
+    if (fmt == IQ2_XXS) { /* d (0.5 + s) / 4 times the entry's value, its sign applied */
+        const uint8_t *blk = g + 1056 * (col >> 8);
+        const int e = col & 255, sb = e >> 5, at = e & 31, k = at / 8, j = at % 8;
+        const l16i L = l16_loadu_si512(IQ2_AT(blk, 2 * sb)), aux = l16_loadu_si512(IQ2_AT(blk, 2 * sb + 1));
+        const l16i i2 = l16_slli_epi32(l16_and_si512(l16_srli_epi32(L, 8 * k), l16_set1_epi32(0xFF)), 1);
+        const l16i word = l16_gather32(l16_add_epi32(i2, l16_set1_epi32(j / 4)),
+                                       (const int32_t *)(const void *)iq2xxs_grid);
+        const l16i v = l16_and_si512(l16_srli_epi32(word, 8 * (j % 4)), l16_set1_epi32(0xFF));
+        const l16i neg = l16_and_si512(l16_srli_epi32(iq2_signs(aux, k), j), l16_set1_epi32(1));
+        const l16i q = l16_sub_epi32(l16_xor_si512(v, l16_sub_epi32(l16_setzero_si512(), neg)),
+                                     l16_sub_epi32(l16_setzero_si512(), neg)); /* (v ^ -n) + n */
+        return l16_mul_ps(iq2xxs_scale_lanes(r16_f16(blk), aux), l16_cvtepi32_ps(q));
     }
     if (fmt == TQ2_0) { /* d (digit - 1) */
         const uint8_t *blk = g + 1056 * (col >> 8), *body = blk + 32;
@@ -1552,6 +1634,32 @@ static void r16_tile_iq1s(const uint8_t *g, int64_t nb, const acts *a, r16_acc *
     }
 }
 
+static void r16_tile_iq2xxs(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 1056 * b;
+        const l16f d = r16_f16(blk);
+        for (int s = 0; s < 8; s++) {
+            const int64_t u = 8 * b + s;
+            const l16i L = l16_loadu_si512(IQ2_AT(blk, 2 * s)), aux = l16_loadu_si512(IQ2_AT(blk, 2 * s + 1));
+            l16i W[8];
+            for (int k = 0; k < 4; k++) iq2xxs_entry(L, aux, k, W + 2 * k);
+            const l16f ws = iq2xxs_scale_lanes(d, aux);
+            const int tt = 8 * (int)(b % 2) + s;
+            for (int64_t t = 0; t < nx; t++) {
+                const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
+                const int32_t *xs = a->xs + 2 * t * nbx;
+                l16i n0 = l16_set1_epi32(-R16_Q8_OFF * (xs[2 * u] + xs[2 * u + 1])), n1 = l16_setzero_si512();
+                for (int k = 0; k < 8; k += 2) {
+                    n0 = dot_q8_bcst(n0, W[k], x4 + 8 * s + k);
+                    n1 = dot_q8_bcst(n1, W[k + 1], x4 + 8 * s + k + 1);
+                }
+                acc[t].a[tt] = r16_add(acc[t].a[tt], l16_add_epi32(n0, n1), ws, a->xd[t * nbx + u]);
+            }
+        }
+    }
+}
+
 static void r16_tile_tq2(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
     const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
     const l16i m3 = l16_set1_epi8(3);
@@ -1685,6 +1793,7 @@ static void r16_tile(int fmt, const uint8_t *g, const acts *a, float *out, int64
     case IQ4_XS: r16_tile_iq4xs(g, nb, a, acc); break;
     case IQ4_NL: r16_tile32(IQ4_NL, g, nb, a, acc); break;
     case IQ1_S: r16_tile_iq1s(g, nb, a, acc); break;
+    case IQ2_XXS: r16_tile_iq2xxs(g, nb, a, acc); break;
     default: r16_tile_q6k(g, nb, a, acc); break;
     }
     for (int64_t t = 0; t < a->nx; t++) fold16_rows(acc[t].a, out + t * ld);
@@ -1710,6 +1819,7 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
     case IQ4_XS: r16_group1_iq4xs(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     case IQ4_NL: r16_group1(IQ4_NL, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
     case IQ1_S: r16_group1_iq1s(g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ2_XXS: r16_group1_iq2xxs(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     default: r16_group1_q6k(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     }
     if (!pl->nu) return;
@@ -1727,7 +1837,7 @@ int cs_repacked(int fmt) {
     return fmt == Q4_0 ? Q4_0R : fmt == Q4_1 ? Q4_1R : fmt == Q8_0 ? Q8_0R : fmt == Q4_K ? Q4_KR
          : fmt == Q6_K ? Q6_KR : fmt == Q2_K ? Q2_KR : fmt == Q3_K ? Q3_KR : fmt == Q5_K ? Q5_KR
          : fmt == TQ2_0 ? TQ2_0R : fmt == IQ4_XS ? IQ4_XSR : fmt == IQ4_NL ? IQ4_NLR
-         : fmt == IQ1_S ? IQ1_SR : -1;
+         : fmt == IQ1_S ? IQ1_SR : fmt == IQ2_XXS ? IQ2_XXSR : -1;
 }
 
 /* one block of row r of a group, from the file's layout (src) into the group's (o), or back */
