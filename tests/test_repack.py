@@ -1,5 +1,6 @@
 """Weights repacked at load into 16-row groups (kernels.c, "Q4_0 and Q8_0 in 16-row groups";
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, TQ2_0, IQ4_NL, IQ4_XS, IQ1_S and IQ2_XXS in the same scheme):
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, TQ2_0, IQ4_NL, IQ4_XS, IQ1_S, IQ2_XXS and IQ1_M in the same
+scheme):
 the same numbers to the bit as the file's layout, on every path that reads them, and the
 same memory (the file's pages are let go).
 
@@ -29,7 +30,7 @@ Q4_0 = format_by_name("q4_0")
 K_BLOCK = {  # bytes, where its f16s are, how many
     "Q4_K": (144, 0, 2), "Q6_K": (210, 208, 1), "Q2_K": (84, 80, 2), "Q3_K": (110, 108, 1),
     "Q5_K": (176, 0, 2), "TQ2_0": (66, 64, 1), "IQ4_XS": (136, 0, 1), "IQ4_NL": (18, 0, 1),
-    "IQ1_S": (50, 0, 1), "IQ2_XXS": (66, 0, 1),
+    "IQ1_S": (50, 0, 1), "IQ2_XXS": (66, 0, 1), "IQ1_M": (56, 48, 0),
 }
 
 
@@ -51,6 +52,11 @@ def _weights(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.nd
     blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
     scales = rng.uniform(1e-3, 1e-2, (rows, nb, n)).astype(np.float16)
     blocks[..., at : at + 2 * n] = scales.view(np.uint8).reshape(rows, nb, 2 * n)
+    if name == "IQ1_M":  # its d: an f16's 4 nibbles, the top nibble of each scale word
+        bits = rng.uniform(1e-3, 1e-2, (rows, nb)).astype(np.float16).view(np.uint16)
+        for k in range(4):
+            top = blocks[..., at + 2 * k + 1] & 0x0F
+            blocks[..., at + 2 * k + 1] = top | (((bits >> (4 * k)) & 0xF) << 4).astype(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -66,7 +72,7 @@ def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
 )  # fmt: skip
 @pytest.mark.parametrize("nx", [1, 3, 16])
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                                  "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ2_XXS"])
+                                  "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ2_XXS", "IQ1_M"])
 def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, name: str) -> None:
     """Whole groups and the rows after them, one token and a batch, with outliers (values
     multiplied in float) in the activations: every output bit as from the file's layout."""
@@ -128,7 +134,7 @@ def test_a_build_without_gfni_unpacks_q6_k_to_the_same_bits(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (37, 768)])
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                                  "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ2_XXS"])
+                                  "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ2_XXS", "IQ1_M"])
 def test_a_repacked_weight_dequantizes_to_the_gguf_values(rows: int, cols: int, name: str) -> None:
     rng = np.random.default_rng(rows)
     fmt = format_by_name(name)

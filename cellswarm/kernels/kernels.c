@@ -32,9 +32,11 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_
 /* The same formats repacked in 16-row groups (cs_repack: only on CPUs that have the kernels
  * for them; elsewhere never made), and the format of a row after a weight's last group. */
 enum { Q4_0R = 102, Q4_1R = 103, Q8_0R = 108, Q2_KR = 110, Q3_KR = 111, Q4_KR = 112, Q5_KR = 113,
-       Q6_KR = 114, IQ2_XXSR = 116, IQ1_SR = 119, IQ4_NLR = 120, IQ4_XSR = 123, TQ2_0R = 135 };
+       Q6_KR = 114, IQ2_XXSR = 116, IQ1_SR = 119, IQ4_NLR = 120, IQ4_XSR = 123, IQ1_MR = 129,
+       TQ2_0R = 135 };
 #define IS_R16(f) ((f) == Q4_0R || (f) == Q4_1R || (f) == Q8_0R || ((f) >= Q2_KR && (f) <= Q6_KR) \
-                   || (f) == IQ4_NLR || (f) == IQ4_XSR || (f) == TQ2_0R || (f) == IQ1_SR || (f) == IQ2_XXSR)
+                   || (f) == IQ4_NLR || (f) == IQ4_XSR || (f) == TQ2_0R || (f) == IQ1_SR || (f) == IQ2_XXSR \
+                   || (f) == IQ1_MR)
 #define R16_NATURAL(f) (IS_R16(f) ? (f) - 100 : (f))
 #define MAX_BATCH 16
 
@@ -627,6 +629,8 @@ static inline __m512i r16_q8(__m512i q, __m512i flip) { return _mm512_xor_si512(
 
 /* 16 f16 at p (16 rows' scales) as floats */
 static inline __m512 r16_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* each lane's low 16 bits as an f16, as a float */
+static inline __m512 l16_f16_bits(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
 /* 16 little-endian u16 at p as int32 lanes */
 static inline __m512i r16_u16(const uint8_t *p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
 /* a 16-byte table in every 128-bit lane */
@@ -705,6 +709,10 @@ static inline l16i r16_u16(const uint8_t *p) {
     return (l16i){_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)),
                   _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))};
 }
+static inline __m256 f16_bits_half(__m256i v) {
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+static inline l16f l16_f16_bits(l16i v) { return (l16f){f16_bits_half(v.l), f16_bits_half(v.h)}; }
 static inline l16i l16_shuffle_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_shuffle_epi8); }
 static inline l16i l16_add_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_add_epi8); }
 static inline l16i l16_sub_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_sub_epi8); }
@@ -723,7 +731,8 @@ static inline l16i l16_table(const int8_t *t) {
 /* one row's block in the file; a group's block (16 rows') */
 #define R16_BYTES(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : (f) == Q2_K ? 84 \
                       : (f) == Q3_K ? 110 : (f) == Q5_K ? 176 : (f) == Q4_1 ? 20 : (f) == TQ2_0 ? 66 \
-                      : (f) == IQ4_XS ? 136 : (f) == IQ1_S ? 50 : (f) == IQ2_XXS ? 66 : 18)
+                      : (f) == IQ4_XS ? 136 : (f) == IQ1_S ? 50 : (f) == IQ2_XXS ? 66 : (f) == IQ1_M ? 56 \
+                      : 18)
 /* a group's block: each f16 field 32 bytes, each word of a row's block a 64-byte chunk */
 #define R16_BLOCK(f) (16 * R16_BYTES(f))
 #define R16_ELEMS(f) ((f) == Q8_0 || (f) == Q4_0 || (f) == Q4_1 || (f) == IQ4_NL ? 32 : 256) /* a block's */
@@ -1160,6 +1169,82 @@ R16_UNROLL8
     fold16_rows(A, out);
 }
 
+/* An IQ1_M group block: no f16 field of its own (d is in the scales' top nibbles), its 14
+ * words a chunk each: 8 of index bytes (entry k: byte k), 4 of nibbles (entry k's 3 top index
+ * bits and its delta's sign: byte k / 2, nibble k % 2), 2 of scales (4 u16: 3 bits a group of
+ * 16, and d's 4 bits on top). Units of 16, as row_q runs it in Q2_K's loop. */
+#define IQ1M_AT(blk, word) ((const void *)((blk) + 64 * (word)))
+
+/* the 16 rows' u16 scale word k (0..3) */
+static inline l16i iq1m_scale_word(const uint8_t *blk, int k) {
+    const l16i S = l16_loadu_si512(IQ1M_AT(blk, 12 + k / 2));
+    return k % 2 ? l16_srli_epi32(S, 16) : l16_and_si512(S, l16_set1_epi32(0xFFFF));
+}
+
+/* d of the 16 rows: an f16 from the top nibbles of the 4 scale words (dec_iq1_m) */
+static inline l16f iq1m_d(const uint8_t *blk) {
+    const l16i f = l16_set1_epi32(0xF000);
+    l16i bits = l16_srli_epi32(iq1m_scale_word(blk, 0), 12);
+    bits = l16_or_si512(bits, l16_srli_epi32(l16_and_si512(iq1m_scale_word(blk, 1), f), 8));
+    bits = l16_or_si512(bits, l16_srli_epi32(l16_and_si512(iq1m_scale_word(blk, 2), f), 4));
+    bits = l16_or_si512(bits, l16_and_si512(iq1m_scale_word(blk, 3), f));
+    return l16_f16_bits(bits);
+}
+
+/* d (2 s + 1) / 8 of group gi (16 weights) of the 16 rows */
+static inline l16f iq1m_scale_lanes(const uint8_t *blk, l16f d, int gi) {
+    const l16i s = l16_and_si512(l16_srli_epi32(iq1m_scale_word(blk, gi / 4), 3 * (gi % 4)), l16_set1_epi32(7));
+    const l16i odd = l16_add_epi32(l16_slli_epi32(s, 1), l16_set1_epi32(1));
+    return l16_mul_ps(l16_mul_ps(d, l16_cvtepi32_ps(odd)), l16_set1_ps(0.125f));
+}
+
+/* entry k's 11-bit index and its delta's sign (all ones: -1/8) in the 16 rows */
+static inline void iq1m_entry(const uint8_t *blk, int k, l16i *index, l16i *neg) {
+    const l16i low = r16_bytes((const uint8_t *)IQ1M_AT(blk, k / 4), k % 4);
+    const l16i nib = l16_srli_epi32(r16_bytes((const uint8_t *)IQ1M_AT(blk, 8 + k / 8), (k / 2) % 4), 4 * (k % 2));
+    *index = l16_or_si512(low, l16_slli_epi32(l16_and_si512(nib, l16_set1_epi32(7)), 8));
+    *neg = l16_srai_epi32(l16_slli_epi32(nib, 28), 31);
+}
+
+/* W[4]: group gi's 16 values as 8 (value + delta) + 9 (entries 2 gi, 2 gi + 1; halves) */
+static inline __attribute__((always_inline)) void iq1m_unpack(const uint8_t *blk, int gi, l16i W[4]) {
+    const int32_t *grid = (const int32_t *)(const void *)iq1s_grid;
+    const l16i one = l16_set1_epi8(1), two = l16_set1_epi32(0x02020202);
+R16_UNROLL2
+    for (int e = 0; e < 2; e++) {
+        l16i index, neg;
+        iq1m_entry(blk, 2 * gi + e, &index, &neg);
+        const l16i delta = l16_xor_si512(l16_and_si512(neg, two), two);
+        const l16i i2 = l16_slli_epi32(index, 1);
+R16_UNROLL2
+        for (int h = 0; h < 2; h++) {
+            const l16i v = l16_gather32(h ? l16_add_epi32(i2, l16_set1_epi32(1)) : i2, grid);
+            W[2 * e + h] = l16_add_epi8(l16_slli_epi16(l16_add_epi8(v, one), 3), delta);
+        }
+    }
+}
+
+static void r16_group1_iq1m(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                            const int32_t *xs, float *out) {
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 896 * b;
+        const l16f d = iq1m_d(blk);
+        const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b);
+R16_UNROLL2
+        for (int gi = 0; gi < 16; gi++) {
+            l16i W[4];
+            iq1m_unpack(blk, gi, W);
+            l16i n = l16_set1_epi32(-9 * xs[16 * b + gi]);
+R16_UNROLL4
+            for (int k = 0; k < 4; k++) n = dpbusd_bcst(n, W[k], x4 + 4 * gi + k);
+            A[gi] = r16_add(A[gi], n, iq1m_scale_lanes(blk, d, gi), xd[8 * b + gi / 2]);
+        }
+    }
+    fold16_rows(A, out);
+}
+
 /* An IQ2_XXS group block: the 16 rows' d, then 16 words a chunk each: sub-block s's 4 grid
  * indices (word 2 s) and its signs and scale (word 2 s + 1, aux) */
 #define IQ2_AT(blk, word) ((const void *)((blk) + 32 + 64 * (word)))
@@ -1366,6 +1451,17 @@ static inline l16f r16_weights(int fmt, const uint8_t *g, int32_t col) {
         const l16i q = l16_sub_epi32(l16_xor_si512(v, l16_sub_epi32(l16_setzero_si512(), neg)),
                                      l16_sub_epi32(l16_setzero_si512(), neg)); /* (v ^ -n) + n */
         return l16_mul_ps(iq2xxs_scale_lanes(r16_f16(blk), aux), l16_cvtepi32_ps(q));
+    }
+    if (fmt == IQ1_M) { /* d (2 s + 1) / 8 times 8 (v + delta) */
+        const uint8_t *blk = g + 896 * (col >> 8);
+        const int e = col & 255, j = e % 8;
+        l16i index, neg;
+        iq1m_entry(blk, e / 8, &index, &neg);
+        const l16i word = l16_gather32(l16_add_epi32(l16_slli_epi32(index, 1), l16_set1_epi32(j / 4)),
+                                       (const int32_t *)(const void *)iq1s_grid);
+        const l16i v = l16_srai_epi32(l16_slli_epi32(word, 24 - 8 * (j % 4)), 24);
+        const l16i q = l16_add_epi32(l16_slli_epi32(v, 3), l16_add_epi32(l16_add_epi32(neg, neg), l16_set1_epi32(1)));
+        return l16_mul_ps(iq1m_scale_lanes(blk, iq1m_d(blk), e / 16), l16_cvtepi32_ps(q));
     }
     if (fmt == TQ2_0) { /* d (digit - 1) */
         const uint8_t *blk = g + 1056 * (col >> 8), *body = blk + 32;
@@ -1660,6 +1756,25 @@ static void r16_tile_iq2xxs(const uint8_t *g, int64_t nb, const acts *a, r16_acc
     }
 }
 
+static void r16_tile_iq1m(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 896 * b;
+        const l16f d = iq1m_d(blk);
+        for (int gi = 0; gi < 16; gi++) {
+            l16i W[4];
+            iq1m_unpack(blk, gi, W);
+            const l16f ws = iq1m_scale_lanes(blk, d, gi);
+            for (int64_t t = 0; t < nx; t++) {
+                const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
+                l16i n = l16_set1_epi32(-9 * a->xs[2 * t * nbx + 16 * b + gi]);
+                for (int k = 0; k < 4; k++) n = dpbusd_bcst(n, W[k], x4 + 4 * gi + k);
+                acc[t].a[gi] = r16_add(acc[t].a[gi], n, ws, a->xd[t * nbx + 8 * b + gi / 2]);
+            }
+        }
+    }
+}
+
 static void r16_tile_tq2(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
     const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
     const l16i m3 = l16_set1_epi8(3);
@@ -1794,6 +1909,7 @@ static void r16_tile(int fmt, const uint8_t *g, const acts *a, float *out, int64
     case IQ4_NL: r16_tile32(IQ4_NL, g, nb, a, acc); break;
     case IQ1_S: r16_tile_iq1s(g, nb, a, acc); break;
     case IQ2_XXS: r16_tile_iq2xxs(g, nb, a, acc); break;
+    case IQ1_M: r16_tile_iq1m(g, nb, a, acc); break;
     default: r16_tile_q6k(g, nb, a, acc); break;
     }
     for (int64_t t = 0; t < a->nx; t++) fold16_rows(acc[t].a, out + t * ld);
@@ -1820,6 +1936,7 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
     case IQ4_NL: r16_group1(IQ4_NL, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
     case IQ1_S: r16_group1_iq1s(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     case IQ2_XXS: r16_group1_iq2xxs(g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ1_M: r16_group1_iq1m(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     default: r16_group1_q6k(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     }
     if (!pl->nu) return;
@@ -1837,19 +1954,20 @@ int cs_repacked(int fmt) {
     return fmt == Q4_0 ? Q4_0R : fmt == Q4_1 ? Q4_1R : fmt == Q8_0 ? Q8_0R : fmt == Q4_K ? Q4_KR
          : fmt == Q6_K ? Q6_KR : fmt == Q2_K ? Q2_KR : fmt == Q3_K ? Q3_KR : fmt == Q5_K ? Q5_KR
          : fmt == TQ2_0 ? TQ2_0R : fmt == IQ4_XS ? IQ4_XSR : fmt == IQ4_NL ? IQ4_NLR
-         : fmt == IQ1_S ? IQ1_SR : fmt == IQ2_XXS ? IQ2_XXSR : -1;
+         : fmt == IQ1_S ? IQ1_SR : fmt == IQ2_XXS ? IQ2_XXSR : fmt == IQ1_M ? IQ1_MR : -1;
 }
 
 /* one block of row r of a group, from the file's layout (src) into the group's (o), or back */
 static inline void r16_lane(int fmt, uint8_t *o, int r, uint8_t *src, int back) {
     /* two 16-bit fields: d and dmin (m); IQ4_XS's d and its high scale bits */
     const int two = fmt == Q4_K || fmt == Q5_K || fmt == Q4_1 || fmt == Q2_K || fmt == IQ4_XS;
-    const int head = two ? 4 : 2, bb = R16_BYTES(fmt);
-    const int words = (bb - head) / 4, body = two ? 64 : 32;
+    const int none = fmt == IQ1_M; /* its d is in its scale words */
+    const int head = none ? 0 : two ? 4 : 2, bb = R16_BYTES(fmt);
+    const int words = (bb - head) / 4, body = none ? 0 : two ? 64 : 32;
     const int tail = fmt == Q6_K || fmt == Q2_K || fmt == Q3_K || fmt == TQ2_0; /* f16s after words */
     const int first = tail ? 0 : head, at = tail ? bb - head : 0;
     uint8_t *f[2] = {o + 2 * r, src + at};
-    memcpy(f[back], f[!back], 2);
+    if (!none) memcpy(f[back], f[!back], 2);
     if (two) {
         uint8_t *m[2] = {o + 32 + 2 * r, src + at + 2};
         memcpy(m[back], m[!back], 2);
@@ -1860,7 +1978,7 @@ static inline void r16_lane(int fmt, uint8_t *o, int r, uint8_t *src, int back) 
     }
 }
 
-/* out = w (rows of Q4_0, Q4_1, Q8_0, Q2_K, Q4_K or Q6_K) with its whole 16-row groups repacked; the same size */
+/* out = w (rows of a format cs_repacked names) with its whole 16-row groups repacked; the same size */
 void cs_repack(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes, uint8_t *out) {
     const int bb = R16_BYTES(fmt), gb = R16_BLOCK(fmt);
     const int64_t nb = row_bytes / bb, ng = rows / 16;

@@ -50,6 +50,23 @@ def digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+def node_binding(folder: Path, node_id: str) -> str:
+    """What binds a node id to this node's home: the sha256 of a secret made at its first
+    start and kept there (0600). A process started again from the same home re-joins under
+    its id; another that holds the cluster token but not this file cannot take the id over
+    (issue 56: a member re-joining as a ring's node had its work dropped and its place)."""
+    path = folder / f"{hashlib.sha256(node_id.encode()).hexdigest()[:32]}.key"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # two starts at once: one secret wins
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def write_secret(path: str | os.PathLike[str], data: str | bytes) -> None:
     """A secret file (a token), readable by its owner only from its first byte, replaced
     atomically: written to a 0600 file beside it, fsynced, renamed over it."""

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from bench.soak import pose
+from cellswarm.errors import RequestError
 from cellswarm.swarm.api import client
 from cellswarm.swarm.auth import digest, node_key
 from cellswarm.swarm.local.up import LocalSwarm
@@ -87,6 +89,11 @@ def test_a_member_holding_the_token_can_neither_read_nor_change_a_ring(
                 said[f"{node['node_id']}: connect as coordinator"] = str(exc)
         admitted = {k: v for k, v in said.items() if v != "denied" and "refused us" not in v}
         assert not admitted, admitted
+        # nor take a ring node's id over by joining under it (its work was dropped, and the
+        # member could be placed where it stood): the id is bound to that node's home
+        for node_id in ids:
+            with pytest.raises(RequestError, match="another --node-id"):
+                join(swarm, node_id)
         status = swarm.status()
         assert status["epoch"] == epoch, status  # no rewiring, nobody charged
         assert all(n["failures"] == 0 for n in stages(swarm)), stages(swarm)

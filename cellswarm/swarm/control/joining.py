@@ -10,6 +10,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 
+import msgspec
+
 from cellswarm.errors import RequestError
 from cellswarm.swarm.auth import RESERVED_IDS, digest, verify
 from cellswarm.swarm.control.liveness import Liveness, oom_message
@@ -81,8 +83,15 @@ class Joining(Liveness):
         have = decode(Capabilities, caps)  # only then its fields: typed, or refused
         if have.memory_bytes <= 0:
             raise RequestError("capabilities.memory_bytes must be a positive byte count")
-        caps = encode(have)
         old = self.store.node(node_id)
+        bound = digest(have.binding) if have.binding else None
+        held = old.capabilities.get("binding") if old is not None else None
+        if held and bound != held and old is not None and old.state != "lost":
+            self.log.event("join_denied", None, worker=node_id, why="binding")
+            raise PermissionError(f"node id {node_id!r} is another node's (this one does not hold "
+                                  "its key, kept in that node's home): start this worker with "
+                                  "another --node-id")  # fmt: skip
+        caps = encode(msgspec.structs.replace(have, binding=bound))
         session, now = secrets.token_hex(16), time.time()
         kept = digest(session)  # the database holds its hash: a copy of the file joins nobody
         kept_out = old is not None and old.state in ("offline", "evicted")

@@ -36,8 +36,9 @@ from cellswarm.engine.memory import cgroup_memory, peak_rss_bytes, rss_bytes
 from cellswarm.engine.model import Model
 from cellswarm.errors import BudgetError, CellswarmError, RequestError, SwarmError
 from cellswarm.io.weights import Selection
+from cellswarm.kernels import cache_dir as kernels_cache
 from cellswarm.kernels import cache_dir as kernels_cache_dir
-from cellswarm.swarm.auth import NO_TOKEN, digest, load_token, node_key, prove
+from cellswarm.swarm.auth import NO_TOKEN, digest, load_token, node_binding, node_key, prove
 from cellswarm.swarm.node.awake import KeepAwake
 from cellswarm.swarm.node.head import Head
 from cellswarm.swarm.node.metrics import Power
@@ -109,6 +110,8 @@ def measure_capabilities(config: WorkerConfig) -> JsonObject:
         "bandwidth_bytes_per_s": int(bandwidth), "flops": int(flops), "rack": config.rack,
         "protocol": PROTOCOL,  # the coordinator refuses another version (swarm/protocol)
         "draft": bool(config.draft),  # speculative "draft" asks for a first stage with one
+        # this id's binding to this home: another process with the token cannot take it over
+        "binding": node_binding(kernels_cache() / "nodes", config.node_id),
     }  # fmt: skip
     cgroup = cgroup_memory()  # a supervisor restarted us after the kernel's OOM killer?
     if cgroup:

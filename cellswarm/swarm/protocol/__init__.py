@@ -33,7 +33,8 @@ from cellswarm.swarm.protocol.messages import Shard
 #    (and the coordinator), and each only the frames its role sends; a `token`'s `at` is
 #    required
 # 10: a node's capabilities say whether it was started with a draft model (`draft`): a
-#    request for `speculative: "draft"` that no ring's first stage can run is refused at submit
+#    request for `speculative: "draft"` that no ring's first stage can run is refused at
+#    submit; and its `binding` (auth.node_binding): a re-join under a node's id must bring it
 PROTOCOL = 10
 
 

@@ -406,6 +406,9 @@ class Capabilities(Message, frozen=True):
     cgroup_limit_bytes: int | None = None
     max_sequences: int | None = None  # set by the coordinator from its beats
     draft: bool = False  # started with --draft: as a ring's first stage it drafts with it
+    # auth.node_binding: the id's first join keeps its hash; a later join under the id must
+    # bring the same (stored hashed, so the database gives it to nobody)
+    binding: str | None = None
 
 
 class Fault(Message, frozen=True):
