@@ -86,7 +86,10 @@ class Joining(Liveness):
         old = self.store.node(node_id)
         bound = digest(have.binding) if have.binding else None
         held = old.capabilities.get("binding") if old is not None else None
-        if held and bound != held and old is not None and old.state != "lost":
+        # the id's node still alive (heard within the timeout, not lost): only it re-joins
+        alive = old is not None and old.state != "lost" and \
+            time.time() - self.live(old).last_seen_s < self.heartbeat_timeout_s()  # fmt: skip
+        if held and bound != held and alive:
             self.log.event("join_denied", None, worker=node_id, why="binding")
             raise PermissionError(f"node id {node_id!r} is another node's (this one does not hold "
                                   "its key, kept in that node's home): start this worker with "
