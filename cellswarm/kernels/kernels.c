@@ -1125,22 +1125,26 @@ static inline l16i iq1s_index(l16i L, l16i w, int e) {
     return l16_or_si512(low, l16_slli_epi32(top, 8));
 }
 
-/* W[2e], W[2e + 1]: entry e's 8 values as 8 (value + delta) + 9 (0..18, dpbusd's unsigned
- * bytes): the grid's 4-byte halves gathered by index, (v + 1) 8, and 0 or 2 for the delta */
-static inline __attribute__((always_inline)) void iq1s_unpack(l16i L, l16i w, l16i W[8]) {
+/* W[0], W[1]: an IQ1 grid entry's 8 values as 8 (value + delta) + 9 (0..18, dpbusd's
+ * unsigned bytes): its 4-byte halves gathered by the 16 rows' indices, (v + 1) 8, and 0 or 2
+ * for the delta (neg: all ones where it is -1/8) */
+static inline __attribute__((always_inline)) void iq1_entry(l16i index, l16i neg, l16i W[2]) {
     const int32_t *grid = (const int32_t *)(const void *)iq1s_grid;
     const l16i one = l16_set1_epi8(1), two = l16_set1_epi32(0x02020202);
-    const l16i neg = l16_srai_epi32(l16_slli_epi32(w, 16), 31); /* all ones: delta -1/8 */
     const l16i delta = l16_xor_si512(l16_and_si512(neg, two), two);
-R16_UNROLL4
-    for (int e = 0; e < 4; e++) {
-        const l16i i2 = l16_slli_epi32(iq1s_index(L, w, e), 1);
+    const l16i i2 = l16_slli_epi32(index, 1);
 R16_UNROLL2
-        for (int k = 0; k < 2; k++) {
-            const l16i v = l16_gather32(k ? l16_add_epi32(i2, l16_set1_epi32(1)) : i2, grid);
-            W[2 * e + k] = l16_add_epi8(l16_slli_epi16(l16_add_epi8(v, one), 3), delta);
-        }
+    for (int k = 0; k < 2; k++) {
+        const l16i v = l16_gather32(k ? l16_add_epi32(i2, l16_set1_epi32(1)) : i2, grid);
+        W[k] = l16_add_epi8(l16_slli_epi16(l16_add_epi8(v, one), 3), delta);
     }
+}
+
+/* W[2e], W[2e + 1]: entry e of an IQ1_S sub-block (its delta's sign: bit 15 of w) */
+static inline __attribute__((always_inline)) void iq1s_unpack(l16i L, l16i w, l16i W[8]) {
+    const l16i neg = l16_srai_epi32(l16_slli_epi32(w, 16), 31);
+R16_UNROLL4
+    for (int e = 0; e < 4; e++) iq1_entry(iq1s_index(L, w, e), neg, W + 2 * e);
 }
 
 /* 16 repacked IQ1_S rows times one activation row: units of 32, as row_q in Q4_1's loop
@@ -1208,19 +1212,11 @@ static inline void iq1m_entry(const uint8_t *blk, int k, l16i *index, l16i *neg)
 
 /* W[4]: group gi's 16 values as 8 (value + delta) + 9 (entries 2 gi, 2 gi + 1; halves) */
 static inline __attribute__((always_inline)) void iq1m_unpack(const uint8_t *blk, int gi, l16i W[4]) {
-    const int32_t *grid = (const int32_t *)(const void *)iq1s_grid;
-    const l16i one = l16_set1_epi8(1), two = l16_set1_epi32(0x02020202);
 R16_UNROLL2
     for (int e = 0; e < 2; e++) {
         l16i index, neg;
         iq1m_entry(blk, 2 * gi + e, &index, &neg);
-        const l16i delta = l16_xor_si512(l16_and_si512(neg, two), two);
-        const l16i i2 = l16_slli_epi32(index, 1);
-R16_UNROLL2
-        for (int h = 0; h < 2; h++) {
-            const l16i v = l16_gather32(h ? l16_add_epi32(i2, l16_set1_epi32(1)) : i2, grid);
-            W[2 * e + h] = l16_add_epi8(l16_slli_epi16(l16_add_epi8(v, one), 3), delta);
-        }
+        iq1_entry(index, neg, W + 2 * e);
     }
 }
 
@@ -1646,8 +1642,25 @@ static void r16_tile_q4k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
     }
 }
 
+/* Groups 8 n + 2 j + h (j = 0..3) of block b, for each activation row: weights W[j][i] (value
+ * + off, off times the group's activation sum taken off), scale ws[j], no min: Q6_K's and
+ * Q3_K's units of 16, as their one-row kernels add them */
+static inline void r16_tile16_terms(const acts *a, int64_t b, int n, int h, l16i W[4][4], const l16f ws[4],
+                                    int off, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32;
+    for (int64_t t = 0; t < a->nx; t++) {
+        const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b + 128 * n + 16 * h);
+        const int32_t *xs = a->xs + 2 * t * nbx;
+        for (int j = 0; j < 4; j++) {
+            const int gi = 8 * n + 2 * j + h;
+            l16i s = l16_set1_epi32(-off * xs[16 * b + gi]);
+            for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, W[j][i], x4 + 8 * j + i);
+            acc[t].a[gi] = r16_add(acc[t].a[gi], s, ws[j], a->xd[t * nbx + 8 * b + gi / 2]);
+        }
+    }
+}
+
 static void r16_tile_q6k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
-    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
     const l16i m4 = l16_set1_epi8(0x0F), m30 = l16_set1_epi8(0x30);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + 3360 * b;
@@ -1665,16 +1678,7 @@ static void r16_tile_q6k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
                     const int gi = 8 * n + 2 * m + cq;
                     sg[m] = q6_scale_lanes(blk, d, gi);
                 }
-                for (int64_t t = 0; t < nx; t++) {
-                    const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b + 128 * n + 16 * cq);
-                    const int32_t *xs = a->xs + 2 * t * nbx;
-                    for (int m = 0; m < 4; m++) {
-                        const int gi = 8 * n + 2 * m + cq;
-                        l16i s = l16_set1_epi32(-32 * xs[16 * b + gi]);
-                        for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, u[m][i], x4 + 8 * m + i);
-                        acc[t].a[gi] = r16_add(acc[t].a[gi], s, sg[m], a->xd[t * nbx + 8 * b + gi / 2]);
-                    }
-                }
+                r16_tile16_terms(a, b, n, cq, u, sg, 32, acc);
             }
         }
     }
@@ -1707,6 +1711,25 @@ static void r16_tile_q2k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
     }
 }
 
+/* Unit s (32 weights) of block b, for each activation row: its 8 words of weights W[k] as
+ * Q8_0's go to dot_q8 (the offset times the unit's activation sum taken off), scale ws:
+ * IQ2_XXS's and IQ4_XS's, in their one-row kernels' order (two sums, then one term) */
+static inline void r16_tile32_q8terms(const acts *a, int64_t b, int s, const l16i W[8], l16f ws,
+                                      r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32, u = 8 * b + s;
+    const int tt = 8 * (int)(b % 2) + s;
+    for (int64_t t = 0; t < a->nx; t++) {
+        const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
+        const int32_t *xs = a->xs + 2 * t * nbx;
+        l16i n0 = l16_set1_epi32(-R16_Q8_OFF * (xs[2 * u] + xs[2 * u + 1])), n1 = l16_setzero_si512();
+        for (int k = 0; k < 4; k++) {
+            n0 = dot_q8_bcst(n0, W[k], x4 + 8 * s + k);
+            n1 = dot_q8_bcst(n1, W[4 + k], x4 + 8 * s + 4 + k);
+        }
+        acc[t].a[tt] = r16_add(acc[t].a[tt], l16_add_epi32(n0, n1), ws, a->xd[t * nbx + u]);
+    }
+}
+
 static void r16_tile_iq1s(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
     const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
     for (int64_t b = 0; b < nb; b++) {
@@ -1731,27 +1754,15 @@ static void r16_tile_iq1s(const uint8_t *g, int64_t nb, const acts *a, r16_acc *
 }
 
 static void r16_tile_iq2xxs(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
-    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + 1056 * b;
         const l16f d = r16_f16(blk);
         for (int s = 0; s < 8; s++) {
-            const int64_t u = 8 * b + s;
             const l16i L = l16_loadu_si512(IQ2_AT(blk, 2 * s)), aux = l16_loadu_si512(IQ2_AT(blk, 2 * s + 1));
             l16i W[8];
             for (int k = 0; k < 4; k++) iq2xxs_entry(L, aux, k, W + 2 * k);
             const l16f ws = iq2xxs_scale_lanes(d, aux);
-            const int tt = 8 * (int)(b % 2) + s;
-            for (int64_t t = 0; t < nx; t++) {
-                const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
-                const int32_t *xs = a->xs + 2 * t * nbx;
-                l16i n0 = l16_set1_epi32(-R16_Q8_OFF * (xs[2 * u] + xs[2 * u + 1])), n1 = l16_setzero_si512();
-                for (int k = 0; k < 8; k += 2) {
-                    n0 = dot_q8_bcst(n0, W[k], x4 + 8 * s + k);
-                    n1 = dot_q8_bcst(n1, W[k + 1], x4 + 8 * s + k + 1);
-                }
-                acc[t].a[tt] = r16_add(acc[t].a[tt], l16_add_epi32(n0, n1), ws, a->xd[t * nbx + u]);
-            }
+            r16_tile32_q8terms(a, b, s, W, ws, acc);
         }
     }
 }
@@ -1803,34 +1814,20 @@ static void r16_tile_tq2(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
 }
 
 static void r16_tile_iq4xs(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
-    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
     const l16i tbl = l16_table(kvalues_iq4nl);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + 2176 * b;
         const l16f d = r16_f16(blk);
         const l16i SH = r16_u16(blk + 32), SL = l16_loadu_si512(IQ4_AT(blk, 0));
         for (int s = 0; s < 8; s++) {
-            l16i lo[4], hi[4];
-            for (int i = 0; i < 4; i++) iq4xs_unpack(blk, s, i, tbl, &lo[i], &hi[i]);
-            const l16f ws = iq4xs_scale_lanes(d, SL, SH, s);
-            const int64_t u = 8 * b + s;
-            const int tt = 8 * (int)(b % 2) + s;
-            for (int64_t t = 0; t < nx; t++) {
-                const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
-                const int32_t *xs = a->xs + 2 * t * nbx;
-                l16i s0 = l16_set1_epi32(-R16_Q8_OFF * (xs[2 * u] + xs[2 * u + 1])), s1 = l16_setzero_si512();
-                for (int i = 0; i < 4; i++) {
-                    s0 = dot_q8_bcst(s0, lo[i], x4 + 8 * s + i);
-                    s1 = dot_q8_bcst(s1, hi[i], x4 + 8 * s + 4 + i);
-                }
-                acc[t].a[tt] = r16_add(acc[t].a[tt], l16_add_epi32(s0, s1), ws, a->xd[t * nbx + u]);
-            }
+            l16i W[8]; /* low nibbles' values 0-15 of the unit, then the high nibbles' */
+            for (int i = 0; i < 4; i++) iq4xs_unpack(blk, s, i, tbl, &W[i], &W[4 + i]);
+            r16_tile32_q8terms(a, b, s, W, iq4xs_scale_lanes(d, SL, SH, s), acc);
         }
     }
 }
 
 static void r16_tile_q3k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
-    const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + 1760 * b;
         const l16f d = r16_f16(blk);
@@ -1840,16 +1837,7 @@ static void r16_tile_q3k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
                 q3_unpack(blk, n, h, W);
                 l16f ws[4];
                 for (int j = 0; j < 4; j++) ws[j] = q3_scale_lanes(blk, d, 8 * n + 2 * j + h);
-                for (int64_t t = 0; t < nx; t++) {
-                    const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b + 128 * n + 16 * h);
-                    const int32_t *xs = a->xs + 2 * t * nbx;
-                    for (int j = 0; j < 4; j++) {
-                        const int gi = 8 * n + 2 * j + h;
-                        l16i s = l16_set1_epi32(-4 * xs[16 * b + gi]);
-                        for (int i = 0; i < 4; i++) s = dpbusd_bcst(s, W[j][i], x4 + 8 * j + i);
-                        acc[t].a[gi] = r16_add(acc[t].a[gi], s, ws[j], a->xd[t * nbx + 8 * b + gi / 2]);
-                    }
-                }
+                r16_tile16_terms(a, b, n, h, W, ws, 4, acc);
             }
         }
     }
