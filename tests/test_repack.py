@@ -1,6 +1,6 @@
 """Weights repacked at load into 16-row groups (kernels.c, "Q4_0 and Q8_0 in 16-row groups";
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, TQ2_0, IQ4_NL, IQ4_XS, IQ1_S, IQ2_XXS and IQ1_M in the same
-scheme):
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, TQ1_0, TQ2_0, IQ4_NL, IQ4_XS, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
+IQ2_S, IQ3_XXS, IQ3_S and MXFP4 in the same scheme):
 the same numbers to the bit as the file's layout, on every path that reads them, and the
 same memory (the file's pages are let go).
 
@@ -30,7 +30,9 @@ Q4_0 = format_by_name("q4_0")
 K_BLOCK = {  # bytes, where its f16s are, how many
     "Q4_K": (144, 0, 2), "Q6_K": (210, 208, 1), "Q2_K": (84, 80, 2), "Q3_K": (110, 108, 1),
     "Q5_K": (176, 0, 2), "TQ2_0": (66, 64, 1), "IQ4_XS": (136, 0, 1), "IQ4_NL": (18, 0, 1),
-    "IQ1_S": (50, 0, 1), "IQ2_XXS": (66, 0, 1), "IQ1_M": (56, 48, 0),
+    "IQ1_S": (50, 0, 1), "IQ2_XXS": (66, 0, 1), "IQ1_M": (56, 48, 0), "IQ2_XS": (74, 0, 1),
+    "IQ3_XXS": (98, 0, 1), "IQ3_S": (110, 0, 1), "IQ2_S": (82, 0, 1), "TQ1_0": (54, 52, 1),
+    "MXFP4": (17, 0, 0),
 }
 
 
@@ -52,6 +54,9 @@ def _weights(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.nd
     blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
     scales = rng.uniform(1e-3, 1e-2, (rows, nb, n)).astype(np.float16)
     blocks[..., at : at + 2 * n] = scales.view(np.uint8).reshape(rows, nb, 2 * n)
+    if name == "MXFP4":  # its E8M0 scale, 2^(e - 128): near 2^-7, and the extremes
+        blocks[..., 0] = rng.integers(115, 125, (rows, nb))
+        blocks[0, 0, 0], blocks[-1, -1, 0] = 0, 1
     if name == "IQ1_M":  # its d: an f16's 4 nibbles, the top nibble of each scale word
         bits = rng.uniform(1e-3, 1e-2, (rows, nb)).astype(np.float16).view(np.uint16)
         for k in range(4):
@@ -72,7 +77,8 @@ def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
 )  # fmt: skip
 @pytest.mark.parametrize("nx", [1, 3, 16])
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                                  "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ2_XXS", "IQ1_M"])
+                                  "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ2_XXS", "IQ1_M",
+                                  "IQ2_XS", "IQ3_XXS", "IQ3_S", "IQ2_S", "TQ1_0", "MXFP4"])
 def test_a_repacked_weight_gives_the_same_bits(rows: int, cols: int, nx: int, name: str) -> None:
     """Whole groups and the rows after them, one token and a batch, with outliers (values
     multiplied in float) in the activations: every output bit as from the file's layout."""
@@ -134,7 +140,8 @@ def test_a_build_without_gfni_unpacks_q6_k_to_the_same_bits(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(("rows", "cols"), [(1030, 1024), (37, 768)])
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                                  "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ2_XXS", "IQ1_M"])
+                                  "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ2_XXS", "IQ1_M",
+                                  "IQ2_XS", "IQ3_XXS", "IQ3_S", "IQ2_S", "TQ1_0", "MXFP4"])
 def test_a_repacked_weight_dequantizes_to_the_gguf_values(rows: int, cols: int, name: str) -> None:
     rng = np.random.default_rng(rows)
     fmt = format_by_name(name)

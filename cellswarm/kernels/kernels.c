@@ -32,11 +32,12 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q6_
 /* The same formats repacked in 16-row groups (cs_repack: only on CPUs that have the kernels
  * for them; elsewhere never made), and the format of a row after a weight's last group. */
 enum { Q4_0R = 102, Q4_1R = 103, Q8_0R = 108, Q2_KR = 110, Q3_KR = 111, Q4_KR = 112, Q5_KR = 113,
-       Q6_KR = 114, IQ2_XXSR = 116, IQ1_SR = 119, IQ4_NLR = 120, IQ4_XSR = 123, IQ1_MR = 129,
-       TQ2_0R = 135 };
+       Q6_KR = 114, IQ2_XXSR = 116, IQ2_XSR = 117, IQ3_XXSR = 118, IQ1_SR = 119, IQ4_NLR = 120,
+       IQ3_SR = 121, IQ2_SR = 122, IQ4_XSR = 123, IQ1_MR = 129, TQ1_0R = 134, TQ2_0R = 135, MXFP4R = 139 };
 #define IS_R16(f) ((f) == Q4_0R || (f) == Q4_1R || (f) == Q8_0R || ((f) >= Q2_KR && (f) <= Q6_KR) \
                    || (f) == IQ4_NLR || (f) == IQ4_XSR || (f) == TQ2_0R || (f) == IQ1_SR || (f) == IQ2_XXSR \
-                   || (f) == IQ1_MR)
+                   || (f) == IQ1_MR || ((f) >= IQ2_XSR && (f) <= IQ3_XXSR) || (f) == IQ3_SR || (f) == IQ2_SR \
+                   || (f) == TQ1_0R || (f) == MXFP4R)
 #define R16_NATURAL(f) (IS_R16(f) ? (f) - 100 : (f))
 #define MAX_BATCH 16
 
@@ -605,6 +606,16 @@ typedef __m512 l16f;
 static inline __m512i l16_bytes_set(__m512i a, __m512i bits) { return _mm512_movm_epi8(_mm512_cmpeq_epi8_mask(_mm512_and_si512(a, bits), bits)); }
 /* 16 int32 from base[idx[lane]] */
 static inline __m512i l16_gather32(__m512i idx, const int32_t *base) { return _mm512_i32gather_epi32(idx, (const void *)base, 4); }
+/* the 8-byte entries index (16 lanes) names: v[0] their bytes 0-3, v[1] bytes 4-7. Two 8-lane
+ * gathers of 8 bytes and two permutes: Zen 4's gathers cost by the element, so half of two
+ * 16-lane gathers of 4 bytes */
+static inline void l16_gather64(__m512i index, const void *base, __m512i v[2]) {
+    const __m512i g0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(index), base, 8);
+    const __m512i g1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(index, 1), base, 8);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    v[0] = _mm512_permutex2var_epi32(g0, even, g1);
+    v[1] = _mm512_permutex2var_epi32(g0, _mm512_add_epi32(even, _mm512_set1_epi32(1)), g1);
+}
 #define l16_add_ps _mm512_add_ps
 #define l16_sub_ps _mm512_sub_ps
 #define l16_mul_ps _mm512_mul_ps
@@ -635,6 +646,11 @@ static inline __m512 l16_f16_bits(__m512i v) { return _mm512_cvtph_ps(_mm512_cvt
 static inline __m512i r16_u16(const uint8_t *p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
 /* a 16-byte table in every 128-bit lane */
 static inline __m512i l16_table(const int8_t *t) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t)); }
+/* all ones in each byte where a >= b, unsigned */
+static inline __m512i l16_ge_epu8(__m512i a, __m512i b) { return _mm512_movm_epi8(_mm512_cmpge_epu8_mask(a, b)); }
+/* the 16 bytes at p as 16 lanes */
+static inline __m512i r16_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#define l16_castsi_ps _mm512_castsi512_ps
 
 #elif defined(__AVX2__) && defined(__F16C__)
 #define HAVE_R16 1
@@ -721,10 +737,22 @@ static inline l16i l16_bytes_set(l16i a, l16i b) { L16_PAIR(l16i, bytes_set_half
 static inline l16i l16_gather32(l16i idx, const int32_t *base) {
     return (l16i){_mm256_i32gather_epi32((const int *)base, idx.l, 4), _mm256_i32gather_epi32((const int *)base, idx.h, 4)};
 }
+static inline void l16_gather64(l16i index, const void *base, l16i v[2]) {
+    const l16i i2 = l16_slli_epi32(index, 1);
+    v[0] = l16_gather32(i2, (const int32_t *)base);
+    v[1] = l16_gather32(l16_add_epi32(i2, l16_set1_epi32(1)), (const int32_t *)base);
+}
 static inline l16i l16_table(const int8_t *t) {
     const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
     return (l16i){v, v};
 }
+static inline __m256i ge_epu8_half(__m256i a, __m256i b) { return _mm256_cmpeq_epi8(_mm256_max_epu8(a, b), a); }
+static inline l16i l16_ge_epu8(l16i a, l16i b) { L16_PAIR(l16i, ge_epu8_half); }
+static inline l16i r16_u8(const uint8_t *p) {
+    return (l16i){_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                  _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+}
+static inline l16f l16_castsi_ps(l16i a) { return (l16f){_mm256_castsi256_ps(a.l), _mm256_castsi256_ps(a.h)}; }
 #endif
 
 #ifdef HAVE_R16
@@ -732,10 +760,11 @@ static inline l16i l16_table(const int8_t *t) {
 #define R16_BYTES(f) ((f) == Q8_0 ? 34 : (f) == Q4_K ? 144 : (f) == Q6_K ? 210 : (f) == Q2_K ? 84 \
                       : (f) == Q3_K ? 110 : (f) == Q5_K ? 176 : (f) == Q4_1 ? 20 : (f) == TQ2_0 ? 66 \
                       : (f) == IQ4_XS ? 136 : (f) == IQ1_S ? 50 : (f) == IQ2_XXS ? 66 : (f) == IQ1_M ? 56 \
-                      : 18)
+                      : (f) == IQ2_XS ? 74 : (f) == IQ3_XXS ? 98 : (f) == IQ3_S ? 110 : (f) == IQ2_S ? 82 \
+                      : (f) == TQ1_0 ? 54 : (f) == MXFP4 ? 17 : 18)
 /* a group's block: each f16 field 32 bytes, each word of a row's block a 64-byte chunk */
 #define R16_BLOCK(f) (16 * R16_BYTES(f))
-#define R16_ELEMS(f) ((f) == Q8_0 || (f) == Q4_0 || (f) == Q4_1 || (f) == IQ4_NL ? 32 : 256) /* a block's */
+#define R16_ELEMS(f) ((f) == Q8_0 || (f) == Q4_0 || (f) == Q4_1 || (f) == IQ4_NL || (f) == MXFP4 ? 32 : 256) /* a block's */
 
 /* fold16 of 16 rows at once (A[j]: accumulator j of every row, lanes: rows) -> out[0..16) */
 static inline void fold16_rows(l16f *A, float *out) {
@@ -756,15 +785,29 @@ static inline l16f r16_add_min(l16f A, l16i n, l16f ws, float xd, l16f wm, float
     return l16_add_ps(A, l16_sub_ps(p, l16_mul_ps(wm, l16_set1_ps(xsum))));
 }
 
+/* 2^(e - 128) of the 16 rows' E8M0 bytes at p (e8m0_half, lowbit.c), exactly: two powers of two
+ * with normal exponents, multiplied (the product, down to 2^-128, is a float as it is) */
+static inline l16f r16_e8m0(const uint8_t *p) {
+    const l16i e = r16_u8(p), h = l16_srli_epi32(e, 1), c = l16_set1_epi32(63);
+    const l16f a = l16_castsi_ps(l16_slli_epi32(l16_add_epi32(h, c), 23));
+    return l16_mul_ps(a, l16_castsi_ps(l16_slli_epi32(l16_add_epi32(l16_sub_epi32(e, h), c), 23)));
+}
+
+/* a block-of-32 group block's scales (MXFP4: 16 E8M0 bytes, else f16s), where its value words
+ * start, and the value table of the nibble formats */
+static inline l16f r16_scale32(int fmt, const uint8_t *blk) { return fmt == MXFP4 ? r16_e8m0(blk) : r16_f16(blk); }
+static inline int r16_at32(int fmt) { return fmt == Q4_1 ? 64 : fmt == MXFP4 ? 16 : 32; }
+static inline const int8_t *r16_table32(int fmt) { return fmt == MXFP4 ? kvalues_mxfp4 : kvalues_iq4nl; }
+
 /* 16 repacked Q4_0, Q4_1 or Q8_0 rows (group g, nb blocks) times one activation row:
  * out[0..16). Q4_1's w = d q + m: its wm is -m (exact.c), its nibbles unsigned as they are. */
 static inline __attribute__((always_inline)) void r16_group1(const int fmt, const uint8_t *g,
                                                              int64_t nb, const int8_t *xq,
                                                              const float *xd, const int32_t *xs,
                                                              const float *xsum, float *out) {
-    const int gb = R16_BLOCK(fmt), chunks = fmt == Q8_0 ? 8 : 4, nl = fmt == IQ4_NL;
-    const int off = fmt == Q8_0 || nl ? R16_Q8_OFF : fmt == Q4_0 ? 8 : 0, at = fmt == Q4_1 ? 64 : 32;
-    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128), tbl = l16_table(kvalues_iq4nl);
+    const int gb = R16_BLOCK(fmt), chunks = fmt == Q8_0 ? 8 : 4, nl = fmt == IQ4_NL || fmt == MXFP4;
+    const int off = fmt == Q8_0 || nl ? R16_Q8_OFF : fmt == Q4_0 ? 8 : 0, at = r16_at32(fmt);
+    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128), tbl = l16_table(r16_table32(fmt));
     l16f A[16];
     for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
@@ -795,7 +838,7 @@ R16_UNROLL8
                 const l16f wm = l16_sub_ps(l16_setzero_ps(), r16_f16(blk + 32)); /* -m: exact */
                 A[j] = r16_add_min(A[j], l16_add_epi32(s0, s1), r16_f16(blk), xd[b], wm, xsum[b]);
             } else {
-                A[j] = r16_add(A[j], l16_add_epi32(s0, s1), r16_f16(blk), xd[b]);
+                A[j] = r16_add(A[j], l16_add_epi32(s0, s1), r16_scale32(fmt, blk), xd[b]);
             }
         }
     }
@@ -1129,15 +1172,13 @@ static inline l16i iq1s_index(l16i L, l16i w, int e) {
  * unsigned bytes): its 4-byte halves gathered by the 16 rows' indices, (v + 1) 8, and 0 or 2
  * for the delta (neg: all ones where it is -1/8) */
 static inline __attribute__((always_inline)) void iq1_entry(l16i index, l16i neg, l16i W[2]) {
-    const int32_t *grid = (const int32_t *)(const void *)iq1s_grid;
+    const void *grid = iq1s_grid;
     const l16i one = l16_set1_epi8(1), two = l16_set1_epi32(0x02020202);
     const l16i delta = l16_xor_si512(l16_and_si512(neg, two), two);
-    const l16i i2 = l16_slli_epi32(index, 1);
+    l16i v[2];
+    l16_gather64(index, grid, v);
 R16_UNROLL2
-    for (int k = 0; k < 2; k++) {
-        const l16i v = l16_gather32(k ? l16_add_epi32(i2, l16_set1_epi32(1)) : i2, grid);
-        W[k] = l16_add_epi8(l16_slli_epi16(l16_add_epi8(v, one), 3), delta);
-    }
+    for (int k = 0; k < 2; k++) W[k] = l16_add_epi8(l16_slli_epi16(l16_add_epi8(v[k], one), 3), delta);
 }
 
 /* W[2e], W[2e + 1]: entry e of an IQ1_S sub-block (its delta's sign: bit 15 of w) */
@@ -1241,64 +1282,229 @@ R16_UNROLL4
     fold16_rows(A, out);
 }
 
-/* An IQ2_XXS group block: the 16 rows' d, then 16 words a chunk each: sub-block s's 4 grid
- * indices (word 2 s) and its signs and scale (word 2 s + 1, aux) */
-#define IQ2_AT(blk, word) ((const void *)((blk) + 32 + 64 * (word)))
+/* ---- the codebook formats with signs apart: IQ2_XXS, IQ3_XXS, IQ3_S (units of 32), IQ2_XS,
+ * IQ2_S (units of 16). A group block is the 16 rows' d, then each word of a row's block (after
+ * its d) a chunk: IQ_AT(blk, word). An entry's grid index is gathered from the grid, 4 bytes
+ * at a time, by the 16 rows' indices; its signs negate bytes (as Q8_0's weights go to dot_q8).
+ *   IQ2_XXS  sub-block s: its 8 index bytes (words 2 s, 2 s + 1: 4 entries of 8, a word of
+ *            the pair each), aux (word 2 s + 1: 4 x 7 sign bits, the scale on top)
+ *   IQ3_XXS  words 2 s, 2 s + 1: 8 index bytes (entries of 4); word 16 + s: aux
+ *   IQ3_S    words 2 s, 2 s + 1: index bytes; 16, 17: ninth bits; 18 + s: 4 sign bytes; 26:
+ *            the scale nibbles
+ *   IQ2_XS   word g: group g's 2 entries of 8 (u16: a 9-bit index, 7 sign bits); 16, 17: scales
+ *   IQ2_S    word m: 4 index bytes; 8 + m: their 4 sign bytes; 16, 17: 2 top index bits each;
+ *            18, 19: scales */
+#define IQ_AT(blk, word) ((const void *)((blk) + 32 + 64 * (word)))
 
-/* d (0.5 + s) / 4 of the 16 rows: dec_iq2_xxs's scale (iq_scale), s = aux >> 28 */
-static inline l16f iq2xxs_scale_lanes(l16f d, l16i aux) {
-    const l16f s = l16_cvtepi32_ps(l16_srli_epi32(aux, 28));
-    return l16_mul_ps(l16_mul_ps(d, l16_add_ps(l16_set1_ps(0.5f), s)), l16_set1_ps(0.25f));
+/* d (0.5 + s) step of the 16 rows: iq_scale (lowbit.c), in its order */
+static inline l16f iq_scale_lanes(l16f d, l16i s, float step) {
+    return l16_mul_ps(l16_mul_ps(d, l16_add_ps(l16_set1_ps(0.5f), l16_cvtepi32_ps(s))), l16_set1_ps(step));
 }
 
-/* ksigns_iq2xs[(aux >> 7 k) & 127] of the 16 rows: the 7 bits, and an 8th for even parity */
-static inline l16i iq2_signs(l16i aux, int k) {
-    const l16i i = l16_and_si512(l16_srli_epi32(aux, 7 * k), l16_set1_epi32(127));
+/* ksigns_iq2xs[i] of the 16 rows (i: 7 bits in each lane): the 7 bits, and an 8th for even parity */
+static inline l16i iq2_ksigns(l16i i) {
     l16i p = l16_xor_si512(i, l16_srli_epi32(i, 4));
     p = l16_xor_si512(p, l16_srli_epi32(p, 2));
     p = l16_xor_si512(p, l16_srli_epi32(p, 1));
     return l16_or_si512(i, l16_slli_epi32(l16_and_si512(p, l16_set1_epi32(1)), 7));
 }
 
-/* entry k's 8 values with their signs, as Q8_0's weights go to dot_q8: W[0] values 0-3, W[1]
- * 4-7; each lane's sign byte spread over its 4 bytes, a byte negated where its bit is set */
-static inline __attribute__((always_inline)) void iq2xxs_entry(l16i L, l16i aux, int k, l16i W[2]) {
-    const int32_t *grid = (const int32_t *)(const void *)iq2xxs_grid;
-    const l16i i2 = l16_slli_epi32(l16_and_si512(l16_srli_epi32(L, 8 * k), l16_set1_epi32(0xFF)), 1);
-    static const int8_t byte0[16] = {0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12};
-    const l16i spread = l16_shuffle_epi8(iq2_signs(aux, k), l16_table(byte0));
-    const l16i flip = l16_set1_epi8(-128);
-R16_UNROLL2
-    for (int h = 0; h < 2; h++) {
-        const l16i v = l16_gather32(h ? l16_add_epi32(i2, l16_set1_epi32(1)) : i2, grid);
-        const l16i m = l16_bytes_set(spread, l16_set1_epi32(h ? (int)0x80402010 : 0x08040201));
-        W[h] = r16_q8(l16_sub_epi8(l16_xor_si512(v, m), m), flip);
-    }
+/* sign byte k of each lane spread over the lane's 4 bytes */
+static inline l16i iq_spread(l16i signs, int k) {
+    static const int8_t at[4][16] = {
+        {0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12}, {1, 1, 1, 1, 5, 5, 5, 5, 9, 9, 9, 9, 13, 13, 13, 13},
+        {2, 2, 2, 2, 6, 6, 6, 6, 10, 10, 10, 10, 14, 14, 14, 14}, {3, 3, 3, 3, 7, 7, 7, 7, 11, 11, 11, 11, 15, 15, 15, 15},
+    };  /* fmt: skip */
+    return l16_shuffle_epi8(signs, l16_table(at[k]));
 }
 
-/* 16 repacked IQ2_XXS rows times one activation row: units of 32, as row_q in Q4_1's loop */
-static void r16_group1_iq2xxs(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
-                              const int32_t *xs, float *out) {
+/* 4 grid bytes of each lane (v) with bits 4 h .. 4 h + 3 of its spread sign byte applied: bytes
+ * negated where set, then as Q8_0's weights go to dot_q8 */
+static inline l16i iq_signed4(l16i v, l16i spread, int h) {
+    const l16i m = l16_bytes_set(spread, l16_set1_epi32(h ? (int)0x80402010 : 0x08040201));
+    return r16_q8(l16_sub_epi8(l16_xor_si512(v, m), m), l16_set1_epi8(-128));
+}
+
+/* an entry of 8 (grid of 8-byte entries, index: the 16 rows'), signs: sign byte k of each lane */
+static inline __attribute__((always_inline)) void iq_entry8(const int8_t (*grid)[8], l16i index, l16i signs,
+                                                            int k, l16i W[2]) {
+    const l16i spread = iq_spread(signs, k);
+    l16i v[2];
+    l16_gather64(index, grid, v);
+    W[0] = iq_signed4(v[0], spread, 0);
+    W[1] = iq_signed4(v[1], spread, 1);
+}
+
+/* an entry of 4 (IQ3): sign bits 4 h .. of sign byte k of each lane */
+static inline l16i iq_entry4(const int8_t (*grid)[4], l16i index, l16i signs, int k, int h) {
+    return iq_signed4(l16_gather32(index, (const int32_t *)(const void *)grid), iq_spread(signs, k), h);
+}
+
+/* unit s (32 values) of an IQ2_XXS, IQ3_XXS or IQ3_S group block: W[j], values 4 j .. 4 j + 3
+ * of the 16 rows; its scale */
+static inline __attribute__((always_inline)) l16f iq32_unpack(const int fmt, const uint8_t *blk, l16f d, int s,
+                                                              l16i W[8]) {
+    const l16i m7 = l16_set1_epi32(127);
+    if (fmt == IQ2_XXS) {
+        const l16i L = l16_loadu_si512(IQ_AT(blk, 2 * s)), aux = l16_loadu_si512(IQ_AT(blk, 2 * s + 1));
+R16_UNROLL4
+        for (int k = 0; k < 4; k++)
+            iq_entry8(iq2xxs_grid, l16_and_si512(l16_srli_epi32(L, 8 * k), l16_set1_epi32(0xFF)),
+                      iq2_ksigns(l16_and_si512(l16_srli_epi32(aux, 7 * k), m7)), 0, W + 2 * k);
+        return iq_scale_lanes(d, l16_srli_epi32(aux, 28), 0.25f);
+    }
+    if (fmt == IQ3_XXS) {
+        const l16i aux = l16_loadu_si512(IQ_AT(blk, 16 + s));
+R16_UNROLL8
+        for (int e = 0; e < 8; e++) {
+            const l16i i = r16_bytes((const uint8_t *)IQ_AT(blk, 2 * s + e / 4), e % 4);
+            W[e] = iq_entry4(iq3xxs_grid, i, iq2_ksigns(l16_and_si512(l16_srli_epi32(aux, 7 * (e / 2)), m7)), 0,
+                             e % 2);
+        }
+        return iq_scale_lanes(d, l16_srli_epi32(aux, 28), 0.5f);
+    }
+    /* IQ3_S: index e = its byte and bit e of the ninth bits' byte s */
+    const l16i ninth = r16_bytes((const uint8_t *)IQ_AT(blk, 16 + s / 4), s % 4);
+    const l16i S = l16_loadu_si512(IQ_AT(blk, 18 + s));
+R16_UNROLL8
+    for (int e = 0; e < 8; e++) {
+        const l16i low = r16_bytes((const uint8_t *)IQ_AT(blk, 2 * s + e / 4), e % 4);
+        const l16i top = l16_and_si512(l16_slli_epi32(ninth, 8 - e), l16_set1_epi32(0x100));
+        W[e] = iq_entry4(iq3s_grid, l16_or_si512(low, top), S, e / 2, e % 2);
+    }
+    const l16i ls = l16_and_si512(l16_srli_epi32(l16_loadu_si512(IQ_AT(blk, 26)), 4 * s), l16_set1_epi32(0xF));
+    return l16_mul_ps(d, l16_cvtepi32_ps(l16_add_epi32(l16_slli_epi32(ls, 1), l16_set1_epi32(1))));
+}
+
+/* group gi (16 values) of an IQ2_XS or IQ2_S group block: W[j], values 4 j .. of the 16 rows;
+ * its scale */
+static inline __attribute__((always_inline)) l16f iq16_unpack(const int fmt, const uint8_t *blk, l16f d, int gi,
+                                                              l16i W[4]) {
+    if (fmt == IQ2_XS) {
+        const l16i Q = l16_loadu_si512(IQ_AT(blk, gi));
+R16_UNROLL2
+        for (int e = 0; e < 2; e++) {
+            const l16i w = e ? l16_srli_epi32(Q, 16) : l16_and_si512(Q, l16_set1_epi32(0xFFFF));
+            iq_entry8(iq2xs_grid, l16_and_si512(w, l16_set1_epi32(511)), iq2_ksigns(l16_srli_epi32(w, 9)), 0,
+                      W + 2 * e);
+        }
+    } else { /* IQ2_S: entries 2 gi, 2 gi + 1, bytes 2 (gi % 2) + e of word gi / 2 */
+        const int m = gi / 2;
+        const l16i L = l16_loadu_si512(IQ_AT(blk, m)), S = l16_loadu_si512(IQ_AT(blk, 8 + m));
+        const l16i top = r16_bytes((const uint8_t *)IQ_AT(blk, 16 + m / 4), m % 4);
+R16_UNROLL2
+        for (int e = 0; e < 2; e++) {
+            const int k = 2 * (gi % 2) + e;
+            const l16i low = l16_and_si512(l16_srli_epi32(L, 8 * k), l16_set1_epi32(0xFF));
+            const l16i hi = l16_and_si512(l16_slli_epi32(top, 8 - 2 * k), l16_set1_epi32(0x300));
+            iq_entry8(iq2s_grid, l16_or_si512(low, hi), S, k, W + 2 * e);
+        }
+    }
+    const l16i sc = r16_bytes((const uint8_t *)IQ_AT(blk, (fmt == IQ2_XS ? 16 : 18) + gi / 8), (gi / 2) % 4);
+    return iq_scale_lanes(d, l16_and_si512(l16_srli_epi32(sc, 4 * (gi % 2)), l16_set1_epi32(0xF)), 0.25f);
+}
+
+/* the exact sum over a unit of n words W[k] (as Q8_0's go to dot_q8) times x4[k]: xsum is
+ * the unit's activation sum (the offset's), two accumulators as the tiles run them */
+static inline __attribute__((always_inline)) l16i r16_dots_q8(const l16i *W, int n, const int32_t *x4,
+                                                              int32_t xsum) {
+    l16i n0 = l16_set1_epi32(-R16_Q8_OFF * xsum), n1 = l16_setzero_si512();
+R16_UNROLL4
+    for (int k = 0; k < n / 2; k++) {
+        n0 = dot_q8_bcst(n0, W[k], x4 + k);
+        n1 = dot_q8_bcst(n1, W[n / 2 + k], x4 + n / 2 + k);
+    }
+    return l16_add_epi32(n0, n1);
+}
+
+/* 16 repacked rows of IQ2_XXS, IQ3_XXS or IQ3_S times one activation row: units of 32, as
+ * row_q in Q4_1's loop */
+static inline __attribute__((always_inline)) void r16_group1_iq32(const int fmt, const uint8_t *g, int64_t nb,
+                                                                  const int8_t *xq, const float *xd,
+                                                                  const int32_t *xs, float *out) {
     l16f A[16];
     for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + 1056 * b;
+        const uint8_t *blk = g + R16_BLOCK(fmt) * b;
         const l16f d = r16_f16(blk);
         const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b);
 R16_UNROLL2
         for (int s = 0; s < 8; s++) {
             const int64_t u = 8 * b + s;
-            const l16i L = l16_loadu_si512(IQ2_AT(blk, 2 * s)), aux = l16_loadu_si512(IQ2_AT(blk, 2 * s + 1));
-            l16i n0 = l16_set1_epi32(-R16_Q8_OFF * (xs[2 * u] + xs[2 * u + 1])), n1 = l16_setzero_si512();
-R16_UNROLL4
-            for (int k = 0; k < 4; k++) {
-                l16i W[2];
-                iq2xxs_entry(L, aux, k, W);
-                n0 = dot_q8_bcst(n0, W[0], x4 + 8 * s + 2 * k);
-                n1 = dot_q8_bcst(n1, W[1], x4 + 8 * s + 2 * k + 1);
-            }
+            l16i W[8];
+            const l16f ws = iq32_unpack(fmt, blk, d, s, W);
             const int t = 8 * (int)(b % 2) + s;
-            A[t] = r16_add(A[t], l16_add_epi32(n0, n1), iq2xxs_scale_lanes(d, aux), xd[u]);
+            A[t] = r16_add(A[t], r16_dots_q8(W, 8, x4 + 8 * s, xs[2 * u] + xs[2 * u + 1]), ws, xd[u]);
+        }
+    }
+    fold16_rows(A, out);
+}
+
+/* 16 repacked rows of IQ2_XS or IQ2_S times one activation row: units of 16, as row_q in
+ * Q2_K's loop */
+static inline __attribute__((always_inline)) void r16_group1_iq16(const int fmt, const uint8_t *g, int64_t nb,
+                                                                  const int8_t *xq, const float *xd,
+                                                                  const int32_t *xs, float *out) {
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + R16_BLOCK(fmt) * b;
+        const l16f d = r16_f16(blk);
+        const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b);
+R16_UNROLL2
+        for (int gi = 0; gi < 16; gi++) {
+            l16i W[4];
+            const l16f ws = iq16_unpack(fmt, blk, d, gi, W);
+            A[gi] = r16_add(A[gi], r16_dots_q8(W, 4, x4 + 4 * gi, xs[16 * b + gi]), ws, xd[8 * b + gi / 2]);
+        }
+    }
+    fold16_rows(A, out);
+}
+
+/* ---- TQ1_0: a group block is the 16 rows' d, then 13 words a chunk each (12 of 5 base-3
+ * digits a byte, 1 of 4): weight 32 k + j is digit k of byte j (j < 32), 160 + 16 k + j digit k
+ * of byte 32 + j (j < 16), 240 + 4 k + j digit k of byte 48 + j. A unit is 32. */
+#define TQ1_AT(blk, word) ((const void *)((blk) + 32 + 64 * (word)))
+
+/* the top base-3 digit of each byte f, (3 f) >> 8 (tq1_digits): (f >= 86) + (f >= 171) */
+static inline l16i tq1_top(l16i f) {
+    const l16i zero = l16_setzero_si512();
+    return l16_sub_epi8(l16_sub_epi8(zero, l16_ge_epu8(f, l16_set1_epi8(86))), l16_ge_epu8(f, l16_set1_epi8((char)171)));
+}
+
+/* 3 f mod 256 in each byte: the next digit to the top */
+static inline l16i tq1_next(l16i f) { return l16_add_epi8(f, l16_add_epi8(f, f)); }
+
+/* where digit k of word w goes: the activation word (of the block's 64) it multiplies */
+static inline int tq1_at(int w, int k) { return w < 8 ? 8 * k + w : w < 12 ? 40 + 4 * k + (w - 8) : 60 + k; }
+
+/* 16 repacked TQ1_0 rows times one activation row: units of 32 (digit - 1: the unit's
+ * activation sum taken off), as row_q in Q4_1's loop */
+static void r16_group1_tq1(const uint8_t *g, int64_t nb, const int8_t *xq, const float *xd,
+                           const int32_t *xs, float *out) {
+    l16f A[16];
+    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 864 * b;
+        const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b);
+        l16i n[8];
+R16_UNROLL8
+        for (int u = 0; u < 8; u++) n[u] = l16_set1_epi32(-(xs[16 * b + 2 * u] + xs[16 * b + 2 * u + 1]));
+R16_UNROLL2
+        for (int w = 0; w < 13; w++) {
+            l16i f = l16_loadu_si512(TQ1_AT(blk, w));
+R16_UNROLL4
+            for (int k = 0; k < (w < 12 ? 5 : 4); k++) {
+                const int at = tq1_at(w, k);
+                n[at / 8] = dpbusd_bcst(n[at / 8], tq1_top(f), x4 + at);
+                f = tq1_next(f);
+            }
+        }
+        const l16f d = r16_f16(blk);
+R16_UNROLL8
+        for (int u = 0; u < 8; u++) {
+            const int t = 8 * (int)(b % 2) + u;
+            A[t] = r16_add(A[t], n[u], d, xd[8 * b + u]);
         }
     }
     fold16_rows(A, out);
@@ -1435,18 +1641,24 @@ static inline l16f r16_weights(int fmt, const uint8_t *g, int32_t col) {
         const l16i q = l16_add_epi32(l16_slli_epi32(v, 3), l16_add_epi32(l16_add_epi32(neg, neg), l16_set1_epi32(1)));
         return l16_mul_ps(iq1s_scale_lanes(r16_f16(blk), w), l16_cvtepi32_ps(q));
     }
-    if (fmt == IQ2_XXS) { /* d (0.5 + s) / 4 times the entry's value, its sign applied */
-        const uint8_t *blk = g + 1056 * (col >> 8);
-        const int e = col & 255, sb = e >> 5, at = e & 31, k = at / 8, j = at % 8;
-        const l16i L = l16_loadu_si512(IQ2_AT(blk, 2 * sb)), aux = l16_loadu_si512(IQ2_AT(blk, 2 * sb + 1));
-        const l16i i2 = l16_slli_epi32(l16_and_si512(l16_srli_epi32(L, 8 * k), l16_set1_epi32(0xFF)), 1);
-        const l16i word = l16_gather32(l16_add_epi32(i2, l16_set1_epi32(j / 4)),
-                                       (const int32_t *)(const void *)iq2xxs_grid);
-        const l16i v = l16_and_si512(l16_srli_epi32(word, 8 * (j % 4)), l16_set1_epi32(0xFF));
-        const l16i neg = l16_and_si512(l16_srli_epi32(iq2_signs(aux, k), j), l16_set1_epi32(1));
-        const l16i q = l16_sub_epi32(l16_xor_si512(v, l16_sub_epi32(l16_setzero_si512(), neg)),
-                                     l16_sub_epi32(l16_setzero_si512(), neg)); /* (v ^ -n) + n */
-        return l16_mul_ps(iq2xxs_scale_lanes(r16_f16(blk), aux), l16_cvtepi32_ps(q));
+    if (fmt == IQ2_XXS || fmt == IQ3_XXS || fmt == IQ3_S || fmt == IQ2_XS || fmt == IQ2_S) {
+        /* the unit's scale times the value: its entries unpacked as the kernels unpack them */
+        const uint8_t *blk = g + R16_BLOCK(fmt) * (col >> 8);
+        const int e = col & 255, len = fmt == IQ2_XS || fmt == IQ2_S ? 16 : 32, at = e % len;
+        l16i W[8];
+        const l16f ws = len == 16 ? iq16_unpack(fmt, blk, r16_f16(blk), e / 16, W)
+                                  : iq32_unpack(fmt, blk, r16_f16(blk), e / 32, W);
+        const l16i q = r16_q8(W[at / 4], l16_set1_epi8(-128)); /* the signed bytes again */
+        return l16_mul_ps(ws, l16_cvtepi32_ps(l16_srai_epi32(l16_slli_epi32(q, 24 - 8 * (at % 4)), 24)));
+    }
+    if (fmt == TQ1_0) { /* d (digit - 1): digit k of a byte is the top one of b 3^k mod 256 */
+        const uint8_t *blk = g + 864 * (col >> 8);
+        const int p = col & 255, k = p < 160 ? p / 32 : p < 240 ? (p - 160) / 16 : (p - 240) / 4;
+        const int j = p < 160 ? p % 32 : p < 240 ? 32 + (p - 160) % 16 : 48 + (p - 240) % 4;
+        l16i f = r16_bytes((const uint8_t *)TQ1_AT(blk, j / 4), j % 4);
+        for (int i = 0; i < k; i++) f = l16_and_si512(l16_add_epi32(f, l16_add_epi32(f, f)), l16_set1_epi32(0xFF));
+        const l16i digit = l16_srli_epi32(l16_add_epi32(f, l16_add_epi32(f, f)), 8);
+        return l16_mul_ps(r16_f16(blk), l16_cvtepi32_ps(l16_sub_epi32(digit, l16_set1_epi32(1))));
     }
     if (fmt == IQ1_M) { /* d (2 s + 1) / 8 times 8 (v + delta) */
         const uint8_t *blk = g + 896 * (col >> 8);
@@ -1535,14 +1747,14 @@ static inline l16f r16_weights(int fmt, const uint8_t *g, int32_t col) {
         return l16_sub_ps(w, l16_mul_ps(r16_f16(blk + 32), l16_cvtepi32_ps(m)));
     }
     const uint8_t *blk = g + R16_BLOCK(fmt) * (col >> 5);
-    const int e = col & 31, i = fmt == Q8_0 ? e : e & 15, at = fmt == Q4_1 ? 64 : 32;
-    const l16f d = r16_f16(blk);
+    const int e = col & 31, i = fmt == Q8_0 ? e : e & 15, at = r16_at32(fmt);
+    const l16f d = r16_scale32(fmt, blk);
     const l16i word = l16_srli_epi32(l16_loadu_si512((const void *)(blk + at + 64 * (i >> 2))), 8 * (i & 3));
     if (fmt == Q8_0) /* the byte, sign-extended */
         return l16_mul_ps(d, l16_cvtepi32_ps(l16_srai_epi32(l16_slli_epi32(word, 24), 24)));
     const l16i v = l16_and_si512(e >= 16 ? l16_srli_epi32(word, 4) : word, l16_set1_epi32(0xF));
     if (fmt == Q4_1) return l16_add_ps(l16_mul_ps(d, l16_cvtepi32_ps(v)), r16_f16(blk + 32));
-    if (fmt == IQ4_NL) return l16_mul_ps(d, l16_cvtepi32_ps(r16_lookup(l16_table(kvalues_iq4nl), v)));
+    if (fmt == IQ4_NL || fmt == MXFP4) return l16_mul_ps(d, l16_cvtepi32_ps(r16_lookup(l16_table(r16_table32(fmt)), v)));
     return l16_mul_ps(d, l16_cvtepi32_ps(l16_sub_epi32(v, l16_set1_epi32(8))));
 }
 
@@ -1556,10 +1768,10 @@ typedef struct { l16f a[16]; } r16_acc;
 static inline __attribute__((always_inline)) void r16_tile32(const int fmt, const uint8_t *g,
                                                              int64_t nb, const acts *a,
                                                              r16_acc *acc) {
-    const int nl = fmt == IQ4_NL, gb = R16_BLOCK(fmt);
-    const int off = fmt == Q8_0 || nl ? R16_Q8_OFF : fmt == Q4_0 ? 8 : 0, at = fmt == Q4_1 ? 64 : 32;
+    const int nl = fmt == IQ4_NL || fmt == MXFP4, gb = R16_BLOCK(fmt);
+    const int off = fmt == Q8_0 || nl ? R16_Q8_OFF : fmt == Q4_0 ? 8 : 0, at = r16_at32(fmt);
     const int64_t cols = a->cols, nbx = cols / 32, nx = a->nx;
-    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128), tbl = l16_table(kvalues_iq4nl);
+    const l16i m4 = l16_set1_epi8(0x0F), flip = l16_set1_epi8(-128), tbl = l16_table(r16_table32(fmt));
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + gb * b;
         l16i W[8];
@@ -1575,7 +1787,7 @@ static inline __attribute__((always_inline)) void r16_tile32(const int fmt, cons
                 W[4 + k] = l16_and_si512(l16_srli_epi16(q, 4), m4);
             }
         }
-        const l16f d = r16_f16(blk);
+        const l16f d = r16_scale32(fmt, blk);
         const l16f wm = fmt == Q4_1 ? l16_sub_ps(l16_setzero_ps(), r16_f16(blk + 32)) : l16_setzero_ps();
         const int j = (int)(b % 16);
         for (int64_t t = 0; t < nx; t++) {
@@ -1721,12 +1933,68 @@ static inline void r16_tile32_q8terms(const acts *a, int64_t b, int s, const l16
     for (int64_t t = 0; t < a->nx; t++) {
         const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
         const int32_t *xs = a->xs + 2 * t * nbx;
-        l16i n0 = l16_set1_epi32(-R16_Q8_OFF * (xs[2 * u] + xs[2 * u + 1])), n1 = l16_setzero_si512();
-        for (int k = 0; k < 4; k++) {
-            n0 = dot_q8_bcst(n0, W[k], x4 + 8 * s + k);
-            n1 = dot_q8_bcst(n1, W[4 + k], x4 + 8 * s + 4 + k);
+        const l16i n = r16_dots_q8(W, 8, x4 + 8 * s, xs[2 * u] + xs[2 * u + 1]);
+        acc[t].a[tt] = r16_add(acc[t].a[tt], n, ws, a->xd[t * nbx + u]);
+    }
+}
+
+/* IQ2_XXS, IQ3_XXS, IQ3_S: each unit unpacked once for all the activation rows */
+static inline __attribute__((always_inline)) void r16_tile_iq32(const int fmt, const uint8_t *g, int64_t nb,
+                                                                const acts *a, r16_acc *acc) {
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + R16_BLOCK(fmt) * b;
+        const l16f d = r16_f16(blk);
+        for (int s = 0; s < 8; s++) {
+            l16i W[8];
+            const l16f ws = iq32_unpack(fmt, blk, d, s, W);
+            r16_tile32_q8terms(a, b, s, W, ws, acc);
         }
-        acc[t].a[tt] = r16_add(acc[t].a[tt], l16_add_epi32(n0, n1), ws, a->xd[t * nbx + u]);
+    }
+}
+
+/* IQ2_XS, IQ2_S: each group of 16 unpacked once for all the activation rows */
+static inline __attribute__((always_inline)) void r16_tile_iq16(const int fmt, const uint8_t *g, int64_t nb,
+                                                                const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + R16_BLOCK(fmt) * b;
+        const l16f d = r16_f16(blk);
+        for (int gi = 0; gi < 16; gi++) {
+            l16i W[4];
+            const l16f ws = iq16_unpack(fmt, blk, d, gi, W);
+            for (int64_t t = 0; t < a->nx; t++) {
+                const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
+                const l16i n = r16_dots_q8(W, 4, x4 + 4 * gi, a->xs[2 * t * nbx + 16 * b + gi]);
+                acc[t].a[gi] = r16_add(acc[t].a[gi], n, ws, a->xd[t * nbx + 8 * b + gi / 2]);
+            }
+        }
+    }
+}
+
+/* TQ1_0: a block's 64 words of digits made once for all the activation rows */
+static void r16_tile_tq1(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
+    const int64_t cols = a->cols, nbx = cols / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + 864 * b;
+        l16i W[64];
+        for (int w = 0; w < 13; w++) {
+            l16i f = l16_loadu_si512(TQ1_AT(blk, w));
+            for (int k = 0; k < (w < 12 ? 5 : 4); k++) {
+                W[tq1_at(w, k)] = tq1_top(f);
+                f = tq1_next(f);
+            }
+        }
+        const l16f d = r16_f16(blk);
+        for (int64_t t = 0; t < a->nx; t++) {
+            const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
+            const int32_t *xs = a->xs + 2 * t * nbx + 16 * b;
+            for (int u = 0; u < 8; u++) {
+                l16i n = l16_set1_epi32(-(xs[2 * u] + xs[2 * u + 1]));
+                for (int k = 0; k < 8; k++) n = dpbusd_bcst(n, W[8 * u + k], x4 + 8 * u + k);
+                const int tt = 8 * (int)(b % 2) + u;
+                acc[t].a[tt] = r16_add(acc[t].a[tt], n, d, a->xd[t * nbx + 8 * b + u]);
+            }
+        }
     }
 }
 
@@ -1749,20 +2017,6 @@ static void r16_tile_iq1s(const uint8_t *g, int64_t nb, const acts *a, r16_acc *
                 for (int k = 0; k < 8; k++) n = dpbusd_bcst(n, W[k], x4 + 8 * s + k);
                 acc[t].a[tt] = r16_add(acc[t].a[tt], n, ws, a->xd[t * nbx + u]);
             }
-        }
-    }
-}
-
-static void r16_tile_iq2xxs(const uint8_t *g, int64_t nb, const acts *a, r16_acc *acc) {
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + 1056 * b;
-        const l16f d = r16_f16(blk);
-        for (int s = 0; s < 8; s++) {
-            const l16i L = l16_loadu_si512(IQ2_AT(blk, 2 * s)), aux = l16_loadu_si512(IQ2_AT(blk, 2 * s + 1));
-            l16i W[8];
-            for (int k = 0; k < 4; k++) iq2xxs_entry(L, aux, k, W + 2 * k);
-            const l16f ws = iq2xxs_scale_lanes(d, aux);
-            r16_tile32_q8terms(a, b, s, W, ws, acc);
         }
     }
 }
@@ -1896,7 +2150,13 @@ static void r16_tile(int fmt, const uint8_t *g, const acts *a, float *out, int64
     case IQ4_XS: r16_tile_iq4xs(g, nb, a, acc); break;
     case IQ4_NL: r16_tile32(IQ4_NL, g, nb, a, acc); break;
     case IQ1_S: r16_tile_iq1s(g, nb, a, acc); break;
-    case IQ2_XXS: r16_tile_iq2xxs(g, nb, a, acc); break;
+    case IQ2_XXS: r16_tile_iq32(IQ2_XXS, g, nb, a, acc); break;
+    case IQ3_XXS: r16_tile_iq32(IQ3_XXS, g, nb, a, acc); break;
+    case IQ3_S: r16_tile_iq32(IQ3_S, g, nb, a, acc); break;
+    case IQ2_XS: r16_tile_iq16(IQ2_XS, g, nb, a, acc); break;
+    case IQ2_S: r16_tile_iq16(IQ2_S, g, nb, a, acc); break;
+    case TQ1_0: r16_tile_tq1(g, nb, a, acc); break;
+    case MXFP4: r16_tile32(MXFP4, g, nb, a, acc); break;
     case IQ1_M: r16_tile_iq1m(g, nb, a, acc); break;
     default: r16_tile_q6k(g, nb, a, acc); break;
     }
@@ -1923,7 +2183,13 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
     case IQ4_XS: r16_group1_iq4xs(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     case IQ4_NL: r16_group1(IQ4_NL, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
     case IQ1_S: r16_group1_iq1s(g, cols / 256, a->xq, a->xd, a->xs, out); break;
-    case IQ2_XXS: r16_group1_iq2xxs(g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ2_XXS: r16_group1_iq32(IQ2_XXS, g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ3_XXS: r16_group1_iq32(IQ3_XXS, g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ3_S: r16_group1_iq32(IQ3_S, g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ2_XS: r16_group1_iq16(IQ2_XS, g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ2_S: r16_group1_iq16(IQ2_S, g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case TQ1_0: r16_group1_tq1(g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case MXFP4: r16_group1(MXFP4, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
     case IQ1_M: r16_group1_iq1m(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     default: r16_group1_q6k(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     }
@@ -1942,7 +2208,9 @@ int cs_repacked(int fmt) {
     return fmt == Q4_0 ? Q4_0R : fmt == Q4_1 ? Q4_1R : fmt == Q8_0 ? Q8_0R : fmt == Q4_K ? Q4_KR
          : fmt == Q6_K ? Q6_KR : fmt == Q2_K ? Q2_KR : fmt == Q3_K ? Q3_KR : fmt == Q5_K ? Q5_KR
          : fmt == TQ2_0 ? TQ2_0R : fmt == IQ4_XS ? IQ4_XSR : fmt == IQ4_NL ? IQ4_NLR
-         : fmt == IQ1_S ? IQ1_SR : fmt == IQ2_XXS ? IQ2_XXSR : fmt == IQ1_M ? IQ1_MR : -1;
+         : fmt == IQ1_S ? IQ1_SR : fmt == IQ2_XXS ? IQ2_XXSR : fmt == IQ1_M ? IQ1_MR
+         : fmt == IQ2_XS ? IQ2_XSR : fmt == IQ3_XXS ? IQ3_XXSR : fmt == IQ3_S ? IQ3_SR : fmt == IQ2_S ? IQ2_SR
+         : fmt == TQ1_0 ? TQ1_0R : fmt == MXFP4 ? MXFP4R : -1;
 }
 
 /* one block of row r of a group, from the file's layout (src) into the group's (o), or back */
@@ -1950,12 +2218,13 @@ static inline void r16_lane(int fmt, uint8_t *o, int r, uint8_t *src, int back) 
     /* two 16-bit fields: d and dmin (m); IQ4_XS's d and its high scale bits */
     const int two = fmt == Q4_K || fmt == Q5_K || fmt == Q4_1 || fmt == Q2_K || fmt == IQ4_XS;
     const int none = fmt == IQ1_M; /* its d is in its scale words */
-    const int head = none ? 0 : two ? 4 : 2, bb = R16_BYTES(fmt);
-    const int words = (bb - head) / 4, body = none ? 0 : two ? 64 : 32;
-    const int tail = fmt == Q6_K || fmt == Q2_K || fmt == Q3_K || fmt == TQ2_0; /* f16s after words */
+    const int one = fmt == MXFP4;  /* one byte: its E8M0 scale */
+    const int head = none ? 0 : one ? 1 : two ? 4 : 2, bb = R16_BYTES(fmt);
+    const int words = (bb - head) / 4, body = none ? 0 : one ? 16 : two ? 64 : 32;
+    const int tail = fmt == Q6_K || fmt == Q2_K || fmt == Q3_K || fmt == TQ2_0 || fmt == TQ1_0; /* f16s after words */
     const int first = tail ? 0 : head, at = tail ? bb - head : 0;
-    uint8_t *f[2] = {o + 2 * r, src + at};
-    if (!none) memcpy(f[back], f[!back], 2);
+    uint8_t *f[2] = {o + (one ? 1 : 2) * r, src + at};
+    if (!none) memcpy(f[back], f[!back], one ? 1 : 2);
     if (two) {
         uint8_t *m[2] = {o + 32 + 2 * r, src + at + 2};
         memcpy(m[back], m[!back], 2);
