@@ -103,8 +103,8 @@ MAKER_VERSION = 1  # in the file names: bump when the model makers change
 FILE_TYPES = {"f32": 0, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q6_k": 18}
 # llama-quantize's low-bit mixes, the formats that make huge MoEs fit (issue 55), made with
 # an importance matrix as their users make them
-LOWBIT_MIXES = ("Q2_K", "Q3_K_M", "Q5_K_M", "IQ4_XS", "IQ3_XXS", "IQ2_XXS", "IQ1_M", "IQ1_S",
-                "TQ1_0")  # fmt: skip
+LOWBIT_MIXES = ("Q2_K", "Q3_K_M", "Q5_K_M", "IQ4_XS", "IQ3_XXS", "IQ2_XS", "IQ2_XXS", "IQ1_M",
+                "IQ1_S", "TQ1_0")  # fmt: skip
 # llama-quantize's fallback for a row that is not whole 256-blocks.
 K_FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}
 
@@ -222,7 +222,7 @@ def peer_models() -> list[PeerModel]:
                   mixes=("Q4_0", "Q4_K_M", *LOWBIT_MIXES)),
         PeerModel("llama-1B", llama(2048, 16, 8, 5632), ("q4_0", "q8_0", "q4_k"), 2),
         PeerModel("deepseek-moe-0.8B", moe, ("q4_0", "q8_0", "q4_k"), 3, control="f32",
-                  mixes=("Q4_0", "Q8_0", "Q4_K_M", "Q2_K", "IQ2_XXS", "IQ1_M")),
+                  mixes=("Q4_0", "Q8_0", "Q4_K_M", "Q2_K", "IQ2_XXS", "IQ1_M", "MXFP4_MOE")),
     ]
 
 

@@ -75,7 +75,7 @@ def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
     ("rows", "cols"),
     [(1030, 1024), (64, 2816), (37, 512), (48, 96), (16, 4096), (17, 32)],
 )  # fmt: skip
-@pytest.mark.parametrize("nx", [1, 3, 16])
+@pytest.mark.parametrize("nx", [1, 3, 16, 70])
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                                   "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ2_XXS", "IQ1_M",
                                   "IQ2_XS", "IQ3_XXS", "IQ3_S", "IQ2_S", "TQ1_0", "MXFP4"])

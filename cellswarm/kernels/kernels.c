@@ -40,6 +40,12 @@ enum { Q4_0R = 102, Q4_1R = 103, Q8_0R = 108, Q2_KR = 110, Q3_KR = 111, Q4_KR = 
                    || (f) == TQ1_0R || (f) == MXFP4R)
 #define R16_NATURAL(f) (IS_R16(f) ? (f) - 100 : (f))
 #define MAX_BATCH 16
+/* Activation rows a repacked weight's tile takes at once (a prefill): each 16-row group's
+ * blocks are unpacked once per tile, so a larger tile unpacks them fewer times (the codebook
+ * formats' gathers, the K-quants' bit moving). Each row's sum is its own: no bit depends on it. */
+#ifndef R16_TILE /* -DR16_TILE=16 (CELLSWARM_CFLAGS): another build to compare */
+#define R16_TILE 64
+#endif
 
 static inline float fp16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
@@ -477,13 +483,13 @@ static inline float k_weight_at(int fmt, const uint8_t *row, int64_t j) {
  * one matrix: the distinct columns, where each one's weight sits in any row, and per activation
  * row its values and which column each multiplies. Made once per matrix (a task of the fused
  * layers), read for every weight row: a column several tokens share is decoded once. */
-#define PLAN_MAX (MAX_BATCH * OUTLIERS)
+#define PLAN_MAX (R16_TILE * OUTLIERS)
 typedef struct {
     int nx, nu;
     int32_t col[PLAN_MAX], boff[PLAN_MAX], qoff[PLAN_MAX], sh[PLAN_MAX];
-    int n[MAX_BATCH];
-    uint8_t use[MAX_BATCH][OUTLIERS];
-    float val[MAX_BATCH][OUTLIERS];
+    int n[R16_TILE];
+    uint8_t use[R16_TILE][OUTLIERS];
+    float val[R16_TILE][OUTLIERS];
 } ol_plan;
 
 /* activation row k of the plan: the outliers o (NULL: none) of the vector it is columns
@@ -2134,7 +2140,7 @@ static void r16_tile_q5k(const uint8_t *g, int64_t nb, const acts *a, r16_acc *a
 
 /* 16 rows of group g (format fmt as in the file) times a's nx >= 2 rows: out[t * ld + lane] */
 static void r16_tile(int fmt, const uint8_t *g, const acts *a, float *out, int64_t ld) {
-    r16_acc acc[MAX_BATCH];
+    r16_acc acc[R16_TILE];
     for (int64_t t = 0; t < a->nx; t++)
         for (int j = 0; j < 16; j++) acc[t].a[j] = l16_setzero_ps();
     const int64_t nb = a->cols / R16_ELEMS(fmt);
@@ -2287,10 +2293,23 @@ static inline int64_t chunk_rows(int64_t rows, int64_t row_bytes) {
 /* one row of W times a's rows, the outliers added: out[k * ld] */
 static inline void one_row(int fmt, const uint8_t *row, const acts *a, const ol_plan *pl,
                            float *out, int64_t ld) {
-    float o[MAX_BATCH];
-    exact_row_q(fmt, row, a, o);
+    float o[R16_TILE];
+    const int64_t nbx = a->cols / 32;
+    for (int64_t k0 = 0; k0 < a->nx; k0 += MAX_BATCH) { /* the row kernel takes MAX_BATCH at most */
+        acts sub = *a;
+        sub.nx = a->nx - k0 < MAX_BATCH ? a->nx - k0 : MAX_BATCH;
+        sub.xq += k0 * a->cols;
+        sub.xd += k0 * nbx;
+        sub.xs += 2 * k0 * nbx;
+        sub.xsum += k0 * nbx;
+        if (a->xd16) {
+            sub.xd16 += 2 * k0 * nbx;
+            sub.xsum16 += 2 * k0 * nbx;
+        }
+        exact_row_q(fmt, row, &sub, o + k0);
+    }
     if (pl->nu) {
-        float t[MAX_BATCH];
+        float t[R16_TILE];
         plan_row(fmt, row, pl, t);
         for (int64_t k = 0; k < a->nx; k++) o[k] += t[k];
     }
@@ -2304,7 +2323,7 @@ static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
                      const int8_t *xq, const float *xd, const int32_t *xs, int64_t nx,
                      const outliers *ol, float *out) {
     const int64_t chunk = chunk_rows(rows, row_bytes), nbx = cols / 32;
-    const int64_t tiles = (nx + MAX_BATCH - 1) / MAX_BATCH;
+    const int64_t tile = IS_R16(fmt) ? R16_TILE : MAX_BATCH, tiles = (nx + tile - 1) / tile;
     const int par = rows * row_bytes * (tiles < 1 ? 1 : tiles) >= PAR_MIN_BYTES && rows > chunk;
     float *xsum = (float *)malloc(sizeof(float) * (size_t)(nx * nbx + 1));
     acts *a = (acts *)malloc(sizeof(acts) * (size_t)(tiles + 1));
@@ -2317,7 +2336,7 @@ static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
         x16[2 * nx * nbx + i] = xd[i / 2] * (float)xs[i];
     }
     for (int64_t i = 0; i < tiles; i++) {
-        const int64_t r0 = MAX_BATCH * i, n = nx - r0 < MAX_BATCH ? nx - r0 : MAX_BATCH;
+        const int64_t r0 = tile * i, n = nx - r0 < tile ? nx - r0 : tile;
         a[i] = (acts){xq + r0 * cols, xd + r0 * nbx, xs + 2 * r0 * nbx, cols, n, xsum + r0 * nbx,
                       x16 ? x16 + 2 * r0 * nbx : NULL, x16 ? x16 + 2 * nx * nbx + 2 * r0 * nbx : NULL};
         pl[i].nu = 0;
@@ -2334,7 +2353,7 @@ static void matmul_q(int fmt, const uint8_t *w, int64_t rows, int64_t row_bytes,
 #pragma omp for schedule(dynamic, uchunk) nowait
         for (int64_t u = 0; u < units; u++) /* a group of 16 repacked rows, or one row */
             for (int64_t i = 0; i < tiles; i++) {
-                float *oi = out + MAX_BATCH * i * rows;
+                float *oi = out + tile * i * rows;
 #ifdef HAVE_R16
                 if (u < ng) {
                     r16_group(fmt, w + 16 * u * row_bytes, &a[i], &pl[i], oi + 16 * u, rows);
