@@ -609,7 +609,10 @@ typedef __m512 l16f;
 #define l16_add_epi8 _mm512_add_epi8
 #define l16_sub_epi8 _mm512_sub_epi8
 /* 0xFF in each byte of a that has every bit of the same byte of bits, else 0 */
-static inline __m512i l16_bytes_set(__m512i a, __m512i bits) { return _mm512_movm_epi8(_mm512_cmpeq_epi8_mask(_mm512_and_si512(a, bits), bits)); }
+/* v with its bytes negated where a has any bit of bits (one bit a byte) */
+static inline __m512i l16_negate_bytes(__m512i v, __m512i a, __m512i bits) {
+    return _mm512_mask_sub_epi8(v, _mm512_test_epi8_mask(a, bits), _mm512_setzero_si512(), v);
+}
 /* 16 int32 from base[idx[lane]] */
 static inline __m512i l16_gather32(__m512i idx, const int32_t *base) { return _mm512_i32gather_epi32(idx, (const void *)base, 4); }
 /* the 8-byte entries index (16 lanes) names: v[0] their bytes 0-3, v[1] bytes 4-7. Two 8-lane
@@ -738,8 +741,13 @@ static inline l16f l16_f16_bits(l16i v) { return (l16f){f16_bits_half(v.l), f16_
 static inline l16i l16_shuffle_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_shuffle_epi8); }
 static inline l16i l16_add_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_add_epi8); }
 static inline l16i l16_sub_epi8(l16i a, l16i b) { L16_PAIR(l16i, _mm256_sub_epi8); }
-static inline __m256i bytes_set_half(__m256i a, __m256i bits) { return _mm256_cmpeq_epi8(_mm256_and_si256(a, bits), bits); }
-static inline l16i l16_bytes_set(l16i a, l16i b) { L16_PAIR(l16i, bytes_set_half); }
+static inline __m256i negate_bytes_half(__m256i v, __m256i a, __m256i bits) {
+    const __m256i m = _mm256_cmpeq_epi8(_mm256_and_si256(a, bits), bits);
+    return _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
+}
+static inline l16i l16_negate_bytes(l16i v, l16i a, l16i bits) {
+    return (l16i){negate_bytes_half(v.l, a.l, bits.l), negate_bytes_half(v.h, a.h, bits.h)};
+}
 static inline l16i l16_gather32(l16i idx, const int32_t *base) {
     return (l16i){_mm256_i32gather_epi32((const int *)base, idx.l, 4), _mm256_i32gather_epi32((const int *)base, idx.h, 4)};
 }
@@ -1309,9 +1317,13 @@ static inline l16f iq_scale_lanes(l16f d, l16i s, float step) {
 
 /* ksigns_iq2xs[i] of the 16 rows (i: 7 bits in each lane): the 7 bits, and an 8th for even parity */
 static inline l16i iq2_ksigns(l16i i) {
+#if defined(R16_ZMM) && defined(__AVX512VPOPCNTDQ__)
+    const l16i p = _mm512_popcnt_epi32(i);
+#else
     l16i p = l16_xor_si512(i, l16_srli_epi32(i, 4));
     p = l16_xor_si512(p, l16_srli_epi32(p, 2));
     p = l16_xor_si512(p, l16_srli_epi32(p, 1));
+#endif
     return l16_or_si512(i, l16_slli_epi32(l16_and_si512(p, l16_set1_epi32(1)), 7));
 }
 
@@ -1327,8 +1339,8 @@ static inline l16i iq_spread(l16i signs, int k) {
 /* 4 grid bytes of each lane (v) with bits 4 h .. 4 h + 3 of its spread sign byte applied: bytes
  * negated where set, then as Q8_0's weights go to dot_q8 */
 static inline l16i iq_signed4(l16i v, l16i spread, int h) {
-    const l16i m = l16_bytes_set(spread, l16_set1_epi32(h ? (int)0x80402010 : 0x08040201));
-    return r16_q8(l16_sub_epi8(l16_xor_si512(v, m), m), l16_set1_epi8(-128));
+    const l16i bits = l16_set1_epi32(h ? (int)0x80402010 : 0x08040201);
+    return r16_q8(l16_negate_bytes(v, spread, bits), l16_set1_epi8(-128));
 }
 
 /* an entry of 8 (grid of 8-byte entries, index: the 16 rows'), signs: sign byte k of each lane */
