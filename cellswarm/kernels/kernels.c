@@ -1435,34 +1435,21 @@ R16_UNROLL4
     return l16_add_epi32(n0, n1);
 }
 
-/* 16 repacked rows of IQ2_XXS, IQ3_XXS or IQ3_S times one activation row: units of 32, as
- * row_q in Q4_1's loop */
-static inline __attribute__((always_inline)) void r16_group1_iq32(const int fmt, const uint8_t *g, int64_t nb,
-                                                                  const int8_t *xq, const float *xd,
-                                                                  const int32_t *xs, float *out) {
-    l16f A[16];
-    for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + R16_BLOCK(fmt) * b;
-        const l16f d = r16_f16(blk);
-        const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b);
-R16_UNROLL2
-        for (int s = 0; s < 8; s++) {
-            const int64_t u = 8 * b + s;
-            l16i W[8];
-            const l16f ws = iq32_unpack(fmt, blk, d, s, W);
-            const int t = 8 * (int)(b % 2) + s;
-            A[t] = r16_add(A[t], r16_dots_q8(W, 8, x4 + 8 * s, xs[2 * u] + xs[2 * u + 1]), ws, xd[u]);
-        }
-    }
-    fold16_rows(A, out);
+/* a codebook format's unit: 16 values (IQ2_XS, IQ2_S: Q2_K's loop) or 32 (Q4_1's) */
+static inline int iq_unit(int fmt) { return fmt == IQ2_XS || fmt == IQ2_S ? 16 : 32; }
+
+/* unit s of block blk (iq16_unpack or iq32_unpack): its words W (len / 4) and its scale */
+static inline __attribute__((always_inline)) l16f iq_unpack(const int fmt, const uint8_t *blk, l16f d, int s,
+                                                            l16i W[8]) {
+    return iq_unit(fmt) == 16 ? iq16_unpack(fmt, blk, d, s, W) : iq32_unpack(fmt, blk, d, s, W);
 }
 
-/* 16 repacked rows of IQ2_XS or IQ2_S times one activation row: units of 16, as row_q in
- * Q2_K's loop */
-static inline __attribute__((always_inline)) void r16_group1_iq16(const int fmt, const uint8_t *g, int64_t nb,
-                                                                  const int8_t *xq, const float *xd,
-                                                                  const int32_t *xs, float *out) {
+/* 16 repacked rows of a codebook format with signs (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S)
+ * times one activation row: unit u = per b + s goes to A[u % 16], as row_q runs it */
+static inline __attribute__((always_inline)) void r16_group1_iq(const int fmt, const uint8_t *g, int64_t nb,
+                                                                const int8_t *xq, const float *xd,
+                                                                const int32_t *xs, float *out) {
+    const int len = iq_unit(fmt), per = 256 / len;
     l16f A[16];
     for (int j = 0; j < 16; j++) A[j] = l16_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -1470,10 +1457,13 @@ static inline __attribute__((always_inline)) void r16_group1_iq16(const int fmt,
         const l16f d = r16_f16(blk);
         const int32_t *x4 = (const int32_t *)(const void *)(xq + 256 * b);
 R16_UNROLL2
-        for (int gi = 0; gi < 16; gi++) {
-            l16i W[4];
-            const l16f ws = iq16_unpack(fmt, blk, d, gi, W);
-            A[gi] = r16_add(A[gi], r16_dots_q8(W, 4, x4 + 4 * gi, xs[16 * b + gi]), ws, xd[8 * b + gi / 2]);
+        for (int s = 0; s < per; s++) {
+            const int64_t u = per * b + s;
+            l16i W[8];
+            const l16f ws = iq_unpack(fmt, blk, d, s, W);
+            const int32_t sum = len == 16 ? xs[u] : xs[2 * u] + xs[2 * u + 1];
+            const l16i n = r16_dots_q8(W, len / 4, x4 + len / 4 * s, sum);
+            A[u % 16] = r16_add(A[u % 16], n, ws, xd[u * len / 32]);
         }
     }
     fold16_rows(A, out);
@@ -1956,34 +1946,24 @@ static inline void r16_tile32_q8terms(const acts *a, int64_t b, int s, const l16
     }
 }
 
-/* IQ2_XXS, IQ3_XXS, IQ3_S: each unit unpacked once for all the activation rows */
-static inline __attribute__((always_inline)) void r16_tile_iq32(const int fmt, const uint8_t *g, int64_t nb,
-                                                                const acts *a, r16_acc *acc) {
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + R16_BLOCK(fmt) * b;
-        const l16f d = r16_f16(blk);
-        for (int s = 0; s < 8; s++) {
-            l16i W[8];
-            const l16f ws = iq32_unpack(fmt, blk, d, s, W);
-            r16_tile32_q8terms(a, b, s, W, ws, acc);
-        }
-    }
-}
-
-/* IQ2_XS, IQ2_S: each group of 16 unpacked once for all the activation rows */
-static inline __attribute__((always_inline)) void r16_tile_iq16(const int fmt, const uint8_t *g, int64_t nb,
-                                                                const acts *a, r16_acc *acc) {
+/* the codebook formats with signs: each unit unpacked once for all the activation rows */
+static inline __attribute__((always_inline)) void r16_tile_iq(const int fmt, const uint8_t *g, int64_t nb,
+                                                              const acts *a, r16_acc *acc) {
+    const int len = iq_unit(fmt), per = 256 / len;
     const int64_t cols = a->cols, nbx = cols / 32;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + R16_BLOCK(fmt) * b;
         const l16f d = r16_f16(blk);
-        for (int gi = 0; gi < 16; gi++) {
-            l16i W[4];
-            const l16f ws = iq16_unpack(fmt, blk, d, gi, W);
+        for (int s = 0; s < per; s++) {
+            const int64_t u = per * b + s;
+            l16i W[8];
+            const l16f ws = iq_unpack(fmt, blk, d, s, W);
             for (int64_t t = 0; t < a->nx; t++) {
                 const int32_t *x4 = (const int32_t *)(const void *)(a->xq + t * cols + 256 * b);
-                const l16i n = r16_dots_q8(W, 4, x4 + 4 * gi, a->xs[2 * t * nbx + 16 * b + gi]);
-                acc[t].a[gi] = r16_add(acc[t].a[gi], n, ws, a->xd[t * nbx + 8 * b + gi / 2]);
+                const int32_t *xs = a->xs + 2 * t * nbx;
+                const int32_t sum = len == 16 ? xs[u] : xs[2 * u] + xs[2 * u + 1];
+                const l16i n = r16_dots_q8(W, len / 4, x4 + len / 4 * s, sum);
+                acc[t].a[u % 16] = r16_add(acc[t].a[u % 16], n, ws, a->xd[t * nbx + u * len / 32]);
             }
         }
     }
@@ -2168,11 +2148,11 @@ static void r16_tile(int fmt, const uint8_t *g, const acts *a, float *out, int64
     case IQ4_XS: r16_tile_iq4xs(g, nb, a, acc); break;
     case IQ4_NL: r16_tile32(IQ4_NL, g, nb, a, acc); break;
     case IQ1_S: r16_tile_iq1s(g, nb, a, acc); break;
-    case IQ2_XXS: r16_tile_iq32(IQ2_XXS, g, nb, a, acc); break;
-    case IQ3_XXS: r16_tile_iq32(IQ3_XXS, g, nb, a, acc); break;
-    case IQ3_S: r16_tile_iq32(IQ3_S, g, nb, a, acc); break;
-    case IQ2_XS: r16_tile_iq16(IQ2_XS, g, nb, a, acc); break;
-    case IQ2_S: r16_tile_iq16(IQ2_S, g, nb, a, acc); break;
+    case IQ2_XXS: r16_tile_iq(IQ2_XXS, g, nb, a, acc); break;
+    case IQ3_XXS: r16_tile_iq(IQ3_XXS, g, nb, a, acc); break;
+    case IQ3_S: r16_tile_iq(IQ3_S, g, nb, a, acc); break;
+    case IQ2_XS: r16_tile_iq(IQ2_XS, g, nb, a, acc); break;
+    case IQ2_S: r16_tile_iq(IQ2_S, g, nb, a, acc); break;
     case TQ1_0: r16_tile_tq1(g, nb, a, acc); break;
     case MXFP4: r16_tile32(MXFP4, g, nb, a, acc); break;
     case IQ1_M: r16_tile_iq1m(g, nb, a, acc); break;
@@ -2201,11 +2181,11 @@ static void r16_group(int rfmt, const uint8_t *g, const acts *a, const ol_plan *
     case IQ4_XS: r16_group1_iq4xs(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     case IQ4_NL: r16_group1(IQ4_NL, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
     case IQ1_S: r16_group1_iq1s(g, cols / 256, a->xq, a->xd, a->xs, out); break;
-    case IQ2_XXS: r16_group1_iq32(IQ2_XXS, g, cols / 256, a->xq, a->xd, a->xs, out); break;
-    case IQ3_XXS: r16_group1_iq32(IQ3_XXS, g, cols / 256, a->xq, a->xd, a->xs, out); break;
-    case IQ3_S: r16_group1_iq32(IQ3_S, g, cols / 256, a->xq, a->xd, a->xs, out); break;
-    case IQ2_XS: r16_group1_iq16(IQ2_XS, g, cols / 256, a->xq, a->xd, a->xs, out); break;
-    case IQ2_S: r16_group1_iq16(IQ2_S, g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ2_XXS: r16_group1_iq(IQ2_XXS, g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ3_XXS: r16_group1_iq(IQ3_XXS, g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ3_S: r16_group1_iq(IQ3_S, g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ2_XS: r16_group1_iq(IQ2_XS, g, cols / 256, a->xq, a->xd, a->xs, out); break;
+    case IQ2_S: r16_group1_iq(IQ2_S, g, cols / 256, a->xq, a->xd, a->xs, out); break;
     case TQ1_0: r16_group1_tq1(g, cols / 256, a->xq, a->xd, a->xs, out); break;
     case MXFP4: r16_group1(MXFP4, g, nbx, a->xq, a->xd, a->xs, NULL, out); break;
     case IQ1_M: r16_group1_iq1m(g, cols / 256, a->xq, a->xd, a->xs, out); break;
