@@ -64,7 +64,8 @@ def load(path: str | os.PathLike[str] | None = None, *, n_ctx: int | None = None
     `path` (or llama-cpp-python's `model_path`) a .gguf file or Hugging Face folder, none
     for the demo model; `n_ctx` the context a generation may take (prompt + completion,
     refused beyond it); `n_threads` the kernels' and BLAS' threads (default: all cores).
-    Imported lazily so `import cellswarm` stays light."""
+    A whole model's weights are laid out for the kernels before it returns (Model.prepare),
+    so its first prompt runs at full speed. Imported lazily so `import cellswarm` stays light."""
     from cellswarm.loader import load as _load
 
     if path is not None and model_path is not None:
@@ -84,6 +85,8 @@ def load(path: str | os.PathLike[str] | None = None, *, n_ctx: int | None = None
         raise RequestError(f"n_ctx {n_ctx} must be at least 1 token")
     model = _load(path, **options)
     model.n_ctx = n_ctx
+    if options.get("selection") is None:  # a whole model: laid out now (a part as it runs)
+        model.prepare()
     return model
 
 

@@ -199,6 +199,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         model = load(args.model or demo_model_path(), quant=args.quant, kv_budget_bytes=budget,
                      cache_type=args.cache_type)  # fmt: skip
+        model.prepare()  # repacked before the prompt's clock starts, as llama.cpp's load does
     if args.draft:
         try:
             draft = load(args.draft, cache_type=args.cache_type)

@@ -178,6 +178,13 @@ class Model(Completions):
                                "vocabulary")  # fmt: skip
         self.draft = draft
 
+    def prepare(self) -> None:
+        """Lay every layer's weights out for the fused kernels now (their repacked copies),
+        as the first step would. Why at load: a first prompt that repacked a MoE's experts
+        as it reached them ran at half its later speed (docs/same-bits.md, "Cold"), and a
+        served model's first user waited for it; llama.cpp repacks in its load too."""
+        self.arch.prepare(self.layers)
+
     @property
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
