@@ -748,9 +748,9 @@ def repack(
     type_name: str, w: np.ndarray, out: np.ndarray | None = None
 ) -> tuple[int, np.ndarray] | None:
     """W (rows, row_bytes) laid out for this CPU's fastest kernel, as (format code, bytes of
-    the same shape: `out` if given), or None where there is no such layout (the format: Q4_0,
-    Q4_1, Q8_0, Q4_K and Q6_K have one; the CPU: AVX-512 VNNI or AVX2 with F16C; fewer than 16 rows;
-    CELLSWARM_REPACK=0).
+    the same shape: `out` if given), or None where there is no such layout (the format: all
+    the fused ones but Q5_1 and NVFP4 have one; the CPU: AVX-512 VNNI or AVX2 with F16C;
+    fewer than 16 rows; CELLSWARM_REPACK=0).
     The kernels read a repacked weight as the same numbers, to the bit."""
     packed_code = repacked_code(type_name, w.shape[0]) if w.ndim == 2 else None
     if packed_code is None:

@@ -55,10 +55,13 @@ def _file_pages(data: npt.NDArray[Any]) -> tuple[int, int] | None:
     return -(-start // page) * page, (start + int(data.nbytes)) // page * page
 
 
-def _drop(pages: tuple[int, int]) -> None:
-    lo, hi = pages
+def _advise(lo: int, hi: int, advice: int) -> None:
     if hi > lo:
-        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
+        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), advice)
+
+
+def _drop(pages: tuple[int, int]) -> None:
+    _advise(*pages, MADV_DONTNEED)
 
 
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
@@ -74,9 +77,7 @@ def _huge_pages(a: npt.NDArray[Any]) -> None:
     resident that the budget never counted. A no-op where THP is off."""
     start = int(a.ctypes.data)
     lo = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    hi = (start + int(a.nbytes)) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if hi > lo:
-        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_HUGEPAGE)
+    _advise(lo, (start + int(a.nbytes)) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES, MADV_HUGEPAGE)
 
 
 def release_file_pages(data: npt.NDArray[Any]) -> None:
@@ -138,11 +139,11 @@ class PackedMatrix:
         self._repacked: tuple[int, Bytes] | None = None  # (format code, bytes): repack()
 
     def repack(self) -> bool:
-        """Lay the bytes out for this CPU's fastest kernel (kernels.repack: Q4_0, Q4_1, Q8_0,
-        Q4_K and Q6_K in groups of 16 rows, on AVX-512 VNNI or AVX2), which reads them as the same
-        numbers to the bit, and let go of the file's pages they came from: the weight then
-        takes the same memory as before, in memory of its own instead of the page cache's,
-        not twice. The fused paths (any batch) and dequantize read the new layout from then
+        """Lay the bytes out for this CPU's fastest kernel (kernels.repack: every fused format
+        but Q5_1 and NVFP4 in groups of 16 rows, on AVX-512 VNNI or AVX2), which reads them
+        as the same numbers to the bit, and let go of the file's pages they came from: the
+        weight then takes the same memory as before, in memory of its own instead of the page
+        cache's, not twice. The fused paths (any batch) and dequantize read the new layout from then
         on; `data` stays the GGUF bytes (a view of the file: reading it again maps pages
         again; the numpy path does, CELLSWARM_KERNELS=numpy being the reference). False
         where there is no faster layout, and for a weight not read from a mapped file
