@@ -20,10 +20,42 @@ import numpy as np
 from bench.engine import read_bandwidth_bytes_per_s
 from cellswarm import kernels
 from cellswarm.quant import PackedMatrix, format_by_name
+from cellswarm.quant.formats import quantize
 
 FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q2_K", "F16", "BF16"]
 SIZES_MB = [0.5, 2, 8, 32, 64]
 COLS = 4096
+
+K_BLOCK = {  # bytes, where its f16s are, how many
+    "Q4_K": (144, 0, 2), "Q6_K": (210, 208, 1), "Q2_K": (84, 80, 2), "Q3_K": (110, 108, 1),
+    "Q5_K": (176, 0, 2), "TQ2_0": (66, 64, 1), "IQ4_XS": (136, 0, 1), "IQ4_NL": (18, 0, 1),
+    "IQ1_S": (50, 0, 1), "IQ2_XXS": (66, 0, 1), "IQ1_M": (56, 48, 0), "IQ2_XS": (74, 0, 1),
+    "IQ3_XXS": (98, 0, 1), "IQ3_S": (110, 0, 1), "IQ2_S": (82, 0, 1), "TQ1_0": (54, 52, 1),
+    "MXFP4": (17, 0, 0),
+}
+
+
+def random_weights(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random packed rows with a model's small, finite scales: the formats cellswarm writes
+    quantized from normal floats, the rest (which it reads but does not write) as random
+    blocks with small f16 scales: Q4_K's and Q5_K's d and dmin first, Q6_K's and Q3_K's d
+    and Q2_K's d and dmin last."""
+    if name not in K_BLOCK:
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), format_by_name(name))
+    size, at, n = K_BLOCK[name]
+    nb = cols // format_by_name(name).block_size
+    blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, (rows, nb, n)).astype(np.float16)
+    blocks[..., at : at + 2 * n] = scales.view(np.uint8).reshape(rows, nb, 2 * n)
+    if name == "MXFP4":  # its E8M0 scale, 2^(e - 128): near 2^-7, and the extremes
+        blocks[..., 0] = rng.integers(115, 125, (rows, nb))
+        blocks[0, 0, 0], blocks[-1, -1, 0] = 0, 1
+    if name == "IQ1_M":  # its d: an f16's 4 nibbles, the top nibble of each scale word
+        bits = rng.uniform(1e-3, 1e-2, (rows, nb)).astype(np.float16).view(np.uint16)
+        for k in range(4):
+            top = blocks[..., at + 2 * k + 1] & 0x0F
+            blocks[..., at + 2 * k + 1] = top | (((bits >> (4 * k)) & 0xF) << 4).astype(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def random_matrix(name: str, nbytes: float) -> PackedMatrix:

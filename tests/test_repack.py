@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import cellswarm
+from bench.kernels import random_weights as _weights
 from cellswarm import kernels
 from cellswarm.io.gguf_write import write_gguf
 from cellswarm.models.llama_config import LlamaConfig
@@ -27,13 +28,6 @@ from cellswarm.quant import PackedMatrix, format_by_name
 from cellswarm.quant.formats import dequantize, quantize
 
 Q4_0 = format_by_name("q4_0")
-K_BLOCK = {  # bytes, where its f16s are, how many
-    "Q4_K": (144, 0, 2), "Q6_K": (210, 208, 1), "Q2_K": (84, 80, 2), "Q3_K": (110, 108, 1),
-    "Q5_K": (176, 0, 2), "TQ2_0": (66, 64, 1), "IQ4_XS": (136, 0, 1), "IQ4_NL": (18, 0, 1),
-    "IQ1_S": (50, 0, 1), "IQ2_XXS": (66, 0, 1), "IQ1_M": (56, 48, 0), "IQ2_XS": (74, 0, 1),
-    "IQ3_XXS": (98, 0, 1), "IQ3_S": (110, 0, 1), "IQ2_S": (82, 0, 1), "TQ1_0": (54, 52, 1),
-    "MXFP4": (17, 0, 0),
-}
 
 
 def _repacked_or_skip(w: np.ndarray, fmt: str = "Q4_0") -> tuple[int, np.ndarray]:
@@ -41,28 +35,6 @@ def _repacked_or_skip(w: np.ndarray, fmt: str = "Q4_0") -> tuple[int, np.ndarray
     if r is None:
         pytest.skip("no repacked layout on this CPU (or fast kernels are off)")
     return r
-
-
-def _weights(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random packed rows; K formats (which cellswarm reads but does not write) as random
-    blocks with small f16 scales: Q4_K's and Q5_K's d and dmin first, Q6_K's and Q3_K's d
-    and Q2_K's d and dmin last."""
-    if name not in K_BLOCK:
-        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), format_by_name(name))
-    size, at, n = K_BLOCK[name]
-    nb = cols // format_by_name(name).block_size
-    blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
-    scales = rng.uniform(1e-3, 1e-2, (rows, nb, n)).astype(np.float16)
-    blocks[..., at : at + 2 * n] = scales.view(np.uint8).reshape(rows, nb, 2 * n)
-    if name == "MXFP4":  # its E8M0 scale, 2^(e - 128): near 2^-7, and the extremes
-        blocks[..., 0] = rng.integers(115, 125, (rows, nb))
-        blocks[0, 0, 0], blocks[-1, -1, 0] = 0, 1
-    if name == "IQ1_M":  # its d: an f16's 4 nibbles, the top nibble of each scale word
-        bits = rng.uniform(1e-3, 1e-2, (rows, nb)).astype(np.float16).view(np.uint16)
-        for k in range(4):
-            top = blocks[..., at + 2 * k + 1] & 0x0F
-            blocks[..., at + 2 * k + 1] = top | (((bits >> (4 * k)) & 0xF) << 4).astype(np.uint8)
-    return blocks.reshape(rows, -1)
 
 
 def _matmul(code: int, w: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:

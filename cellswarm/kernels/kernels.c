@@ -614,13 +614,21 @@ static inline __m512i l16_negate_bytes(__m512i v, __m512i a, __m512i bits) {
     return _mm512_mask_sub_epi8(v, _mm512_test_epi8_mask(a, bits), _mm512_setzero_si512(), v);
 }
 /* 16 int32 from base[idx[lane]] */
-static inline __m512i l16_gather32(__m512i idx, const int32_t *base) { return _mm512_i32gather_epi32(idx, (const void *)base, 4); }
+#ifdef CELLSWARM_MEASURE_NO_GATHERS /* arithmetic in a gather's place (bench.kernel_parts) */
+#define l16_i32gather_epi32(idx, base) _mm512_add_epi32(idx, _mm512_set1_epi32(*(const int32_t *)(base)))
+#define l16_i32gather_epi64(idx, base) \
+    _mm512_add_epi64(_mm512_cvtepi32_epi64(idx), _mm512_set1_epi64(*(const long long *)(base)))
+#else
+#define l16_i32gather_epi32(idx, base) _mm512_i32gather_epi32(idx, (const void *)(base), 4)
+#define l16_i32gather_epi64(idx, base) _mm512_i32gather_epi64(idx, base, 8)
+#endif
+static inline __m512i l16_gather32(__m512i idx, const int32_t *base) { return l16_i32gather_epi32(idx, base); }
 /* the 8-byte entries index (16 lanes) names: v[0] their bytes 0-3, v[1] bytes 4-7. Two 8-lane
  * gathers of 8 bytes and two permutes: Zen 4's gathers cost by the element, so half of two
  * 16-lane gathers of 4 bytes */
 static inline void l16_gather64(__m512i index, const void *base, __m512i v[2]) {
-    const __m512i g0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(index), base, 8);
-    const __m512i g1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(index, 1), base, 8);
+    const __m512i g0 = l16_i32gather_epi64(_mm512_castsi512_si256(index), base);
+    const __m512i g1 = l16_i32gather_epi64(_mm512_extracti64x4_epi64(index, 1), base);
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     v[0] = _mm512_permutex2var_epi32(g0, even, g1);
     v[1] = _mm512_permutex2var_epi32(g0, _mm512_add_epi32(even, _mm512_set1_epi32(1)), g1);
@@ -788,13 +796,24 @@ static inline void fold16_rows(l16f *A, float *out) {
     l16_storeu_ps(out, l16_add_ps(A[0], A[1]));
 }
 
+/* CELLSWARM_MEASURE_CHEAP_TERMS and CELLSWARM_MEASURE_NO_GATHERS (-D in CELLSWARM_CFLAGS)
+ * build kernels that give WRONG answers, for bench.kernel_parts only: what the same-bits
+ * order's float term per unit and the codebooks' gathers cost, measured by taking them out */
+#ifdef CELLSWARM_MEASURE_CHEAP_TERMS /* a convert and an add: about what an integer sub-scale costs */
+#define R16_CHEAP_TERM(A, n) return l16_add_ps(A, l16_cvtepi32_ps(n))
+#else
+#define R16_CHEAP_TERM(A, n) (void)0
+#endif
+
 /* A + ((float)n * (ws * xd)): a unit's term where wm = 0 */
 static inline l16f r16_add(l16f A, l16i n, l16f ws, float xd) {
+    R16_CHEAP_TERM(A, n);
     return l16_add_ps(A, l16_mul_ps(l16_cvtepi32_ps(n), l16_mul_ps(ws, l16_set1_ps(xd))));
 }
 
 /* A + ((float)n * (ws * xd) - wm * xsum): a unit's term with a min (Q4_1, Q4_K) */
 static inline l16f r16_add_min(l16f A, l16i n, l16f ws, float xd, l16f wm, float xsum) {
+    R16_CHEAP_TERM(A, n);
     const l16f p = l16_mul_ps(l16_cvtepi32_ps(n), l16_mul_ps(ws, l16_set1_ps(xd)));
     return l16_add_ps(A, l16_sub_ps(p, l16_mul_ps(wm, l16_set1_ps(xsum))));
 }
