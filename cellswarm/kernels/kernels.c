@@ -1377,6 +1377,54 @@ static inline l16i iq_entry4(const int8_t (*grid)[4], l16i index, l16i signs, in
     return iq_signed4(l16_gather32(index, (const int32_t *)(const void *)grid), iq_spread(signs, k), h);
 }
 
+#if defined(R16_ZMM) && defined(__AVX512VBMI__)
+/* The 4-byte grids as byte planes: plane j, byte i = byte j of entry i. Byte lookups in
+ * them (vpermi2b: 128 bytes by an index's low 7 bits; bits 7 and 8 choose which 128) take 64
+ * entries at once, where a gather fetches 16 and on Zen 4 costs about its 16 loads
+ * (bench.kernel_parts: gathers were two thirds of IQ3_XXS's one-token time). The same
+ * bytes, so the same bits. */
+#define IQ_PLANES 1
+static int8_t iq3xxs_planes[4 * 256] __attribute__((aligned(64)));
+static int8_t iq3s_planes[4 * 512] __attribute__((aligned(64)));
+static int8_t iq2xxs_planes[8 * 256] __attribute__((aligned(64))); /* entries of 8: planes 0-3, then 4-7 */
+
+__attribute__((constructor)) static void iq_planes_init(void) {
+    for (int j = 0; j < 4; j++) {
+        for (int i = 0; i < 256; i++) iq3xxs_planes[256 * j + i] = iq3xxs_grid[i][j];
+        for (int i = 0; i < 512; i++) iq3s_planes[512 * j + i] = iq3s_grid[i][j];
+    }
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < 256; i++) iq2xxs_planes[256 * j + i] = iq2xxs_grid[i][j];
+}
+
+/* the grid entries (n: 256 or 512 of them) the 64 index bytes of L name, byte 4 r + k entry k
+ * of row r, with bit 8 where nine's byte is not 0: v[k] lane r = entry k of row r. Index and
+ * nine are first transposed in each 16 bytes (4 rows x 4 entries), so that after the lookups
+ * the unpacks' interleaving lands each entry whole in its row's lane */
+static inline __attribute__((always_inline)) void iq_lookup4(const int8_t *planes, const int n, __m512i L,
+                                                             __m512i nine, __m512i v[4]) {
+    const __m512i t = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i idx = _mm512_shuffle_epi8(L, t);
+    const __mmask64 b7 = _mm512_movepi8_mask(idx);
+    const __mmask64 b8 = n > 256 ? _mm512_test_epi8_mask(_mm512_shuffle_epi8(nine, t), _mm512_set1_epi8(-1)) : 0;
+    __m512i B[4];
+    for (int j = 0; j < 4; j++) {
+        const __m512i *p = (const __m512i *)(const void *)(planes + n * j);
+        __m512i part[4];
+        for (int h = 0; h < n / 128; h++)
+            part[h] = _mm512_permutex2var_epi8(_mm512_load_si512(p + 2 * h), idx, _mm512_load_si512(p + 2 * h + 1));
+        B[j] = _mm512_mask_blend_epi8(b7, part[0], part[1]);
+        if (n > 256) B[j] = _mm512_mask_blend_epi8(b8, B[j], _mm512_mask_blend_epi8(b7, part[2], part[3]));
+    }
+    const __m512i a = _mm512_unpacklo_epi8(B[0], B[1]), b = _mm512_unpackhi_epi8(B[0], B[1]);
+    const __m512i c = _mm512_unpacklo_epi8(B[2], B[3]), d = _mm512_unpackhi_epi8(B[2], B[3]);
+    v[0] = _mm512_unpacklo_epi16(a, c);
+    v[1] = _mm512_unpackhi_epi16(a, c);
+    v[2] = _mm512_unpacklo_epi16(b, d);
+    v[3] = _mm512_unpackhi_epi16(b, d);
+}
+#endif
+
 /* unit s (32 values) of an IQ2_XXS, IQ3_XXS or IQ3_S group block: W[j], values 4 j .. 4 j + 3
  * of the 16 rows; its scale */
 static inline __attribute__((always_inline)) l16f iq32_unpack(const int fmt, const uint8_t *blk, l16f d, int s,
@@ -1384,6 +1432,18 @@ static inline __attribute__((always_inline)) l16f iq32_unpack(const int fmt, con
     const l16i m7 = l16_set1_epi32(127);
     if (fmt == IQ2_XXS) {
         const l16i L = l16_loadu_si512(IQ_AT(blk, 2 * s)), aux = l16_loadu_si512(IQ_AT(blk, 2 * s + 1));
+#ifdef IQ_PLANES
+        l16i v[8];
+        iq_lookup4(iq2xxs_planes, 256, L, m7, v);
+        iq_lookup4(iq2xxs_planes + 4 * 256, 256, L, m7, v + 4);
+R16_UNROLL4
+        for (int k = 0; k < 4; k++) {
+            const l16i spread = iq_spread(iq2_ksigns(l16_and_si512(l16_srli_epi32(aux, 7 * k), m7)), 0);
+            W[2 * k] = iq_signed4(v[k], spread, 0);
+            W[2 * k + 1] = iq_signed4(v[4 + k], spread, 1);
+        }
+        return iq_scale_lanes(d, l16_srli_epi32(aux, 28), 0.25f);
+#endif
 R16_UNROLL4
         for (int k = 0; k < 4; k++)
             iq_entry8(iq2xxs_grid, l16_and_si512(l16_srli_epi32(L, 8 * k), l16_set1_epi32(0xFF)),
@@ -1392,6 +1452,16 @@ R16_UNROLL4
     }
     if (fmt == IQ3_XXS) {
         const l16i aux = l16_loadu_si512(IQ_AT(blk, 16 + s));
+#ifdef IQ_PLANES
+        l16i v[8];
+        for (int w = 0; w < 2; w++)
+            iq_lookup4(iq3xxs_planes, 256, l16_loadu_si512(IQ_AT(blk, 2 * s + w)), m7, v + 4 * w);
+R16_UNROLL8
+        for (int e = 0; e < 8; e++)
+            W[e] = iq_signed4(v[e], iq_spread(iq2_ksigns(l16_and_si512(l16_srli_epi32(aux, 7 * (e / 2)), m7)), 0),
+                              e % 2);
+        return iq_scale_lanes(d, l16_srli_epi32(aux, 28), 0.5f);
+#endif
 R16_UNROLL8
         for (int e = 0; e < 8; e++) {
             const l16i i = r16_bytes((const uint8_t *)IQ_AT(blk, 2 * s + e / 4), e % 4);
@@ -1403,12 +1473,22 @@ R16_UNROLL8
     /* IQ3_S: index e = its byte and bit e of the ninth bits' byte s */
     const l16i ninth = r16_bytes((const uint8_t *)IQ_AT(blk, 16 + s / 4), s % 4);
     const l16i S = l16_loadu_si512(IQ_AT(blk, 18 + s));
+#ifdef IQ_PLANES
+    l16i v[8];
+    const l16i spread = iq_spread(ninth, 0);
+    for (int w = 0; w < 2; w++)
+        iq_lookup4(iq3s_planes, 512, l16_loadu_si512(IQ_AT(blk, 2 * s + w)),
+                   l16_and_si512(spread, l16_set1_epi32(w ? (int)0x80402010 : 0x08040201)), v + 4 * w);
+R16_UNROLL8
+    for (int e = 0; e < 8; e++) W[e] = iq_signed4(v[e], iq_spread(S, e / 2), e % 2);
+#else
 R16_UNROLL8
     for (int e = 0; e < 8; e++) {
         const l16i low = r16_bytes((const uint8_t *)IQ_AT(blk, 2 * s + e / 4), e % 4);
         const l16i top = l16_and_si512(l16_slli_epi32(ninth, 8 - e), l16_set1_epi32(0x100));
         W[e] = iq_entry4(iq3s_grid, l16_or_si512(low, top), S, e / 2, e % 2);
     }
+#endif
     const l16i ls = l16_and_si512(l16_srli_epi32(l16_loadu_si512(IQ_AT(blk, 26)), 4 * s), l16_set1_epi32(0xF));
     return l16_mul_ps(d, l16_cvtepi32_ps(l16_add_epi32(l16_slli_epi32(ls, 1), l16_set1_epi32(1))));
 }
