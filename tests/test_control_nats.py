@@ -245,3 +245,91 @@ def test_nats_down_at_start_is_an_outage_like_any_other(
         coordinator = swarm.procs["coordinator"]
         coordinator.terminate()
         assert coordinator.wait(30) is not None
+
+
+class _Core:
+    """The seam transport/beats.py answers NATS beats through (its Coordinator protocol),
+    with a core thread a test can stall: every node's session is `session-<id>`."""
+
+    def __init__(self, token: bytes) -> None:
+        from collections import Counter
+        from concurrent.futures import ThreadPoolExecutor
+        from types import SimpleNamespace
+
+        self.id, self.token, self.config = "c1", token, SimpleNamespace(tls_dir=None)
+        self.core, self.beats_via = ThreadPoolExecutor(1), Counter[str]()
+        self.heard: list[str] = []
+
+    def key(self, node_id: str) -> bytes:
+        from cellswarm.swarm.auth import digest
+        from cellswarm.swarm.transport.beats import beat_key
+
+        return beat_key(self.token, digest(f"session-{node_id}"))
+
+    def authenticate(self, node_id: str, session: str) -> Any:
+        raise PermissionError("HTTP is not this test's")
+
+    def authenticate_sealed(self, beat: Any, mac: str, raw: bytes) -> tuple[Any, bytes, int]:
+        from types import SimpleNamespace
+
+        from cellswarm.swarm.transport.beats import holds
+
+        key = self.key(str(beat["node_id"]))
+        if not holds(key, mac, raw):
+            raise PermissionError("a seal that does not hold")
+        return SimpleNamespace(node_id=str(beat["node_id"])), key, int(beat["seq"])
+
+    def held_sealed(self, env: Any, mac: str, raw: bytes) -> bytes | None:
+        from cellswarm.swarm.transport.beats import holds, seal
+
+        key = self.key(str(env["node_id"]))
+        if len(env["beats"]) != 1 or not holds(key, mac, raw):
+            return None
+        return seal(key, {"seq": env["seq"], "answers": [{"held": True}]})
+
+    def heartbeat(self, node: Any, beat: Any) -> dict[str, object]:
+        self.heard.append(node.node_id)
+        return {"epoch": 1}
+
+
+def test_nats_beats_are_answered_side_by_side_not_one_after_another(
+    nats_server: NatsServer,
+) -> None:
+    """nats-py hands a subscription's messages to its callback one at a time, and the
+    coordinator used to answer inside it: each message waited for the one before it to reach
+    the core thread and come back. At 100,000 simulated nodes (`python -m
+    bench.control_plane --via nats`) 2,500 racks' batches queued so and 18,760-97,920 beats
+    timed out with the core half idle. At a test's scale the same class shows in a stall:
+    the core is busy 6 s (a slow fsync, a placement pass) while 24 nodes beat; each must
+    hear "held" after BEAT_ANSWER_S, side by side, well inside its own 4 s timeout (one
+    after another, the fifth would have waited 5 s), and every beat is recorded after."""
+    from cellswarm.swarm.transport.beats import NatsBeats, subscribe
+
+    token = b"t" * 32
+    fake = _Core(token)
+
+    async def scenario() -> list[dict[str, object] | None]:
+        task = await subscribe(fake, nats_server.url)  # type: ignore[arg-type]
+        nodes = [NatsBeats(nats_server.url, f"n{i}", token) for i in range(24)]
+        try:
+            deadline = time.monotonic() + 30
+            while await nodes[0].beat({"node_id": "n0", "session": "session-n0"}, 2) is None:
+                assert time.monotonic() < deadline, "the coordinator never subscribed"
+            for node in nodes[1:]:  # connected, so that only the answers are timed below
+                assert await node.beat({"node_id": node.name, "session": f"session-{node.name}"},
+                                       4) is not None  # fmt: skip
+            fake.heard.clear()
+            fake.core.submit(time.sleep, 6.0)
+            return await asyncio.gather(*[
+                node.beat({"node_id": node.name, "session": f"session-{node.name}"}, 4)
+                for node in nodes])  # fmt: skip
+        finally:
+            for node in nodes:
+                await node.close()
+            task.cancel()
+
+    answers = asyncio.run(scenario())
+    assert answers == [{"held": True}] * 24
+    wait_until(lambda: len(fake.heard) == 24, 30)  # recorded when the core came back
+    assert sorted(fake.heard) == sorted(f"n{i}" for i in range(24))
+    fake.core.shutdown()
