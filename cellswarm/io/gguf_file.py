@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
-import gguf
 import numpy as np
 
 from cellswarm.errors import (
@@ -23,6 +22,13 @@ from cellswarm.errors import (
     ModelFileError,
     ShapeMismatchError,
     UnsupportedQuantError,
+)
+from cellswarm.io.ggml_types import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    READER_SUPPORTED_VERSIONS,
+    GGMLQuantizationType,
+    GGUFValueType,
 )
 from cellswarm.quant import FORMATS, format_for
 
@@ -53,8 +59,8 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def tensor_type(self, name: str) -> gguf.GGMLQuantizationType:
-        return gguf.GGMLQuantizationType(self._reader_tensor(name).ggml_type)
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        return GGMLQuantizationType(self._reader_tensor(name).ggml_type)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Logical shape, outermost first (numpy order: (n_expert, out, in) / (out, in))."""
@@ -199,33 +205,33 @@ MAX_READ_ITEMS = 65_536  # a metadata array outside tokenizer.* longer than this
 _MAX_COUNT = 1 << 24  # more tensors or metadata keys than any model has: a garbage count
 _MAX_DIMS = 4
 _SCALAR_FORMATS = {
-    gguf.GGUFValueType.UINT8: "B",
-    gguf.GGUFValueType.INT8: "b",
-    gguf.GGUFValueType.BOOL: "?",
-    gguf.GGUFValueType.UINT16: "H",
-    gguf.GGUFValueType.INT16: "h",
-    gguf.GGUFValueType.UINT32: "I",
-    gguf.GGUFValueType.INT32: "i",
-    gguf.GGUFValueType.FLOAT32: "f",
-    gguf.GGUFValueType.UINT64: "Q",
-    gguf.GGUFValueType.INT64: "q",
-    gguf.GGUFValueType.FLOAT64: "d",
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
 }
 # The fewest bytes an array item of these types takes: a string's length, an array's type
 # and count (scalars: _SCALAR_SIZES).
-_LEAST_BYTES = {gguf.GGUFValueType.STRING: 8, gguf.GGUFValueType.ARRAY: 12}
+_LEAST_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
 _SCALAR_SIZES = {
-    gguf.GGUFValueType.UINT8: 1,
-    gguf.GGUFValueType.INT8: 1,
-    gguf.GGUFValueType.BOOL: 1,
-    gguf.GGUFValueType.UINT16: 2,
-    gguf.GGUFValueType.INT16: 2,
-    gguf.GGUFValueType.UINT32: 4,
-    gguf.GGUFValueType.INT32: 4,
-    gguf.GGUFValueType.FLOAT32: 4,
-    gguf.GGUFValueType.UINT64: 8,
-    gguf.GGUFValueType.INT64: 8,
-    gguf.GGUFValueType.FLOAT64: 8,
+    GGUFValueType.UINT8: 1,
+    GGUFValueType.INT8: 1,
+    GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2,
+    GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4,
+    GGUFValueType.INT32: 4,
+    GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8,
+    GGUFValueType.INT64: 8,
+    GGUFValueType.FLOAT64: 8,
 }
 
 
@@ -248,8 +254,8 @@ class _HeaderWalk:
         if version & 0xFFFF == 0:  # written on a big-endian machine, as gguf's reader assumes
             self.order = ">"
             version = int.from_bytes(version.to_bytes(4, "little"), "big")
-        if version not in gguf.READER_SUPPORTED_VERSIONS:
-            known = " and ".join(str(v) for v in gguf.READER_SUPPORTED_VERSIONS)
+        if version not in READER_SUPPORTED_VERSIONS:
+            known = " and ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
             self.corrupt(
                 f"has GGUF version {version}; cellswarm reads versions {known}",
                 "re-convert it with a current llama.cpp",
@@ -258,14 +264,14 @@ class _HeaderWalk:
         if n_tensors > _MAX_COUNT or n_kv > _MAX_COUNT:
             self.corrupt(f"claims {n_tensors} tensors and {n_kv} metadata keys")
         meta: dict[str, Any] = {}
-        align = gguf.GGUF_DEFAULT_ALIGNMENT
+        align = GGUF_DEFAULT_ALIGNMENT
         for i in range(n_kv):
             key = self.key = self.name(f"metadata key {i + 1} of {n_kv}")
             if key in meta:
                 self.corrupt(f"holds metadata key {key!r} twice")
             (vtype,) = self.read("I", f"metadata key {key!r}")
             meta[key] = self.value(vtype, f"metadata key {key!r}")
-            if key == "general.alignment" and vtype == gguf.GGUFValueType.UINT32:
+            if key == "general.alignment" and vtype == GGUFValueType.UINT32:
                 align = meta[key]
                 if align == 0 or align & (align - 1):
                     self.corrupt(f"gives general.alignment {align}, not a power of two")
@@ -285,14 +291,14 @@ class _HeaderWalk:
             if 0 in dims:  # a weight is never empty; (2**62, 32, 0) would fit any file
                 self.corrupt(f"says tensor {name} has dimensions {list(dims)}, one of them 0")
             (ttype,) = self.read("I", what)
-            if ttype not in gguf.GGML_QUANT_SIZES:
+            if ttype not in GGML_QUANT_SIZES:
                 supported = ", ".join(f.name for f in FORMATS.values())
                 raise UnsupportedQuantError(
                     f"{self.path}: tensor {name} has type id {ttype}, which GGUF does not define "
                     f"(supported: {supported}); the file is corrupt or needs a newer reader"
                 )
             (offset,) = self.read("Q", what)
-            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
             extents.append((name, offset, math.prod(dims) * type_size // block))
             infos.append((name, ttype, tuple(int(d) for d in reversed(dims))))
         header_bytes = self.pos
@@ -312,20 +318,20 @@ class _HeaderWalk:
 
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALAR_SIZES:
-            vt = gguf.GGUFValueType(vtype)
+            vt = GGUFValueType(vtype)
             (v,) = self.read(_SCALAR_FORMATS[vt], what)
-            return bool(v) if vt == gguf.GGUFValueType.BOOL else v
-        if vtype == gguf.GGUFValueType.STRING:
+            return bool(v) if vt == GGUFValueType.BOOL else v
+        if vtype == GGUFValueType.STRING:
             (n,) = self.read("Q", what)
             start = self.pos
             self.skip(n, what)
             return bytes(self.buf[start : self.pos]).decode("utf-8", errors="replace")
-        if vtype == gguf.GGUFValueType.ARRAY:
+        if vtype == GGUFValueType.ARRAY:
             item_type, count = self.read("IQ", what)
             if count > self.size:  # every item takes at least a byte
                 self.corrupt(f"gives {what} {count} items")
             try:
-                it = gguf.GGUFValueType(item_type)
+                it = GGUFValueType(item_type)
             except ValueError:
                 self.corrupt(f"gives {what} array item type {item_type}, which GGUF does not "
                              "define")  # fmt: skip
@@ -342,24 +348,24 @@ class _HeaderWalk:
                         self.step_over(item_type, what)
                 return SkippedArray(item_type, count)
             if item_type in _SCALAR_SIZES:
-                return self.numbers(gguf.GGUFValueType(item_type), count, what)
+                return self.numbers(GGUFValueType(item_type), count, what)
             return [self.value(item_type, what) for _ in range(count)]
         self.corrupt(f"gives {what} value type {vtype}, which GGUF does not define")
 
     def step_over(self, vtype: int, what: str) -> None:
         """Past one array item, allocating nothing (a string's bytes are not decoded)."""
-        if vtype == gguf.GGUFValueType.STRING:
+        if vtype == GGUFValueType.STRING:
             (n,) = self.read("Q", what)
             self.skip(n, what)
         else:
             self.value(vtype, what)  # a nested array: skimmed as well
 
-    def numbers(self, vt: gguf.GGUFValueType, count: int, what: str) -> list[Any]:
+    def numbers(self, vt: GGUFValueType, count: int, what: str) -> list[Any]:
         start = self.pos
         self.skip(count * _SCALAR_SIZES[vt], what)
         dtype = np.dtype(_SCALAR_FORMATS[vt]).newbyteorder("<" if self.order == "<" else ">")
         values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=start).tolist()
-        return [bool(v) for v in values] if vt == gguf.GGUFValueType.BOOL else values
+        return [bool(v) for v in values] if vt == GGUFValueType.BOOL else values
 
     def name(self, what: str) -> str:
         (n,) = self.read("Q", what)
@@ -399,7 +405,7 @@ class _HeaderWalk:
 def to_tensor(t: TensorInfo, raw: np.ndarray) -> Tensor:
     from cellswarm.quant.packed import PackedExperts, PackedMatrix
 
-    fmt = format_for(gguf.GGMLQuantizationType(t.ggml_type))
+    fmt = format_for(GGMLQuantizationType(t.ggml_type))
     shape = t.shape  # numpy order
     if len(shape) == 1:
         # Norm weights and biases: small, always float; dequantize once (usually F32 already).

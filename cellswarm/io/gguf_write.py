@@ -57,5 +57,6 @@ def _add_tensor(
         writer.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
         return
     writer.add_tensor(
-        name, np.ascontiguousarray(t.data), raw_shape=t.data.shape, raw_dtype=t.fmt.ggml_type
+        name, np.ascontiguousarray(t.data), raw_shape=t.data.shape,
+        raw_dtype=gguf.GGMLQuantizationType(int(t.fmt.ggml_type)),
     )

@@ -9,7 +9,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import gguf
 import numpy as np
 
 from cellswarm.cache_types import DEFAULT_CACHE_TYPE, spec_bytes_per_token
@@ -203,6 +202,8 @@ def hf_tensors_to_gguf(
     For llama, Q and K rows are permuted from HF's half-split RoPE layout to the pairwise
     layout, exactly as llama.cpp's converter does, so one RoPE code path serves both sources.
     """
+    import gguf  # (the tensor-name maps: a conversion's, not a worker's, 4.6 MB)
+
     arch = gguf.MODEL_ARCH[config.arch.upper()]
     names = gguf.get_tensor_name_map(arch, config.n_layers)
     out: dict[str, np.ndarray] = {}

@@ -19,9 +19,9 @@ from typing import Any, ClassVar, cast
 
 import numpy as np
 import numpy.typing as npt
-from gguf import GGMLQuantizationType
 
 from cellswarm.errors import ShapeMismatchError, UnsupportedQuantError
+from cellswarm.io.ggml_types import GGMLQuantizationType
 
 Bytes = npt.NDArray[np.uint8]
 Floats = npt.NDArray[np.float32]

@@ -16,10 +16,10 @@ from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
-from gguf import GGMLQuantizationType
 
 from cellswarm import kernels
 from cellswarm.errors import ShapeMismatchError
+from cellswarm.io.ggml_types import GGMLQuantizationType
 from cellswarm.quant.formats import (
     Bytes,
     Floats,

@@ -253,6 +253,6 @@ class TieredExperts:
 
 
 def _ggml_type(info: TensorInfo) -> Any:
-    import gguf
+    from cellswarm.io.ggml_types import GGMLQuantizationType
 
-    return gguf.GGMLQuantizationType(info.ggml_type)
+    return GGMLQuantizationType(info.ggml_type)
