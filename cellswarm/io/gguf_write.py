@@ -26,7 +26,7 @@ def write_gguf(
     writer = gguf.GGUFWriter(os.fspath(path), arch)
     for key, value in metadata.items():
         if key != "general.architecture":
-            _add_value(writer, key, value)
+            add_value(writer, key, value)
     for name, t in tensors.items():
         _add_tensor(writer, name, t)
     writer.write_header_to_file()
@@ -35,7 +35,7 @@ def write_gguf(
     writer.close()
 
 
-def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+def add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
     if isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, int):
