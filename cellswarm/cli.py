@@ -341,6 +341,7 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "(`worker --draft`)")  # fmt: skip
     p.add_argument("--topology", type=Path, help="the network of a `cellswarm lab` topology "
                    "file (racks, host rate, oversubscription): what the lab would measure")
+    add_cache_type_option(p)
     p.set_defaults(func=_cmd_plan)
 
 
@@ -390,7 +391,7 @@ def _plan_of(args: argparse.Namespace, api: Any, node: str, count: int,
         profiles_file=args.profiles, activations=args.activations, runtime_overhead=overhead,
         dram_bytes=parse_bytes(args.dram_budget) if args.dram_budget else None,
         expert_hit_rate=args.hit_rate, stages=args.stages, network=args.network,
-        draft=args.draft,
+        draft=args.draft, cache_type=args.cache_type,
     )  # fmt: skip
 
 

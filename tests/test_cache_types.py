@@ -96,11 +96,26 @@ def test_the_demo_model_s_kv_bytes_halve_and_up_fits_longer(demo_path: Path) -> 
     assert 10 * at["f16"](4096, 1).kv == shard.kv_sequence_bytes(4096)  # the worker's bytes
 
 
+def test_plan_counts_and_names_the_cache_type(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --cache-type`: the KV bytes the engine would allocate, and their type named
+    (the table said "float32" while it counted f16)."""
+    from cellswarm.cli import main
+
+    per_token = {}
+    for t in ("f32", "f16", "q8_0"):
+        assert main(["plan", "smollm2-135m", "--cache-type", t]) == 0
+        out = capsys.readouterr().out.splitlines()
+        row = next(line for line in out if "KV cache per token" in line)
+        assert f"({t}, all layers)" in row, row
+        per_token[t] = int(row.split("│")[2].split()[0].replace(",", ""))
+    assert per_token["f32"] == 2 * per_token["f16"] and per_token["q8_0"] < per_token["f16"]
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "hi", "--cache-type", "f8"], ["up", "--cache-type", "fp16"],
     ["coordinator", "--cache-type", "q4_0"], ["worker", "--join", "http://x", "--memory", "1G",
                                              "--cache-type", "int8"],
-    ["eval", "m.gguf", "--cache-type", "f16,bf16"],
+    ["eval", "m.gguf", "--cache-type", "f16,bf16"], ["plan", "kimi-k3", "--cache-type", "fp8"],
 ])  # fmt: skip
 def test_a_bad_cache_type_is_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     from cellswarm.cli import main

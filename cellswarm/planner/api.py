@@ -78,9 +78,10 @@ def plan(
     network: NetworkSpec | None = None,
     heartbeat_s: float | None = None,
     draft: str | ModelInventory | None = None,
+    cache_type: str = DEFAULT_CACHE_TYPE,
 ) -> PlanResult:
     """Will `model` run on `count` nodes of kind `node`, how fast, at what power? Pure."""
-    inv = model if isinstance(model, ModelInventory) else resolve_model(model, quant)
+    inv = model if isinstance(model, ModelInventory) else resolve_model(model, quant, cache_type)
     if activations not in ACTIVATION_BYTES:
         raise RequestError(f"--activations {activations!r}: choose one of {list(ACTIVATION_BYTES)}")
     if expert_hit_rate is not None and not 0 <= expert_hit_rate <= 1:

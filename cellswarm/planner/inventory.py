@@ -143,6 +143,7 @@ class ModelInventory:
     config: Any = field(repr=False)  # engine config (scratch formula) or None
     quant: str = "as stored"
     assumptions: tuple[str, ...] = ()
+    cache_type: str = "f16"  # what kv_bytes_per_token_layer counts a cached value as
 
     @property
     def weight_bytes(self) -> int:
@@ -293,7 +294,7 @@ def with_cache_type(inv: ModelInventory, cache_type: str) -> ModelInventory:
         per_layer = int(inv.config.kv_bytes_per_token_layer(cache_type))
     else:  # known by its total alone (shapes.py: f16)
         per_layer = round(inv.kv_bytes_per_token_layer / 2 * value_bytes(cache_type))
-    return dataclasses.replace(inv, kv_bytes_per_token_layer=per_layer)
+    return dataclasses.replace(inv, kv_bytes_per_token_layer=per_layer, cache_type=cache_type)
 
 
 def _engine_inventory(

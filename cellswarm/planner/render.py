@@ -142,7 +142,7 @@ def _memory_table(r: PlanResult) -> Table:
         t.add_row(f"weights: {kind}", format_bytes(nbytes))
     t.add_row("weights: total", f"[bold]{format_bytes(inv.weight_bytes)}[/]")
     kv = r.kv_bytes_per_token
-    t.add_row("KV cache per token", f"{kv:,} B (float32, all layers)")
+    t.add_row("KV cache per token", f"{kv:,} B ({inv.cache_type}, all layers)")
     t.add_row(
         f"KV cache x {req.context:,} x {req.concurrency}",
         format_bytes(kv * req.context * req.concurrency),
