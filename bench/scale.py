@@ -157,16 +157,76 @@ def reference(path: Path, threads: int | None = None) -> dict[str, Any]:
             "decode_tokens_per_s": round(float(np.median(decode)), 2)}  # fmt: skip
 
 
+def lab_run(path: Path, hosts: int, racks: int, stages: int, expert_nodes: int,
+            context: int, expected: list[list[int]] | None, log: Any = print) -> dict[str, Any]:
+    """The model over a `cellswarm lab` of `hosts` cold 256 MiB hosts in `racks` racks (1
+    Gbit/s ports, 20:1 rack uplinks): each host compiles its own kernels (two at a time),
+    the workers join and fetch their shards over the lab's network, and the first requests'
+    tokens are compared with one process's. Times to ready and what each host holds."""
+    import concurrent.futures
+    import tempfile
+
+    from cellswarm.lab.lab import Lab
+    from cellswarm.lab.topology import LabSpec
+    from cellswarm.swarm.api import client
+
+    spec = LabSpec(hosts=hosts, racks=racks, memory_bytes=256 << 20, host_bits_per_s=1e9,
+                   access_oversubscription=20.0, aggregation_oversubscription=4.0)  # fmt: skip
+    args = ("--stages", str(stages), "--expert-nodes", str(expert_nodes),
+            "--context", str(context), "--max-sequences", "1")  # fmt: skip
+    out: dict[str, Any] = {"hosts": hosts, "racks": racks, "memory_bytes": 256 << 20,
+                           "model_bytes": path.stat().st_size, "stages": stages,
+                           "expert_nodes": expert_nodes, "context": context}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="cs-scale-") as tmp:
+        lab = Lab(spec, Path(tmp), str(path), prefix="csscale", coordinator_args=args,
+                  heartbeat_s=1.0, heartbeat_timeout_s=10.0, say=None)  # fmt: skip
+        t0 = time.monotonic()
+        lab.up(start=False)
+        try:
+            coordinator = next(h.name for h in lab.topology.hosts if h.role == "coordinator")
+            lab.start_coordinator(coordinator)
+            workers = [h.name for h in lab.topology.workers()]
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                list(pool.map(lab.build_kernels, workers))
+            out["kernels_s"] = round(time.monotonic() - t0, 1)
+            log(f"kernels built on {len(workers)} hosts in {out['kernels_s']} s")
+            for h in workers:
+                lab.start_worker(h, wait=False)
+            status = client.wait_wired(lab.url, 3600, on_change=log)
+            out["ready_s"] = round(time.monotonic() - t0, 1)
+            out["holds"] = {n["node_id"]: n.get("holds") for n in status["nodes"]}
+            log(f"wired in {out['ready_s']} s")
+            t1 = time.monotonic()
+            ids = [client.submit(lab.url, {"prompt": p, "max_tokens": TOKENS}) for p in PROMPTS]
+            got = [client.wait(lab.url, rid, timeout_s=3600)["tokens"] for rid in ids]
+            out["first_requests_s"] = round(time.monotonic() - t1, 1)
+            out["tokens"], out["identical"] = got, (got == expected if expected else None)
+        finally:
+            lab.down()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--make", action="store_true", help="write the model (once)")
     parser.add_argument("--reference", action="store_true", help="one process's tokens")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--lab", action="store_true", help="the model over a lab of hosts")
+    parser.add_argument("--hosts", type=int, default=56)
+    parser.add_argument("--racks", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=6)
+    parser.add_argument("--expert-nodes", type=int, default=48)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--expected", type=Path, help="a --reference JSON to compare with")
     args = parser.parse_args()
     path = make()
     if args.reference:
         print(json.dumps(reference(path, args.threads)))
+    if args.lab:
+        expected = json.loads(args.expected.read_text())["tokens"] if args.expected else None
+        print(json.dumps(lab_run(path, args.hosts, args.racks, args.stages, args.expert_nodes,
+                                 args.context, expected)))  # fmt: skip
 
 
 if __name__ == "__main__":

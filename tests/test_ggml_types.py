@@ -1,4 +1,4 @@
-"""cellswarm's copy of the GGUF numbering (io/ggml_types.py) is gguf-py's, member for member."""
+"""cellswarm's copy of the GGUF numbering (quant/ggml_types.py) is gguf-py's, member for member."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import gguf
 
-from cellswarm.io import ggml_types
+from cellswarm.quant import ggml_types
 
 
 def test_the_numbering_is_gguf_pys() -> None:

@@ -23,14 +23,14 @@ from cellswarm.errors import (
     ShapeMismatchError,
     UnsupportedQuantError,
 )
-from cellswarm.io.ggml_types import (
+from cellswarm.quant import FORMATS, format_for
+from cellswarm.quant.ggml_types import (
     GGML_QUANT_SIZES,
     GGUF_DEFAULT_ALIGNMENT,
     READER_SUPPORTED_VERSIONS,
     GGMLQuantizationType,
     GGUFValueType,
 )
-from cellswarm.quant import FORMATS, format_for
 
 if TYPE_CHECKING:  # the packed weights bring the kernels: loaded when a tensor is made, so
     # reading a header (the planner, verify) does not

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cellswarm.errors import ShapeMismatchError, UnsupportedQuantError
-from cellswarm.io.ggml_types import GGMLQuantizationType
+from cellswarm.quant.ggml_types import GGMLQuantizationType
 
 Bytes = npt.NDArray[np.uint8]
 Floats = npt.NDArray[np.float32]

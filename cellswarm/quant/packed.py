@@ -19,7 +19,6 @@ import numpy.typing as npt
 
 from cellswarm import kernels
 from cellswarm.errors import ShapeMismatchError
-from cellswarm.io.ggml_types import GGMLQuantizationType
 from cellswarm.quant.formats import (
     Bytes,
     Floats,
@@ -28,6 +27,7 @@ from cellswarm.quant.formats import (
     q5_0_as_q8_0,
     quantize,
 )
+from cellswarm.quant.ggml_types import GGMLQuantizationType
 
 # Float32 bytes of one dequantized weight tile in `matmul`: big enough that np.matmul
 # runs at BLAS speed, small enough to stay near cache and far below the model's size.

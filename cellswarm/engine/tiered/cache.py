@@ -253,6 +253,6 @@ class TieredExperts:
 
 
 def _ggml_type(info: TensorInfo) -> Any:
-    from cellswarm.io.ggml_types import GGMLQuantizationType
+    from cellswarm.quant.ggml_types import GGMLQuantizationType
 
     return GGMLQuantizationType(info.ggml_type)
