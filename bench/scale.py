@@ -157,7 +157,7 @@ def reference(path: Path, threads: int | None = None) -> dict[str, Any]:
             "decode_tokens_per_s": round(float(np.median(decode)), 2)}  # fmt: skip
 
 
-def lab_run(path: Path, hosts: int, racks: int, stages: int, expert_nodes: int,
+def lab_run(path: Path, hosts: int, racks: int, stages: int, expert_nodes: int, vocab_nodes: int,
             context: int, expected: list[list[int]] | None, log: Any = print) -> dict[str, Any]:
     """The model over a `cellswarm lab` of `hosts` cold 256 MiB hosts in `racks` racks (1
     Gbit/s ports, 20:1 rack uplinks): each host compiles its own kernels (two at a time),
@@ -172,11 +172,12 @@ def lab_run(path: Path, hosts: int, racks: int, stages: int, expert_nodes: int,
 
     spec = LabSpec(hosts=hosts, racks=racks, memory_bytes=256 << 20, host_bits_per_s=1e9,
                    access_oversubscription=20.0, aggregation_oversubscription=4.0)  # fmt: skip
-    args = ("--stages", str(stages), "--expert-nodes", str(expert_nodes),
-            "--context", str(context), "--max-sequences", "1")  # fmt: skip
+    args = ("--stages", str(stages), "--expert-nodes", str(expert_nodes), "--vocab-nodes",
+            str(vocab_nodes), "--context", str(context), "--max-sequences", "1")  # fmt: skip
     out: dict[str, Any] = {"hosts": hosts, "racks": racks, "memory_bytes": 256 << 20,
                            "model_bytes": path.stat().st_size, "stages": stages,
-                           "expert_nodes": expert_nodes, "context": context}  # fmt: skip
+                           "expert_nodes": expert_nodes, "vocab_nodes": vocab_nodes,
+                           "context": context}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="cs-scale-") as tmp:
         lab = Lab(spec, Path(tmp), str(path), prefix="csscale", coordinator_args=args,
                   heartbeat_s=1.0, heartbeat_timeout_s=10.0, say=None)  # fmt: skip
@@ -216,7 +217,8 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=56)
     parser.add_argument("--racks", type=int, default=4)
     parser.add_argument("--stages", type=int, default=6)
-    parser.add_argument("--expert-nodes", type=int, default=48)
+    parser.add_argument("--expert-nodes", type=int, default=46)
+    parser.add_argument("--vocab-nodes", type=int, default=2)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--expected", type=Path, help="a --reference JSON to compare with")
     args = parser.parse_args()
@@ -226,7 +228,7 @@ def main() -> None:
     if args.lab:
         expected = json.loads(args.expected.read_text())["tokens"] if args.expected else None
         print(json.dumps(lab_run(path, args.hosts, args.racks, args.stages, args.expert_nodes,
-                                 args.context, expected)))  # fmt: skip
+                                 args.vocab_nodes, args.context, expected)))  # fmt: skip
 
 
 if __name__ == "__main__":

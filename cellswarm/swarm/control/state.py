@@ -98,6 +98,9 @@ class CoordinatorState:
         self.beats_via: dict[str, int] = {"http": 0, "nats": 0}  # heartbeats by transport
         self._splits: dict[tuple[int, int, int, int], list[tuple[int, int]] | str] = {}  # str: why
         self._manifest: Manifest | None = None
+        # one hashing of the model at a time: 60 workers asking at once for a 10 GB file's
+        # manifest each started its own, and every one ran past their 30 s timeouts
+        self._manifest_lock = threading.Lock()
         self.part_specs: list[PartHolding] = []  # set by Coordinator (placing.py)
         # the latest stage stats each node reported (NodeStats, as JSON builtins)
         self.node_stats: dict[str, JsonObject | None] = {}

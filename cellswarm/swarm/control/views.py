@@ -74,12 +74,14 @@ class Views(Work):
 
     def manifest(self) -> Manifest:
         """The model file's content id and chunk hashes, for workers that fetch their shard
-        (hashed once, then cached by path, size and mtime)."""
-        if self._manifest is None:
-            from cellswarm.swarm.transport.fetch import build_manifest
+        (hashed once, at start by warm_up, then cached by path, size and mtime; a request
+        that comes while it is hashed waits for that one hashing)."""
+        with self._manifest_lock:
+            if self._manifest is None:
+                from cellswarm.swarm.transport.fetch import build_manifest
 
-            self._manifest = build_manifest(self.config.model)
-        return self._manifest
+                self._manifest = build_manifest(self.config.model)
+            return self._manifest
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -109,12 +111,17 @@ class Views(Work):
             return self._limits
 
     def warm_up(self) -> None:
-        """The tokenizer and the limits, loaded beside the event loop at start (a second of
-        work the first request would otherwise hold the loop, and heartbeats, for)."""
+        """The tokenizer, the limits and the fetch manifest, made beside the event loop at
+        start (work the first request would otherwise hold the loop, and heartbeats, for)."""
         try:
             self.model_facts  # noqa: B018
         except Exception as exc:  # a bad model file: each request says so
             log.warning("could not read the model's limits: %s", exc)
+            return
+        try:  # the chunks' hashes, before the first worker asks (a 10 GB file: ~30 s)
+            self.manifest()
+        except Exception as exc:
+            log.warning("could not hash the model for fetching: %s", exc)
 
 
 def describe(shard: Shard | None) -> str:

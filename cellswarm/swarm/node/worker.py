@@ -86,6 +86,7 @@ from cellswarm.swarm.transport.logship import LogShipper
 log = logging.getLogger("cellswarm.worker")
 
 HTTP_TIMEOUT_S = 2.0
+MANIFEST_TIMEOUT_S = 600.0  # the fetch manifest's request (the coordinator hashes the model)
 JOIN_REFUSALS = 3  # refused proofs in a row before a worker gives up (a wrong token stays wrong)
 SAY_EVERY_S = 60.0  # a warning that retrying may mend, at most once in this long
 # the beats' last word to the main loop (Worker.fatal says why); compared by identity
@@ -603,11 +604,13 @@ class Worker:
 
         headers = {"X-Cellswarm-Session": f"{self.config.node_id}:{self.session}"}
 
-        def get(path: str) -> bytes:
-            return fetch_answer(urllib.request.Request(self.url + path, headers=headers), 30,
-                                self.tls)  # fmt: skip
+        def get(path: str, timeout_s: float = 30) -> bytes:
+            return fetch_answer(urllib.request.Request(self.url + path, headers=headers),
+                                timeout_s, self.tls)  # fmt: skip
 
-        manifest = Manifest.from_json(get("/v1/model/manifest"))
+        # a coordinator started moments ago may still be hashing a big model (~30 s for 10 GB
+        # here): the manifest is worth waiting for, a chunk is not
+        manifest = Manifest.from_json(get("/v1/model/manifest", MANIFEST_TIMEOUT_S))
         show = Progress("shard")
 
         def progress(done: int, total: int) -> None:
