@@ -67,6 +67,12 @@ def _nodes(lab: Lab) -> dict[str, dict[str, Any]]:
     return {n["node_id"]: n for n in client.call(lab.url, "/v1/status")["nodes"]}
 
 
+def workers_path(lab: Lab, host: str) -> str:
+    """The CPU path (kernel build, BLAS core type) the lab gives a worker host."""
+    workers = [h.name for h in lab.topology.workers()]
+    return str(cpu_path(lab.topology.spec, workers.index(host))[0])
+
+
 def _generate(lab: Lab, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
     return client.submit(lab.url, {"prompt": prompt, "max_tokens": max_tokens})
 
@@ -188,12 +194,14 @@ def test_tokens_identical_to_one_process_then_a_host_dies(
     assert result["tokens"] == expected[prompt]  # the same text, resumed from its tokens
     after = _nodes(lab)
     assert after[victim]["state"] == "lost"
-    heir = [h for h, n in after.items() if n["layers"] == layers and n["state"] == "assigned"]
-    assert heir and heir[0] != victim  # the layers moved to another host
+    # the layers moved to other hosts: to a spare as they were, or, when the repair re-split
+    # the ring by the nodes' measured speeds (it does on a loaded machine), across several
+    heir = [h for h, n in after.items() if n["state"] == "assigned" and n["layers"]
+            and n["layers"][0] < layers[1] and layers[0] < n["layers"][1]]  # fmt: skip
+    assert heir and victim not in heir
+    heir.sort(key=lambda h: workers_path(lab, h) == workers_path(lab, victim))
     # ... on another CPU path: the same text is the same bits on another kernel build
-    workers = [h.name for h in lab.topology.workers()]
-    paths = {h: cpu_path(lab.topology.spec, workers.index(h))[0] for h in (victim, heir[0])}
-    assert paths[victim] != paths[heir[0]], paths
+    assert workers_path(lab, heir[0]) != workers_path(lab, victim), heir
     lab.start_worker(victim)  # the host is back: its worker joins as a spare
     wait_until(lambda: _nodes(lab)[victim]["state"] == "spare", 60)
 
